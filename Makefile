@@ -1,0 +1,28 @@
+# Two entry points (see README): `make run` (the main job) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint setup clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,plot,data]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/python -m pdjax profile --model vgg16 --config tiny --batch-size 32 --measure --out out/profile-vgg16-tiny.json
+
+lint: $(STAMP)
+	$(BIN)/ruff check pdjax tests benchmarks
+	$(BIN)/ruff format --check pdjax tests benchmarks
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -n 2 pdjax tests
+
+clean:
+	rm -rf $(VENV) out .pytest_cache

@@ -1,0 +1,41 @@
+"""pdjax's errors: one small hierarchy, each message says what went wrong and what to do."""
+
+from __future__ import annotations
+
+__all__ = [
+    "PdjaxError",
+    "LayerError",
+    "ProfileError",
+    "GraphFormatError",
+    "PlanError",
+    "ScheduleError",
+    "PipelineError",
+]
+
+
+class PdjaxError(Exception):
+    """Base class of every error pdjax raises on purpose."""
+
+
+class LayerError(PdjaxError):
+    """A layer or layer sequence was built or called wrongly."""
+
+
+class ProfileError(PdjaxError):
+    """Profiling failed, or a profile is malformed."""
+
+
+class GraphFormatError(ProfileError):
+    """A PipeDream ``graph.txt`` file could not be parsed (names the file and the line)."""
+
+
+class PlanError(PdjaxError):
+    """No valid plan for the given profile, topology and constraints."""
+
+
+class ScheduleError(PdjaxError):
+    """A schedule is impossible, or breaks its own semantics."""
+
+
+class PipelineError(PdjaxError):
+    """The runtime cannot execute a plan or schedule as given."""
