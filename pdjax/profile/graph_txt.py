@@ -1,0 +1,176 @@
+"""Reader for PipeDream's ``graph.txt`` profiles.
+
+One line per node, then one line per edge (tab-indented)::
+
+    node4 -- Conv2d(3, 64, ...) -- forward_compute_time=2.5, backward_compute_time=4.1, \
+activation_size=411041792.0, parameter_size=7168.0
+    \tnode4 -- node5
+
+Times are milliseconds and sizes bytes, per minibatch; a node with several outputs lists
+its activation sizes as ``[a; b; c]`` (summed here). Nodes come in no particular order;
+the reader sorts them topologically (Kahn's algorithm, ties broken by node number, as
+PipeDream's own ``topological_sort`` on these graphs gives a stable order) and keeps every
+edge, so DAGs (ResNet, GNMT, Inception) stay DAGs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import re
+from pathlib import Path
+
+from pdjax.errors import GraphFormatError
+from pdjax.profile.profile import LayerProfile, Profile
+
+__all__ = ["parse_graph_txt", "read_graph_txt"]
+
+_NODE = re.compile(
+    r"^(?P<id>node\d+) -- (?P<desc>.*) -- "
+    r"forward_compute_time=(?P<fwd>[-+0-9.eE]+), "
+    r"backward_compute_time=(?P<bwd>[-+0-9.eE]+), "
+    r"activation_size=(?P<act>[-+0-9.eE]+|\[[-+0-9.eE; ]*\]), "
+    r"parameter_size=(?P<param>[-+0-9.eE]+)$"
+)
+_EDGE = re.compile(r"^\s+(?P<a>node\d+) -- (?P<b>node\d+)$")
+
+
+def _size(text: str) -> float:
+    # A node with several outputs (an LSTM's output and state) lists them: "[a; b; c]".
+    if text.startswith("["):
+        return sum(float(part) for part in text[1:-1].split(";") if part.strip())
+    return float(text)
+
+
+def _node_number(node_id: str) -> int:
+    return int(node_id[len("node") :])
+
+
+def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0) -> Profile:
+    """Parses the text of a ``graph.txt`` into a :class:`Profile`.
+
+    Args:
+      text: the file's contents.
+      source: the file name, used in error messages and ``meta["source"]``.
+      batch_size: samples per minibatch behind the profile; 0 infers it from an input
+        node of 3x224x224 fp32 images (PipeDream's image profiles), else 1.
+
+    Returns:
+      A profile whose seconds are PipeDream's milliseconds / 1000, ``time_source``
+      ``"graph.txt"``, and whose input node(s) (``Input0``...) are kept as zero-cost layers.
+
+    Raises:
+      GraphFormatError: a malformed line (with file and line number), a duplicate node,
+        an edge to an unknown node, a cycle, or no nodes at all.
+    """
+    nodes: dict[str, tuple[str, float, float, float, float]] = {}
+    edges: list[tuple[str, str, int]] = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        m = _NODE.match(line)
+        if m:
+            if m["id"] in nodes:
+                raise GraphFormatError(f"{source}:{lineno}: node {m['id']} is defined twice")
+            try:
+                values = (float(m["fwd"]), float(m["bwd"]), _size(m["act"]), float(m["param"]))
+            except ValueError as e:
+                raise GraphFormatError(f"{source}:{lineno}: bad number: {e}") from e
+            if any(v < 0 for v in values):
+                raise GraphFormatError(f"{source}:{lineno}: negative time or size")
+            nodes[m["id"]] = (m["desc"].strip(), *values)
+            continue
+        m = _EDGE.match(line)
+        if m:
+            edges.append((m["a"], m["b"], lineno))
+            continue
+        shown = line if len(line) <= 80 else line[:77] + "..."
+        raise GraphFormatError(
+            f"{source}:{lineno}: not a node line ('nodeN -- desc -- forward_compute_time=..., "
+            f"backward_compute_time=..., activation_size=..., parameter_size=...') nor an "
+            f"edge line ('\\tnodeA -- nodeB'): {shown!r}"
+        )
+    if not nodes:
+        raise GraphFormatError(f"{source}: no nodes")
+    for a, b, lineno in edges:
+        for n in (a, b):
+            if n not in nodes:
+                raise GraphFormatError(f"{source}:{lineno}: edge names unknown node {n}")
+
+    succ: dict[str, list[str]] = {n: [] for n in nodes}
+    indeg = dict.fromkeys(nodes, 0)
+    for a, b, _ in edges:
+        succ[a].append(b)
+        indeg[b] += 1
+    ready = [(_node_number(n), n) for n, d in indeg.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[str] = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for b in succ[n]:
+            indeg[b] -= 1
+            if indeg[b] == 0:
+                heapq.heappush(ready, (_node_number(b), b))
+    if len(order) != len(nodes):
+        stuck = sorted((n for n in nodes if n not in set(order)), key=_node_number)
+        raise GraphFormatError(f"{source}: the graph has a cycle through {stuck[:6]}")
+
+    index = {n: i for i, n in enumerate(order)}
+    layers = []
+    for n in order:
+        desc, fwd, bwd, act, param = nodes[n]
+        layers.append(
+            LayerProfile(
+                name=n,
+                kind=desc,
+                param_bytes=int(param),
+                output_bytes=int(act),
+                forward_seconds=fwd / 1e3,
+                backward_seconds=bwd / 1e3,
+            )
+        )
+    # PipeDream's "activation_size" is the node's output; a node's input is the output of
+    # its predecessors, which fills input_bytes (and so the stash estimate).
+    preds: dict[int, list[int]] = {}
+    for a, b, _ in edges:
+        preds.setdefault(index[b], []).append(index[a])
+    layers = [
+        _with_input(layer, sum(layers[p].output_bytes for p in preds.get(i, [])))
+        for i, layer in enumerate(layers)
+    ]
+    if batch_size <= 0:
+        batch_size = _infer_batch_size(layers)
+    edge_idx = sorted({(index[a], index[b]) for a, b, _ in edges})
+    return Profile(
+        layers=tuple(layers),
+        edges=tuple(edge_idx),
+        batch_size=batch_size,
+        time_source="graph.txt",
+        meta={"source": source, "format": "pipedream graph.txt"},
+    )
+
+
+def _with_input(layer: LayerProfile, input_bytes: int) -> LayerProfile:
+    from dataclasses import replace
+
+    return replace(layer, input_bytes=int(input_bytes))
+
+
+def _infer_batch_size(layers: list[LayerProfile]) -> int:
+    for side in (224, 299):  # ImageNet crops: most models, Inception-v3
+        image = 3 * side * side * 4
+        for layer in layers:
+            if layer.kind.startswith("Input") and layer.output_bytes % image == 0:
+                if layer.output_bytes:
+                    return layer.output_bytes // image
+    return 1
+
+
+def read_graph_txt(path: str | Path, *, batch_size: int = 0) -> Profile:
+    """Reads a PipeDream ``graph.txt`` file. See :func:`parse_graph_txt`."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise GraphFormatError(f"cannot read {path}: {e.strerror}") from e
+    return parse_graph_txt(text, source=str(path), batch_size=batch_size)

@@ -1,0 +1,270 @@
+"""The `Profile`: per-layer costs of a model, as plain data.
+
+A profile is what the planner and the simulator read. Each :class:`LayerProfile` holds the
+counts XLA reports for one layer (FLOPs, bytes accessed), sizes (parameters, output
+activation, residuals the backward keeps), and seconds — measured on a device, estimated
+from a :class:`~pdjax.profile.devices.DeviceModel`, or read from a PipeDream ``graph.txt``.
+
+All sizes are bytes for the whole profiled batch; all times are seconds for that batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pdjax.errors import ProfileError
+
+__all__ = ["LayerProfile", "Profile"]
+
+_FORMAT = "pdjax.profile/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    """Costs of one layer for one batch of ``Profile.batch_size`` samples.
+
+    Attributes:
+      name: the layer's name (unique in the profile).
+      kind: what the layer is (module class name, or PipeDream's layer repr).
+      forward_flops: FLOPs of the forward pass (XLA cost analysis), or None if unknown.
+      backward_flops: FLOPs of the backward pass alone (forward+backward minus forward).
+      forward_bytes_accessed: bytes the forward reads and writes (XLA cost analysis).
+      backward_bytes_accessed: the same for the backward alone.
+      param_bytes: bytes of the layer's trainable parameters.
+      state_bytes: bytes of its non-trainable state (e.g. BatchNorm statistics).
+      input_bytes: bytes of the layer's input activation.
+      output_bytes: bytes of the layer's output activation (what crosses a cut after it).
+      residual_bytes: bytes the backward keeps from the forward beyond the parameters and
+        the layer's input (XLA's residuals).
+      peak_bytes: peak bytes of the compiled forward+backward (arguments, outputs and
+        temporaries, from ``memory_analysis()``), or None.
+      forward_seconds: forward time, or None if neither measured nor estimated.
+      backward_seconds: backward time, or None.
+      output_shape: a readable rendering of the output's shapes and dtypes.
+    """
+
+    name: str
+    kind: str = ""
+    forward_flops: float | None = None
+    backward_flops: float | None = None
+    forward_bytes_accessed: float | None = None
+    backward_bytes_accessed: float | None = None
+    param_bytes: int = 0
+    state_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    residual_bytes: int = 0
+    peak_bytes: int | None = None
+    forward_seconds: float | None = None
+    backward_seconds: float | None = None
+    output_shape: str = ""
+
+    @property
+    def stash_bytes(self) -> int:
+        """Bytes held per in-flight batch between forward and backward: input + residuals."""
+        return self.input_bytes + self.residual_bytes
+
+    @property
+    def seconds(self) -> float | None:
+        """Forward + backward seconds, or None if either is unknown."""
+        if self.forward_seconds is None or self.backward_seconds is None:
+            return None
+        return self.forward_seconds + self.backward_seconds
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a model: the input of the planner.
+
+    Layers are in a topological order. ``edges`` are the data dependencies ``(i, j)``
+    (layer ``j`` consumes the output of layer ``i``); a layer sequence is the chain
+    ``(0, 1), (1, 2), ...``. PipeDream profiles of branching networks (ResNet, GNMT,
+    Inception) keep their DAG edges.
+
+    Attributes:
+      layers: the layers, topologically ordered.
+      edges: dependencies between layer indices.
+      batch_size: samples in the profiled batch (all bytes and seconds are for it).
+      time_source: where the seconds come from: ``"measured:<device>"``,
+        ``"model:<preset>"``, ``"graph.txt"`` or ``"none"``.
+      dtype: the dtype of the parameters (e.g. ``"float32"``).
+      meta: free-form provenance (model, config, jax version, source file, ...).
+    """
+
+    layers: tuple[LayerProfile, ...]
+    edges: tuple[tuple[int, int], ...]
+    batch_size: int
+    time_source: str = "none"
+    dtype: str = "float32"
+    meta: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "edges", tuple((int(a), int(b)) for a, b in self.edges))
+        object.__setattr__(self, "meta", dict(self.meta))
+        if not self.layers:
+            raise ProfileError("a profile needs at least one layer")
+        if self.batch_size <= 0:
+            raise ProfileError(f"batch_size must be positive, got {self.batch_size}")
+        n = len(self.layers)
+        for a, b in self.edges:
+            if not (0 <= a < n and 0 <= b < n):
+                raise ProfileError(f"edge ({a}, {b}) names a layer outside 0..{n - 1}")
+            if a >= b:
+                raise ProfileError(
+                    f"edge ({a}, {b}) goes backwards: layers must be in a topological "
+                    "order (a cycle, or an unsorted profile)"
+                )
+
+    @classmethod
+    def chain(cls, layers: Sequence[LayerProfile], **kwargs: Any) -> Profile:
+        """A profile of a layer sequence: edges ``(i, i+1)``."""
+        edges = tuple((i, i + 1) for i in range(len(layers) - 1))
+        return cls(layers=tuple(layers), edges=edges, **kwargs)
+
+    # -- derived views -----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_chain(self) -> bool:
+        """True if every layer feeds exactly the next one."""
+        return set(self.edges) == {(i, i + 1) for i in range(len(self.layers) - 1)}
+
+    @property
+    def has_times(self) -> bool:
+        return all(layer.seconds is not None for layer in self.layers)
+
+    def _times(self, attr: str) -> np.ndarray:
+        values = [getattr(layer, attr) for layer in self.layers]
+        missing = [layer.name for layer, v in zip(self.layers, values, strict=True) if v is None]
+        if missing:
+            raise ProfileError(
+                f"the profile has no {attr} for layers {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; profile with measure=True "
+                "(CLI: --measure) or a device model (--device-model h100)"
+            )
+        return np.asarray(values, dtype=np.float64)
+
+    def forward_seconds(self) -> np.ndarray:
+        """Per-layer forward seconds, shape ``(L,)``. Raises ProfileError if unknown."""
+        return self._times("forward_seconds")
+
+    def backward_seconds(self) -> np.ndarray:
+        """Per-layer backward seconds, shape ``(L,)``. Raises ProfileError if unknown."""
+        return self._times("backward_seconds")
+
+    def param_bytes(self) -> np.ndarray:
+        """Per-layer parameter bytes, shape ``(L,)``."""
+        return np.asarray([layer.param_bytes for layer in self.layers], dtype=np.float64)
+
+    def output_bytes(self) -> np.ndarray:
+        """Per-layer output activation bytes, shape ``(L,)``."""
+        return np.asarray([layer.output_bytes for layer in self.layers], dtype=np.float64)
+
+    def cut_bytes(self) -> np.ndarray:
+        """Bytes crossing a cut after layer ``s`` (layers ``0..s`` on one side), shape ``(L,)``.
+
+        For a chain this is ``output_bytes[s]``. For a DAG it is the total output of every
+        layer in ``0..s`` with an edge to a layer after ``s`` (each counted once). The last
+        entry is 0: nothing is cut after the last layer.
+        """
+        n = len(self.layers)
+        out = np.zeros(n, dtype=np.float64)
+        last_use = {}
+        for a, b in self.edges:
+            last_use[a] = max(last_use.get(a, a), b)
+        sizes = self.output_bytes()
+        for s in range(n - 1):
+            out[s] = sum(sizes[a] for a, last in last_use.items() if a <= s < last)
+        return out
+
+    def total_seconds(self) -> float:
+        """Forward + backward seconds of the whole model."""
+        return float(self.forward_seconds().sum() + self.backward_seconds().sum())
+
+    def replace_times(
+        self, forward: Sequence[float], backward: Sequence[float], time_source: str
+    ) -> Profile:
+        """A copy with new per-layer seconds."""
+        if len(forward) != len(self.layers) or len(backward) != len(self.layers):
+            raise ProfileError("need one forward and one backward time per layer")
+        layers = tuple(
+            dataclasses.replace(layer, forward_seconds=float(f), backward_seconds=float(b))
+            for layer, f, b in zip(self.layers, forward, backward, strict=True)
+        )
+        return dataclasses.replace(self, layers=layers, time_source=time_source)
+
+    # -- JSON --------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": _FORMAT,
+            "batch_size": self.batch_size,
+            "time_source": self.time_source,
+            "dtype": self.dtype,
+            "meta": dict(self.meta),
+            "edges": [list(e) for e in self.edges],
+            "layers": [dataclasses.asdict(layer) for layer in self.layers],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
+        if data.get("format") != _FORMAT:
+            raise ProfileError(
+                f"not a pdjax profile (format {data.get('format')!r}, expected {_FORMAT!r}); "
+                "for PipeDream's graph.txt use pdjax.profile.read_graph_txt"
+            )
+        fields = {f.name for f in dataclasses.fields(LayerProfile)}
+        layers = []
+        for i, raw in enumerate(data["layers"]):
+            unknown = set(raw) - fields
+            if unknown:
+                raise ProfileError(f"layer {i} has unknown fields {sorted(unknown)}")
+            layers.append(LayerProfile(**raw))
+        return cls(
+            layers=tuple(layers),
+            edges=tuple(tuple(e) for e in data["edges"]),
+            batch_size=int(data["batch_size"]),
+            time_source=data.get("time_source", "none"),
+            dtype=data.get("dtype", "float32"),
+            meta=data.get("meta", {}),
+        )
+
+    def to_json(self) -> str:
+        """Exact JSON (floats round-trip through ``repr``)."""
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        """Writes the JSON to ``path`` atomically (a temporary file, then a rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(self.to_json())
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        """Reads a pdjax profile JSON, or a PipeDream ``graph.txt`` (by content)."""
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ProfileError(f"cannot read profile {path}: {e.strerror}") from e
+        if text.lstrip().startswith("{"):
+            return cls.from_json(text)
+        from pdjax.profile.graph_txt import parse_graph_txt
+
+        return parse_graph_txt(text, source=str(path))
+
