@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 __all__ = [
-    "PdjaxError",
-    "LayerError",
-    "ProfileError",
     "GraphFormatError",
-    "PlanError",
-    "ScheduleError",
+    "LayerError",
+    "PdjaxError",
     "PipelineError",
+    "PlanError",
+    "ProfileError",
+    "ScheduleError",
 ]
 
 

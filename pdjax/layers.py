@@ -36,13 +36,13 @@ from pdjax.errors import LayerError
 
 __all__ = [
     "Layer",
+    "LayerSequence",
     "LinenLayer",
     "NnxLayer",
-    "LayerSequence",
-    "Variables",
     "PyTree",
-    "sequential",
+    "Variables",
     "as_layer",
+    "sequential",
 ]
 
 PyTree = Any
@@ -220,7 +220,7 @@ class NnxLayer:
 
     def _to_state(self, variables: Variables) -> nnx.State:
         flat_values: dict[tuple[Any, ...], Any] = {}
-        for coll, tree in variables.items():
+        for _coll, tree in variables.items():
             for path, leaf in _flatten(tree):
                 flat_values[path] = leaf
         pairs = []
@@ -258,7 +258,9 @@ class NnxLayer:
         else:
             module.eval()
         if rng is not None and self._streams:
-            nnx.reseed(module, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)})
+            nnx.reseed(
+                module, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)}
+            )
         y = module(x)
         if not train:
             return y, {k: v for k, v in variables.items() if k != "params"}
@@ -267,12 +269,14 @@ class NnxLayer:
         return y, {k: v for k, v in new.items() if k != "params"}
 
 
-def _flatten(tree: Mapping[Any, Any], prefix: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def _flatten(
+    tree: Mapping[Any, Any], prefix: tuple[Any, ...] = ()
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
     for k, v in tree.items():
         if isinstance(v, Mapping):
-            yield from _flatten(v, prefix + (k,))
+            yield from _flatten(v, (*prefix, k))
         else:
-            yield prefix + (k,), v
+            yield (*prefix, k), v
 
 
 def _unflatten(items: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
@@ -392,7 +396,9 @@ class LayerSequence:
         """
         specs = [jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), x)]
         for layer, v in zip(self.layers, variables, strict=True):
-            out = jax.eval_shape(lambda v, x, layer=layer: layer.apply(v, x, train=False)[0], v, specs[-1])
+            out = jax.eval_shape(
+                lambda v, x, layer=layer: layer.apply(v, x, train=False)[0], v, specs[-1]
+            )
             specs.append(out)
         return specs
 
@@ -427,9 +433,9 @@ def sequential(*modules: Any, names: Iterable[str] | None = None) -> LayerSequen
     """
     if len(modules) == 1 and isinstance(modules[0], (list, tuple)):
         modules = tuple(modules[0])
-    name_list = list(names) if names is not None else [
-        _default_name(i, m) for i, m in enumerate(modules)
-    ]
+    name_list = (
+        list(names) if names is not None else [_default_name(i, m) for i, m in enumerate(modules)]
+    )
     if len(name_list) != len(modules):
         raise LayerError(f"got {len(name_list)} names for {len(modules)} modules")
     return LayerSequence(tuple(as_layer(m, n) for m, n in zip(modules, name_list, strict=True)))

@@ -1,6 +1,25 @@
 """Profiling: per-layer costs from XLA's cost analysis, measurement, or PipeDream's graph.txt."""
 
-from pdjax.profile.graph_txt import parse_graph_txt, read_graph_txt
+from pdjax.profile.devices import DEVICE_MODELS, DeviceModel, get_device_model
+from pdjax.profile.graph_txt import (
+    PUBLISHED_PROFILES,
+    parse_graph_txt,
+    published_profile,
+    read_graph_txt,
+)
 from pdjax.profile.profile import LayerProfile, Profile
+from pdjax.profile.xla import cost_analysis, profile
 
-__all__ = ["LayerProfile", "Profile", "parse_graph_txt", "read_graph_txt"]
+__all__ = [
+    "DEVICE_MODELS",
+    "PUBLISHED_PROFILES",
+    "DeviceModel",
+    "LayerProfile",
+    "Profile",
+    "cost_analysis",
+    "get_device_model",
+    "parse_graph_txt",
+    "profile",
+    "published_profile",
+    "read_graph_txt",
+]

@@ -22,7 +22,14 @@ from pathlib import Path
 from pdjax.errors import GraphFormatError
 from pdjax.profile.profile import LayerProfile, Profile
 
-__all__ = ["parse_graph_txt", "read_graph_txt"]
+__all__ = ["PUBLISHED_PROFILES", "parse_graph_txt", "published_profile", "read_graph_txt"]
+
+_PUBLISHED_DIR = Path(__file__).with_name("pipedream_profiles")
+
+#: PipeDream's published GPU profiles shipped with pdjax (MIT licence, see that folder).
+PUBLISHED_PROFILES: tuple[str, ...] = tuple(
+    sorted(p.name for p in _PUBLISHED_DIR.iterdir() if (p / "graph.txt").is_file())
+)
 
 _NODE = re.compile(
     r"^(?P<id>node\d+) -- (?P<desc>.*) -- "
@@ -174,3 +181,16 @@ def read_graph_txt(path: str | Path, *, batch_size: int = 0) -> Profile:
     except OSError as e:
         raise GraphFormatError(f"cannot read {path}: {e.strerror}") from e
     return parse_graph_txt(text, source=str(path), batch_size=batch_size)
+
+
+def published_profile(name: str) -> Profile:
+    """One of PipeDream's published profiles by model name, e.g. ``"vgg16"``.
+
+    Raises:
+      GraphFormatError: for an unknown name, listing the available ones.
+    """
+    if name not in PUBLISHED_PROFILES:
+        raise GraphFormatError(
+            f"no published PipeDream profile {name!r}; available: {list(PUBLISHED_PROFILES)}"
+        )
+    return read_graph_txt(_PUBLISHED_DIR / name / "graph.txt")

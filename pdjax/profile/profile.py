@@ -256,7 +256,12 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        """Reads a pdjax profile JSON, or a PipeDream ``graph.txt`` (by content)."""
+        """Reads a pdjax profile JSON, a PipeDream ``graph.txt`` (by content), or
+        ``"pipedream:NAME"``: one of PipeDream's published profiles shipped with pdjax."""
+        if isinstance(path, str) and path.startswith("pipedream:"):
+            from pdjax.profile.graph_txt import published_profile
+
+            return published_profile(path.split(":", 1)[1])
         path = Path(path)
         try:
             text = path.read_text()
@@ -267,4 +272,3 @@ class Profile:
         from pdjax.profile.graph_txt import parse_graph_txt
 
         return parse_graph_txt(text, source=str(path))
-

@@ -1,0 +1,42 @@
+"""``pdjax`` command line: ``pdjax profile | plan | simulate``.
+
+The logic lives in the library; each subcommand in :mod:`pdjax.commands` only parses
+arguments, calls it and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from pdjax.commands import register_all
+from pdjax.errors import PdjaxError
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser."""
+    parser = argparse.ArgumentParser(
+        prog="pdjax",
+        description="PipeDream-style pipeline-parallel training on JAX/Flax: "
+        "profile -> plan -> simulate -> train.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_all(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the CLI; returns the exit status (2 for a pdjax error, with its message)."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except PdjaxError as e:
+        print(f"pdjax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
