@@ -1,0 +1,40 @@
+"""Partitioning: topologies, cost models, PipeDream's optimizer and simpler partitioners.
+
+>>> from pdjax.partition import Topology, plan_pipedream
+>>> topo = Topology.from_levels([4, 4], [1e10, 1.25e9])  # 4 servers of 4 devices
+>>> topo.num_devices
+16
+"""
+
+from pdjax.partition.cost import COST_MODELS, SCHEDULES, CostModel, ScheduleTraits
+from pdjax.partition.partitioners import (
+    balanced_split,
+    evaluate_partition,
+    plan_balanced_params,
+    plan_balanced_time,
+    plan_uniform,
+    uniform_split,
+)
+from pdjax.partition.pipedream import plan_pipedream
+from pdjax.partition.plan import Plan, StagePlan
+from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
+
+__all__ = [
+    "COST_MODELS",
+    "PRESETS",
+    "SCHEDULES",
+    "CostModel",
+    "Level",
+    "Plan",
+    "ScheduleTraits",
+    "StagePlan",
+    "Topology",
+    "balanced_split",
+    "evaluate_partition",
+    "parse_levels",
+    "plan_balanced_params",
+    "plan_balanced_time",
+    "plan_pipedream",
+    "plan_uniform",
+    "uniform_split",
+]

@@ -1,0 +1,424 @@
+"""Cost models: what one stage, one cut and one device's memory cost, per microbatch.
+
+Three models, selected by name (``cost_model=``). Notation, for a stage holding layers
+``i..j`` at a level with bandwidth ``B`` (bytes/s):
+
+* ``C``: the stage's time per microbatch (seconds) one level down: at the innermost level
+  the sum of the layers' forward + backward seconds; at an outer level, the optimal time
+  of layers ``i..j`` on one whole unit of the level below (a server's pipeline);
+* ``W``: parameter bytes of layers ``i..j``;
+* ``a_s``: activation bytes crossing a cut after layer ``s`` (for a DAG, every output of
+  layers ``0..s`` consumed after ``s``); the cut's time covers the activation forward and
+  its gradient backward;
+* ``m``: the units (devices, servers, ...) the stage is replicated on at this level.
+
+``pdjax`` (the default; what pdjax's runtime and simulator do): a replicated stage splits
+each microbatch across its ``m`` units, and all-reduces its weight gradients once per
+optimizer update, a ring all-reduce of ``2 (m-1)/m W / B`` seconds. ``u`` is the number of
+microbatches per update: 1 for ``pipedream``, ``M`` (the step's microbatches) for the flush
+schedules and ``2bw``. The update needs the reduced gradient before the next forward, so the
+all-reduce adds to compute::
+
+    stage(i..j, m) = C / m + 2 (m-1)/m * W / B / u
+    cut(s)         = 2 a_s / B             (a_s / B each way; one link per cut)
+
+One level up, a unit runs the sub-pipeline on its share ``1/m`` of the microbatch, and the
+recursion divides the whole sub-pipeline time by ``m``; the inner all-reduce is divided by
+``m`` too, which is exact when no inner stage is replicated and optimistic by at most
+``(1-1/m)`` times the inner all-reduce otherwise.
+
+``paper`` (PipeDream, SOSP'19, section 3.1; whole microbatches routed round-robin to the
+``m`` replicas, compute and communication overlapped)::
+
+    stage(i..j, m) = max(C, 2 (m-1) W / B) / m
+    cut(s)         = 2 a_s / B
+
+``pipedream-code`` (``optimizer_graph_hierarchical.py`` of msr-fiddle/pipedream, run with
+``--activation_compression_ratio 1``): compute and all-reduce summed, factor 4, transfers
+divided by the receiving stage's replica count::
+
+    stage(i..j, m)       = (C + 4 (m-1) W / (B m)) / m
+    first stage (whole)  = (C + 4 (m-1) W / (B m) / g) / m     g: units of the level below
+                                                               (1 at the innermost level)
+    cut before a stage   = 2 a_s / (B m')                      m': that stage's replicas
+    cut after a stage    = 2 a_j / (B m')   unless j is the model's last layer
+
+The "first stage" form is the original's initial value ``A[i][j][m]`` (the range replicated
+whole, used both for one-stage ranges and for a split's prefix); the original divides the
+all-reduce by ``g`` there and not in the last-stage term, and pdjax reproduces that.
+
+In every model the objective is the slowest term: the maximum over stages and cuts, the
+time per microbatch of the pipeline in steady state.
+
+Times and activation bytes are those of one microbatch: the profile's values (for
+``Profile.batch_size`` samples) times ``microbatch_size / batch_size``; parameter bytes do
+not scale. As PipeDream's optimizer does, an ``Input`` source layer (data loading) costs
+nothing and no cut may follow it, and ``__getitem__`` sinks (unused LSTM outputs in the GNMT
+profiles) cost nothing and hold no activation across a cut (:func:`model_arrays`).
+
+Memory per device (bytes):
+
+* ``pdjax``: ``W (versions + k) + stash * in_flight / r`` with ``r`` the devices of the
+  stage, ``k`` the optimizer-state factor (2 for Adam), ``versions`` the weight versions the
+  schedule keeps (``pipedream``: the in-flight count, ``2bw``: 2, flush schedules: 1) and
+  ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`;
+* ``paper`` (weight stashing, whole microbatches per replica): with ``q = ceil(in_flight /
+  r)``, ``W (q + k) + stash * q``;
+* ``pipedream-code`` (the original's pruning rule): ``ceil(d / m) (A + W)``, with ``A`` the
+  sum of the stage's output activations and ``d`` the units after the stage at this level.
+
+The schedule's in-flight count is ``P - s`` (1F1B-style: ``pipedream``, ``1f1b``, ``2bw``,
+``interleaved``, ``zb-h1``; at most ``M`` for the flush schedules) or ``M`` (``gpipe``). The
+dynamic program does not know ``P - s`` while it builds a prefix, so its memory check bounds
+it by ``1 +`` the devices after the stage (and the layers after it); inside a server of a
+hierarchical topology the devices of other servers count as "after" and replication across
+servers is not credited. The check is sound (a plan it accepts fits) and can be
+conservative. ``pdjax`` and ``paper`` check at the innermost level, ``pipedream-code`` at
+every level with that level's counts, as the original. A plan reports its exact memory with
+the final ``P - s``: the ``pdjax`` formula under ``pdjax``, the ``paper`` formula under the
+other two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import numpy as np
+
+from pdjax.errors import PlanError, ProfileError
+from pdjax.partition.topology import Topology
+from pdjax.profile.profile import Profile
+
+__all__ = [
+    "COST_MODELS",
+    "SCHEDULES",
+    "CostModel",
+    "ScheduleTraits",
+    "in_flight",
+    "versions_kept",
+]
+
+CostModel = Literal["pdjax", "paper", "pipedream-code"]
+COST_MODELS: tuple[str, ...] = ("pdjax", "paper", "pipedream-code")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTraits:
+    """What the planner needs to know of a schedule.
+
+    Attributes:
+      name: the schedule's name.
+      pipelined_in_flight: True if stage ``s`` holds ``P - s`` microbatches in flight
+        (1F1B-style), False if it holds all ``M`` of a step (GPipe).
+      versions: weight versions kept per stage: ``"in_flight"`` (PipeDream's weight
+        stashing), or a number.
+      update_per_microbatch: True if every microbatch ends in an optimizer update (and an
+        all-reduce of a replicated stage), False for one update per step of ``M``.
+      flush: True if the pipeline drains every ``M`` microbatches.
+    """
+
+    name: str
+    pipelined_in_flight: bool
+    versions: str | int
+    update_per_microbatch: bool
+    flush: bool
+
+
+SCHEDULES: dict[str, ScheduleTraits] = {
+    "pipedream": ScheduleTraits("pipedream", True, "in_flight", True, False),
+    "1f1b": ScheduleTraits("1f1b", True, 1, False, True),
+    "gpipe": ScheduleTraits("gpipe", False, 1, False, True),
+    "2bw": ScheduleTraits("2bw", True, 2, False, False),
+    "interleaved": ScheduleTraits("interleaved", True, 1, False, True),
+    "zb-h1": ScheduleTraits("zb-h1", True, 1, False, True),
+}
+
+
+def schedule_traits(name: str) -> ScheduleTraits:
+    """The traits of schedule ``name``. Raises PlanError for an unknown name."""
+    if name not in SCHEDULES:
+        raise PlanError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Microbatches stage ``stage`` holds between forward and backward, at most.
+
+    ``P - s`` for 1F1B-style schedules (capped at ``M`` when the schedule flushes every
+    ``M`` microbatches), ``M`` for GPipe.
+
+    >>> in_flight("pipedream", 4, 0, 8), in_flight("1f1b", 4, 0, 2), in_flight("gpipe", 4, 3, 8)
+    (4, 2, 8)
+    """
+    traits = schedule_traits(schedule)
+    if not traits.pipelined_in_flight:
+        return num_microbatches
+    n = num_stages - stage
+    return min(n, num_microbatches) if traits.flush else n
+
+
+def versions_kept(schedule: str, in_flight_count: int) -> int:
+    """Weight versions a stage keeps: the in-flight count with weight stashing, else 1 or 2."""
+    v = schedule_traits(schedule).versions
+    return in_flight_count if v == "in_flight" else int(v)
+
+
+def check_cost_model(name: str) -> str:
+    if name not in COST_MODELS:
+        raise PlanError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
+    return name
+
+
+# -- the profile as arrays ------------------------------------------------------------
+
+
+def _is_input(layer_kind: str) -> bool:
+    return layer_kind.startswith("Input")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArrays:
+    """Per-layer costs for one microbatch, as the planner uses them (private).
+
+    PipeDream's conventions are applied as its optimizer does: an ``Input`` source layer
+    (data loading) costs nothing and has no activation of its own to send, and no cut may
+    come right after it (it stays with its consumer); ``__getitem__`` sinks (unused outputs
+    of LSTMs in the GNMT profiles) cost nothing and do not hold activations across cuts.
+
+    Attributes:
+      compute: forward + backward seconds per layer, shape ``(L,)``.
+      params: parameter bytes per layer.
+      stash: bytes held per in-flight microbatch (input + residuals).
+      act: output activation bytes per layer (``pipedream-code``'s memory rule).
+      cut: bytes crossing a cut after each layer; ``cut[L-1] = 0``.
+      cut_ok: whether a cut may follow each layer; ``cut_ok[L-1]`` is False.
+      scale: microbatch size / profiled batch size.
+    """
+
+    compute: np.ndarray
+    params: np.ndarray
+    stash: np.ndarray
+    act: np.ndarray
+    cut: np.ndarray
+    cut_ok: np.ndarray
+    scale: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.compute)
+
+    def range_sum(self, values: np.ndarray) -> np.ndarray:
+        """``(L, L)`` array of ``sum(values[i..j])`` at ``[i, j]`` (meaningless for i > j)."""
+        prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+        return prefix[None, 1:] - prefix[:-1, None]
+
+
+def check_profile(profile: Profile) -> None:
+    """Raises PlanError for a profile the planner cannot use (no layers, a cycle, no times)."""
+    layers = getattr(profile, "layers", ())
+    if len(layers) == 0:
+        raise PlanError("the profile has no layers; profile a model with at least one layer")
+    n = len(layers)
+    for a, b in getattr(profile, "edges", ()):
+        if not (0 <= a < n and 0 <= b < n):
+            raise PlanError(f"the profile's edge ({a}, {b}) names a layer outside 0..{n - 1}")
+        if a >= b:
+            raise PlanError(
+                f"the profile's edge ({a}, {b}) goes backwards: the graph has a cycle or its "
+                "layers are not in a topological order; re-read it with "
+                "pdjax.profile.read_graph_txt, which sorts it"
+            )
+    if getattr(profile, "batch_size", 0) <= 0:
+        raise PlanError(f"the profile's batch_size must be positive, got {profile.batch_size}")
+
+
+def model_arrays(profile: Profile, microbatch_size: int | None = None) -> ModelArrays:
+    """The profile's per-layer costs for one microbatch (see :class:`ModelArrays`).
+
+    Raises:
+      PlanError: a bad profile, missing times, or a non-positive microbatch size.
+    """
+    check_profile(profile)
+    if microbatch_size is None:
+        microbatch_size = profile.batch_size
+    if microbatch_size <= 0:
+        raise PlanError(f"microbatch_size must be positive, got {microbatch_size}")
+    scale = microbatch_size / profile.batch_size
+    try:
+        seconds = profile.forward_seconds() + profile.backward_seconds()
+    except ProfileError as e:
+        raise PlanError(f"cannot plan without per-layer times: {e}") from e
+    layers = profile.layers
+    n = len(layers)
+    has_pred = np.zeros(n, dtype=bool)
+    for _, b in profile.edges:
+        has_pred[b] = True
+    has_succ = np.zeros(n, dtype=bool)
+    for a, _ in profile.edges:
+        has_succ[a] = True
+    is_input = np.array(
+        [_is_input(layer.kind) and not has_pred[i] for i, layer in enumerate(layers)]
+    )
+    dropped_sink = np.array(
+        [layer.kind.startswith("__getitem__") and not has_succ[i] for i, layer in enumerate(layers)]
+    )
+    free = is_input | dropped_sink
+    if not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
+        raise PlanError("the profile has negative or non-finite layer times")
+    compute = np.where(free, 0.0, seconds) * scale
+    params = np.where(free, 0.0, profile.param_bytes())
+    outputs = np.where(free, 0.0, profile.output_bytes())
+    stash = np.where(free, 0.0, [float(layer.stash_bytes) for layer in layers]) * scale
+    act = outputs * scale
+    # Bytes crossing a cut after s: each producer's output counts for s in [a, last use).
+    diff = np.zeros(n + 1)
+    last_use = {}
+    for a, b in profile.edges:
+        if dropped_sink[b]:
+            continue
+        last_use[a] = max(last_use.get(a, a), b)
+    for a, last in last_use.items():
+        diff[a] += outputs[a]
+        diff[last] -= outputs[a]
+    cut = np.cumsum(diff[:n]) * scale
+    cut[n - 1] = 0.0
+    cut = np.maximum(cut, 0.0)  # cumulative sums may leave -0.0 or 1e-9 residues
+    cut_ok = ~is_input
+    cut_ok[n - 1] = False
+    return ModelArrays(compute, params, stash, act, cut, cut_ok, scale)
+
+
+# -- cost terms -----------------------------------------------------------------------
+
+
+def stage_time(
+    model: str,
+    inner: np.ndarray | float,
+    weights: np.ndarray | float,
+    m: int,
+    bandwidth: float,
+    *,
+    updates_per_microbatch: float,
+    first: bool = False,
+    inner_units: int = 1,
+) -> np.ndarray:
+    """Seconds per microbatch of a stage replicated on ``m`` units (see the module doc).
+
+    Args:
+      model: the cost model.
+      inner: ``C``, the stage's time one level down (seconds); array or scalar.
+      weights: ``W``, its parameter bytes.
+      m: replicas at this level.
+      bandwidth: ``B``, bytes/s at this level.
+      updates_per_microbatch: ``1/u`` (pdjax only).
+      first: the range replicated whole (``pipedream-code``'s initial value).
+      inner_units: ``g``, units of the level below (``pipedream-code`` only).
+    """
+    inner = np.asarray(inner, dtype=np.float64)
+    weights = np.asarray(weights, dtype=np.float64)
+    if model == "pdjax":
+        return inner / m + (2.0 * (m - 1) / m) * weights / bandwidth * updates_per_microbatch
+    if model == "paper":
+        return np.maximum(inner, 2.0 * (m - 1) * weights / bandwidth) / m
+    allreduce = 4.0 * (m - 1) * weights / (bandwidth * m)
+    if first:
+        allreduce = allreduce / inner_units
+    return (inner + allreduce) / m
+
+
+def cut_time(
+    model: str, cut_before: np.ndarray, cut_after: np.ndarray, m: int, bandwidth: float
+) -> np.ndarray:
+    """Seconds per microbatch of the transfers charged to a stage that follows a cut.
+
+    Args:
+      model: the cost model.
+      cut_before: bytes crossing the cut before the stage.
+      cut_after: bytes crossing the cut after it (0 after the model's last layer); only
+        ``pipedream-code`` charges them to this stage.
+      m: the stage's replicas at this level.
+      bandwidth: bytes/s at this level.
+    """
+    before, after = np.broadcast_arrays(
+        np.asarray(cut_before, dtype=np.float64), np.asarray(cut_after, dtype=np.float64)
+    )
+    if model == "pipedream-code":
+        return 2.0 * np.maximum(before, after) / (bandwidth * m)
+    return 2.0 * before / bandwidth
+
+
+def stage_memory(
+    model: str,
+    *,
+    weights: np.ndarray | float,
+    stash: np.ndarray | float,
+    act: np.ndarray | float,
+    replicas: int,
+    in_flight_count: np.ndarray | int,
+    versions: np.ndarray | int,
+    optimizer_state_factor: float,
+    units_after: np.ndarray | int = 0,
+) -> np.ndarray:
+    """Bytes per device of a stage (see the module doc).
+
+    Args:
+      model: the cost model.
+      weights: parameter bytes of the stage.
+      stash: bytes stashed per in-flight microbatch (already scaled to the microbatch).
+      act: sum of the stage's output activations (``pipedream-code``).
+      replicas: devices (``pdjax``, ``paper``) or units (``pipedream-code``) of the stage.
+      in_flight_count: microbatches in flight at the stage.
+      versions: weight versions kept (``pdjax``).
+      optimizer_state_factor: optimizer state bytes per parameter byte (Adam: 2, SGD: 0).
+      units_after: units after the stage at this level (``pipedream-code``).
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    if model == "pdjax":
+        return (
+            weights * (np.asarray(versions) + optimizer_state_factor)
+            + np.asarray(stash) * np.asarray(in_flight_count) / replicas
+        )
+    if model == "paper":
+        q = -(-np.asarray(in_flight_count) // replicas)
+        return weights * (q + optimizer_state_factor) + np.asarray(stash) * q
+    q = -(-np.asarray(units_after) // replicas)
+    return q * (np.asarray(act) + weights)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def data_parallel_time(
+    arrays: ModelArrays, topology: Topology, model: str, updates_per_microbatch: float
+) -> float:
+    """Seconds per microbatch of data parallelism over the whole topology: every level
+    replicates the whole model (PipeDream's data-parallel model, under ``model``)."""
+    value = math.fsum(arrays.compute)
+    weights = math.fsum(arrays.params)
+    for k, level in enumerate(topology.levels):
+        value = float(
+            stage_time(
+                model,
+                value,
+                weights,
+                level.workers,
+                level.bandwidth,
+                updates_per_microbatch=updates_per_microbatch,
+                first=True,
+                inner_units=topology.levels[k - 1].workers if k > 0 else 1,
+            )
+        )
+    return value
+
+
+def updates_per_microbatch(schedule: str, num_microbatches: int) -> float:
+    """``1/u``: optimizer updates (and all-reduces) per microbatch under ``schedule``."""
+    return 1.0 if schedule_traits(schedule).update_per_microbatch else 1.0 / num_microbatches
+
+
+def single_device_time(arrays: ModelArrays) -> float:
+    """Seconds per microbatch of the whole model on one device."""
+    return float(math.fsum(arrays.compute))

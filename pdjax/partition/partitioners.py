@@ -1,0 +1,319 @@
+"""Simpler partitioners, and the evaluation of any partition under a cost model.
+
+* :func:`plan_uniform`: equal layer counts per stage;
+* :func:`plan_balanced_time`: the contiguous split that minimises the slowest stage's
+  compute (exact, a min-max dynamic program);
+* :func:`plan_balanced_params`: the same over parameter bytes (balances weight memory);
+* :func:`evaluate_partition`: a hand-made partition, as a :class:`~pdjax.partition.Plan`.
+
+All make pipelines with the same number of replicas per stage (1 by default), placed on
+the devices in order. They are for comparison with :func:`~pdjax.partition.plan_pipedream`
+and for users who know what they want.
+
+Evaluation places stage ``t`` on the next ``r_t`` devices of the topology. A replicated
+stage all-reduces at the bandwidth of the innermost level whose group holds all its
+devices; a cut transfers at the bandwidth of the innermost level holding both stages. On a
+one-level topology this is exactly the cost model of the dynamic program, so
+``evaluate_partition`` of a plan's stages gives back its ``time_per_microbatch``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from pdjax.errors import PlanError
+from pdjax.partition import cost
+from pdjax.partition.pipedream import build_plan, check_options
+from pdjax.partition.plan import Plan
+from pdjax.partition.topology import Topology
+from pdjax.profile.profile import Profile
+
+__all__ = [
+    "balanced_split",
+    "evaluate_partition",
+    "plan_balanced_params",
+    "plan_balanced_time",
+    "plan_uniform",
+    "uniform_split",
+]
+
+
+def uniform_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ...]:
+    """Layer ranges ``(first, last)`` with equal counts; the first stages take the remainder.
+
+    >>> uniform_split(10, 3)
+    ((0, 3), (4, 6), (7, 9))
+    """
+    _check_stage_count(num_layers, num_stages)
+    base, extra = divmod(num_layers, num_stages)
+    out, first = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        out.append((first, first + size - 1))
+        first += size
+    return tuple(out)
+
+
+def balanced_split(weights: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
+    """The contiguous split of ``weights`` into ``num_stages`` nonempty ranges that
+    minimises the largest range sum (exact; ties go to the earliest cuts).
+
+    >>> balanced_split([1, 1, 1, 3, 1, 1], 2)
+    ((0, 2), (3, 5))
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    L = len(w)
+    _check_stage_count(L, num_stages)
+    prefix = np.concatenate([[0.0], np.cumsum(w)])
+    sums = prefix[None, 1:] - prefix[:-1, None]  # [i, j] = sum w[i..j]
+    sums = np.where(np.triu(np.ones((L, L), dtype=bool)), sums, np.inf)
+    # after[k, j]: the last range is k+1..j.
+    after = np.full((L, L), np.inf)
+    after[:-1] = sums[1:]
+    best = [sums[0]]  # best[p][j]: layers 0..j in p+1 ranges
+    choice = []
+    for _ in range(1, num_stages):
+        cand = np.maximum(best[-1][:, None], after)
+        k = cand.argmin(axis=0)
+        choice.append(k)
+        best.append(cand[k, np.arange(L)])
+    out, j = [], L - 1
+    for p in range(num_stages - 1, 0, -1):
+        k = int(choice[p - 1][j])
+        out.append((k + 1, j))
+        j = k
+    out.append((0, j))
+    return tuple(out[::-1])
+
+
+def _check_stage_count(num_layers: int, num_stages: int) -> None:
+    if num_stages < 1:
+        raise PlanError(f"num_stages must be at least 1, got {num_stages}")
+    if num_stages > num_layers:
+        raise PlanError(
+            f"{num_stages} stages requested but the profile has only {num_layers} layers"
+        )
+
+
+def evaluate_partition(
+    profile: Profile,
+    topology: Topology,
+    stages: Sequence[tuple[int, int, int]],
+    *,
+    cost_model: str = "pdjax",
+    schedule: str = "pipedream",
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    optimizer_state_factor: float = 2.0,
+    memory_limit: float | None = None,
+    partitioner: str = "manual",
+) -> Plan:
+    """A plan for the given stages, with the cost model's predictions.
+
+    Args:
+      profile: per-layer costs.
+      topology: workers and bandwidths.
+      stages: ``(first_layer, last_layer, replicas)`` per stage, contiguous from layer 0 to
+        the last; stage ``t`` gets the next ``replicas`` devices in the topology's order.
+      cost_model, schedule, num_microbatches, microbatch_size, optimizer_state_factor:
+        as for :func:`~pdjax.partition.plan_pipedream`.
+      memory_limit: recorded in the plan (``plan.fits_memory`` says whether it fits); the
+        partition is not changed. None: ``topology.memory_per_device``.
+      partitioner: the name recorded in the plan.
+
+    Raises:
+      PlanError: stages that do not cover the layers contiguously, fewer than one replica,
+        or more replicas in total than the topology's devices.
+    """
+    M, limit = check_options(
+        topology, schedule, cost_model, num_microbatches, optimizer_state_factor, memory_limit
+    )
+    arrays = cost.model_arrays(profile, microbatch_size)
+    L = arrays.num_layers
+    stages = [(int(a), int(b), int(r)) for a, b, r in stages]
+    if not stages:
+        raise PlanError("no stages given")
+    if len(stages) > topology.num_devices:
+        raise PlanError(
+            f"{len(stages)} stages requested but the topology has only {topology.num_devices} "
+            "devices; use fewer stages or a bigger topology"
+        )
+    expected = 0
+    for a, b, r in stages:
+        if a != expected or b < a:
+            raise PlanError(
+                f"stage {a}-{b} does not continue the partition at layer {expected}: stages "
+                "must cover layers 0..L-1 contiguously, in order"
+            )
+        if r < 1:
+            raise PlanError(f"stage {a}-{b} has {r} replicas; each stage needs at least one")
+        expected = b + 1
+    if expected != L:
+        raise PlanError(f"the stages end at layer {expected - 1}; the profile has {L} layers")
+    total = sum(r for _, _, r in stages)
+    if total > topology.num_devices:
+        raise PlanError(
+            f"the stages need {total} devices but the topology has {topology.num_devices}; "
+            "use fewer replicas or stages"
+        )
+    u = cost.updates_per_microbatch(schedule, M)
+    offsets = np.concatenate([[0], np.cumsum([r for _, _, r in stages])]).astype(int)
+    terms = []
+    P = len(stages)
+
+    def cut_bw(t: int) -> float:  # the cut between stages t and t+1
+        level = topology.link_level(int(offsets[t]), int(offsets[t + 2]) - 1)
+        return topology.levels[level].bandwidth
+
+    for t, (a, b, r) in enumerate(stages):
+        level = topology.link_level(int(offsets[t]), int(offsets[t + 1]) - 1)
+        terms.append(
+            float(
+                cost.stage_time(
+                    cost_model,
+                    float(arrays.compute[a : b + 1].sum()),
+                    float(arrays.params[a : b + 1].sum()),
+                    r,
+                    topology.levels[level].bandwidth,
+                    updates_per_microbatch=u,
+                    first=t == 0,
+                )
+            )
+        )
+        if t == 0:
+            continue
+        before = arrays.cut[stages[t - 1][1]]
+        if cost_model == "pipedream-code":
+            terms.append(2.0 * before / (cut_bw(t - 1) * r))
+            if t < P - 1:
+                terms.append(2.0 * arrays.cut[b] / (cut_bw(t) * r))
+        else:
+            terms.append(2.0 * before / cut_bw(t - 1))
+    flat = [
+        (a, b, list(range(int(offsets[t]), int(offsets[t + 1]))))
+        for t, (a, b, _) in enumerate(stages)
+    ]
+    return build_plan(
+        profile,
+        topology,
+        arrays,
+        flat,
+        cost_model=cost_model,
+        schedule=schedule,
+        partitioner=partitioner,
+        num_microbatches=M,
+        time_per_microbatch=max(terms),
+        data_parallel_time=cost.data_parallel_time(arrays, topology, cost_model, u),
+        memory_limit=limit,
+        optimizer_state_factor=float(optimizer_state_factor),
+        options={},
+        microbatch_size=microbatch_size,
+    )
+
+
+def _straight(
+    profile: Profile,
+    topology: Topology,
+    num_stages: int | None,
+    replicas: int,
+    split,
+    name: str,
+    kwargs: dict,
+) -> Plan:
+    if replicas < 1:
+        raise PlanError(f"replicas must be at least 1, got {replicas}")
+    if num_stages is None:
+        num_stages = topology.num_devices // replicas
+        if num_stages < 1:
+            raise PlanError(
+                f"{replicas} replicas per stage but the topology has {topology.num_devices} devices"
+            )
+    if num_stages * replicas > topology.num_devices:
+        raise PlanError(
+            f"{num_stages} stages x {replicas} replicas need {num_stages * replicas} devices but "
+            f"the topology has {topology.num_devices}; use fewer stages or replicas"
+        )
+    arrays = cost.model_arrays(profile, kwargs.get("microbatch_size"))
+    ranges = split(arrays, num_stages)
+    return evaluate_partition(
+        profile,
+        topology,
+        [(a, b, replicas) for a, b in ranges],
+        partitioner=name,
+        **kwargs,
+    )
+
+
+def plan_uniform(
+    profile: Profile,
+    topology: Topology,
+    num_stages: int | None = None,
+    *,
+    replicas: int = 1,
+    **kwargs,
+) -> Plan:
+    """Equal layer counts per stage.
+
+    Args:
+      profile: per-layer costs.
+      topology: workers and bandwidths.
+      num_stages: stages; None: as many as the devices allow (``devices // replicas``).
+      replicas: devices per stage.
+      **kwargs: ``cost_model``, ``schedule``, ... as for :func:`evaluate_partition`.
+
+    Raises:
+      PlanError: more stages than layers, or more stages x replicas than devices.
+    """
+    return _straight(
+        profile,
+        topology,
+        num_stages,
+        replicas,
+        lambda arrays, p: uniform_split(arrays.num_layers, p),
+        "uniform",
+        kwargs,
+    )
+
+
+def plan_balanced_time(
+    profile: Profile,
+    topology: Topology,
+    num_stages: int | None = None,
+    *,
+    replicas: int = 1,
+    **kwargs,
+) -> Plan:
+    """The contiguous split minimising the slowest stage's compute (exact). Arguments as
+    for :func:`plan_uniform`."""
+    return _straight(
+        profile,
+        topology,
+        num_stages,
+        replicas,
+        lambda arrays, p: balanced_split(arrays.compute, p),
+        "balanced-time",
+        kwargs,
+    )
+
+
+def plan_balanced_params(
+    profile: Profile,
+    topology: Topology,
+    num_stages: int | None = None,
+    *,
+    replicas: int = 1,
+    **kwargs,
+) -> Plan:
+    """The contiguous split minimising the largest stage's parameter bytes (exact).
+    Arguments as for :func:`plan_uniform`."""
+    return _straight(
+        profile,
+        topology,
+        num_stages,
+        replicas,
+        lambda arrays, p: balanced_split(arrays.params, p),
+        "balanced-params",
+        kwargs,
+    )

@@ -1,0 +1,578 @@
+"""PipeDream's optimizer: optimality against brute force, the original's VGG-16 answers,
+memory limits, DAGs, and bad input."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdjax.errors import PlanError, ProfileError
+from pdjax.partition import Topology, evaluate_partition, plan_pipedream
+from pdjax.partition.pipedream import solve
+from pdjax.profile import LayerProfile, Profile
+
+MODELS = ("pdjax", "paper", "pipedream-code")
+
+# -- an independent reference ---------------------------------------------------------
+#
+# Every hierarchical configuration is enumerated explicitly (a stage at level k holds a
+# contiguous range on r units, each unit running its own configuration one level down) and
+# scored by a cost function written from the cost models' definitions in
+# pdjax.partition.cost, on plain lists built straight from the layers (chains only).
+
+
+@dataclass(frozen=True)
+class Ref:
+    compute: list[float]  # forward + backward seconds
+    params: list[float]
+    stash: list[float]
+    act: list[float]
+    cut: list[float]  # bytes after each layer of a chain; 0 after the last
+    levels: list[tuple[int, float]]
+    model: str
+    per_microbatch_update: bool
+    num_microbatches: int
+    limit: float | None = None
+    schedule: str = "pipedream"
+    opt: float = 2.0
+
+
+def ref_from(layers: list[LayerProfile], levels, model, schedule="pipedream", M=None, limit=None):
+    n_total = math.prod(n for n, _ in levels)
+    return Ref(
+        compute=[lp.forward_seconds + lp.backward_seconds for lp in layers],
+        params=[float(lp.param_bytes) for lp in layers],
+        stash=[float(lp.input_bytes + lp.residual_bytes) for lp in layers],
+        act=[float(lp.output_bytes) for lp in layers],
+        cut=[float(lp.output_bytes) for lp in layers[:-1]] + [0.0],
+        levels=list(levels),
+        model=model,
+        per_microbatch_update=schedule == "pipedream",
+        num_microbatches=M or n_total,
+        limit=limit,
+        schedule=schedule,
+    )
+
+
+def partitions(i: int, j: int, n: int, straight: bool, fewer: bool):
+    """Every list of stages (a, b, r) covering i..j with sum r == n (<= n with fewer)."""
+    for end in range(i, j + 1):
+        for r in (1,) if straight else range(1, n + 1):
+            if r > n:
+                continue
+            if end == j:
+                if r == n or fewer:
+                    yield [(i, j, r)]
+            elif n - r >= 1:
+                for rest in partitions(end + 1, j, n - r, straight, fewer):
+                    yield [(i, end, r), *rest]
+
+
+def configs(ref: Ref, k: int, i: int, j: int, straight: bool, fewer: bool):
+    """Every configuration tree of layers i..j on one group of level k."""
+    n = ref.levels[k][0]
+    for stages in partitions(i, j, n, straight, fewer):
+        if k == 0:
+            yield [(a, b, r, None) for a, b, r in stages]
+            continue
+        inner = [list(configs(ref, k - 1, a, b, straight, fewer)) for a, b, _ in stages]
+        for choice in itertools.product(*inner):
+            yield [(a, b, r, sub) for (a, b, r), sub in zip(stages, choice, strict=True)]
+
+
+def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
+    """The memory the planner's check charges a stage (0 where the model checks none)."""
+    w = sum(ref.params[a : b + 1])
+    if ref.model == "pipedream-code":
+        return math.ceil(after / r) * (sum(ref.act[a : b + 1]) + w)
+    if k > 0:
+        return 0.0
+    n_total = math.prod(n for n, _ in ref.levels)
+    outer = n_total - ref.levels[0][0]
+    bound = 1 + min(after + outer, len(ref.compute) - 1 - b)
+    if ref.schedule == "gpipe":
+        inflight = ref.num_microbatches
+    elif ref.schedule in ("1f1b", "interleaved", "zb-h1"):
+        inflight = min(bound, ref.num_microbatches)
+    else:
+        inflight = bound
+    stash = sum(ref.stash[a : b + 1])
+    if ref.model == "paper":
+        q = math.ceil(inflight / r)
+        return w * (q + ref.opt) + stash * q
+    versions = {"pipedream": inflight, "2bw": 2}.get(ref.schedule, 1)
+    return w * (versions + ref.opt) + stash * inflight / r
+
+
+def ref_value(ref: Ref, k: int, tree) -> float:
+    """Time per microbatch of a configuration tree at level k (inf if it breaks the limit)."""
+    n, bw = ref.levels[k]
+    g = ref.levels[k - 1][0] if k > 0 else 1
+    last_layer = len(ref.compute) - 1
+    u = 1.0 if ref.per_microbatch_update else 1.0 / ref.num_microbatches
+    terms = []
+    used = 0
+    for t, (a, b, r, sub) in enumerate(tree):
+        used += r
+        if ref.limit is not None and ref_memory(ref, k, a, b, r, n - used) > ref.limit:
+            return math.inf
+        c = sum(ref.compute[a : b + 1]) if k == 0 else ref_value(ref, k - 1, sub)
+        w = sum(ref.params[a : b + 1])
+        if ref.model == "pdjax":
+            terms.append(c / r + 2 * (r - 1) / r * w / bw * u)
+        elif ref.model == "paper":
+            terms.append(max(c, 2 * (r - 1) * w / bw) / r)
+        else:
+            allreduce = 4 * (r - 1) * w / (bw * r)
+            terms.append((c + (allreduce / g if t == 0 else allreduce)) / r)
+        if t == 0:
+            continue
+        before = ref.cut[tree[t - 1][1]]
+        if ref.model == "pipedream-code":
+            terms.append(2 * before / (bw * r))
+            if b < last_layer:
+                terms.append(2 * ref.cut[b] / (bw * r))
+        else:
+            terms.append(2 * before / bw)
+    return max(terms)
+
+
+def brute_force(ref: Ref, straight=False, fewer=False) -> float:
+    top = len(ref.levels) - 1
+    trees = configs(ref, top, 0, len(ref.compute) - 1, straight, fewer)
+    return min((ref_value(ref, top, t) for t in trees), default=math.inf)
+
+
+def as_ref_tree(nodes):
+    return [
+        (n.first, n.last, n.units, None if n.inner is None else as_ref_tree(n.inner)) for n in nodes
+    ]
+
+
+# -- strategies -----------------------------------------------------------------------
+
+
+@st.composite
+def chains(draw, max_layers=5):
+    """Small chains whose compute, all-reduce and transfer terms are of comparable size at
+    the drawn bandwidths, so that every kind of term decides some optima."""
+    n = draw(st.integers(1, max_layers))
+    layers = []
+    for i in range(n):
+        layers.append(
+            LayerProfile(
+                name=f"l{i}",
+                forward_seconds=draw(st.sampled_from([0.0, 0.01]) | st.floats(0.0, 0.05)),
+                backward_seconds=draw(st.floats(0.0, 0.1)),
+                param_bytes=draw(st.sampled_from([0, 10**6]) | st.integers(0, 10**8)),
+                output_bytes=draw(st.sampled_from([0, 10**7]) | st.integers(0, 10**8)),
+                input_bytes=draw(st.integers(0, 10**8)),
+            )
+        )
+    return layers
+
+
+bandwidths = st.sampled_from([1.25e9, 1e10]) | st.floats(5e8, 2e10)
+one_level = st.tuples(st.integers(1, 4), bandwidths).map(lambda lv: [lv])
+two_levels = st.tuples(st.integers(1, 3), bandwidths, st.integers(1, 3), bandwidths).map(
+    lambda t: [(t[0], t[1]), (t[2], t[3])]
+)
+FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def topology_of(levels) -> Topology:
+    return Topology.from_levels([n for n, _ in levels], [b for _, b in levels])
+
+
+def check_optimal(layers, levels, model, *, straight=False, fewer=False, schedule="pipedream"):
+    profile = Profile.chain(layers, batch_size=4)
+    topo = topology_of(levels)
+    ref = ref_from(layers, levels, model, schedule=schedule)
+    expected = brute_force(ref, straight, fewer)
+    if straight and not fewer and topo.num_devices > len(layers):
+        with pytest.raises(PlanError, match="straight pipeline"):
+            plan_pipedream(profile, topo, cost_model=model, straight=True)
+        return
+    search, tables = solve(
+        profile, topo, cost_model=model, schedule=schedule, straight=straight, fewer_machines=fewer
+    )
+    got = search.best(tables)
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    # The configuration it returns scores its optimum under the reference cost.
+    tree = as_ref_tree(search.tree(tables))
+    assert ref_value(ref, len(levels) - 1, tree) == pytest.approx(got, rel=1e-9, abs=1e-15)
+    plan = plan_pipedream(
+        profile, topo, cost_model=model, schedule=schedule, straight=straight, fewer_machines=fewer
+    )
+    assert plan.time_per_microbatch == got
+    devices = [d for s in plan.stages for d in s.devices]
+    assert len(devices) == len(set(devices))
+    if not fewer:
+        assert sorted(devices) == list(range(topo.num_devices))
+    if straight:
+        assert all(s.replicas == 1 for s in plan.stages)
+    if len(levels) == 1:
+        stages = [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages]
+        again = evaluate_partition(profile, topo, stages, cost_model=model, schedule=schedule)
+        assert again.time_per_microbatch == pytest.approx(got, rel=1e-12)
+    else:
+        # Replicas stay in whole, consecutive servers, the same number in each.
+        server = levels[0][0]
+        for s in plan.stages:
+            per_server: dict[int, int] = {}
+            for d in s.devices:
+                per_server[d // server] = per_server.get(d // server, 0) + 1
+            assert len(set(per_server.values())) == 1
+            keys = sorted(per_server)
+            assert keys == list(range(keys[0], keys[0] + len(keys)))
+
+
+# -- optimality -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", MODELS)
+@given(layers=chains(), levels=one_level)
+@FAST
+def test_dp_equals_brute_force_one_level(model, layers, levels):
+    check_optimal(layers, levels, model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@given(layers=chains(max_layers=4), levels=two_levels)
+@FAST
+def test_dp_equals_brute_force_two_levels(model, layers, levels):
+    check_optimal(layers, levels, model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("straight,fewer", [(True, False), (False, True), (True, True)])
+@given(layers=chains(max_layers=4), levels=one_level | two_levels, data=st.data())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_dp_options_equal_brute_force(model, straight, fewer, layers, levels, data):
+    if len(levels) == 2:
+        layers = layers[:3]
+    schedule = data.draw(st.sampled_from(["pipedream", "1f1b"]))
+    check_optimal(layers, levels, model, straight=straight, fewer=fewer, schedule=schedule)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@given(
+    layers=chains(max_layers=4),
+    levels=one_level | two_levels,
+    schedule=st.sampled_from(["pipedream", "1f1b", "gpipe", "2bw"]),
+    fraction=st.floats(0.05, 1.0),
+)
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fraction):
+    if len(levels) == 2:
+        layers = layers[:3]
+    profile = Profile.chain(layers, batch_size=4)
+    topo = topology_of(levels)
+    free = ref_from(layers, levels, model, schedule=schedule)
+    top = len(levels) - 1
+
+    def peak(ref, k, tree):
+        n = ref.levels[k][0]
+        used, out = 0, 0.0
+        for a, b, r, sub in tree:
+            used += r
+            out = max(out, ref_memory(ref, k, a, b, r, n - used))
+            if sub is not None:
+                out = max(out, peak(ref, k - 1, sub))
+        return out
+
+    smallest = min(peak(free, top, t) for t in configs(free, top, 0, len(layers) - 1, False, False))
+    # A limit between the smallest feasible one and the unconstrained optimum's needs.
+    limit = max(smallest, 1.0) * (1 + 4 * fraction)
+    ref = ref_from(layers, levels, model, schedule=schedule, limit=limit)
+    expected = brute_force(ref)
+    plan = plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=limit)
+    assert plan.time_per_microbatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    if smallest > 0:
+        with pytest.raises(PlanError, match="smallest limit that works") as info:
+            plan_pipedream(
+                profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest * 0.999
+            )
+        said = float(re.search(r"works is ([0-9.e+]+) bytes", str(info.value)).group(1))
+        assert said == pytest.approx(smallest, rel=1e-5)
+        plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest)
+
+
+def test_memory_limit_is_respected_by_the_reported_memory():
+    profile = Profile.load("pipedream:vgg16")
+    topo = Topology.flat(8, 1.25e9)
+    free = plan_pipedream(profile, topo)
+    with pytest.raises(PlanError) as info:
+        plan_pipedream(profile, topo, memory_limit=1.0)
+    smallest = float(re.search(r"works is ([0-9.e+]+) bytes", str(info.value)).group(1))
+    assert smallest < max(free.memory_per_device)
+    limit = (smallest + max(free.memory_per_device)) / 2
+    plan = plan_pipedream(profile, topo, memory_limit=limit)
+    assert plan.fits_memory and max(plan.memory_per_device) <= limit
+    assert plan.time_per_microbatch >= free.time_per_microbatch
+    assert plan.memory_limit == limit
+
+
+# -- PipeDream's answers on its own VGG-16 profile ------------------------------------
+
+
+def _vgg() -> Profile:
+    return Profile.load("pipedream:vgg16")
+
+
+@pytest.mark.parametrize("workers,config,cut", [(4, "3-1", 17), (8, "7-1", 24)])
+def test_vgg16_pipedream_code_matches_the_original(workers, config, cut):
+    profile = _vgg()
+    plan = plan_pipedream(profile, Topology.flat(workers, 1.25e9), cost_model="pipedream-code")
+    assert plan.config == config
+    first, _ = plan.stages
+    assert (first.first_layer, first.last_layer) == (0, cut)
+    kinds = [layer.kind.split("(")[0] for layer in profile.layers]
+    # The first stage holds the input and convolutional layers only; every Linear is last.
+    assert kinds[0] == "Input"
+    assert set(kinds[: cut + 1]) <= {"Input", "Conv2d", "ReLU", "MaxPool2d"}
+    assert all(k != "Linear" or i > cut for i, k in enumerate(kinds))
+    assert plan.noam == math.ceil(workers / first.replicas) == 2
+    assert plan.speedup_over_single_device > 1 and plan.speedup_over_data_parallel > 1
+
+
+def test_vgg16_sixteen_workers_flat_is_the_papers_15_1():
+    profile = _vgg()
+    topo = Topology.flat(16, 1.25e9)
+    for model in ("paper", "pdjax"):
+        plan = plan_pipedream(profile, topo, cost_model=model)
+        assert plan.config == "15-1", model
+
+
+def test_input_layer_costs_nothing_and_stays_with_its_consumer():
+    profile = _vgg()
+    assert profile.layers[0].kind == "Input" and profile.layers[0].forward_seconds > 0
+    for workers in (2, 4, 41):
+        plan = plan_pipedream(
+            profile, Topology.flat(workers, 1.25e9), straight=True, fewer_machines=True
+        )
+        assert plan.stages[0].last_layer >= 1
+    plan = plan_pipedream(profile, Topology.flat(1, 1.25e9))
+    compute = sum(lp.forward_seconds + lp.backward_seconds for lp in profile.layers[1:])
+    assert plan.single_device_time == pytest.approx(compute)
+    assert plan.time_per_microbatch == pytest.approx(compute)
+
+
+# -- DAGs -----------------------------------------------------------------------------
+
+
+def test_dag_cut_bytes_count_every_crossing_output():
+    # 0 -> 1 -> 3, 0 -> 2 -> 3: a cut after 1 carries 0's output (to 2) and 1's (to 3).
+    sizes = [100, 10, 1000, 1]
+    layers = [
+        LayerProfile(f"l{i}", forward_seconds=0.01, backward_seconds=0.01, output_bytes=s)
+        for i, s in enumerate(sizes)
+    ]
+    profile = Profile(tuple(layers), ((0, 1), (0, 2), (1, 3), (2, 3)), batch_size=1)
+    topo = Topology.flat(2, 100.0)
+    times = [
+        evaluate_partition(profile, topo, [(0, c, 1), (c + 1, 3, 1)]).time_per_microbatch
+        for c in range(3)
+    ]
+    assert times[0] == pytest.approx(2 * 100 / 100.0)  # after 0: 0's output
+    assert times[1] == pytest.approx(2 * 110 / 100.0)  # after 1: 0's and 1's outputs
+    assert times[2] == pytest.approx(2 * 1010 / 100.0)  # after 2: 1's and 2's outputs
+    best = plan_pipedream(profile, topo, straight=True)
+    assert best.stages[0].last_layer == 0
+
+
+@pytest.mark.parametrize("name", ["resnet50", "gnmt", "inception_v3"])
+def test_published_dag_profiles_plan(name):
+    profile = Profile.load(f"pipedream:{name}")
+    for model in MODELS:
+        plan = plan_pipedream(
+            profile, Topology.from_levels([4, 2], [1e10, 1.25e9]), cost_model=model
+        )
+        assert plan.stages[0].first_layer == 0 and plan.stages[-1].last_layer == len(profile) - 1
+        assert plan.num_devices == 8
+        assert np.isfinite(plan.time_per_microbatch) and plan.time_per_microbatch > 0
+
+
+# -- schedules, microbatches, devices -------------------------------------------------
+
+
+def _toy(n=6) -> Profile:
+    layers = [
+        LayerProfile(
+            f"l{i}",
+            forward_seconds=0.01 * (i + 1),
+            backward_seconds=0.02 * (i + 1),
+            param_bytes=1000 * (i + 1),
+            output_bytes=10**6,
+            input_bytes=10**6,
+            residual_bytes=5 * 10**5,
+        )
+        for i in range(n)
+    ]
+    return Profile.chain(layers, batch_size=16)
+
+
+@pytest.mark.parametrize(
+    "schedule,expected", [("pipedream", [4, 3, 2, 1]), ("1f1b", [3, 3, 2, 1]), ("gpipe", [3] * 4)]
+)
+def test_in_flight_per_schedule(schedule, expected):
+    plan = plan_pipedream(
+        _toy(), Topology.flat(4, 1e9), straight=True, schedule=schedule, num_microbatches=3
+    )
+    assert list(plan.in_flight) == expected
+    assert plan.noam == 4
+    assert plan.schedule == schedule and plan.num_microbatches == 3
+
+
+def test_memory_per_device_formula():
+    profile = _toy(4)
+    plan = plan_pipedream(profile, Topology.flat(4, 1e9), straight=True, optimizer_state_factor=0)
+    for s, stage in enumerate(plan.stages):
+        lp = profile.layers[stage.first_layer]
+        inflight = 4 - s
+        assert stage.memory_bytes == pytest.approx(
+            lp.param_bytes * inflight + lp.stash_bytes * inflight
+        )
+    adam = plan_pipedream(profile, Topology.flat(4, 1e9), straight=True)
+    assert adam.stages[-1].memory_bytes == pytest.approx(
+        plan.stages[-1].memory_bytes + 2 * profile.layers[-1].param_bytes
+    )
+
+
+def test_microbatch_size_scales_time_and_activations_not_weights():
+    profile = _toy()
+    topo = Topology.flat(1, 1e9)
+    full = plan_pipedream(profile, topo)
+    half = plan_pipedream(profile, topo, microbatch_size=8)
+    assert half.time_per_microbatch == pytest.approx(full.time_per_microbatch / 2)
+    assert half.microbatch_size == 8 and full.microbatch_size == 16
+    weights = sum(lp.param_bytes for lp in profile.layers) * (1 + 2)
+    stash = sum(lp.stash_bytes for lp in profile.layers)
+    assert full.stages[0].memory_bytes == pytest.approx(weights + stash)
+    assert half.stages[0].memory_bytes == pytest.approx(weights + stash / 2)
+
+
+def test_update_frequency_matters_only_for_pdjax_replication():
+    layers = [LayerProfile("a", forward_seconds=0.1, backward_seconds=0.2, param_bytes=10**9)]
+    profile = Profile.chain(layers, batch_size=8)
+    topo = Topology.flat(4, 1e9)
+    per_mb = plan_pipedream(profile, topo, schedule="pipedream")
+    per_step = plan_pipedream(profile, topo, schedule="1f1b", num_microbatches=8)
+    allreduce = 2 * 3 / 4 * 1e9 / 1e9
+    assert per_mb.time_per_microbatch == pytest.approx(0.3 / 4 + allreduce)
+    assert per_step.time_per_microbatch == pytest.approx(0.3 / 4 + allreduce / 8)
+    assert per_mb.data_parallel_time == pytest.approx(per_mb.time_per_microbatch)
+
+
+def test_local_devices_topology_gives_device_ids():
+    import jax
+
+    topo = Topology.from_devices(jax.devices())
+    plan = plan_pipedream(_toy(), topo, straight=True, fewer_machines=True)
+    ids = {d.id for d in jax.devices()}
+    assert {d for s in plan.stages for d in s.devices} <= ids
+
+
+def test_hierarchical_replicas_stay_inside_a_server():
+    # On 2 servers of 8, the original's optimizer replicates VGG-16 whole over the two
+    # servers and splits it 6-2 inside each: stage 0 gets 6 devices of each server.
+    topo = Topology.from_levels([8, 2], [1e11, 3.125e9])
+    search, tables = solve(_vgg(), topo, cost_model="pipedream-code")
+    (top,) = search.tree(tables)
+    assert top.units == 2 and [n.units for n in top.inner] == [6, 2]
+    plan = plan_pipedream(_vgg(), topo, cost_model="pipedream-code")
+    assert plan.config == "12-4"
+    assert plan.stages[0].devices == (0, 1, 2, 3, 4, 5, 8, 9, 10, 11, 12, 13)
+    assert plan.stages[1].devices == (6, 7, 14, 15)
+
+
+# -- bad input ------------------------------------------------------------------------
+
+
+def test_straight_pipeline_needs_enough_layers():
+    with pytest.raises(PlanError, match=r"needs 8 stages.*fewer_machines"):
+        plan_pipedream(_toy(6), Topology.flat(8, 1e9), straight=True)
+
+
+def test_memory_limit_nothing_fits_says_smallest_limit():
+    with pytest.raises(PlanError, match=r"smallest limit that works is [0-9.e+]+ bytes"):
+        plan_pipedream(_vgg(), Topology.flat(4, 1.25e9), memory_limit=1e6)
+
+
+def test_profile_without_layers_or_with_a_cycle():
+    good = _toy(3)
+    empty = object.__new__(Profile)
+    for name, value in (("layers", ()), ("edges", ()), ("batch_size", 4)):
+        object.__setattr__(empty, name, value)
+    with pytest.raises(PlanError, match="no layers"):
+        plan_pipedream(empty, Topology.flat(2, 1e9))
+    cyclic = object.__new__(Profile)
+    for name in ("layers", "batch_size", "time_source", "dtype", "meta"):
+        object.__setattr__(cyclic, name, getattr(good, name))
+    object.__setattr__(cyclic, "edges", ((0, 1), (1, 2), (2, 1)))
+    with pytest.raises(PlanError, match="cycle"):
+        plan_pipedream(cyclic, Topology.flat(2, 1e9))
+    with pytest.raises(ProfileError):  # the dataclass itself refuses both
+        Profile(layers=(), edges=(), batch_size=1)
+
+
+def test_profile_without_times():
+    layers = [LayerProfile("a", param_bytes=4), LayerProfile("b")]
+    with pytest.raises(PlanError, match="per-layer times"):
+        plan_pipedream(Profile.chain(layers, batch_size=1), Topology.flat(2, 1e9))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"cost_model": "nope"}, "unknown cost model"),
+        ({"schedule": "nope"}, "unknown schedule"),
+        ({"num_microbatches": 0}, "num_microbatches"),
+        ({"microbatch_size": 0}, "microbatch_size"),
+        ({"optimizer_state_factor": -1.0}, "optimizer_state_factor"),
+        ({"memory_limit": -5.0}, "memory_limit"),
+    ],
+)
+def test_bad_options(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        plan_pipedream(_toy(), Topology.flat(2, 1e9), **kwargs)
+
+
+def test_pipedream_code_charges_the_output_transfer_to_the_sending_stage():
+    # 1-1-2: the middle stage (one replica) sends 6e8 bytes to a stage of two; the original
+    # charges 2 * 6e8 / (1e9 * 1) = 1.2 s to the sender, which is the slowest term here.
+    layers = [
+        LayerProfile("a", forward_seconds=0.5, backward_seconds=0.5),
+        LayerProfile(
+            "b",
+            forward_seconds=0.5,
+            backward_seconds=0.5,
+            param_bytes=10**9,
+            output_bytes=6 * 10**8,
+        ),
+        LayerProfile("c", forward_seconds=1.0, backward_seconds=1.0),
+    ]
+    profile = Profile.chain(layers, batch_size=1)
+    topo = Topology.flat(4, 1e9)
+    plan = plan_pipedream(profile, topo, cost_model="pipedream-code")
+    assert plan.config == "1-1-2"
+    assert plan.time_per_microbatch == pytest.approx(1.2)
+    ref = ref_from(layers, [(4, 1e9)], "pipedream-code")
+    assert brute_force(ref) == pytest.approx(1.2)
+    check_optimal(layers, [(4, 1e9)], "pipedream-code")
+
+
+def test_2bw_needs_a_microbatch_per_stage():
+    with pytest.raises(PlanError, match="2bw schedule needs at least"):
+        plan_pipedream(
+            _toy(), Topology.flat(4, 1e9), straight=True, schedule="2bw", num_microbatches=2
+        )
+    plan = plan_pipedream(_toy(), Topology.flat(4, 1e9), straight=True, schedule="2bw")
+    assert plan.num_microbatches == 4 and list(plan.in_flight) == [4, 3, 2, 1]
