@@ -1,0 +1,245 @@
+"""``pdjax simulate``: play schedules against a plan's costs (or unit costs) and compare them.
+
+pdjax simulate --unit-costs 1,1,1 --stages 4 --schedule all --microbatches 8 --png out.png
+pdjax simulate --plan plan.json --profile profile.json --schedule 1f1b --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from pdjax._units import fmt_bytes, fmt_seconds
+from pdjax.errors import ScheduleError
+from pdjax.pipeline.schedule import SCHEDULES, generate
+from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate, unit_costs
+
+__all__ = ["costs_from_plan", "register", "run"]
+
+
+def costs_from_plan(plan_path: str, profile_path: str) -> tuple[PipelineCosts, tuple[int, ...]]:
+    """Reads a Plan and its Profile and returns per-stage costs and replicas per stage.
+
+    Raises:
+        NotImplementedError: always, until the Plan format lands (the planner's half).
+    """
+    raise NotImplementedError(
+        f"pdjax simulate --plan {plan_path} --profile {profile_path}: reading a Plan into "
+        "stage costs is not wired yet (pdjax.commands.simulate.costs_from_plan). Use "
+        "--unit-costs F,I,W --stages P for now."
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds the ``simulate`` subcommand."""
+    p = subparsers.add_parser(
+        "simulate",
+        help="step time, bubble and memory of pipeline schedules",
+        description="Play pipeline schedules against a plan's costs (or unit costs) and "
+        "print step time, bubble fraction and peak memory per device group.",
+    )
+    p.add_argument("--plan", help="plan JSON (from pdjax plan)")
+    p.add_argument("--profile", help="profile JSON the plan was made from")
+    p.add_argument(
+        "--unit-costs",
+        metavar="F,I,W",
+        help="seconds of forward, input-grad and weight-grad per stage (backward = I + W), "
+        "free transfers; replaces the plan (needs --stages)",
+    )
+    p.add_argument("--stages", type=int, help="P, stages (device groups) for --unit-costs")
+    p.add_argument(
+        "--schedule",
+        default="1f1b",
+        choices=(*SCHEDULES, "all"),
+        help="schedule to simulate, or all of them side by side",
+    )
+    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per group (interleaved)")
+    p.add_argument(
+        "--stream",
+        type=int,
+        help="N, microbatches streamed by pipedream and 2bw (default: a multiple of M, "
+        "at least 4 M and 2 P)",
+    )
+    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
+    p.add_argument(
+        "--no-weight-stashing",
+        dest="weight_stashing",
+        action="store_false",
+        help="pipedream: backward with the newest weights",
+    )
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def _parse_unit_costs(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or any(not v >= 0 for v in values):
+        raise ScheduleError(
+            f"--unit-costs takes three numbers >= 0, 'F,I,W' (e.g. 1,1,1); got {text!r}"
+        )
+    return values  # type: ignore[return-value]
+
+
+def _default_stream(stages: int, microbatches: int) -> int:
+    steps = max(4, -(-2 * stages // microbatches))
+    return steps * microbatches
+
+
+def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]:
+    """Each requested schedule with its simulation, or the reason it cannot run."""
+    if args.unit_costs is not None:
+        if args.plan or args.profile:
+            raise ScheduleError("give either --unit-costs (with --stages) or --plan/--profile")
+        if args.stages is None:
+            raise ScheduleError("--unit-costs needs --stages P (the number of stages, >= 1)")
+        if args.stages < 1:
+            raise ScheduleError(f"--stages must be >= 1; got {args.stages}")
+        f, i, w = _parse_unit_costs(args.unit_costs)
+        stages = args.stages
+        replicas = None
+
+        def costs_for(chunks: int) -> PipelineCosts:
+            return unit_costs(stages, f, i, w, chunks=chunks)
+
+    elif args.plan and args.profile:
+        base, replicas = costs_from_plan(args.plan, args.profile)
+        stages = len(base.stages)
+        if args.stages is not None and args.stages != stages:
+            raise ScheduleError(
+                f"--stages {args.stages} disagrees with the plan's {stages} stages; drop "
+                f"--stages or use --unit-costs"
+            )
+
+        def costs_for(chunks: int) -> PipelineCosts:
+            return base.interleave(chunks)
+
+    else:
+        raise ScheduleError(
+            "pdjax simulate needs costs: --plan PLAN.json --profile PROFILE.json, or "
+            "--unit-costs F,I,W --stages P"
+        )
+    stream = args.stream
+    if stream is None:
+        stream = _default_stream(stages, max(1, args.microbatches))
+    names = SCHEDULES if args.schedule == "all" else (args.schedule,)
+    results: list[tuple[str, Simulation | str]] = []
+    for name in names:
+        try:
+            schedule = generate(
+                name,
+                stages,
+                args.microbatches,
+                stream=stream,
+                chunks=args.chunks,
+                vertical_sync=args.vertical_sync,
+                weight_stashing=args.weight_stashing,
+                replicas=replicas,
+            )
+            results.append((name, simulate(schedule, costs_for(schedule.chunks))))
+        except ScheduleError as e:
+            if args.schedule != "all":
+                raise
+            results.append((name, str(e)))
+    return results
+
+
+def _label(sim: Simulation) -> str:
+    s = sim.schedule
+    if s.name == "interleaved":
+        return f"interleaved (v={s.chunks})"
+    if s.name == "pipedream":
+        extras = [
+            x for x, on in [("vsync", s.vertical_sync), ("no stash", not s.weight_stashing)] if on
+        ]
+        return "pipedream" + (f" ({', '.join(extras)})" if extras else "")
+    return s.name
+
+
+def _note(sim: Simulation) -> str:
+    s = sim.schedule
+    if s.name in ("pipedream", "2bw"):
+        where = "steady state" if sim.steady_state else "whole run (stream too short)"
+        return f"{where}, stream N={s.num_microbatches}"
+    return f"M={s.microbatches_per_step}, {s.num_steps} step(s)"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Simulates the requested schedules; prints a table (or JSON) and writes pictures."""
+    results = _simulations(args)
+    sims = [r for _, r in results if isinstance(r, Simulation)]
+    if args.trace and sims:
+        from pdjax.pipeline.trace import write_chrome_trace
+
+        write_chrome_trace([s.timeline for s in sims], args.trace)
+    if args.png and sims:
+        from pdjax.pipeline.trace import plot_gantt
+
+        titles = [
+            f"{_label(s)}: step {s.step_time:.4g} s, {s.time_per_microbatch:.4g} s/microbatch, "
+            f"bubble {s.bubble_fraction:.1%} ({_note(s)})"
+            for s in sims
+        ]
+        plot_gantt([s.timeline for s in sims], args.png, titles=titles)
+    if args.json:
+        rows = [
+            r.summary() if isinstance(r, Simulation) else {"schedule": name, "error": r}
+            for name, r in results
+        ]
+        print(json.dumps({"schedules": rows}, indent=1))
+        return 0
+    _print_table(results)
+    for flag, path in [("trace", args.trace), ("Gantt chart", args.png)]:
+        if path and sims:
+            print(f"{flag} written to {path}")
+    return 0
+
+
+def _runs(cells: Sequence[str]) -> str:
+    """``['0 B', '0 B', '1 KiB'] -> '0 B x2, 1 KiB'``: per-group values, runs collapsed."""
+    out: list[str] = []
+    count = 0
+    for i, cell in enumerate(cells):
+        count += 1
+        if i + 1 == len(cells) or cells[i + 1] != cell:
+            out.append(cell if count == 1 else f"{cell} x{count}")
+            count = 0
+    return ", ".join(out)
+
+
+def _print_table(results: Sequence[tuple[str, Simulation | str]], file: object = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="simulated schedules")
+    for header, justify in [
+        ("schedule", "left"),
+        ("step time", "right"),
+        ("per microbatch", "right"),
+        ("bubble", "right"),
+        ("peak memory per group", "left"),
+        ("in flight per stage", "left"),
+        ("note", "left"),
+    ]:
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for name, r in results:
+        if isinstance(r, str):
+            table.add_row(name, "-", "-", "-", "-", "-", f"not run: {r}")
+            continue
+        table.add_row(
+            _label(r),
+            fmt_seconds(r.step_time),
+            fmt_seconds(r.time_per_microbatch),
+            f"{r.bubble_fraction:.1%}",
+            _runs([fmt_bytes(b) for b in r.peak_memory]),
+            _runs([str(n) for n in r.peak_in_flight]),
+            _note(r),
+        )
+    Console(file=file or sys.stdout, width=160).print(table)

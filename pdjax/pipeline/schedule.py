@@ -1,0 +1,1136 @@
+"""Pipeline schedules as data: actions, generators, a validator, and text forms.
+
+A :class:`Schedule` lists, for each device group, the ordered actions it runs:
+
+- ``F(stage, mb)``: forward of microbatch ``mb`` through ``stage``;
+- ``B(stage, mb)``: its whole backward (input gradient and weight gradient);
+- ``I(stage, mb)`` / ``W(stage, mb)``: the backward split into the input gradient (what the
+  previous stage waits for) and the weight gradient (which can be deferred);
+- ``U(stage, step)``: the optimizer update of ``stage`` with the gradients of update ``step``.
+
+Every action carries the weight *version* it must use (the number of optimizer updates the
+stage's weights have received; for ``U`` the version it reads, producing ``version + 1``).
+Transfers are not listed: activations flow ``F(s, k) -> F(s + 1, k)`` and gradients
+``B/I(s + 1, k) -> B/I(s, k)`` whenever the two stages live on different device groups.
+
+Compact strings name one action as ``<stage><kind><mb>[v<version>]``, the version shown only
+when it is not 0: ``"2F0"`` is the forward of microbatch 0 at stage 2 with version 0,
+``"1B7v3"`` the backward of microbatch 7 at stage 1 with version 3, ``"0U2v2"`` the third
+update of stage 0. :meth:`Schedule.grid` prints the unit-time clock (every action one tick,
+each as early as its dependencies allow) with one column per device group; :func:`parse_grid`
+reads it back.
+
+>>> s = one_f_one_b(2, 2)
+>>> print(s.grid())
+t  g0   g1
+0  0F0  .
+1  0F1  1F0
+2  .    1B0
+3  0B0  1F1
+4  .    1B1
+5  0B1  1U0
+6  0U0  .
+>>> parse_grid(s.grid()) == s.actions
+True
+>>> validate(s)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+from pdjax.errors import ScheduleError
+
+__all__ = [
+    "KINDS",
+    "SCHEDULES",
+    "Action",
+    "Schedule",
+    "format_actions",
+    "generate",
+    "gpipe",
+    "interleaved",
+    "one_f_one_b",
+    "parse_actions",
+    "parse_grid",
+    "pipedream",
+    "pipedream_2bw",
+    "validate",
+    "zb_h1",
+]
+
+KINDS = ("F", "B", "I", "W", "U")
+"""Action kinds: forward, backward, input-gradient, weight-gradient, update."""
+
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+"""Schedule names, as :func:`generate` and the ``pdjax simulate`` command accept them."""
+
+_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_ASYNC = ("pipedream", "2bw")
+_JSON_FORMAT = "pdjax.schedule/1"
+_ACTION_RE = re.compile(r"(\d+)([FBIWU])(\d+)(?:v(\d+))?")
+
+
+class Action(NamedTuple):
+    """One step of one device group.
+
+    Attributes:
+        kind: ``"F"``, ``"B"``, ``"I"``, ``"W"`` or ``"U"``.
+        stage: the (virtual) stage index, ``0 <= stage < num_stages``.
+        mb: the microbatch index; for ``U``, the update index (the step).
+        version: the weight version the action uses (for ``U``: reads, and replaces with
+            ``version + 1``).
+    """
+
+    kind: str
+    stage: int
+    mb: int
+    version: int = 0
+
+    def __str__(self) -> str:
+        suffix = f"v{self.version}" if self.version else ""
+        return f"{self.stage}{self.kind}{self.mb}{suffix}"
+
+    def describe(self) -> str:
+        """Readable form for error messages, e.g. ``B(stage=1, mb=3, version=0)``."""
+        index = "step" if self.kind == "U" else "mb"
+        return f"{self.kind}(stage={self.stage}, {index}={self.mb}, version={self.version})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Reads a compact string such as ``"2F0"`` or ``"1B7v3"``.
+
+        Raises:
+            ScheduleError: if ``text`` is not ``<stage><kind><mb>[v<version>]``.
+
+        >>> Action.parse("1B7v3")
+        Action(kind='B', stage=1, mb=7, version=3)
+        """
+        match = _ACTION_RE.fullmatch(text.strip())
+        if match is None:
+            raise ScheduleError(
+                f"cannot read action {text!r}: expected <stage><kind><mb>[v<version>] with kind "
+                f"one of {'/'.join(KINDS)}, e.g. '2F0' or '1B7v3'"
+            )
+        stage, kind, mb, version = match.groups()
+        return cls(kind, int(stage), int(mb), int(version or 0))
+
+
+def format_actions(actions: Sequence[Sequence[Action]]) -> str:
+    """One line per device group: ``g<d>: <action> <action> ...``.
+
+    >>> print(format_actions(gpipe(2, 1).actions))
+    g0: 0F0 0B0 0U0
+    g1: 1F0 1B0 1U0
+    """
+    return "\n".join(f"g{d}: " + " ".join(map(str, acts)) for d, acts in enumerate(actions))
+
+
+def parse_actions(text: str) -> tuple[tuple[Action, ...], ...]:
+    """Inverse of :func:`format_actions`.
+
+    Raises:
+        ScheduleError: on a malformed line or action.
+    """
+    groups = []
+    for number, line in enumerate(text.strip().splitlines()):
+        head, sep, body = line.partition(":")
+        if not sep or head.strip() != f"g{number}":
+            raise ScheduleError(f"line {number + 1}: expected 'g{number}: <actions>', got {line!r}")
+        groups.append(tuple(Action.parse(token) for token in body.split()))
+    return tuple(groups)
+
+
+def parse_grid(text: str) -> tuple[tuple[Action, ...], ...]:
+    """Reads the per-device-group action lists back from :meth:`Schedule.grid`.
+
+    Raises:
+        ScheduleError: if the header or a row is malformed.
+    """
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    if not lines or lines[0].split()[0] != "t":
+        raise ScheduleError("a schedule grid starts with a header 't g0 g1 ...'")
+    width = len(lines[0].split()) - 1
+    groups: list[list[Action]] = [[] for _ in range(width)]
+    for line in lines[1:]:
+        cells = line.split()
+        if len(cells) != width + 1:
+            raise ScheduleError(f"grid row {line!r} has {len(cells) - 1} cells, expected {width}")
+        for d, cell in enumerate(cells[1:]):
+            if cell != ".":
+                groups[d].append(Action.parse(cell))
+    return tuple(tuple(g) for g in groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule: what every device group runs, in order, with which weights.
+
+    Attributes:
+        name: one of :data:`SCHEDULES`; fixes the semantics the validator checks.
+        num_stages: ``S``, the number of (virtual) stages. For ``interleaved`` with ``v``
+            chunks over ``P`` device groups, ``S = P * v``; otherwise ``S = P``.
+        num_microbatches: ``N``, all microbatches the schedule runs (``steps * M`` for the
+            flush schedules, the stream length for ``pipedream`` and ``2bw``).
+        microbatches_per_step: ``M``, the microbatches whose gradients one update applies
+            (1 for ``pipedream``, which updates after every microbatch).
+        actions: per device group, its actions in execution order.
+        stage_device: the device group of each stage: ``stage_device[s] = s % P``; for
+            ``interleaved``, group ``d`` holds stages ``d, d + P, d + 2P, ...``.
+        replicas: devices in each device group (a replicated stage splits each microbatch
+            across them).
+        in_flight_bound: per device group, the most microbatches whose forward has run
+            there and whose backward (``B``, or ``I`` and ``W``) has not, summed over the
+            group's stages.
+        version_bound: per stage, the most weight versions it ever keeps.
+        vertical_sync: ``pipedream`` only: every stage uses the version stage 0 used.
+        weight_stashing: ``pipedream`` only: the backward reuses the forward's version
+            (``False``: it uses the newest weights, the paper's inconsistent baseline).
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    microbatches_per_step: int
+    actions: tuple[tuple[Action, ...], ...]
+    stage_device: tuple[int, ...]
+    replicas: tuple[int, ...]
+    in_flight_bound: tuple[int, ...]
+    version_bound: tuple[int, ...]
+    vertical_sync: bool = False
+    weight_stashing: bool = True
+
+    @property
+    def num_groups(self) -> int:
+        """``P``, the number of device groups (pipeline depth)."""
+        return len(self.actions)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device group (``v`` for ``interleaved``, else 1)."""
+        return self.num_stages // max(1, self.num_groups)
+
+    @property
+    def num_steps(self) -> int:
+        """Optimizer updates per stage over the whole schedule."""
+        return self.num_microbatches // self.microbatches_per_step
+
+    def stages_of(self, group: int) -> tuple[int, ...]:
+        """The stages device group ``group`` holds, in increasing order."""
+        return tuple(s for s, d in enumerate(self.stage_device) if d == group)
+
+    def clock(self) -> tuple[tuple[int, ...], ...]:
+        """Unit-time start tick of every action (each takes one tick, starts when ready).
+
+        Raises:
+            ScheduleError: if the schedule deadlocks (a cross-stage dependency cannot be met).
+        """
+        starts, _, _ = _play(self, lambda a: 1, None)
+        return tuple(tuple(int(t) for t in group) for group in starts)
+
+    def grid(self) -> str:
+        """The unit-time clock as text: one row per tick, one column per device group.
+
+        Idle cells print as ``.``; :func:`parse_grid` reads the actions back.
+        """
+        ticks = self.clock()
+        length = 1 + max((t[-1] for t in ticks if t), default=-1)
+        cells = [["."] * self.num_groups for _ in range(length)]
+        for d, (acts, times) in enumerate(zip(self.actions, ticks, strict=True)):
+            for action, tick in zip(acts, times, strict=True):
+                cells[tick][d] = str(action)
+        rows = [["t"] + [f"g{d}" for d in range(self.num_groups)]]
+        rows += [[str(t), *row] for t, row in enumerate(cells)]
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows
+        )
+
+    def to_json(self) -> str:
+        """JSON text (each group's actions as one line of compact strings).
+
+        :meth:`from_json` returns an equal schedule.
+        """
+        lines = [f'  "format": {json.dumps(_JSON_FORMAT)}']
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name == "actions":
+                groups = ",\n".join(f"    {json.dumps(' '.join(map(str, g)))}" for g in value)
+                text = f"[\n{groups}\n  ]"
+            else:
+                text = json.dumps(list(value) if isinstance(value, tuple) else value)
+            lines.append(f"  {json.dumps(field.name)}: {text}")
+        return "{\n" + ",\n".join(lines) + "\n}\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Schedule:
+        """Reads :meth:`to_json` output.
+
+        Raises:
+            ScheduleError: if the text is not a pdjax schedule.
+        """
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ScheduleError(f"schedule JSON does not parse: {e}") from e
+        if not isinstance(data, dict) or data.get("format") != _JSON_FORMAT:
+            raise ScheduleError(f"not a pdjax schedule: expected a 'format': {_JSON_FORMAT!r} key")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names - {"format"}
+        missing = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing -= set(data)
+        if unknown or missing:
+            raise ScheduleError(
+                f"schedule JSON: unknown keys {sorted(unknown)}, missing keys {sorted(missing)}"
+            )
+        fields: dict[str, Any] = {}
+        try:
+            for name in names & set(data):
+                value = data[name]
+                if name == "actions":
+                    value = tuple(tuple(map(Action.parse, g.split())) for g in value)
+                elif isinstance(value, list):
+                    value = tuple(value)
+                fields[name] = value
+        except (TypeError, AttributeError) as e:
+            raise ScheduleError(f"schedule JSON: malformed 'actions' ({e})") from e
+        return cls(**fields)
+
+
+# ----------------------------------------------------------------------------- generators
+
+
+def _positive(name: str, value: object, minimum: int = 1) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ScheduleError(f"{name} must be an integer >= {minimum}; got {value!r}")
+    return value
+
+
+def _replicas(replicas: Sequence[int] | None, groups: int) -> tuple[int, ...]:
+    if replicas is None:
+        return (1,) * groups
+    replicas = tuple(replicas)
+    if len(replicas) != groups:
+        raise ScheduleError(
+            f"replicas has {len(replicas)} entries but the pipeline has {groups} device groups "
+            f"(num_stages); pass one replica count per stage, e.g. the Plan's"
+        )
+    for r in replicas:
+        _positive("every replica count", r)
+    return replicas
+
+
+def _one_f_one_b_order(num_stages: int, count: int, stage: int) -> list[tuple[str, int]]:
+    """1F1B order at ``stage``: warm-up forwards, then forward/backward pairs, then drain."""
+    warmup = min(num_stages - stage - 1, count)
+    order = [("F", k) for k in range(warmup)]
+    for k in range(count - warmup):
+        order += [("F", warmup + k), ("B", k)]
+    order += [("B", k) for k in range(count - warmup, count)]
+    return order
+
+
+def _flush(
+    name: str,
+    groups: int,
+    chunks: int,
+    per_step: int,
+    steps: int,
+    step_order: Callable[[int], list[tuple[str, int, int]]],
+    in_flight: Callable[[int], int],
+    replicas: Sequence[int] | None,
+) -> Schedule:
+    """Repeats one step's order ``steps`` times, step ``t`` at version ``t``, then updates."""
+    stages = groups * chunks
+    actions = []
+    for d in range(groups):
+        order = step_order(d)
+        acts = []
+        for t in range(steps):
+            acts += [Action(kind, s, t * per_step + k, t) for kind, s, k in order]
+            acts += [Action("U", s, t, t) for s in range(d, stages, groups)]
+        actions.append(tuple(acts))
+    return Schedule(
+        name=name,
+        num_stages=stages,
+        num_microbatches=per_step * steps,
+        microbatches_per_step=per_step,
+        actions=tuple(actions),
+        stage_device=tuple(s % groups for s in range(stages)),
+        replicas=_replicas(replicas, groups),
+        in_flight_bound=tuple(in_flight(d) for d in range(groups)),
+        version_bound=(1,) * stages,
+    )
+
+
+def gpipe(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    steps: int = 1,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """GPipe: all forwards of a step, then all backwards (last microbatch first), then update.
+
+    Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
+    In flight: ``M`` at every stage. Versions kept: 1.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``M``, microbatches per step.
+        steps: optimizer steps to lay out.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+
+    >>> print(format_actions(gpipe(2, 2).actions))
+    g0: 0F0 0F1 0B1 0B0 0U0
+    g1: 1F0 1F1 1B1 1B0 1U0
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    _positive("steps", steps)
+
+    def order(s: int) -> list[tuple[str, int, int]]:
+        return [("F", s, k) for k in range(M)] + [("B", s, k) for k in reversed(range(M))]
+
+    return _flush("gpipe", P, 1, M, steps, order, lambda s: M, replicas)
+
+
+def one_f_one_b(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    steps: int = 1,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """1F1B with a flush (PipeDream-Flush): ``P - s - 1`` warm-up forwards, then F/B pairs.
+
+    Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
+    In flight at stage ``s``: at most ``min(P - s, M)``. Versions kept: 1.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``M``, microbatches per step.
+        steps: optimizer steps to lay out.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    _positive("steps", steps)
+
+    def order(s: int) -> list[tuple[str, int, int]]:
+        return [(kind, s, k) for kind, k in _one_f_one_b_order(P, M, s)]
+
+    return _flush("1f1b", P, 1, M, steps, order, lambda s: min(P - s, M), replicas)
+
+
+def zb_h1(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    steps: int = 1,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """ZB-H1 (zero bubble): 1F1B with the backward split, ``W`` deferred to fill bubbles.
+
+    Stage ``s`` runs the 1F1B order of ``F`` and ``I``; ``W(s, j)`` follows ``I(s, j + s)``
+    (stage 0 does not defer, the last stage defers ``P - 1``), and the deferred ``W`` fill the
+    drain. With ``F = I = W`` and ``M >= P`` every stage idles ``P - 1`` units per step,
+    a third of 1F1B's ``3 (P - 1)``.
+
+    Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
+    In flight (forward run, ``W`` not yet): at most ``min(P, M)`` at every stage, 1F1B's peak
+    (``min(P - s, M)`` still wait for ``I``). Versions kept: 1.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``M``, microbatches per step.
+        steps: optimizer steps to lay out.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    _positive("steps", steps)
+
+    def order(s: int) -> list[tuple[str, int, int]]:
+        out: list[tuple[str, int, int]] = []
+        for kind, k in _one_f_one_b_order(P, M, s):
+            if kind == "F":
+                out.append(("F", s, k))
+            else:
+                out.append(("I", s, k))
+                if k - s >= 0:
+                    out.append(("W", s, k - s))
+        out += [("W", s, k) for k in range(max(0, M - s), M)]
+        return out
+
+    return _flush("zb-h1", P, 1, M, steps, order, lambda s: min(P, M), replicas)
+
+
+def interleaved(
+    num_stages: int,
+    num_microbatches: int,
+    chunks: int = 2,
+    *,
+    steps: int = 1,
+    num_layers: int | None = None,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM): ``v`` model chunks per device group.
+
+    Device group ``d`` holds the virtual stages ``d, d + P, ..., d + (v - 1) P``. Forwards
+    go through microbatches in groups of ``P``, chunk by chunk; backwards likewise with the
+    chunks reversed. Group ``d`` warms up with ``2 (P - d - 1) + (v - 1) P`` forwards, then
+    alternates. With per-chunk costs ``F / v`` and ``B / v`` the bubble is 1F1B's divided
+    by ``v``. ``chunks=1`` is :func:`one_f_one_b`'s order.
+
+    Versions: every action of step ``t`` uses version ``t``; each virtual stage's
+    ``U(s, t)`` makes ``t + 1``. In flight at group ``d`` (over its chunks): at most
+    ``min(2 (P - d - 1) + (v - 1) P + 1, M v)``. Versions kept: 1.
+
+    Args:
+        num_stages: ``P``, device groups (the schedule has ``P * chunks`` virtual stages).
+        num_microbatches: ``M``, microbatches per step; a multiple of ``P`` when
+            ``chunks > 1``.
+        chunks: ``v``, model chunks per device group.
+        steps: optimizer steps to lay out.
+        num_layers: if given, the layer count to split into ``P * chunks`` equal stages.
+        replicas: devices per device group (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range, ``M`` not a multiple of ``P``, or a
+            layer count that ``P * chunks`` does not divide.
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    v = _positive("chunks (v)", chunks)
+    _positive("steps", steps)
+    if num_layers is not None:
+        _positive("num_layers", num_layers)
+        if num_layers % (P * v):
+            fits = [c for c in range(1, num_layers // P + 1) if num_layers % (P * c) == 0]
+            raise ScheduleError(
+                f"interleaved: chunks={v} over P={P} device groups needs a layer count divisible "
+                f"by P * chunks = {P * v}; got num_layers={num_layers}. Accepted chunks for "
+                f"{num_layers} layers and P={P}: {fits or 'none (use fewer device groups)'}"
+            )
+    if v > 1 and M % P:
+        raise ScheduleError(
+            f"interleaved with chunks={v} needs num_microbatches (M) a multiple of "
+            f"num_stages (P={P}); got M={M}. Accepted: M in {{{P}, {2 * P}, {3 * P}, ...}}"
+        )
+    total = M * v
+
+    def position(i: int, backward: bool) -> tuple[int, int]:
+        group, rest = divmod(i, P * v)
+        chunk = rest // P
+        return (v - 1 - chunk if backward else chunk), group * P + rest % P
+
+    def warmup(d: int) -> int:
+        return min(2 * (P - d - 1) + (v - 1) * P, total)
+
+    def order(d: int) -> list[tuple[str, int, int]]:
+        if v == 1:
+            return [(kind, d, k) for kind, k in _one_f_one_b_order(P, M, d)]
+        out = []
+        for i in range(warmup(d)):
+            chunk, k = position(i, False)
+            out.append(("F", d + chunk * P, k))
+        for i in range(total - warmup(d)):
+            chunk, k = position(warmup(d) + i, False)
+            out.append(("F", d + chunk * P, k))
+            chunk, k = position(i, True)
+            out.append(("B", d + chunk * P, k))
+        for i in range(total - warmup(d), total):
+            chunk, k = position(i, True)
+            out.append(("B", d + chunk * P, k))
+        return out
+
+    def in_flight(d: int) -> int:
+        return min(P - d, M) if v == 1 else min(warmup(d) + 1, total)
+
+    return _flush("interleaved", P, v, M, steps, order, in_flight, replicas)
+
+
+def pipedream(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    vertical_sync: bool = False,
+    weight_stashing: bool = True,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """PipeDream: asynchronous 1F1B over a stream, an update after every backward.
+
+    Stage ``s`` warms up with ``P - s - 1`` forwards, then runs ``F``, ``B``, ``U`` for each
+    microbatch, no flush. ``U(s, k)`` applies microbatch ``k``'s gradient and makes version
+    ``k + 1``.
+
+    Versions, for microbatch ``k`` at stage ``s``:
+
+    - default (weight stashing): ``F`` and ``B`` use ``max(0, k - (P - s) + 1)``;
+      versions kept: ``P - s``;
+    - ``vertical_sync=True``: ``F`` and ``B`` use ``max(0, k - P + 1)``, the version stage 0
+      used; versions kept: up to ``P``;
+    - ``weight_stashing=False``: ``F`` as above; ``B`` uses the newest weights, which at
+      stage ``s`` is version ``k`` (updates ``0 .. k - 1`` have run), written out in the
+      action; versions kept: 1 (``P`` with vertical sync).
+
+    In flight at stage ``s``: at most ``min(P - s, N)``.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``N``, the stream length.
+        vertical_sync: every stage uses stage 0's version for each microbatch.
+        weight_stashing: the backward reuses the forward's version.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+    """
+    P = _positive("num_stages (P)", num_stages)
+    N = _positive("num_microbatches (N, the stream length)", num_microbatches)
+    actions = []
+    for s in range(P):
+        lag = P if vertical_sync else P - s
+        acts = []
+        for kind, k in _one_f_one_b_order(P, N, s):
+            forward_version = max(0, k - lag + 1)
+            if kind == "F":
+                acts.append(Action("F", s, k, forward_version))
+            else:
+                acts.append(Action("B", s, k, forward_version if weight_stashing else k))
+                acts.append(Action("U", s, k, k))
+        actions.append(tuple(acts))
+    if vertical_sync:
+        versions = (P,) * P
+    else:
+        versions = tuple(P - s if weight_stashing else 1 for s in range(P))
+    return Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=_replicas(replicas, P),
+        in_flight_bound=tuple(min(P - s, N) for s in range(P)),
+        version_bound=versions,
+        vertical_sync=vertical_sync,
+        weight_stashing=weight_stashing,
+    )
+
+
+def pipedream_2bw(
+    num_stages: int,
+    microbatches_per_step: int,
+    num_microbatches: int,
+    *,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """PipeDream-2BW: 1F1B without flush, one update per ``M`` microbatches, two versions.
+
+    Stage ``s`` runs the 1F1B order over the whole stream and ``U(s, t)`` right after the
+    backward of step ``t``'s last microbatch: ``W(t + 1) = W(t) - lr * g(W(t - 1))``.
+
+    Versions: every ``F`` and ``B`` of step ``t`` (microbatches ``t M .. t M + M - 1``), at
+    every stage, uses ``W(t - 1)``, version ``max(0, t - 1)`` (``W(-1) = W(0)``); ``U(s, t)``
+    reads version ``t``. Versions kept: 2. In flight at stage ``s``: ``min(P - s, N)``.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        microbatches_per_step: ``M >= P``, microbatches per update.
+        num_microbatches: ``N``, the stream length, a multiple of ``M``.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range, ``M < P``, or ``N`` not a multiple of
+            ``M``.
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("microbatches_per_step (M)", microbatches_per_step)
+    N = _positive("num_microbatches (N, the stream length)", num_microbatches)
+    if M < P:
+        raise ScheduleError(
+            f"2bw needs microbatches_per_step (M) >= num_stages (P) so that step t can use "
+            f"W(t-1) at every stage; got M={M}, P={P}. Accepted: M in [{P}, inf)"
+        )
+    if N % M:
+        raise ScheduleError(
+            f"2bw needs num_microbatches (N, the stream length) a multiple of "
+            f"microbatches_per_step (M={M}); got N={N}. Accepted: N in {{{M}, {2 * M}, ...}}"
+        )
+    actions = []
+    for s in range(P):
+        acts = []
+        for kind, k in _one_f_one_b_order(P, N, s):
+            t = k // M
+            acts.append(Action(kind, s, k, max(0, t - 1)))
+            if kind == "B" and k % M == M - 1:
+                acts.append(Action("U", s, t, t))
+        actions.append(tuple(acts))
+    return Schedule(
+        name="2bw",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=M,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=_replicas(replicas, P),
+        in_flight_bound=tuple(min(P - s, N) for s in range(P)),
+        version_bound=(2,) * P,
+    )
+
+
+def generate(
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    stream: int | None = None,
+    chunks: int = 2,
+    steps: int = 1,
+    vertical_sync: bool = False,
+    weight_stashing: bool = True,
+    num_layers: int | None = None,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """Builds the schedule called ``name`` (one of :data:`SCHEDULES`).
+
+    Args:
+        name: the schedule.
+        num_stages: ``P``, device groups.
+        num_microbatches: ``M``, microbatches per step (for ``pipedream``, the stream length
+            when ``stream`` is not given).
+        stream: ``N``, the stream length of ``pipedream`` and ``2bw`` (default: ``steps * M``
+            for ``2bw``, ``M`` for ``pipedream``).
+        chunks: ``v`` for ``interleaved``.
+        steps: optimizer steps for the flush schedules and the default ``2bw`` stream.
+        vertical_sync: ``pipedream`` option.
+        weight_stashing: ``pipedream`` option.
+        num_layers: ``interleaved``: checks that ``P * chunks`` divides it.
+        replicas: devices per device group.
+
+    Raises:
+        ScheduleError: for an unknown name or a parameter out of range.
+    """
+    if name == "gpipe":
+        return gpipe(num_stages, num_microbatches, steps=steps, replicas=replicas)
+    if name == "1f1b":
+        return one_f_one_b(num_stages, num_microbatches, steps=steps, replicas=replicas)
+    if name == "zb-h1":
+        return zb_h1(num_stages, num_microbatches, steps=steps, replicas=replicas)
+    if name == "interleaved":
+        return interleaved(
+            num_stages,
+            num_microbatches,
+            chunks,
+            steps=steps,
+            num_layers=num_layers,
+            replicas=replicas,
+        )
+    if name == "pipedream":
+        return pipedream(
+            num_stages,
+            num_microbatches if stream is None else stream,
+            vertical_sync=vertical_sync,
+            weight_stashing=weight_stashing,
+            replicas=replicas,
+        )
+    if name == "2bw":
+        N = num_microbatches * steps if stream is None else stream
+        return pipedream_2bw(num_stages, num_microbatches, N, replicas=replicas)
+    raise ScheduleError(f"unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
+
+
+# ----------------------------------------------------------------------------- validator
+
+
+def _expected_in_flight(s: Schedule, group: int) -> int:
+    """In-flight bound of ``group`` under ``s.name``'s semantics (independent of generators)."""
+    P, S, M, N = s.num_groups, s.num_stages, s.microbatches_per_step, s.num_microbatches
+    if s.name == "gpipe":
+        return M
+    if s.name == "1f1b":
+        return min(P - group, M)
+    if s.name == "zb-h1":
+        return min(P, M)
+    if s.name == "interleaved":
+        v = S // P
+        if v == 1:
+            return min(P - group, M)
+        return min(2 * (P - group - 1) + (v - 1) * P + 1, M * v)
+    return min(P - group, N)
+
+
+def _expected_versions(s: Schedule, stage: int) -> int:
+    P = s.num_stages
+    if s.name == "pipedream":
+        if s.vertical_sync:
+            return P
+        return P - stage if s.weight_stashing else 1
+    return 2 if s.name == "2bw" else 1
+
+
+def _required_version(s: Schedule, a: Action, updates: int) -> tuple[int, str]:
+    """The version ``a`` must use, and why, given ``updates`` already run at its stage."""
+    P, M, k = s.num_stages, s.microbatches_per_step, a.mb
+    if a.kind == "U":
+        return updates, f"it is update number {updates} of stage {a.stage}"
+    step = k // M
+    if s.name in _FLUSH:
+        return step, f"{s.name} runs every microbatch of step {step} with version {step}"
+    if s.name == "2bw":
+        return max(0, step - 1), f"2bw runs step {step} with W(t-1), version max(0, t-1)"
+    if a.kind != "F" and not s.weight_stashing:
+        return updates, (
+            f"pipedream without weight stashing runs the backward with the newest weights, "
+            f"version {updates} after {updates} updates"
+        )
+    if s.vertical_sync:
+        return max(0, k - P + 1), "pipedream with vertical sync uses max(0, k-P+1)"
+    return max(0, k - (P - a.stage) + 1), "pipedream uses version max(0, k-(P-s)+1)"
+
+
+def _check_header(s: Schedule) -> None:
+    if s.name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule name {s.name!r}; accepted: {', '.join(SCHEDULES)}")
+    for label, value in [
+        ("num_stages", s.num_stages),
+        ("num_microbatches", s.num_microbatches),
+        ("microbatches_per_step", s.microbatches_per_step),
+        ("number of device groups", s.num_groups),
+    ]:
+        _positive(label, value)
+    if s.name == "pipedream" and s.microbatches_per_step != 1:
+        raise ScheduleError("pipedream updates after every microbatch: microbatches_per_step=1")
+    if s.num_microbatches % s.microbatches_per_step:
+        raise ScheduleError(
+            f"num_microbatches={s.num_microbatches} is not a multiple of "
+            f"microbatches_per_step={s.microbatches_per_step}"
+        )
+    if (s.vertical_sync or not s.weight_stashing) and s.name != "pipedream":
+        raise ScheduleError("vertical_sync and weight_stashing=False are pipedream options only")
+    if s.num_stages % s.num_groups or (s.chunks > 1 and s.name != "interleaved"):
+        raise ScheduleError(
+            f"{s.name} with {s.num_stages} stages on {s.num_groups} device groups: only "
+            f"interleaved puts several stages (a multiple of the groups) on one group"
+        )
+    expected_map = tuple(st % s.num_groups for st in range(s.num_stages))
+    if tuple(s.stage_device) != expected_map:
+        raise ScheduleError(
+            f"stage_device must be {list(expected_map)} (stage s on group s % P); "
+            f"got {list(s.stage_device)}"
+        )
+    for label, values, size in [
+        ("replicas", s.replicas, s.num_groups),
+        ("in_flight_bound", s.in_flight_bound, s.num_groups),
+        ("version_bound", s.version_bound, s.num_stages),
+    ]:
+        if len(values) != size:
+            raise ScheduleError(f"{label} has {len(values)} entries, expected {size}")
+    for r in s.replicas:
+        _positive("every replica count", r)
+    for d in range(s.num_groups):
+        if s.in_flight_bound[d] != _expected_in_flight(s, d):
+            raise ScheduleError(
+                f"device group {d}: in_flight_bound={s.in_flight_bound[d]} but {s.name} "
+                f"holds at most {_expected_in_flight(s, d)} microbatches there"
+            )
+    for st in range(s.num_stages):
+        if s.version_bound[st] != _expected_versions(s, st):
+            raise ScheduleError(
+                f"stage {st}: version_bound={s.version_bound[st]} but {s.name} keeps "
+                f"{_expected_versions(s, st)} weight versions there"
+            )
+
+
+def _where(s: Schedule, group: int, position: int) -> str:
+    return f"device group {group}, position {position}: {s.actions[group][position].describe()}"
+
+
+def _check_work(s: Schedule) -> None:
+    """Every action in range and on its stage's group; all work present exactly once."""
+    S, N, steps = s.num_stages, s.num_microbatches, s.num_steps
+    seen: dict[tuple[str, int, int], tuple[int, int]] = {}
+    for d, acts in enumerate(s.actions):
+        for pos, a in enumerate(acts):
+            if a.kind not in KINDS:
+                raise ScheduleError(f"{_where(s, d, pos)}: unknown kind {a.kind!r}")
+            if not 0 <= a.stage < S:
+                raise ScheduleError(f"{_where(s, d, pos)}: stage out of range [0, {S})")
+            if s.stage_device[a.stage] != d:
+                raise ScheduleError(
+                    f"{_where(s, d, pos)}: stage {a.stage} lives on device group "
+                    f"{s.stage_device[a.stage]}, not {d}"
+                )
+            limit = steps if a.kind == "U" else N
+            if not 0 <= a.mb < limit:
+                index = "step" if a.kind == "U" else "microbatch"
+                raise ScheduleError(f"{_where(s, d, pos)}: {index} out of range [0, {limit})")
+            key = (a.kind, a.stage, a.mb)
+            if key in seen:
+                first = seen[key]
+                raise ScheduleError(
+                    f"{_where(s, d, pos)} repeats work already done at device group "
+                    f"{first[0]}, position {first[1]}"
+                )
+            seen[key] = (d, pos)
+    for st in range(S):
+        for k in range(N):
+            if ("F", st, k) not in seen:
+                raise ScheduleError(f"drops work: F(stage={st}, mb={k}) is missing")
+            full = ("B", st, k) in seen
+            split = [kind for kind in "IW" if (kind, st, k) in seen]
+            if full and split:
+                raise ScheduleError(
+                    f"repeats work: stage {st}, mb {k} has both B and {'/'.join(split)}; "
+                    f"use either B or the pair I and W"
+                )
+            if not full and len(split) < 2:
+                lack = "B (or I and W)" if not split else ("W" if split == ["I"] else "I")
+                raise ScheduleError(f"drops work: stage {st}, mb {k} has no {lack}")
+        for t in range(steps):
+            if ("U", st, t) not in seen:
+                raise ScheduleError(f"drops work: U(stage={st}, step={t}) is missing")
+
+
+def _check_order(s: Schedule) -> None:
+    """Per device group: local order, versions, in-flight and version bounds."""
+    M = s.microbatches_per_step
+    for d, acts in enumerate(s.actions):
+        forwarded: set[tuple[int, int]] = set()
+        input_grads: set[tuple[int, int]] = set()
+        finished: set[tuple[int, int]] = set()
+        updates = dict.fromkeys(s.stages_of(d), 0)
+        in_flight = 0
+        for pos, a in enumerate(acts):
+            key = (a.stage, a.mb)
+            if a.kind == "F":
+                forwarded.add(key)
+                in_flight += 1
+                if in_flight > s.in_flight_bound[d]:
+                    raise ScheduleError(
+                        f"{_where(s, d, pos)} exceeds the in-flight bound: "
+                        f"{in_flight} > {s.in_flight_bound[d]} microbatches on the group"
+                    )
+            elif a.kind in "BI":
+                if key not in forwarded:
+                    raise ScheduleError(
+                        f"{_where(s, d, pos)} runs before its forward F(stage={a.stage}, mb={a.mb})"
+                    )
+                input_grads.add(key)
+            elif a.kind == "W" and key not in input_grads:
+                raise ScheduleError(
+                    f"{_where(s, d, pos)} runs before its input gradient I(stage={a.stage}, "
+                    f"mb={a.mb})"
+                )
+            if a.kind in "BW":
+                finished.add(key)
+                in_flight -= 1
+            if a.kind == "U":
+                for k in range(a.mb * M, (a.mb + 1) * M):
+                    if (a.stage, k) not in finished:
+                        raise ScheduleError(
+                            f"{_where(s, d, pos)} runs before the backward of microbatch {k}, "
+                            f"whose gradient it applies"
+                        )
+            done = updates[a.stage]
+            required, why = _required_version(s, a, done)
+            if a.version != required:
+                raise ScheduleError(
+                    f"{_where(s, d, pos)} uses weight version {a.version}, but {s.name} "
+                    f"requires version {required}: {why}"
+                )
+            if required > done:
+                raise ScheduleError(
+                    f"{_where(s, d, pos)} needs weight version {required}, which does not "
+                    f"exist yet: only {done} updates of stage {a.stage} have run before it"
+                )
+            if a.kind == "U":
+                updates[a.stage] += 1
+        for stage in s.stages_of(d):
+            live = _live_versions(acts, stage)
+            peak = max(live, default=0)
+            if peak > s.version_bound[stage]:
+                pos = live.index(peak)
+                raise ScheduleError(
+                    f"{_where(s, d, pos)}: stage {stage} keeps {peak} weight versions here, "
+                    f"more than {s.name}'s bound of {s.version_bound[stage]}"
+                )
+
+
+def _live_versions(acts: Sequence[Action], stage: int) -> list[int]:
+    """Weight versions of ``stage`` alive during each action of its group's list.
+
+    Version ``v`` lives from just after the update that makes it (from the start for
+    ``v = 0``) until its last use or the update that reads it, whichever is later.
+    """
+    made = {0: -1}
+    last_use: dict[int, int] = {}
+    for pos, a in enumerate(acts):
+        if a.stage != stage:
+            continue
+        last_use[a.version] = pos
+        if a.kind == "U":
+            made[a.version + 1] = pos
+    delta = [0] * (len(acts) + 1)
+    newest = max(made)
+    for v, start in made.items():
+        end = len(acts) - 1 if v == newest else max(last_use.get(v, -1), made[v + 1])
+        if end >= start + 1:
+            delta[start + 1] += 1
+            delta[end + 1] -= 1
+    live, count = [], 0
+    for pos in range(len(acts)):
+        count += delta[pos]
+        live.append(count)
+    return live
+
+
+def _play(
+    s: Schedule,
+    duration: Callable[[Action], float],
+    transfer: Callable[[int, int, int], float] | None,
+) -> tuple[list[list[float]], list[list[float]], list[tuple[int, int, float, float, Action]]]:
+    """Plays ``s``: every action starts once its group is free and its inputs have arrived.
+
+    Args:
+        s: the schedule.
+        duration: seconds (or ticks) of each action.
+        transfer: seconds to move the tensor crossing the cut after stage ``cut`` from group
+            ``src`` to group ``dst``, as ``transfer(cut, src, dst)``; ``None``: free. Each
+            directed pair of groups is one link that carries one tensor at a time, in the
+            order the sender produced them.
+
+    Returns:
+        Start times and end times per group (parallel to ``s.actions``), and the transfers
+        that take time as ``(src, dst, start, end, producing action)``.
+
+    Raises:
+        ScheduleError: if the schedule deadlocks.
+    """
+    S, G = s.num_stages, s.num_groups
+    where = s.stage_device
+    starts: list[list[float]] = [[] for _ in range(G)]
+    ends: list[list[float]] = [[] for _ in range(G)]
+    transfers: list[tuple[int, int, float, float, Action]] = []
+    ready: dict[tuple[str, int, int], float] = {}
+    link_free: dict[tuple[int, int], float] = {}
+    free = [0.0] * G
+    nxt = [0] * G
+
+    def needs(a: Action) -> tuple[tuple[str, int, int], ...]:
+        if a.kind == "F":
+            return (("x", a.stage, a.mb),) if a.stage > 0 else ()
+        if a.kind in "BI":
+            own = ("f", a.stage, a.mb)
+            return (own, ("g", a.stage, a.mb)) if a.stage < S - 1 else (own,)
+        if a.kind == "W":
+            return (("i", a.stage, a.mb),)
+        return ()
+
+    def send(key: tuple[str, int, int], cut: int, src: int, dst: int, at: float, a: Action) -> None:
+        seconds = 0.0 if src == dst or transfer is None else transfer(cut, src, dst)
+        if seconds <= 0:
+            ready[key] = at
+            return
+        start = max(at, link_free.get((src, dst), 0.0))
+        end = start + seconds
+        link_free[src, dst] = end
+        transfers.append((src, dst, start, end, a))
+        ready[key] = end
+
+    progress = True
+    while progress:
+        progress = False
+        for d in range(G):
+            acts = s.actions[d]
+            while nxt[d] < len(acts):
+                a = acts[nxt[d]]
+                start = free[d]
+                blocked = False
+                for key in needs(a):
+                    at = ready.get(key)
+                    if at is None:
+                        blocked = True
+                        break
+                    start = max(start, at)
+                if blocked:
+                    break
+                end = start + duration(a)
+                starts[d].append(start)
+                ends[d].append(end)
+                free[d] = end
+                nxt[d] += 1
+                progress = True
+                if a.kind == "F":
+                    ready["f", a.stage, a.mb] = end
+                    if a.stage + 1 < S:
+                        send(("x", a.stage + 1, a.mb), a.stage, d, where[a.stage + 1], end, a)
+                elif a.kind in "BI":
+                    ready["i", a.stage, a.mb] = end
+                    if a.stage > 0:
+                        send(("g", a.stage - 1, a.mb), a.stage - 1, d, where[a.stage - 1], end, a)
+    if any(nxt[d] < len(s.actions[d]) for d in range(G)):
+        raise ScheduleError(_deadlock_message(s, nxt, ready, needs))
+    return starts, ends, transfers
+
+
+def _deadlock_message(
+    s: Schedule,
+    nxt: list[int],
+    ready: dict[tuple[str, int, int], float],
+    needs: Callable[[Action], tuple[tuple[str, int, int], ...]],
+) -> str:
+    what = {
+        "x": lambda st, k: f"the activation of F(stage={st - 1}, mb={k})",
+        "g": lambda st, k: f"the input gradient of B/I(stage={st + 1}, mb={k})",
+        "f": lambda st, k: f"F(stage={st}, mb={k})",
+        "i": lambda st, k: f"I(stage={st}, mb={k})",
+    }
+    lines = []
+    for d, pos in enumerate(nxt):
+        if pos < len(s.actions[d]):
+            a = s.actions[d][pos]
+            missing = [key for key in needs(a) if key not in ready]
+            waits = " and ".join(what[kind](st, k) for kind, st, k in missing)
+            lines.append(f"{_where(s, d, pos)} waits for {waits}")
+    return "cross-stage dependency cannot be met (the schedule deadlocks): " + "; ".join(lines)
+
+
+def validate(schedule: Schedule) -> None:
+    """Checks that ``schedule`` is runnable and computes what its name promises.
+
+    Checks, each independently of the generators: the header (name, sizes, stage
+    placement, and bounds equal to the semantics' own), that every action is in range and
+    on its stage's device group, that every ``F``, ``B`` (or ``I`` and ``W``) and ``U`` runs
+    exactly once, that every ``B``/``I`` follows its ``F`` and every ``W`` its ``I``, that every
+    ``U`` follows the backwards it applies, that every action uses the weight version the
+    schedule's semantics require (recomputed here from the table in DESIGN.md) and that it
+    exists by then, the in-flight and versions-kept bounds, and that the cross-stage
+    dependencies can be met (no deadlock).
+
+    Args:
+        schedule: the schedule.
+
+    Raises:
+        ScheduleError: naming the first offending action.
+    """
+    _check_header(schedule)
+    _check_work(schedule)
+    _check_order(schedule)
+    _play(schedule, lambda a: 1, None)
