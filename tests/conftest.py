@@ -1,6 +1,14 @@
 """Test set-up: 8 simulated CPU devices, strict numerics, before any JAX operation."""
 
+import sys
+from pathlib import Path
+
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Random-number kernels compile several times faster without the partitionable threefry
+# (seconds per model on CPU); the tests need fixed streams, not that layout property.
+jax.config.update("jax_threefry_partitionable", False)
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared reference module

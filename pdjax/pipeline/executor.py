@@ -1,0 +1,536 @@
+"""The executor: runs a schedule's actions on real devices.
+
+One Python driver walks the schedule in a dependency-respecting order (the schedule's
+unit-time clock) and dispatches, per action, a stage's jitted function on that stage's
+device group. Activations and gradients move with ``jax.device_put`` to the receiving
+stage's sharding. Dispatch is asynchronous, so the device groups overlap: the driver runs
+ahead, and each device works as soon as its inputs are ready.
+
+Semantics (``shared/DESIGN.md``, "Schedules and their semantics") come from the schedule:
+every ``F``/``B``/``I``/``W`` reads the weight version its action names from the stage's
+:class:`~pdjax.pipeline.stash.WeightStore`, ``U`` applies the accumulated gradients to the
+newest version and adds the next one. Flush schedules and ``2bw`` scale the summed
+gradients of a step by ``1 / M`` (the mean over microbatches); ``pipedream`` applies each
+microbatch's gradient alone.
+
+Per microbatch ``k`` (counted over the pipeline's life), layer ``i`` draws dropout from
+``fold_in(fold_in(rng, k), i)``. BatchNorm statistics are updated by each microbatch's
+forward, in the order the stage runs the forwards (microbatch order in every schedule),
+so statistics are microbatch statistics, as in gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pdjax.errors import PdjaxError, PipelineError
+from pdjax.layers import LayerSequence, PyTree, Variables
+from pdjax.pipeline.schedule import SCHEDULES, Action, Schedule, generate, validate
+from pdjax.pipeline.stage import LossFn, Stage
+from pdjax.pipeline.stash import WeightStore
+from pdjax.pipeline.timeline import Span, Timeline
+
+__all__ = ["Pipeline", "PipelineState", "StageSpec", "even_stages"]
+
+_ASYNC = ("pipedream", "2bw")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """Where a stage is: layers ``first_layer..last_layer`` (inclusive) on ``devices`` (ids).
+
+    The same fields as :class:`pdjax.partition.StagePlan`; either works as a plan stage.
+    """
+
+    first_layer: int
+    last_layer: int
+    devices: tuple[int, ...]
+
+
+def even_stages(
+    num_layers: int, num_stages: int, replicas: int = 1, first_device: int = 0
+) -> tuple[StageSpec, ...]:
+    """Splits ``num_layers`` layers into ``num_stages`` near-equal contiguous stages, stage
+    ``s`` on devices ``first_device + s*replicas ..`` (``replicas`` each).
+
+    >>> [(s.first_layer, s.last_layer, s.devices) for s in even_stages(5, 2)]
+    [(0, 2, (0,)), (3, 4, (1,))]
+    """
+    if not 1 <= num_stages <= num_layers:
+        raise PipelineError(
+            f"num_stages must be in 1..{num_layers} (one layer at least per stage), "
+            f"got {num_stages}"
+        )
+    bounds = [-(-s * num_layers // num_stages) for s in range(num_stages + 1)]  # ceil
+    return tuple(
+        StageSpec(
+            bounds[s],
+            bounds[s + 1] - 1,
+            tuple(range(first_device + s * replicas, first_device + (s + 1) * replicas)),
+        )
+        for s in range(num_stages)
+    )
+
+
+class PipelineState(NamedTuple):
+    """Everything a pipeline carries between calls (a pytree; newest weights only).
+
+    Attributes:
+      params: per stage, the parameters of each of its layers.
+      model_state: per stage, each layer's non-parameter collections (BatchNorm stats).
+      opt_state: per stage, the optimizer state.
+      updates: per stage, the optimizer updates applied so far (its weight version).
+      microbatches: microbatches consumed so far (seeds the per-microbatch RNG).
+      rng: the base PRNG key for dropout.
+    """
+
+    params: tuple[list[PyTree], ...]
+    model_state: tuple[list[Variables], ...]
+    opt_state: tuple[optax.OptState, ...]
+    updates: tuple[int, ...]
+    microbatches: int
+    rng: jax.Array
+
+
+@dataclasses.dataclass
+class RunMetrics:
+    """What one call of :meth:`Pipeline.step` / :meth:`Pipeline.run` measured.
+
+    Attributes:
+      losses: per microbatch, its loss (a device array on the last stage).
+      peak_versions: per stage, the most weight versions held at once.
+      actions: actions dispatched.
+      host_seconds: wall time the driver spent dispatching (excludes waiting for results).
+      timeline: per-action measured spans, when asked for (``timeline=True``).
+    """
+
+    losses: list[jax.Array]
+    peak_versions: tuple[int, ...]
+    actions: int
+    host_seconds: float
+    timeline: Timeline | None = None
+
+    @property
+    def loss(self) -> float:
+        """Mean loss over the microbatches (blocks until they are computed)."""
+        return float(np.mean([float(x) for x in self.losses]))
+
+
+class _Saved(NamedTuple):
+    x: PyTree
+    residuals: list[jax.Array]
+    version: int
+    state: list[Variables]
+    rng: jax.Array
+    targets: PyTree
+
+
+class Pipeline:
+    """A model split into stages on devices, trained with a pipeline schedule.
+
+    Args:
+      layers: the model.
+      plan: the stages: a :class:`pdjax.partition.Plan`, or a sequence of objects with
+        ``first_layer``, ``last_layer`` (inclusive) and ``devices`` (ids into
+        ``devices``) such as :func:`even_stages`. For ``interleaved`` with ``chunks=v``
+        give ``P * v`` stages; stage ``s`` runs on the devices of stage ``s % P``.
+      loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of a microbatch.
+      optimizer: any optax ``GradientTransformation``; each stage keeps its own state.
+      schedule: one of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1`` (flush: use
+        :meth:`step`), ``pipedream``, ``2bw`` (streaming: use :meth:`run`).
+      microbatches: ``M``, microbatches per optimizer step (flush schedules and ``2bw``).
+      chunks: ``v`` for ``interleaved``.
+      vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
+      weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
+      remat: recompute each stage's forward in its backward instead of keeping residuals.
+      devices: the devices plan ids refer to (default ``jax.devices()``).
+
+    Raises:
+      PipelineError: before any device work, for a plan that does not cover the model,
+        too few devices, or an unknown schedule.
+    """
+
+    def __init__(
+        self,
+        layers: LayerSequence,
+        plan: Any,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int = 1,
+        chunks: int = 1,
+        vertical_sync: bool = False,
+        weight_stashing: bool = True,
+        remat: bool = False,
+        devices: Sequence[jax.Device] | None = None,
+    ) -> None:
+        if schedule not in SCHEDULES:
+            raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+        if microbatches < 1:
+            raise PipelineError(f"microbatches must be >= 1, got {microbatches}")
+        self.layers = layers
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.chunks = chunks if schedule == "interleaved" else 1
+        self.vertical_sync = vertical_sync
+        self.weight_stashing = weight_stashing
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        specs = tuple(getattr(plan, "stages", plan))
+        self.stage_specs = specs
+        self._check_cover(specs, len(layers))
+        if len(specs) % self.chunks:
+            raise PipelineError(
+                f"interleaved with chunks={self.chunks} needs a multiple of {self.chunks} "
+                f"stages, the plan has {len(specs)}"
+            )
+        self.num_groups = len(specs) // self.chunks
+        all_devices = list(jax.devices() if devices is None else devices)
+        wanted = sorted({d for spec in specs for d in spec.devices})
+        if wanted and wanted[-1] >= len(all_devices):
+            raise PipelineError(
+                f"the plan uses device ids up to {wanted[-1]} but only {len(all_devices)} "
+                "devices are visible; on CPU set jax.config.update('jax_num_cpu_devices', N) "
+                "(or XLA_FLAGS=--xla_force_host_platform_device_count=N) before using JAX"
+            )
+        self.stages: list[Stage] = []
+        for s, spec in enumerate(specs):
+            group_spec = specs[s % self.num_groups]
+            if tuple(spec.devices) != tuple(group_spec.devices):
+                raise PipelineError(
+                    f"interleaved stage {s} must use the devices of stage {s % self.num_groups} "
+                    f"({tuple(group_spec.devices)}), got {tuple(spec.devices)}"
+                )
+            self.stages.append(
+                Stage(
+                    s,
+                    layers.layers[spec.first_layer : spec.last_layer + 1],
+                    spec.first_layer,
+                    [all_devices[d] for d in spec.devices],
+                    optimizer,
+                    loss_fn if s == len(specs) - 1 else None,
+                    remat=remat,
+                )
+            )
+        self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
+        self._schedules: dict[tuple[int, int], Schedule] = {}
+
+    @staticmethod
+    def _check_cover(specs: Sequence[Any], num_layers: int) -> None:
+        if not specs:
+            raise PipelineError("the plan has no stages")
+        expected = 0
+        for s, spec in enumerate(specs):
+            if spec.first_layer != expected or spec.last_layer < spec.first_layer:
+                raise PipelineError(
+                    f"stage {s} holds layers {spec.first_layer}-{spec.last_layer}, expected it "
+                    f"to start at layer {expected}: stages must cover layers 0-{num_layers - 1} "
+                    "contiguously, in order"
+                )
+            if not spec.devices:
+                raise PipelineError(f"stage {s} has no devices")
+            expected = spec.last_layer + 1
+        if expected != num_layers:
+            raise PipelineError(
+                f"the plan's stages cover layers 0-{expected - 1}, the model has {num_layers} "
+                f"layers (0-{num_layers - 1})"
+            )
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> None:
+        """Traces the model stage by stage on ``sample`` (shapes only, no FLOPs).
+
+        Raises:
+          PipelineError: naming the stage, the layer and the input shapes that fail.
+        """
+        specs = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), sample
+        )
+        if variables is None:
+            variables = jax.eval_shape(self.layers.init, jax.random.key(0), specs)
+        x = specs
+        for s, spec in enumerate(self.stage_specs):
+            for i in range(spec.first_layer, spec.last_layer + 1):
+                layer = self.layers.layers[i]
+                try:
+                    x = jax.eval_shape(
+                        lambda v, x, layer=layer: layer.apply(v, x)[0], variables[i], x
+                    )
+                except PdjaxError:
+                    raise
+                except Exception as e:
+                    shapes = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(x)]
+                    raise PipelineError(
+                        f"stage {s}, layer {i} ({layer.name}) cannot take the output of the "
+                        f"layer before it, shapes {shapes}: {type(e).__name__}: {e}"
+                    ) from e
+
+    def init(self, rng: jax.Array, sample: PyTree) -> PipelineState:
+        """Initialises every layer from ``rng`` on a sample microbatch and places the stages.
+
+        ``rng`` also seeds dropout (through ``fold_in(rng, 1)``).
+        """
+        self.check_shapes(sample)
+        variables = jax.jit(self.layers.init)(jax.random.fold_in(rng, 0), sample)
+        return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
+
+    def state_from_variables(
+        self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array
+    ) -> PipelineState:
+        """A fresh state from given variables (pre-trained, restored): a per-layer list, or
+        the merged tree of :meth:`LayerSequence.merge`. Optimizer state starts anew."""
+        if isinstance(variables, Mapping):
+            variables = self.layers.split(variables)
+        if len(variables) != len(self.layers):
+            raise PipelineError(
+                f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
+            )
+        params, model_state, opt_state = [], [], []
+        for stage, spec in zip(self.stages, self.stage_specs, strict=True):
+            vs = variables[spec.first_layer : spec.last_layer + 1]
+            p = stage.place_weights([v.get("params", {}) for v in vs])
+            params.append(p)
+            model_state.append(
+                stage.place_weights([{k: x for k, x in v.items() if k != "params"} for v in vs])
+            )
+            opt_state.append(stage.place_weights(self.optimizer.init(p)))
+        return PipelineState(
+            params=tuple(params),
+            model_state=tuple(model_state),
+            opt_state=tuple(opt_state),
+            updates=(0,) * self.num_stages,
+            microbatches=0,
+            rng=rng,
+        )
+
+    def variables(self, state: PipelineState) -> list[Variables]:
+        """The per-layer variables (params and state) of the newest weights."""
+        out: list[Variables] = []
+        for params, model_state in zip(state.params, state.model_state, strict=True):
+            for p, ms in zip(params, model_state, strict=True):
+                out.append({**ms, "params": p})
+        return out
+
+    def params(self, state: PipelineState) -> dict[str, Any]:
+        """The full parameter tree ``{layer name: params}`` of the newest weights."""
+        return self.layers.merge(self.variables(state))["params"]
+
+    # -- schedules ----------------------------------------------------------------------------
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        """The validated schedule for a call over ``num_microbatches`` microbatches."""
+        key = (num_microbatches, self.microbatches)
+        if key not in self._schedules:
+            M = self.microbatches
+            name = self.schedule_name
+            if name == "pipedream":
+                sched = generate(
+                    name,
+                    self.num_groups,
+                    num_microbatches,
+                    vertical_sync=self.vertical_sync,
+                    weight_stashing=self.weight_stashing,
+                    replicas=self.replicas,
+                )
+            elif name == "2bw":
+                sched = generate(
+                    name, self.num_groups, M, stream=num_microbatches, replicas=self.replicas
+                )
+            else:
+                if num_microbatches % M:
+                    raise PipelineError(
+                        f"{name} runs whole steps of {M} microbatches; got {num_microbatches}"
+                    )
+                sched = generate(
+                    name,
+                    self.num_groups,
+                    M,
+                    steps=num_microbatches // M,
+                    chunks=self.chunks,
+                    replicas=self.replicas,
+                )
+            validate(sched)
+            self._schedules[key] = sched
+        return self._schedules[key]
+
+    # -- running ----------------------------------------------------------------------------
+
+    def split_batch(self, batch: tuple[PyTree, PyTree]) -> list[tuple[PyTree, PyTree]]:
+        """Splits ``(inputs, targets)`` into ``M`` equal microbatches along axis 0.
+
+        Raises:
+          PipelineError: if the batch is not divisible by ``M`` times every stage's replicas.
+        """
+        inputs, targets = batch
+        n = jax.tree.leaves(inputs)[0].shape[0]
+        M = self.microbatches
+        need = [M * r for r in self.replicas]
+        for s, k in enumerate(need):
+            if n % k:
+                raise PipelineError(
+                    f"batch of {n} samples cannot be split into {M} microbatches of equal "
+                    f"size, each divisible by stage {s}'s {self.replicas[s]} replicas; use a "
+                    f"batch size that is a multiple of {int(np.lcm.reduce(need))}"
+                )
+        size = n // M
+        return [
+            jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], (inputs, targets))
+            for k in range(M)
+        ]
+
+    def step(
+        self, state: PipelineState, batch: tuple[PyTree, PyTree], *, timeline: bool = False
+    ) -> tuple[PipelineState, RunMetrics]:
+        """One optimizer step of a flush schedule over ``batch = (inputs, targets)``.
+
+        The batch is split into ``M`` microbatches; for ``2bw`` this is one step of its
+        stream (the stream drains at the end of the call).
+        """
+        if self.schedule_name == "pipedream":
+            raise PipelineError(
+                "pipedream updates after every microbatch; use run(state, microbatches)"
+            )
+        return self.run(state, self.split_batch(batch), timeline=timeline)
+
+    def run(
+        self,
+        state: PipelineState,
+        microbatches: Sequence[tuple[PyTree, PyTree]],
+        *,
+        timeline: bool = False,
+    ) -> tuple[PipelineState, RunMetrics]:
+        """Runs the schedule over a stream of ``(inputs, targets)`` microbatches.
+
+        The pipeline fills at the start of the call and drains at its end, so
+        consecutive calls are one stream with a drain between them (what a checkpoint
+        needs). With ``timeline=True`` the driver waits for each action and records its
+        measured span (so the devices do not overlap in that mode).
+        """
+        microbatches = list(microbatches)
+        if not microbatches:
+            raise PipelineError("run needs at least one microbatch")
+        sched = self.schedule(len(microbatches))
+        return self._execute(sched, state, microbatches, timeline)
+
+    def _execute(
+        self,
+        sched: Schedule,
+        state: PipelineState,
+        microbatches: list[tuple[PyTree, PyTree]],
+        record: bool,
+    ) -> tuple[PipelineState, RunMetrics]:
+        S = self.num_stages
+        reads: list[dict[int, int]] = [{} for _ in range(S)]
+        for group in sched.actions:
+            for a in group:
+                if a.kind != "U":
+                    reads[a.stage][a.version] = reads[a.stage].get(a.version, 0) + 1
+        stores = [WeightStore(state.params[s], reads[s]) for s in range(S)]
+        opt_state = list(state.opt_state)
+        model_state = list(state.model_state)
+        grads: list[Any] = [None] * S
+        saved: dict[tuple[int, int], _Saved] = {}
+        fwd_in: dict[tuple[int, int], PyTree] = {}
+        bwd_in: dict[tuple[int, int], PyTree] = {}
+        losses: dict[int, jax.Array] = {}
+        scale = jnp.float32(1.0 / sched.microbatches_per_step)
+        last = S - 1
+        one = [self.stages[last].place_weights(jnp.ones((), jnp.float32))]
+
+        order = sorted(
+            (tick, g, i) for g, ticks in enumerate(sched.clock()) for i, tick in enumerate(ticks)
+        )
+        spans: list[Span] = []
+        origin = time.perf_counter()
+        host = 0.0
+
+        def targets_of(k: int) -> PyTree:
+            return self.stages[last].place_batch(microbatches[k][1])
+
+        for _, g, i in order:
+            a: Action = sched.actions[g][i]
+            t0 = time.perf_counter()
+            s, k = a.stage, a.mb
+            stage = self.stages[s]
+            out: Any = None
+            if a.kind == "F":
+                params = stores[s].read(a.version)
+                x = stage.place_batch(microbatches[k][0]) if s == 0 else fwd_in.pop((s, k))
+                tgt = targets_of(k) if s == last else None
+                rng = jax.random.fold_in(state.rng, state.microbatches + k)
+                before = model_state[s]
+                y, model_state[s], res = stage.forward(params, before, x, rng, tgt)
+                saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
+                if s == last:
+                    losses[k] = y
+                else:
+                    fwd_in[(s + 1, k)] = self.stages[s + 1].place_batch(y)
+                out = y
+            elif a.kind in ("B", "I", "W"):
+                want = {"B": "both", "I": "input", "W": "weights"}[a.kind]
+                sv = saved.pop((s, k)) if a.kind != "I" else saved[(s, k)]
+                params = stores[s].read(a.version)
+                ct = one[0] if s == last else (bwd_in.pop((s, k)) if a.kind != "W" else None)
+                if a.kind == "I":
+                    saved[(s, k)] = sv._replace(targets=(sv.targets, ct))
+                elif a.kind == "W":
+                    tgt, ct = sv.targets
+                    sv = sv._replace(targets=tgt)
+                if a.version == sv.version and not stage.remat:
+                    gp, gx = stage.backward(params, sv.x, sv.residuals, ct, want)
+                else:  # remat, or no weight stashing: the VJP at these weights, saved input
+                    gp, gx = stage.backward_recompute(
+                        params, sv.x, ct, (sv.state, sv.rng, sv.targets), want
+                    )
+                if gp is not None:
+                    grads[s] = gp if grads[s] is None else stage.accumulate(grads[s], gp)
+                if gx is not None and s > 0:
+                    bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
+                out = gp if gp is not None else gx
+            else:  # U
+                if a.version != stores[s].latest:
+                    raise PipelineError(
+                        f"{a.describe()} expects version {a.version}, stage {s} is at "
+                        f"{stores[s].latest}"
+                    )
+                new, opt_state[s] = stage.update(grads[s], stores[s].newest, opt_state[s], scale)
+                grads[s] = None
+                stores[s].push(new)
+                out = new
+            host += time.perf_counter() - t0
+            if record:
+                jax.block_until_ready(out)
+                spans.append(Span(g, t0 - origin, time.perf_counter() - origin, a))
+
+        if saved or fwd_in or bwd_in or any(gr is not None for gr in grads):
+            raise PipelineError("the schedule left work undone (unmatched F/B or updates)")
+        new_state = PipelineState(
+            params=tuple(store.newest for store in stores),
+            model_state=tuple(model_state),
+            opt_state=tuple(opt_state),
+            updates=tuple(u + store.latest for u, store in zip(state.updates, stores, strict=True)),
+            microbatches=state.microbatches + len(microbatches),
+            rng=state.rng,
+        )
+        metrics = RunMetrics(
+            losses=[losses[k] for k in range(len(microbatches))],
+            peak_versions=tuple(store.peak_alive for store in stores),
+            actions=len(order),
+            host_seconds=host,
+            timeline=Timeline(sched.name, sched.num_groups, tuple(spans)) if record else None,
+        )
+        return new_state, metrics

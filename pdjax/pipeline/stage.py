@@ -1,0 +1,243 @@
+"""Stage executables: one stage's jitted forward, backward and update on its devices.
+
+A stage is a contiguous run of layers placed on a device group of ``r`` devices. Its
+batch dimension is sharded ``r`` ways over a one-axis ``Mesh`` (``"data"``) and its
+weights are replicated, so a replicated stage is data parallel and XLA inserts the
+gradient all-reduce; ``r = 1`` is a single device.
+
+Residuals without weight copies: ``jit`` never passes an input through as an output, so
+returning ``jax.vjp``'s residuals from a jitted forward would copy the stage's weights
+and input for every microbatch. While tracing the forward, pdjax notes which residual
+leaves *are* a weight or the input (by identity), returns only the others, and the
+backward rebuilds the VJP from the weights and input it is handed again (the stashed
+version). With ``remat=True`` the forward keeps nothing and the backward recomputes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdjax.layers import Layer, PyTree, Variables
+
+__all__ = ["LossFn", "Stage"]
+
+#: ``loss_fn(outputs, targets) -> scalar``: the mean loss of one microbatch.
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+def _float(leaf: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+
+
+@dataclasses.dataclass
+class _ResidualLayout:
+    """How to rebuild a VJP from (weights, input) and the residuals the forward returned."""
+
+    treedef: Any
+    sources: list[int | None]  # per VJP leaf: index into flat (params, x) leaves, or None
+
+
+class Stage:
+    """The compiled functions of one pipeline stage.
+
+    Args:
+      index: the stage number ``s`` (0-based).
+      layers: the stage's layers, in order.
+      first_layer: the index of ``layers[0]`` in the whole model (for per-layer RNG
+        streams: layer ``i`` of the model always draws from ``fold_in(rng, i)``).
+      devices: the stage's device group; the microbatch is split over them.
+      optimizer: the optax transformation applied to this stage's parameters.
+      loss_fn: the loss, on the last stage only.
+      train: training-mode forward (dropout, BatchNorm batch statistics).
+      remat: recompute the forward in the backward instead of keeping residuals.
+
+    All functions are jitted once per input shape; ``trace_counts`` counts the traces.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        layers: Sequence[Layer],
+        first_layer: int,
+        devices: Sequence[jax.Device],
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn | None = None,
+        *,
+        train: bool = True,
+        remat: bool = False,
+    ) -> None:
+        self.index = index
+        self.layers = tuple(layers)
+        self.first_layer = first_layer
+        self.devices = tuple(devices)
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.is_last = loss_fn is not None
+        self.train = train
+        self.remat = remat
+        self.mesh = Mesh(np.asarray(self.devices), ("data",))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.trace_counts: dict[str, int] = {}
+        self._layout: dict[Any, _ResidualLayout] = {}
+        self.forward = jax.jit(self._counted("forward", self._forward))
+        self.backward = jax.jit(self._counted("backward", self._backward), static_argnums=(4,))
+        self.backward_recompute = jax.jit(
+            self._counted("backward_recompute", self._backward_recompute), static_argnums=(4,)
+        )
+        self.update = jax.jit(self._counted("update", self._update))
+        self.accumulate = jax.jit(
+            self._counted("accumulate", lambda acc, g: jax.tree.map(jnp.add, acc, g))
+        )
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def traced(*args: Any) -> Any:
+            self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+            return fn(*args)
+
+        return traced
+
+    # -- the stage's function -------------------------------------------------------------
+
+    def _apply(
+        self, params: list[PyTree], state: list[Variables], x: PyTree, rng: jax.Array
+    ) -> tuple[PyTree, list[Variables]]:
+        new_state = []
+        for j, layer in enumerate(self.layers):
+            variables = {**state[j], "params": params[j]}
+            r = jax.random.fold_in(rng, self.first_layer + j)
+            x, s = layer.apply(variables, x, train=self.train, rng=r)
+            new_state.append(s)
+        return x, new_state
+
+    def _objective(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        state: list[Variables],
+        rng: jax.Array,
+        targets: PyTree,
+    ) -> tuple[PyTree, list[Variables]]:
+        y, new_state = self._apply(params, state, x, rng)
+        if self.loss_fn is not None:
+            y = self.loss_fn(y, targets)
+        return y, new_state
+
+    def _vjp(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        state: list[Variables],
+        rng: jax.Array,
+        targets: PyTree,
+    ) -> tuple[PyTree, Any, list[Variables]]:
+        def f(params: list[PyTree], x: PyTree) -> tuple[PyTree, list[Variables]]:
+            return self._objective(params, x, state, rng, targets)
+
+        y, pullback, new_state = jax.vjp(f, params, x, has_aux=True)
+        return y, pullback, new_state
+
+    # -- jitted bodies ----------------------------------------------------------------------
+
+    def _forward(
+        self,
+        params: list[PyTree],
+        state: list[Variables],
+        x: PyTree,
+        rng: jax.Array,
+        targets: PyTree,
+    ) -> tuple[PyTree, list[Variables], list[jax.Array]]:
+        """``-> (output or loss, new state, residuals without weight or input copies)``."""
+        if self.remat:
+            y, new_state = self._objective(params, x, state, rng, targets)
+            return y, new_state, []
+        y, pullback, new_state = self._vjp(params, x, state, rng, targets)
+        leaves, treedef = jax.tree.flatten(pullback)
+        inputs = {id(leaf): k for k, leaf in enumerate(jax.tree.leaves((params, x)))}
+        sources = [inputs.get(id(leaf)) for leaf in leaves]
+        kept = [leaf for leaf, src in zip(leaves, sources, strict=True) if src is None]
+        self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources)
+        return y, new_state, kept
+
+    def _backward(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        residuals: list[jax.Array],
+        ct: PyTree,
+        want: str,
+    ) -> tuple[list[PyTree] | None, PyTree | None]:
+        """``-> (parameter gradients, input gradient)`` from the forward's residuals.
+
+        ``want`` picks "both", "input" (zero-bubble's I) or "weights" (its W); XLA drops
+        the unrequested half. ``params`` and ``x`` must be the ones the forward used.
+        """
+        layout = self._layout[self._key(params, x, residuals)]
+        flat_inputs = jax.tree.leaves((params, x))
+        it = iter(residuals)
+        leaves = [next(it) if src is None else flat_inputs[src] for src in layout.sources]
+        return self._pick(jax.tree.unflatten(layout.treedef, leaves), ct, want)
+
+    def _backward_recompute(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        ct: PyTree,
+        extras: tuple[list[Variables], jax.Array, PyTree],
+        want: str,
+    ) -> tuple[list[PyTree] | None, PyTree | None]:
+        """The backward at ``params`` by recomputing the forward from the saved input
+        (``extras`` = the forward's model state, RNG and targets): rematerialisation, and
+        PipeDream without weight stashing (newest weights, old input)."""
+        state, rng, targets = extras
+        _, pullback, _ = self._vjp(params, x, state, rng, targets)
+        return self._pick(pullback, ct, want)
+
+    def _pick(
+        self, pullback: Any, ct: PyTree, want: str
+    ) -> tuple[list[PyTree] | None, PyTree | None]:
+        grad_params, grad_x = pullback(ct)
+        if self.index == 0 or want == "weights":
+            grad_x = None
+        if want == "input":
+            grad_params = None
+        return grad_params, grad_x
+
+    def _update(
+        self,
+        grads: list[PyTree],
+        params: list[PyTree],
+        opt_state: optax.OptState,
+        scale: jax.Array,
+    ) -> tuple[list[PyTree], optax.OptState]:
+        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    @staticmethod
+    def _key(params: list[PyTree], x: PyTree, residuals: list[Any]) -> Any:
+        leaves = jax.tree.leaves((params, x, residuals))
+        return (jax.tree.structure((params, x)), tuple((a.shape, str(a.dtype)) for a in leaves))
+
+    # -- placement --------------------------------------------------------------------------
+
+    def place_weights(self, tree: PyTree) -> PyTree:
+        """Puts weights (or optimizer state) on the stage's devices, replicated."""
+        return jax.device_put(tree, self.replicated)
+
+    def place_batch(self, tree: PyTree) -> PyTree:
+        """Puts an activation or gradient on the stage's devices, batch-sharded."""
+        return jax.device_put(tree, self.batch_sharding)

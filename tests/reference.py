@@ -1,0 +1,138 @@
+"""Independent references for the runtime tests: plain single-device training loops.
+
+Nothing here uses pdjax's stages, schedules or weight store: each function walks the
+microbatches in order on one device, from DESIGN.md's formulas.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+def _one_device(*trees):
+    return jax.device_put(trees, jax.devices()[0])
+
+
+def apply_layers(layers, params, state, x, rng, lo=0, hi=None):
+    """Layers ``lo..hi-1`` in train mode; layer ``i`` draws from ``fold_in(rng, i)``."""
+    hi = len(layers) if hi is None else hi
+    new_state = list(state)
+    for i in range(lo, hi):
+        layer = layers.layers[i]
+        x, new_state[i] = layer.apply(
+            {**state[i], "params": params[i]}, x, train=True, rng=jax.random.fold_in(rng, i)
+        )
+    return x, new_state
+
+
+def microbatch_grad(layers, loss_fn, params, state, x, y, rng):
+    """Loss, parameter gradients and new model state of one microbatch."""
+
+    def f(p):
+        out, new_state = apply_layers(layers, p, state, x, rng)
+        return loss_fn(out, y), new_state
+
+    (loss, new_state), grads = jax.value_and_grad(f, has_aux=True)(params)
+    return loss, grads, new_state
+
+
+def flush_training(layers, loss_fn, optimizer, variables, microbatches, M, rng):
+    """Gradient accumulation: each step sums M microbatch gradients, scales by 1/M, updates.
+
+    Returns (per-layer params, per-layer state, losses).
+    """
+    variables, microbatches = _one_device(variables, microbatches)
+    params = [v["params"] for v in variables]
+    state = [{k: a for k, a in v.items() if k != "params"} for v in variables]
+    opt_state = optimizer.init(params)
+    grad_fn = jax.jit(lambda p, s, x, y, r: microbatch_grad(layers, loss_fn, p, s, x, y, r))
+    losses = []
+    for t in range(len(microbatches) // M):
+        acc = None
+        for k in range(t * M, (t + 1) * M):
+            x, y = microbatches[k]
+            loss, g, state = grad_fn(params, state, x, y, jax.random.fold_in(rng, k))
+            losses.append(loss)
+            acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+        acc = jax.tree.map(lambda g: g * jnp.float32(1.0 / M), acc)
+        updates, opt_state = optimizer.update(acc, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params, state, losses
+
+
+def stage_grads(layers, loss_fn, bounds, fwd_params, bwd_params, x, y, rng):
+    """Per-stage gradients of one microbatch when each stage's forward uses ``fwd_params[s]``
+    and its backward is the VJP at ``bwd_params[s]`` and the stage input the forward saw.
+
+    ``bounds[s] = (first, last + 1)`` layer range of stage ``s``. With ``bwd == fwd`` this is
+    the ordinary gradient (weight stashing); otherwise PipeDream without stashing.
+    """
+    P = len(bounds)
+    inputs = []
+    h = x
+    for s, (lo, hi) in enumerate(bounds):
+        inputs.append(h)
+        h, _ = _stage_apply(layers, fwd_params[s], h, rng, lo, hi)
+    grads = [None] * P
+    ct = None
+    for s in reversed(range(P)):
+        lo, hi = bounds[s]
+
+        def f(p, h, lo=lo, hi=hi, s=s):
+            out, _ = _stage_apply(layers, p, h, rng, lo, hi)
+            return loss_fn(out, y) if s == P - 1 else out
+
+        out, pullback = jax.vjp(f, bwd_params[s], inputs[s])
+        g, ct = pullback(jnp.ones_like(out) if s == P - 1 else ct)
+        grads[s] = g
+    return grads
+
+
+def _stage_apply(layers, params, x, rng, lo, hi):
+    for j, i in enumerate(range(lo, hi)):
+        x, _ = layers.layers[i].apply(
+            {"params": params[j]}, x, train=True, rng=jax.random.fold_in(rng, i)
+        )
+    return x, None
+
+
+def delayed_training(
+    layers,
+    loss_fn,
+    optimizer,
+    variables,
+    microbatches,
+    bounds,
+    version_of,
+    rng,
+    backward_version_of=None,
+    M=1,
+):
+    """The delayed-update recurrence of DESIGN.md for stateless (no BatchNorm) models.
+
+    ``version_of(s, k)``: the version stage ``s`` uses for microbatch ``k``'s forward;
+    ``backward_version_of(s, k)`` (default: the same) for its backward. Every ``M``
+    microbatches each stage applies the mean of their gradients to its newest weights:
+    ``W_s(t+1) = W_s(t) - lr * mean_k g_s(k)``. Returns the final per-stage params list.
+    """
+    backward_version_of = backward_version_of or version_of
+    variables, microbatches = _one_device(variables, microbatches)
+    P = len(bounds)
+    params = [v["params"] for v in variables]
+    history = [[params[lo:hi]] for lo, hi in bounds]  # history[s][v]: version v of stage s
+    opt_states = [optimizer.init(history[s][0]) for s in range(P)]
+    grad_fn = jax.jit(lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r))
+    acc = [None] * P
+    for k, (x, y) in enumerate(microbatches):
+        fwd = [history[s][version_of(s, k)] for s in range(P)]
+        bwd = [history[s][backward_version_of(s, k)] for s in range(P)]
+        grads = grad_fn(fwd, bwd, x, y, jax.random.fold_in(rng, k))
+        for s in range(P):
+            acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
+        if k % M == M - 1:
+            for s in range(P):
+                g = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc[s])
+                updates, opt_states[s] = optimizer.update(g, opt_states[s], history[s][-1])
+                history[s].append(optax.apply_updates(history[s][-1], updates))
+                acc[s] = None
+    return [h[-1] for h in history]

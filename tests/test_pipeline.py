@@ -1,0 +1,141 @@
+"""Transparency: flush schedules train exactly like gradient accumulation on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import flush_training
+
+from pdjax.errors import PipelineError
+from pdjax.models import get_model
+from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+
+
+def _data(spec, n, seed=0):
+    key = jax.random.key(seed)
+    return spec.sample_input(n, key), spec.sample_target(n, key)
+
+
+def _stages(num_layers, P, replicas, chunks=1):
+    if chunks == 1:
+        return even_stages(num_layers, P, replicas)
+    specs = even_stages(num_layers, P * chunks, 1)
+    return tuple(
+        StageSpec(
+            s.first_layer,
+            s.last_layer,
+            tuple(range((i % P) * replicas, (i % P + 1) * replicas)),
+        )
+        for i, s in enumerate(specs)
+    )
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def check_transparent(
+    model, schedule, P, M, replicas=1, chunks=1, steps=2, optimizer=None, per_replica=2
+):
+    spec = get_model(model, "tiny")
+    optimizer = optimizer or optax.sgd(0.05)
+    mb = per_replica * replicas
+    x, y = _data(spec, mb * M * steps)
+    pipe = Pipeline(
+        spec.layers,
+        _stages(len(spec.layers), P, replicas, chunks),
+        spec.loss,
+        optimizer,
+        schedule=schedule,
+        microbatches=M,
+        chunks=chunks,
+    )
+    state = pipe.init(jax.random.key(3), jax.tree.map(lambda a: a[:mb], x))
+    variables = pipe.variables(state)
+    microbatches = [
+        jax.tree.map(lambda a, k=k: a[k * mb : (k + 1) * mb], (x, y)) for k in range(M * steps)
+    ]
+    losses = []
+    for t in range(steps):
+        batch = jax.tree.map(lambda a, t=t: a[t * mb * M : (t + 1) * mb * M], (x, y))
+        state, metrics = pipe.step(state, batch)
+        losses += [float(v) for v in metrics.losses]
+        assert metrics.peak_versions == (1,) * pipe.num_stages
+    ref_params, ref_state, ref_losses = flush_training(
+        spec.layers, spec.loss, optimizer, variables, microbatches, M, state.rng
+    )
+    np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
+    got = pipe.variables(state)
+    _close([v["params"] for v in got], ref_params)
+    _close([{k: a for k, a in v.items() if k != "params"} for v in got], ref_state)
+    assert state.updates == (steps,) * pipe.num_stages
+    return pipe, state
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("P", [1, 2, 4])
+def test_flush_schedules_equal_gradient_accumulation_mlp(schedule, P):
+    check_transparent("mlp", schedule, P, M=4)
+
+
+@pytest.mark.parametrize("P,chunks", [(1, 2), (2, 2)])
+def test_interleaved_equals_gradient_accumulation(P, chunks):
+    check_transparent("mlp", "interleaved", P, M=2 * P, chunks=chunks)
+
+
+@pytest.mark.parametrize(
+    "model,schedule,P,M,replicas",
+    [
+        ("cnn", "1f1b", 2, 3, 2),
+        ("resnet50", "1f1b", 2, 2, 1),
+        ("resnet50", "gpipe", 3, 3, 1),
+        ("gpt", "zb-h1", 2, 2, 1),
+        ("gpt", "1f1b", 4, 4, 2),
+        ("mlp", "gpipe", 2, 1, 4),
+    ],
+)
+def test_models_and_replication(model, schedule, P, M, replicas):
+    # BatchNorm over 2 samples is badly conditioned (float error grows fast): give ResNet 8.
+    # ResNet is not replicated here: with a near-dead BatchNorm channel, plain jax.jit on a
+    # batch sharded over 2 devices already differs from one device by ~2% in some gradients
+    # (reduction order, amplified by 1/sqrt(var + eps)); replication is covered by the others.
+    per_replica = 8 if model == "resnet50" else 2
+    check_transparent(model, schedule, P, M, replicas=replicas, per_replica=per_replica)
+
+
+def test_adam_state_per_stage_equals_one_optimizer():
+    check_transparent("mlp", "1f1b", 2, M=2, optimizer=optax.adam(1e-2))
+
+
+def test_one_stage_on_all_devices_is_data_parallel():
+    _pipe, state = check_transparent("mlp", "1f1b", 1, M=1, replicas=8)
+    leaf = jax.tree.leaves(state.params[0])[0]
+    assert leaf.sharding.device_set == set(jax.devices())
+
+
+def test_each_stage_function_compiles_once_per_shape():
+    pipe, _ = check_transparent("mlp", "1f1b", 2, M=4, steps=3)
+    for stage in pipe.stages:
+        assert stage.trace_counts["forward"] == 1
+        assert stage.trace_counts["backward"] == 1
+        assert stage.trace_counts["update"] == 1
+
+
+def test_bad_plans_and_batches_fail_before_device_work():
+    spec = get_model("mlp", "tiny")
+    L = len(spec.layers)
+    loss, opt = spec.loss, optax.sgd(0.1)
+    with pytest.raises(PipelineError, match="cover layers"):
+        Pipeline(spec.layers, [StageSpec(0, L - 2, (0,))], loss, opt)
+    with pytest.raises(PipelineError, match="expected it to start at layer 2"):
+        Pipeline(spec.layers, [StageSpec(0, 1, (0,)), StageSpec(3, L - 1, (1,))], loss, opt)
+    with pytest.raises(PipelineError, match="jax_num_cpu_devices"):
+        Pipeline(spec.layers, even_stages(L, 2, replicas=8), loss, opt)
+    pipe = Pipeline(spec.layers, even_stages(L, 2, replicas=2), loss, opt, microbatches=3)
+    x, y = _data(spec, 8)
+    with pytest.raises(PipelineError, match="multiple of 6"):
+        pipe.split_batch((x, y))
+    good = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
+    with pytest.raises(PipelineError, match=r"stage 0, layer 0 \(.*\) cannot take .*\[2, 50\]"):
+        pipe.check_shapes(jnp.ones((2, 50)), variables=good)
