@@ -1,0 +1,60 @@
+"""pdjax: PipeDream-style pipeline-parallel training on JAX/XLA and Flax.
+
+Profile a model (a sequence of Flax modules), plan stages and replication over devices,
+pick a schedule, and train:
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn, optax
+>>> import pdjax
+>>> layers = pdjax.sequential(nn.Dense(16), nn.Dense(16), nn.Dense(4))
+>>> prof = pdjax.profile(layers, jnp.ones((8, 8)))
+>>> prof.layers[0].forward_flops == 2 * 8 * 8 * 16 + 8 * 16  # matmul + bias, per XLA
+True
+>>> pipe = pdjax.Pipeline(layers, pdjax.even_stages(3, 3), lambda y, t: ((y - t) ** 2).mean(),
+...                       optax.sgd(0.1), schedule="1f1b", microbatches=2)
+>>> state = pipe.init(jax.random.key(0), jnp.ones((4, 8)))
+>>> state, metrics = pipe.step(state, (jnp.ones((8, 8)), jnp.zeros((8, 4))))
+>>> state.updates
+(1, 1, 1)
+"""
+
+from pdjax.errors import (
+    GraphFormatError,
+    LayerError,
+    PdjaxError,
+    PipelineError,
+    PlanError,
+    ProfileError,
+    ScheduleError,
+)
+from pdjax.layers import LayerSequence, sequential
+from pdjax.partition import Plan, Topology, plan_pipedream
+from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
+from pdjax.pipeline.schedule import Schedule, generate, validate
+from pdjax.pipeline.simulate import simulate
+from pdjax.profile import Profile, profile
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphFormatError",
+    "LayerError",
+    "LayerSequence",
+    "PdjaxError",
+    "Pipeline",
+    "PipelineError",
+    "PipelineState",
+    "Plan",
+    "PlanError",
+    "Profile",
+    "ProfileError",
+    "Schedule",
+    "ScheduleError",
+    "Topology",
+    "even_stages",
+    "generate",
+    "plan_pipedream",
+    "profile",
+    "sequential",
+    "simulate",
+    "validate",
+]

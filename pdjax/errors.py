@@ -39,3 +39,7 @@ class ScheduleError(PdjaxError):
 
 class PipelineError(PdjaxError):
     """The runtime cannot execute a plan or schedule as given."""
+
+
+class DataError(PdjaxError):
+    """A dataset or batching request is invalid (batch size, seed, split fraction)."""

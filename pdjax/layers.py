@@ -192,6 +192,8 @@ class NnxLayer:
                 f"layer {name!r}: expected an nnx.Module or a factory rngs -> nnx.Module, "
                 f"got {type(module).__name__}"
             )
+        #: the wrapped module's class name (for profiles and tables)
+        self.kind = type(template).__name__
         self._graphdef, state = nnx.split(template)
         self._template = state
         self._instance = module if self._factory is None else None

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pdjax.commands import simulate as simulate_command
-from pdjax.errors import ScheduleError
+from pdjax.errors import PlanError, ScheduleError
 from pdjax.pipeline import (
     PipelineCosts,
     StageCosts,
@@ -307,6 +307,6 @@ def test_cli_errors_name_the_fix(argv, message):
         _run(*argv)
 
 
-def test_cli_plan_costs_are_a_seam():
-    with pytest.raises(NotImplementedError, match="--unit-costs F,I,W --stages P"):
+def test_cli_missing_plan_file_is_a_clear_error():
+    with pytest.raises(PlanError, match=r"cannot read plan plan\.json"):
         _run("--plan", "plan.json", "--profile", "profile.json")

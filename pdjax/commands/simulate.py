@@ -12,24 +12,44 @@ import sys
 from collections.abc import Sequence
 
 from pdjax._units import fmt_bytes, fmt_seconds
-from pdjax.errors import ScheduleError
+from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition.plan import Plan
+from pdjax.pipeline import costs as _costs
 from pdjax.pipeline.schedule import SCHEDULES, generate
 from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate, unit_costs
+from pdjax.profile.profile import Profile
 
 __all__ = ["costs_from_plan", "register", "run"]
 
 
-def costs_from_plan(plan_path: str, profile_path: str) -> tuple[PipelineCosts, tuple[int, ...]]:
+def costs_from_plan(
+    plan_path: str, profile_path: str, *, chunks: int = 1
+) -> tuple[PipelineCosts, tuple[int, ...]]:
     """Reads a Plan and its Profile and returns per-stage costs and replicas per stage.
 
+    Args:
+        plan_path: plan JSON (``pdjax plan --out``).
+        profile_path: the profile it was made from: JSON, ``graph.txt`` or
+            ``pipedream:NAME``.
+        chunks: ``v`` for ``interleaved`` (``P v`` virtual stages, see
+            :func:`pdjax.pipeline.costs_from_plan`).
+
     Raises:
-        NotImplementedError: always, until the Plan format lands (the planner's half).
+        PlanError, ProfileError: unreadable files, or a profile that does not match the plan.
     """
-    raise NotImplementedError(
-        f"pdjax simulate --plan {plan_path} --profile {profile_path}: reading a Plan into "
-        "stage costs is not wired yet (pdjax.commands.simulate.costs_from_plan). Use "
-        "--unit-costs F,I,W --stages P for now."
-    )
+    plan, profile = _load(plan_path, profile_path)
+    return _costs.costs_from_plan(plan, profile, chunks=chunks), plan.replicas
+
+
+def _load(plan_path: str, profile_path: str) -> tuple[Plan, Profile]:
+    plan = Plan.load(plan_path)
+    profile = Profile.load(profile_path)
+    if plan.num_layers != len(profile.layers):
+        raise PlanError(
+            f"the plan {plan_path} covers {plan.num_layers} layers but the profile "
+            f"{profile_path} has {len(profile.layers)}; pass the profile the plan was made from"
+        )
+    return plan, profile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,16 +130,16 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             return unit_costs(stages, f, i, w, chunks=chunks)
 
     elif args.plan and args.profile:
-        base, replicas = costs_from_plan(args.plan, args.profile)
-        stages = len(base.stages)
+        plan, profile = _load(args.plan, args.profile)
+        stages, replicas = plan.num_stages, plan.replicas
         if args.stages is not None and args.stages != stages:
             raise ScheduleError(
-                f"--stages {args.stages} disagrees with the plan's {stages} stages; drop "
+                f"--stages {args.stages} disagrees with the plan's {stages} stages (P); drop "
                 f"--stages or use --unit-costs"
             )
 
         def costs_for(chunks: int) -> PipelineCosts:
-            return base.interleave(chunks)
+            return _costs.costs_from_plan(plan, profile, chunks=chunks)
 
     else:
         raise ScheduleError(

@@ -1,4 +1,5 @@
-"""Pipeline schedules as data, their simulator and their pictures.
+"""Pipelines: schedules as data, their simulator and pictures, and the runtime that runs
+them on devices (:class:`Pipeline`).
 
 >>> from pdjax.pipeline import one_f_one_b, simulate, unit_costs, validate
 >>> schedule = one_f_one_b(4, 8)
@@ -7,6 +8,8 @@
 0.273
 """
 
+from pdjax.pipeline.costs import costs_from_plan, weight_grad_fraction
+from pdjax.pipeline.executor import Pipeline, PipelineState, RunMetrics, StageSpec, even_stages
 from pdjax.pipeline.schedule import (
     KINDS,
     SCHEDULES,
@@ -25,6 +28,8 @@ from pdjax.pipeline.schedule import (
     zb_h1,
 )
 from pdjax.pipeline.simulate import PipelineCosts, Simulation, StageCosts, simulate, unit_costs
+from pdjax.pipeline.stage import Stage
+from pdjax.pipeline.stash import WeightStore
 from pdjax.pipeline.timeline import Span, Timeline, Transfer
 from pdjax.pipeline.trace import chrome_trace, plot_gantt, write_chrome_trace
 
@@ -32,14 +37,22 @@ __all__ = [
     "KINDS",
     "SCHEDULES",
     "Action",
+    "Pipeline",
     "PipelineCosts",
+    "PipelineState",
+    "RunMetrics",
     "Schedule",
     "Simulation",
     "Span",
+    "Stage",
     "StageCosts",
+    "StageSpec",
     "Timeline",
     "Transfer",
+    "WeightStore",
     "chrome_trace",
+    "costs_from_plan",
+    "even_stages",
     "format_actions",
     "generate",
     "gpipe",
@@ -53,6 +66,7 @@ __all__ = [
     "simulate",
     "unit_costs",
     "validate",
+    "weight_grad_fraction",
     "write_chrome_trace",
     "zb_h1",
 ]

@@ -38,7 +38,7 @@ from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.pipeline.stash import WeightStore
 from pdjax.pipeline.timeline import Span, Timeline
 
-__all__ = ["Pipeline", "PipelineState", "StageSpec", "even_stages"]
+__all__ = ["Pipeline", "PipelineState", "RunMetrics", "StageSpec", "even_stages"]
 
 _ASYNC = ("pipedream", "2bw")
 

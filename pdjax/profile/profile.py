@@ -42,8 +42,8 @@ class LayerProfile:
       output_bytes: bytes of the layer's output activation (what crosses a cut after it).
       residual_bytes: bytes the backward keeps from the forward beyond the parameters and
         the layer's input (XLA's residuals).
-      peak_bytes: peak bytes of the compiled forward+backward (arguments, outputs and
-        temporaries, from ``memory_analysis()``), or None.
+      peak_bytes: the larger footprint of the compiled forward and backward (arguments,
+        outputs and temporaries, from ``memory_analysis()``), or None.
       forward_seconds: forward time, or None if neither measured nor estimated.
       backward_seconds: backward time, or None.
       output_shape: a readable rendering of the output's shapes and dtypes.

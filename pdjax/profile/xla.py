@@ -6,8 +6,6 @@ For each layer, on its input's shape (the previous layer's output), pdjax compil
 * the backward alone: the VJP's residuals and an output cotangent in, parameter
   gradients (and, past the first layer, the input gradient) out — exactly the work a
   pipeline stage's backward does,
-* the forward and backward together, for ``memory_analysis()``'s peak bytes,
-
 and reads FLOPs and bytes accessed from ``compiled.cost_analysis()``. Compiling needs
 only shapes, so paper-size models profile without allocating their weights. With
 ``measure=True`` the forward and backward are also run on a device (warm-up, then the
@@ -84,16 +82,11 @@ class _LayerFns:
         def backward(pullback: Any, ct: PyTree) -> Any:
             return pullback(ct)
 
-        def both(params: PyTree, rest: Variables, x: PyTree, ct: PyTree) -> Any:
-            y, pullback = vjp(params, rest, x)
-            return y, pullback(ct)
-
         self.apply = apply
         self.vjp = vjp
         self.forward = jax.jit(apply)
         self.forward_vjp = jax.jit(vjp)
         self.backward = jax.jit(backward)
-        self.both = jax.jit(both)
 
 
 def _residual_bytes(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> int:
@@ -230,16 +223,7 @@ def profile(
         )
         bwd = fns.backward.lower(pullback_spec, ct_spec).compile()
         bwd_ca = cost_analysis(bwd)
-        both = fns.both.lower(params, rest, x_spec, ct_spec).compile()
-        mem = both.memory_analysis()
-        peak = None
-        if mem is not None:
-            peak = int(
-                mem.argument_size_in_bytes
-                + mem.output_size_in_bytes
-                + mem.temp_size_in_bytes
-                - mem.alias_size_in_bytes
-            )
+        peak = _peak_bytes(fwd, bwd)
 
         fwd_s = bwd_s = None
         if measure:
@@ -307,8 +291,24 @@ def profile(
     )
 
 
+def _peak_bytes(*compiled: Any) -> int | None:
+    """The largest of the compiled functions' footprints (arguments + outputs + temps)."""
+    peaks = []
+    for c in compiled:
+        mem = c.memory_analysis()
+        if mem is None:
+            return None
+        peaks.append(
+            mem.argument_size_in_bytes
+            + mem.output_size_in_bytes
+            + mem.temp_size_in_bytes
+            - mem.alias_size_in_bytes
+        )
+    return int(max(peaks))
+
+
 def _kind(layer: Layer) -> str:
     module = getattr(layer, "module", None)
     if module is not None:
         return type(module).__name__
-    return type(layer).__name__
+    return getattr(layer, "kind", type(layer).__name__)

@@ -1,4 +1,5 @@
-"""Test set-up: 8 simulated CPU devices, strict numerics, before any JAX operation."""
+"""Test set-up for tests/ and the doctests in pdjax/: 8 simulated CPU devices, strict
+numerics, set before any JAX operation."""
 
 import sys
 from pathlib import Path
@@ -11,4 +12,4 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # (seconds per model on CPU); the tests need fixed streams, not that layout property.
 jax.config.update("jax_threefry_partitionable", False)
 
-sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared reference module
+sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the tests' reference module

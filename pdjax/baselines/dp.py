@@ -1,0 +1,290 @@
+"""The "pjit DP" baseline: the whole model as one jitted train step, data parallel.
+
+The model's parameters and optimizer state are replicated on every device of a one-axis
+``Mesh`` (``"data"``); each batch is sharded along its first axis over the same axis with
+``NamedSharding``. One ``jax.jit`` function computes the loss, its gradient and the
+optimizer update for the whole batch; XLA partitions it and inserts the gradient
+all-reduce. This is what pdjax's pipelines are compared against, and what a plan with one
+stage on all devices computes.
+
+Semantics match :class:`pdjax.pipeline.executor.Pipeline` with one stage and ``M = 1``:
+a DP step is one microbatch (the whole batch) and one optimizer update with its mean-loss
+gradient. Per microbatch ``k`` (here the step count over the life of the run, from
+``state.step``), layer ``i`` draws dropout from ``fold_in(fold_in(state.rng, k), i)``.
+BatchNorm statistics are those of the whole global batch (XLA reduces across devices),
+as on a single device with that batch.
+
+>>> import jax, optax
+>>> from pdjax.models import get_model
+>>> spec = get_model("mlp")
+>>> x, y = spec.sample_batch(8)
+>>> dp = DataParallel(spec.layers, spec.loss, optax.sgd(0.1), devices=jax.devices()[:1])
+>>> state = dp.init(jax.random.key(0), x)
+>>> state, metrics = dp.step(state, (x, y))
+>>> state.step, metrics.loss > 0
+(1, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pdjax.errors import PipelineError
+from pdjax.layers import LayerSequence, PyTree, Variables
+
+__all__ = ["DPMetrics", "DPState", "DataParallel"]
+
+#: ``loss_fn(outputs, targets) -> scalar``: the mean loss of a batch.
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+class DPState(NamedTuple):
+    """Everything data-parallel training carries between steps (a pytree).
+
+    Attributes:
+      params: per layer, its ``"params"`` collection (replicated on every device).
+      model_state: per layer, its other collections (BatchNorm statistics), replicated.
+      opt_state: the optimizer state over ``params``, replicated.
+      step: optimizer updates so far, which is also the batches (microbatches) consumed;
+        seeds the per-step dropout RNG.
+      rng: the base PRNG key for dropout.
+    """
+
+    params: list[PyTree]
+    model_state: list[Variables]
+    opt_state: optax.OptState
+    step: int
+    rng: jax.Array
+
+
+@dataclasses.dataclass
+class DPMetrics:
+    """What one :meth:`DataParallel.step` measured.
+
+    Attributes:
+      losses: the step's loss, as a one-element list of a device scalar (the same shape
+        of result as :class:`pdjax.pipeline.executor.RunMetrics` with one microbatch).
+      host_seconds: wall time spent dispatching the step (excludes waiting for it).
+    """
+
+    losses: list[jax.Array]
+    host_seconds: float
+
+    @property
+    def loss(self) -> float:
+        """The mean loss over the batch (blocks until it is computed)."""
+        return float(np.mean([float(x) for x in self.losses]))
+
+
+class DataParallel:
+    """A model trained with data parallelism: one jitted step over a device mesh.
+
+    Args:
+      layers: the model.
+      loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of a batch.
+      optimizer: any optax ``GradientTransformation``.
+      devices: the devices to shard the batch over (default ``jax.devices()``).
+      donate: let each :meth:`step` reuse the buffers of the state it is given for the
+        new state (less memory; the old state's arrays are deleted and must not be used
+        again). Set ``False`` to keep old states alive, e.g. while saving them.
+
+    Raises:
+      PipelineError: for an empty or repeated device list.
+
+    Every jitted function compiles once per input shape; ``trace_counts`` counts traces
+    (``"step"`` and ``"evaluate"``).
+    """
+
+    def __init__(
+        self,
+        layers: LayerSequence,
+        loss_fn: LossFn,
+        optimizer: optax.GradientTransformation,
+        *,
+        devices: Sequence[jax.Device] | None = None,
+        donate: bool = True,
+    ) -> None:
+        self.devices = tuple(jax.devices() if devices is None else devices)
+        if not self.devices:
+            raise PipelineError("DataParallel needs at least one device; got devices=[]")
+        if len(set(self.devices)) != len(self.devices):
+            raise PipelineError(f"DataParallel got a device more than once: {self.devices}")
+        self.layers = layers
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.mesh = Mesh(np.asarray(self.devices), ("data",))
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.trace_counts: dict[str, int] = {}
+        self._train_step = jax.jit(
+            self._counted("step", self._step_fn),
+            out_shardings=self.replicated,
+            donate_argnums=(0, 1, 2) if donate else (),
+        )
+        self._evaluate = jax.jit(self._counted("evaluate", self._evaluate_fn))
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the batch is sharded over; every batch size must be a multiple."""
+        return len(self.devices)
+
+    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def traced(*args: Any) -> Any:
+            self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
+            return fn(*args)
+
+        return traced
+
+    # -- state ------------------------------------------------------------------------------
+
+    def init(self, rng: jax.Array, sample: PyTree) -> DPState:
+        """Initialises every layer from ``rng`` on a sample batch and replicates the state.
+
+        As :meth:`Pipeline.init`: the variables come from ``fold_in(rng, 0)`` and dropout
+        is seeded by ``fold_in(rng, 1)``, so both runners start from the same weights.
+        """
+        variables = jax.jit(self.layers.init)(jax.random.fold_in(rng, 0), sample)
+        return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
+
+    def state_from_variables(
+        self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array
+    ) -> DPState:
+        """A fresh state from given variables (pre-trained, restored): a per-layer list, or
+        the merged tree of :meth:`LayerSequence.merge`. Optimizer state starts anew at step 0.
+
+        The arrays are copied onto the mesh, so donation never deletes the caller's.
+
+        Raises:
+          PipelineError: if the variables do not match the model's layer count.
+        """
+        if isinstance(variables, Mapping):
+            variables = self.layers.split(variables)
+        if len(variables) != len(self.layers):
+            raise PipelineError(
+                f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
+            )
+        params, model_state = self.replicate(
+            (
+                [v.get("params", {}) for v in variables],
+                [{k: a for k, a in v.items() if k != "params"} for v in variables],
+            )
+        )
+        opt_state = self.replicate(jax.jit(self.optimizer.init)(params))
+        return DPState(params, model_state, opt_state, 0, jax.device_put(rng, self.replicated))
+
+    def replicate(self, tree: PyTree) -> PyTree:
+        """A copy of ``tree`` (weights, optimizer state) on every device, e.g. to put
+        restored arrays into a :class:`DPState` with ``state._replace(opt_state=...)``."""
+        # device_put may reuse the caller's buffer as one replica (even with
+        # may_alias=False when the devices differ); the jitted copy never does, so
+        # donating the state cannot delete the caller's arrays.
+        placed = jax.device_put(tree, self.replicated)
+        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(placed)
+
+    def variables(self, state: DPState) -> list[Variables]:
+        """The per-layer variables (params and state)."""
+        return [{**ms, "params": p} for p, ms in zip(state.params, state.model_state, strict=True)]
+
+    def params(self, state: DPState) -> dict[str, Any]:
+        """The full parameter tree ``{layer name: params}``."""
+        return self.layers.merge(self.variables(state))["params"]
+
+    # -- running ----------------------------------------------------------------------------
+
+    def place_batch(self, tree: PyTree) -> PyTree:
+        """Puts a batch (numpy or device arrays, any pytree) on the mesh, sharded on axis 0.
+
+        Raises:
+          PipelineError: if the leaves disagree on the batch size or it is not a multiple
+            of :attr:`num_devices`.
+        """
+        sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
+        if len(sizes) != 1 or None in sizes:
+            raise PipelineError(
+                f"every input and target needs the same leading batch axis; got sizes {sizes}"
+            )
+        (n,) = sizes
+        if n % self.num_devices:
+            raise PipelineError(
+                f"a batch of {n} samples cannot be sharded evenly over {self.num_devices} "
+                f"devices; use a batch size that is a multiple of {self.num_devices} "
+                f"(e.g. {max(1, n // self.num_devices) * self.num_devices}) or pass fewer "
+                "devices=..."
+            )
+        return jax.device_put(tree, self.batch_sharding)
+
+    def step(self, state: DPState, batch: tuple[PyTree, PyTree]) -> tuple[DPState, DPMetrics]:
+        """One optimizer step on ``batch = (inputs, targets)``, sharded over the devices.
+
+        With ``donate=True`` (the default) ``state``'s arrays are consumed.
+
+        Raises:
+          PipelineError: if the batch size is not a multiple of :attr:`num_devices`.
+        """
+        t0 = time.perf_counter()
+        inputs, targets = self.place_batch(batch)
+        params, model_state, opt_state, loss = self._train_step(
+            state.params,
+            state.model_state,
+            state.opt_state,
+            state.rng,
+            state.step,
+            inputs,
+            targets,
+        )
+        new_state = DPState(params, model_state, opt_state, state.step + 1, state.rng)
+        return new_state, DPMetrics([loss], time.perf_counter() - t0)
+
+    def evaluate(self, state: DPState, inputs: PyTree) -> PyTree:
+        """The model's outputs in eval mode (no dropout, BatchNorm running statistics).
+
+        Args:
+          state: the training state (not consumed).
+          inputs: a batch ``(B, ...)`` with ``B`` a multiple of :attr:`num_devices`.
+
+        Returns:
+          The outputs (e.g. logits ``(B, num_classes)``), sharded on the batch axis.
+
+        Raises:
+          PipelineError: if the batch size is not a multiple of :attr:`num_devices`.
+        """
+        return self._evaluate(state.params, state.model_state, self.place_batch(inputs))
+
+    # -- jitted bodies ----------------------------------------------------------------------
+
+    def _step_fn(
+        self,
+        params: list[PyTree],
+        model_state: list[Variables],
+        opt_state: optax.OptState,
+        rng: jax.Array,
+        step: jax.Array,
+        inputs: PyTree,
+        targets: PyTree,
+    ) -> tuple[list[PyTree], list[Variables], optax.OptState, jax.Array]:
+        key = jax.random.fold_in(rng, step)
+
+        def objective(p: list[PyTree]) -> tuple[jax.Array, list[Variables]]:
+            variables = [{**s, "params": q} for q, s in zip(p, model_state, strict=True)]
+            outputs, new_state = self.layers.apply(variables, inputs, train=True, rng=key)
+            return self.loss_fn(outputs, targets), new_state
+
+        (loss, new_state), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state, opt_state, loss
+
+    def _evaluate_fn(
+        self, params: list[PyTree], model_state: list[Variables], inputs: PyTree
+    ) -> PyTree:
+        variables = [{**s, "params": p} for p, s in zip(params, model_state, strict=True)]
+        return self.layers.apply(variables, inputs, train=False)[0]

@@ -1,0 +1,270 @@
+"""From a Plan and its Profile to the simulator's :class:`PipelineCosts`.
+
+:func:`costs_from_plan` is the seam between the planner and the simulator: it prices each
+stage of a :class:`~pdjax.partition.Plan` the way the planner's ``pdjax`` cost model does
+(:mod:`pdjax.partition.cost`), so that ``simulate(schedule, costs_from_plan(plan, profile))``
+plays the plan's stages on the plan's links.
+
+The mapping, for a stage holding layers ``i..j`` on ``r`` devices, a microbatch of ``b``
+samples and a profile of batch ``B`` (``scale = b / B``):
+
+=====================  =====================================================================
+``forward``            ``sum_l forward_seconds[l] * scale / r``
+``input_grad``         ``sum_l backward_seconds[l] * (1 - w_l) * scale / r``
+``weight_grad``        ``sum_l backward_seconds[l] * w_l * scale / r``
+``update``             0 (profiles do not time the optimizer; the all-reduce is the
+                       simulator's, from ``param_bytes`` and ``allreduce_bandwidth``)
+``activation_bytes``   bytes crossing the cut after layer ``j``, ``cut[j] * scale``
+``param_bytes``        ``sum_l param_bytes[l]`` (a whole copy on every replica)
+``stash_bytes``        ``sum_l stash_bytes[l] * scale / r`` (each replica keeps its share)
+``optimizer_bytes``    ``param_bytes * optimizer_state_factor`` (``plan.options``, default 2)
+=====================  =====================================================================
+
+``w_l``, the weight-gradient share of layer ``l``'s backward: XLA profiles (and PipeDream's
+``graph.txt``) time the backward as a whole. A layer without parameters has no weight
+gradient (``w_l = 0``). For a layer with parameters whose forward and backward FLOPs are
+known, the weight gradient is the forward's contraction with one operand swapped (dense,
+convolution: the same FLOPs as the forward), so ``w_l = min(1, forward_flops /
+backward_flops)`` (``1/2`` for a dense or convolution layer that also computes its input
+gradient); without FLOPs, ``w_l = 1/2``. Only ``zb-h1`` (which defers ``W``) depends on it.
+
+Layers are read as the planner reads them (:func:`pdjax.partition.cost.model_arrays`):
+an ``Input`` source layer (data loading) and unused ``__getitem__`` sinks of PipeDream's
+profiles cost nothing, and the cut bytes are :meth:`~pdjax.profile.Profile.cut_bytes`
+without those sinks. Links come from the plan's topology:
+
+- the cut between stages ``s`` and ``s + 1`` runs on the innermost level ``k`` that joins a
+  device of one to a device of the other (:meth:`~pdjax.partition.Topology.link_level`),
+  at that level's bandwidth times the number of level-``k`` groups holding devices of both
+  stages: when a replicated server-level stage runs the same sub-pipeline in ``m`` servers,
+  its inner cuts are ``m`` parallel links each carrying ``1/m`` of the microbatch, as in
+  the planner's recursion;
+- a replicated stage all-reduces over the outermost level its devices span, at that
+  level's bandwidth (a flat ring: for replicas spread over servers this is the slower,
+  pessimistic side of the planner's hierarchical estimate).
+
+Planner and simulator (steady state of ``pipedream``) price a stage identically: with free
+transfers the simulator's time per microbatch is the planner's ``time_per_microbatch``
+(the slowest stage: compute / ``r`` plus its all-reduce). Two systematic differences
+remain, both in the transfers:
+
+- **Cuts.** The planner charges a cut ``2 a / B`` (activation forward and its gradient
+  backward on one link); the simulator has one link per direction, busy ``a / B`` per
+  microbatch. A plan whose bottleneck is a cut can simulate faster than predicted.
+- **Round-trip latency (Little's law).** 1F1B admits exactly ``P - s`` microbatches in
+  flight at stage ``s``: enough to hide the pipeline's compute, not its transfers. The
+  simulator's period is at least one microbatch's round trip from stage ``s`` to the last
+  stage and back (compute, all-reduce and ``2 a / B`` per cut crossed) divided by
+  ``P - s``; the planner ignores this term, so it is optimistic whenever transfers are
+  comparable to compute. PipeDream's VGG-16 profile on 4 workers at 10 Gbit/s (plan 3-1,
+  ~100 MB crossing the cut per microbatch of 128): planner 178.8 ms, simulator 252.0 ms,
+  round-trip bound 250.8 ms; with free links or at 1 Tbit/s the two agree within 0.2%.
+
+With interleaving (``chunks = v > 1``), the model is re-cut into ``P v`` contiguous virtual
+stages, virtual stage ``k`` on device group ``k mod P`` (the plan's stage ``k mod P``, with
+its devices and replicas): the placement the executor runs for ``interleaved``
+(:class:`pdjax.pipeline.executor.Pipeline`). The cut points minimise the planner's
+``pdjax`` objective over the virtual stages (the largest stage time per device, all-reduce
+included once per step, and ``2 a / B`` per cut; a small dynamic program). The plan's own
+stage boundaries are not kept: stage ``d``'s layers cannot be both contiguous and spread
+over ``v`` chunks in model order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition import cost
+from pdjax.partition.plan import Plan
+from pdjax.partition.topology import Topology
+from pdjax.pipeline.simulate import PipelineCosts, StageCosts
+from pdjax.profile.profile import Profile
+
+__all__ = ["costs_from_plan", "weight_grad_fraction"]
+
+#: Optimizer state bytes per parameter byte when the plan does not record it (Adam).
+DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
+
+
+def weight_grad_fraction(profile: Profile) -> np.ndarray:
+    """Per layer, the share of its backward seconds that is the weight gradient ``W``.
+
+    0 for a layer without parameters; ``min(1, forward_flops / backward_flops)`` for one
+    with parameters and both FLOP counts; 1/2 otherwise (see the module doc).
+
+    >>> from pdjax.profile import LayerProfile
+    >>> layers = [LayerProfile("relu"), LayerProfile("dense", param_bytes=4,
+    ...           forward_flops=2.0, backward_flops=4.0), LayerProfile("w", param_bytes=4)]
+    >>> weight_grad_fraction(Profile.chain(layers, batch_size=1)).tolist()
+    [0.0, 0.5, 0.5]
+    """
+    out = np.zeros(len(profile.layers))
+    for i, layer in enumerate(profile.layers):
+        if layer.param_bytes <= 0:
+            continue
+        f, b = layer.forward_flops, layer.backward_flops
+        out[i] = min(1.0, f / b) if f is not None and b is not None and f > 0 and b > 0 else 0.5
+    return out
+
+
+def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> PipelineCosts:
+    """Per-stage costs of ``plan`` for the simulator (see the module doc for the formulas).
+
+    Args:
+        plan: the plan (its stages, devices, topology, microbatch size and options).
+        profile: the profile the plan was made from (same number of layers, with times).
+        chunks: ``v``; with ``v > 1`` the costs describe ``P v`` virtual stages for the
+            ``interleaved`` schedule, virtual stage ``k`` on the plan's stage ``k mod P``.
+
+    Returns:
+        One :class:`StageCosts` per (virtual) stage, the cut bandwidths and the all-reduce
+        bandwidths; pass ``replicas=plan.replicas`` to the schedule generator.
+
+    Raises:
+        PlanError: the profile does not match the plan (layer count), or has no times.
+        ScheduleError: ``chunks`` is not a positive integer, or the model has fewer layers
+            that may be cut than ``P v`` virtual stages need.
+
+    >>> from pdjax.partition import Topology, plan_uniform
+    >>> from pdjax.profile import LayerProfile
+    >>> layers = [LayerProfile(f"l{i}", forward_seconds=1.0, backward_seconds=2.0,
+    ...                        output_bytes=10) for i in range(4)]
+    >>> profile = Profile.chain(layers, batch_size=8)
+    >>> costs = costs_from_plan(plan_uniform(profile, Topology.flat(2, 100.0), 2), profile)
+    >>> [(st.forward, st.backward, st.activation_bytes) for st in costs.stages]
+    [(2.0, 4.0, 10), (2.0, 4.0, 0)]
+    >>> costs.link_bandwidth
+    (100.0,)
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ScheduleError(f"chunks must be an integer >= 1; got {chunks!r}")
+    if plan.num_layers != len(profile.layers):
+        raise PlanError(
+            f"the plan covers {plan.num_layers} layers but the profile has "
+            f"{len(profile.layers)}; simulate a plan with the profile it was made from"
+        )
+    arrays = cost.model_arrays(profile, plan.microbatch_size)
+    # The planner's view: free layers (Input, dropped sinks) have compute 0.
+    priced = arrays.compute > 0
+    forward = np.where(priced, profile.forward_seconds(), 0.0) * arrays.scale
+    backward = np.where(priced, profile.backward_seconds(), 0.0) * arrays.scale
+    w_share = weight_grad_fraction(profile)
+    input_grad = backward * (1.0 - w_share)
+    weight_grad = backward * w_share
+    factor = float(plan.options.get("optimizer_state_factor", DEFAULT_OPTIMIZER_STATE_FACTOR))
+
+    P, K, topo = plan.num_stages, plan.num_stages * chunks, plan.topology
+    groups = [plan.stages[k % P] for k in range(K)]
+    positions = [[_position(topo, d) for d in st.devices] for st in groups]
+    links = [_cut_bandwidth(topo, positions[k], positions[k + 1]) for k in range(K - 1)]
+    allreduce = [_allreduce_bandwidth(topo, pos) for pos in positions]
+    if chunks == 1:
+        ranges = [(st.first_layer, st.last_layer) for st in plan.stages]
+    else:
+        ranges = _balanced_ranges(
+            arrays,
+            [st.replicas for st in groups],
+            links,
+            allreduce,
+            cost.updates_per_microbatch("interleaved", plan.num_microbatches),
+        )
+
+    stages = []
+    for (first, last), st in zip(ranges, groups, strict=True):
+        sl, r = slice(first, last + 1), st.replicas
+        params = math.fsum(arrays.params[sl])
+        stages.append(
+            StageCosts(
+                forward=math.fsum(forward[sl]) / r,
+                input_grad=math.fsum(input_grad[sl]) / r,
+                weight_grad=math.fsum(weight_grad[sl]) / r,
+                activation_bytes=round(float(arrays.cut[last])),
+                param_bytes=round(params),
+                stash_bytes=round(math.fsum(arrays.stash[sl]) / r),
+                optimizer_bytes=round(params * factor),
+            )
+        )
+    return PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
+
+
+def _position(topology: Topology, device: int) -> int:
+    """The topology position of a plan's device id."""
+    if topology.device_ids is None:
+        position = device
+    elif device in topology.device_ids:
+        position = topology.device_ids.index(device)
+    else:
+        raise PlanError(f"device {device} is not one of the topology's {topology.device_ids}")
+    if not 0 <= position < topology.num_devices:
+        raise PlanError(f"device {device} is outside the topology's {topology.num_devices}")
+    return position
+
+
+def _cut_bandwidth(topology: Topology, a: list[int], b: list[int]) -> float:
+    """Bytes/s of the cut between device groups ``a`` and ``b`` (see the module doc)."""
+    level = min(topology.link_level(x, y) for x in a for y in b)
+    size = topology.group_size(level + 1)
+    parallel = len({x // size for x in a} & {y // size for y in b})
+    return topology.levels[level].bandwidth * max(1, parallel)
+
+
+def _allreduce_bandwidth(topology: Topology, group: list[int]) -> float:
+    """Bytes/s of a ring all-reduce over ``group``: its outermost level's."""
+    level = max((topology.link_level(group[0], x) for x in group[1:]), default=0)
+    return topology.levels[level].bandwidth
+
+
+def _balanced_ranges(
+    arrays: cost.ModelArrays,
+    replicas: list[int],
+    link_bandwidth: list[float],
+    allreduce_bandwidth: list[float],
+    updates_per_microbatch: float,
+) -> list[tuple[int, int]]:
+    """Contiguous layer ranges, one per virtual stage ``k``, minimising the planner's
+    ``pdjax`` objective: the largest of each virtual stage's time per microbatch (compute
+    on ``replicas[k]`` devices plus its share of the all-reduce) and each cut's ``2 a / B``
+    (``link_bandwidth[k]`` between virtual stages ``k`` and ``k + 1``). No cut where
+    ``arrays.cut_ok`` forbids one."""
+    K, L = len(replicas), arrays.num_layers
+    cuttable = int(np.count_nonzero(arrays.cut_ok))
+    if K - 1 > cuttable:
+        raise ScheduleError(
+            f"interleaving needs {K} virtual stages but the model has {L} layers and allows "
+            f"only {cuttable} cuts; use fewer chunks or fewer stages"
+        )
+    compute, weights = arrays.range_sum(arrays.compute), arrays.range_sum(arrays.params)
+
+    def stage(k: int) -> np.ndarray:  # [i, j]: layers i..j as virtual stage k
+        return cost.stage_time(
+            "pdjax",
+            compute,
+            weights,
+            replicas[k],
+            allreduce_bandwidth[k],
+            updates_per_microbatch=updates_per_microbatch,
+        )
+
+    # best[k, j]: the objective of virtual stages 0..k holding layers 0..j;
+    # arg[k, j]: the first layer of stage k there.
+    best = np.full((K, L), np.inf)
+    arg = np.zeros((K, L), dtype=np.int64)
+    best[0] = stage(0)[0]
+    for k in range(1, K):
+        time_k = stage(k)
+        cut = np.where(arrays.cut_ok, 2.0 * arrays.cut / link_bandwidth[k - 1], np.inf)
+        for j in range(k, L):
+            starts = np.arange(1, j + 1)  # stage k holds starts..j, cut after starts - 1
+            vals = np.maximum(best[k - 1, starts - 1], cut[starts - 1])
+            vals = np.maximum(vals, time_k[starts, j])
+            i = int(np.argmin(vals))
+            best[k, j], arg[k, j] = vals[i], starts[i]
+    ranges, j = [], L - 1
+    for k in range(K - 1, 0, -1):
+        ranges.append((int(arg[k, j]), j))
+        j = int(arg[k, j]) - 1
+    ranges.append((0, j))
+    return ranges[::-1]
