@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python -m pdjax profile --model vgg16 --config tiny --batch-size 32 --measure --out out/profile-vgg16-tiny.json
+	$(BIN)/python -m pdjax train --model cnn --dataset digits --schedule pipedream --devices 4 \
+		--plan auto --straight --epochs 10 --target-accuracy 0.95 --compare dp --out out/main
 
 lint: $(STAMP)
 	$(BIN)/ruff check pdjax tests benchmarks

@@ -1,4 +1,4 @@
-"""``pdjax`` command line: ``pdjax profile | plan | simulate``.
+"""``pdjax`` command line: ``pdjax profile | plan | simulate | train``.
 
 The logic lives in the library; each subcommand in :mod:`pdjax.commands` only parses
 arguments, calls it and prints.

@@ -412,19 +412,22 @@ class Pipeline:
         microbatches: Sequence[tuple[PyTree, PyTree]],
         *,
         timeline: bool = False,
+        on_loss: Callable[[int, jax.Array], None] | None = None,
     ) -> tuple[PipelineState, RunMetrics]:
         """Runs the schedule over a stream of ``(inputs, targets)`` microbatches.
 
         The pipeline fills at the start of the call and drains at its end, so
         consecutive calls are one stream with a drain between them (what a checkpoint
         needs). With ``timeline=True`` the driver waits for each action and records its
-        measured span (so the devices do not overlap in that mode).
+        measured span (so the devices do not overlap in that mode). ``on_loss(k, loss)`` is
+        called when microbatch ``k``'s loss is dispatched (an unfinished device array:
+        converting it to a float waits for it).
         """
         microbatches = list(microbatches)
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
         sched = self.schedule(len(microbatches))
-        return self._execute(sched, state, microbatches, timeline)
+        return self._execute(sched, state, microbatches, timeline, on_loss)
 
     def _execute(
         self,
@@ -432,6 +435,7 @@ class Pipeline:
         state: PipelineState,
         microbatches: list[tuple[PyTree, PyTree]],
         record: bool,
+        on_loss: Callable[[int, jax.Array], None] | None = None,
     ) -> tuple[PipelineState, RunMetrics]:
         S = self.num_stages
         reads: list[dict[int, int]] = [{} for _ in range(S)]
@@ -477,6 +481,8 @@ class Pipeline:
                 saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
                 if s == last:
                     losses[k] = y
+                    if on_loss is not None:
+                        on_loss(k, y)
                 else:
                     fwd_in[(s + 1, k)] = self.stages[s + 1].place_batch(y)
                 out = y
