@@ -118,7 +118,8 @@ def test_each_stage_function_compiles_once_per_shape():
     pipe, _ = check_transparent("mlp", "1f1b", 2, M=4, steps=3)
     for stage in pipe.stages:
         assert stage.trace_counts["forward"] == 1
-        assert stage.trace_counts["backward"] == 1
+        # one variant starts a step's gradient sum, one adds into it
+        assert stage.trace_counts["backward"] == 2
         assert stage.trace_counts["update"] == 1
 
 

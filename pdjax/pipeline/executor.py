@@ -110,6 +110,9 @@ class RunMetrics:
       actions: actions dispatched.
       host_seconds: wall time the driver spent dispatching (excludes waiting for results).
       timeline: per-action measured spans, when asked for (``timeline=True``).
+      peak_bytes: with ``timeline=True``, per device group the most bytes of live arrays
+        seen on one of its devices after any action (weights, versions, optimizer state,
+        stashes, gradients, activations in transit, and whatever the caller holds there).
     """
 
     losses: list[jax.Array]
@@ -117,11 +120,26 @@ class RunMetrics:
     actions: int
     host_seconds: float
     timeline: Timeline | None = None
+    peak_bytes: tuple[int, ...] | None = None
 
     @property
     def loss(self) -> float:
         """Mean loss over the microbatches (blocks until they are computed)."""
         return float(np.mean([float(x) for x in self.losses]))
+
+
+def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int]) -> None:
+    """Raises ``peaks[g]`` to the live bytes of the fullest device of each group ``g``."""
+    per_device: dict[jax.Device, int] = {}
+    for array in jax.live_arrays():
+        if array.is_deleted():
+            continue
+        for shard in array.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    for device, used in per_device.items():
+        g = group_of_device.get(device)
+        if g is not None and used > peaks[g]:
+            peaks[g] = used
 
 
 class _Saved(NamedTuple):
@@ -419,7 +437,8 @@ class Pipeline:
         The pipeline fills at the start of the call and drains at its end, so
         consecutive calls are one stream with a drain between them (what a checkpoint
         needs). With ``timeline=True`` the driver waits for each action and records its
-        measured span (so the devices do not overlap in that mode). ``on_loss(k, loss)`` is
+        measured span and the live bytes per device group (so the devices do not overlap
+        in that mode, and it is slow: a diagnostic). ``on_loss(k, loss)`` is
         called when microbatch ``k``'s loss is dispatched (an unfinished device array:
         converting it to a float waits for it).
         """
@@ -459,11 +478,17 @@ class Pipeline:
             (tick, g, i) for g, ticks in enumerate(sched.clock()) for i, tick in enumerate(ticks)
         )
         spans: list[Span] = []
+        group_of_device = {
+            d: sched.stage_device[s] for s, st in enumerate(self.stages) for d in st.devices
+        }
+        peaks = [0] * sched.num_groups
         origin = time.perf_counter()
         host = 0.0
 
-        def targets_of(k: int) -> PyTree:
-            return self.stages[last].place_batch(microbatches[k][1])
+        # one batched transfer each for the inputs (to stage 0) and targets (to the last
+        # stage), before the first action: a transfer per microbatch costs a dispatch each
+        inputs = self.stages[0].place_batch([mb[0] for mb in microbatches])
+        targets = self.stages[last].place_batch([mb[1] for mb in microbatches])
 
         for _, g, i in order:
             a: Action = sched.actions[g][i]
@@ -473,9 +498,9 @@ class Pipeline:
             out: Any = None
             if a.kind == "F":
                 params = stores[s].read(a.version)
-                x = stage.place_batch(microbatches[k][0]) if s == 0 else fwd_in.pop((s, k))
-                tgt = targets_of(k) if s == last else None
-                rng = jax.random.fold_in(state.rng, state.microbatches + k)
+                x = inputs[k] if s == 0 else fwd_in.pop((s, k))
+                tgt = targets[k] if s == last else None
+                rng = (state.rng, np.int32(state.microbatches + k))
                 before = model_state[s]
                 y, model_state[s], res = stage.forward(params, before, x, rng, tgt)
                 saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
@@ -496,14 +521,15 @@ class Pipeline:
                 elif a.kind == "W":
                     tgt, ct = sv.targets
                     sv = sv._replace(targets=tgt)
+                acc = grads[s] if a.kind != "I" else None
                 if a.version == sv.version and not stage.remat:
-                    gp, gx = stage.backward(params, sv.x, sv.residuals, ct, want)
+                    gp, gx = stage.backward(params, sv.x, sv.residuals, ct, acc, want)
                 else:  # remat, or no weight stashing: the VJP at these weights, saved input
                     gp, gx = stage.backward_recompute(
-                        params, sv.x, ct, (sv.state, sv.rng, sv.targets), want
+                        params, sv.x, ct, (sv.state, sv.rng, sv.targets), acc, want
                     )
                 if gp is not None:
-                    grads[s] = gp if grads[s] is None else stage.accumulate(grads[s], gp)
+                    grads[s] = gp  # the sum so far: backward added into the accumulator
                 if gx is not None and s > 0:
                     bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
                 out = gp if gp is not None else gx
@@ -521,6 +547,7 @@ class Pipeline:
             if record:
                 jax.block_until_ready(out)
                 spans.append(Span(g, t0 - origin, time.perf_counter() - origin, a))
+                _track_live_bytes(peaks, group_of_device)
 
         if saved or fwd_in or bwd_in or any(gr is not None for gr in grads):
             raise PipelineError("the schedule left work undone (unmatched F/B or updates)")
@@ -538,5 +565,6 @@ class Pipeline:
             actions=len(order),
             host_seconds=host,
             timeline=Timeline(sched.name, sched.num_groups, tuple(spans)) if record else None,
+            peak_bytes=tuple(peaks) if record else None,
         )
         return new_state, metrics

@@ -33,6 +33,9 @@ __all__ = ["LossFn", "Stage"]
 #: ``loss_fn(outputs, targets) -> scalar``: the mean loss of one microbatch.
 LossFn = Callable[[PyTree, PyTree], jax.Array]
 
+#: ``(base key, microbatch number)``: microbatch ``k`` draws from ``fold_in(key, k)``.
+_Rng = tuple[jax.Array, jax.Array]
+
 
 def _float(leaf: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
@@ -90,14 +93,16 @@ class Stage:
         self.trace_counts: dict[str, int] = {}
         self._layout: dict[Any, _ResidualLayout] = {}
         self.forward = jax.jit(self._counted("forward", self._forward))
-        self.backward = jax.jit(self._counted("backward", self._backward), static_argnums=(4,))
+        # the gradient accumulator is donated: adding into it reuses its buffers
+        self.backward = jax.jit(
+            self._counted("backward", self._backward), static_argnums=(5,), donate_argnums=(4,)
+        )
         self.backward_recompute = jax.jit(
-            self._counted("backward_recompute", self._backward_recompute), static_argnums=(4,)
+            self._counted("backward_recompute", self._backward_recompute),
+            static_argnums=(5,),
+            donate_argnums=(4,),
         )
         self.update = jax.jit(self._counted("update", self._update))
-        self.accumulate = jax.jit(
-            self._counted("accumulate", lambda acc, g: jax.tree.map(jnp.add, acc, g))
-        )
 
     @property
     def num_replicas(self) -> int:
@@ -113,8 +118,10 @@ class Stage:
     # -- the stage's function -------------------------------------------------------------
 
     def _apply(
-        self, params: list[PyTree], state: list[Variables], x: PyTree, rng: jax.Array
+        self, params: list[PyTree], state: list[Variables], x: PyTree, rng: _Rng
     ) -> tuple[PyTree, list[Variables]]:
+        key, mb = rng
+        rng = jax.random.fold_in(key, mb)  # inside jit: no separate dispatch per microbatch
         new_state = []
         for j, layer in enumerate(self.layers):
             variables = {**state[j], "params": params[j]}
@@ -128,7 +135,7 @@ class Stage:
         params: list[PyTree],
         x: PyTree,
         state: list[Variables],
-        rng: jax.Array,
+        rng: _Rng,
         targets: PyTree,
     ) -> tuple[PyTree, list[Variables]]:
         y, new_state = self._apply(params, state, x, rng)
@@ -141,7 +148,7 @@ class Stage:
         params: list[PyTree],
         x: PyTree,
         state: list[Variables],
-        rng: jax.Array,
+        rng: _Rng,
         targets: PyTree,
     ) -> tuple[PyTree, Any, list[Variables]]:
         def f(params: list[PyTree], x: PyTree) -> tuple[PyTree, list[Variables]]:
@@ -157,7 +164,7 @@ class Stage:
         params: list[PyTree],
         state: list[Variables],
         x: PyTree,
-        rng: jax.Array,
+        rng: _Rng,
         targets: PyTree,
     ) -> tuple[PyTree, list[Variables], list[jax.Array]]:
         """``-> (output or loss, new state, residuals without weight or input copies)``."""
@@ -178,25 +185,29 @@ class Stage:
         x: PyTree,
         residuals: list[jax.Array],
         ct: PyTree,
+        acc: list[PyTree] | None,
         want: str,
     ) -> tuple[list[PyTree] | None, PyTree | None]:
         """``-> (parameter gradients, input gradient)`` from the forward's residuals.
 
         ``want`` picks "both", "input" (zero-bubble's I) or "weights" (its W); XLA drops
-        the unrequested half. ``params`` and ``x`` must be the ones the forward used.
+        the unrequested half. ``params`` and ``x`` must be the ones the forward used. The
+        parameter gradients are added to ``acc`` when it is given (gradient accumulation
+        in the same dispatch; pass None with ``want="input"``).
         """
         layout = self._layout[self._key(params, x, residuals)]
         flat_inputs = jax.tree.leaves((params, x))
         it = iter(residuals)
         leaves = [next(it) if src is None else flat_inputs[src] for src in layout.sources]
-        return self._pick(jax.tree.unflatten(layout.treedef, leaves), ct, want)
+        return self._pick(jax.tree.unflatten(layout.treedef, leaves), ct, acc, want)
 
     def _backward_recompute(
         self,
         params: list[PyTree],
         x: PyTree,
         ct: PyTree,
-        extras: tuple[list[Variables], jax.Array, PyTree],
+        extras: tuple[list[Variables], _Rng, PyTree],
+        acc: list[PyTree] | None,
         want: str,
     ) -> tuple[list[PyTree] | None, PyTree | None]:
         """The backward at ``params`` by recomputing the forward from the saved input
@@ -204,16 +215,18 @@ class Stage:
         PipeDream without weight stashing (newest weights, old input)."""
         state, rng, targets = extras
         _, pullback, _ = self._vjp(params, x, state, rng, targets)
-        return self._pick(pullback, ct, want)
+        return self._pick(pullback, ct, acc, want)
 
     def _pick(
-        self, pullback: Any, ct: PyTree, want: str
+        self, pullback: Any, ct: PyTree, acc: list[PyTree] | None, want: str
     ) -> tuple[list[PyTree] | None, PyTree | None]:
         grad_params, grad_x = pullback(ct)
         if self.index == 0 or want == "weights":
             grad_x = None
         if want == "input":
             grad_params = None
+        elif acc is not None:
+            grad_params = jax.tree.map(jnp.add, acc, grad_params)
         return grad_params, grad_x
 
     def _update(
