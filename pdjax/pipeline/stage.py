@@ -102,7 +102,8 @@ class Stage:
             static_argnums=(5,),
             donate_argnums=(4,),
         )
-        self.update = jax.jit(self._counted("update", self._update))
+        # the optimizer state is never stashed: update it in place
+        self.update = jax.jit(self._counted("update", self._update), donate_argnums=(2,))
 
     @property
     def num_replicas(self) -> int:
