@@ -399,10 +399,12 @@ def train(
         ckpt = Checkpointer(checkpoint_dir)
         if ckpt.latest_step() is not None:
             state, extra = ckpt.restore(state)
-            if extra.get("config") != dataclasses.asdict(cfg):
+            saved, ours = _resumable(extra.get("config", {})), _resumable(dataclasses.asdict(cfg))
+            if saved != ours:
+                changed = sorted(k for k in ours if saved.get(k) != ours[k])
                 raise PipelineError(
-                    f"{checkpoint_dir} holds a checkpoint of a different run "
-                    f"({extra.get('config')}); use another --checkpoint-dir"
+                    f"{checkpoint_dir} holds a checkpoint of a different run (it differs in "
+                    f"{changed}); use another --checkpoint-dir, or the same settings"
                 )
             history = [EpochRecord(**r) for r in extra["history"]]
             start_epoch = len(history)
@@ -504,6 +506,12 @@ def _warm_up(runner: Any, state: Any, ds: data_lib.Dataset, cfg: TrainConfig) ->
             for k in range(cfg.microbatches)
         ]
         jax.block_until_ready(runner.run(copy, batches)[0])
+
+
+def _resumable(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed run must share with its checkpoint (all but the stopping
+    rule: more epochs, or another target, continue the same run)."""
+    return {k: v for k, v in config.items() if k not in ("epochs", "target_accuracy")}
 
 
 def _mark_target(result: TrainResult) -> None:
