@@ -51,7 +51,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, m
             yield (x * np.nan if epoch == 1 else x), y
 
     monkeypatch.setattr(data.Dataset, "train_batches", poisoned)
-    with pytest.raises(TrainingDiverged, match="epoch 2.*last good checkpoint"):
+    with pytest.raises(TrainingDiverged, match=r"epoch 2.*last good checkpoint"):
         train(_cfg(epochs=3), checkpoint_dir=tmp_path)
     from pdjax.pipeline.checkpoint import Checkpointer
 
