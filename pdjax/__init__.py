@@ -18,6 +18,8 @@ True
 """
 
 from pdjax.errors import (
+    CheckpointError,
+    DataError,
     GraphFormatError,
     LayerError,
     PdjaxError,
@@ -28,6 +30,7 @@ from pdjax.errors import (
 )
 from pdjax.layers import LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
+from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
 from pdjax.pipeline.schedule import Schedule, generate, validate
 from pdjax.pipeline.simulate import simulate
@@ -36,6 +39,9 @@ from pdjax.profile import Profile, profile
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "DataError",
     "GraphFormatError",
     "LayerError",
     "LayerSequence",

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointError",
+    "DataError",
     "GraphFormatError",
     "LayerError",
     "PdjaxError",
@@ -43,3 +45,7 @@ class PipelineError(PdjaxError):
 
 class DataError(PdjaxError):
     """A dataset or batching request is invalid (batch size, seed, split fraction)."""
+
+
+class CheckpointError(PdjaxError):
+    """A checkpoint is missing, or does not fit the state it is restored into."""

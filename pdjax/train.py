@@ -450,6 +450,8 @@ def train(
         seconds = time.perf_counter() - t0
         train_loss = float(np.mean([float(x) for x in losses]))
         if not math.isfinite(train_loss):
+            if ckpt is not None:
+                ckpt.close()
             raise TrainingDiverged(
                 f"training loss became {train_loss} in epoch {epoch + 1} ({cfg.label}, "
                 f"lr {cfg.learning_rate}); lower --lr"
@@ -491,6 +493,8 @@ def train(
         if result.target_epoch is not None:
             result.stopped = "target"
             break
+    if ckpt is not None:
+        ckpt.close()
     return result
 
 

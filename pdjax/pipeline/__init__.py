@@ -8,6 +8,7 @@ them on devices (:class:`Pipeline`).
 0.273
 """
 
+from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.costs import costs_from_plan, weight_grad_fraction
 from pdjax.pipeline.executor import Pipeline, PipelineState, RunMetrics, StageSpec, even_stages
 from pdjax.pipeline.schedule import (
@@ -37,6 +38,7 @@ __all__ = [
     "KINDS",
     "SCHEDULES",
     "Action",
+    "Checkpointer",
     "Pipeline",
     "PipelineCosts",
     "PipelineState",

@@ -1,0 +1,451 @@
+"""Checkpoints of a training run: a :class:`PipelineState` or :class:`DPState` plus the
+training loop's own metadata, saved with orbax and restored bit for bit.
+
+>>> import tempfile, jax, optax
+>>> from pdjax.baselines import DataParallel
+>>> from pdjax.models import get_model
+>>> spec = get_model("mlp")
+>>> x, y = spec.sample_batch(8)
+>>> dp = DataParallel(spec.layers, spec.loss, optax.sgd(0.1), devices=jax.devices()[:1])
+>>> state, _ = dp.step(dp.init(jax.random.key(0), x), (x, y))
+>>> with tempfile.TemporaryDirectory() as directory, Checkpointer(directory) as ckpt:
+...     ckpt.save(1, state, extra={"epoch": 0, "batch": 1})
+...     restored, extra = ckpt.restore(dp.init(jax.random.key(1), x))
+>>> restored.step, extra
+(1, {'epoch': 0, 'batch': 1})
+
+On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two items:
+
+- ``arrays/``: every array of the state (``StandardSave``, OCDBT), as a flat dict keyed
+  by the array's path in the state: ``params.1.0.dense.kernel`` (field, stage, layer in
+  the stage, then the layer's own tree), ``opt_state.1.0.mu.0.dense.kernel``,
+  ``model_state.0.1.batch_stats.mean``, ``rng``. A typed PRNG key is stored as its
+  ``jax.random.key_data`` (``uint32``). A :class:`DPState` has no stage level.
+- ``meta/metadata``: JSON with the format tag and version, the state's type, its Python
+  ints (``updates`` and ``microbatches``, or ``step``), the shape and dtype of every array
+  (and the implementation of each PRNG key, e.g. ``threefry2x32``), and ``extra``.
+
+Restoring needs a template, a state of the same runner (``pipe.init(...)``, or the same
+tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves): the checkpoint's
+arrays must match its paths, shapes and dtypes, and are placed with its shardings, so a
+run restarts on the devices its (new) runner uses. Optimizer states come back as their
+own types (``ScaleByAdamState``, ...), not lists, because the tree structure is the
+template's.
+
+Asynchronous schedules (``pipedream``, ``2bw``) checkpoint *drain-then-save*. Each call
+of :meth:`Pipeline.run` fills the pipeline and drains it, so a state between calls holds
+only the newest weights of each stage: no microbatch in flight, no stashed version. That
+is the only state there is to save, so the save boundary is a flush. In an unbroken
+PipeDream stream, microbatch ``k`` at stage ``s`` would use the stashed version
+``k - (P - s) + 1``; across the boundary the microbatches that would have been in flight
+instead start the next call on the newest weights (as at the start of any call), and
+``2bw``'s first step after it uses the newest weights rather than the previous ones.
+The flush is a property of the calls, not of the save: a run that saves, stops,
+restores and goes on with the same calls is bit for bit the run that never stopped.
+
+Crash safety comes from orbax: a step is written into ``<step>.orbax-checkpoint-tmp``
+and renamed to ``<step>`` once complete (the rename is the commit), so a process killed
+mid-save leaves the previous steps intact, and an unfinished temporary directory is never
+listed as a step (even one holding every file); the first save of the next
+:class:`Checkpointer` deletes it. :meth:`Checkpointer.save` blocks until its step is
+committed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+
+from pdjax.baselines.dp import DPState
+from pdjax.errors import CheckpointError
+from pdjax.pipeline.executor import PipelineState
+
+__all__ = ["Checkpointer"]
+
+# The format tag and layout version in every checkpoint's ``meta`` item.
+_FORMAT = "pdjax.checkpoint"
+_FORMAT_VERSION = 1
+
+_State = TypeVar("_State", PipelineState, DPState)
+
+# Per state type, its fields that are Python ints (saved as JSON, restored exactly).
+# Every other field is a pytree of arrays.
+_INT_FIELDS: dict[type, tuple[str, ...]] = {
+    PipelineState: ("updates", "microbatches"),
+    DPState: ("step",),
+}
+_ITEMS = ("arrays", "meta")
+
+
+def _state_type(state: Any, what: str) -> type:
+    for cls in _INT_FIELDS:
+        if isinstance(state, cls):
+            return cls
+    raise CheckpointError(
+        f"{what} must be a PipelineState (from Pipeline.init/run/step) or a DPState (from "
+        f"DataParallel.init/step), got {type(state).__name__}"
+    )
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    parts = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jax.tree_util.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _array_leaves(state: Any, cls: type) -> dict[str, Any]:
+    """The state's array leaves (or the template's abstract ones), keyed by path, in
+    tree order; raises for a leaf that is not an array."""
+    out: dict[str, Any] = {}
+    for field in cls._fields:
+        if field in _INT_FIELDS[cls]:
+            continue
+        for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
+            name = _path_name((jax.tree_util.GetAttrKey(field), *path))
+            if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
+                raise CheckpointError(
+                    f"{name} is a {type(leaf).__name__}, not an array; a {cls.__name__} "
+                    "holds arrays outside its int fields "
+                    f"{', '.join(_INT_FIELDS[cls])}"
+                )
+            if name in out:
+                raise CheckpointError(
+                    f"two leaves of the state are both named {name!r}; rename the module or "
+                    "collection whose name contains a '.'"
+                )
+            out[name] = leaf
+    return out
+
+
+def _is_key(leaf: Any) -> bool:
+    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """``value`` as plain JSON types (numpy scalars become Python numbers)."""
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise CheckpointError(
+                    f"{where} has the key {k!r} ({type(k).__name__}); JSON keys are strings"
+                )
+            out[k] = _jsonable(v, f"{where}[{k!r}]")
+        return out
+    if isinstance(value, list | tuple):
+        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item()
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise CheckpointError(
+        f"{where} is a {type(value).__name__}, which JSON cannot hold; extra takes dicts, "
+        "lists, str, int, float, bool and None (convert device arrays with float(x) or "
+        "x.tolist())"
+    )
+
+
+def _shape_str(entry: Mapping[str, Any]) -> str:
+    return f"{entry['dtype']}{list(entry['shape'])}"
+
+
+class Checkpointer:
+    """Saves and restores training states in ``directory``, one sub-directory per step.
+
+    Args:
+      directory: where the checkpoints live; created by the first :meth:`save`.
+      max_to_keep: keep the newest this many steps, deleting older ones after each save
+        (``None`` keeps all).
+
+    Raises:
+      CheckpointError: for ``max_to_keep < 1``.
+
+    The first :meth:`save` also deletes the unfinished temporary directories that crashed
+    saves left; reading never does, so an evaluator may watch a running trainer's
+    directory. Use as a context manager, or call :meth:`close`, to stop orbax's
+    background threads.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 3) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise CheckpointError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        self.directory = Path(directory).absolute()
+        self._max_to_keep = max_to_keep
+        self._writing = False
+        self._manager = self._new_manager()
+
+    def _new_manager(self) -> ocp.CheckpointManager:
+        return ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=self._max_to_keep,
+                # Created by the first save, so restoring from a mistyped path does not
+                # leave an empty directory behind.
+                create=False,
+                # Deletes the <step>.orbax-checkpoint-tmp directories of crashed saves. Only
+                # a writer does: a reader (an evaluator watching a running trainer's
+                # directory) would delete the save in progress.
+                cleanup_tmp_directories=self._writing,
+            ),
+            item_names=_ITEMS,
+        )
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Waits for pending work and releases orbax's resources."""
+        self._manager.close()
+
+    # -- listing ----------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """The committed steps in the directory, ascending (re-read from disk)."""
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None`` if there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: PipelineState | DPState,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Saves ``state`` and ``extra`` as checkpoint ``step``; returns once it is committed.
+
+        Args:
+          step: the checkpoint's number, above every step already in the directory (e.g.
+            the optimizer updates so far).
+          state: a :class:`PipelineState` or :class:`DPState`. Its arrays are read, not
+            consumed, so the state can be used (or donated) afterwards.
+          extra: the training loop's JSON-able metadata (epoch, batch index, metric history,
+            data seed, ...): string keys; numpy scalars are stored as Python numbers and
+            tuples come back as lists.
+
+        Raises:
+          CheckpointError: for a step that is not above the newest saved one, a state of
+            another type or with deleted (donated) arrays, or an ``extra`` that JSON
+            cannot hold.
+        """
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        step = int(step)
+        cls = _state_type(state, "state")
+        extra = _jsonable({} if extra is None else extra, "extra")
+        steps = self.all_steps()
+        if steps and step <= steps[-1]:
+            raise CheckpointError(
+                f"cannot save step {step} in {self.directory}: it holds steps {steps}, and "
+                "steps must increase; save with a larger step, or delete the newer steps "
+                "(or use another directory) to branch off an older one"
+            )
+        arrays: dict[str, Any] = {}
+        manifest: dict[str, dict[str, Any]] = {}
+        for name, leaf in _array_leaves(state, cls).items():
+            if isinstance(leaf, jax.Array) and leaf.is_deleted():
+                raise CheckpointError(
+                    f"{name} has been deleted: the state was donated to a later step "
+                    "(DataParallel donates by default); save the newest state, before "
+                    "passing it on, or build the runner with donate=False"
+                )
+            entry: dict[str, Any] = {}
+            if _is_key(leaf):
+                entry["key_impl"] = str(jax.random.key_impl(leaf))
+                leaf = jax.random.key_data(leaf)
+            entry.update(shape=list(np.shape(leaf)), dtype=str(leaf.dtype))
+            arrays[name] = leaf
+            manifest[name] = entry
+        meta = {
+            "format": _FORMAT,
+            "version": _FORMAT_VERSION,
+            "state": cls.__name__,
+            "ints": {f: _jsonable(getattr(state, f), f) for f in _INT_FIELDS[cls]},
+            "arrays": manifest,
+            "extra": extra,
+        }
+        if not self._writing:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._manager.close()
+            self._writing = True
+            self._manager = self._new_manager()
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+            ),
+        )
+        self._manager.wait_until_finished()
+        if not saved:  # orbax declines silently (e.g. another process saved it meanwhile)
+            raise CheckpointError(
+                f"orbax did not save step {step} in {self.directory} "
+                f"(steps there now: {self.all_steps()})"
+            )
+
+    # -- restoring --------------------------------------------------------------------------
+
+    def restore(self, template: _State, step: int | None = None) -> tuple[_State, dict[str, Any]]:
+        """Restores checkpoint ``step`` (default: the newest) into ``template``'s layout.
+
+        Args:
+          template: a state of the runner to restore into: e.g. ``pipe.init(...)`` of a
+            new :class:`Pipeline` with the same model, plan and optimizer, or the same tree
+            with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves (its int fields
+            are ignored). Its values are not used; its shardings say where each restored
+            array goes.
+          step: the step to restore; ``None`` for the newest.
+
+        Returns:
+          ``(state, extra)``: the saved state, bit for bit (arrays, ints, PRNG key), of
+          ``template``'s type and tree structure and on its shardings; and the ``extra``
+          given to :meth:`save` (``{}`` if none).
+
+        Raises:
+          CheckpointError: if the directory holds no checkpoint, ``step`` is not there,
+            or the checkpoint does not match the template (names the first array that
+            differs, with both shapes).
+        """
+        cls = _state_type(template, "template")
+        steps = self.all_steps()
+        if not steps:
+            where = "" if self.directory.is_dir() else " (the directory does not exist)"
+            raise CheckpointError(f"no checkpoint in {self.directory}{where}")
+        if step is None:
+            step = steps[-1]
+        elif step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        meta = self._read_meta(step)
+        ints = meta["ints"]
+        wanted = _array_leaves(template, cls)
+        self._check_match(step, cls, meta, wanted)
+        abstract: dict[str, jax.ShapeDtypeStruct] = {}
+        for name, leaf in wanted.items():
+            sharding = getattr(leaf, "sharding", None)
+            if sharding is None:
+                raise CheckpointError(
+                    f"the template's {name} has no sharding; pass a state of the runner "
+                    "(e.g. pipe.init(...)) or jax.ShapeDtypeStruct leaves with sharding=..."
+                )
+            data = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+            abstract[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
+            )["arrays"]
+        except Exception as e:
+            raise CheckpointError(
+                f"could not read the arrays of step {step} in {self.directory}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        leaves = []
+        for name, leaf in wanted.items():
+            impl = meta["arrays"][name].get("key_impl")
+            array = restored[name]
+            if isinstance(leaf, jax.Array) and not leaf.committed:
+                # Pipeline.init's rng is uncommitted, so jit moves it to every stage's
+                # devices; orbax commits what it restores, which jit would then refuse.
+                array = jnp.asarray(np.asarray(array))
+            leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
+        fields: dict[str, Any] = {}
+        it = iter(leaves)
+        for field in cls._fields:
+            if field in _INT_FIELDS[cls]:
+                value = ints[field]
+                fields[field] = tuple(value) if isinstance(value, list) else value
+            else:
+                treedef = jax.tree.structure(getattr(template, field))
+                fields[field] = jax.tree.unflatten(
+                    treedef, [next(it) for _ in range(treedef.num_leaves)]
+                )
+        return cls(**fields), meta["extra"]
+
+    def _read_meta(self, step: int) -> dict[str, Any]:
+        try:
+            meta = self._manager.restore(
+                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+            )["meta"]
+        except Exception as e:
+            raise CheckpointError(
+                f"step {step} in {self.directory} has no readable pdjax metadata "
+                f"({type(e).__name__}: {e}); was it written by pdjax.pipeline.Checkpointer?"
+            ) from e
+        if not isinstance(meta, Mapping) or meta.get("format") != _FORMAT:
+            raise CheckpointError(
+                f"step {step} in {self.directory} was not written by "
+                "pdjax.pipeline.Checkpointer (no format tag in its metadata)"
+            )
+        if meta.get("version") != _FORMAT_VERSION:
+            raise CheckpointError(
+                f"step {step} in {self.directory} has checkpoint format version "
+                f"{meta.get('version')}; this pdjax reads version {_FORMAT_VERSION}"
+            )
+        return dict(meta)
+
+    def _check_match(
+        self, step: int, cls: type, meta: Mapping[str, Any], wanted: Mapping[str, Any]
+    ) -> None:
+        where = f"step {step} in {self.directory}"
+        if meta["state"] != cls.__name__:
+            raise CheckpointError(
+                f"{where} holds a {meta['state']}, the template is a {cls.__name__}; "
+                "restore it with a template from the same kind of runner"
+            )
+        saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
+        hint = (
+            "; the model, the plan (stages, layers per stage) or the optimizer differ from "
+            "the run that saved it: build the template with the same ones"
+        )
+        for name, leaf in wanted.items():
+            if _is_key(leaf):
+                data = jax.eval_shape(jax.random.key_data, leaf)
+                mine = {"shape": list(data.shape), "dtype": str(data.dtype)}
+            else:
+                mine = {"shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+            theirs = saved.get(name)
+            if theirs is None:
+                raise CheckpointError(
+                    f"{where} does not match the template: the template has {name} "
+                    f"({_shape_str(mine)}), the checkpoint has no such array{hint}"
+                )
+            if list(theirs["shape"]) != mine["shape"] or theirs["dtype"] != mine["dtype"]:
+                raise CheckpointError(
+                    f"{where} does not match the template: {name} is "
+                    f"{_shape_str(theirs)} in the checkpoint and {_shape_str(mine)} in the "
+                    f"template{hint}"
+                )
+        for name, theirs in saved.items():
+            if name not in wanted:
+                raise CheckpointError(
+                    f"{where} does not match the template: the checkpoint has {name} "
+                    f"({_shape_str(theirs)}), the template has no such array{hint}"
+                )
+
+    def __repr__(self) -> str:
+        return f"Checkpointer({str(self.directory)!r})"
