@@ -15,6 +15,7 @@ loop evaluates and checkpoints (a drain-then-save checkpoint).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -114,6 +115,12 @@ class TrainConfig:
             raise PipelineError(
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
                 f"{self.microbatches}: each microbatch must have the same size"
+            )
+        if not self.learning_rate > 0:
+            raise PipelineError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.schedule != "pipedream" and (self.vertical_sync or not self.weight_stashing):
+            raise PipelineError(
+                "vertical sync and no weight stashing are options of the pipedream schedule"
             )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
@@ -260,11 +267,18 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
     L = len(spec.layers)
     if cfg.schedule == "interleaved":
         P = cfg.devices
-        virtual = even_stages(L, min(L, P * cfg.chunks))
-        if len(virtual) % P:
+        if P * cfg.chunks > L:
             raise PipelineError(
-                f"interleaved needs {P} x {cfg.chunks} stages; {spec.name} has only {L} layers"
+                f"interleaved needs {P} devices x {cfg.chunks} chunks = {P * cfg.chunks} "
+                f"stages of at least one layer; {spec.name} has {L} layers: use fewer "
+                "--devices or --chunks"
             )
+        if cfg.plan not in ("auto", "even") or cfg.straight:
+            raise PipelineError(
+                "interleaved places equal layer counts, chunk k on device k mod P; it takes "
+                "no --plan file and no --straight"
+            )
+        virtual = even_stages(L, P * cfg.chunks)
         stages = tuple(
             StageSpec(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
         )
@@ -335,12 +349,13 @@ def evaluate(
     return total_loss / count, total_acc / count
 
 
-_EVAL_FNS: dict[Any, Callable[..., Any]] = {}
+_EVAL_FNS: dict[int, tuple[ModelSpec, Callable[..., Any]]] = {}
 
 
 def _eval_fn(spec: ModelSpec) -> Callable[..., Any]:
-    key = (spec.name, spec.config, id(spec.layers))
-    if key not in _EVAL_FNS:
+    """The jitted evaluation of ``spec`` (cached per spec object, which the cache holds)."""
+    cached = _EVAL_FNS.get(id(spec))
+    if cached is None or cached[0] is not spec:
 
         def fn(variables: Any, x: Any, y: Any, mask: Any) -> tuple[jax.Array, jax.Array]:
             out, _ = spec.layers.apply(variables, x, train=False)
@@ -351,8 +366,9 @@ def _eval_fn(spec: ModelSpec) -> Callable[..., Any]:
             m = mask.astype(jnp.float32)
             return (per * m).sum(), (correct * m).sum()
 
-        _EVAL_FNS[key] = jax.jit(fn)
-    return _EVAL_FNS[key]
+        _EVAL_FNS.clear()  # one model at a time: keep one compiled evaluation
+        _EVAL_FNS[id(spec)] = (spec, jax.jit(fn))
+    return _EVAL_FNS[id(spec)][1]
 
 
 def train(
@@ -385,6 +401,11 @@ def train(
       PipelineError: for inconsistent settings, before any training.
     """
     spec, ds = build(cfg)
+    if cfg.batch_size > ds.num_train:
+        raise PipelineError(
+            f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
+            "training samples"
+        )
     b = cfg.microbatch_size
     sample = ds.train_x[:b]
     runner, plan_text = make_runner(cfg, spec, sample)
@@ -392,110 +413,110 @@ def train(
     state = runner.init(rng, sample)
     history: list[EpochRecord] = []
     start_epoch = 0
-    ckpt = None
-    if checkpoint_dir is not None:
-        from pdjax.pipeline.checkpoint import Checkpointer
+    with contextlib.ExitStack() as stack:  # closes the checkpointer on any exit
+        ckpt = None
+        if checkpoint_dir is not None:
+            from pdjax.pipeline.checkpoint import Checkpointer
 
-        ckpt = Checkpointer(checkpoint_dir)
-        if ckpt.latest_step() is not None:
-            state, extra = ckpt.restore(state)
-            saved, ours = _resumable(extra.get("config", {})), _resumable(dataclasses.asdict(cfg))
-            if saved != ours:
-                changed = sorted(k for k in ours if saved.get(k) != ours[k])
-                raise PipelineError(
-                    f"{checkpoint_dir} holds a checkpoint of a different run (it differs in "
-                    f"{changed}); use another --checkpoint-dir, or the same settings"
+            ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
+            if ckpt.latest_step() is not None:
+                state, extra = ckpt.restore(state)
+                saved, ours = (
+                    _resumable(extra.get("config", {})),
+                    _resumable(dataclasses.asdict(cfg)),
                 )
-            history = [EpochRecord(**r) for r in extra["history"]]
-            start_epoch = len(history)
+                if saved != ours:
+                    changed = sorted(k for k in ours if saved.get(k) != ours[k])
+                    raise PipelineError(
+                        f"{checkpoint_dir} holds a checkpoint of a different run (it differs in "
+                        f"{changed}); use another --checkpoint-dir, or the same settings"
+                    )
+                history = [EpochRecord(**r) for r in extra["history"]]
+                start_epoch = len(history)
 
-    if warmup and start_epoch < cfg.epochs:
-        _warm_up(runner, state, ds, cfg)
-    result = TrainResult(cfg, plan_text, history, "epochs", state=state)
-    _mark_target(result)
-    if result.target_epoch is not None:
-        result.stopped = "target"
-        return result
-    elapsed = history[-1].elapsed if history else 0.0
-    is_dp = cfg.schedule == "dp"
-    for epoch in range(start_epoch, cfg.epochs):
-        batches = list(
-            ds.train_batches(b if not is_dp else cfg.batch_size, seed=cfg.seed, epoch=epoch)
-        )
-        if not is_dp and cfg.schedule not in ("pipedream",):
-            batches = batches[: len(batches) - len(batches) % cfg.microbatches]
-        if not batches:
-            raise PipelineError(
-                f"the {ds.name} training split has {ds.num_train} samples, too few for one "
-                f"step of {cfg.batch_size}"
-            )
-        t0 = time.perf_counter()
-        if is_dp:
-            losses = []
-            for i, batch in enumerate(batches):
-                state, metrics = runner.step(state, batch)
-                losses.extend(metrics.losses)
-                if on_progress is not None:
-                    on_progress(i + 1, len(batches))
-        else:
-            callback = None
-            if on_progress is not None:
-
-                def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
-                    on_progress(k + 1, n)
-
-            state, metrics = runner.run(state, batches, on_loss=callback)
-            losses = metrics.losses
-        jax.block_until_ready(state)
-        seconds = time.perf_counter() - t0
-        train_loss = float(np.mean([float(x) for x in losses]))
-        if not math.isfinite(train_loss):
-            if ckpt is not None:
-                ckpt.close()
-            raise TrainingDiverged(
-                f"training loss became {train_loss} in epoch {epoch + 1} ({cfg.label}, "
-                f"lr {cfg.learning_rate}); lower --lr"
-                + (f"; the last good checkpoint stays in {checkpoint_dir}" if ckpt else "")
-            )
-        elapsed += seconds
-        test_loss, test_acc = evaluate(spec, runner.variables(state), ds)
-        samples = len(batches) * (cfg.batch_size if is_dp else b)
-        updates = state.step if is_dp else state.updates[0]
-        record = EpochRecord(
-            epoch=epoch + 1,
-            train_loss=train_loss,
-            test_loss=test_loss,
-            test_accuracy=test_acc,
-            seconds=seconds,
-            elapsed=elapsed,
-            samples_per_second=samples / seconds,
-            updates=int(updates),
-        )
-        history.append(record)
-        result.state = state
-        if metrics_path is not None:
-            path = Path(metrics_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a") as f:
-                f.write(json.dumps({"run": cfg.label, **dataclasses.asdict(record)}) + "\n")
-        if ckpt is not None:
-            ckpt.save(
-                epoch + 1,
-                state,
-                {
-                    "config": dataclasses.asdict(cfg),
-                    "history": [dataclasses.asdict(r) for r in history],
-                },
-            )
-        if on_epoch is not None:
-            on_epoch(record)
+        if warmup and start_epoch < cfg.epochs:
+            _warm_up(runner, state, ds, cfg)
+        result = TrainResult(cfg, plan_text, history, "epochs", state=state)
         _mark_target(result)
         if result.target_epoch is not None:
             result.stopped = "target"
-            break
-    if ckpt is not None:
-        ckpt.close()
-    return result
+            return result
+        elapsed = history[-1].elapsed if history else 0.0
+        is_dp = cfg.schedule == "dp"
+        for epoch in range(start_epoch, cfg.epochs):
+            batches = list(
+                ds.train_batches(b if not is_dp else cfg.batch_size, seed=cfg.seed, epoch=epoch)
+            )
+            if not is_dp and cfg.schedule not in ("pipedream",):
+                batches = batches[: len(batches) - len(batches) % cfg.microbatches]
+            if not batches:
+                raise PipelineError(
+                    f"the {ds.name} training split has {ds.num_train} samples, too few for one "
+                    f"step of {cfg.batch_size}"
+                )
+            t0 = time.perf_counter()
+            if is_dp:
+                losses = []
+                for i, batch in enumerate(batches):
+                    state, metrics = runner.step(state, batch)
+                    losses.extend(metrics.losses)
+                    if on_progress is not None:
+                        on_progress(i + 1, len(batches))
+            else:
+                callback = None
+                if on_progress is not None:
+
+                    def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
+                        on_progress(k + 1, n)
+
+                state, metrics = runner.run(state, batches, on_loss=callback)
+                losses = metrics.losses
+            jax.block_until_ready(state)
+            seconds = time.perf_counter() - t0
+            train_loss = float(np.mean([float(x) for x in losses]))
+            if not math.isfinite(train_loss):
+                raise TrainingDiverged(
+                    f"training loss became {train_loss} in epoch {epoch + 1} ({cfg.label}, "
+                    f"lr {cfg.learning_rate}); lower --lr"
+                    + (f"; the last good checkpoint stays in {checkpoint_dir}" if ckpt else "")
+                )
+            elapsed += seconds
+            test_loss, test_acc = evaluate(spec, runner.variables(state), ds)
+            samples = len(batches) * (cfg.batch_size if is_dp else b)
+            updates = state.step if is_dp else state.updates[0]
+            record = EpochRecord(
+                epoch=epoch + 1,
+                train_loss=train_loss,
+                test_loss=test_loss,
+                test_accuracy=test_acc,
+                seconds=seconds,
+                elapsed=elapsed,
+                samples_per_second=samples / seconds,
+                updates=int(updates),
+            )
+            history.append(record)
+            result.state = state
+            if metrics_path is not None:
+                path = Path(metrics_path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with path.open("a") as f:
+                    f.write(json.dumps({"run": cfg.label, **dataclasses.asdict(record)}) + "\n")
+            if ckpt is not None:
+                ckpt.save(
+                    epoch + 1,
+                    state,
+                    {
+                        "config": dataclasses.asdict(cfg),
+                        "history": [dataclasses.asdict(r) for r in history],
+                    },
+                )
+            if on_epoch is not None:
+                on_epoch(record)
+            _mark_target(result)
+            if result.target_epoch is not None:
+                result.stopped = "target"
+                break
+        return result
 
 
 def _warm_up(runner: Any, state: Any, ds: data_lib.Dataset, cfg: TrainConfig) -> None:

@@ -140,3 +140,34 @@ def test_bad_plans_and_batches_fail_before_device_work():
     good = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
     with pytest.raises(PipelineError, match=r"stage 0, layer 0 \(.*\) cannot take .*\[2, 50\]"):
         pipe.check_shapes(jnp.ones((2, 50)), variables=good)
+
+
+def test_more_bad_input_is_caught_with_a_hint():
+    spec = get_model("mlp", "tiny")
+    L = len(spec.layers)
+    loss, opt = spec.loss, optax.adam(1e-3)
+    with pytest.raises(PipelineError, match="distinct and >= 0"):
+        Pipeline(spec.layers, [StageSpec(0, L - 1, (0, 0))], loss, opt)
+    with pytest.raises(PipelineError, match="distinct and >= 0"):
+        Pipeline(spec.layers, [StageSpec(0, L - 1, (-1,))], loss, opt)
+    with pytest.raises(PipelineError, match="options of the pipedream schedule"):
+        Pipeline(spec.layers, even_stages(L, 2), loss, opt, vertical_sync=True)
+    with pytest.raises(PipelineError, match="option of interleaved"):
+        Pipeline(spec.layers, even_stages(L, 2), loss, opt, chunks=3)
+    with pytest.raises(PipelineError, match="2bw needs microbatches"):
+        Pipeline(spec.layers, even_stages(L, 4), loss, opt, schedule="2bw", microbatches=2)
+    with pytest.raises(PipelineError, match="replicas must be >= 1"):
+        even_stages(L, 2, replicas=0)
+    two = Pipeline(spec.layers, even_stages(L, 2), loss, opt, schedule="2bw", microbatches=2)
+    x, y = _data(spec, 8)
+    state = two.init(jax.random.key(0), x[:4])
+    with pytest.raises(PipelineError, match="use run"):
+        two.step(state, (x, y))  # 2bw's W(t-1) needs a stream, not one step per call
+    state, _ = two.run(state, two.split_batch((x, y)) * 2)
+    pipe = Pipeline(spec.layers, even_stages(L, 2, replicas=2), loss, opt, microbatches=2)
+    old = pipe.init(jax.random.key(0), x[:4])
+    new, _ = pipe.step(old, (x, y))
+    with pytest.raises(PipelineError, match="consumed"):
+        pipe.step(old, (x, y))
+    with pytest.raises(PipelineError, match="microbatch 0 has 3 samples"):
+        pipe.run(new, [(x[:3], y[:3])])

@@ -136,3 +136,13 @@ def test_cut_bytes_counts_each_crossing_output_once():
     prof = Profile(layers=tuple(layers), edges=((0, 1), (1, 2), (2, 3), (0, 2)), batch_size=1)
     assert list(prof.cut_bytes()) == [10, 10 + 20, 30, 0]
     assert not prof.is_chain
+
+
+def test_malformed_profile_files_give_profile_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match=r"profile .*bad\.json is not valid JSON"):
+        Profile.load(bad)
+    bad.write_text('{"format": "pdjax.profile/1", "edges": []}')
+    with pytest.raises(ProfileError, match="malformed pdjax profile: KeyError"):
+        Profile.load(bad)

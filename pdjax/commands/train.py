@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-dir", help="save every epoch here; resume if it holds one")
     p.add_argument("--out", default="out/train", help="folder for metrics.jsonl and plots")
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    g = p.add_argument_group(
+        "several processes",
+        "one pipeline across processes (jax.distributed): run the same command in every "
+        "process, or set PDJAX_COORDINATOR/PDJAX_NUM_PROCESSES/PDJAX_PROCESS_ID (or JAX_*); "
+        "--devices counts the devices of all processes",
+    )
+    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument("--process-id", type=int, help="this process, 0..N-1")
+    g.add_argument("--coordinator", help="HOST:PORT of process 0 (the coordination service)")
+    g.add_argument(
+        "--local-processes",
+        type=int,
+        metavar="N",
+        help="try it here: start N processes of this command on 127.0.0.1, --devices/N "
+        "CPU devices each",
+    )
+    g.add_argument(
+        "--pin-cores", action="store_true", help="with --local-processes: process i on core i"
+    )
     p.set_defaults(func=run)
 
 
@@ -89,7 +109,10 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     """Trains every requested variant and prints a summary table."""
-    set_cpu_devices(args.devices)
+    if getattr(args, "local_processes", None):
+        return _launch_local(args)
+    if not _join(args):
+        set_cpu_devices(args.devices)
     from rich.console import Console
 
     from pdjax.train import TrainConfig
@@ -117,12 +140,14 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         straight=args.straight,
     )
+    # every configuration is checked before the first run trains
+    configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
     results = []
-    for variant in _variants(args):
-        cfg = TrainConfig(**{**common, **variant})
+    for cfg in configs:
         ckpt = None
         if args.checkpoint_dir:
-            ckpt = os.path.join(args.checkpoint_dir, cfg.label.replace(" ", "_").strip("()"))
+            folder = re.sub(r"\W+", "_", cfg.label).strip("_")
+            ckpt = os.path.join(args.checkpoint_dir, folder)
         results.append(_train_one(cfg, console, ckpt, metrics_path))
     _summary(console, results)
     summary_path = out / "summary.json"
@@ -134,6 +159,43 @@ def run(args: argparse.Namespace) -> int:
         paths = plot_training(results, out)
         console.print("plots: " + "  ".join(str(p) for p in paths))
     return 0
+
+
+def _join(args: argparse.Namespace) -> bool:
+    """Joins a multi-process run given by flags or environment; False for a single one."""
+    from pdjax.distributed import DistributedConfig, config_from_env, initialize
+
+    if getattr(args, "coordinator", None):
+        n = args.num_processes or 1
+        config = DistributedConfig(args.coordinator, n, args.process_id or 0)
+    else:
+        config = config_from_env()
+    if config is None or config.num_processes == 1:
+        return False
+    if config.cpu_devices is None:  # on CPU: --devices over all processes
+        config = dataclasses.replace(
+            config, cpu_devices=max(1, args.devices // config.num_processes)
+        )
+    initialize(config)
+    return True
+
+
+def _launch_local(args: argparse.Namespace) -> int:
+    """``--local-processes N``: this command in N processes on 127.0.0.1."""
+    from pdjax.distributed import launch_local
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif a == "--local-processes":
+            skip = True
+        elif not (a.startswith("--local-processes=") or a == "--pin-cores"):
+            argv.append(a)
+    n = args.local_processes
+    return launch_local(
+        ["-m", "pdjax", *argv], n, pin=args.pin_cores, cpu_devices=max(1, args.devices // n)
+    )
 
 
 def _train_one(cfg: Any, console: Any, ckpt: str | None, metrics_path: Path) -> Any:

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pdjax._jsonio import parse_json, write_atomic
 from pdjax.errors import PlanError
 from pdjax.partition.topology import Topology
 
@@ -289,16 +290,17 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
-    def from_json(cls, text: str) -> Plan:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, what: str = "plan JSON") -> Plan:
+        """Reads :meth:`to_json` output.
+
+        Raises:
+          PlanError: for text that is not JSON or not a pdjax plan.
+        """
+        return cls.from_dict(parse_json(text, what, PlanError))
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON to ``path`` atomically (a temporary file, then a rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
@@ -307,7 +309,7 @@ class Plan:
             text = path.read_text()
         except OSError as e:
             raise PlanError(f"cannot read plan {path}: {e.strerror}") from e
-        return cls.from_json(text)
+        return cls.from_json(text, f"plan {path}")
 
 
 def _ratio(a: float, b: float) -> float:

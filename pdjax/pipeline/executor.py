@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -64,6 +65,8 @@ def even_stages(
     >>> [(s.first_layer, s.last_layer, s.devices) for s in even_stages(5, 2)]
     [(0, 2, (0,)), (3, 4, (1,))]
     """
+    if replicas < 1:
+        raise PipelineError(f"replicas must be >= 1, got {replicas}")
     if not 1 <= num_stages <= num_layers:
         raise PipelineError(
             f"num_stages must be in 1..{num_layers} (one layer at least per stage), "
@@ -195,10 +198,19 @@ class Pipeline:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         if microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {microbatches}")
+        if chunks < 1:
+            raise PipelineError(f"chunks must be >= 1, got {chunks}")
+        if schedule != "pipedream" and (vertical_sync or not weight_stashing):
+            raise PipelineError(
+                "vertical_sync and weight_stashing=False are options of the pipedream "
+                f"schedule, not of {schedule}"
+            )
+        if schedule != "interleaved" and chunks != 1:
+            raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
         self.layers = layers
         self.schedule_name = schedule
         self.microbatches = microbatches
-        self.chunks = chunks if schedule == "interleaved" else 1
+        self.chunks = chunks
         self.vertical_sync = vertical_sync
         self.weight_stashing = weight_stashing
         self.optimizer = optimizer
@@ -213,6 +225,10 @@ class Pipeline:
             )
         self.num_groups = len(specs) // self.chunks
         all_devices = list(jax.devices() if devices is None else devices)
+        for s, spec in enumerate(specs):
+            ids = tuple(spec.devices)
+            if len(set(ids)) != len(ids) or any(d < 0 for d in ids):
+                raise PipelineError(f"stage {s} lists devices {ids}: ids must be distinct and >= 0")
         wanted = sorted({d for spec in specs for d in spec.devices})
         if wanted and wanted[-1] >= len(all_devices):
             raise PipelineError(
@@ -240,7 +256,30 @@ class Pipeline:
                 )
             )
         self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
+        if schedule == "2bw" and microbatches < self.num_groups:
+            raise PipelineError(
+                f"2bw needs microbatches (M) >= stages (P) so that step t can use W(t-1) at "
+                f"every stage; got M={microbatches}, P={self.num_groups}"
+            )
         self._schedules: dict[tuple[int, int], Schedule] = {}
+        # multi-controller runs (jax.distributed): the stages this process drives
+        self.process_index = jax.process_index()
+        self.local = tuple(self._is_local(st) for st in self.stages)
+        self._specs: dict[Any, list[Any]] = {}
+
+    def _is_local(self, stage: Stage) -> bool:
+        owners = {d.process_index for d in stage.devices}
+        if len(owners) > 1:
+            raise PipelineError(
+                f"stage {stage.index} spans processes {sorted(owners)}: a stage's devices "
+                "must belong to one process (replicate within a host, pipeline across hosts)"
+            )
+        return owners == {self.process_index}
+
+    @property
+    def multiprocess(self) -> bool:
+        """Whether some stages run in other processes (``jax.distributed``)."""
+        return not all(self.local)
 
     @staticmethod
     def _check_cover(specs: Sequence[Any], num_layers: int) -> None:
@@ -318,14 +357,19 @@ class Pipeline:
                 f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
             )
         params, model_state, opt_state = [], [], []
-        for stage, spec in zip(self.stages, self.stage_specs, strict=True):
+        for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
             vs = variables[spec.first_layer : spec.last_layer + 1]
-            p = stage.place_weights([v.get("params", {}) for v in vs])
+            # another process's stage: only its shapes here (they size the transfers)
+            place = stage.place_weights if self.local[s] else _abstract
+            p = place([v.get("params", {}) for v in vs])
             params.append(p)
-            model_state.append(
-                stage.place_weights([{k: x for k, x in v.items() if k != "params"} for v in vs])
+            model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
+            init = (
+                self.optimizer.init
+                if self.local[s]
+                else partial(jax.eval_shape, self.optimizer.init)
             )
-            opt_state.append(stage.place_weights(self.optimizer.init(p)))
+            opt_state.append(place(init(p)))
         return PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
@@ -336,7 +380,11 @@ class Pipeline:
         )
 
     def variables(self, state: PipelineState) -> list[Variables]:
-        """The per-layer variables (params and state) of the newest weights."""
+        """The per-layer variables (params and state) of the newest weights.
+
+        In a multi-process run each process holds the stages of its own devices; the
+        layers of other processes' stages are ``jax.ShapeDtypeStruct`` placeholders
+        (see :attr:`local`)."""
         out: list[Variables] = []
         for params, model_state in zip(state.params, state.model_state, strict=True):
             for p, ms in zip(params, model_state, strict=True):
@@ -415,12 +463,14 @@ class Pipeline:
     ) -> tuple[PipelineState, RunMetrics]:
         """One optimizer step of a flush schedule over ``batch = (inputs, targets)``.
 
-        The batch is split into ``M`` microbatches; for ``2bw`` this is one step of its
-        stream (the stream drains at the end of the call).
+        The batch is split into ``M`` microbatches. The state passed in is consumed (its
+        optimizer state is updated in place): keep the one returned.
         """
-        if self.schedule_name == "pipedream":
+        if self.schedule_name in _ASYNC:
             raise PipelineError(
-                "pipedream updates after every microbatch; use run(state, microbatches)"
+                f"{self.schedule_name} is asynchronous: its updates lag behind the stream, "
+                "so one step at a time would drain after every step (2bw would then use "
+                "W(t), not W(t-1)); use run(state, microbatches) over a stream"
             )
         return self.run(state, self.split_batch(batch), timeline=timeline)
 
@@ -436,15 +486,32 @@ class Pipeline:
 
         The pipeline fills at the start of the call and drains at its end, so
         consecutive calls are one stream with a drain between them (what a checkpoint
-        needs). With ``timeline=True`` the driver waits for each action and records its
-        measured span and the live bytes per device group (so the devices do not overlap
-        in that mode, and it is slow: a diagnostic). ``on_loss(k, loss)`` is
-        called when microbatch ``k``'s loss is dispatched (an unfinished device array:
-        converting it to a float waits for it).
+        needs). The state passed in is consumed (its optimizer state is updated in
+        place): keep the one returned. With ``timeline=True`` the driver waits for each
+        action and records its measured span and the live bytes per device group (so
+        the devices do not overlap in that mode, and it is slow: a diagnostic).
+        ``on_loss(k, loss)`` is called when microbatch ``k``'s loss is dispatched (an
+        unfinished device array: converting it to a float waits for it).
         """
         microbatches = list(microbatches)
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
+        if any(
+            isinstance(leaf, jax.Array) and leaf.is_deleted()
+            for leaf in jax.tree.leaves(state.opt_state)
+        ):
+            raise PipelineError(
+                "this state was consumed by an earlier step/run (the optimizer state is "
+                "updated in place); pass the state that call returned"
+            )
+        for k, (x, _) in enumerate(microbatches):
+            n = jax.tree.leaves(x)[0].shape[0]
+            bad = [r for r in self.replicas if n < 1 or n % r]
+            if bad:
+                raise PipelineError(
+                    f"microbatch {k} has {n} samples; every microbatch needs a positive "
+                    f"multiple of each stage's replicas {self.replicas}"
+                )
         sched = self.schedule(len(microbatches))
         return self._execute(sched, state, microbatches, timeline, on_loss)
 
@@ -487,8 +554,15 @@ class Pipeline:
 
         # one batched transfer each for the inputs (to stage 0) and targets (to the last
         # stage), before the first action: a transfer per microbatch costs a dispatch each
-        inputs = self.stages[0].place_batch([mb[0] for mb in microbatches])
-        targets = self.stages[last].place_batch([mb[1] for mb in microbatches])
+        local = self.local
+        inputs = self.stages[0].place_batch([mb[0] for mb in microbatches]) if local[0] else None
+        targets = (
+            self.stages[last].place_batch([mb[1] for mb in microbatches]) if local[last] else None
+        )
+        # another process's stage: take part in the transfers to and from this process
+        # (both sides call device_put, in the same clock order); its output shapes size them
+        act = self._activation_specs(state, microbatches[0][0]) if self.multiprocess else []
+        sent: list[Any] = []
 
         for _, g, i in order:
             a: Action = sched.actions[g][i]
@@ -496,6 +570,12 @@ class Pipeline:
             s, k = a.stage, a.mb
             stage = self.stages[s]
             out: Any = None
+            if not local[s]:
+                if a.kind == "F" and s != last and local[s + 1]:
+                    fwd_in[(s + 1, k)] = self._receive(s, s + 1, act[s])
+                elif a.kind in ("B", "I") and s > 0 and local[s - 1]:
+                    bwd_in[(s - 1, k)] = self._receive(s, s - 1, act[s - 1])
+                continue
             if a.kind == "F":
                 params = stores[s].read(a.version)
                 x = inputs[k] if s == 0 else fwd_in.pop((s, k))
@@ -508,8 +588,10 @@ class Pipeline:
                     losses[k] = y
                     if on_loss is not None:
                         on_loss(k, y)
-                else:
+                elif local[s + 1]:
                     fwd_in[(s + 1, k)] = self.stages[s + 1].place_batch(y)
+                else:
+                    sent.append(self._send(s, s + 1, y))
                 out = y
             elif a.kind in ("B", "I", "W"):
                 want = {"B": "both", "I": "input", "W": "weights"}[a.kind]
@@ -531,7 +613,10 @@ class Pipeline:
                 if gp is not None:
                     grads[s] = gp  # the sum so far: backward added into the accumulator
                 if gx is not None and s > 0:
-                    bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
+                    if local[s - 1]:
+                        bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
+                    else:
+                        sent.append(self._send(s, s - 1, gx))
                 out = gp if gp is not None else gx
             else:  # U
                 if a.version != stores[s].latest:
@@ -549,6 +634,8 @@ class Pipeline:
                 spans.append(Span(g, t0 - origin, time.perf_counter() - origin, a))
                 _track_live_bytes(peaks, group_of_device)
 
+        # the sender must outlive the transfer: wait until every outgoing one has left
+        jax.block_until_ready(sent)
         if saved or fwd_in or bwd_in or any(gr is not None for gr in grads):
             raise PipelineError("the schedule left work undone (unmatched F/B or updates)")
         new_state = PipelineState(
@@ -560,7 +647,7 @@ class Pipeline:
             rng=state.rng,
         )
         metrics = RunMetrics(
-            losses=[losses[k] for k in range(len(microbatches))],
+            losses=[losses[k] for k in range(len(microbatches)) if k in losses],
             peak_versions=tuple(store.peak_alive for store in stores),
             actions=len(order),
             host_seconds=host,
@@ -568,3 +655,48 @@ class Pipeline:
             peak_bytes=tuple(peaks) if record else None,
         )
         return new_state, metrics
+
+    # -- across processes -------------------------------------------------------------------
+
+    def _activation_specs(self, state: PipelineState, x: PyTree) -> list[Any]:
+        """Per stage, the shapes of its output for a microbatch input like ``x`` (what a
+        process receives from another process's stage, or sends back as a gradient)."""
+        x = _abstract(x)
+        key = jax.tree.structure(x), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(x))
+        if key not in self._specs:
+            rng = (state.rng, np.int32(0))
+            specs = []
+            for s, stage in enumerate(self.stages[:-1]):
+                x, _, _ = jax.eval_shape(
+                    stage.forward,
+                    _abstract(state.params[s]),
+                    _abstract(state.model_state[s]),
+                    x,
+                    rng,
+                    None,
+                )
+                specs.append(x)
+            self._specs[key] = specs
+        return self._specs[key]
+
+    def _send(self, src: int, dst: int, y: PyTree) -> PyTree:
+        """Sends ``y`` from this process's stage ``src`` to another process's ``dst``."""
+        y = self.stages[src].place_batch(y)  # the layout the receiver expects
+        return jax.device_put(y, self.stages[dst].batch_sharding)
+
+    def _receive(self, src: int, dst: int, spec: PyTree) -> PyTree:
+        """Receives, on this process's stage ``dst``, what another process's ``src`` sends:
+        the source is a global array with no shards here (shape and dtype only)."""
+        sharding = self.stages[src].batch_sharding
+        remote = jax.tree.map(
+            lambda a: jax.make_array_from_single_device_arrays(
+                a.shape, sharding, [], dtype=a.dtype
+            ),
+            spec,
+        )
+        return jax.device_put(remote, self.stages[dst].batch_sharding)
+
+
+def _abstract(tree: PyTree) -> PyTree:
+    """``tree`` with every leaf replaced by its ``jax.ShapeDtypeStruct``."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from pdjax._jsonio import parse_json, write_atomic
 from pdjax.errors import ProfileError
 
 __all__ = ["LayerProfile", "Profile"]
@@ -217,42 +218,52 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        if data.get("format") != _FORMAT:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+          ProfileError: for data that is not a pdjax profile, or lacks a field.
+        """
+        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
+            data = data if isinstance(data, Mapping) else {}
             raise ProfileError(
                 f"not a pdjax profile (format {data.get('format')!r}, expected {_FORMAT!r}); "
                 "for PipeDream's graph.txt use pdjax.profile.read_graph_txt"
             )
         fields = {f.name for f in dataclasses.fields(LayerProfile)}
-        layers = []
-        for i, raw in enumerate(data["layers"]):
-            unknown = set(raw) - fields
-            if unknown:
-                raise ProfileError(f"layer {i} has unknown fields {sorted(unknown)}")
-            layers.append(LayerProfile(**raw))
-        return cls(
-            layers=tuple(layers),
-            edges=tuple(tuple(e) for e in data["edges"]),
-            batch_size=int(data["batch_size"]),
-            time_source=data.get("time_source", "none"),
-            dtype=data.get("dtype", "float32"),
-            meta=data.get("meta", {}),
-        )
+        try:
+            layers = []
+            for i, raw in enumerate(data["layers"]):
+                unknown = set(raw) - fields
+                if unknown:
+                    raise ProfileError(f"layer {i} has unknown fields {sorted(unknown)}")
+                layers.append(LayerProfile(**raw))
+            return cls(
+                layers=tuple(layers),
+                edges=tuple(tuple(e) for e in data["edges"]),
+                batch_size=int(data["batch_size"]),
+                time_source=data.get("time_source", "none"),
+                dtype=data.get("dtype", "float32"),
+                meta=data.get("meta", {}),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProfileError(f"malformed pdjax profile: {type(e).__name__}: {e}") from e
 
     def to_json(self) -> str:
         """Exact JSON (floats round-trip through ``repr``)."""
         return json.dumps(self.to_dict(), indent=1, allow_nan=False)
 
     @classmethod
-    def from_json(cls, text: str) -> Profile:
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str, what: str = "profile JSON") -> Profile:
+        """Reads :meth:`to_json` output.
+
+        Raises:
+          ProfileError: for text that is not JSON or not a pdjax profile.
+        """
+        return cls.from_dict(parse_json(text, what, ProfileError))
 
     def save(self, path: str | Path) -> None:
         """Writes the JSON to ``path`` atomically (a temporary file, then a rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -268,7 +279,7 @@ class Profile:
         except OSError as e:
             raise ProfileError(f"cannot read profile {path}: {e.strerror}") from e
         if text.lstrip().startswith("{"):
-            return cls.from_json(text)
+            return cls.from_json(text, f"profile {path}")
         from pdjax.profile.graph_txt import parse_graph_txt
 
         return parse_graph_txt(text, source=str(path))
