@@ -38,16 +38,34 @@ __all__ = [
     "Layer",
     "LayerSequence",
     "LinenLayer",
+    "LossFn",
     "NnxLayer",
     "PyTree",
     "Variables",
     "as_layer",
+    "count_traces",
     "sequential",
 ]
 
 PyTree = Any
 #: A layer's variables: collection name -> pytree, e.g. ``{"params": ..., "batch_stats": ...}``.
 Variables = dict[str, PyTree]
+#: ``loss_fn(outputs, targets) -> scalar``: the mean loss of a (micro)batch.
+LossFn = Callable[[PyTree, PyTree], jax.Array]
+
+
+def count_traces(counts: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps ``fn`` so that each trace (compilation) increments ``counts[name]``.
+
+    Wrap before ``jax.jit``: the wrapper runs only while JAX traces, so a test can assert
+    that a function compiled once per shape.
+    """
+
+    def traced(*args: Any) -> Any:
+        counts[name] = counts.get(name, 0) + 1
+        return fn(*args)
+
+    return traced
 
 
 @runtime_checkable

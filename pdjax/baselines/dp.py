@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -40,12 +40,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdjax.errors import PipelineError
-from pdjax.layers import LayerSequence, PyTree, Variables
+from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
-
-#: ``loss_fn(outputs, targets) -> scalar``: the mean loss of a batch.
-LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 
 class DPState(NamedTuple):
@@ -127,23 +124,16 @@ class DataParallel:
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.trace_counts: dict[str, int] = {}
         self._train_step = jax.jit(
-            self._counted("step", self._step_fn),
+            count_traces(self.trace_counts, "step", self._step_fn),
             out_shardings=self.replicated,
             donate_argnums=(0, 1, 2) if donate else (),
         )
-        self._evaluate = jax.jit(self._counted("evaluate", self._evaluate_fn))
+        self._evaluate = jax.jit(count_traces(self.trace_counts, "evaluate", self._evaluate_fn))
 
     @property
     def num_devices(self) -> int:
         """Devices the batch is sharded over; every batch size must be a multiple."""
         return len(self.devices)
-
-    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(*args: Any) -> Any:
-            self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-            return fn(*args)
-
-        return traced
 
     # -- state ------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ version). With ``remat=True`` the forward keeps nothing and the backward recompu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,12 +26,10 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pdjax.layers import Layer, PyTree, Variables
+from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 
 __all__ = ["LossFn", "Stage"]
 
-#: ``loss_fn(outputs, targets) -> scalar``: the mean loss of one microbatch.
-LossFn = Callable[[PyTree, PyTree], jax.Array]
 
 #: ``(base key, microbatch number)``: microbatch ``k`` draws from ``fold_in(key, k)``.
 _Rng = tuple[jax.Array, jax.Array]
@@ -92,29 +90,26 @@ class Stage:
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.trace_counts: dict[str, int] = {}
         self._layout: dict[Any, _ResidualLayout] = {}
-        self.forward = jax.jit(self._counted("forward", self._forward))
+        self.forward = jax.jit(count_traces(self.trace_counts, "forward", self._forward))
         # the gradient accumulator is donated: adding into it reuses its buffers
         self.backward = jax.jit(
-            self._counted("backward", self._backward), static_argnums=(5,), donate_argnums=(4,)
+            count_traces(self.trace_counts, "backward", self._backward),
+            static_argnums=(5,),
+            donate_argnums=(4,),
         )
         self.backward_recompute = jax.jit(
-            self._counted("backward_recompute", self._backward_recompute),
+            count_traces(self.trace_counts, "backward_recompute", self._backward_recompute),
             static_argnums=(5,),
             donate_argnums=(4,),
         )
         # the optimizer state is never stashed: update it in place
-        self.update = jax.jit(self._counted("update", self._update), donate_argnums=(2,))
+        self.update = jax.jit(
+            count_traces(self.trace_counts, "update", self._update), donate_argnums=(2,)
+        )
 
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
-
-    def _counted(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def traced(*args: Any) -> Any:
-            self.trace_counts[name] = self.trace_counts.get(name, 0) + 1
-            return fn(*args)
-
-        return traced
 
     # -- the stage's function -------------------------------------------------------------
 

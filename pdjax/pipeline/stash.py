@@ -23,9 +23,8 @@ class WeightStore:
     """The weight versions of one stage.
 
     Args:
-      params: the stage's parameters at version ``version``.
+      params: version 0 of the stage's parameters (the newest when a run starts).
       reads: per version number, how many schedule actions will read it.
-      version: the number of the initial version (non-zero when resuming).
 
     >>> store = WeightStore({"w": 1.0}, reads={0: 2, 1: 1})
     >>> store.read(0)["w"]
@@ -40,10 +39,10 @@ class WeightStore:
     1
     """
 
-    def __init__(self, params: PyTree, reads: Mapping[int, int], version: int = 0) -> None:
-        self._versions: dict[int, PyTree] = {version: params}
+    def __init__(self, params: PyTree, reads: Mapping[int, int]) -> None:
+        self._versions: dict[int, PyTree] = {0: params}
         self._reads = dict(reads)
-        self.latest = version
+        self.latest = 0
         self.peak_alive = 1
 
     def read(self, version: int) -> PyTree:
@@ -79,10 +78,6 @@ class WeightStore:
     def alive(self) -> int:
         """How many distinct versions are held now."""
         return len(self._versions)
-
-    def versions(self) -> list[int]:
-        """The version numbers held now, oldest first."""
-        return sorted(self._versions)
 
     def _collect(self) -> None:
         for v in list(self._versions):
