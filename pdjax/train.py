@@ -337,7 +337,7 @@ def evaluate(
     spec: ModelSpec, variables: list[Any], ds: data_lib.Dataset, batch_size: int = 256
 ) -> tuple[float, float]:
     """Mean loss and accuracy of ``variables`` on the test split (eval mode, one device)."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # this process's (several processes: each has its own)
     variables = jax.device_put(variables, device)
     fn = _eval_fn(spec)
     total_loss = total_acc = count = 0.0

@@ -172,11 +172,21 @@ def _join(args: argparse.Namespace) -> bool:
         config = config_from_env()
     if config is None or config.num_processes == 1:
         return False
+    if args.plan == "auto" or args.compare:
+        from pdjax.distributed import DistributedError
+
+        raise DistributedError(
+            "several processes need one plan in every process: give --plan even or a "
+            "plan.json (made with pdjax plan), and no --compare"
+        )
     if config.cpu_devices is None:  # on CPU: --devices over all processes
         config = dataclasses.replace(
             config, cpu_devices=max(1, args.devices // config.num_processes)
         )
     initialize(config)
+    if config.process_id > 0:  # process 0 writes the results; the others beside them
+        args.out = os.path.join(args.out, f"process{config.process_id}")
+        args.no_plots = True
     return True
 
 

@@ -359,8 +359,9 @@ class Pipeline:
         params, model_state, opt_state = [], [], []
         for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
             vs = variables[spec.first_layer : spec.last_layer + 1]
-            # another process's stage: only its shapes here (they size the transfers)
-            place = stage.place_weights if self.local[s] else _abstract
+            # another process's stage: global arrays with no shard here (shapes only: they
+            # size the transfers; orbax saves each process's own shards)
+            place = stage.place_weights if self.local[s] else partial(_remote, stage.replicated)
             p = place([v.get("params", {}) for v in vs])
             params.append(p)
             model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
@@ -382,11 +383,16 @@ class Pipeline:
     def variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables (params and state) of the newest weights.
 
-        In a multi-process run each process holds the stages of its own devices; the
-        layers of other processes' stages are ``jax.ShapeDtypeStruct`` placeholders
-        (see :attr:`local`)."""
+        In a multi-process run (:attr:`multiprocess`) this is collective: every process
+        must call it, and each gets all the variables, another process's stages copied to
+        its own first device."""
         out: list[Variables] = []
-        for params, model_state in zip(state.params, state.model_state, strict=True):
+        pairs = zip(state.params, state.model_state, strict=True)
+        if self.multiprocess:
+            pairs = (
+                self._broadcast(s, (p, ms)) for s, (p, ms) in enumerate(pairs)
+            )  # in stage order, the same in every process
+        for params, model_state in pairs:
             for p, ms in zip(params, model_state, strict=True):
                 out.append({**ms, "params": p})
         return out
@@ -636,6 +642,11 @@ class Pipeline:
 
         # the sender must outlive the transfer: wait until every outgoing one has left
         jax.block_until_ready(sent)
+        if not local[last]:  # the losses live on the last stage's process: fetch them
+            n = len(microbatches)
+            losses = dict(enumerate(self._broadcast(last, [jnp.float32(0)] * n)))
+        elif self.multiprocess:
+            self._broadcast(last, [losses[k].astype(jnp.float32) for k in range(len(microbatches))])
         if saved or fwd_in or bwd_in or any(gr is not None for gr in grads):
             raise PipelineError("the schedule left work undone (unmatched F/B or updates)")
         new_state = PipelineState(
@@ -679,6 +690,23 @@ class Pipeline:
             self._specs[key] = specs
         return self._specs[key]
 
+    def _broadcast(self, s: int, tree: PyTree) -> PyTree:
+        """``tree`` of stage ``s`` (real on its process, shapes elsewhere) on every process;
+        elsewhere on that process's first device. Every process calls it, in one order."""
+        stage = self.stages[s]
+        owner = stage.devices[0].process_index
+        out = tree
+        for q in range(jax.process_count()):
+            if q == owner or self.process_index not in (q, owner):
+                continue
+            device = next(d for d in jax.devices() if d.process_index == q)
+            target = jax.sharding.SingleDeviceSharding(device)
+            if self.process_index == owner:
+                jax.block_until_ready(jax.device_put(stage.place_weights(tree), target))
+            else:
+                out = jax.device_put(_remote(stage.replicated, tree), target)
+        return out
+
     def _send(self, src: int, dst: int, y: PyTree) -> PyTree:
         """Sends ``y`` from this process's stage ``src`` to another process's ``dst``."""
         y = self.stages[src].place_batch(y)  # the layout the receiver expects
@@ -687,14 +715,18 @@ class Pipeline:
     def _receive(self, src: int, dst: int, spec: PyTree) -> PyTree:
         """Receives, on this process's stage ``dst``, what another process's ``src`` sends:
         the source is a global array with no shards here (shape and dtype only)."""
-        sharding = self.stages[src].batch_sharding
-        remote = jax.tree.map(
-            lambda a: jax.make_array_from_single_device_arrays(
-                a.shape, sharding, [], dtype=a.dtype
-            ),
-            spec,
-        )
+        remote = _remote(self.stages[src].batch_sharding, spec)
         return jax.device_put(remote, self.stages[dst].batch_sharding)
+
+
+def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
+    """``tree`` as global arrays on another process's devices: shapes, no local data."""
+    return jax.tree.map(
+        lambda a: jax.make_array_from_single_device_arrays(
+            np.shape(a), sharding, [], dtype=jnp.result_type(a)
+        ),
+        tree,
+    )
 
 
 def _abstract(tree: PyTree) -> PyTree:

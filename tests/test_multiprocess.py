@@ -1,0 +1,181 @@
+"""Several processes, one pipeline: 2 processes x 2 CPU devices on 127.0.0.1 train like
+1 process x 4 devices.
+
+Each test starts worker processes (this file run as a script) joined by
+``jax.distributed`` on loopback only; every subprocess is bounded in time and ended by
+process group if it outlives its test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET = 85.0  # seconds for all of this file's worker processes together
+_started: list[float] = []  # when the first test of this file launched its workers
+STEPS, M, MB = 2, 4, 4  # optimizer steps (flush) / microbatches per step / samples each
+
+
+def _setup(schedule: str):
+    """The model, pipeline and microbatches every run uses (same in every process)."""
+    from pdjax.models import get_model
+    from pdjax.pipeline.executor import Pipeline, even_stages
+
+    spec = get_model("mlp", "tiny")
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(len(spec.layers), 4),
+        spec.loss,
+        optax.sgd(0.05),
+        schedule=schedule,
+        microbatches=M,
+    )
+    key = jax.random.key(0)
+    n = STEPS * M * MB
+    x, y = spec.sample_input(n, key), spec.sample_target(n, key)
+    mbs = [jax.tree.map(lambda a, k=k: a[k * MB : (k + 1) * MB], (x, y)) for k in range(n // MB)]
+    state = pipe.init(jax.random.key(3), mbs[0][0])
+    return pipe, state, mbs
+
+
+def _train(schedule: str):
+    """Trains; returns {layer index: params} of this process's stages, and the losses."""
+    pipe, state, mbs = _setup(schedule)
+    losses = []
+    if schedule == "pipedream":
+        state, metrics = pipe.run(state, mbs)
+        losses += metrics.losses
+    else:
+        for t in range(STEPS):
+            state, metrics = pipe.run(state, mbs[t * M : (t + 1) * M])
+            losses += metrics.losses
+    # collective across processes: every process gets every stage's variables
+    variables = pipe.variables(state)
+    out = {i: jax.tree.map(np.asarray, v["params"]) for i, v in enumerate(variables)}
+    return out, [float(v) for v in losses]
+
+
+def _worker(schedule: str, out_dir: str, die: str) -> None:
+    from pdjax.distributed import config_from_env, initialize
+
+    config = config_from_env()
+    initialize(config)
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.config.update("jax_threefry_partitionable", False)  # as tests/conftest.py
+    pid = jax.process_index()
+    if die == str(pid):
+        _setup(schedule)
+        os._exit(7)  # dies before its first transfer; the peer is waiting on it
+    params, losses = _train(schedule)
+    flat = {
+        f"{i}/{jax.tree_util.keystr(path)}": leaf
+        for i, p in params.items()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(p)
+    }
+    np.savez(os.path.join(out_dir, f"p{pid}.npz"), **flat, losses=np.asarray(losses))
+
+
+def _launch(tmp_path: Path, schedule: str, die: str = "") -> list[tuple[int, str, float]]:
+    """Runs the 2 workers; returns per process (exit code, output, seconds)."""
+    from pdjax.distributed import free_port
+
+    port = free_port()
+    procs = []
+    t0 = time.monotonic()
+    _started[:] = _started or [t0]
+    deadline = _started[0] + BUDGET
+    for i in range(2):
+        env = {
+            **os.environ,
+            "PDJAX_COORDINATOR": f"127.0.0.1:{port}",
+            "PDJAX_NUM_PROCESSES": "2",
+            "PDJAX_PROCESS_ID": str(i),
+            "PDJAX_CPU_DEVICES": "2",
+            "PDJAX_HEARTBEAT_TIMEOUT": "5",
+            "PYTHONPATH": str(ROOT),
+        }
+        log = open(tmp_path / f"log{i}.txt", "w+b")
+        cmd = [sys.executable, __file__, schedule, str(tmp_path), die]
+        procs.append(
+            (subprocess.Popen(cmd, env=env, stdout=log, stderr=log, start_new_session=True), log)
+        )
+    results = []
+    try:
+        for p, log in procs:
+            try:
+                p.wait(max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            code = p.poll()
+            log.seek(0)
+            text = log.read().decode(errors="replace")
+            if code is None:
+                text += f"\n[still running after the file's {BUDGET:.0f} s budget: killed]"
+            results.append((code, text, time.monotonic() - t0))
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            log.close()
+    return results
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_two_processes_train_like_one(tmp_path, schedule):
+    results = _launch(tmp_path, schedule)
+    for i, (code, log, _) in enumerate(results):
+        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    params, losses = _train(schedule)  # the same pipeline in this process on 4 devices
+    want = {
+        f"{i}/{jax.tree_util.keystr(path)}": np.asarray(leaf)
+        for i, p in params.items()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(p)
+    }
+    for i in range(2):  # each process has all of them (Pipeline.variables gathers)
+        with np.load(tmp_path / f"p{i}.npz") as f:
+            got = {k: f[k] for k in f.files if k != "losses"}
+            got_losses = f["losses"]
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"process {i}: {k}")
+        np.testing.assert_array_equal(got_losses, losses, err_msg=f"process {i}: losses")
+    _, state, _ = _setup(schedule)  # and training did move them
+    assert not np.allclose(
+        want["0/['dense']['kernel']"], np.asarray(state.params[0][0]["dense"]["kernel"])
+    )
+
+
+def test_dead_peer_stops_the_other(tmp_path):
+    results = _launch(tmp_path, "1f1b", die="1")
+    (code0, log0, t0), (code1, _, _) = results
+    assert code1 == 7
+    assert code0 not in (0, None), f"process 0 did not end:\n{log0[-3000:]}"
+    assert "another task died" in log0 or "unhealthy" in log0, log0[-3000:]
+    assert t0 < 30  # 5 s heartbeat timeout, plus start-up
+
+
+def test_local_launcher_ends_the_others_when_one_fails():
+    from pdjax.distributed import DistributedError, launch_local
+
+    code = (
+        "import os, sys, time; int(os.environ['PDJAX_PROCESS_ID']) and sys.exit(3); time.sleep(60)"
+    )
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match="process 1 of 2 failed"):
+        launch_local(["-c", code], 2, timeout=30)
+    assert time.monotonic() - t0 < 10  # process 0 (sleeping) was ended, not waited for
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:4])
