@@ -544,6 +544,14 @@ class Pipeline:
         bwd_in: dict[tuple[int, int], PyTree] = {}
         losses: dict[int, jax.Array] = {}
         scale = jnp.float32(1.0 / sched.microbatches_per_step)
+        window = 4 * max(sched.microbatches_per_step, sched.num_groups)
+        # Replicated stages on XLA's CPU client: programs holding collectives, queued several
+        # deep on a few cores, can deadlock until its 40 s rendezvous timeout aborts the
+        # process; run them one at a time there (in-process CPU devices share one thread
+        # pool anyway, so little overlap is lost).
+        one_at_a_time = any(
+            len(st.devices) > 1 and st.devices[0].platform == "cpu" for st in self.stages
+        )
         last = S - 1
         one = [self.stages[last].place_weights(jnp.ones((), jnp.float32))]
 
@@ -592,6 +600,10 @@ class Pipeline:
                 saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
                 if s == last:
                     losses[k] = y
+                    # bound how far the driver runs ahead: XLA's CPU client aborts when many
+                    # queued programs wait on collectives (replicated stages) on few cores
+                    if k - window in losses:
+                        losses[k - window].block_until_ready()
                     if on_loss is not None:
                         on_loss(k, y)
                 elif local[s + 1]:
@@ -635,6 +647,8 @@ class Pipeline:
                 stores[s].push(new)
                 out = new
             host += time.perf_counter() - t0
+            if one_at_a_time and not record:
+                jax.block_until_ready(out)
             if record:
                 jax.block_until_ready(out)
                 spans.append(Span(g, t0 - origin, time.perf_counter() - origin, a))

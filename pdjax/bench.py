@@ -1,0 +1,574 @@
+"""Throughput of every schedule and of data parallelism, measured next to the simulator.
+
+:func:`bench` runs one model on one set of devices with every pipeline schedule and with
+the data-parallel baseline, on synthetic data, and sets each measured throughput beside
+what the simulator predicts for the same plan, schedule and microbatch size
+(:func:`~pdjax.pipeline.costs.costs_from_plan` on a profile measured on the first device).
+
+What is timed. A flush schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``) and data
+parallelism make ``steps`` calls of one optimizer step (``batch_size`` samples each); the
+streaming schedules (``pipedream``, ``2bw``) make one :meth:`~pdjax.pipeline.Pipeline.run`
+over ``steps * M`` microbatches, which is how ``pdjax train`` runs them (one drain at the end
+of the call). The prediction is the simulator's makespan of exactly the schedule the
+executor runs (``Pipeline.schedule``), so fill and drain are in both. Every runner is
+called once first (compilation) and then timed ``repeats`` times, round-robin over the
+runners, so that the noise of a shared machine falls on all of them alike; the table gives
+the medians.
+
+Dispatch-ahead is bounded: the driver waits for the loss of the microbatch ``4 M`` back
+(data parallelism: the step 4 back) before it goes on. On CPU, a stage replicated over
+several devices runs its actions one at a time (``Pipeline.run(..., timeline=True)``; the
+row says so). Both work around the same fault: XLA's CPU client has no per-device stream
+order, so programs holding collectives (a replicated stage's gradient all-reduce, the
+mean loss of a sharded batch, every data-parallel step) that are queued together can
+enter their rendezvous in different orders on different devices and, on a machine with
+few cores, deadlock the in-process communicator; XLA aborts the process after its 40 s
+rendezvous timeout. Measured on 4 CPU devices and 2 cores (jax 0.10.2): 100 unblocked
+data-parallel steps abort, blocking every 50 do not; ``2bw`` on one stage replicated 4
+ways aborts within 40 microbatches even with the loss lag.
+
+How to read it on a CPU-only machine: in-process CPU devices share one thread pool, so the
+stages of a pipeline do not run in parallel and no pipeline speedup is expected; the
+simulator assumes one processor per device. The measured/predicted ratio shows what the
+machinery (dispatch, ``device_put`` transfers, the shared pool) costs against that ideal,
+and the host seconds per dispatched action show the driver's share.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from pdjax.errors import PdjaxError, PipelineError
+from pdjax.models import ModelSpec, get_model
+from pdjax.partition import Plan, Topology, evaluate_partition, plan_pipedream
+from pdjax.pipeline.costs import costs_from_plan
+from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.pipeline.schedule import generate
+from pdjax.pipeline.simulate import PipelineCosts, simulate
+from pdjax.profile import Profile, profile
+
+__all__ = ["BENCH_SCHEDULES", "BenchResult", "BenchRow", "bench", "format_table"]
+
+#: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
+BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+_STREAMING = ("pipedream", "2bw")
+# Batches the driver may run ahead of the devices (see the module doc).
+_LAG_BATCHES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRow:
+    """One runner's measurements and the simulator's prediction.
+
+    Attributes:
+      name: the schedule, or ``"dp"``.
+      stages: where the model ran, e.g. ``"4 stages x1"`` or ``"1 stage x4"``.
+      samples_per_second: median over the repeats of the measured training throughput.
+      predicted_samples_per_second: the simulator's throughput for the same schedule.
+      host_seconds_per_action: median over the repeats of the driver's seconds per
+        dispatched action (data parallelism: per step, its one jitted call).
+      actions: actions dispatched per repeat.
+      samples: training samples per repeat.
+      repeats: the measured samples/s of each repeat, in order.
+      note: how the row was run, when it differs from the others.
+      error: why the row could not run (its numbers are then NaN).
+    """
+
+    name: str
+    stages: str
+    samples_per_second: float
+    predicted_samples_per_second: float
+    host_seconds_per_action: float
+    actions: int
+    samples: int
+    repeats: tuple[float, ...] = ()
+    note: str = ""
+    error: str | None = None
+
+    @property
+    def ratio(self) -> float:
+        """Measured over predicted throughput (1.0: as the simulator said)."""
+        if not self.predicted_samples_per_second > 0:
+            return math.nan
+        return self.samples_per_second / self.predicted_samples_per_second
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchResult:
+    """What :func:`bench` returns.
+
+    Attributes:
+      model: the model's registry name.
+      config: ``"tiny"`` or ``"paper"``.
+      devices: devices used.
+      batch_size: samples per optimizer step.
+      microbatches: ``M``.
+      steps: optimizer steps timed per repeat.
+      repeats: timed rounds over all runners.
+      plan: the plan's one-line description.
+      profile_seconds: the profile's forward + backward seconds of one microbatch on one
+        device (what the predictions are built from).
+      cpu_cores: cores this process may run on.
+      platform: the devices' platform (``"cpu"``, ``"gpu"``, ...).
+      rows: one per schedule, then data parallelism.
+    """
+
+    model: str
+    config: str
+    devices: int
+    batch_size: int
+    microbatches: int
+    steps: int
+    repeats: int
+    plan: str
+    profile_seconds: float
+    cpu_cores: int
+    platform: str
+    rows: tuple[BenchRow, ...]
+
+    def row(self, name: str) -> BenchRow:
+        """The row called ``name`` (a schedule or ``"dp"``)."""
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data (NaN becomes None); rows carry their ratio."""
+
+        def clean(x: Any) -> Any:
+            return None if isinstance(x, float) and not math.isfinite(x) else x
+
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
+        out["rows"] = [
+            {
+                k: clean(v) if not isinstance(v, tuple) else [clean(x) for x in v]
+                for k, v in {**dataclasses.asdict(r), "ratio": r.ratio}.items()
+            }
+            for r in self.rows
+        ]
+        return out
+
+    def header(self) -> str:
+        """What the numbers are, and what they cannot show on this machine."""
+        lines = [
+            f"{self.model} ({self.config}), batch {self.batch_size} = {self.microbatches} "
+            f"microbatches of {self.batch_size // self.microbatches}, {self.devices} "
+            f"{self.platform} devices, {self.cpu_cores} CPU cores; {self.steps} steps per "
+            f"repeat, {self.repeats} repeats round-robin, medians",
+            f"plan: {self.plan}",
+            f"profile (device 0): {self.profile_seconds * 1e3:.3g} ms forward + backward per "
+            "microbatch; predictions: the simulator on that profile and plan",
+        ]
+        if self.platform == "cpu":
+            lines.append(
+                "In-process CPU devices share one thread pool: the stages do not run in "
+                "parallel, so no pipeline speedup is expected here (least of all on a "
+                "2-core machine). The simulator assumes one processor per device; "
+                "measured/predicted shows the machinery's overhead against that ideal."
+            )
+        return "\n".join(lines)
+
+
+def bench(
+    model: str = "cnn",
+    config: str = "tiny",
+    *,
+    devices: int = 4,
+    batch_size: int = 64,
+    microbatches: int = 4,
+    plan: str = "auto",
+    straight: bool = False,
+    chunks: int = 2,
+    steps: int = 10,
+    repeats: int = 3,
+    schedules: Sequence[str] = (*BENCH_SCHEDULES, "dp"),
+    learning_rate: float = 1e-3,
+    seed: int = 0,
+    on_row: Callable[[str], None] | None = None,
+) -> BenchResult:
+    """Measures every schedule (and data parallelism) on synthetic data; see the module doc.
+
+    Args:
+      model: a name from :data:`pdjax.models.MODELS`.
+      config: ``"tiny"`` or ``"paper"``.
+      devices: how many of ``jax.devices()`` to use.
+      batch_size: samples per optimizer step (``M`` microbatches for a pipeline; the whole
+        batch, sharded, for data parallelism).
+      microbatches: ``M``.
+      plan: ``"auto"`` (PipeDream's planner on the profile, for ``1f1b``), ``"even"``
+        (equal layer counts, one device per stage) or a plan JSON path. Every schedule
+        runs this plan; ``interleaved`` cuts the model into ``P * chunks`` equal virtual
+        stages on the plan's device groups.
+      straight: ``plan="auto"`` without replication.
+      chunks: ``v`` for ``interleaved``.
+      steps: optimizer steps per timed repeat.
+      repeats: timed rounds over all runners (the table reports medians).
+      schedules: which runners, in order; ``"dp"`` is data parallelism.
+      learning_rate: Adam's step size (the numbers do not depend on it).
+      seed: the synthetic batch and the initialisation.
+      on_row: called with a runner's name when it starts compiling (progress).
+
+    Returns:
+      The :class:`BenchResult`; a runner that cannot run (``2bw`` with fewer microbatches
+      than stages, ``interleaved`` with too few layers) has a row with its ``error``.
+
+    Raises:
+      PipelineError: bad sizes or counts, or more devices than are visible.
+    """
+    for name, value in [
+        ("devices", devices),
+        ("batch_size", batch_size),
+        ("microbatches", microbatches),
+        ("chunks", chunks),
+        ("steps", steps),
+        ("repeats", repeats),
+    ]:
+        if value < 1:
+            raise PipelineError(f"{name} must be >= 1, got {value}")
+    if batch_size % microbatches:
+        raise PipelineError(
+            f"batch_size {batch_size} is not a multiple of microbatches {microbatches}"
+        )
+    unknown = [s for s in schedules if s not in (*BENCH_SCHEDULES, "dp")]
+    if unknown or len(set(schedules)) != len(schedules) or not schedules:
+        raise PipelineError(
+            f"unknown, repeated or no schedules in {list(schedules)}; choose some of "
+            f"{', '.join((*BENCH_SCHEDULES, 'dp'))}, each once"
+        )
+    visible = jax.devices()
+    if devices > len(visible):
+        raise PipelineError(
+            f"{devices} devices requested, {len(visible)} visible; on CPU set "
+            "jax.config.update('jax_num_cpu_devices', N) before using JAX (pdjax bench "
+            "does it for you with --devices)"
+        )
+    devs = visible[:devices]
+    spec = get_model(model, config)
+    b = batch_size // microbatches
+    x, y = jax.tree.map(np.asarray, spec.sample_batch(batch_size, seed))
+    prof = profile(
+        spec.layers,
+        jax.tree.map(lambda a: a[:b], x),
+        measure=True,
+        device=devs[0],
+        repeats=5,
+        meta={"model": model, "config": config},
+    )
+    topology = Topology.from_devices(devs)
+    base = _plan(plan, prof, topology, len(spec.layers), devices, microbatches, b, straight)
+    optimizer = optax.adam(learning_rate)
+    runners: list[_Runner] = []
+    rows: dict[str, BenchRow] = {}
+    for name in schedules:
+        if on_row is not None:
+            on_row(name)
+        try:
+            if name == "dp":
+                runner = _dp_runner(spec, prof, topology, devs, optimizer, x, y, seed, steps)
+            else:
+                runner = _pipeline_runner(
+                    name, spec, prof, base, chunks, optimizer, x, y, microbatches, seed, steps
+                )
+        except PdjaxError as e:
+            rows[name] = BenchRow(name, "-", math.nan, math.nan, math.nan, 0, 0, error=str(e))
+            continue
+        runner.call()  # compile (and the first transfers)
+        runners.append(runner)
+    measured: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runners}
+    for _ in range(repeats):
+        for runner in runners:
+            measured[runner.name].append(runner.call())
+    for runner in runners:
+        sps = [runner.samples / seconds for seconds, _ in measured[runner.name]]
+        rows[runner.name] = BenchRow(
+            name=runner.name,
+            stages=runner.stages,
+            samples_per_second=statistics.median(sps),
+            predicted_samples_per_second=runner.samples / runner.predicted_seconds,
+            host_seconds_per_action=statistics.median(h for _, h in measured[runner.name]),
+            actions=runner.actions,
+            samples=runner.samples,
+            repeats=tuple(sps),
+            note=runner.note,
+        )
+    return BenchResult(
+        model=model,
+        config=config,
+        devices=devices,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        steps=steps,
+        repeats=repeats,
+        plan=base.describe().splitlines()[0] + f" ({base.partitioner})",
+        profile_seconds=float(np.sum(prof.forward_seconds()) + np.sum(prof.backward_seconds())),
+        cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
+        platform=str(devs[0].platform),
+        rows=tuple(rows[name] for name in schedules),
+    )
+
+
+def _plan(
+    plan: str,
+    prof: Profile,
+    topology: Topology,
+    num_layers: int,
+    devices: int,
+    microbatches: int,
+    microbatch_size: int,
+    straight: bool,
+) -> Plan:
+    """The plan every schedule runs: planned, even, or loaded (at this microbatch size)."""
+    common = dict(num_microbatches=microbatches, microbatch_size=microbatch_size)
+    if plan == "auto":
+        return plan_pipedream(prof, topology, schedule="1f1b", straight=straight, **common)
+    if plan == "even":
+        stages = even_stages(num_layers, min(num_layers, devices))
+        return evaluate_partition(
+            prof,
+            topology,
+            [(s.first_layer, s.last_layer, 1) for s in stages],
+            schedule="1f1b",
+            partitioner="uniform",
+            **common,
+        )
+    if not Path(plan).is_file():
+        raise PipelineError(f"--plan takes 'auto', 'even' or a plan JSON file; got {plan!r}")
+    loaded = Plan.load(plan)
+    if loaded.num_layers != num_layers:
+        raise PipelineError(
+            f"the plan {plan} covers {loaded.num_layers} layers, the model has {num_layers}"
+        )
+    # Predict at the microbatch size that runs, whatever the plan was made for.
+    return dataclasses.replace(loaded, microbatch_size=microbatch_size)
+
+
+@dataclasses.dataclass
+class _Runner:
+    """A runner with its state; ``call()`` runs one timed unit and returns
+    ``(seconds, host seconds per action)``."""
+
+    name: str
+    stages: str
+    samples: int
+    actions: int
+    predicted_seconds: float
+    note: str
+    call: Callable[[], tuple[float, float]]
+
+
+class _Lag:
+    """Waits for the loss ``window`` microbatches back whenever a new one is dispatched."""
+
+    def __init__(self, window: int) -> None:
+        self.pending: collections.deque[jax.Array] = collections.deque()
+        self.window = window
+
+    def __call__(self, _k: int, loss: jax.Array) -> None:
+        self.pending.append(loss)
+        if len(self.pending) > self.window:
+            self.pending.popleft().block_until_ready()
+
+    def drain(self) -> None:
+        self.pending.clear()
+
+
+def _describe(replicas: Sequence[int]) -> str:
+    if len(set(replicas)) == 1:
+        n = len(replicas)
+        return f"{n} stage{'s' if n > 1 else ''} x{replicas[0]}"
+    return "-".join(str(r) for r in replicas)
+
+
+def _pipeline_runner(
+    name: str,
+    spec: ModelSpec,
+    prof: Profile,
+    plan: Plan,
+    chunks: int,
+    optimizer: optax.GradientTransformation,
+    x: Any,
+    y: Any,
+    microbatches: int,
+    seed: int,
+    steps: int,
+) -> _Runner:
+    L = len(spec.layers)
+    note = ""
+    if name == "interleaved":
+        G, K = plan.num_stages, plan.num_stages * chunks
+        if K > L:
+            raise PipelineError(
+                f"interleaved needs {G} x {chunks} = {K} virtual stages, {spec.name} has only "
+                f"{L} layers; use --chunks 1 or a plan with fewer stages"
+            )
+        specs: tuple[Any, ...] = tuple(
+            StageSpec(s.first_layer, s.last_layer, plan.stages[k % G].devices)
+            for k, s in enumerate(even_stages(L, K))
+        )
+        costs = _virtual_costs(prof, plan, specs, microbatches)
+        stages = f"{_describe(plan.replicas)}, {chunks} chunks each"
+        note = f"{K} equal virtual stages"
+    else:
+        specs = plan.stages
+        costs = costs_from_plan(plan, prof)
+        stages = _describe(plan.replicas)
+    pipe = Pipeline(
+        spec.layers,
+        specs,
+        spec.loss,
+        optimizer,
+        schedule=name,
+        microbatches=microbatches,
+        chunks=chunks if name == "interleaved" else 1,
+        devices=jax.devices(),
+    )
+    batch = pipe.split_batch((x, y))
+    if name in _STREAMING:
+        calls, stream = 1, batch * steps
+        note = note or f"one stream of {len(stream)}"
+    else:
+        calls, stream = steps, batch
+    sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
+    predicted = simulate(sched, costs).makespan * calls
+    state = pipe.init(jax.random.key(seed), batch[0][0])
+    lag = _Lag(_LAG_BATCHES * microbatches)
+    # A replicated stage's programs hold collectives that XLA's CPU client may start in
+    # different orders on different devices: run its actions one at a time (module doc).
+    sync = jax.devices()[0].platform == "cpu" and any(r > 1 for r in plan.replicas)
+    if sync:
+        note = "; ".join(filter(None, [note, "synchronous (replicated stage, CPU)"]))
+
+    def call() -> tuple[float, float]:
+        nonlocal state
+        host = 0.0
+        actions = 0
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            state, metrics = pipe.run(state, stream, timeline=sync, on_loss=None if sync else lag)
+            host += metrics.host_seconds
+            actions += metrics.actions
+        jax.block_until_ready(state)
+        seconds = time.perf_counter() - t0
+        lag.drain()
+        return seconds, host / actions
+
+    samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // microbatches)
+    actions = calls * sum(len(group) for group in sched.actions)
+    return _Runner(name, stages, samples, actions, predicted, note, call)
+
+
+def _virtual_costs(
+    prof: Profile, plan: Plan, specs: Sequence[StageSpec], microbatches: int
+) -> PipelineCosts:
+    """Simulator costs of interleaved virtual stages: each priced as a stage of its own on
+    its group's replica count, every link at the plan's slowest bandwidth."""
+    bandwidth = min(level.bandwidth for level in plan.topology.levels)
+    replicas = [len(s.devices) for s in specs]
+    virtual = evaluate_partition(
+        prof,
+        Topology.flat(sum(replicas), bandwidth),
+        [(s.first_layer, s.last_layer, r) for s, r in zip(specs, replicas, strict=True)],
+        schedule="interleaved",
+        num_microbatches=microbatches,
+        microbatch_size=plan.microbatch_size,
+        partitioner="uniform",
+    )
+    return costs_from_plan(virtual, prof)
+
+
+def _dp_runner(
+    spec: ModelSpec,
+    prof: Profile,
+    topology: Topology,
+    devs: Sequence[jax.Device],
+    optimizer: optax.GradientTransformation,
+    x: Any,
+    y: Any,
+    seed: int,
+    steps: int,
+) -> _Runner:
+    from pdjax.baselines import DataParallel
+
+    n = len(devs)
+    batch_size = len(jax.tree.leaves(x)[0])
+    if batch_size % n:
+        raise PipelineError(
+            f"data parallelism shards the batch of {batch_size} over {n} devices; use a "
+            f"batch size that is a multiple of {n}"
+        )
+    # A plan with one stage on every device is data parallelism; its microbatch is the batch.
+    plan = evaluate_partition(
+        prof,
+        topology,
+        [(0, len(spec.layers) - 1, n)],
+        schedule="1f1b",
+        num_microbatches=1,
+        microbatch_size=batch_size,
+        partitioner="uniform",
+    )
+    sched = generate("1f1b", 1, 1, replicas=(n,))
+    predicted = simulate(sched, costs_from_plan(plan, prof)).makespan * steps
+    dp = DataParallel(spec.layers, spec.loss, optimizer, devices=devs)
+    state = dp.init(jax.random.key(seed), x)
+    lag = _Lag(_LAG_BATCHES)
+
+    def call() -> tuple[float, float]:
+        nonlocal state
+        host = 0.0
+        t0 = time.perf_counter()
+        for i in range(steps):
+            state, metrics = dp.step(state, (x, y))
+            host += metrics.host_seconds
+            lag(i, metrics.losses[0])
+        jax.block_until_ready(state)
+        seconds = time.perf_counter() - t0
+        lag.drain()
+        return seconds, host / steps
+
+    return _Runner("dp", f"1 stage x{n}", steps * batch_size, steps, predicted, "", call)
+
+
+def format_table(result: BenchResult) -> Any:
+    """The result as a :class:`rich.table.Table` (print it with a rich ``Console``)."""
+    from rich.table import Table
+
+    table = Table(title="measured vs simulated throughput")
+    for header, justify in [
+        ("schedule", "left"),
+        ("stages", "left"),
+        ("measured samples/s", "right"),
+        ("predicted samples/s", "right"),
+        ("measured / predicted", "right"),
+        ("host us / action", "right"),
+        ("actions", "right"),
+        ("note", "left"),
+    ]:
+        table.add_column(header, justify=justify)  # type: ignore[arg-type]
+    for r in result.rows:
+        if r.error is not None:
+            table.add_row(r.name, r.stages, "-", "-", "-", "-", "-", f"not run: {r.error}")
+            continue
+        table.add_row(
+            r.name,
+            r.stages,
+            f"{r.samples_per_second:,.0f}",
+            f"{r.predicted_samples_per_second:,.0f}",
+            f"{r.ratio:.2f}",
+            f"{r.host_seconds_per_action * 1e6:,.0f}",
+            str(r.actions),
+            r.note,
+        )
+    return table
