@@ -230,7 +230,7 @@ def _train_one(cfg: Any, console: Any, ckpt: str | None, metrics_path: Path) -> 
         def on_epoch(record: Any) -> None:
             progress.update(
                 task,
-                description=f"{cfg.label} epoch {record.epoch + 1}",
+                description=f"{cfg.label} epoch {record.epoch} done",
                 info=f"loss {record.train_loss:.3f}  acc {record.test_accuracy:.3f}  "
                 f"{record.samples_per_second:,.0f} samples/s",
             )
