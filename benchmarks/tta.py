@@ -128,33 +128,13 @@ V100_BYTES = 16e9
 # ------------------------------------------------------------------------------ part 1
 
 
-def _bounded_dispatch(every: int = 32) -> Callable[[int, int], None]:
-    """A progress callback that waits for all device work every ``every`` steps.
-
-    XLA's CPU client lets queued programs with collectives (every data-parallel step
-    all-reduces its gradients) enter their rendezvous in different orders on different
-    devices; with hundreds of steps queued on a 2-core machine the in-process
-    communicator deadlocks and XLA aborts the process after 40 s (reproduced with
-    ``pdjax train --model gpt --dataset text --schedule dp``). ``pdjax.train`` dispatches a
-    whole epoch ahead, so the data-parallel runs here wait every 32 steps (a few
-    milliseconds per epoch). The pipeline runs use one device per stage, hence no
-    collectives, and run unchanged.
-    """
-
-    def on_progress(done: int, _total: int) -> None:
-        if done % every == 0:
-            jax.block_until_ready(jax.live_arrays())
-
-    return on_progress
-
-
 def run_study(study: Study, seeds: Sequence[int], log: Callable[[str], None]) -> list[TrainResult]:
     results = []
     for seed in seeds:
         for label, overrides in VARIANTS:
             cfg = study.config(seed, **overrides)
             t0 = time.perf_counter()
-            result = train(cfg, on_progress=_bounded_dispatch() if cfg.schedule == "dp" else None)
+            result = train(cfg)
             h = result.history
             log(
                 f"  {study.name} seed {seed} {label:26s} epochs {len(h):2d}  acc "

@@ -15,10 +15,10 @@ called once first (compilation) and then timed ``repeats`` times, round-robin ov
 runners, so that the noise of a shared machine falls on all of them alike; the table gives
 the medians.
 
-Dispatch-ahead is bounded: the driver waits for the loss of the microbatch ``4 M`` back
-(data parallelism: the step 4 back) before it goes on. On CPU, a stage replicated over
-several devices runs its actions one at a time (``Pipeline.run(..., timeline=True)``; the
-row says so). Both work around the same fault: XLA's CPU client has no per-device stream
+Dispatch-ahead is bounded by the runners themselves (the pipeline executor waits for the
+loss ``4 max(M, P)`` microbatches back, data parallelism for the step 8 back), and on CPU
+the executor runs a stage replicated over several devices one action at a time (the row
+says so). Both work around the same fault: XLA's CPU client has no per-device stream
 order, so programs holding collectives (a replicated stage's gradient all-reduce, the
 mean loss of a sharded batch, every data-parallel step) that are queued together can
 enter their rendezvous in different orders on different devices and, on a machine with
@@ -36,7 +36,6 @@ and the host seconds per dispatched action show the driver's share.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -64,8 +63,6 @@ __all__ = ["BENCH_SCHEDULES", "BenchResult", "BenchRow", "bench", "format_table"
 #: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
 BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
 _STREAMING = ("pipedream", "2bw")
-# Batches the driver may run ahead of the devices (see the module doc).
-_LAG_BATCHES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,22 +366,6 @@ class _Runner:
     call: Callable[[], tuple[float, float]]
 
 
-class _Lag:
-    """Waits for the loss ``window`` microbatches back whenever a new one is dispatched."""
-
-    def __init__(self, window: int) -> None:
-        self.pending: collections.deque[jax.Array] = collections.deque()
-        self.window = window
-
-    def __call__(self, _k: int, loss: jax.Array) -> None:
-        self.pending.append(loss)
-        if len(self.pending) > self.window:
-            self.pending.popleft().block_until_ready()
-
-    def drain(self) -> None:
-        self.pending.clear()
-
-
 def _describe(replicas: Sequence[int]) -> str:
     if len(set(replicas)) == 1:
         n = len(replicas)
@@ -444,9 +425,7 @@ def _pipeline_runner(
     sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
     predicted = simulate(sched, costs).makespan * calls
     state = pipe.init(jax.random.key(seed), batch[0][0])
-    lag = _Lag(_LAG_BATCHES * microbatches)
-    # A replicated stage's programs hold collectives that XLA's CPU client may start in
-    # different orders on different devices: run its actions one at a time (module doc).
+    # the executor runs a replicated stage's actions one at a time on CPU (module doc)
     sync = jax.devices()[0].platform == "cpu" and any(r > 1 for r in plan.replicas)
     if sync:
         note = "; ".join(filter(None, [note, "synchronous (replicated stage, CPU)"]))
@@ -457,13 +436,11 @@ def _pipeline_runner(
         actions = 0
         t0 = time.perf_counter()
         for _ in range(calls):
-            state, metrics = pipe.run(state, stream, timeline=sync, on_loss=None if sync else lag)
+            state, metrics = pipe.run(state, stream)
             host += metrics.host_seconds
             actions += metrics.actions
         jax.block_until_ready(state)
-        seconds = time.perf_counter() - t0
-        lag.drain()
-        return seconds, host / actions
+        return time.perf_counter() - t0, host / actions
 
     samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // microbatches)
     actions = calls * sum(len(group) for group in sched.actions)
@@ -523,20 +500,16 @@ def _dp_runner(
     predicted = simulate(sched, costs_from_plan(plan, prof)).makespan * steps
     dp = DataParallel(spec.layers, spec.loss, optimizer, devices=devs)
     state = dp.init(jax.random.key(seed), x)
-    lag = _Lag(_LAG_BATCHES)
 
     def call() -> tuple[float, float]:
         nonlocal state
         host = 0.0
         t0 = time.perf_counter()
-        for i in range(steps):
+        for _ in range(steps):
             state, metrics = dp.step(state, (x, y))
             host += metrics.host_seconds
-            lag(i, metrics.losses[0])
         jax.block_until_ready(state)
-        seconds = time.perf_counter() - t0
-        lag.drain()
-        return seconds, host / steps
+        return time.perf_counter() - t0, host / steps
 
     return _Runner("dp", f"1 stage x{n}", steps * batch_size, steps, predicted, "", call)
 

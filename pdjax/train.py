@@ -46,10 +46,6 @@ __all__ = [
     "train",
 ]
 
-#: data-parallel steps dispatched ahead of the oldest unfinished one (XLA's CPU client
-#: aborts after a 40 s rendezvous timeout when many queued programs hold collectives)
-_DP_WINDOW = 8
-
 SCHEDULE_CHOICES = ("pipedream", "2bw", "1f1b", "gpipe", "interleaved", "zb-h1", "dp")
 
 
@@ -464,8 +460,6 @@ def train(
                 for i, batch in enumerate(batches):
                     state, metrics = runner.step(state, batch)
                     losses.extend(metrics.losses)
-                    if i >= _DP_WINDOW:  # see the executor: bounded run-ahead on CPU
-                        losses[i - _DP_WINDOW].block_until_ready()
                     if on_progress is not None:
                         on_progress(i + 1, len(batches))
             else:

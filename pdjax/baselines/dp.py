@@ -27,6 +27,7 @@ as on a single device with that batch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,9 @@ from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
+
+#: steps dispatched ahead of the oldest unfinished one (see :meth:`DataParallel.step`)
+_WINDOW = 8
 
 
 class DPState(NamedTuple):
@@ -119,6 +123,7 @@ class DataParallel:
         self.layers = layers
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
@@ -233,7 +238,13 @@ class DataParallel:
             targets,
         )
         new_state = DPState(params, model_state, opt_state, state.step + 1, state.rng)
-        return new_state, DPMetrics([loss], time.perf_counter() - t0)
+        host = time.perf_counter() - t0
+        # bounded run-ahead: XLA's CPU client aborts (40 s rendezvous timeout) when many
+        # queued steps hold collectives on few cores; wait for the step _WINDOW back
+        self._in_flight.append(loss)
+        if len(self._in_flight) > _WINDOW:
+            self._in_flight.popleft().block_until_ready()
+        return new_state, DPMetrics([loss], host)
 
     def evaluate(self, state: DPState, inputs: PyTree) -> PyTree:
         """The model's outputs in eval mode (no dropout, BatchNorm running statistics).
