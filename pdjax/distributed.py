@@ -17,6 +17,8 @@ them all when one fails.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
 import socket
@@ -25,10 +27,19 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdjax.errors import PdjaxError
 
-__all__ = ["DistributedConfig", "config_from_env", "free_port", "initialize", "launch_local"]
+__all__ = [
+    "DistributedConfig",
+    "allgather_json",
+    "broadcast_json",
+    "config_from_env",
+    "free_port",
+    "initialize",
+    "launch_local",
+]
 
 
 class DistributedError(PdjaxError):
@@ -206,3 +217,54 @@ def _end(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+
+
+# -- small messages between processes ---------------------------------------------------------
+#
+# Through the coordination service's key-value store, not XLA collectives: a process
+# waiting here leaves XLA's threads free, so the cross-process transfers it started
+# (which its peers may be waiting for) go on. An XLA collective at that point can wait
+# for the peers while the transfers they need wait behind it.
+
+_messages = itertools.count()  # every process calls these in the same order
+
+
+def _client() -> Any:
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise DistributedError("not in a multi-process run (call initialize first)")
+    return client
+
+
+def allgather_json(value: Any, timeout: float = 600.0) -> list[Any]:
+    """Every process's JSON-able ``value``, in process order, on every process (collective:
+    all call it, in the same order)."""
+    import jax
+
+    n = next(_messages)
+    if jax.process_count() == 1:
+        return [value]
+    client = _client()
+    client.key_value_set(f"pdjax/msg/{n}/{jax.process_index()}", json.dumps(value))
+    return [
+        json.loads(client.blocking_key_value_get(f"pdjax/msg/{n}/{q}", int(timeout * 1000)))
+        for q in range(jax.process_count())
+    ]
+
+
+def broadcast_json(value: Any, source: int = 0, timeout: float = 600.0) -> Any:
+    """Process ``source``'s JSON-able ``value`` on every process (collective; the others'
+    ``value`` is ignored)."""
+    import jax
+
+    n = next(_messages)
+    if jax.process_count() == 1:
+        return value
+    client = _client()
+    key = f"pdjax/msg/{n}/{source}"
+    if jax.process_index() == source:
+        client.key_value_set(key, json.dumps(value))
+        return value
+    return json.loads(client.blocking_key_value_get(key, int(timeout * 1000)))

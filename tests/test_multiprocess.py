@@ -65,6 +65,41 @@ def _train(schedule: str):
     return out, [float(v) for v in losses]
 
 
+def _flat(params) -> dict[str, np.ndarray]:
+    return {
+        f"{i}/{jax.tree_util.keystr(path)}": np.asarray(leaf)
+        for i, p in params.items()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(p)
+    }
+
+
+def _all_params(pipe, state) -> dict[str, np.ndarray]:
+    return _flat({i: v["params"] for i, v in enumerate(pipe.variables(state))})
+
+
+def _checkpoint_worker(out_dir: str) -> None:
+    """Trains half, saves (collectively), trains on; restores the save into a new
+    pipeline and trains the same second half; writes both results."""
+    from pdjax.pipeline.checkpoint import Checkpointer
+
+    half = STEPS * M // 2
+    pipe, state, mbs = _setup("pipedream")
+    state, _ = pipe.run(state, mbs[:half])
+    with Checkpointer(os.path.join(out_dir, "ckpt")) as ckpt:
+        ckpt.save(half, state, extra={"note": "two processes"})
+    on, _ = pipe.run(state, mbs[half:])
+    fresh, template, _ = _setup("pipedream")
+    with Checkpointer(os.path.join(out_dir, "ckpt")) as ckpt:
+        assert ckpt.all_steps() == [half]
+        restored, extra = ckpt.restore(template)
+    assert extra == {"note": "two processes"}, extra
+    resumed, _ = fresh.run(restored, mbs[half:])
+    on, resumed = _all_params(pipe, on), _all_params(fresh, resumed)
+    np.savez(os.path.join(out_dir, f"c{jax.process_index()}.npz"), **on)
+    for k in on:
+        np.testing.assert_array_equal(on[k], resumed[k], err_msg=k)
+
+
 def _worker(schedule: str, out_dir: str, die: str) -> None:
     from pdjax.distributed import config_from_env, initialize
 
@@ -73,6 +108,9 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_threefry_partitionable", False)  # as tests/conftest.py
     pid = jax.process_index()
+    if schedule == "checkpoint":
+        _checkpoint_worker(out_dir)
+        return
     if die == str(pid):
         _setup(schedule)
         os._exit(7)  # dies before its first transfer; the peer is waiting on it
@@ -154,6 +192,27 @@ def test_two_processes_train_like_one(tmp_path, schedule):
     assert not np.allclose(
         want["0/['dense']['kernel']"], np.asarray(state.params[0][0]["dense"]["kernel"])
     )
+
+
+def test_checkpoint_across_processes(tmp_path):
+    """2 processes save one checkpoint together (each stage from its own process); it
+    restores there into a new pipeline, and in one process on 4 devices, and both go on
+    training exactly as the run that never stopped."""
+    from pdjax.pipeline.checkpoint import Checkpointer
+
+    results = _launch(tmp_path, "checkpoint")
+    for i, (code, log, _) in enumerate(results):
+        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    half = STEPS * M // 2
+    pipe, template, mbs = _setup("pipedream")
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        restored, _ = ckpt.restore(template)
+    resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
+    for i in range(2):
+        with np.load(tmp_path / f"c{i}.npz") as f:
+            assert sorted(f.files) == sorted(resumed)
+            for k in resumed:
+                np.testing.assert_array_equal(f[k], resumed[k], err_msg=f"process {i}: {k}")
 
 
 def test_dead_peer_stops_the_other(tmp_path):

@@ -49,12 +49,22 @@ mid-save leaves the previous steps intact, and an unfinished temporary directory
 listed as a step (even one holding every file); the first save of the next
 :class:`Checkpointer` deletes it. :meth:`Checkpointer.save` blocks until its step is
 committed.
+
+Several processes (``jax.distributed``): every method is collective — every process
+calls it, in the same order, with the same arguments. Process 0 writes and reads the
+directory alone (so it need not be shared); :meth:`save` first moves each array that it
+does not hold to it (another process's pipeline stage, with ``jax.device_put`` across
+processes, the same transport as the activations), and :meth:`restore` sends each
+process the arrays it holds. The checkpoint is the same as a single process writes: a run
+saved by 2 processes restores in 1 process with the same plan, and the other way round.
+The write itself, the commit rename and the retention are orbax's (a
+``CheckpointManager`` active on process 0 alone); the others wait for its commit.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -64,6 +74,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pdjax.baselines.dp import DPState
+from pdjax.distributed import allgather_json, broadcast_json
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import PipelineState
 
@@ -162,6 +173,68 @@ def _jsonable(value: Any, where: str) -> Any:
     )
 
 
+def _is_ours(e: Exception) -> bool:
+    return isinstance(e, CheckpointError)
+
+
+def _first_device(process: int) -> jax.Device:
+    return next(d for d in jax.devices() if d.process_index == process)
+
+
+def _whole(leaf: Any) -> Any:
+    """A local array holding all of ``leaf`` (an addressable replica, or ``leaf`` itself
+    for host arrays), or None when this process holds none."""
+    if not isinstance(leaf, jax.Array):
+        return leaf
+    for shard in leaf.addressable_shards:
+        if shard.data.shape == leaf.shape:
+            return shard.data
+    return None
+
+
+def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
+    """``value`` (an array of ``spec``'s shape and dtype, real on process ``src``) sent to
+    process ``dst``; the two processes call it together. Returns it on ``dst`` (as host
+    memory), None on ``src``."""
+    from_, to = (
+        jax.sharding.SingleDeviceSharding(_first_device(src)),
+        jax.sharding.SingleDeviceSharding(_first_device(dst)),
+    )
+    if jax.process_index() == src:
+        jax.block_until_ready(jax.device_put(jax.device_put(value, from_), to))
+        return None
+    remote = jax.make_array_from_single_device_arrays(spec.shape, from_, [], dtype=spec.dtype)
+    return np.asarray(jax.device_put(remote, to))
+
+
+def _gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """Several processes: every array in host memory on process 0 (empty elsewhere). Each
+    comes from process 0 when it holds all of it, else from the first process that does.
+    Every process calls it, with the same names in the same order."""
+    names = list(arrays)
+    whole = {n: _whole(arrays[n]) for n in names}
+    has = np.array([whole[n] is not None for n in names], dtype=np.bool_)
+    table = np.array(allgather_json(has.tolist()), dtype=np.bool_).reshape(-1, len(names))
+    me = jax.process_index()
+    out: dict[str, Any] = {}
+    for j, name in enumerate(names):
+        holders = np.flatnonzero(table[:, j])
+        if holders.size == 0:
+            raise CheckpointError(
+                f"no process holds all of {name} (sharded across processes); pdjax "
+                "checkpoints hold whole arrays: replicate it, or shard within one process"
+            )
+        src = int(holders[0])
+        if src == 0:
+            if me == 0:
+                out[name] = np.asarray(whole[name])
+        elif me in (0, src):
+            got = _move(whole[name], arrays[name], src=src, dst=0)
+            if me == 0:
+                out[name] = got
+    return out
+
+
 def _shape_str(entry: Mapping[str, Any]) -> str:
     return f"{entry['dtype']}{list(entry['shape'])}"
 
@@ -189,9 +262,14 @@ class Checkpointer:
         self.directory = Path(directory).absolute()
         self._max_to_keep = max_to_keep
         self._writing = False
+        # several processes: process 0 alone reads and writes the directory
+        self._process = jax.process_index()
+        self._multi = jax.process_count() > 1
         self._manager = self._new_manager()
 
-    def _new_manager(self) -> ocp.CheckpointManager:
+    def _new_manager(self) -> ocp.CheckpointManager | None:
+        if self._process != 0:
+            return None
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -203,6 +281,9 @@ class Checkpointer:
                 # a writer does: a reader (an evaluator watching a running trainer's
                 # directory) would delete the save in progress.
                 cleanup_tmp_directories=self._writing,
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    primary_host=0, active_processes={0}
+                ),
             ),
             item_names=_ITEMS,
         )
@@ -215,14 +296,20 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for pending work and releases orbax's resources."""
-        self._manager.close()
+        if self._manager is not None:
+            self._manager.close()
 
     # -- listing ----------------------------------------------------------------------------
 
     def all_steps(self) -> list[int]:
         """The committed steps in the directory, ascending (re-read from disk)."""
-        self._manager.reload()
-        return sorted(self._manager.all_steps())
+
+        def read() -> list[int]:
+            assert self._manager is not None
+            self._manager.reload()
+            return sorted(int(step) for step in self._manager.all_steps())
+
+        return self._from_0(read)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -257,6 +344,7 @@ class Checkpointer:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         step = int(step)
         cls = _state_type(state, "state")
+
         extra = _jsonable({} if extra is None else extra, "extra")
         steps = self.all_steps()
         if steps and step <= steps[-1]:
@@ -289,23 +377,31 @@ class Checkpointer:
             "arrays": manifest,
             "extra": extra,
         }
-        if not self._writing:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            self._manager.close()
-            self._writing = True
-            self._manager = self._new_manager()
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-            ),
-        )
-        self._manager.wait_until_finished()
-        if not saved:  # orbax declines silently (e.g. another process saved it meanwhile)
-            raise CheckpointError(
-                f"orbax did not save step {step} in {self.directory} "
-                f"(steps there now: {self.all_steps()})"
+        if self._multi:
+            arrays = _gather_to_0(arrays)
+
+        def write() -> None:
+            assert self._manager is not None
+            if not self._writing:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                self._manager.close()
+                self._writing = True
+                self._manager = self._new_manager()
+                assert self._manager is not None
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                ),
             )
+            self._manager.wait_until_finished()
+            if not saved:  # orbax declines silently (e.g. another process saved it meanwhile)
+                raise CheckpointError(
+                    f"orbax did not save step {step} in {self.directory} "
+                    f"(steps there now: {sorted(self._manager.all_steps())})"
+                )
+
+        self._from_0(write)  # the others wait for process 0's commit (or its error)
 
     # -- restoring --------------------------------------------------------------------------
 
@@ -341,7 +437,7 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
             )
-        meta = self._read_meta(step)
+        meta = self._from_0(lambda: self._read_meta(step))
         ints = meta["ints"]
         wanted = _array_leaves(template, cls)
         self._check_match(step, cls, meta, wanted)
@@ -355,15 +451,11 @@ class Checkpointer:
                 )
             data = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
             abstract[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
-        try:
-            restored = self._manager.restore(
-                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract))
-            )["arrays"]
-        except Exception as e:
-            raise CheckpointError(
-                f"could not read the arrays of step {step} in {self.directory}: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+        restored = (
+            self._read_arrays_multi(step, abstract)
+            if self._multi
+            else self._read_arrays(step, abstract)
+        )
         leaves = []
         for name, leaf in wanted.items():
             impl = meta["arrays"][name].get("key_impl")
@@ -386,7 +478,79 @@ class Checkpointer:
                 )
         return cls(**fields), meta["extra"]
 
+    def _read_arrays(self, step: int, abstract: Mapping[str, Any]) -> dict[str, Any]:
+        assert self._manager is not None
+        try:
+            return self._manager.restore(
+                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(dict(abstract)))
+            )["arrays"]
+        except Exception as e:
+            raise CheckpointError(
+                f"could not read the arrays of step {step} in {self.directory}: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+
+    def _read_arrays_multi(
+        self, step: int, abstract: Mapping[str, jax.ShapeDtypeStruct]
+    ) -> dict[str, jax.Array]:
+        """Several processes: process 0 reads every array (into host memory) and sends each
+        process the ones whose shardings include its devices."""
+        names = list(abstract)
+        me = self._process
+        needs = np.array(
+            [any(d.process_index == me for d in abstract[n].sharding.device_set) for n in names],
+            dtype=np.bool_,
+        )
+        table = np.array(allgather_json(needs.tolist()), dtype=np.bool_).reshape(-1, len(names))
+        host = self._from_0(
+            lambda: self._read_arrays(
+                step, {n: np.empty(a.shape, a.dtype) for n, a in abstract.items()}
+            ),
+            share=False,
+        )
+        out: dict[str, jax.Array] = {}
+        for j, name in enumerate(names):
+            a = abstract[name]
+            whole = np.asarray(host[name]) if me == 0 else None
+            for q in range(1, table.shape[0]):
+                if table[q, j] and me in (0, q):
+                    got = _move(whole, a, src=0, dst=q)
+                    whole = whole if me == 0 else got
+            if table[me, j]:
+                assert whole is not None
+                out[name] = jax.make_array_from_callback(
+                    a.shape, a.sharding, lambda index, whole=whole: whole[index]
+                )
+            else:  # another process's array: shapes only here
+                out[name] = jax.make_array_from_single_device_arrays(
+                    a.shape, a.sharding, [], dtype=a.dtype
+                )
+        return out
+
+    def _from_0(self, fn: Callable[[], Any], *, share: bool = True) -> Any:
+        """Runs ``fn`` on process 0 and returns its (JSON-able) result on every process;
+        an error there is raised on every process, as a :class:`CheckpointError`. One
+        process: just ``fn()``. ``share=False``: the others only learn that it worked
+        (and get None)."""
+        if not self._multi:
+            return fn()
+        value, reply, error = None, None, None
+        if self._process == 0:
+            try:
+                value = fn()
+                reply = {"value": value if share else None}
+            except Exception as e:  # re-raised below, once the others know
+                error = e
+                reply = {"error": str(e) if _is_ours(e) else f"{type(e).__name__}: {e}"}
+        got = broadcast_json(reply)
+        if error is not None:
+            raise error
+        if "error" in got:
+            raise CheckpointError(got["error"] + " (on process 0, which reads and writes)")
+        return value if self._process == 0 else got["value"]
+
     def _read_meta(self, step: int) -> dict[str, Any]:
+        assert self._manager is not None
         try:
             meta = self._manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
