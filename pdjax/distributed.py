@@ -86,7 +86,8 @@ class DistributedConfig:
 def config_from_env(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
     """The run described by ``PDJAX_COORDINATOR``/``PDJAX_NUM_PROCESSES``/``PDJAX_PROCESS_ID``
     (or JAX's ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``), plus
-    optional ``PDJAX_CPU_DEVICES``, ``PDJAX_TRANSFER_PORT`` and ``PDJAX_HEARTBEAT_TIMEOUT``;
+    optional ``PDJAX_CPU_DEVICES``, ``PDJAX_TRANSFER_PORT``, ``PDJAX_TRANSFER_HOST`` (this
+    process's address for transfers) and ``PDJAX_HEARTBEAT_TIMEOUT``;
     None when unset."""
     env = os.environ if env is None else env
 
@@ -105,6 +106,7 @@ def config_from_env(env: Mapping[str, str] | None = None) -> DistributedConfig |
             transfer_port=int(env["PDJAX_TRANSFER_PORT"])
             if env.get("PDJAX_TRANSFER_PORT")
             else None,
+            transfer_host=env.get("PDJAX_TRANSFER_HOST") or None,
             heartbeat_timeout=int(env.get("PDJAX_HEARTBEAT_TIMEOUT") or 10),
         )
     except ValueError as e:
@@ -124,6 +126,10 @@ def initialize(config: DistributedConfig) -> None:
     if transfer_port:  # port 0 would hang the receiver of a cross-process device_put on CPU
         address = f"{config.transfer_host or host}:{transfer_port}"
         jax.config.update("jax_cross_host_transfer_socket_address", address)
+        # the bulk data connections (default 0.0.0.0:0, which a peer cannot reach when
+        # the processes are on different hosts or network namespaces)
+        bulk = ",".join([f"{config.transfer_host or host}:0"] * 4)
+        jax.config.update("jax_cross_host_transport_addresses", bulk)
     try:
         jax.distributed.initialize(
             config.coordinator,

@@ -51,10 +51,12 @@ import math
 import os
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import TracebackType
 
 from pdjax.errors import PdjaxError
@@ -237,6 +239,7 @@ class EmulatedNetwork:
         if len(self.addresses) < num_hosts:
             raise NetworkError(f"subnet {subnet} has fewer than {num_hosts} host addresses")
         self._created: list[str] = []
+        self._folders: list[Path] = []
         self._name_namespaces()
 
     def _name_namespaces(self) -> None:
@@ -308,6 +311,17 @@ class EmulatedNetwork:
             self._shape(ns, "eth0")
             _run(["ip", "-n", sw, "link", "set", port, "up"])
             _run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+            self._name_host(ns, addr)
+
+    def _name_host(self, ns: str, addr: str) -> None:
+        """Makes this machine's host name resolve to ``addr`` inside ``ns``: ``ip netns
+        exec`` mounts ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``. Programs that find
+        their own address from the host name (gloo, which JAX's CPU collectives use)
+        then advertise the host's link, not loopback."""
+        folder = Path("/etc/netns") / ns
+        folder.mkdir(parents=True, exist_ok=True)
+        self._folders.append(folder)
+        (folder / "hosts").write_text(f"127.0.0.1 localhost\n{addr} {socket.gethostname()}\n")
 
     def _add_namespace(self, ns: str) -> None:
         _run(["ip", "netns", "add", ns])
@@ -340,6 +354,8 @@ class EmulatedNetwork:
             except NetworkError as e:
                 if "No such file" not in str(e):
                     errors.append(str(e))
+        while self._folders:
+            shutil.rmtree(self._folders.pop(), ignore_errors=True)
         if errors:
             raise NetworkError("; ".join(errors))
 

@@ -577,6 +577,7 @@ class Pipeline:
         # (both sides call device_put, in the same clock order); its output shapes size them
         act = self._activation_specs(state, microbatches[0][0]) if self.multiprocess else []
         sent: list[Any] = []
+        fused: set[tuple[int, int]] = set()  # (group, index) of updates done with a backward
 
         for _, g, i in order:
             a: Action = sched.actions[g][i]
@@ -622,20 +623,54 @@ class Pipeline:
                     tgt, ct = sv.targets
                     sv = sv._replace(targets=tgt)
                 acc = grads[s] if a.kind != "I" else None
-                if a.version == sv.version and not stage.remat:
+                nxt = sched.actions[g][i + 1] if i + 1 < len(sched.actions[g]) else None
+                if (
+                    a.kind == "B"
+                    and acc is None
+                    and nxt is not None
+                    and nxt.kind == "U"
+                    and nxt.stage == s
+                    and nxt.version == stores[s].latest
+                    and a.version == sv.version
+                    and not stage.remat
+                ):  # the update follows at once: one program for both (Stage.backward_update)
+                    # donate the newest weights when nothing reads them later and this
+                    # call made them (the caller's own arrays are never deleted)
+                    latest = stores[s].latest
+                    if a.version == latest > 0 and not stores[s].reads_left(latest):
+                        new, opt_state[s], gx = stage.backward_update_newest(
+                            params, sv.x, sv.residuals, ct, opt_state[s], scale
+                        )
+                    else:
+                        new, opt_state[s], gx = stage.backward_update(
+                            params, sv.x, sv.residuals, ct, stores[s].newest, opt_state[s], scale
+                        )
+                    del params
+                    stores[s].push(new)
+                    fused.add((g, i + 1))
+                    if gx is not None and s > 0:
+                        if local[s - 1]:
+                            bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
+                        else:
+                            sent.append(self._send(s, s - 1, gx))
+                    out = new
+                elif a.version == sv.version and not stage.remat:
                     gp, gx = stage.backward(params, sv.x, sv.residuals, ct, acc, want)
                 else:  # remat, or no weight stashing: the VJP at these weights, saved input
                     gp, gx = stage.backward_recompute(
                         params, sv.x, ct, (sv.state, sv.rng, sv.targets), acc, want
                     )
-                if gp is not None:
-                    grads[s] = gp  # the sum so far: backward added into the accumulator
-                if gx is not None and s > 0:
-                    if local[s - 1]:
-                        bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
-                    else:
-                        sent.append(self._send(s, s - 1, gx))
-                out = gp if gp is not None else gx
+                if out is None:
+                    if gp is not None:
+                        grads[s] = gp  # the sum so far: backward added into the accumulator
+                    if gx is not None and s > 0:
+                        if local[s - 1]:
+                            bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
+                        else:
+                            sent.append(self._send(s, s - 1, gx))
+                    out = gp if gp is not None else gx
+            elif (g, i) in fused:  # done with the backward before it
+                pass
             else:  # U
                 if a.version != stores[s].latest:
                     raise PipelineError(

@@ -106,6 +106,23 @@ class Stage:
         self.update = jax.jit(
             count_traces(self.trace_counts, "update", self._update), donate_argnums=(2,)
         )
+        # a backward whose gradient goes straight into an update (a window of one
+        # microbatch: PipeDream, or M = 1), in one program: no accumulator, and XLA fuses the
+        # optimizer into the gradient computation. The newest weights are donated too when
+        # nothing reads them after this backward (``backward_update_newest``).
+        # (weights and optimizer state stay replicated: XLA would otherwise carry the batch
+        # sharding of the gradient computation into them)
+        outs = (self.replicated, self.replicated, self.batch_sharding)
+        self.backward_update = jax.jit(
+            count_traces(self.trace_counts, "backward_update", self._backward_update),
+            donate_argnums=(5,),
+            out_shardings=outs,
+        )
+        self.backward_update_newest = jax.jit(
+            count_traces(self.trace_counts, "backward_update", self._backward_update_newest),
+            donate_argnums=(0, 4),
+            out_shardings=outs,
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -224,6 +241,35 @@ class Stage:
         elif acc is not None:
             grad_params = jax.tree.map(jnp.add, acc, grad_params)
         return grad_params, grad_x
+
+    def _backward_update(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        residuals: list[jax.Array],
+        ct: PyTree,
+        newest: list[PyTree],
+        opt_state: optax.OptState,
+        scale: jax.Array,
+    ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
+        """``-> (updated newest weights, optimizer state, input gradient)``: the backward
+        of the forward that used ``params``, its gradient applied to ``newest``."""
+        grads, grad_x = self._backward(params, x, residuals, ct, None, "both")
+        assert grads is not None
+        new, opt_state = self._update(grads, newest, opt_state, scale)
+        return new, opt_state, grad_x
+
+    def _backward_update_newest(
+        self,
+        params: list[PyTree],
+        x: PyTree,
+        residuals: list[jax.Array],
+        ct: PyTree,
+        opt_state: optax.OptState,
+        scale: jax.Array,
+    ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
+        """:meth:`_backward_update` when the forward used the newest weights."""
+        return self._backward_update(params, x, residuals, ct, params, opt_state, scale)
 
     def _update(
         self,

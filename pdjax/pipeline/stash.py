@@ -62,6 +62,10 @@ class WeightStore:
         self._collect()
         return params
 
+    def reads_left(self, version: int) -> int:
+        """How many announced reads of ``version`` are still to come."""
+        return max(0, self._reads.get(version, 0))
+
     @property
     def newest(self) -> PyTree:
         """The newest version (what the next update starts from)."""
