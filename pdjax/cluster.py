@@ -12,9 +12,9 @@ report says so.
 
 :func:`run_cluster` runs, side by side:
 
-- (a) a compute-bound model (``mlp-wide``: 8 dense layers of 1024, small activations) on
-  a fast link: a 2-stage ``pipedream`` and ``1f1b`` pipeline (and 2-worker DP) against one
-  worker alone;
+- (a) a compute-bound model (``mlp-512``: 8 dense layers of 512, 8 MB of weights that
+  stay in the shared L3 cache, microbatches of 128) on a fast link: a 2-stage
+  ``pipedream`` and ``1f1b`` pipeline (and 2-worker DP) against one worker alone;
 - (b) a parameter-heavy VGG-style model (``vgg-fc``: a narrow VGG-16 front, then a
   2048 x 2048 fully connected layer, 18 MB of weights) over links of several bandwidths:
   ``pipedream`` against 2-worker data parallelism, and one worker alone;
@@ -26,12 +26,13 @@ report says so.
 - (d) per link, the planner's choice (:func:`~pdjax.partition.plan_pipedream`: pipeline,
   data parallel, or fewer workers) against the measured best of the runs.
 
-What one microbatch is: ``microbatch`` samples (32). One worker trains on batches of that
-size; a pipeline streams microbatches of that size (``pipedream``: an update per
-microbatch; ``1f1b``: ``M = 4`` per update); data parallelism gives each worker that many
-samples per step, so a step is 2 microbatches. Every number is seconds per microbatch
-(or samples per second), the median of ``repeats`` rounds that go round-robin over the
-runners of one launch, after a warm-up round that compiles.
+What one microbatch is: :data:`MICROBATCH` samples (128 for ``mlp-512``, 32 for
+``vgg-fc``). One worker trains on batches of that size; a pipeline streams microbatches of
+that size (``pipedream``: an update per microbatch; ``1f1b``: ``M = 4`` per update); data
+parallelism gives each worker that many samples per step, so a step is 2 microbatches.
+Every number is seconds per microbatch (or samples per second), the median of ``repeats``
+rounds that go round-robin over the runners of one launch, after a warm-up round that
+compiles.
 
 Link rates are for Ethernet frames; TCP payload gets 1448/1514 of them, and the predictions
 use that payload rate.
@@ -66,8 +67,11 @@ __all__ = [
     "format_markdown",
     "plot_cluster",
     "run_cluster",
+    "write_results",
 ]
 
+#: Samples per microbatch of each benchmark model.
+MICROBATCH = {"mlp-512": 128, "vgg-fc": 32}
 #: XLA flags for a worker that computes on one core.
 _ONE_CORE = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 #: TCP payload per Ethernet frame of a 1500-byte MTU (what a shaped link's rate buys).
@@ -76,7 +80,9 @@ LAUNCH_TIMEOUT = 300.0  # seconds for one launch of the workers
 
 #: The benchmark's models: ``name -> (family, overrides)`` for :func:`pdjax.models.get_model`.
 CLUSTER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
-    "mlp-wide": ("mlp", {"in_features": 1024, "hidden": (1024,) * 8}),
+    "mlp-512": ("mlp", {"in_features": 512, "hidden": (512,) * 8}),
+    # next to no compute: what a microbatch costs the machinery itself (tests, diagnosis)
+    "mlp-narrow": ("mlp", {"in_features": 16, "hidden": (16,) * 8}),
     "vgg-fc": (
         "vgg16",
         {
@@ -160,8 +166,9 @@ def _worker_job(job: Mapping[str, Any]) -> None:
     import jax
 
     runners = [_make_runner(job, r) for r in job["runners"]]
-    for _, call in runners:  # compile, first transfers
-        call()
+    for _ in range(2):  # compile, first transfers; the first call after is slow still
+        for _, call in runners:
+            call()
     times: dict[str, list[float]] = {name: [] for name, _ in runners}
     for _ in range(job["repeats"]):
         for name, call in runners:
@@ -182,8 +189,11 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
 
     spec = cluster_model(job["model"])
     b, seed, name = job["microbatch"], job["seed"], r["name"]
+    label = r.get("label", name)
     units = r["units"]
     opt = _optimizer()
+    if name == "allreduce":  # the data-parallel gradient all-reduce alone, ``units`` times
+        return label, _allreduce_runner(spec, b, units)
     if name in ("single", "dp"):
         devices = jax.devices()[:1] if name == "single" else jax.devices()
         n = b * len(devices)
@@ -200,7 +210,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
             jax.block_until_ready(state)
             return time.perf_counter() - t0
 
-        return name, call
+        return label, call
     M = r.get("microbatches", 1)
     stages = [StageSpec(f, last, (i,)) for i, (f, last) in enumerate(r["stages"])]
     pipe = Pipeline(
@@ -219,7 +229,44 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         jax.block_until_ready([a for a in jax.tree.leaves(state) if _local(a)])
         return time.perf_counter() - t0
 
-    return name, call
+    return label, call
+
+
+def _allreduce_runner(spec: Any, microbatch: int, units: int) -> Callable[[], float]:
+    """Sums a gradient-shaped tree over every device, as a data-parallel step's all-reduce
+    does (a program of its own, one all-reduce per array, through JAX's collectives)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    x, _ = spec.sample_batch(microbatch, 0)
+    shapes = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
+    grads = [v.get("params", {}) for v in shapes]
+    mesh = Mesh(np.asarray(jax.devices()), ("data",))
+    n = len(jax.devices())
+    sharded = NamedSharding(mesh, P("data"))
+
+    def place(leaf: Any) -> jax.Array:
+        shape = (n, *leaf.shape)
+        return jax.make_array_from_callback(
+            shape, sharded, lambda index: np.ones(shape, leaf.dtype)[index]
+        )
+
+    tree = jax.tree.map(place, grads)
+    total = jax.jit(
+        lambda t: jax.tree.map(lambda a: jnp.sum(a, axis=0), t),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+
+    def call() -> float:
+        t0 = time.perf_counter()
+        for _ in range(units):
+            jax.block_until_ready(total(tree))
+        return time.perf_counter() - t0
+
+    return call
 
 
 def _local(leaf: Any) -> bool:
@@ -247,6 +294,9 @@ class Row:
       speedup: measured throughput over one worker's (same model).
       predicted_speedup: simulated, over one worker's simulated.
       repeats: every measured seconds per microbatch.
+      allreduce: ``dp``: measured seconds of the gradient all-reduce alone (the same
+        arrays summed over the 2 workers with JAX's collectives, in a program of its own).
+      allreduce_predicted: ``dp``: the ring all-reduce the simulator assumes, on the link.
     """
 
     experiment: str
@@ -260,6 +310,8 @@ class Row:
     speedup: float = math.nan
     predicted_speedup: float = math.nan
     repeats: tuple[float, ...] = ()
+    allreduce: float = math.nan
+    allreduce_predicted: float = math.nan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +325,7 @@ class ClusterResult:
       network: how the workers were connected (one line).
       curves: predicted speedup over one worker per bandwidth (Mbit/s) for the plot:
         ``{model: {runner: [(mbit, simulated speedup, planner speedup), ...]}}``.
-      microbatch: samples per microbatch.
+      microbatch: samples per microbatch, per model.
       seconds: the benchmark's wall time.
     """
 
@@ -281,7 +333,7 @@ class ClusterResult:
     choices: tuple[dict[str, Any], ...]
     network: str
     curves: dict[str, dict[str, list[tuple[float, float, float]]]]
-    microbatch: int
+    microbatch: dict[str, int]
     seconds: float
 
     def to_json(self) -> str:
@@ -441,14 +493,21 @@ def _predict(
     bw = _bandwidth(rate_mbit)
     common = {"microbatch_size": microbatch, "partitioner": "manual"}
     if runner in ("single", "dp"):
+        # one stage on r workers, each taking a microbatch per step: the plan's microbatch
+        # is the step's r microbatches (pdjax's cost model splits it over the replicas)
         r = 1 if runner == "single" else 2
         plan = evaluate_partition(
-            prof, Topology.flat(r, bw), [(0, L - 1, r)], schedule="1f1b", num_microbatches=1,
-            **common,
-        )  # fmt: skip
+            prof,
+            Topology.flat(r, bw),
+            [(0, L - 1, r)],
+            schedule="1f1b",
+            num_microbatches=1,
+            microbatch_size=r * microbatch,
+            partitioner="manual",
+        )
         sched = generate("1f1b", 1, 1, steps=units // r, replicas=(r,))
         sim = simulate(sched, _stage_costs(prof, updates, plan)).makespan / units
-        return plan.time_per_microbatch, sim
+        return plan.time_per_microbatch / r, sim
     plan = evaluate_partition(
         prof,
         Topology.flat(len(stages), bw),
@@ -470,7 +529,7 @@ def _describe_plan(plan: Any) -> tuple[str, str]:
     if len(plan.stages) == 1:
         return ("dp", "DP x2") if plan.stages[0].replicas == 2 else ("single", "1 worker")
     if all(s.replicas == 1 for s in plan.stages):
-        return "pipedream", " | ".join(f"{s.first_layer}-{s.last_layer}" for s in plan.stages)
+        return "pipedream", " / ".join(f"{s.first_layer}-{s.last_layer}" for s in plan.stages)
     return "hybrid", plan.describe().splitlines()[0]
 
 
@@ -478,7 +537,7 @@ def run_cluster(
     *,
     rates_mbit: Sequence[float] = (100.0, 1000.0, 10000.0),
     fast_mbit: float = 10000.0,
-    microbatch: int = 32,
+    microbatch: Mapping[str, int] | None = None,
     units: int = 24,
     dp_units: Mapping[float, int] | None = None,
     repeats: int = 3,
@@ -492,7 +551,7 @@ def run_cluster(
     Args:
       rates_mbit: link rates (Mbit/s each way) for experiment (b).
       fast_mbit: the fast link of experiment (a).
-      microbatch: samples per microbatch.
+      microbatch: samples per microbatch, per model (default :data:`MICROBATCH`).
       units: microbatches per timed call (a ``pipedream`` stream, ``1f1b`` steps of 4,
         one worker's steps); data parallelism does ``units / 2`` steps of 2 microbatches.
       dp_units: per rate, fewer microbatches for data parallelism (its steps are long on
@@ -527,6 +586,7 @@ def run_cluster(
     if cores < 2:
         network += f"; only {cores} core: the workers share it"
     dp_units = dict(dp_units or {})
+    sizes = {**MICROBATCH, **(microbatch or {})}
     M = 4
     rows: list[Row] = []
     choices: list[dict[str, Any]] = []
@@ -534,29 +594,37 @@ def run_cluster(
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for experiment, model, links in [("a", "mlp-wide", [fast]), ("b", "vgg-fc", rates)]:
+        for experiment, model, links in [("a", "mlp-512", [fast]), ("b", "vgg-fc", rates)]:
+            microbatch = sizes[model]
             log(f"({experiment}) {model}: profiling one pinned worker")
             prof, updates = _profile(model, microbatch, seed, work)
             base = {"model": model, "microbatch": microbatch, "seed": seed, "repeats": repeats}
             log(f"({experiment}) {model}: one worker alone")
-            alone = _launch(
-                {**base, "runners": [{"name": "single", "units": units}]}, 1, None, False, work
-            )
-            single = statistics.median(alone["single"]) / units
+            L = len(prof.layers)
+            one = [  # one jitted step, and a one-stage pipeline: the faster is the baseline
+                {"name": "single", "units": units},
+                {"name": "pipedream", "label": "single-pipe", "units": units,
+                 "stages": [(0, L - 1)]},
+            ]  # fmt: skip
+            alone = _launch({**base, "runners": one}, 1, None, False, work)
+            times = {k: statistics.median(v) / units for k, v in alone.items()}
+            single = min(times.values())
             p_single, s_single = _predict(prof, updates, fast, "single", [], units, microbatch, M)
-            rows.append(
-                Row(experiment, model, None, "single", "1 worker", single, p_single, s_single,
-                    1.0, 1.0, tuple(t / units for t in alone["single"]))
-            )  # fmt: skip
+            for k, how in [("single", "1 worker, one jit"), ("single-pipe", "1 worker, 1 stage")]:
+                rows.append(
+                    Row(experiment, model, None, k, how, times[k], p_single, s_single,
+                        single / times[k], 1.0, tuple(t / units for t in alone[k]))
+                )  # fmt: skip
             for rate in links:
                 topo = Topology.flat(2, _bandwidth(rate))
                 straight = plan_pipedream(prof, topo, straight=True, microbatch_size=microbatch)
                 split = [(s.first_layer, s.last_layer) for s in straight.stages]
-                layout = " | ".join(f"{f}-{last}" for f, last in split)
+                layout = " / ".join(f"{f}-{last}" for f, last in split)
                 dpu = dp_units.get(rate, 8 if rate is not None and rate < 1000 else units)
                 runners = [
                     {"name": "pipedream", "units": units, "stages": split},
                     {"name": "dp", "units": dpu},
+                    {"name": "allreduce", "units": max(1, dpu // 4)},
                 ]
                 if experiment == "a":
                     runners.insert(1, {"name": "1f1b", "units": units, "stages": split,
@@ -565,7 +633,9 @@ def run_cluster(
                 log(f"({experiment}) {model}: {', '.join(r['name'] for r in runners)} on {where}")
                 got = _launch({**base, "runners": runners}, 2, rate, emulate, work)
                 measured: dict[str, float] = {}
-                for r in runners:
+                ring = sum(lp.param_bytes for lp in prof.layers) / _bandwidth(rate)
+                allreduce = statistics.median(got["allreduce"]) / runners[-1]["units"]
+                for r in runners[:-1]:
                     n = r["units"]
                     t = statistics.median(got[r["name"]]) / n
                     measured[r["name"]] = t
@@ -585,6 +655,7 @@ def run_cluster(
                             single / t,
                             s_single / s,
                             tuple(x / n for x in got[r["name"]]),
+                            *((allreduce, ring) if r["name"] == "dp" else ()),
                         )
                     )
                 chosen = plan_pipedream(prof, topo, fewer_machines=True, microbatch_size=microbatch)
@@ -619,7 +690,7 @@ def run_cluster(
         choices=tuple(choices),
         network=network,
         curves=curves,
-        microbatch=microbatch,
+        microbatch={m: sizes[m] for m in ("mlp-512", "vgg-fc")},
         seconds=time.monotonic() - t_start,
     )
 
@@ -640,7 +711,9 @@ def _err(pred: float, measured: float) -> str:
 def format_markdown(result: ClusterResult) -> str:
     """The result as Markdown tables (runs, then the planner's choices)."""
     lines = [
-        f"Network: {result.network}. Microbatch: {result.microbatch} samples. "
+        f"Network: {result.network}. Samples per microbatch: "
+        + ", ".join(f"{m} {b}" for m, b in result.microbatch.items())
+        + ". "
         f"Wall time: {result.seconds:.0f} s.",
         "",
         "| exp | model | link | runner | stages | measured ms/mb | speedup vs 1 worker "
@@ -654,6 +727,22 @@ def format_markdown(result: ClusterResult) -> str:
             f"{1e3 * r.simulated:.1f} ({_err(r.simulated, r.measured)}) | "
             f"{r.predicted_speedup:.2f}x | {1e3 * r.planner:.1f} ({_err(r.planner, r.measured)}) |"
         )
+    dp = [r for r in result.rows if r.runner == "dp" and not math.isnan(r.allreduce)]
+    if dp:
+        lines += [
+            "",
+            "Data parallelism's gradient all-reduce alone (JAX's CPU collectives, gloo over "
+            "TCP), measured, against the ring all-reduce at the link's rate that the "
+            "simulator and planner assume:",
+            "",
+            "| model | link | measured all-reduce ms | ring at link rate ms |",
+            "|---|---|---:|---:|",
+        ]
+        lines += [
+            f"| {r.model} | {_link(r.link_mbit)} | {1e3 * r.allreduce:.1f} | "
+            f"{1e3 * r.allreduce_predicted:.1f} |"
+            for r in dp
+        ]
     lines += [
         "",
         "| model | link | planner's choice | its predicted ms/mb | measured best | measured ms/mb "
@@ -696,7 +785,7 @@ def plot_cluster(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth, each way (Mbit/s)")
     ax.set_ylabel("throughput / one worker's")
-    ax.set_title(f"{model}: 2 workers, microbatch {result.microbatch}")
+    ax.set_title(f"{model}: 2 workers, microbatch {result.microbatch[model]}")
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     out = Path(path)
@@ -724,3 +813,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def write_results(result: ClusterResult, out: str | os.PathLike[str]) -> list[Path]:
+    """Writes ``cluster.json``, ``cluster.md`` and (with matplotlib) ``cluster.png`` into
+    the folder ``out``; returns the paths."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / "cluster.json", folder / "cluster.md"]
+    paths[0].write_text(result.to_json())
+    paths[1].write_text(format_markdown(result))
+    try:
+        paths.append(plot_cluster(result, folder / "cluster.png"))
+    except ImportError:  # matplotlib is the [plot] extra
+        pass
+    return paths

@@ -52,12 +52,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="comma-separated runners, in order ('dp' is data parallelism)",
     )
     p.add_argument("--seed", type=int, default=0)
+    c = p.add_argument_group(
+        "a cluster on one machine",
+        "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
+        "and tc, as root; else loopback): PipeDream, 1F1B and data parallelism against one "
+        "worker, measured next to the planner's and the simulator's predictions "
+        "(pdjax.cluster). The options above do not apply.",
+    )
+    c.add_argument("--cluster", action="store_true", help="run the cluster benchmark")
+    c.add_argument(
+        "--rates",
+        default="100,1000,10000",
+        help="link rates in Mbit/s for the parameter-heavy model (comma-separated)",
+    )
+    c.add_argument("--fast-rate", type=float, default=10000.0, help="Mbit/s for experiment (a)")
+    c.add_argument("--loopback", action="store_true", help="no link emulation, even as root")
+    c.add_argument("--out", default="out/cluster", help="folder for cluster.json/.md/.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark and prints the table (or JSON)."""
+    if args.cluster:
+        return _run_cluster(args)
     set_cpu_devices(args.devices)
     from rich.console import Console
 
@@ -91,4 +109,32 @@ def run(args: argparse.Namespace) -> int:
     console = Console(width=None if sys.stdout.isatty() else 180)
     console.print(result.header())
     console.print(format_table(result))
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from pdjax.cluster import format_markdown, run_cluster, write_results
+
+    err = Console(file=sys.stderr)
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        err.print(f"--rates takes Mbit/s numbers separated by commas, got {args.rates!r}")
+        return 2
+    result = run_cluster(
+        rates_mbit=rates,
+        fast_mbit=args.fast_rate,
+        repeats=args.repeats,
+        seed=args.seed,
+        emulate=False if args.loopback else None,
+        log=lambda line: err.print(line),
+    )
+    paths = write_results(result, args.out)
+    if args.json:
+        print(result.to_json())
+    else:
+        print(format_markdown(result))
+        err.print("wrote " + "  ".join(str(p) for p in paths))
     return 0

@@ -626,6 +626,7 @@ class Pipeline:
                 nxt = sched.actions[g][i + 1] if i + 1 < len(sched.actions[g]) else None
                 if (
                     a.kind == "B"
+                    and sched.microbatches_per_step == 1
                     and acc is None
                     and nxt is not None
                     and nxt.kind == "U"
@@ -639,11 +640,11 @@ class Pipeline:
                     latest = stores[s].latest
                     if a.version == latest > 0 and not stores[s].reads_left(latest):
                         new, opt_state[s], gx = stage.backward_update_newest(
-                            params, sv.x, sv.residuals, ct, opt_state[s], scale
+                            params, sv.x, sv.residuals, ct, opt_state[s]
                         )
                     else:
                         new, opt_state[s], gx = stage.backward_update(
-                            params, sv.x, sv.residuals, ct, stores[s].newest, opt_state[s], scale
+                            params, sv.x, sv.residuals, ct, stores[s].newest, opt_state[s]
                         )
                     del params
                     stores[s].push(new)

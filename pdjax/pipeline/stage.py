@@ -250,14 +250,14 @@ class Stage:
         ct: PyTree,
         newest: list[PyTree],
         opt_state: optax.OptState,
-        scale: jax.Array,
     ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
         """``-> (updated newest weights, optimizer state, input gradient)``: the backward
-        of the forward that used ``params``, its gradient applied to ``newest``."""
+        of the forward that used ``params``, its gradient (one microbatch's: no scaling)
+        applied to ``newest``."""
         grads, grad_x = self._backward(params, x, residuals, ct, None, "both")
         assert grads is not None
-        new, opt_state = self._update(grads, newest, opt_state, scale)
-        return new, opt_state, grad_x
+        updates, opt_state = self.optimizer.update(grads, opt_state, newest)
+        return optax.apply_updates(newest, updates), opt_state, grad_x
 
     def _backward_update_newest(
         self,
@@ -266,10 +266,9 @@ class Stage:
         residuals: list[jax.Array],
         ct: PyTree,
         opt_state: optax.OptState,
-        scale: jax.Array,
     ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
         """:meth:`_backward_update` when the forward used the newest weights."""
-        return self._backward_update(params, x, residuals, ct, params, opt_state, scale)
+        return self._backward_update(params, x, residuals, ct, params, opt_state)
 
     def _update(
         self,

@@ -1,0 +1,35 @@
+"""The cluster-on-one-machine benchmark, as the README reports it.
+
+    python benchmarks/cluster/run.py          # as root: emulated links; else loopback
+
+Writes benchmarks/results/cluster.{json,md,png}; see pdjax/cluster.py for what is measured
+and what is predicted. About 5 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from pdjax.cluster import format_markdown, run_cluster, write_results
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def main() -> int:
+    t0 = time.monotonic()
+    result = run_cluster(
+        rates_mbit=(100.0, 1000.0, 10000.0),
+        fast_mbit=10000.0,
+        repeats=3,
+        log=lambda line: print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True),
+    )
+    print(format_markdown(result))
+    for path in write_results(result, RESULTS):
+        print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

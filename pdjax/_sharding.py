@@ -1,0 +1,32 @@
+"""Placing host values on a sharding that may span processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.layers import PyTree
+
+__all__ = ["place"]
+
+
+def place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
+    """``tree`` on ``sharding``. When the sharding spans processes (``jax.distributed``),
+    every process holds the whole value (same seed, same batch) and contributes the part
+    its own devices hold; ``jax.device_put`` cannot place a local array there."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(tree, sharding)
+
+    def one(leaf: Any) -> jax.Array:
+        if jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+            impl = jax.random.key_impl(leaf)
+            return jax.random.wrap_key_data(one(jax.random.key_data(leaf)), impl=impl)
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            return jax.device_put(leaf, sharding)  # already global: reshard
+        whole = np.asarray(leaf)
+        return jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
+
+    return jax.tree.map(one, tree)

@@ -1,0 +1,123 @@
+"""pdjax.cluster: predictions against hand-computed costs, the report, and one small
+launch of real pinned workers (on an emulated 100 Mbit/s network where this machine
+allows it, else on loopback)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pdjax.cluster import (
+    PAYLOAD,
+    ClusterError,
+    ClusterResult,
+    Row,
+    _bandwidth,
+    _launch,
+    _predict,
+    cluster_model,
+    format_markdown,
+    plot_cluster,
+)
+from pdjax.netem import network_support
+from pdjax.profile import LayerProfile, Profile
+
+F, B, U = 1e-3, 2e-3, 5e-4  # per layer: forward, backward, update seconds
+ACT, PARAMS = 100_000, 1_000_000  # per layer: output and weight bytes
+
+
+def _profile() -> Profile:
+    layers = [
+        LayerProfile(
+            f"l{i}", forward_seconds=F, backward_seconds=B, output_bytes=ACT, param_bytes=PARAMS
+        )
+        for i in range(4)
+    ]
+    return Profile.chain(layers, batch_size=8)
+
+
+def test_bandwidth_is_the_payload_rate():
+    assert _bandwidth(100.0) == pytest.approx(100e6 / 8 * PAYLOAD)
+    assert PAYLOAD == pytest.approx(0.9564, abs=1e-4)
+
+
+def test_one_worker_prediction():
+    planner, sim = _predict(_profile(), [U] * 4, None, "single", [], 10, 8, 4)
+    assert planner == pytest.approx(4 * (F + B))  # the planner leaves out the update
+    assert sim == pytest.approx(4 * (F + B + U))
+
+
+def test_pipeline_prediction_compute_bound_and_link_bound():
+    stages = [(0, 1), (2, 3)]
+    planner, sim = _predict(_profile(), [U] * 4, 1e6, "pipedream", stages, 64, 8, 4)
+    stage = 2 * (F + B)
+    assert planner == pytest.approx(stage, rel=1e-3)  # a free link: the slowest stage
+    # the simulator adds each stage's update and the stream's fill and drain
+    assert stage + 2 * U < sim < (stage + 2 * U) * (1 + 3 / 64)
+    planner, sim = _predict(_profile(), [U] * 4, 1.0, "pipedream", stages, 16, 8, 4)
+    link = ACT / _bandwidth(1.0)  # 0.84 s per activation (and per gradient back)
+    # PipeDream's cost model charges a cut for the activation and the gradient together;
+    # the simulator sends them each way on a full-duplex link
+    assert planner == pytest.approx(2 * link, rel=1e-3)
+    assert link < sim < 1.2 * link
+
+
+def test_data_parallel_prediction_pays_the_all_reduce():
+    planner, sim = _predict(_profile(), [U] * 4, 10.0, "dp", [], 8, 8, 4)
+    ring = 2 * (2 - 1) / 2 * 4 * PARAMS / _bandwidth(10.0)  # ring all-reduce, 2 workers
+    step = 4 * (F + B + U) + ring  # one step = 2 microbatches (one per worker)
+    assert sim == pytest.approx(step / 2, rel=1e-3)
+    assert planner == pytest.approx((4 * (F + B) + ring) / 2, rel=0.05)
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(ClusterError, match="mlp-512"):
+        cluster_model("resnet")
+
+
+def test_report_and_plot(tmp_path):
+    rows = (
+        Row("b", "vgg-fc", None, "single", "1 worker", 0.05, 0.04, 0.045, 1.0, 1.0, (0.05,)),
+        Row("b", "vgg-fc", 100.0, "pipedream", "0-6 / 7-15", 0.03, 0.02, 0.028, 1.67, 1.6),
+        Row("b", "vgg-fc", 100.0, "dp", "DP x2", 1.2, 1.1, 1.15, 0.04, 0.04),
+    )
+    curves = {"vgg-fc": {"pipedream": [(10.0, 1.0, 1.2), (100.0, 1.6, 1.9)],
+                         "dp": [(10.0, 0.01, 0.01), (100.0, 0.04, 0.05)]}}  # fmt: skip
+    choice = {
+        "model": "vgg-fc",
+        "link_mbit": 100.0,
+        "planner": "pipedream",
+        "planner_layout": "0-6 / 7-15",
+        "planner_seconds": 0.02,
+        "measured_best": "pipedream",
+        "measured_best_seconds": 0.03,
+        "measured_of_choice": 0.03,
+        "agree": True,
+    }
+    result = ClusterResult(rows, (choice,), "test network", curves, {"vgg-fc": 32}, 1.0)
+    text = format_markdown(result)
+    assert "| b | vgg-fc | 100 Mbit/s | pipedream | 0-6 / 7-15 | 30.0 | 1.67x |" in text
+    assert "28.0 (-7%)" in text and "| yes |" in text
+    assert plot_cluster(result, tmp_path / "c.png").stat().st_size > 10_000
+    assert '"rows"' in result.to_json()
+
+
+def test_workers_run_every_runner_across_processes(tmp_path):
+    """Two pinned workers (one CPU device each) run a pipedream and a 1f1b pipeline and
+    data parallelism, timed, on an emulated 100 Mbit/s network (loopback without one)."""
+    reason = network_support()
+    job = {
+        "model": "mlp-narrow",
+        "microbatch": 8,
+        "seed": 0,
+        "repeats": 1,
+        "runners": [
+            {"name": "pipedream", "units": 4, "stages": [[0, 3], [4, 8]]},
+            {"name": "1f1b", "units": 4, "stages": [[0, 3], [4, 8]], "microbatches": 4},
+            {"name": "dp", "units": 4},
+        ],
+    }
+    got = _launch(job, 2, 100.0, reason is None, tmp_path)
+    assert sorted(got) == ["1f1b", "dp", "pipedream"]
+    assert all(len(v) == 1 and 0 < v[0] < 60 and math.isfinite(v[0]) for v in got.values())
