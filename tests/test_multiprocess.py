@@ -26,15 +26,21 @@ _started: list[float] = []  # when the first test of this file launched its work
 STEPS, M, MB = 2, 4, 4  # optimizer steps (flush) / microbatches per step / samples each
 
 
-def _setup(schedule: str):
-    """The model, pipeline and microbatches every run uses (same in every process)."""
+def _setup(schedule: str, span: bool = False):
+    """The model, pipeline and microbatches every run uses (same in every process);
+    ``span``: stage 1 replicated on devices 1 and 2, one in each process."""
     from pdjax.models import get_model
-    from pdjax.pipeline.executor import Pipeline, even_stages
+    from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
 
     spec = get_model("mlp", "tiny")
+    stages = (
+        [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1, 2)), StageSpec(2, 3, (3,))]
+        if span
+        else even_stages(len(spec.layers), 4)
+    )
     pipe = Pipeline(
         spec.layers,
-        even_stages(len(spec.layers), 4),
+        stages,
         spec.loss,
         optax.sgd(0.05),
         schedule=schedule,
@@ -48,9 +54,9 @@ def _setup(schedule: str):
     return pipe, state, mbs
 
 
-def _train(schedule: str):
-    """Trains; returns {layer index: params} of this process's stages, and the losses."""
-    pipe, state, mbs = _setup(schedule)
+def _train(schedule: str, span: bool = False):
+    """Trains; returns {layer index: params} of every stage, and the losses."""
+    pipe, state, mbs = _setup(schedule, span)
     losses = []
     if schedule == "pipedream":
         state, metrics = pipe.run(state, mbs)
@@ -132,6 +138,10 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     if schedule == "dp":
         params, losses = _dp_train()
         np.savez(os.path.join(out_dir, f"d{pid}.npz"), **params, losses=np.asarray(losses))
+        return
+    if schedule.startswith("span-"):
+        params, losses = _train(schedule[5:], span=True)
+        np.savez(os.path.join(out_dir, f"s{pid}.npz"), **_flat(params), losses=np.asarray(losses))
         return
     if die == str(pid):
         _setup(schedule)
@@ -246,6 +256,24 @@ def test_data_parallel_across_processes(tmp_path):
     want, losses = _dp_train()
     for i in range(2):
         with np.load(tmp_path / f"d{i}.npz") as f:
+            assert sorted(k for k in f.files if k != "losses") == sorted(want)
+            for k in want:
+                np.testing.assert_allclose(f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+            np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_a_replicated_stage_spans_processes(tmp_path, schedule):
+    """Stage 1 is replicated on one device of each process (its gradient all-reduce
+    crosses processes; activations are split between its replicas and gathered after):
+    training matches the same plan in one process."""
+    results = _launch(tmp_path, f"span-{schedule}")
+    for i, (code, log, _) in enumerate(results):
+        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    params, losses = _train(schedule, span=True)
+    want = _flat(params)
+    for i in range(2):
+        with np.load(tmp_path / f"s{i}.npz") as f:
             assert sorted(k for k in f.files if k != "losses") == sorted(want)
             for k in want:
                 np.testing.assert_allclose(f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)

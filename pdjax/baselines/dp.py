@@ -40,6 +40,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 
@@ -175,7 +176,7 @@ class DataParallel:
             )
         )
         opt_state = self.replicate(jax.jit(self.optimizer.init)(params))
-        return DPState(params, model_state, opt_state, 0, _place(rng, self.replicated))
+        return DPState(params, model_state, opt_state, 0, place(rng, self.replicated))
 
     def replicate(self, tree: PyTree) -> PyTree:
         """A copy of ``tree`` (weights, optimizer state) on every device, e.g. to put
@@ -183,7 +184,7 @@ class DataParallel:
         # device_put may reuse the caller's buffer as one replica (even with
         # may_alias=False when the devices differ); the jitted copy never does, so
         # donating the state cannot delete the caller's arrays.
-        placed = _place(tree, self.replicated)
+        placed = place(tree, self.replicated)
         return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(placed)
 
     def variables(self, state: DPState) -> list[Variables]:
@@ -216,7 +217,7 @@ class DataParallel:
                 f"(e.g. {max(1, n // self.num_devices) * self.num_devices}) or pass fewer "
                 "devices=..."
             )
-        return _place(tree, self.batch_sharding)
+        return place(tree, self.batch_sharding)
 
     def step(self, state: DPState, batch: tuple[PyTree, PyTree]) -> tuple[DPState, DPMetrics]:
         """One optimizer step on ``batch = (inputs, targets)``, sharded over the devices.
@@ -289,19 +290,3 @@ class DataParallel:
     ) -> PyTree:
         variables = [{**s, "params": p} for p, s in zip(params, model_state, strict=True)]
         return self.layers.apply(variables, inputs, train=False)[0]
-
-
-def _place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
-    """``tree`` on ``sharding``. Across processes (``jax.distributed``), every process
-    holds the whole value (same seed, same batch) and contributes its own devices' part."""
-    if sharding.is_fully_addressable:
-        return jax.device_put(tree, sharding)
-
-    def place(leaf: Any) -> jax.Array:
-        if jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
-            impl = jax.random.key_impl(leaf)
-            return jax.random.wrap_key_data(place(jax.random.key_data(leaf)), impl=impl)
-        whole = np.asarray(leaf)
-        return jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
-
-    return jax.tree.map(place, tree)

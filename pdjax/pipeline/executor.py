@@ -264,22 +264,16 @@ class Pipeline:
         self._schedules: dict[tuple[int, int], Schedule] = {}
         # multi-controller runs (jax.distributed): the stages this process drives
         self.process_index = jax.process_index()
-        self.local = tuple(self._is_local(st) for st in self.stages)
+        # per stage, the processes that hold its devices (a replicated stage may span
+        # several: each of them runs the stage's programs, SPMD)
+        self.owners = tuple(frozenset(d.process_index for d in st.devices) for st in self.stages)
+        self.local = tuple(self.process_index in owners for owners in self.owners)
         self._specs: dict[Any, list[Any]] = {}
-
-    def _is_local(self, stage: Stage) -> bool:
-        owners = {d.process_index for d in stage.devices}
-        if len(owners) > 1:
-            raise PipelineError(
-                f"stage {stage.index} spans processes {sorted(owners)}: a stage's devices "
-                "must belong to one process (replicate within a host, pipeline across hosts)"
-            )
-        return owners == {self.process_index}
 
     @property
     def multiprocess(self) -> bool:
-        """Whether some stages run in other processes (``jax.distributed``)."""
-        return not all(self.local)
+        """Whether some stages run (also) in other processes (``jax.distributed``)."""
+        return any(owners != {self.process_index} for owners in self.owners)
 
     @staticmethod
     def _check_cover(specs: Sequence[Any], num_layers: int) -> None:
@@ -553,7 +547,9 @@ class Pipeline:
             len(st.devices) > 1 and st.devices[0].platform == "cpu" for st in self.stages
         )
         last = S - 1
-        one = [self.stages[last].place_weights(jnp.ones((), jnp.float32))]
+        one = [
+            self.stages[last].place_weights(jnp.ones((), jnp.float32)) if self.local[last] else None
+        ]
 
         order = sorted(
             (tick, g, i) for g, ticks in enumerate(sched.clock()) for i, tick in enumerate(ticks)
@@ -576,6 +572,11 @@ class Pipeline:
         # another process's stage: take part in the transfers to and from this process
         # (both sides call device_put, in the same clock order); its output shapes size them
         act = self._activation_specs(state, microbatches[0][0]) if self.multiprocess else []
+        # a stage spanning processes needs the PRNG key as a global array on its devices
+        rngs = [
+            stage.place_weights(state.rng) if len(self.owners[s]) > 1 else state.rng
+            for s, stage in enumerate(self.stages)
+        ]
         sent: list[Any] = []
         fused: set[tuple[int, int]] = set()  # (group, index) of updates done with a backward
 
@@ -587,15 +588,15 @@ class Pipeline:
             out: Any = None
             if not local[s]:
                 if a.kind == "F" and s != last and local[s + 1]:
-                    fwd_in[(s + 1, k)] = self._receive(s, s + 1, act[s])
+                    fwd_in[(s + 1, k)] = self._move(s, s + 1, None, act[s], sent)
                 elif a.kind in ("B", "I") and s > 0 and local[s - 1]:
-                    bwd_in[(s - 1, k)] = self._receive(s, s - 1, act[s - 1])
+                    bwd_in[(s - 1, k)] = self._move(s, s - 1, None, act[s - 1], sent)
                 continue
             if a.kind == "F":
                 params = stores[s].read(a.version)
                 x = inputs[k] if s == 0 else fwd_in.pop((s, k))
                 tgt = targets[k] if s == last else None
-                rng = (state.rng, np.int32(state.microbatches + k))
+                rng = (rngs[s], np.int32(state.microbatches + k))
                 before = model_state[s]
                 y, model_state[s], res = stage.forward(params, before, x, rng, tgt)
                 saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
@@ -607,10 +608,10 @@ class Pipeline:
                         losses[k - window].block_until_ready()
                     if on_loss is not None:
                         on_loss(k, y)
-                elif local[s + 1]:
-                    fwd_in[(s + 1, k)] = self.stages[s + 1].place_batch(y)
                 else:
-                    sent.append(self._send(s, s + 1, y))
+                    got = self._move(s, s + 1, y, act[s] if act else None, sent)
+                    if local[s + 1]:
+                        fwd_in[(s + 1, k)] = got
                 out = y
             elif a.kind in ("B", "I", "W"):
                 want = {"B": "both", "I": "input", "W": "weights"}[a.kind]
@@ -650,10 +651,9 @@ class Pipeline:
                     stores[s].push(new)
                     fused.add((g, i + 1))
                     if gx is not None and s > 0:
+                        got = self._move(s, s - 1, gx, act[s - 1] if act else None, sent)
                         if local[s - 1]:
-                            bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
-                        else:
-                            sent.append(self._send(s, s - 1, gx))
+                            bwd_in[(s - 1, k)] = got
                     out = new
                 elif a.version == sv.version and not stage.remat:
                     gp, gx = stage.backward(params, sv.x, sv.residuals, ct, acc, want)
@@ -665,10 +665,9 @@ class Pipeline:
                     if gp is not None:
                         grads[s] = gp  # the sum so far: backward added into the accumulator
                     if gx is not None and s > 0:
+                        got = self._move(s, s - 1, gx, act[s - 1] if act else None, sent)
                         if local[s - 1]:
-                            bwd_in[(s - 1, k)] = self.stages[s - 1].place_batch(gx)
-                        else:
-                            sent.append(self._send(s, s - 1, gx))
+                            bwd_in[(s - 1, k)] = got
                     out = gp if gp is not None else gx
             elif (g, i) in fused:  # done with the backward before it
                 pass
@@ -744,7 +743,9 @@ class Pipeline:
         """``tree`` of stage ``s`` (real on its process, shapes elsewhere) on every process;
         elsewhere on that process's first device. Every process calls it, in one order."""
         stage = self.stages[s]
-        owner = stage.devices[0].process_index
+        source = stage.devices[0]  # one replica, from the process that holds this device
+        owner = source.process_index
+        here = jax.sharding.SingleDeviceSharding(source)
         out = tree
         for q in range(jax.process_count()):
             if q == owner or self.process_index not in (q, owner):
@@ -752,21 +753,46 @@ class Pipeline:
             device = next(d for d in jax.devices() if d.process_index == q)
             target = jax.sharding.SingleDeviceSharding(device)
             if self.process_index == owner:
-                jax.block_until_ready(jax.device_put(stage.place_weights(tree), target))
+                replica = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
+                jax.block_until_ready(jax.device_put(replica, target))
             else:
-                out = jax.device_put(_remote(stage.replicated, tree), target)
+                out = jax.device_put(_remote(here, tree), target)
         return out
 
-    def _send(self, src: int, dst: int, y: PyTree) -> PyTree:
-        """Sends ``y`` from this process's stage ``src`` to another process's ``dst``."""
-        y = self.stages[src].place_batch(y)  # the layout the receiver expects
-        return jax.device_put(y, self.stages[dst].batch_sharding)
-
-    def _receive(self, src: int, dst: int, spec: PyTree) -> PyTree:
-        """Receives, on this process's stage ``dst``, what another process's ``src`` sends:
-        the source is a global array with no shards here (shape and dtype only)."""
-        remote = _remote(self.stages[src].batch_sharding, spec)
-        return jax.device_put(remote, self.stages[dst].batch_sharding)
+    def _move(
+        self, src: int, dst: int, y: PyTree | None, spec: PyTree | None, sent: list[Any]
+    ) -> PyTree | None:
+        """An activation (or gradient) of stage ``src`` on stage ``dst``'s devices, batch
+        sharded: ``y`` where this process runs ``src`` (None elsewhere), ``spec`` its
+        shapes. Every process that runs either stage calls it, in the same order; returns
+        the array where this process runs ``dst`` (None elsewhere). What this process sends
+        to another is appended to ``sent`` (kept alive until the call's end)."""
+        me = self.process_index
+        a, b = self.stages[src], self.stages[dst]
+        if self.owners[src] == self.owners[dst] == {me}:
+            return b.place_batch(y)
+        if len(self.owners[src]) == len(self.owners[dst]) == 1 and len(a.devices) == len(
+            b.devices
+        ):  # whole stages in two processes: one device_put, both sides taking part
+            if me in self.owners[src]:
+                sent.append(jax.device_put(a.place_batch(y), b.batch_sharding))
+                return None
+            return jax.device_put(_remote(a.batch_sharding, spec), b.batch_sharding)
+        if y is not None:
+            y = a.place_batch(y)
+        leaves, tree = jax.tree.flatten(y if y is not None else spec)
+        moved = [_reshard_rows(leaf, a.devices, b.devices, y is not None, sent) for leaf in leaves]
+        if me not in self.owners[dst]:
+            return None
+        return jax.tree.unflatten(
+            tree,
+            [
+                jax.make_array_from_single_device_arrays(
+                    np.shape(leaf), b.batch_sharding, shards, dtype=jnp.result_type(leaf)
+                )
+                for leaf, shards in zip(leaves, moved, strict=True)
+            ],
+        )
 
 
 def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
@@ -777,6 +803,60 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
         ),
         tree,
     )
+
+
+def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
+    """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
+    return next(sh.data for sh in array.addressable_shards if sh.device == device)
+
+
+def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
+    return i * n // parts, (i + 1) * n // parts
+
+
+def _reshard_rows(
+    leaf: Any,
+    src: Sequence[jax.Device],
+    dst: Sequence[jax.Device],
+    have: bool,
+    sent: list[Any],
+) -> list[jax.Array]:
+    """One batch-sharded array moved from devices ``src`` to ``dst`` (batch axis 0, equal
+    parts): each overlap of a source and a destination part goes from its source device
+    to its destination device, within a process or across (``jax.device_put`` of single
+    device arrays, which JAX moves between processes). ``leaf`` is the array where this
+    process holds source parts (``have``), else its shape. Returns this process's
+    destination parts, in ``dst`` order."""
+    me = jax.process_index()
+    n = np.shape(leaf)[0]
+    rest, dtype = tuple(np.shape(leaf)[1:]), jnp.result_type(leaf)
+    parts: dict[int, list[jax.Array]] = {}
+    for i, d in enumerate(dst):
+        lo, hi = _rows(n, len(dst), i)
+        for j, e in enumerate(src):
+            start, stop = _rows(n, len(src), j)
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b or me not in (d.process_index, e.process_index):
+                continue
+            to = jax.sharding.SingleDeviceSharding(d)
+            if e.process_index == me:
+                assert have
+                piece = _shard_on(leaf, e)[a - start : b - start]
+                if d.process_index != me:
+                    sent.append(jax.device_put(piece, to))
+                    continue
+                piece = jax.device_put(piece, to)
+            else:
+                remote = jax.make_array_from_single_device_arrays(
+                    (b - a, *rest), jax.sharding.SingleDeviceSharding(e), [], dtype=dtype
+                )
+                piece = jax.device_put(remote, to)
+            parts.setdefault(i, []).append(piece)
+    return [
+        ps[0] if len(ps) == 1 else jnp.concatenate(ps)
+        for i, ps in sorted(parts.items())
+        if dst[i].process_index == me
+    ]
 
 
 def _abstract(tree: PyTree) -> PyTree:

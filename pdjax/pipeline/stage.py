@@ -26,6 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 
 __all__ = ["LossFn", "Stage"]
@@ -289,9 +290,11 @@ class Stage:
     # -- placement --------------------------------------------------------------------------
 
     def place_weights(self, tree: PyTree) -> PyTree:
-        """Puts weights (or optimizer state) on the stage's devices, replicated."""
-        return jax.device_put(tree, self.replicated)
+        """Puts weights (or optimizer state) on the stage's devices, replicated. A stage
+        spanning processes takes them from this process's copy of the whole value."""
+        return place(tree, self.replicated)
 
     def place_batch(self, tree: PyTree) -> PyTree:
-        """Puts an activation or gradient on the stage's devices, batch-sharded."""
-        return jax.device_put(tree, self.batch_sharding)
+        """Puts an activation or gradient on the stage's devices, batch-sharded (from
+        the whole value, when the stage spans processes)."""
+        return place(tree, self.batch_sharding)
