@@ -167,7 +167,8 @@ def _worker_job(job: Mapping[str, Any]) -> None:
 
     runners = [_make_runner(job, r) for r in job["runners"]]
     for _ in range(2):  # compile, first transfers; the first call after is slow still
-        for _, call in runners:
+        for name, call in runners:
+            allgather_json(name)  # every process done with the runner before
             call()
     times: dict[str, list[float]] = {name: [] for name, _ in runners}
     for _ in range(job["repeats"]):

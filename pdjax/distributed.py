@@ -35,6 +35,7 @@ __all__ = [
     "DistributedConfig",
     "allgather_json",
     "broadcast_json",
+    "check_cpu_transfers",
     "config_from_env",
     "free_port",
     "initialize",
@@ -274,3 +275,29 @@ def broadcast_json(value: Any, source: int = 0, timeout: float = 600.0) -> Any:
         client.key_value_set(key, json.dumps(value))
         return value
     return json.loads(client.blocking_key_value_get(key, int(timeout * 1000)))
+
+
+def check_cpu_transfers(what: str) -> None:
+    """Refuses more than 2 processes on CPU for ``what``, which moves arrays between
+    processes with ``jax.device_put``.
+
+    JAX's CPU cross-process transfers (the socket transport of
+    ``jax_cross_host_transfer_socket_address``, jax 0.10) match a receive to a send by
+    counting the transfers per sender, not per sender and receiver: a process that sends
+    to two others leaves one of them waiting for ever, or handing it the other's array
+    (seen with 3 processes on loopback). With 2 processes every transfer is between the
+    same pair, and pdjax's tests check the results bit for bit.
+
+    Raises:
+      DistributedError: with more than 2 processes on CPU.
+    """
+    import jax
+
+    if jax.process_count() > 2 and jax.devices()[0].platform == "cpu":
+        raise DistributedError(
+            f"{what} moves arrays between processes, and JAX's CPU transfers between more "
+            f"than 2 processes ({jax.process_count()} here) can hang or deliver an array to "
+            "the wrong process (they are matched per sender, not per pair); use 2 processes "
+            "on CPU (each with several devices), or data parallelism, which goes through "
+            "JAX's collectives"
+        )

@@ -21,23 +21,24 @@ import optax
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BUDGET = 85.0  # seconds for all of this file's worker processes together
-_started: list[float] = []  # when the first test of this file launched its workers
+BUDGET = 90.0  # seconds for one launch of worker processes
 STEPS, M, MB = 2, 4, 4  # optimizer steps (flush) / microbatches per step / samples each
 
 
-def _setup(schedule: str, span: bool = False):
+def _setup(schedule: str, span: bool = False, three: bool = False):
     """The model, pipeline and microbatches every run uses (same in every process);
-    ``span``: stage 1 replicated on devices 1 and 2, one in each process."""
+    ``span``: stage 1 replicated on devices 1 and 2, one in each process; ``three``: 3
+    stages on devices 0, 1, 2."""
     from pdjax.models import get_model
     from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
 
     spec = get_model("mlp", "tiny")
-    stages = (
-        [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1, 2)), StageSpec(2, 3, (3,))]
-        if span
-        else even_stages(len(spec.layers), 4)
-    )
+    if span:
+        stages = [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1, 2)), StageSpec(2, 3, (3,))]
+    elif three:
+        stages = [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1,)), StageSpec(2, 3, (2,))]
+    else:
+        stages = even_stages(len(spec.layers), 4)
     pipe = Pipeline(
         spec.layers,
         stages,
@@ -54,9 +55,9 @@ def _setup(schedule: str, span: bool = False):
     return pipe, state, mbs
 
 
-def _train(schedule: str, span: bool = False):
+def _train(schedule: str, span: bool = False, three: bool = False):
     """Trains; returns {layer index: params} of every stage, and the losses."""
-    pipe, state, mbs = _setup(schedule, span)
+    pipe, state, mbs = _setup(schedule, span, three)
     losses = []
     if schedule == "pipedream":
         state, metrics = pipe.run(state, mbs)
@@ -139,6 +140,10 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
         params, losses = _dp_train()
         np.savez(os.path.join(out_dir, f"d{pid}.npz"), **params, losses=np.asarray(losses))
         return
+    if schedule.startswith("three-"):
+        params, losses = _train(schedule[6:], three=True)
+        np.savez(os.path.join(out_dir, f"t{pid}.npz"), **_flat(params), losses=np.asarray(losses))
+        return
     if schedule.startswith("span-"):
         params, losses = _train(schedule[5:], span=True)
         np.savez(os.path.join(out_dir, f"s{pid}.npz"), **_flat(params), losses=np.asarray(losses))
@@ -155,22 +160,24 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     np.savez(os.path.join(out_dir, f"p{pid}.npz"), **flat, losses=np.asarray(losses))
 
 
-def _launch(tmp_path: Path, schedule: str, die: str = "") -> list[tuple[int, str, float]]:
-    """Runs the 2 workers; returns per process (exit code, output, seconds)."""
+def _launch(
+    tmp_path: Path, schedule: str, die: str = "", procs: int = 2, devices: int = 2
+) -> list[tuple[int, str, float]]:
+    """Runs the workers (``procs`` processes of ``devices`` CPU devices); returns per
+    process (exit code, output, seconds)."""
     from pdjax.distributed import free_port
 
     port = free_port()
-    procs = []
+    n, procs = procs, []
     t0 = time.monotonic()
-    _started[:] = _started or [t0]
-    deadline = _started[0] + BUDGET
-    for i in range(2):
+    deadline = t0 + BUDGET
+    for i in range(n):
         env = {
             **os.environ,
             "PDJAX_COORDINATOR": f"127.0.0.1:{port}",
-            "PDJAX_NUM_PROCESSES": "2",
+            "PDJAX_NUM_PROCESSES": str(n),
             "PDJAX_PROCESS_ID": str(i),
-            "PDJAX_CPU_DEVICES": "2",
+            "PDJAX_CPU_DEVICES": str(devices),
             "PDJAX_HEARTBEAT_TIMEOUT": "5",
             "PYTHONPATH": str(ROOT),
         }
@@ -190,7 +197,7 @@ def _launch(tmp_path: Path, schedule: str, die: str = "") -> list[tuple[int, str
             log.seek(0)
             text = log.read().decode(errors="replace")
             if code is None:
-                text += f"\n[still running after the file's {BUDGET:.0f} s budget: killed]"
+                text += f"\n[still running after the {BUDGET:.0f} s budget: killed]"
             results.append((code, text, time.monotonic() - t0))
     finally:
         for p, log in procs:
@@ -278,6 +285,17 @@ def test_a_replicated_stage_spans_processes(tmp_path, schedule):
             for k in want:
                 np.testing.assert_allclose(f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
             np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
+
+
+def test_three_processes_on_cpu_are_refused_with_a_reason(tmp_path):
+    """JAX's CPU transfers pair a receive with a send by counting per sender: a process
+    that sends to two others hangs one of them (or hands it the other's array). pdjax
+    says so before any transfer instead."""
+    results = _launch(tmp_path, "three-pipedream", procs=3, devices=1)
+    for i, (code, log, seconds) in enumerate(results):
+        assert code not in (0, None), f"process {i} did not fail:\n{log[-3000:]}"
+        assert "more than 2 processes (3 here)" in log, log[-3000:]
+        assert seconds < 60
 
 
 def test_dead_peer_stops_the_other(tmp_path):

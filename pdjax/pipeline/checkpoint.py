@@ -74,7 +74,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pdjax.baselines.dp import DPState
-from pdjax.distributed import allgather_json, broadcast_json
+from pdjax.distributed import allgather_json, broadcast_json, check_cpu_transfers
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import PipelineState
 
@@ -265,6 +265,8 @@ class Checkpointer:
         # several processes: process 0 alone reads and writes the directory
         self._process = jax.process_index()
         self._multi = jax.process_count() > 1
+        if self._multi:
+            check_cpu_transfers("a checkpoint across processes (gathered on process 0)")
         self._manager = self._new_manager()
 
     def _new_manager(self) -> ocp.CheckpointManager | None:

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.schedule import SCHEDULES, Action, Schedule, generate, validate
@@ -269,6 +270,8 @@ class Pipeline:
         self.owners = tuple(frozenset(d.process_index for d in st.devices) for st in self.stages)
         self.local = tuple(self.process_index in owners for owners in self.owners)
         self._specs: dict[Any, list[Any]] = {}
+        if self.multiprocess:
+            check_cpu_transfers("a pipeline across processes")
 
     @property
     def multiprocess(self) -> bool:
@@ -491,7 +494,9 @@ class Pipeline:
         action and records its measured span and the live bytes per device group (so
         the devices do not overlap in that mode, and it is slow: a diagnostic).
         ``on_loss(k, loss)`` is called when microbatch ``k``'s loss is dispatched (an
-        unfinished device array: converting it to a float waits for it).
+        unfinished device array: converting it to a float waits for it). Across processes
+        (:attr:`multiprocess`) every process calls it, and it returns once the pipeline
+        has drained in all of them.
         """
         microbatches = list(microbatches)
         if not microbatches:
@@ -714,6 +719,16 @@ class Pipeline:
             timeline=Timeline(sched.name, sched.num_groups, tuple(spans)) if record else None,
             peak_bytes=tuple(peaks) if record else None,
         )
+        if self.multiprocess:
+            # Return drained everywhere: this process's results are computed (so what it
+            # received has arrived) and so are every other process's (so what it sent has
+            # been taken). A process that went on at once could enter an XLA collective
+            # (data parallelism, a replicated stage) while a transfer its peer still needs
+            # waits behind it.
+            jax.block_until_ready(
+                [a for a in jax.tree.leaves((new_state, metrics.losses)) if _held(a)]
+            )
+            allgather_json("pipeline run drained")
         return new_state, metrics
 
     # -- across processes -------------------------------------------------------------------
@@ -803,6 +818,11 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
         ),
         tree,
     )
+
+
+def _held(leaf: Any) -> bool:
+    """Whether ``leaf`` is an array with data in this process."""
+    return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)
 
 
 def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
