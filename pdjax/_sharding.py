@@ -10,7 +10,7 @@ import numpy as np
 
 from pdjax.layers import PyTree
 
-__all__ = ["place"]
+__all__ = ["first_device", "held", "place"]
 
 
 def place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
@@ -30,3 +30,13 @@ def place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
         return jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
 
     return jax.tree.map(one, tree)
+
+
+def first_device(process: int) -> jax.Device:
+    """Process ``process``'s first device in the global device list."""
+    return next(d for d in jax.devices() if d.process_index == process)
+
+
+def held(leaf: Any) -> bool:
+    """Whether ``leaf`` is an array with data in this process (to wait for)."""
+    return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)

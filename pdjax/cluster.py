@@ -185,6 +185,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     import jax
     import numpy as np
 
+    from pdjax._sharding import held
     from pdjax.baselines import DataParallel
     from pdjax.pipeline.executor import Pipeline, StageSpec
 
@@ -227,7 +228,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         t0 = time.perf_counter()
         for chunk in calls:
             state, _ = pipe.run(state, chunk)
-        jax.block_until_ready([a for a in jax.tree.leaves(state) if _local(a)])
+        jax.block_until_ready([a for a in jax.tree.leaves(state) if held(a)])
         return time.perf_counter() - t0
 
     return label, call
@@ -268,11 +269,6 @@ def _allreduce_runner(spec: Any, microbatch: int, units: int) -> Callable[[], fl
         return time.perf_counter() - t0
 
     return call
-
-
-def _local(leaf: Any) -> bool:
-    """Whether ``leaf`` is an array this process holds (to wait for)."""
-    return getattr(leaf, "is_fully_addressable", False)
 
 
 # -- the driver ---------------------------------------------------------------------------------

@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
         "and tc, as root; else loopback): PipeDream, 1F1B and data parallelism against one "
         "worker, measured next to the planner's and the simulator's predictions "
-        "(pdjax.cluster). The options above do not apply.",
+        "(pdjax.cluster). Of the options above only --repeats, --seed and --json apply.",
     )
     c.add_argument("--cluster", action="store_true", help="run the cluster benchmark")
     c.add_argument(

@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pdjax._sharding import first_device
 from pdjax.baselines.dp import DPState
 from pdjax.distributed import allgather_json, broadcast_json, check_cpu_transfers
 from pdjax.errors import CheckpointError
@@ -177,10 +178,6 @@ def _is_ours(e: Exception) -> bool:
     return isinstance(e, CheckpointError)
 
 
-def _first_device(process: int) -> jax.Device:
-    return next(d for d in jax.devices() if d.process_index == process)
-
-
 def _whole(leaf: Any) -> Any:
     """A local array holding all of ``leaf`` (an addressable replica, or ``leaf`` itself
     for host arrays), or None when this process holds none."""
@@ -197,8 +194,8 @@ def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
     process ``dst``; the two processes call it together. Returns it on ``dst`` (as host
     memory), None on ``src``."""
     from_, to = (
-        jax.sharding.SingleDeviceSharding(_first_device(src)),
-        jax.sharding.SingleDeviceSharding(_first_device(dst)),
+        jax.sharding.SingleDeviceSharding(first_device(src)),
+        jax.sharding.SingleDeviceSharding(first_device(dst)),
     )
     if jax.process_index() == src:
         jax.block_until_ready(jax.device_put(jax.device_put(value, from_), to))

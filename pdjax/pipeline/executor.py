@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pdjax._sharding import first_device as device_of_process
+from pdjax._sharding import held
 from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
@@ -726,7 +728,7 @@ class Pipeline:
             # (data parallelism, a replicated stage) while a transfer its peer still needs
             # waits behind it.
             jax.block_until_ready(
-                [a for a in jax.tree.leaves((new_state, metrics.losses)) if _held(a)]
+                [a for a in jax.tree.leaves((new_state, metrics.losses)) if held(a)]
             )
             allgather_json("pipeline run drained")
         return new_state, metrics
@@ -765,8 +767,7 @@ class Pipeline:
         for q in range(jax.process_count()):
             if q == owner or self.process_index not in (q, owner):
                 continue
-            device = next(d for d in jax.devices() if d.process_index == q)
-            target = jax.sharding.SingleDeviceSharding(device)
+            target = jax.sharding.SingleDeviceSharding(device_of_process(q))
             if self.process_index == owner:
                 replica = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
                 jax.block_until_ready(jax.device_put(replica, target))
@@ -818,11 +819,6 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
         ),
         tree,
     )
-
-
-def _held(leaf: Any) -> bool:
-    """Whether ``leaf`` is an array with data in this process."""
-    return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)
 
 
 def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
