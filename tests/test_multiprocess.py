@@ -136,28 +136,26 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     if schedule == "checkpoint":
         _checkpoint_worker(out_dir)
         return
+
+    def save(prefix: str, flat: dict[str, np.ndarray], losses: list[float]) -> None:
+        np.savez(os.path.join(out_dir, f"{prefix}{pid}.npz"), **flat, losses=np.asarray(losses))
+
     if schedule == "dp":
-        params, losses = _dp_train()
-        np.savez(os.path.join(out_dir, f"d{pid}.npz"), **params, losses=np.asarray(losses))
+        save("d", *_dp_train())
         return
     if schedule.startswith("three-"):
         params, losses = _train(schedule[6:], three=True)
-        np.savez(os.path.join(out_dir, f"t{pid}.npz"), **_flat(params), losses=np.asarray(losses))
+        save("t", _flat(params), losses)
         return
     if schedule.startswith("span-"):
         params, losses = _train(schedule[5:], span=True)
-        np.savez(os.path.join(out_dir, f"s{pid}.npz"), **_flat(params), losses=np.asarray(losses))
+        save("s", _flat(params), losses)
         return
     if die == str(pid):
         _setup(schedule)
         os._exit(7)  # dies before its first transfer; the peer is waiting on it
     params, losses = _train(schedule)
-    flat = {
-        f"{i}/{jax.tree_util.keystr(path)}": leaf
-        for i, p in params.items()
-        for path, leaf in jax.tree_util.tree_leaves_with_path(p)
-    }
-    np.savez(os.path.join(out_dir, f"p{pid}.npz"), **flat, losses=np.asarray(losses))
+    save("p", _flat(params), losses)
 
 
 def _launch(
@@ -208,25 +206,38 @@ def _launch(
     return results
 
 
-@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
-def test_two_processes_train_like_one(tmp_path, schedule):
-    results = _launch(tmp_path, schedule)
+def _all_succeeded(results: list[tuple[int, str, float]]) -> None:
     for i, (code, log, _) in enumerate(results):
         assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+
+
+def _assert_saved(files: list[Path], want: dict[str, np.ndarray], losses=None, exact=True):
+    """Every worker's saved arrays (and losses, when given) against ``want``: bit for bit,
+    or (``exact=False``) to rtol 1e-6 (sums across processes may run in another order)."""
+    for path in files:
+        with np.load(path) as f:
+            assert sorted(f.files) == sorted([*want, "losses"] if losses is not None else want)
+            for k in want:
+                if exact:
+                    np.testing.assert_array_equal(f[k], want[k], err_msg=f"{path.name}: {k}")
+                else:
+                    np.testing.assert_allclose(
+                        f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=f"{path.name}: {k}"
+                    )
+            if losses is not None:
+                if exact:
+                    np.testing.assert_array_equal(f["losses"], losses, err_msg=path.name)
+                else:
+                    np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
+def test_two_processes_train_like_one(tmp_path, schedule):
+    _all_succeeded(_launch(tmp_path, schedule))
     params, losses = _train(schedule)  # the same pipeline in this process on 4 devices
-    want = {
-        f"{i}/{jax.tree_util.keystr(path)}": np.asarray(leaf)
-        for i, p in params.items()
-        for path, leaf in jax.tree_util.tree_leaves_with_path(p)
-    }
-    for i in range(2):  # each process has all of them (Pipeline.variables gathers)
-        with np.load(tmp_path / f"p{i}.npz") as f:
-            got = {k: f[k] for k in f.files if k != "losses"}
-            got_losses = f["losses"]
-        assert sorted(got) == sorted(want)
-        for k in want:
-            np.testing.assert_array_equal(got[k], want[k], err_msg=f"process {i}: {k}")
-        np.testing.assert_array_equal(got_losses, losses, err_msg=f"process {i}: losses")
+    want = _flat(params)
+    # each process has all of them (Pipeline.variables gathers)
+    _assert_saved([tmp_path / f"p{i}.npz" for i in range(2)], want, losses)
     _, state, _ = _setup(schedule)  # and training did move them
     assert not np.allclose(
         want["0/['dense']['kernel']"], np.asarray(state.params[0][0]["dense"]["kernel"])
@@ -239,34 +250,21 @@ def test_checkpoint_across_processes(tmp_path):
     training exactly as the run that never stopped."""
     from pdjax.pipeline.checkpoint import Checkpointer
 
-    results = _launch(tmp_path, "checkpoint")
-    for i, (code, log, _) in enumerate(results):
-        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    _all_succeeded(_launch(tmp_path, "checkpoint"))
     half = STEPS * M // 2
     pipe, template, mbs = _setup("pipedream")
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         restored, _ = ckpt.restore(template)
     resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
-    for i in range(2):
-        with np.load(tmp_path / f"c{i}.npz") as f:
-            assert sorted(f.files) == sorted(resumed)
-            for k in resumed:
-                np.testing.assert_array_equal(f[k], resumed[k], err_msg=f"process {i}: {k}")
+    _assert_saved([tmp_path / f"c{i}.npz" for i in range(2)], resumed)
 
 
 def test_data_parallel_across_processes(tmp_path):
     """DataParallel over 2 processes x 2 devices (the gradient all-reduce crosses
     processes, through JAX's CPU collectives) trains as over 4 devices in one process."""
-    results = _launch(tmp_path, "dp")
-    for i, (code, log, _) in enumerate(results):
-        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    _all_succeeded(_launch(tmp_path, "dp"))
     want, losses = _dp_train()
-    for i in range(2):
-        with np.load(tmp_path / f"d{i}.npz") as f:
-            assert sorted(k for k in f.files if k != "losses") == sorted(want)
-            for k in want:
-                np.testing.assert_allclose(f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
-            np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
+    _assert_saved([tmp_path / f"d{i}.npz" for i in range(2)], want, losses, exact=False)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
@@ -274,17 +272,9 @@ def test_a_replicated_stage_spans_processes(tmp_path, schedule):
     """Stage 1 is replicated on one device of each process (its gradient all-reduce
     crosses processes; activations are split between its replicas and gathered after):
     training matches the same plan in one process."""
-    results = _launch(tmp_path, f"span-{schedule}")
-    for i, (code, log, _) in enumerate(results):
-        assert code == 0, f"process {i} exit {code}:\n{log[-3000:]}"
+    _all_succeeded(_launch(tmp_path, f"span-{schedule}"))
     params, losses = _train(schedule, span=True)
-    want = _flat(params)
-    for i in range(2):
-        with np.load(tmp_path / f"s{i}.npz") as f:
-            assert sorted(k for k in f.files if k != "losses") == sorted(want)
-            for k in want:
-                np.testing.assert_allclose(f[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
-            np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
+    _assert_saved([tmp_path / f"s{i}.npz" for i in range(2)], _flat(params), losses, exact=False)
 
 
 def test_three_processes_on_cpu_are_refused_with_a_reason(tmp_path):
