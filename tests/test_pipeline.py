@@ -114,13 +114,24 @@ def test_one_stage_on_all_devices_is_data_parallel():
     assert leaf.sharding.device_set == set(jax.devices())
 
 
-def test_each_stage_function_compiles_once_per_shape():
+def test_each_stage_program_compiles_once_per_shape():
     pipe, _ = check_transparent("mlp", "1f1b", 2, M=4, steps=3)
-    for stage in pipe.stages:
-        assert stage.trace_counts["forward"] == 1
-        # one variant starts a step's gradient sum, one adds into it
-        assert stage.trace_counts["backward"] == 2
-        assert stage.trace_counts["update"] == 1
+    # stage 0: forwards; a backward that starts the step's gradient sum, one that adds into
+    # it, and the step's last backward fused with the update
+    assert pipe.stages[0].trace_counts == {
+        "KEYS": 1,
+        "F": 1,
+        "B": 1,
+        "B+acc": 1,
+        "BU+acc+newest": 1,
+    }
+    # the last stage runs each microbatch's forward and backward as one program
+    assert pipe.stages[1].trace_counts == {
+        "KEYS": 1,
+        "FB": 1,
+        "FB+acc": 1,
+        "FBU+acc+newest": 1,
+    }
 
 
 def test_bad_plans_and_batches_fail_before_device_work():

@@ -30,7 +30,6 @@ from pdjax.pipeline.schedule import (
 )
 from pdjax.pipeline.simulate import PipelineCosts, Simulation, StageCosts, simulate, unit_costs
 from pdjax.pipeline.stage import Stage
-from pdjax.pipeline.stash import WeightStore
 from pdjax.pipeline.timeline import Span, Timeline, Transfer
 from pdjax.pipeline.trace import chrome_trace, plot_gantt, write_chrome_trace
 
@@ -51,7 +50,6 @@ __all__ = [
     "StageSpec",
     "Timeline",
     "Transfer",
-    "WeightStore",
     "chrome_trace",
     "costs_from_plan",
     "even_stages",

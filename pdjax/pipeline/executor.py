@@ -1,17 +1,20 @@
-"""The executor: runs a schedule's actions on real devices.
+"""The runtime: a pipeline of stages on devices, run as lowered programs.
 
-One Python driver walks the schedule in a dependency-respecting order (the schedule's
-unit-time clock) and dispatches, per action, a stage's jitted function on that stage's
-device group. Activations and gradients move with ``jax.device_put`` to the receiving
-stage's sharding. Dispatch is asynchronous, so the device groups overlap: the driver runs
-ahead, and each device works as soon as its inputs are ready.
+A call (:meth:`Pipeline.step`, :meth:`Pipeline.run`) takes the validated schedule for its
+number of microbatches, lowers it once (:func:`pdjax.pipeline.program.lower`, cached) into
+this process's flat list of operations, binds each operation to a function once (a stage
+program, a transfer of the pipeline's :mod:`~pdjax.pipeline.transport`, a wait), and then
+the interpreter only calls them in order on a register file: every weight version,
+activation, residual and gradient was given its slot, its producer, its readers and the
+point where it is dropped at lowering time. Dispatch is asynchronous, so the device
+groups overlap: the driver runs ahead, and each device works as soon as its inputs are
+ready.
 
 Semantics (``shared/DESIGN.md``, "Schedules and their semantics") come from the schedule:
-every ``F``/``B``/``I``/``W`` reads the weight version its action names from the stage's
-:class:`~pdjax.pipeline.stash.WeightStore`, ``U`` applies the accumulated gradients to the
-newest version and adds the next one. Flush schedules and ``2bw`` scale the summed
-gradients of a step by ``1 / M`` (the mean over microbatches); ``pipedream`` applies each
-microbatch's gradient alone.
+every ``F``/``B``/``I``/``W`` reads the weight version its action names, ``U`` applies the
+summed gradients to the newest version and makes the next one. Flush schedules and ``2bw``
+scale the summed gradients of a step by ``1 / M`` (the mean over microbatches);
+``pipedream`` applies each microbatch's gradient alone.
 
 Per microbatch ``k`` (counted over the pipeline's life), layer ``i`` draws dropout from
 ``fold_in(fold_in(rng, k), i)``. BatchNorm statistics are updated by each microbatch's
@@ -32,15 +35,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pdjax import _xla_cpu
 from pdjax._sharding import first_device as device_of_process
 from pdjax._sharding import held
 from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
-from pdjax.pipeline.schedule import SCHEDULES, Action, Schedule, generate, validate
+from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
+from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, validate
 from pdjax.pipeline.stage import LossFn, Stage
-from pdjax.pipeline.stash import WeightStore
 from pdjax.pipeline.timeline import Span, Timeline
+from pdjax.pipeline.transport import make_transport
 
 __all__ = ["Pipeline", "PipelineState", "RunMetrics", "StageSpec", "even_stages"]
 
@@ -114,11 +119,16 @@ class RunMetrics:
       losses: per microbatch, its loss (a device array on the last stage).
       peak_versions: per stage, the most weight versions held at once.
       actions: actions dispatched.
-      host_seconds: wall time the driver spent dispatching (excludes waiting for results).
+      host_seconds: wall time of the driver's loop over the program (dispatching; on CPU
+        also what XLA runs inline on the dispatching thread, and any waits the program
+        holds: run-ahead bounds, one-at-a-time stages).
       timeline: per-action measured spans, when asked for (``timeline=True``).
       peak_bytes: with ``timeline=True``, per device group the most bytes of live arrays
         seen on one of its devices after any action (weights, versions, optimizer state,
         stashes, gradients, activations in transit, and whatever the caller holds there).
+      ops: operations of the lowered program this process ran (fused actions count once;
+        transfers, waits and per-call set-up count too).
+      workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
     """
 
     losses: list[jax.Array]
@@ -127,6 +137,8 @@ class RunMetrics:
     host_seconds: float
     timeline: Timeline | None = None
     peak_bytes: tuple[int, ...] | None = None
+    ops: int = 0
+    workarounds: tuple[str, ...] = ()
 
     @property
     def loss(self) -> float:
@@ -148,15 +160,6 @@ def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int
             peaks[g] = used
 
 
-class _Saved(NamedTuple):
-    x: PyTree
-    residuals: list[jax.Array]
-    version: int
-    state: list[Variables]
-    rng: jax.Array
-    targets: PyTree
-
-
 class Pipeline:
     """A model split into stages on devices, trained with a pipeline schedule.
 
@@ -176,6 +179,9 @@ class Pipeline:
       weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
       remat: recompute each stage's forward in its backward instead of keeping residuals.
       devices: the devices plan ids refer to (default ``jax.devices()``).
+      transport: how values cross processes (``pdjax.pipeline.transport``):
+        ``device_put``, ``collective``, or ``auto`` (``device_put`` unless the pipeline
+        spans more than 2 processes on CPU, where only ``collective`` works).
 
     Raises:
       PipelineError: before any device work, for a plan that does not cover the model,
@@ -196,6 +202,7 @@ class Pipeline:
         weight_stashing: bool = True,
         remat: bool = False,
         devices: Sequence[jax.Device] | None = None,
+        transport: str = "auto",
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -256,6 +263,7 @@ class Pipeline:
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
                     remat=remat,
+                    scale=1.0 if schedule == "pipedream" else 1.0 / microbatches,
                 )
             )
         self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
@@ -272,7 +280,33 @@ class Pipeline:
         self.owners = tuple(frozenset(d.process_index for d in st.devices) for st in self.stages)
         self.local = tuple(self.process_index in owners for owners in self.owners)
         self._specs: dict[Any, list[Any]] = {}
-        if self.multiprocess:
+        self.remat = remat
+        self.coupled = False
+        platform = self.stages[0].devices[0].platform
+        processes = sorted({p for owners in self.owners for p in owners})
+        if transport == "auto":
+            many = platform == "cpu" and len(processes) > 2
+            transport = "collective" if many else "device_put"
+        self.placement = Placement(
+            tuple(
+                StagePlace(tuple(spec.devices), tuple(sorted(owners)))
+                for spec, owners in zip(specs, self.owners, strict=True)
+            ),
+            platform,
+            transport,
+            jax.process_count(),
+        )
+        self.transport = make_transport(transport)
+        self.workarounds = _xla_cpu.for_pipeline(
+            platform,
+            tuple(len(st.devices) for st in self.stages),
+            1 if schedule == "pipedream" else microbatches,
+            self.num_groups,
+            collectives=self.multiprocess and transport == "collective",
+        )
+        self._programs: dict[Any, Program] = {}
+        self._bound: dict[Any, Any] = {}
+        if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
 
     @property
@@ -341,8 +375,32 @@ class Pipeline:
         ``rng`` also seeds dropout (through ``fold_in(rng, 1)``).
         """
         self.check_shapes(sample)
-        variables = jax.jit(self.layers.init)(jax.random.fold_in(rng, 0), sample)
+        key = jax.random.fold_in(rng, 0)
+        if self.multiprocess:  # every process builds the whole model (same key, same values)
+            variables = jax.jit(self.layers.init)(key, sample)
+        else:  # each stage's layers on its own devices, never the whole model on one
+            variables = []
+            x = sample
+            for stage, spec in zip(self.stages, self.stage_specs, strict=True):
+                vs, x = self._init_stage(stage, spec.first_layer)(
+                    stage.place_weights(key), stage.place_weights(x)
+                )
+                variables += vs
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
+
+    def _init_stage(self, stage: Stage, first: int) -> Any:
+        """Jitted: a stage's layers initialised as :meth:`LayerSequence.init` does (layer
+        ``i`` from ``fold_in(key, i)``, fed the layer before's output), on its devices."""
+
+        def init(key: jax.Array, x: PyTree) -> tuple[list[Variables], PyTree]:
+            out = []
+            for j, layer in enumerate(stage.layers):
+                v = layer.init(jax.random.fold_in(key, first + j), x)
+                x, _ = layer.apply(v, x, train=False)
+                out.append(v)
+            return out, x
+
+        return jax.jit(init, out_shardings=stage.replicated)
 
     def state_from_variables(
         self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array
@@ -369,7 +427,10 @@ class Pipeline:
                 if self.local[s]
                 else partial(jax.eval_shape, self.optimizer.init)
             )
-            opt_state.append(place(init(p)))
+            o = place(init(p))
+            # an optimizer state that holds the parameters' own buffers (cocob, dog,
+            # schedule-free keep the initial parameters) would be donated with them
+            opt_state.append(_unaliased(o, p) if self.local[s] else o)
         return PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
@@ -519,207 +580,156 @@ class Pipeline:
                     f"microbatch {k} has {n} samples; every microbatch needs a positive "
                     f"multiple of each stage's replicas {self.replicas}"
                 )
-        sched = self.schedule(len(microbatches))
-        return self._execute(sched, state, microbatches, timeline, on_loss)
+        prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
+        return self._execute(prog, state, microbatches, timeline, on_loss)
+
+    # -- lowering and the interpreter -------------------------------------------------------
+
+    def program(self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False):
+        """The lowered :class:`~pdjax.pipeline.program.Program` of a call over
+        ``num_microbatches`` microbatches (cached). ``timeline``: unfused, one operation
+        per schedule action (what a timeline records)."""
+        key = (num_microbatches, timeline, on_loss)
+        prog = self._programs.get(key)
+        if prog is None:
+            sched = self.schedule(num_microbatches)
+            prog = lower(
+                sched,
+                self.placement,
+                remat=self.remat,
+                fuse=not timeline,
+                coupled=self.coupled,
+                run_ahead=self.workarounds.run_ahead,
+                one_at_a_time=self.workarounds.one_at_a_time if not timeline else None,
+                on_loss=on_loss,
+            )
+            self._programs[key] = prog
+        return prog
+
+    def _bind(
+        self, prog: Program, state: PipelineState, x: PyTree, on_loss: Any
+    ) -> tuple[list[tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]], dict[str, int]]:
+        """The program's operations of this process as ``(function, input registers,
+        output registers, registers to drop)``, and the register of every slot."""
+        key = (id(prog), on_loss is not None)
+        hit = self._bound.get(key)
+        if hit is not None and hit[0] is prog:
+            return hit[1], hit[2]
+        ops = prog.ops[self.process_index]
+        slots: dict[str, int] = {}
+        for name in prog.inputs[self.process_index]:
+            slots.setdefault(name, len(slots))
+        for op in ops:
+            for name in (*op.ins, *op.outs):
+                slots.setdefault(name, len(slots))
+        specs = self._activation_specs(state, x) if self.multiprocess else None
+        code = []
+        for op in ops:
+            fn = self._function(op, prog, specs, on_loss)
+            code.append(
+                (
+                    fn,
+                    tuple(slots[n] for n in op.ins),
+                    tuple(slots[n] for n in op.outs),
+                    tuple(slots[n] for n in op.frees),
+                )
+            )
+        self._bound[key] = (prog, code, slots)
+        return code, slots
+
+    def _function(self, op: Op, prog: Program, specs: Any, on_loss: Any) -> Any:
+        """What the interpreter calls for ``op``: always ``fn(*inputs) -> outputs``."""
+        kind = op.kind
+        if kind in ("MOVE", "SEND", "RECV", "SENDRECV"):
+            src, dst = self.stages[op.stage], self.stages[op.peer]
+            scalar = op.ins[0].startswith("q") if op.ins else op.outs[0].startswith("q")
+            if scalar:
+                spec = jax.ShapeDtypeStruct((), jnp.float32)
+            elif specs is None:
+                spec = None
+            else:  # forward: stage op.stage's output; backward: stage op.peer's output
+                spec = specs[min(op.stage, op.peer)]
+            if kind == "MOVE" and spec is None:
+                target = dst.replicated if scalar else dst.batch_sharding
+                if src.devices == dst.devices:
+                    return _one
+                return lambda v: (jax.device_put(v, target),)
+            link = self.transport.link(src, dst, spec, replicated=scalar)
+            if kind == "SEND":
+                return lambda v: (link(v), ())[1]
+            if kind == "RECV":
+                return lambda: (link(None),)
+            return lambda v: (link(v),)
+        if kind == "LOSS":
+            return lambda loss, k=op.mb: (on_loss(k, loss), ())[1]
+        if kind in ("WAIT", "SYNC"):
+            return _wait
+        prog_fn = self.stages[op.stage].program(kind, op.flags)
+        if kind == "KEYS":
+            n = prog.num_microbatches
+            return lambda rng, offset: prog_fn(rng, offset, n)
+        if kind == "SQ":
+            return lambda g: (prog_fn(g),)
+        return prog_fn
 
     def _execute(
         self,
-        sched: Schedule,
+        prog: Program,
         state: PipelineState,
         microbatches: list[tuple[PyTree, PyTree]],
         record: bool,
         on_loss: Callable[[int, jax.Array], None] | None = None,
     ) -> tuple[PipelineState, RunMetrics]:
-        S = self.num_stages
-        reads: list[dict[int, int]] = [{} for _ in range(S)]
-        for group in sched.actions:
-            for a in group:
-                if a.kind != "U":
-                    reads[a.stage][a.version] = reads[a.stage].get(a.version, 0) + 1
-        stores = [WeightStore(state.params[s], reads[s]) for s in range(S)]
-        opt_state = list(state.opt_state)
-        model_state = list(state.model_state)
-        grads: list[Any] = [None] * S
-        saved: dict[tuple[int, int], _Saved] = {}
-        fwd_in: dict[tuple[int, int], PyTree] = {}
-        bwd_in: dict[tuple[int, int], PyTree] = {}
-        losses: dict[int, jax.Array] = {}
-        scale = jnp.float32(1.0 / sched.microbatches_per_step)
-        window = 4 * max(sched.microbatches_per_step, sched.num_groups)
-        # Replicated stages on XLA's CPU client: programs holding collectives, queued several
-        # deep on a few cores, can deadlock until its 40 s rendezvous timeout aborts the
-        # process; run them one at a time there (in-process CPU devices share one thread
-        # pool anyway, so little overlap is lost).
-        one_at_a_time = any(
-            len(st.devices) > 1 and st.devices[0].platform == "cpu" for st in self.stages
-        )
-        last = S - 1
-        one = [
-            self.stages[last].place_weights(jnp.ones((), jnp.float32)) if self.local[last] else None
-        ]
+        S, N, last = self.num_stages, len(microbatches), self.num_stages - 1
+        code, slots = self._bind(prog, state, microbatches[0][0], on_loss)
+        reg: list[Any] = [None] * len(slots)
+        for name, value in self._inputs(state, microbatches).items():
+            if name in slots:
+                reg[slots[name]] = value
+        t0 = time.perf_counter()
+        if record:
+            spans, peaks = self._interpret_recording(prog, code, reg)
+        else:
+            _interpret(code, reg)
+        host = time.perf_counter() - t0
+        self.transport.drain()  # the sender must outlive the transfer
 
-        order = sorted(
-            (tick, g, i) for g, ticks in enumerate(sched.clock()) for i, tick in enumerate(ticks)
-        )
-        spans: list[Span] = []
-        group_of_device = {
-            d: sched.stage_device[s] for s, st in enumerate(self.stages) for d in st.devices
-        }
-        peaks = [0] * sched.num_groups
-        origin = time.perf_counter()
-        host = 0.0
+        def out(name: str, default: Any) -> Any:
+            return reg[slots[name]] if name in slots else default
 
-        # one batched transfer each for the inputs (to stage 0) and targets (to the last
-        # stage), before the first action: a transfer per microbatch costs a dispatch each
-        local = self.local
-        inputs = self.stages[0].place_batch([mb[0] for mb in microbatches]) if local[0] else None
-        targets = (
-            self.stages[last].place_batch([mb[1] for mb in microbatches]) if local[last] else None
-        )
-        # another process's stage: take part in the transfers to and from this process
-        # (both sides call device_put, in the same clock order); its output shapes size them
-        act = self._activation_specs(state, microbatches[0][0]) if self.multiprocess else []
-        # a stage spanning processes needs the PRNG key as a global array on its devices
-        rngs = [
-            stage.place_weights(state.rng) if len(self.owners[s]) > 1 else state.rng
-            for s, stage in enumerate(self.stages)
-        ]
-        sent: list[Any] = []
-        fused: set[tuple[int, int]] = set()  # (group, index) of updates done with a backward
-
-        for _, g, i in order:
-            a: Action = sched.actions[g][i]
-            t0 = time.perf_counter()
-            s, k = a.stage, a.mb
-            stage = self.stages[s]
-            out: Any = None
-            if not local[s]:
-                if a.kind == "F" and s != last and local[s + 1]:
-                    fwd_in[(s + 1, k)] = self._move(s, s + 1, None, act[s], sent)
-                elif a.kind in ("B", "I") and s > 0 and local[s - 1]:
-                    bwd_in[(s - 1, k)] = self._move(s, s - 1, None, act[s - 1], sent)
-                continue
-            if a.kind == "F":
-                params = stores[s].read(a.version)
-                x = inputs[k] if s == 0 else fwd_in.pop((s, k))
-                tgt = targets[k] if s == last else None
-                rng = (rngs[s], np.int32(state.microbatches + k))
-                before = model_state[s]
-                y, model_state[s], res = stage.forward(params, before, x, rng, tgt)
-                saved[(s, k)] = _Saved(x, res, a.version, before, rng, tgt)
-                if s == last:
-                    losses[k] = y
-                    # bound how far the driver runs ahead: XLA's CPU client aborts when many
-                    # queued programs wait on collectives (replicated stages) on few cores
-                    if k - window in losses:
-                        losses[k - window].block_until_ready()
-                    if on_loss is not None:
-                        on_loss(k, y)
-                else:
-                    got = self._move(s, s + 1, y, act[s] if act else None, sent)
-                    if local[s + 1]:
-                        fwd_in[(s + 1, k)] = got
-                out = y
-            elif a.kind in ("B", "I", "W"):
-                want = {"B": "both", "I": "input", "W": "weights"}[a.kind]
-                sv = saved.pop((s, k)) if a.kind != "I" else saved[(s, k)]
-                params = stores[s].read(a.version)
-                ct = one[0] if s == last else (bwd_in.pop((s, k)) if a.kind != "W" else None)
-                if a.kind == "I":
-                    saved[(s, k)] = sv._replace(targets=(sv.targets, ct))
-                elif a.kind == "W":
-                    tgt, ct = sv.targets
-                    sv = sv._replace(targets=tgt)
-                acc = grads[s] if a.kind != "I" else None
-                nxt = sched.actions[g][i + 1] if i + 1 < len(sched.actions[g]) else None
-                if (
-                    a.kind == "B"
-                    and sched.microbatches_per_step == 1
-                    and acc is None
-                    and nxt is not None
-                    and nxt.kind == "U"
-                    and nxt.stage == s
-                    and nxt.version == stores[s].latest
-                    and a.version == sv.version
-                    and not stage.remat
-                ):  # the update follows at once: one program for both (Stage.backward_update)
-                    # donate the newest weights when nothing reads them later and this
-                    # call made them (the caller's own arrays are never deleted)
-                    latest = stores[s].latest
-                    if a.version == latest > 0 and not stores[s].reads_left(latest):
-                        new, opt_state[s], gx = stage.backward_update_newest(
-                            params, sv.x, sv.residuals, ct, opt_state[s]
-                        )
-                    else:
-                        new, opt_state[s], gx = stage.backward_update(
-                            params, sv.x, sv.residuals, ct, stores[s].newest, opt_state[s]
-                        )
-                    del params
-                    stores[s].push(new)
-                    fused.add((g, i + 1))
-                    if gx is not None and s > 0:
-                        got = self._move(s, s - 1, gx, act[s - 1] if act else None, sent)
-                        if local[s - 1]:
-                            bwd_in[(s - 1, k)] = got
-                    out = new
-                elif a.version == sv.version and not stage.remat:
-                    gp, gx = stage.backward(params, sv.x, sv.residuals, ct, acc, want)
-                else:  # remat, or no weight stashing: the VJP at these weights, saved input
-                    gp, gx = stage.backward_recompute(
-                        params, sv.x, ct, (sv.state, sv.rng, sv.targets), acc, want
-                    )
-                if out is None:
-                    if gp is not None:
-                        grads[s] = gp  # the sum so far: backward added into the accumulator
-                    if gx is not None and s > 0:
-                        got = self._move(s, s - 1, gx, act[s - 1] if act else None, sent)
-                        if local[s - 1]:
-                            bwd_in[(s - 1, k)] = got
-                    out = gp if gp is not None else gx
-            elif (g, i) in fused:  # done with the backward before it
-                pass
-            else:  # U
-                if a.version != stores[s].latest:
-                    raise PipelineError(
-                        f"{a.describe()} expects version {a.version}, stage {s} is at "
-                        f"{stores[s].latest}"
-                    )
-                new, opt_state[s] = stage.update(grads[s], stores[s].newest, opt_state[s], scale)
-                grads[s] = None
-                stores[s].push(new)
-                out = new
-            host += time.perf_counter() - t0
-            if one_at_a_time and not record:
-                jax.block_until_ready(out)
-            if record:
-                jax.block_until_ready(out)
-                spans.append(Span(g, t0 - origin, time.perf_counter() - origin, a))
-                _track_live_bytes(peaks, group_of_device)
-
-        # the sender must outlive the transfer: wait until every outgoing one has left
-        jax.block_until_ready(sent)
-        if not local[last]:  # the losses live on the last stage's process: fetch them
-            n = len(microbatches)
-            losses = dict(enumerate(self._broadcast(last, [jnp.float32(0)] * n)))
-        elif self.multiprocess:
-            self._broadcast(last, [losses[k].astype(jnp.float32) for k in range(len(microbatches))])
-        if saved or fwd_in or bwd_in or any(gr is not None for gr in grads):
-            raise PipelineError("the schedule left work undone (unmatched F/B or updates)")
+        outputs = prog.outputs[self.process_index]
+        params, opt_state, model_state = [], [], []
+        for s in range(S):
+            w = next((o for o in outputs if o.startswith(f"w{s}v")), None)
+            o = next((o for o in outputs if o.startswith(f"o{s}v")), None)
+            st = next((o for o in outputs if o == f"st{s}" or o.startswith(f"st{s}.")), None)
+            params.append(out(w, state.params[s]) if w else state.params[s])
+            opt_state.append(out(o, state.opt_state[s]) if o else state.opt_state[s])
+            model_state.append(out(st, state.model_state[s]) if st else state.model_state[s])
+        if self.local[last]:
+            losses = [reg[slots[f"loss{k}"]] for k in range(N)]
+        else:
+            losses = [None] * N
+        if self.multiprocess:  # the losses live on the last stage's processes
+            losses = self._broadcast(last, losses if self.local[last] else [jnp.float32(0)] * N)
+        updates = self._updates_per_stage(prog)
         new_state = PipelineState(
-            params=tuple(store.newest for store in stores),
+            params=tuple(params),
             model_state=tuple(model_state),
             opt_state=tuple(opt_state),
-            updates=tuple(u + store.latest for u, store in zip(state.updates, stores, strict=True)),
-            microbatches=state.microbatches + len(microbatches),
+            updates=tuple(u + n for u, n in zip(state.updates, updates, strict=True)),
+            microbatches=state.microbatches + N,
             rng=state.rng,
         )
         metrics = RunMetrics(
-            losses=[losses[k] for k in range(len(microbatches)) if k in losses],
-            peak_versions=tuple(store.peak_alive for store in stores),
-            actions=len(order),
+            losses=list(losses),
+            peak_versions=prog.peak_versions,
+            actions=prog.actions,
             host_seconds=host,
-            timeline=Timeline(sched.name, sched.num_groups, tuple(spans)) if record else None,
+            timeline=Timeline(prog.schedule, self.num_groups, tuple(spans)) if record else None,
             peak_bytes=tuple(peaks) if record else None,
+            ops=len(code),
+            workarounds=self.workarounds.reasons,
         )
         if self.multiprocess:
             # Return drained everywhere: this process's results are computed (so what it
@@ -733,6 +743,63 @@ class Pipeline:
             allgather_json("pipeline run drained")
         return new_state, metrics
 
+    def _updates_per_stage(self, prog: Program) -> tuple[int, ...]:
+        sched = self.schedule(prog.num_microbatches)
+        counts = [0] * self.num_stages
+        for group in sched.actions:
+            for a in group:
+                if a.kind == "U":
+                    counts[a.stage] += 1
+        return tuple(counts)
+
+    def _inputs(
+        self, state: PipelineState, microbatches: list[tuple[PyTree, PyTree]]
+    ) -> dict[str, Any]:
+        """The caller's slots: weights, states, per-stage PRNG keys (placed once per call,
+        wherever the caller's key lives), the inputs and the targets (one transfer each)."""
+        last = self.num_stages - 1
+        values: dict[str, Any] = {"offset": np.int32(state.microbatches)}
+        for s, stage in enumerate(self.stages):
+            if not self.local[s]:
+                continue
+            values[f"w{s}v0"] = state.params[s]
+            values[f"o{s}v0"] = state.opt_state[s]
+            values[f"st{s}"] = state.model_state[s]
+            values[f"rng{s}"] = stage.place_weights(state.rng)
+        if self.local[0]:
+            xs = self.stages[0].place_batch([mb[0] for mb in microbatches])
+            values.update((f"x0.{k}", x) for k, x in enumerate(xs))
+        if self.local[last]:
+            ts = self.stages[last].place_batch([mb[1] for mb in microbatches])
+            values.update((f"t{k}", t) for k, t in enumerate(ts))
+        return values
+
+    def _interpret_recording(
+        self, prog: Program, code: list[Any], reg: list[Any]
+    ) -> tuple[list[Span], list[int]]:
+        """:func:`_interpret`, waiting for each operation and recording its span and the
+        live bytes per device group (a diagnostic: the devices do not overlap)."""
+        sched = self.schedule(prog.num_microbatches)
+        group_of_device = {
+            d: sched.stage_device[s] for s, st in enumerate(self.stages) for d in st.devices
+        }
+        peaks = [0] * sched.num_groups
+        spans: list[Span] = []
+        origin = time.perf_counter()
+        for op, (fn, ins, outs, frees) in zip(prog.ops[self.process_index], code, strict=True):
+            t0 = time.perf_counter()
+            res = fn(*[reg[i] for i in ins])
+            jax.block_until_ready(res)
+            for i, v in zip(outs, res, strict=True):
+                reg[i] = v
+            for i in frees:
+                reg[i] = None
+            t1 = time.perf_counter()
+            for a in op.actions:
+                spans.append(Span(sched.stage_device[a.stage], t0 - origin, t1 - origin, a))
+            _track_live_bytes(peaks, group_of_device)
+        return spans, peaks
+
     # -- across processes -------------------------------------------------------------------
 
     def _activation_specs(self, state: PipelineState, x: PyTree) -> list[Any]:
@@ -741,16 +808,15 @@ class Pipeline:
         x = _abstract(x)
         key = jax.tree.structure(x), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(x))
         if key not in self._specs:
-            rng = (state.rng, np.int32(0))
             specs = []
+            rng = jax.random.key(0)
             for s, stage in enumerate(self.stages[:-1]):
-                x, _, _ = jax.eval_shape(
-                    stage.forward,
+                x, _ = jax.eval_shape(
+                    partial(stage._apply, tgt=None),
                     _abstract(state.params[s]),
                     _abstract(state.model_state[s]),
                     x,
                     rng,
-                    None,
                 )
                 specs.append(x)
             self._specs[key] = specs
@@ -775,40 +841,37 @@ class Pipeline:
                 out = jax.device_put(_remote(here, tree), target)
         return out
 
-    def _move(
-        self, src: int, dst: int, y: PyTree | None, spec: PyTree | None, sent: list[Any]
-    ) -> PyTree | None:
-        """An activation (or gradient) of stage ``src`` on stage ``dst``'s devices, batch
-        sharded: ``y`` where this process runs ``src`` (None elsewhere), ``spec`` its
-        shapes. Every process that runs either stage calls it, in the same order; returns
-        the array where this process runs ``dst`` (None elsewhere). What this process sends
-        to another is appended to ``sent`` (kept alive until the call's end)."""
-        me = self.process_index
-        a, b = self.stages[src], self.stages[dst]
-        if self.owners[src] == self.owners[dst] == {me}:
-            return b.place_batch(y)
-        if len(self.owners[src]) == len(self.owners[dst]) == 1 and len(a.devices) == len(
-            b.devices
-        ):  # whole stages in two processes: one device_put, both sides taking part
-            if me in self.owners[src]:
-                sent.append(jax.device_put(a.place_batch(y), b.batch_sharding))
-                return None
-            return jax.device_put(_remote(a.batch_sharding, spec), b.batch_sharding)
-        if y is not None:
-            y = a.place_batch(y)
-        leaves, tree = jax.tree.flatten(y if y is not None else spec)
-        moved = [_reshard_rows(leaf, a.devices, b.devices, y is not None, sent) for leaf in leaves]
-        if me not in self.owners[dst]:
-            return None
-        return jax.tree.unflatten(
-            tree,
-            [
-                jax.make_array_from_single_device_arrays(
-                    np.shape(leaf), b.batch_sharding, shards, dtype=jnp.result_type(leaf)
-                )
-                for leaf, shards in zip(leaves, moved, strict=True)
-            ],
-        )
+
+def _unaliased(tree: PyTree, other: PyTree) -> PyTree:
+    """``tree`` with every array that shares a buffer with an array of ``other`` copied."""
+
+    def pointers(a: Any) -> set[int]:
+        if not isinstance(a, jax.Array) or a.is_deleted():
+            return set()
+        return {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
+
+    taken = set().union(*(pointers(a) for a in jax.tree.leaves(other)))
+    return jax.tree.map(lambda a: jnp.array(a, copy=True) if pointers(a) & taken else a, tree)
+
+
+def _interpret(code: list[Any], reg: list[Any]) -> None:
+    """Runs a bound program: each operation reads its registers, writes its results and
+    drops what nothing reads later. Everything else was decided by the lowering."""
+    for fn, ins, outs, frees in code:
+        res = fn(*[reg[i] for i in ins])
+        for i, v in zip(outs, res):  # noqa: B905 (lengths fixed by the lowering)
+            reg[i] = v
+        for i in frees:
+            reg[i] = None
+
+
+def _one(value: Any) -> tuple[Any]:
+    return (value,)
+
+
+def _wait(*values: Any) -> tuple[()]:
+    jax.block_until_ready(values)
+    return ()
 
 
 def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
@@ -824,55 +887,6 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
 def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
     """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
     return next(sh.data for sh in array.addressable_shards if sh.device == device)
-
-
-def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
-    return i * n // parts, (i + 1) * n // parts
-
-
-def _reshard_rows(
-    leaf: Any,
-    src: Sequence[jax.Device],
-    dst: Sequence[jax.Device],
-    have: bool,
-    sent: list[Any],
-) -> list[jax.Array]:
-    """One batch-sharded array moved from devices ``src`` to ``dst`` (batch axis 0, equal
-    parts): each overlap of a source and a destination part goes from its source device
-    to its destination device, within a process or across (``jax.device_put`` of single
-    device arrays, which JAX moves between processes). ``leaf`` is the array where this
-    process holds source parts (``have``), else its shape. Returns this process's
-    destination parts, in ``dst`` order."""
-    me = jax.process_index()
-    n = np.shape(leaf)[0]
-    rest, dtype = tuple(np.shape(leaf)[1:]), jnp.result_type(leaf)
-    parts: dict[int, list[jax.Array]] = {}
-    for i, d in enumerate(dst):
-        lo, hi = _rows(n, len(dst), i)
-        for j, e in enumerate(src):
-            start, stop = _rows(n, len(src), j)
-            a, b = max(lo, start), min(hi, stop)
-            if a >= b or me not in (d.process_index, e.process_index):
-                continue
-            to = jax.sharding.SingleDeviceSharding(d)
-            if e.process_index == me:
-                assert have
-                piece = _shard_on(leaf, e)[a - start : b - start]
-                if d.process_index != me:
-                    sent.append(jax.device_put(piece, to))
-                    continue
-                piece = jax.device_put(piece, to)
-            else:
-                remote = jax.make_array_from_single_device_arrays(
-                    (b - a, *rest), jax.sharding.SingleDeviceSharding(e), [], dtype=dtype
-                )
-                piece = jax.device_put(remote, to)
-            parts.setdefault(i, []).append(piece)
-    return [
-        ps[0] if len(ps) == 1 else jnp.concatenate(ps)
-        for i, ps in sorted(parts.items())
-        if dst[i].process_index == me
-    ]
 
 
 def _abstract(tree: PyTree) -> PyTree:

@@ -1,22 +1,32 @@
-"""Stage executables: one stage's jitted forward, backward and update on its devices.
+"""Stage executables: one stage's jitted programs on its devices.
 
 A stage is a contiguous run of layers placed on a device group of ``r`` devices. Its
 batch dimension is sharded ``r`` ways over a one-axis ``Mesh`` (``"data"``) and its
 weights are replicated, so a replicated stage is data parallel and XLA inserts the
 gradient all-reduce; ``r = 1`` is a single device.
 
+Every operation of a lowered :class:`~pdjax.pipeline.program.Program` that computes is one
+call of one jitted program made here by :meth:`Stage.program` from the operation's kind and
+flags. The argument and result order of each program is fixed by the table in
+:mod:`pdjax.pipeline.program` (the lowering names the slots in that order); one compiled
+program per (kind, flags, shapes).
+
 Residuals without weight copies: ``jit`` never passes an input through as an output, so
 returning ``jax.vjp``'s residuals from a jitted forward would copy the stage's weights
 and input for every microbatch. While tracing the forward, pdjax notes which residual
-leaves *are* a weight or the input (by identity), returns only the others, and the
-backward rebuilds the VJP from the weights and input it is handed again (the stashed
-version). With ``remat=True`` the forward keeps nothing and the backward recomputes it.
+leaves *are* a weight or the input (by identity), returns only the others (each once),
+and the backward rebuilds the VJP from the weights and input it is handed again (the
+stashed version). With ``remat`` the forward keeps nothing and the backward recomputes it.
+
+The VJP is taken layer by layer, so zero-bubble's split backward costs what the whole one
+costs: ``I`` runs the chain of input gradients and keeps the cotangent at each layer's
+output, ``W`` turns those into weight gradients without recomputing the chain.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -32,37 +42,34 @@ from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 __all__ = ["LossFn", "Stage"]
 
 
-#: ``(base key, microbatch number)``: microbatch ``k`` draws from ``fold_in(key, k)``.
-_Rng = tuple[jax.Array, jax.Array]
-
-
-def _float(leaf: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-
-
 @dataclasses.dataclass
 class _ResidualLayout:
-    """How to rebuild a VJP from (weights, input) and the residuals the forward returned."""
+    """How to rebuild the per-layer VJPs from (weights, input) and the kept residuals."""
 
     treedef: Any
-    sources: list[int | None]  # per VJP leaf: index into flat (params, x) leaves, or None
+    sources: list[int]  # per VJP leaf: >= 0 index into flat (params, x); < 0: -1 - kept index
+
+
+_Pullbacks = list[Callable[..., Any]]
 
 
 class Stage:
-    """The compiled functions of one pipeline stage.
+    """The compiled programs of one pipeline stage.
 
     Args:
       index: the stage number ``s`` (0-based).
       layers: the stage's layers, in order.
       first_layer: the index of ``layers[0]`` in the whole model (for per-layer RNG
-        streams: layer ``i`` of the model always draws from ``fold_in(rng, i)``).
+        streams: layer ``i`` of the model draws from ``fold_in(microbatch key, i)``).
       devices: the stage's device group; the microbatch is split over them.
-      optimizer: the optax transformation applied to this stage's parameters.
+      optimizer: the optax transformation applied to this stage's parameters (or a
+        :class:`~pdjax.pipeline.optim.StageOptimizer` that exchanges a global norm).
       loss_fn: the loss, on the last stage only.
       train: training-mode forward (dropout, BatchNorm batch statistics).
       remat: recompute the forward in the backward instead of keeping residuals.
+      scale: the factor applied to a step's summed gradients before the update (``1/M``).
 
-    All functions are jitted once per input shape; ``trace_counts`` counts the traces.
+    ``trace_counts`` counts traces per program name (kind and flags).
     """
 
     def __init__(
@@ -71,216 +78,301 @@ class Stage:
         layers: Sequence[Layer],
         first_layer: int,
         devices: Sequence[jax.Device],
-        optimizer: optax.GradientTransformation,
+        optimizer: Any,
         loss_fn: LossFn | None = None,
         *,
         train: bool = True,
         remat: bool = False,
+        scale: float = 1.0,
     ) -> None:
         self.index = index
         self.layers = tuple(layers)
         self.first_layer = first_layer
         self.devices = tuple(devices)
-        self.optimizer = optimizer
+        # an optax transformation, or an object with the same ``update`` taking the other
+        # stages' gradient sums of squares too (``pdjax.pipeline.optim.StageOptimizer``)
+        self.optimizer = optimizer if hasattr(optimizer, "sum_squares") else _Alone(optimizer)
         self.loss_fn = loss_fn
         self.is_last = loss_fn is not None
         self.train = train
         self.remat = remat
+        self.scale = scale
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.trace_counts: dict[str, int] = {}
         self._layout: dict[Any, _ResidualLayout] = {}
-        self.forward = jax.jit(count_traces(self.trace_counts, "forward", self._forward))
-        # the gradient accumulator is donated: adding into it reuses its buffers
-        self.backward = jax.jit(
-            count_traces(self.trace_counts, "backward", self._backward),
-            static_argnums=(5,),
-            donate_argnums=(4,),
-        )
-        self.backward_recompute = jax.jit(
-            count_traces(self.trace_counts, "backward_recompute", self._backward_recompute),
-            static_argnums=(5,),
-            donate_argnums=(4,),
-        )
-        # the optimizer state is never stashed: update it in place
-        self.update = jax.jit(
-            count_traces(self.trace_counts, "update", self._update), donate_argnums=(2,)
-        )
-        # a backward whose gradient goes straight into an update (a window of one
-        # microbatch: PipeDream, or M = 1), in one program: no accumulator, and XLA fuses the
-        # optimizer into the gradient computation. The newest weights are donated too when
-        # nothing reads them after this backward (``backward_update_newest``).
-        # (weights and optimizer state stay replicated: XLA would otherwise carry the batch
-        # sharding of the gradient computation into them)
-        outs = (self.replicated, self.replicated, self.batch_sharding)
-        self.backward_update = jax.jit(
-            count_traces(self.trace_counts, "backward_update", self._backward_update),
-            donate_argnums=(5,),
-            out_shardings=outs,
-        )
-        self.backward_update_newest = jax.jit(
-            count_traces(self.trace_counts, "backward_update", self._backward_update_newest),
-            donate_argnums=(0, 4),
-            out_shardings=outs,
-        )
+        self._programs: dict[tuple[str, frozenset[str]], Callable[..., Any]] = {}
 
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
 
+    # -- programs ---------------------------------------------------------------------------
+
+    def program(self, kind: str, flags: frozenset[str] = frozenset()) -> Callable[..., Any]:
+        """The jitted program of an operation (see :mod:`pdjax.pipeline.program` for the
+        arguments and results of each kind and flag). Built once per (kind, flags)."""
+        key = (kind, flags)
+        fn = self._programs.get(key)
+        if fn is None:
+            fn = self._programs[key] = self._build(kind, flags)
+        return fn
+
+    def _build(self, kind: str, flags: frozenset[str]) -> Callable[..., Any]:
+        name = kind + "".join(f"+{f}" for f in sorted(flags))
+        body, donate = self._body(kind, flags)
+        rep, batch = self.replicated, self.batch_sharding
+        kwargs: dict[str, Any] = {"donate_argnums": donate}
+        first = self.index == 0
+        # weights and optimizer state stay replicated: XLA would otherwise carry the batch
+        # sharding of the gradient computation into them
+        if kind == "KEYS":
+            kwargs["out_shardings"] = rep
+            kwargs["static_argnums"] = (2,)
+        elif kind == "U":
+            kwargs["out_shardings"] = (rep, rep)
+        elif kind == "BU":
+            kwargs["out_shardings"] = (rep, rep) if first else (rep, rep, batch)
+        elif kind == "FBU":
+            kwargs["out_shardings"] = (rep, rep, rep, rep) + (() if first else (batch,))
+        return jax.jit(count_traces(self.trace_counts, name, body), **kwargs)
+
+    def _body(self, kind: str, flags: frozenset[str]) -> tuple[Callable[..., Any], tuple[int, ...]]:
+        """The traced function of a program and the arguments it donates."""
+        last, first = self.is_last, self.index == 0
+        recompute = "recompute" in flags
+        acc = "acc" in flags
+        # residual arguments: the forward's kept residuals, or what recomputing needs
+        nres = (3 if last else 2) if recompute else 1
+        nct = 0 if last else 1
+
+        def residual_vjp(w: Any, x: Any, res: Sequence[Any]) -> tuple[Any, _Pullbacks]:
+            if recompute:
+                st, key = res[0], res[1]
+                tgt = res[2] if last else None
+                _, _, pbs = self._forward_vjp(w, st, x, key, tgt)
+                return None, pbs
+            return None, self._rebuild(w, x, res[0])
+
+        if kind == "KEYS":
+
+            def keys(rng: jax.Array, offset: jax.Array, count: int) -> tuple[jax.Array, ...]:
+                ks = jax.vmap(lambda k: jax.random.fold_in(rng, k))(
+                    offset + jnp.arange(count, dtype=jnp.int32)
+                )
+                return tuple(ks[i] for i in range(count))
+
+            return keys, ()
+
+        if kind == "F":
+
+            def forward(w: Any, st: Any, x: Any, key: Any, *tgt: Any) -> tuple[Any, ...]:
+                t = tgt[0] if last else None
+                if recompute:  # keeps nothing: the backward recomputes
+                    y, new_st = self._apply(w, st, x, key, t)
+                    return y, new_st
+                y, new_st, pbs = self._forward_vjp(w, st, x, key, t)
+                return y, new_st, self._keep(w, x, pbs)
+
+            return forward, ()
+
+        if kind in ("B", "I", "W", "BU"):
+            want = {"B": "both", "BU": "both", "I": "input", "W": "weights"}[kind]
+            upd = kind == "BU"
+            newest = "newest" in flags
+
+            def backward(*args: Any) -> tuple[Any, ...]:
+                w, x = args[0], args[1]
+                res = args[2 : 2 + nres]
+                i = 2 + nres
+                _, pbs = residual_vjp(w, x, res)
+                if kind == "W":
+                    cts = args[i]
+                    i += 1
+                    g = self._weight_grads(pbs, cts)
+                    out_g = g
+                else:
+                    ct = args[i] if nct else None
+                    i += nct
+                    g, e, cts = self._chain(pbs, ct, want, first)
+                    out_g = g
+                if acc:
+                    out_g = jax.tree.map(jnp.add, args[i], out_g)
+                    i += 1
+                e_out = () if first or kind == "W" else (e,)
+                if kind == "I":
+                    return (*e_out, cts)
+                if not upd:
+                    return (out_g, *e_out)
+                wn = w if newest else args[i]
+                i += 0 if newest else 1
+                o = args[i]
+                new_w, new_o = self._update(out_g, wn, o, args[i + 1 :])
+                return (new_w, new_o, *e_out)
+
+            # donate: the accumulator, the optimizer state, and the newest weights when
+            # nothing reads them later ("donate_w")
+            pos = 2 + nres + (1 if kind == "W" else nct)
+            donate: list[int] = []
+            if acc:
+                donate.append(pos)
+                pos += 1
+            if upd:
+                if newest:
+                    if "donate_w" in flags:
+                        donate.append(0)
+                else:
+                    if "donate_w" in flags:
+                        donate.append(pos)
+                    pos += 1
+                donate.append(pos)
+            return backward, tuple(donate)
+
+        if kind in ("FB", "FBU"):
+            upd = kind == "FBU"
+            newest = "newest" in flags
+
+            def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
+                y, new_st, pbs = self._forward_vjp(w, st, x, key, t)
+                g, e, _ = self._chain(pbs, None, "both", first)
+                i = 0
+                if acc:
+                    g = jax.tree.map(jnp.add, rest[0], g)
+                    i = 1
+                e_out = () if first else (e,)
+                if not upd:
+                    return (y, new_st, g, *e_out)
+                wn = w if newest else rest[i]
+                i += 0 if newest else 1
+                new_w, new_o = self._update(g, wn, rest[i], rest[i + 1 :])
+                return (y, new_st, new_w, new_o, *e_out)
+
+            donate = []
+            pos = 5
+            if acc:
+                donate.append(pos)
+                pos += 1
+            if upd:
+                if newest:
+                    if "donate_w" in flags:
+                        donate.append(0)
+                else:
+                    if "donate_w" in flags:
+                        donate.append(pos)
+                    pos += 1
+                donate.append(pos)
+            return forward_backward, tuple(donate)
+
+        if kind == "U":
+
+            def update(g: Any, w: Any, o: Any, *norms: Any) -> tuple[Any, Any]:
+                return self._update(g, w, o, norms)
+
+            return update, (0, 2)  # the gradient sum takes the new weights' place
+
+        if kind == "SQ":
+            return (lambda g: self.optimizer.sum_squares(self._scaled(g))), ()
+
+        raise ValueError(f"no stage program of kind {kind!r}")
+
     # -- the stage's function -------------------------------------------------------------
 
+    def _layer_fn(
+        self, j: int, state: Variables, key: jax.Array
+    ) -> Callable[[PyTree, PyTree], tuple[PyTree, Variables]]:
+        layer = self.layers[j]
+        rng = jax.random.fold_in(key, self.first_layer + j)
+
+        def f(p: PyTree, x: PyTree) -> tuple[PyTree, Variables]:
+            return layer.apply({**state, "params": p}, x, train=self.train, rng=rng)
+
+        return f
+
     def _apply(
-        self, params: list[PyTree], state: list[Variables], x: PyTree, rng: _Rng
+        self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
     ) -> tuple[PyTree, list[Variables]]:
-        key, mb = rng
-        rng = jax.random.fold_in(key, mb)  # inside jit: no separate dispatch per microbatch
         new_state = []
-        for j, layer in enumerate(self.layers):
-            variables = {**state[j], "params": params[j]}
-            r = jax.random.fold_in(rng, self.first_layer + j)
-            x, s = layer.apply(variables, x, train=self.train, rng=r)
+        for j in range(len(self.layers)):
+            x, s = self._layer_fn(j, state[j], key)(params[j], x)
             new_state.append(s)
+        if self.loss_fn is not None:
+            x = self.loss_fn(x, tgt)
         return x, new_state
 
-    def _objective(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        state: list[Variables],
-        rng: _Rng,
-        targets: PyTree,
-    ) -> tuple[PyTree, list[Variables]]:
-        y, new_state = self._apply(params, state, x, rng)
+    def _forward_vjp(
+        self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
+    ) -> tuple[PyTree, list[Variables], _Pullbacks]:
+        """The forward, layer by layer, with each layer's pullback (and the loss's last)."""
+        pbs: _Pullbacks = []
+        new_state = []
+        for j in range(len(self.layers)):
+            x, pb, s = jax.vjp(self._layer_fn(j, state[j], key), params[j], x, has_aux=True)
+            pbs.append(pb)
+            new_state.append(s)
         if self.loss_fn is not None:
-            y = self.loss_fn(y, targets)
-        return y, new_state
+            loss_fn = self.loss_fn
+            x, pb = jax.vjp(lambda y: loss_fn(y, tgt), x)
+            pbs.append(pb)
+        return x, new_state, pbs
 
-    def _vjp(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        state: list[Variables],
-        rng: _Rng,
-        targets: PyTree,
-    ) -> tuple[PyTree, Any, list[Variables]]:
-        def f(params: list[PyTree], x: PyTree) -> tuple[PyTree, list[Variables]]:
-            return self._objective(params, x, state, rng, targets)
-
-        y, pullback, new_state = jax.vjp(f, params, x, has_aux=True)
-        return y, pullback, new_state
-
-    # -- jitted bodies ----------------------------------------------------------------------
-
-    def _forward(
-        self,
-        params: list[PyTree],
-        state: list[Variables],
-        x: PyTree,
-        rng: _Rng,
-        targets: PyTree,
-    ) -> tuple[PyTree, list[Variables], list[jax.Array]]:
-        """``-> (output or loss, new state, residuals without weight or input copies)``."""
-        if self.remat:
-            y, new_state = self._objective(params, x, state, rng, targets)
-            return y, new_state, []
-        y, pullback, new_state = self._vjp(params, x, state, rng, targets)
-        leaves, treedef = jax.tree.flatten(pullback)
+    def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
+        """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
+        leaves, treedef = jax.tree.flatten(pbs)
         inputs = {id(leaf): k for k, leaf in enumerate(jax.tree.leaves((params, x)))}
-        sources = [inputs.get(id(leaf)) for leaf in leaves]
-        kept = [leaf for leaf, src in zip(leaves, sources, strict=True) if src is None]
+        kept: list[Any] = []
+        where: dict[int, int] = {}
+        sources = []
+        for leaf in leaves:
+            if id(leaf) in inputs:
+                sources.append(inputs[id(leaf)])
+                continue
+            if id(leaf) not in where:
+                where[id(leaf)] = len(kept)
+                kept.append(leaf)
+            sources.append(-1 - where[id(leaf)])
         self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources)
-        return y, new_state, kept
+        return kept
 
-    def _backward(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        residuals: list[jax.Array],
-        ct: PyTree,
-        acc: list[PyTree] | None,
-        want: str,
-    ) -> tuple[list[PyTree] | None, PyTree | None]:
-        """``-> (parameter gradients, input gradient)`` from the forward's residuals.
-
-        ``want`` picks "both", "input" (zero-bubble's I) or "weights" (its W); XLA drops
-        the unrequested half. ``params`` and ``x`` must be the ones the forward used. The
-        parameter gradients are added to ``acc`` when it is given (gradient accumulation
-        in the same dispatch; pass None with ``want="input"``).
-        """
+    def _rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
         layout = self._layout[self._key(params, x, residuals)]
-        flat_inputs = jax.tree.leaves((params, x))
-        it = iter(residuals)
-        leaves = [next(it) if src is None else flat_inputs[src] for src in layout.sources]
-        return self._pick(jax.tree.unflatten(layout.treedef, leaves), ct, acc, want)
+        flat = jax.tree.leaves((params, x))
+        leaves = [flat[s] if s >= 0 else residuals[-1 - s] for s in layout.sources]
+        return jax.tree.unflatten(layout.treedef, leaves)
 
-    def _backward_recompute(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        ct: PyTree,
-        extras: tuple[list[Variables], _Rng, PyTree],
-        acc: list[PyTree] | None,
-        want: str,
-    ) -> tuple[list[PyTree] | None, PyTree | None]:
-        """The backward at ``params`` by recomputing the forward from the saved input
-        (``extras`` = the forward's model state, RNG and targets): rematerialisation, and
-        PipeDream without weight stashing (newest weights, old input)."""
-        state, rng, targets = extras
-        _, pullback, _ = self._vjp(params, x, state, rng, targets)
-        return self._pick(pullback, ct, acc, want)
+    def _chain(
+        self, pbs: _Pullbacks, ct: PyTree | None, want: str, first: bool
+    ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]:
+        """Back through the layers: ``(weight gradients or None, input gradient, the
+        cotangent at each layer's output)``; XLA drops what the caller does not return."""
+        n = len(self.layers)
+        if self.loss_fn is not None:
+            (ct,) = pbs[n](jnp.ones((), jnp.float32))
+        cts: list[PyTree] = [None] * n
+        grads: list[PyTree] = [None] * n
+        for j in reversed(range(n)):
+            cts[j] = ct
+            if want == "input" and j == 0 and first:
+                break  # the first stage has no input gradient to pass on
+            gp, ct = pbs[j](ct)
+            grads[j] = gp
+        return (None if want == "input" else grads), ct, cts
 
-    def _pick(
-        self, pullback: Any, ct: PyTree, acc: list[PyTree] | None, want: str
-    ) -> tuple[list[PyTree] | None, PyTree | None]:
-        grad_params, grad_x = pullback(ct)
-        if self.index == 0 or want == "weights":
-            grad_x = None
-        if want == "input":
-            grad_params = None
-        elif acc is not None:
-            grad_params = jax.tree.map(jnp.add, acc, grad_params)
-        return grad_params, grad_x
+    def _weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
+        """Zero bubble's ``W``: each layer's weight gradient from its output cotangent."""
+        return [pbs[j](cts[j])[0] for j in range(len(self.layers))]
 
-    def _backward_update(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        residuals: list[jax.Array],
-        ct: PyTree,
-        newest: list[PyTree],
-        opt_state: optax.OptState,
-    ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
-        """``-> (updated newest weights, optimizer state, input gradient)``: the backward
-        of the forward that used ``params``, its gradient (one microbatch's: no scaling)
-        applied to ``newest``."""
-        grads, grad_x = self._backward(params, x, residuals, ct, None, "both")
-        assert grads is not None
-        updates, opt_state = self.optimizer.update(grads, opt_state, newest)
-        return optax.apply_updates(newest, updates), opt_state, grad_x
-
-    def _backward_update_newest(
-        self,
-        params: list[PyTree],
-        x: PyTree,
-        residuals: list[jax.Array],
-        ct: PyTree,
-        opt_state: optax.OptState,
-    ) -> tuple[list[PyTree], optax.OptState, PyTree | None]:
-        """:meth:`_backward_update` when the forward used the newest weights."""
-        return self._backward_update(params, x, residuals, ct, params, opt_state)
+    def _scaled(self, g: list[PyTree]) -> list[PyTree]:
+        if self.scale == 1.0:
+            return g
+        s = jnp.float32(self.scale)
+        return jax.tree.map(lambda a: a * s.astype(a.dtype), g)
 
     def _update(
-        self,
-        grads: list[PyTree],
-        params: list[PyTree],
-        opt_state: optax.OptState,
-        scale: jax.Array,
+        self, g: list[PyTree], w: list[PyTree], o: optax.OptState, norms: Sequence[jax.Array]
     ) -> tuple[list[PyTree], optax.OptState]:
-        grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        updates, o = self.optimizer.update(self._scaled(g), o, w, tuple(norms))
+        return optax.apply_updates(w, updates), o
 
     @staticmethod
     def _key(params: list[PyTree], x: PyTree, residuals: list[Any]) -> Any:
@@ -298,3 +390,23 @@ class Stage:
         """Puts an activation or gradient on the stage's devices, batch-sharded (from
         the whole value, when the stage spans processes)."""
         return place(tree, self.batch_sharding)
+
+
+class _Alone:
+    """An optax transformation applied to one stage's parameters alone (exact when the
+    optimizer treats every parameter on its own: see ``pdjax.pipeline.optim``)."""
+
+    def __init__(self, optimizer: optax.GradientTransformation) -> None:
+        self.optimizer = optimizer
+
+    def init(self, params: PyTree) -> optax.OptState:
+        return self.optimizer.init(params)
+
+    def update(
+        self, grads: PyTree, state: optax.OptState, params: PyTree, norms: Sequence[jax.Array]
+    ) -> tuple[PyTree, optax.OptState]:
+        del norms
+        return self.optimizer.update(grads, state, params)
+
+    def sum_squares(self, grads: PyTree) -> jax.Array:
+        return optax.tree.norm(grads, squared=True)

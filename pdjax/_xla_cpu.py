@@ -1,0 +1,92 @@
+"""The one home of pdjax's workarounds for XLA's CPU client.
+
+Programs that hold collectives (a replicated stage, a data-parallel step), queued many
+deep on a few cores, can deadlock inside XLA's CPU client until its 40 s rendezvous
+timeout aborts the process: every queued program holds a thread of the shared pool while
+it waits for a peer program that cannot get one. Two bounds keep the queue short:
+
+- *run-ahead*: the driver waits for the result of the program ``window`` steps back
+  before it dispatches more (the pipeline: microbatch ``k - window``'s loss; data
+  parallelism: the step ``window`` back);
+- *one at a time*: a replicated pipeline stage's programs run one after the other (in
+  one process, XLA's CPU devices share one thread pool, so little overlap is lost).
+
+Neither applies to GPUs or TPUs, whose collectives do not take threads from a shared pool.
+:class:`Workarounds` says which apply to a runner; runners report it in their metrics.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["RunAhead", "Workarounds", "for_data_parallel", "for_pipeline"]
+
+DP_WINDOW = 4
+"""Data-parallel steps in flight at most on CPU."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Workarounds:
+    """What a runner does differently on XLA's CPU client, and why.
+
+    Attributes:
+      run_ahead: the driver waits for the result this many microbatches (pipeline) or
+        steps (data parallelism) back; None: it never waits.
+      one_at_a_time: per pipeline stage, whether its programs run one at a time.
+      reasons: one line per workaround applied (empty off CPU).
+    """
+
+    run_ahead: int | None
+    one_at_a_time: tuple[bool, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+
+def for_pipeline(
+    platform: str,
+    replicas: Sequence[int],
+    microbatches_per_step: int,
+    groups: int,
+    *,
+    collectives: bool = False,
+) -> Workarounds:
+    """The workarounds for a pipeline whose stages have ``replicas`` devices each;
+    ``collectives``: its transfers are XLA collectives too (the collective transport)."""
+    replicated = tuple(r > 1 and platform == "cpu" for r in replicas)
+    if platform != "cpu" or not (any(replicated) or collectives):
+        return Workarounds(None, (False,) * len(replicas))
+    window = 4 * max(microbatches_per_step, groups)
+    reasons = [f"run-ahead bounded to {window} microbatches (collectives on XLA's CPU client)"]
+    if any(replicated):
+        reasons.append("replicated stages run one program at a time (XLA's CPU client)")
+    return Workarounds(window, replicated, tuple(reasons))
+
+
+def for_data_parallel(platform: str, devices: int) -> Workarounds:
+    """The workarounds for a data-parallel step over ``devices`` devices."""
+    if platform != "cpu" or devices < 2:
+        return Workarounds(None)
+    return Workarounds(
+        DP_WINDOW,
+        (),
+        (f"run-ahead bounded to {DP_WINDOW} steps (collectives on XLA's CPU client)",),
+    )
+
+
+class RunAhead:
+    """Waits for the result ``window`` dispatches back (no-op when ``window`` is None)."""
+
+    def __init__(self, window: int | None) -> None:
+        self.window = window
+        self._pending: collections.deque[Any] = collections.deque()
+
+    def dispatched(self, result: Any) -> None:
+        if self.window is None:
+            return
+        self._pending.append(result)
+        if len(self._pending) > self.window:
+            jax.block_until_ready(self._pending.popleft())

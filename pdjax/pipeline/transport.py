@@ -1,0 +1,224 @@
+"""Transports: how a value of one stage reaches another stage's devices.
+
+A lowered program names every transfer (``MOVE`` within a process, ``SEND``/``RECV``
+across processes); binding it asks the pipeline's :class:`Transport` for one function per
+transfer, built once, so the interpreter only calls it. Every multi-process special case
+lives here, not in the interpreter:
+
+- :class:`DevicePut` (default): ``jax.device_put`` within a process; across processes
+  JAX's cross-host transfers (both sides call ``device_put``; on CPU through
+  ``jax_cross_host_transfer_socket_address``, which pairs sends and receives per sender,
+  so at most 2 processes);
+- :class:`Collective`: across processes, an XLA collective (``ppermute``) over the two
+  devices of each part (gloo on CPU, NCCL on GPU): any number of processes.
+
+Values are batch-sharded activations and gradients (split in equal parts along axis 0
+over the stage's devices) or replicated scalars (the global-norm exchange). Between stages
+of different layouts, or across processes, a value moves part by part: each overlap of a
+source part and a destination part goes from its source device to its destination device
+as a single-device array, then the destination parts are assembled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.errors import PipelineError
+from pdjax.layers import PyTree
+from pdjax.pipeline.stage import Stage
+
+__all__ = ["Collective", "DevicePut", "Transport", "make_transport"]
+
+Link = Callable[[Any], Any]
+"""A transfer: called with the value where this process holds the source (None elsewhere),
+returns the value on the destination where this process holds it (None elsewhere)."""
+
+
+class Transport:
+    """Moves values between stages; one per pipeline.
+
+    Subclasses provide :meth:`_single`: one single-device array from a device of one
+    process to a device of another, called by both processes in the same order.
+    """
+
+    name = "transport"
+
+    def __init__(self) -> None:
+        self.me = jax.process_index()
+        self._sent: list[Any] = []
+
+    def link(self, src: Stage, dst: Stage, spec: PyTree, replicated: bool = False) -> Link:
+        """The transfer of a value like ``spec`` (shapes) from stage ``src`` to ``dst``."""
+        target = dst.replicated if replicated else dst.batch_sharding
+        src_p = {d.process_index for d in src.devices}
+        dst_p = {d.process_index for d in dst.devices}
+        if src.devices == dst.devices:
+            return _identity
+        if src_p == dst_p == {self.me}:
+            return lambda value: jax.device_put(value, target)
+        leaves, treedef = jax.tree.flatten(spec)
+        shapes = [(tuple(np.shape(a)), jnp.result_type(a)) for a in leaves]
+
+        def move(value: Any) -> Any:
+            flat = jax.tree.leaves(value) if value is not None else [None] * len(shapes)
+            out = [
+                self._reshard(leaf, shape, dtype, src, dst, replicated)
+                for leaf, (shape, dtype) in zip(flat, shapes, strict=True)
+            ]
+            if self.me not in dst_p:
+                return None
+            return jax.tree.unflatten(treedef, out)
+
+        return move
+
+    def drain(self) -> None:
+        """Waits until every value this process sent has left (the sender must outlive
+        the transfer), and forgets them."""
+        jax.block_until_ready(self._sent)
+        self._sent.clear()
+
+    def _reshard(
+        self,
+        leaf: jax.Array | None,
+        shape: tuple[int, ...],
+        dtype: Any,
+        src: Stage,
+        dst: Stage,
+        replicated: bool,
+    ) -> jax.Array | None:
+        """One array of ``src`` on ``dst``'s devices, part by part (see the module doc)."""
+        me = self.me
+        parts: dict[int, list[jax.Array]] = {}
+        n = shape[0] if shape and not replicated else 1
+        for i, d in enumerate(dst.devices):
+            lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
+            sources = [src.devices[0]] if replicated else src.devices
+            for j, e in enumerate(sources):
+                start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
+                a, b = max(lo, start), min(hi, stop)
+                if a >= b or me not in (d.process_index, e.process_index):
+                    continue
+                if replicated:
+                    part_shape = shape
+                    piece = _shard_on(leaf, e) if e.process_index == me else None
+                else:
+                    part_shape = (b - a, *shape[1:])
+                    piece = (
+                        _shard_on(leaf, e)[a - start : b - start] if e.process_index == me else None
+                    )
+                if e.process_index == me and d.process_index == me:
+                    got = jax.device_put(piece, d)
+                elif e.process_index == me:
+                    self._sent.append(self._single(piece, e, d, part_shape, dtype, send=True))
+                    continue
+                else:
+                    got = self._single(None, e, d, part_shape, dtype, send=False)
+                parts.setdefault(i, []).append(got)
+        if me not in {d.process_index for d in dst.devices}:
+            return None
+        sharding = dst.replicated if replicated else dst.batch_sharding
+        shards = [
+            ps[0] if len(ps) == 1 else jnp.concatenate(ps)
+            for i, ps in sorted(parts.items())
+            if dst.devices[i].process_index == me
+        ]
+        return jax.make_array_from_single_device_arrays(shape, sharding, shards, dtype=dtype)
+
+    def _single(
+        self,
+        piece: jax.Array | None,
+        src: jax.Device,
+        dst: jax.Device,
+        shape: tuple[int, ...],
+        dtype: Any,
+        *,
+        send: bool,
+    ) -> jax.Array:
+        raise NotImplementedError
+
+
+class DevicePut(Transport):
+    """``jax.device_put`` within a process and across processes (JAX's cross-host
+    transfers: both processes call it, in the same order)."""
+
+    name = "device_put"
+
+    def _single(
+        self,
+        piece: jax.Array | None,
+        src: jax.Device,
+        dst: jax.Device,
+        shape: tuple[int, ...],
+        dtype: Any,
+        *,
+        send: bool,
+    ) -> jax.Array:
+        to = jax.sharding.SingleDeviceSharding(dst)
+        if send:
+            return jax.device_put(piece, to)
+        remote = jax.make_array_from_single_device_arrays(
+            shape, jax.sharding.SingleDeviceSharding(src), [], dtype=dtype
+        )
+        return jax.device_put(remote, to)
+
+
+class Collective(Transport):
+    """Across processes through an XLA collective over the two devices of each part
+    (``pdjax.pipeline._collective``): any number of processes."""
+
+    name = "collective"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._links: dict[tuple[int, int], Any] = {}
+
+    def _single(
+        self,
+        piece: jax.Array | None,
+        src: jax.Device,
+        dst: jax.Device,
+        shape: tuple[int, ...],
+        dtype: Any,
+        *,
+        send: bool,
+    ) -> jax.Array:
+        from pdjax.pipeline._collective import CollectiveLink
+
+        key = (src.id, dst.id)
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = CollectiveLink(src, dst)
+        if send:
+            return link.send(piece)
+        return link.recv(jax.ShapeDtypeStruct(shape, dtype))
+
+
+def make_transport(name: str) -> Transport:
+    """The transport called ``name`` (``device_put`` or ``collective``)."""
+    if name == "device_put":
+        return DevicePut()
+    if name == "collective":
+        return Collective()
+    raise PipelineError(f"unknown transport {name!r}; choose 'device_put' or 'collective'")
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
+    return i * n // parts, (i + 1) * n // parts
+
+
+def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
+    """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
+    return next(sh.data for sh in array.addressable_shards if sh.device == device)
+
+
+def devices_of(stages: Sequence[Stage]) -> set[jax.Device]:
+    return {d for st in stages for d in st.devices}
