@@ -107,13 +107,16 @@ def delayed_training(
     rng,
     backward_version_of=None,
     M=1,
+    whole_model=False,
 ):
     """The delayed-update recurrence of DESIGN.md for stateless (no BatchNorm) models.
 
     ``version_of(s, k)``: the version stage ``s`` uses for microbatch ``k``'s forward;
     ``backward_version_of(s, k)`` (default: the same) for its backward. Every ``M``
     microbatches each stage applies the mean of their gradients to its newest weights:
-    ``W_s(t+1) = W_s(t) - lr * mean_k g_s(k)``. Returns the final per-stage params list.
+    ``W_s(t+1) = W_s(t) - lr * mean_k g_s(k)``. With ``whole_model`` the optimizer makes one
+    update of all stages together (one state over the whole model: global-norm clipping
+    sees every stage's gradient). Returns the final per-stage params list.
     """
     backward_version_of = backward_version_of or version_of
     variables, microbatches = _one_device(variables, microbatches)
@@ -121,6 +124,7 @@ def delayed_training(
     params = [v["params"] for v in variables]
     history = [[params[lo:hi]] for lo, hi in bounds]  # history[s][v]: version v of stage s
     opt_states = [optimizer.init(history[s][0]) for s in range(P)]
+    whole_state = optimizer.init([h[0] for h in history])
     grad_fn = jax.jit(lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r))
     acc = [None] * P
     for k, (x, y) in enumerate(microbatches):
@@ -129,7 +133,14 @@ def delayed_training(
         grads = grad_fn(fwd, bwd, x, y, jax.random.fold_in(rng, k))
         for s in range(P):
             acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
-        if k % M == M - 1:
+        if k % M == M - 1 and whole_model:
+            g = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc)
+            newest = [h[-1] for h in history]
+            updates, whole_state = optimizer.update(g, whole_state, newest)
+            for s, new in enumerate(optax.apply_updates(newest, updates)):
+                history[s].append(new)
+            acc = [None] * P
+        elif k % M == M - 1:
             for s in range(P):
                 g = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc[s])
                 updates, opt_states[s] = optimizer.update(g, opt_states[s], history[s][-1])

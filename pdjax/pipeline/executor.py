@@ -41,6 +41,7 @@ from pdjax._sharding import held
 from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
+from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
 from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, validate
 from pdjax.pipeline.stage import LossFn, Stage
@@ -182,6 +183,13 @@ class Pipeline:
       transport: how values cross processes (``pdjax.pipeline.transport``):
         ``device_put``, ``collective``, or ``auto`` (``device_put`` unless the pipeline
         spans more than 2 processes on CPU, where only ``collective`` works).
+      optimizer_scope: ``"model"`` (default): the optimizer means one update of the whole
+        model, as in sequential training. An optimizer that treats each parameter on its
+        own runs per stage as it is; one coupled through the gradients' global norm
+        (``optax.clip_by_global_norm``) gets the norm exchanged between stages (one scalar
+        per stage and update; flush schedules and ``2bw``); any other coupling raises when
+        the state is built (:mod:`pdjax.pipeline.optim`). ``"stage"``: run the optimizer on
+        each stage alone, knowingly (e.g. clipping each stage by its own norm).
 
     Raises:
       PipelineError: before any device work, for a plan that does not cover the model,
@@ -203,6 +211,7 @@ class Pipeline:
         remat: bool = False,
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
+        optimizer_scope: str = "model",
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -281,6 +290,12 @@ class Pipeline:
         self.local = tuple(self.process_index in owners for owners in self.owners)
         self._specs: dict[Any, list[Any]] = {}
         self.remat = remat
+        if optimizer_scope not in ("model", "stage"):
+            raise PipelineError(
+                f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}"
+            )
+        self.optimizer_scope = optimizer_scope
+        self.stage_optimizer: StageOptimizer | None = None  # decided on the first state
         self.coupled = False
         platform = self.stages[0].devices[0].platform
         processes = sorted({p for owners in self.owners for p in owners})
@@ -413,6 +428,14 @@ class Pipeline:
             raise PipelineError(
                 f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
             )
+        self._analyse_optimizer(
+            [
+                [v.get("params", {}) for v in variables[sp.first_layer : sp.last_layer + 1]]
+                for sp in self.stage_specs
+            ]
+        )
+        optimizer = self.stage_optimizer
+        assert optimizer is not None
         params, model_state, opt_state = [], [], []
         for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
             vs = variables[spec.first_layer : spec.last_layer + 1]
@@ -422,11 +445,7 @@ class Pipeline:
             p = place([v.get("params", {}) for v in vs])
             params.append(p)
             model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
-            init = (
-                self.optimizer.init
-                if self.local[s]
-                else partial(jax.eval_shape, self.optimizer.init)
-            )
+            init = optimizer.init if self.local[s] else partial(jax.eval_shape, optimizer.init)
             o = place(init(p))
             # an optimizer state that holds the parameters' own buffers (cocob, dog,
             # schedule-free keep the initial parameters) would be donated with them
@@ -439,6 +458,29 @@ class Pipeline:
             microbatches=0,
             rng=rng,
         )
+
+    def _analyse_optimizer(self, stage_params: Sequence[PyTree]) -> None:
+        """Decides, once, how the optimizer runs per stage (:mod:`pdjax.pipeline.optim`):
+        as it is, with the gradients' global norm exchanged, or not at all (raises)."""
+        if self.stage_optimizer is not None:
+            return
+        opt = StageOptimizer(self.optimizer, _abstract(stage_params), scope=self.optimizer_scope)
+        if opt.needs_exchange and self.schedule_name == "pipedream":
+            raise PipelineError(
+                "the optimizer couples the stages through the gradients' global norm "
+                f"({opt.coupling.summary if opt.coupling else ''}); under pipedream every "
+                "stage updates after each microbatch, so one microbatch's global norm would "
+                "hold every stage's update until its gradient reached stage 0, which stalls "
+                "the pipeline. Use a flush schedule (1f1b, gpipe, ...) or 2bw for the exact "
+                "global norm, or Pipeline(..., optimizer_scope='stage') to clip each stage by "
+                "its own gradients' norm"
+            )
+        self.stage_optimizer = opt
+        self.coupled = opt.needs_exchange
+        for stage in self.stages:
+            stage.optimizer = opt
+        self._programs.clear()
+        self._bound.clear()
 
     def variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables (params and state) of the newest weights.
@@ -843,7 +885,9 @@ class Pipeline:
 
 
 def _unaliased(tree: PyTree, other: PyTree) -> PyTree:
-    """``tree`` with every array that shares a buffer with an array of ``other`` copied."""
+    """``tree`` with every array that shares a buffer with an array of ``other``, or with
+    an earlier array of ``tree``, copied: donating the tree must not donate ``other``'s
+    buffers or one buffer twice."""
 
     def pointers(a: Any) -> set[int]:
         if not isinstance(a, jax.Array) or a.is_deleted():
@@ -851,7 +895,16 @@ def _unaliased(tree: PyTree, other: PyTree) -> PyTree:
         return {s.data.unsafe_buffer_pointer() for s in a.addressable_shards}
 
     taken = set().union(*(pointers(a) for a in jax.tree.leaves(other)))
-    return jax.tree.map(lambda a: jnp.array(a, copy=True) if pointers(a) & taken else a, tree)
+
+    def one(a: Any) -> Any:
+        mine = pointers(a)
+        if mine & taken:
+            a = jnp.array(a, copy=True)
+            mine = pointers(a)
+        taken.update(mine)
+        return a
+
+    return jax.tree.map(one, tree)
 
 
 def _interpret(code: list[Any], reg: list[Any]) -> None:

@@ -371,7 +371,14 @@ class Stage:
     def _update(
         self, g: list[PyTree], w: list[PyTree], o: optax.OptState, norms: Sequence[jax.Array]
     ) -> tuple[list[PyTree], optax.OptState]:
-        updates, o = self.optimizer.update(self._scaled(g), o, w, tuple(norms))
+        g = self._scaled(g)
+        if norms:  # the other stages' sums of squares: the optimizer clips by the global norm
+            others = norms[0]
+            for q in norms[1:]:
+                others = others + q
+            updates, o = self.optimizer.update(g, o, w, others)
+        else:
+            updates, o = self.optimizer.update(g, o, w)
         return optax.apply_updates(w, updates), o
 
     @staticmethod
@@ -403,9 +410,8 @@ class _Alone:
         return self.optimizer.init(params)
 
     def update(
-        self, grads: PyTree, state: optax.OptState, params: PyTree, norms: Sequence[jax.Array]
+        self, grads: PyTree, state: optax.OptState, params: PyTree
     ) -> tuple[PyTree, optax.OptState]:
-        del norms
         return self.optimizer.update(grads, state, params)
 
     def sum_squares(self, grads: PyTree) -> jax.Array:
