@@ -101,6 +101,29 @@ class GPTConfig:
         """GPT-2 small: 12 blocks, d=768, 12 heads, context 1024, vocabulary 50257."""
         return cls()
 
+    @classmethod
+    def medium(cls) -> GPTConfig:
+        """About 350M parameters (368,896,000): GPT-2 medium's shape (24 blocks, d=1024,
+        16 heads, context 1024) with a 32,000-token vocabulary, 512-token samples and no
+        dropout.
+
+        Sized for one accelerator: 512-token samples keep the materialised ``(B, H, T, T)``
+        attention scores of a whole-batch training step within one device's memory (XLA:CPU
+        plans ~43 GB of temporaries for 16 samples); without dropout, runs from the same
+        weights on the same batch compute the same loss, which benchmarks check.
+        Not one of :data:`pdjax.models.CONFIGS`: build it with
+        ``make_spec(GPTConfig.medium(), "350m")``.
+        """
+        return cls(
+            vocab_size=32000,
+            context=1024,
+            seq_len=512,
+            num_layers=24,
+            d_model=1024,
+            num_heads=16,
+            dropout=0.0,
+        )
+
 
 def _normal(stddev: float) -> nn.initializers.Initializer:
     return nn.initializers.normal(stddev)

@@ -25,6 +25,7 @@ so statistics are microbatch statistics, as in gradient accumulation.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -321,6 +322,8 @@ class Pipeline:
         )
         self._programs: dict[Any, Program] = {}
         self._bound: dict[Any, Any] = {}
+        self._rng_cache: tuple[jax.Array, dict[str, jax.Array]] | None = None
+        self._splitters: dict[Any, Any] = {}
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
 
@@ -691,12 +694,9 @@ class Pipeline:
                 spec = None
             else:  # forward: stage op.stage's output; backward: stage op.peer's output
                 spec = specs[min(op.stage, op.peer)]
-            if kind == "MOVE" and spec is None:
-                target = dst.replicated if scalar else dst.batch_sharding
-                if src.devices == dst.devices:
-                    return _one
-                return lambda v: (jax.device_put(v, target),)
             link = self.transport.link(src, dst, spec, replicated=scalar)
+            if kind == "MOVE":  # within this process: returns a 1-tuple
+                return link
             if kind == "SEND":
                 return lambda v: (link(v), ())[1]
             if kind == "RECV":
@@ -801,20 +801,58 @@ class Pipeline:
         wherever the caller's key lives), the inputs and the targets (one transfer each)."""
         last = self.num_stages - 1
         values: dict[str, Any] = {"offset": np.int32(state.microbatches)}
-        for s, stage in enumerate(self.stages):
+        for s, _stage in enumerate(self.stages):
             if not self.local[s]:
                 continue
             values[f"w{s}v0"] = state.params[s]
             values[f"o{s}v0"] = state.opt_state[s]
             values[f"st{s}"] = state.model_state[s]
-            values[f"rng{s}"] = stage.place_weights(state.rng)
+        values.update(self._placed_rng(state.rng))
         if self.local[0]:
-            xs = self.stages[0].place_batch([mb[0] for mb in microbatches])
+            xs = self._place_microbatches(self.stages[0], [mb[0] for mb in microbatches])
             values.update((f"x0.{k}", x) for k, x in enumerate(xs))
         if self.local[last]:
-            ts = self.stages[last].place_batch([mb[1] for mb in microbatches])
+            ts = self._place_microbatches(self.stages[last], [mb[1] for mb in microbatches])
             values.update((f"t{k}", t) for k, t in enumerate(ts))
         return values
+
+    def _placed_rng(self, rng: jax.Array) -> dict[str, jax.Array]:
+        """The caller's key on every local stage's devices; kept while the caller's key is
+        the same object (a state passes its key on), so a call moves it only when it is new."""
+        cached = self._rng_cache
+        if cached is None or cached[0] is not rng:
+            placed = {
+                f"rng{s}": stage.place_weights(rng)
+                for s, stage in enumerate(self.stages)
+                if self.local[s]
+            }
+            self._rng_cache = cached = (rng, placed)
+        return cached[1]
+
+    def _place_microbatches(self, stage: Stage, trees: list[PyTree]) -> list[PyTree]:
+        """Host microbatches (numpy) go over as one array per leaf and are split on the
+        devices by one cached program: two dispatches, not one transfer per microbatch."""
+        leaves = jax.tree.leaves(trees)
+        if self.multiprocess or not all(isinstance(a, np.ndarray) for a in leaves):
+            return stage.place_batch(trees)
+        treedef = jax.tree.structure(trees[0])
+        rows = [[np.shape(a)[0] for a in jax.tree.leaves(t)] for t in trees]
+        key = (id(stage), treedef, len(trees), tuple(map(tuple, rows)))
+        split = self._splitters.get(key)
+        if split is None:
+            bounds = np.cumsum([0, *(r[0] for r in rows)])
+            if any(len(set(r)) != 1 for r in rows):
+                return stage.place_batch(trees)
+
+            def cut(whole: PyTree) -> list[PyTree]:
+                return [
+                    jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], whole)
+                    for lo, hi in itertools.pairwise(bounds)
+                ]
+
+            split = self._splitters[key] = jax.jit(cut, out_shardings=stage.batch_sharding)
+        whole = jax.tree.map(lambda *a: np.concatenate(a), *trees)
+        return split(jax.device_put(whole, stage.batch_sharding))
 
     def _interpret_recording(
         self, prog: Program, code: list[Any], reg: list[Any]
@@ -916,10 +954,6 @@ def _interpret(code: list[Any], reg: list[Any]) -> None:
             reg[i] = v
         for i in frees:
             reg[i] = None
-
-
-def _one(value: Any) -> tuple[Any]:
-    return (value,)
 
 
 def _wait(*values: Any) -> tuple[()]:

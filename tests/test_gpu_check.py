@@ -1,0 +1,199 @@
+"""``benchmarks/gpu_check.py --tiny``: every code path of the GPU check, on CPU.
+
+The full check runs only on an accelerator, rarely; running its tiny mode here (the same
+functions on pdjax's tiny GPT) keeps it from rotting. One run in a subprocess, because
+the script sets process-wide JAX options (the persistent compilation cache) that must
+not leak into other tests; the whole file stays within :data:`BUDGET` on 2 cores
+(~20 s on an idle 2-core machine).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import pytest
+
+from pdjax.errors import PipelineError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+BUDGET = 40.0  # seconds for the tiny run (nearly all of this file's time)
+RUNNERS = [
+    "one jit per batch",
+    "jit per microbatch, accumulate",
+    "jit per microbatch, update each",
+    "1f1b",
+    "pipedream",
+]
+LAYERS = ["embed", "block0", "block1", "head"]  # the tiny GPT
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _strict_json(path: Path) -> Any:
+    def reject(token: str) -> None:
+        raise ValueError(f"{path.name} holds {token}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=reject)
+
+
+def _finite_positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _run_tiny(out: Path) -> str:
+    """``gpu_check.py --tiny --out OUT`` in a subprocess, within :data:`BUDGET`; its stdout."""
+    # XLA:CPU's backend optimisation level 0 halves its compile times, which are nearly
+    # all of this run; the tiny run's CPU timings mean nothing either way.
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), "--tiny", "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=BUDGET,
+            cwd=ROOT,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as e:
+        stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        pytest.fail(f"gpu_check.py --tiny ran past its {BUDGET:.0f} s budget:\n{stderr}")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_tiny_run_writes_well_formed_results(tmp_path: Path) -> None:
+    # One test, not several sharing a fixture: under pytest-xdist each worker would run
+    # the script again.
+    stdout = _run_tiny(tmp_path)
+    _check_outputs(tmp_path, stdout)
+    results = _strict_json(tmp_path / "results.json")
+    _check_environment_and_config(results)
+    _check_throughput(results)
+    _check_losses_agree(results)
+    _check_compilation(results)
+    _check_profile(results)
+
+
+def _check_outputs(out: Path, stdout: str) -> None:
+    for name in ("results.md", "results.json", "profile-measured.json", "profile-predicted.json"):
+        assert (out / name).stat().st_size > 0, name
+    md = (out / "results.md").read_text()
+    assert md.strip() == stdout.strip()  # printed and written alike
+    for word in (*RUNNERS, *LAYERS, "Roofline (model:h200)", "Total error", "cpu"):
+        assert word in md, word
+
+
+def _check_environment_and_config(results: dict[str, Any]) -> None:
+    assert results["complete"] is True
+    env, cfg = results["environment"], results["config"]
+    assert env["platform"] == "cpu" and env["jax"] and env["device_kind"]
+    assert cfg["mode"] == "tiny" and cfg["model"] == "tiny"
+    assert cfg["num_params"] > 0 and cfg["num_layers"] == len(LAYERS)
+    assert cfg["batch"] == cfg["microbatches"] * cfg["microbatch"]
+    assert cfg["placement"].count("all stages on device 0") == 2  # 1f1b and pipedream
+    assert cfg["rounds"] >= 1
+
+
+def _check_throughput(results: dict[str, Any]) -> None:
+    tp = results["throughput"]
+    rows = {r["runner"]: r for r in tp["rows"]}
+    assert list(rows) == RUNNERS
+    for name, r in rows.items():
+        for key in (
+            "samples_per_second",
+            "ms_per_step",
+            "ratio_vs_jit",
+            "dispatches_per_step",
+            "model_tflops",
+        ):
+            assert _finite_positive(r[key]), (name, key, r[key])
+        assert math.isfinite(r["final_loss"]), name
+        assert len(r["round_seconds"]) == results["config"]["rounds"]
+    assert rows["one jit per batch"]["ratio_vs_jit"] == 1.0
+    assert rows["one jit per batch"]["dispatches_per_step"] == 1
+    m = results["config"]["microbatches"]
+    assert rows["jit per microbatch, accumulate"]["dispatches_per_step"] == m + 1
+    assert rows["jit per microbatch, update each"]["dispatches_per_step"] == 2 * m
+    for name in ("1f1b", "pipedream"):
+        assert _finite_positive(rows[name]["host_us_per_action"]), name
+        assert _finite_positive(rows[name]["ratio_vs_floor"]), name
+        # at least a forward and a backward per stage and microbatch
+        assert rows[name]["dispatches_per_step"] >= 2 * results["config"]["stages"] * m
+    assert set(tp["goal_met"]) == {"1f1b", "pipedream"}
+
+
+def _check_losses_agree(results: dict[str, Any]) -> None:
+    agreement = results["throughput"]["loss_agreement"]
+    assert len(agreement) == 4
+    for name, rel in agreement.items():
+        assert rel < 1e-4, (name, rel)
+
+
+def _check_compilation(results: dict[str, Any]) -> None:
+    comp = results["compilation"]
+    assert comp["timed_rounds"]["compiles"] == 0
+    assert set(comp["warmup"]) == set(RUNNERS)
+    assert all(c["compiles"] >= 1 for c in comp["warmup"].values())
+    # the two floors share their gradient program: the persistent cache has it
+    assert comp["warmup"]["jit per microbatch, update each"]["cache_hits"] >= 1
+    assert comp["profile"]["compiles"] >= 1
+
+
+def _check_profile(results: dict[str, Any]) -> None:
+    pr = results["profile"]
+    assert pr["measured_source"].startswith("measured:cpu")
+    assert pr["predicted_source"] == "model:h200"
+    assert [r["name"] for r in pr["layers"]] == LAYERS
+    assert [r["name"] for r in pr["stages"]] == [f"stage {s}" for s in range(4)]
+    for r in [*pr["layers"], *pr["stages"], pr["total"]]:
+        for key in ("measured_fwd_ms", "measured_bwd_ms", "measured_ms", "predicted_ms"):
+            assert _finite_positive(r[key]), (r["name"], key)
+        assert math.isfinite(r["error"]) and r["error"] > -1, r["name"]
+    total = sum(r["measured_ms"] for r in pr["layers"])
+    assert math.isclose(pr["total"]["measured_ms"], total, rel_tol=1e-9)
+    assert math.isclose(sum(r["measured_ms"] for r in pr["stages"]), total, rel_tol=1e-9)
+
+
+def test_stages_share_device_zero_and_fall_back_if_refused() -> None:
+    gpu_check = _load_script()
+    plan = gpu_check.shared_plan(26, 4)
+    assert [(s.first_layer, s.last_layer) for s in plan] == [(0, 6), (7, 12), (13, 19), (20, 25)]
+    assert {s.devices for s in plan} == {(0,)}
+
+    built = []
+
+    def refuses_sharing(layers, plan, loss, optimizer, **kwargs):
+        devices = [s.devices for s in plan]
+        if len(devices) > len(set(devices)):
+            raise PipelineError("two stages on one device")
+        built.append(devices)
+        return "pipeline"
+
+    medium = gpu_check.build_spec("350m")
+    assert len(medium.layers) == 26 and 350e6 < medium.num_params() < 380e6
+
+    spec = gpu_check.build_spec("tiny")
+    pipe, note = gpu_check.make_pipeline(
+        spec, None, "1f1b", gpu_check.TINY, pipeline_cls=refuses_sharing
+    )
+    assert pipe == "pipeline" and "refused (two stages on one device)" in note
+    n = len(jax.devices())
+    assert built == [[(s % n,) for s in range(4)]]
