@@ -698,3 +698,26 @@ def test_catches_hand_broken_schedules_of_each_kind(name):
     for message, broken in _broken_variants(generate(name, 3, 6, stream=12)):
         with pytest.raises(ScheduleError, match=message):
             validate(broken)
+
+
+def test_pipedream_extra_in_flight_grid_and_bounds():
+    """Latency hiding: stage 0 of 2 keeps 3 microbatches in flight (one more version),
+    the last stage still alternates F and B."""
+    s = pipedream(2, 6, extra_in_flight=1)
+    validate(s)
+    assert format_actions(s.actions) == (
+        "g0: 0F0 0F1 0F2 0B0 0U0 0F3v1 0B1 0U1v1 0F4v2 0B2 0U2v2 0F5v3 0B3v1 0U3v3 0B4v2 "
+        "0U4v4 0B5v3 0U5v5\n"
+        "g1: 1F0 1B0 1U0 1F1v1 1B1v1 1U1v1 1F2v2 1B2v2 1U2v2 1F3v3 1B3v3 1U3v3 1F4v4 1B4v4 "
+        "1U4v4 1F5v5 1B5v5 1U5v5"
+    )
+    assert s.in_flight_bound == (3, 1) and s.version_bound == (3, 1)
+    assert Schedule.from_json(s.to_json()) == s
+    with pytest.raises(ScheduleError, match="extra_in_flight must be an integer >= 0"):
+        pipedream(2, 6, extra_in_flight=-1)
+    with pytest.raises(ScheduleError, match="pipedream option"):
+        generate("1f1b", 2, 4, extra_in_flight=1)
+    # a schedule claiming the extra microbatches without running them is refused
+    fake = dataclasses.replace(pipedream(2, 6), extra_in_flight=1)
+    with pytest.raises(ScheduleError):
+        validate(fake)

@@ -109,6 +109,47 @@ def test_pipedream_equals_delayed_update_recurrence(P, vertical_sync, weight_sta
         assert metrics.peak_versions == tuple(P - s for s in range(P))
 
 
+@pytest.mark.parametrize("P,extra,vertical_sync", [(2, 1, False), (3, 2, False), (3, 1, True)])
+def test_pipedream_with_extra_microbatches_in_flight(P, extra, vertical_sync):
+    """Latency hiding: ``e`` more microbatches in flight at every stage but the last make
+    the lag ``P - s + e`` (``P + e`` with vertical sync), one more version each."""
+    spec = get_model("mlp", "tiny")
+    N = 3 * P + 2
+    stream = _stream(spec, N, mb=4)
+    opt = OPTIMIZERS["sgd"]
+    _pipe, state, metrics, variables, bounds = _run(
+        spec,
+        P,
+        stream,
+        opt(),
+        schedule="pipedream",
+        extra_in_flight=extra,
+        vertical_sync=vertical_sync,
+    )
+
+    def lag(s):
+        if vertical_sync:
+            return P + extra
+        return P - s + (extra if s < P - 1 else 0)
+
+    def reference(version_of):
+        return delayed_training(
+            spec.layers,
+            spec.loss,
+            opt(),
+            variables,
+            stream,
+            bounds,
+            version_of=version_of,
+            rng=state.rng,
+        )
+
+    _compare(state, reference(lambda s, k: max(0, k - lag(s) + 1)))
+    _distinct(state, reference(lambda s, k: max(0, k - (P - s) + 1)))  # without the extra
+    if not vertical_sync:
+        assert metrics.peak_versions == tuple(lag(s) for s in range(P))
+
+
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 @pytest.mark.parametrize("P,M", [(2, 2), (2, 3), (4, 4)])
 def test_2bw_equals_double_buffered_recurrence(P, M, opt):

@@ -184,6 +184,10 @@ class Pipeline:
       transport: how values cross processes (``pdjax.pipeline.transport``):
         ``device_put``, ``collective``, or ``auto`` (``device_put`` unless the pipeline
         spans more than 2 processes on CPU, where only ``collective`` works).
+      extra_in_flight: ``pipedream`` option: microbatches in flight per stage beyond
+        ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
+        each costs one more stashed weight version and activation per stage and one more
+        update of staleness (:func:`pdjax.pipeline.schedule.pipedream`).
       optimizer_scope: ``"model"`` (default): the optimizer means one update of the whole
         model, as in sequential training. An optimizer that treats each parameter on its
         own runs per stage as it is; one coupled through the gradients' global norm
@@ -213,6 +217,7 @@ class Pipeline:
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
         optimizer_scope: str = "model",
+        extra_in_flight: int = 0,
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -225,6 +230,13 @@ class Pipeline:
                 "vertical_sync and weight_stashing=False are options of the pipedream "
                 f"schedule, not of {schedule}"
             )
+        if extra_in_flight and schedule != "pipedream":
+            raise PipelineError(
+                f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
+            )
+        if not isinstance(extra_in_flight, int) or extra_in_flight < 0:
+            raise PipelineError(f"extra_in_flight must be an integer >= 0, got {extra_in_flight!r}")
+        self.extra_in_flight = extra_in_flight
         if schedule != "interleaved" and chunks != 1:
             raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
         self.layers = layers
@@ -522,6 +534,7 @@ class Pipeline:
                     vertical_sync=self.vertical_sync,
                     weight_stashing=self.weight_stashing,
                     replicas=self.replicas,
+                    extra_in_flight=self.extra_in_flight,
                 )
             elif name == "2bw":
                 sched = generate(

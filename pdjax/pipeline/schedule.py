@@ -190,6 +190,8 @@ class Schedule:
         vertical_sync: ``pipedream`` only: every stage uses the version stage 0 used.
         weight_stashing: ``pipedream`` only: the backward reuses the forward's version
             (``False``: it uses the newest weights, the paper's inconsistent baseline).
+        extra_in_flight: ``pipedream`` only: microbatches in flight per stage beyond
+            ``P - s`` (latency hiding; see :func:`pipedream`).
     """
 
     name: str
@@ -203,6 +205,7 @@ class Schedule:
     version_bound: tuple[int, ...]
     vertical_sync: bool = False
     weight_stashing: bool = True
+    extra_in_flight: int = 0
 
     @property
     def num_groups(self) -> int:
@@ -325,9 +328,17 @@ def _replicas(replicas: Sequence[int] | None, groups: int) -> tuple[int, ...]:
     return replicas
 
 
-def _one_f_one_b_order(num_stages: int, count: int, stage: int) -> list[tuple[str, int]]:
-    """1F1B order at ``stage``: warm-up forwards, then forward/backward pairs, then drain."""
-    warmup = min(num_stages - stage - 1, count)
+def _extra(e: int, stage: int, num_stages: int) -> int:
+    """PipeDream's extra microbatches in flight at ``stage``: ``e``, none at the last stage."""
+    return e if stage < num_stages - 1 else 0
+
+
+def _one_f_one_b_order(
+    num_stages: int, count: int, stage: int, extra: int = 0
+) -> list[tuple[str, int]]:
+    """1F1B order at ``stage``: warm-up forwards (``extra`` more than ``P - s - 1``), then
+    forward/backward pairs, then drain."""
+    warmup = min(num_stages - stage - 1 + extra, count)
     order = [("F", k) for k in range(warmup)]
     for k in range(count - warmup):
         order += [("F", warmup + k), ("B", k)]
@@ -572,6 +583,7 @@ def pipedream(
     vertical_sync: bool = False,
     weight_stashing: bool = True,
     replicas: Sequence[int] | None = None,
+    extra_in_flight: int = 0,
 ) -> Schedule:
     """PipeDream: asynchronous 1F1B over a stream, an update after every backward.
 
@@ -591,23 +603,34 @@ def pipedream(
 
     In flight at stage ``s``: at most ``min(P - s, N)``.
 
+    ``extra_in_flight = e`` (latency hiding): every stage but the last warms up with ``e``
+    more forwards, so ``P - s + e`` microbatches are in flight there and a delay of up to
+    ``e`` periods on the activation/gradient round trip no longer stalls the stage (the
+    last stage has no round trip to hide). Each extra microbatch costs one more stashed
+    version and one more stashed activation per stage, and one more update of staleness:
+    ``P - s`` becomes ``P - s + e`` for ``s < P - 1`` in every formula above (``P`` becomes
+    ``P + e`` with vertical sync).
+
     Args:
         num_stages: ``P``, stages (one device group each).
         num_microbatches: ``N``, the stream length.
         vertical_sync: every stage uses stage 0's version for each microbatch.
         weight_stashing: the backward reuses the forward's version.
         replicas: devices per stage (default 1 each).
+        extra_in_flight: ``e >= 0``, microbatches in flight beyond 1F1B's ``P - s``.
 
     Raises:
         ScheduleError: for a parameter out of range.
     """
     P = _positive("num_stages (P)", num_stages)
     N = _positive("num_microbatches (N, the stream length)", num_microbatches)
+    e = _positive("extra_in_flight", extra_in_flight, minimum=0)
     actions = []
     for s in range(P):
-        lag = P if vertical_sync else P - s
+        es = e if s < P - 1 else 0
+        lag = P + e if vertical_sync else P - s + es
         acts = []
-        for kind, k in _one_f_one_b_order(P, N, s):
+        for kind, k in _one_f_one_b_order(P, N, s, es):
             forward_version = max(0, k - lag + 1)
             if kind == "F":
                 acts.append(Action("F", s, k, forward_version))
@@ -616,9 +639,9 @@ def pipedream(
                 acts.append(Action("U", s, k, k))
         actions.append(tuple(acts))
     if vertical_sync:
-        versions = (P,) * P
+        versions = (P + e,) * P
     else:
-        versions = tuple(P - s if weight_stashing else 1 for s in range(P))
+        versions = tuple(P - s + _extra(e, s, P) if weight_stashing else 1 for s in range(P))
     return Schedule(
         name="pipedream",
         num_stages=P,
@@ -627,10 +650,11 @@ def pipedream(
         actions=tuple(actions),
         stage_device=tuple(range(P)),
         replicas=_replicas(replicas, P),
-        in_flight_bound=tuple(min(P - s, N) for s in range(P)),
+        in_flight_bound=tuple(min(P - s + _extra(e, s, P), N) for s in range(P)),
         version_bound=versions,
         vertical_sync=vertical_sync,
         weight_stashing=weight_stashing,
+        extra_in_flight=e,
     )
 
 
@@ -707,6 +731,7 @@ def generate(
     weight_stashing: bool = True,
     num_layers: int | None = None,
     replicas: Sequence[int] | None = None,
+    extra_in_flight: int = 0,
 ) -> Schedule:
     """Builds the schedule called ``name`` (one of :data:`SCHEDULES`).
 
@@ -723,10 +748,13 @@ def generate(
         weight_stashing: ``pipedream`` option.
         num_layers: ``interleaved``: checks that ``P * chunks`` divides it.
         replicas: devices per device group.
+        extra_in_flight: ``pipedream`` option (latency hiding).
 
     Raises:
         ScheduleError: for an unknown name or a parameter out of range.
     """
+    if extra_in_flight and name != "pipedream":
+        raise ScheduleError(f"extra_in_flight is a pipedream option, not of {name}")
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, steps=steps, replicas=replicas)
     if name == "1f1b":
@@ -749,6 +777,7 @@ def generate(
             vertical_sync=vertical_sync,
             weight_stashing=weight_stashing,
             replicas=replicas,
+            extra_in_flight=extra_in_flight,
         )
     if name == "2bw":
         N = num_microbatches * steps if stream is None else stream
@@ -773,15 +802,15 @@ def _expected_in_flight(s: Schedule, group: int) -> int:
         if v == 1:
             return min(P - group, M)
         return min(2 * (P - group - 1) + (v - 1) * P + 1, M * v)
-    return min(P - group, N)
+    return min(P - group + _extra(s.extra_in_flight, group, P), N)
 
 
 def _expected_versions(s: Schedule, stage: int) -> int:
-    P = s.num_stages
+    P, e = s.num_stages, s.extra_in_flight
     if s.name == "pipedream":
         if s.vertical_sync:
-            return P
-        return P - stage if s.weight_stashing else 1
+            return P + e
+        return P - stage + _extra(e, stage, P) if s.weight_stashing else 1
     return 2 if s.name == "2bw" else 1
 
 
@@ -800,9 +829,11 @@ def _required_version(s: Schedule, a: Action, updates: int) -> tuple[int, str]:
             f"pipedream without weight stashing runs the backward with the newest weights, "
             f"version {updates} after {updates} updates"
         )
+    e = s.extra_in_flight
     if s.vertical_sync:
-        return max(0, k - P + 1), "pipedream with vertical sync uses max(0, k-P+1)"
-    return max(0, k - (P - a.stage) + 1), "pipedream uses version max(0, k-(P-s)+1)"
+        return max(0, k - (P + e) + 1), "pipedream with vertical sync uses max(0, k-(P+e)+1)"
+    lag = P - a.stage + _extra(e, a.stage, P)
+    return max(0, k - lag + 1), "pipedream uses version max(0, k-(P-s+e)+1), e=0 at the last"
 
 
 def _check_header(s: Schedule) -> None:
@@ -824,6 +855,9 @@ def _check_header(s: Schedule) -> None:
         )
     if (s.vertical_sync or not s.weight_stashing) and s.name != "pipedream":
         raise ScheduleError("vertical_sync and weight_stashing=False are pipedream options only")
+    if s.extra_in_flight and s.name != "pipedream":
+        raise ScheduleError("extra_in_flight is a pipedream option only")
+    _positive("extra_in_flight", s.extra_in_flight, minimum=0)
     if s.num_stages % s.num_groups or (s.chunks > 1 and s.name != "interleaved"):
         raise ScheduleError(
             f"{s.name} with {s.num_stages} stages on {s.num_groups} device groups: only "
