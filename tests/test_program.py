@@ -134,7 +134,7 @@ def test_two_processes_send_and_receive_in_the_same_order():
 
 def test_global_norm_exchange_moves_updates_after_every_sum():
     prog = lower(generate("1f1b", 2, 2), _local(2), coupled=True)
-    assert prog.kinds().endswith("1SQ0 MOVE1>0 0B1 0SQ0 MOVE0>1 1U0 0U0")
+    assert prog.kinds().endswith("1FB1 MOVE1>0 0B1 1SQ0 MOVE1>0 0SQ0 MOVE0>1 1U0 0U0")
     u1 = next(op for op in prog.ops[0] if op.kind == "U" and op.stage == 1)
     assert u1.ins == ("g1.1", "w1v0", "o1v0", "q0.0@1")
 
