@@ -2,6 +2,7 @@
 schedules' semantics (optimizers across stages, keys, aliasing, asynchrony, options)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -150,3 +151,150 @@ def test_committed_key_and_inputs_on_another_device():
     state = pipe.init(key, mbs[0][0])
     state, metrics = pipe.run(state, mbs)
     assert np.isfinite(metrics.loss)
+
+
+def test_dispatch_is_asynchronous():
+    """The driver returns before the devices finish: a wait after every operation (what
+    timeline mode does, or a regression) would leave nothing pending at return."""
+    import flax.linen as nn
+
+    from pdjax.layers import sequential
+
+    layers = sequential(*[nn.Dense(1024) for _ in range(4)])
+    x = np.ones((4, 256, 1024), np.float32)
+    pipe = Pipeline(
+        layers,
+        even_stages(4, 2),
+        lambda y, t: ((y - t) ** 2).mean(),
+        optax.sgd(1e-3),
+        schedule="pipedream",
+    )
+    state = pipe.init(jax.random.key(0), x[0])
+    mbs = [(x[k], x[k]) for k in range(4)]
+    state, _ = pipe.run(state, mbs)  # compile
+    jax.block_until_ready(state)
+    state, _ = pipe.run(state, mbs)
+    pending = [not leaf.is_ready() for leaf in jax.tree.leaves(state.params[0])]
+    jax.block_until_ready(state)
+    assert any(pending), "every result was ready when run() returned: dispatch is synchronous"
+    state, metrics = pipe.run(state, mbs, timeline=True)  # the diagnostic mode waits
+    assert all(leaf.is_ready() for leaf in jax.tree.leaves(state.params[0]))
+    assert metrics.timeline is not None
+
+
+def test_timeline_on_loss_and_several_runs_match_the_reference():
+    """timeline=True (one span per action, unfused), on_loss, and several run() calls
+    chained: the same training as sequential gradient accumulation."""
+    spec = get_model("mlp", "tiny")
+    M = 2
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(len(spec.layers), 2),
+        spec.loss,
+        optax.adam(1e-2),
+        microbatches=M,
+    )
+    mbs = _mbs(spec, 3 * M, 4)
+    state = pipe.init(jax.random.key(3), mbs[0][0])
+    variables = pipe.variables(state)
+    seen = []
+    state, m0 = pipe.run(state, mbs[:M], on_loss=lambda k, loss: seen.append((k, loss)))
+    state, m1 = pipe.run(state, mbs[M : 2 * M], timeline=True)
+    state, m2 = pipe.run(state, mbs[2 * M :])
+    ref, _, ref_losses = flush_training(
+        spec.layers, spec.loss, optax.adam(1e-2), variables, mbs, M, state.rng
+    )
+    _close([v["params"] for v in pipe.variables(state)], ref)
+    losses = [float(v) for m in (m0, m1, m2) for v in m.losses]
+    np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
+    assert [k for k, _ in seen] == [0, 1]
+    np.testing.assert_allclose([float(v) for _, v in seen], losses[:M], rtol=1e-6)
+    spans = m1.timeline.spans
+    assert sorted(str(s.action) for s in spans) == sorted(
+        str(a) for g in pipe.schedule(M).actions for a in g
+    )
+    assert all(s.end >= s.start for s in spans) and m1.peak_bytes is not None
+    assert state.updates == (3, 3) and state.microbatches == 3 * M
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
+def test_remat_through_the_pipeline(schedule):
+    spec = get_model("gpt", "tiny")  # dropout: the recomputed forward draws the same masks
+    stream = _mbs(spec, 4, 2)
+
+    def train(remat):
+        pipe = Pipeline(
+            spec.layers,
+            even_stages(len(spec.layers), 2),
+            spec.loss,
+            optax.sgd(0.1),
+            schedule=schedule,
+            microbatches=2,
+            remat=remat,
+        )
+        state = pipe.init(jax.random.key(0), stream[0][0])
+        state, metrics = pipe.run(state, stream)
+        return pipe, state, metrics
+
+    _, kept, m_kept = train(False)
+    pipe, again, m_again = train(True)
+    _close(list(again.params), list(kept.params), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        [float(v) for v in m_again.losses], [float(v) for v in m_kept.losses], rtol=1e-5
+    )
+    assert any("recompute" in name for st in pipe.stages for name in st.trace_counts)
+
+
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw"])
+def test_async_schedules_with_replication_and_batchnorm(schedule):
+    """A replicated stage (split microbatches) and BatchNorm state under the asynchronous
+    schedules: the same as the unreplicated pipeline (per-microbatch statistics)."""
+    spec = get_model("resnet50", "tiny")
+    stream = _mbs(spec, 4, 8)
+
+    def train(replicas):
+        pipe = Pipeline(
+            spec.layers,
+            even_stages(len(spec.layers), 2, replicas),
+            spec.loss,
+            optax.sgd(0.05),
+            schedule=schedule,
+            microbatches=2,
+        )
+        state = pipe.init(jax.random.key(0), stream[0][0])
+        state, metrics = pipe.run(state, stream)
+        return state, metrics
+
+    one, m1 = train(1)
+    two, m2 = train(2)
+    np.testing.assert_allclose(
+        [float(v) for v in m2.losses], [float(v) for v in m1.losses], rtol=1e-4
+    )
+    _close(list(two.model_state), list(one.model_state), rtol=1e-3, atol=1e-4)
+    _close(list(two.params), list(one.params), rtol=1e-3, atol=1e-4)
+    assert m2.workarounds  # replicated stages on CPU: reported
+
+
+def test_updates_reuse_the_gradient_buffers():
+    """The update does not hold old weights, new weights and gradients at once: the new
+    weights take the donated gradient sum's buffers (U), or the replaced version's when
+    nothing reads it later (a fused backward-update without a sum)."""
+    spec = get_model("mlp", "tiny")
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(len(spec.layers), 2),
+        spec.loss,
+        optax.sgd(0.1),
+        schedule="pipedream",
+    )
+    mbs = _mbs(spec, 6, 4)
+    state = pipe.init(jax.random.key(0), mbs[0][0])
+    state, _ = pipe.run(state, mbs)
+    stage = pipe.stages[0]
+    names = set(stage.trace_counts)
+    assert any("BU" in n and "donate_w" in n for n in names), names
+    w = state.params[0]
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(w))
+    grads = jax.tree.map(jnp.zeros_like, w)
+    u = stage.program("U").lower(grads, w, state.opt_state[0]).compile().memory_analysis()
+    assert u.alias_size_in_bytes >= weight_bytes, (u.alias_size_in_bytes, weight_bytes)
