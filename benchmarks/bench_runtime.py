@@ -2,11 +2,15 @@
 
 XLA's CPU devices in one process share one thread pool, so on a 2-core machine a pipeline
 cannot beat one device that already uses both cores. What this shows is the cost of the
-machinery (per-action dispatch, transfers, weight versions), against the same model as
-one jitted train step on one device, on the same samples:
+machinery (per-action dispatch, transfers, weight versions), against the same model on one
+device, on the same samples, two ways: one jitted train step over the whole batch, and a
+plain loop of jitted per-microbatch gradient steps with one update per step (the same work
+as the pipeline without a pipeline: the honest floor of the machinery):
 
-* throughput ratio (pipeline samples/s over single-device samples/s), rounds interleaved;
-* host seconds per dispatched action;
+* throughput ratios, rounds interleaved (the machine's noise hits every runner alike);
+* host microseconds per schedule action (the driver's loop over the program, divided by
+  the actions it carries out), on the compute-bound model and on a width-16 one where
+  compute is negligible (``--host-width``);
 * peak live bytes per device group (measured after every action) against the
   simulator's memory prediction for the same plan.
 
@@ -63,7 +67,9 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--host-width", type=int, default=16, help="width of the dispatch-bound run")
     args = ap.parse_args()
+    host_only = _host_per_action(args) if args.host_width else {}
 
     W, L, B, M = args.width, args.layers, args.batch, args.microbatches
     layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
@@ -95,6 +101,35 @@ def main() -> None:
             params, opt_state, _ = single_step(params, opt_state, xs[t], ys[t])
         jax.block_until_ready(params)
 
+    # -- the floor: per-microbatch gradient steps and one update per step, one device -----
+    loop_params = jax.device_put([v["params"] for v in variables], dev0)
+    loop_opt = optimizer.init(loop_params)
+
+    @jax.jit
+    def grad_step(params, acc, x, y):
+        def loss(p):
+            out, _ = layers.apply([{"params": q} for q in p], x)
+            return xent(out, y)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(jnp.add, acc, grads), value
+
+    @jax.jit
+    def apply_step(params, opt_state, acc):
+        acc = jax.tree.map(lambda g: g * jnp.float32(1.0 / M), acc)
+        updates, opt_state = optimizer.update(acc, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run_loop():
+        nonlocal loop_params, loop_opt
+        for t in range(args.steps):
+            acc = jax.tree.map(jnp.zeros_like, loop_params)
+            for k in range(M):
+                sl = slice(k * mb, (k + 1) * mb)
+                acc, _ = grad_step(loop_params, acc, xs[t, sl], ys[t, sl])
+            loop_params, loop_opt = apply_step(loop_params, loop_opt, acc)
+        jax.block_until_ready(loop_params)
+
     # -- pipelines ------------------------------------------------------------------------
     configs = {}
     for P in (2, 4):
@@ -119,7 +154,32 @@ def main() -> None:
         configs[key][1] = state
         host_per_action[key].append(metrics.host_seconds / metrics.actions)
 
-    runners = {"single device, one jit": run_single}
+    each_params = jax.device_put([v["params"] for v in variables], dev0)
+    each_opt = optimizer.init(each_params)
+
+    @jax.jit
+    def each_step(params, opt_state, x, y):
+        def loss(p):
+            out, _ = layers.apply([{"params": q} for q in p], x)
+            return xent(out, y)
+
+        grads = jax.grad(loss)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    def run_each():  # PipeDream's work: an update after every microbatch
+        nonlocal each_params, each_opt
+        for t in range(args.steps):
+            for k in range(M):
+                sl = slice(k * mb, (k + 1) * mb)
+                each_params, each_opt = each_step(each_params, each_opt, xs[t, sl], ys[t, sl])
+        jax.block_until_ready(each_params)
+
+    runners = {
+        "single device, one jit": run_single,
+        "single device, loop of M jits": run_loop,
+        "single device, loop of M jits, update each": run_each,
+    }
     runners.update({k: (lambda k=k: run_pipeline(k)) for k in configs})
     for fn in runners.values():  # compile everything first
         fn()
@@ -134,19 +194,31 @@ def main() -> None:
 
     samples = args.steps * B
     base = statistics.median(times["single device, one jit"])
+    floors = {
+        "flush": statistics.median(times["single device, loop of M jits"]),
+        "each": statistics.median(times["single device, loop of M jits, update each"]),
+    }
     print(
         f"model: {L} dense layers of width {W}; {samples} samples per round; median of "
         f"{args.rounds} interleaved rounds; {jax.device_count()} CPU devices in one process"
     )
     print()
-    print("| runner | samples/s | vs one jit | host us / action |")
-    print("|---|---:|---:|---:|")
+    print(
+        f"| runner | samples/s | vs one jit | vs its loop of M jits | host us / action | "
+        f"host us / action, width {args.host_width} |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
     for key, ts in times.items():
         t = statistics.median(ts)
+        # the floor with the same work: PipeDream updates after every microbatch
+        floor = floors["each" if "pipedream" in key or "update each" in key else "flush"]
         host = statistics.median(host_per_action[key]) * 1e6 if key in host_per_action else None
+        tiny = host_only.get(key)
         print(
-            f"| {key} | {samples / t:,.0f} | {base / t:.2f}x | "
+            f"| {key} | {samples / t:,.0f} | {base / t:.2f}x | {floor / t:.2f}x | "
             + ("-" if host is None else f"{host:.0f}")
+            + " | "
+            + ("-" if tiny is None else f"{tiny:.0f}")
             + " |"
         )
 
@@ -177,6 +249,34 @@ def main() -> None:
                 f"| {key} | {g} | {got / 2**20:.2f} MiB | {want / 2**20:.2f} MiB | "
                 f"{got / want:.2f} |"
             )
+
+
+def _host_per_action(args: argparse.Namespace) -> dict[str, float]:
+    """Median host microseconds per schedule action on a width-``host_width`` model (compute
+    negligible: what is left is the driver, dispatch and transfers)."""
+    W, L, M = args.host_width, args.layers, args.microbatches
+    layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
+    rng = np.random.default_rng(1)
+    mb = args.batch // M
+    n = args.steps * M
+    xs = rng.standard_normal((n, mb, W)).astype(np.float32)
+    ys = rng.integers(0, 10, (n, mb)).astype(np.int32)
+    stream = [(xs[k], ys[k]) for k in range(n)]
+    out = {}
+    for P in (2, 4):
+        for name in ("1f1b", "pipedream"):
+            pipe = Pipeline(
+                layers, even_stages(L, P), xent, optax.adam(1e-4), schedule=name, microbatches=M
+            )
+            state = pipe.init(jax.random.key(0), xs[0])
+            per = []
+            for r in range(args.rounds + 2):
+                state, metrics = pipe.run(state, stream)
+                jax.block_until_ready(state)
+                if r >= 2:  # after compiling
+                    per.append(metrics.host_seconds / metrics.actions * 1e6)
+            out[f"{name} P={P}"] = statistics.median(per)
+    return out
 
 
 if __name__ == "__main__":
