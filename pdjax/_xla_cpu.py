@@ -1,9 +1,14 @@
 """The one home of pdjax's workarounds for XLA's CPU client.
 
-Programs that hold collectives (a replicated stage, a data-parallel step), queued many
-deep on a few cores, can deadlock inside XLA's CPU client until its 40 s rendezvous
-timeout aborts the process: every queued program holds a thread of the shared pool while
-it waits for a peer program that cannot get one. Two bounds keep the queue short:
+XLA's CPU client has no per-device stream order: programs holding collectives (a
+replicated stage's gradient all-reduce, the mean loss of a sharded batch, every
+data-parallel step, the collective transport's transfers) that are queued together can
+enter their rendezvous in different orders on different devices and, on a machine with
+few cores, deadlock the in-process communicator; XLA aborts the process after its 40 s
+rendezvous timeout. Measured on 4 CPU devices and 2 cores (jax 0.10.2): 100 unblocked
+data-parallel steps abort, blocking every 50 do not; ``2bw`` on one stage replicated 4
+ways aborts within 40 microbatches even with a bounded run-ahead. Two bounds keep the
+queue short:
 
 - *run-ahead*: the driver waits for the result of the program ``window`` steps back
   before it dispatches more (the pipeline: microbatch ``k - window``'s loss; data
@@ -26,7 +31,7 @@ import jax
 
 __all__ = ["RunAhead", "Workarounds", "for_data_parallel", "for_pipeline"]
 
-DP_WINDOW = 4
+DP_WINDOW = 8
 """Data-parallel steps in flight at most on CPU."""
 
 

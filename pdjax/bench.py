@@ -15,17 +15,9 @@ called once first (compilation) and then timed ``repeats`` times, round-robin ov
 runners, so that the noise of a shared machine falls on all of them alike; the table gives
 the medians.
 
-Dispatch-ahead is bounded by the runners themselves (the pipeline executor waits for the
-loss ``4 max(M, P)`` microbatches back, data parallelism for the step 8 back), and on CPU
-the executor runs a stage replicated over several devices one action at a time (the row
-says so). Both work around the same fault: XLA's CPU client has no per-device stream
-order, so programs holding collectives (a replicated stage's gradient all-reduce, the
-mean loss of a sharded batch, every data-parallel step) that are queued together can
-enter their rendezvous in different orders on different devices and, on a machine with
-few cores, deadlock the in-process communicator; XLA aborts the process after its 40 s
-rendezvous timeout. Measured on 4 CPU devices and 2 cores (jax 0.10.2): 100 unblocked
-data-parallel steps abort, blocking every 50 do not; ``2bw`` on one stage replicated 4
-ways aborts within 40 microbatches even with the loss lag.
+On CPU the runners bound how far they dispatch ahead and run a replicated stage one
+program at a time (the row says so): XLA's CPU client can deadlock on collectives queued
+together (``pdjax._xla_cpu``, the one home of these workarounds).
 
 How to read it on a CPU-only machine: in-process CPU devices share one thread pool, so the
 stages of a pipeline do not run in parallel and no pipeline speedup is expected; the
@@ -425,9 +417,8 @@ def _pipeline_runner(
     sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
     predicted = simulate(sched, costs).makespan * calls
     state = pipe.init(jax.random.key(seed), batch[0][0])
-    # the executor runs a replicated stage's actions one at a time on CPU (module doc)
-    sync = jax.devices()[0].platform == "cpu" and any(r > 1 for r in plan.replicas)
-    if sync:
+    # the runtime runs a replicated stage's programs one at a time on CPU (pdjax._xla_cpu)
+    if any(pipe.workarounds.one_at_a_time):
         note = "; ".join(filter(None, [note, "synchronous (replicated stage, CPU)"]))
 
     def call() -> tuple[float, float]:

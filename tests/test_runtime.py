@@ -298,3 +298,19 @@ def test_updates_reuse_the_gradient_buffers():
     grads = jax.tree.map(jnp.zeros_like, w)
     u = stage.program("U").lower(grads, w, state.opt_state[0]).compile().memory_analysis()
     assert u.alias_size_in_bytes >= weight_bytes, (u.alias_size_in_bytes, weight_bytes)
+
+
+def test_xla_cpu_workarounds_have_one_home():
+    from pdjax import _xla_cpu
+    from pdjax.baselines.dp import DataParallel
+
+    spec = get_model("mlp", "tiny")
+    L = len(spec.layers)
+    straight = Pipeline(spec.layers, even_stages(L, 2), spec.loss, optax.sgd(0.1))
+    assert straight.workarounds == _xla_cpu.Workarounds(None, (False, False))
+    hybrid = Pipeline(spec.layers, even_stages(L, 2, 2), spec.loss, optax.sgd(0.1))
+    assert hybrid.workarounds.one_at_a_time == (True, True)
+    assert hybrid.workarounds.run_ahead == 4 * 2
+    assert _xla_cpu.for_pipeline("gpu", (2, 2), 4, 2).run_ahead is None
+    dp = DataParallel(spec.layers, spec.loss, optax.sgd(0.1), devices=jax.devices()[:2])
+    assert dp.workarounds.run_ahead == _xla_cpu.DP_WINDOW and dp.workarounds.reasons

@@ -27,7 +27,6 @@ as on a single device with that batch.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Mapping, Sequence
@@ -40,14 +39,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdjax import _xla_cpu
 from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
-
-#: steps dispatched ahead of the oldest unfinished one (see :meth:`DataParallel.step`)
-_WINDOW = 8
 
 
 class DPState(NamedTuple):
@@ -77,10 +74,12 @@ class DPMetrics:
       losses: the step's loss, as a one-element list of a device scalar (the same shape
         of result as :class:`pdjax.pipeline.executor.RunMetrics` with one microbatch).
       host_seconds: wall time spent dispatching the step (excludes waiting for it).
+      workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
     """
 
     losses: list[jax.Array]
     host_seconds: float
+    workarounds: tuple[str, ...] = ()
 
     @property
     def loss(self) -> float:
@@ -124,7 +123,8 @@ class DataParallel:
         self.layers = layers
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self.workarounds = _xla_cpu.for_data_parallel(self.devices[0].platform, len(self.devices))
+        self._run_ahead = _xla_cpu.RunAhead(self.workarounds.run_ahead)
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
@@ -240,12 +240,8 @@ class DataParallel:
         )
         new_state = DPState(params, model_state, opt_state, state.step + 1, state.rng)
         host = time.perf_counter() - t0
-        # bounded run-ahead: XLA's CPU client aborts (40 s rendezvous timeout) when many
-        # queued steps hold collectives on few cores; wait for the step _WINDOW back
-        self._in_flight.append(loss)
-        if len(self._in_flight) > _WINDOW:
-            self._in_flight.popleft().block_until_ready()
-        return new_state, DPMetrics([loss], host)
+        self._run_ahead.dispatched(loss)  # bounded on XLA's CPU client (pdjax._xla_cpu)
+        return new_state, DPMetrics([loss], host, self.workarounds.reasons)
 
     def evaluate(self, state: DPState, inputs: PyTree) -> PyTree:
         """The model's outputs in eval mode (no dropout, BatchNorm running statistics).
