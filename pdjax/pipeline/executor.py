@@ -37,7 +37,6 @@ import numpy as np
 import optax
 
 from pdjax import _xla_cpu
-from pdjax._sharding import first_device as device_of_process
 from pdjax._sharding import held
 from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
@@ -917,22 +916,13 @@ class Pipeline:
 
     def _broadcast(self, s: int, tree: PyTree) -> PyTree:
         """``tree`` of stage ``s`` (real on its process, shapes elsewhere) on every process;
-        elsewhere on that process's first device. Every process calls it, in one order."""
+        elsewhere on that process's first device. Every process calls it, in one order;
+        values travel through the pipeline's transport."""
         stage = self.stages[s]
         source = stage.devices[0]  # one replica, from the process that holds this device
-        owner = source.process_index
-        here = jax.sharding.SingleDeviceSharding(source)
-        out = tree
-        for q in range(jax.process_count()):
-            if q == owner or self.process_index not in (q, owner):
-                continue
-            target = jax.sharding.SingleDeviceSharding(device_of_process(q))
-            if self.process_index == owner:
-                replica = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
-                jax.block_until_ready(jax.device_put(replica, target))
-            else:
-                out = jax.device_put(_remote(here, tree), target)
-        return out
+        if source.process_index == self.process_index:
+            tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
+        return self.transport.broadcast(tree, source)
 
 
 def _unaliased(tree: PyTree, other: PyTree) -> PyTree:

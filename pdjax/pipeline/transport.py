@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax._sharding import first_device
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
 from pdjax.pipeline.stage import Stage
@@ -82,6 +83,31 @@ class Transport:
             return jax.tree.unflatten(treedef, out)
 
         return move
+
+    def broadcast(self, tree: PyTree, source: jax.Device) -> PyTree:
+        """``tree`` (single-device arrays on ``source`` in its process; anything of the same
+        shapes elsewhere) on every process's first device. Every process calls it."""
+        owner = source.process_index
+        leaves, treedef = jax.tree.flatten(tree)
+        shapes = [(tuple(np.shape(a)), jnp.result_type(a)) for a in leaves]
+        out = leaves
+        for q in range(jax.process_count()):
+            if q == owner or self.me not in (q, owner):
+                continue
+            dst = first_device(q)
+            if self.me == owner:
+                jax.block_until_ready(
+                    [
+                        self._single(leaf, source, dst, shape, dtype, send=True)
+                        for leaf, (shape, dtype) in zip(leaves, shapes, strict=True)
+                    ]
+                )
+            else:
+                out = [
+                    self._single(None, source, dst, shape, dtype, send=False)
+                    for shape, dtype in shapes
+                ]
+        return jax.tree.unflatten(treedef, out)
 
     def drain(self) -> None:
         """Waits until every value this process sent has left (the sender must outlive
