@@ -25,7 +25,7 @@ BUDGET = 90.0  # seconds for one launch of worker processes
 STEPS, M, MB = 2, 4, 4  # optimizer steps (flush) / microbatches per step / samples each
 
 
-def _setup(schedule: str, span: bool = False, three: bool = False):
+def _setup(schedule: str, span: bool = False, three: bool = False, transport: str = "auto"):
     """The model, pipeline and microbatches every run uses (same in every process);
     ``span``: stage 1 replicated on devices 1 and 2, one in each process; ``three``: 3
     stages on devices 0, 1, 2."""
@@ -46,6 +46,7 @@ def _setup(schedule: str, span: bool = False, three: bool = False):
         optax.sgd(0.05),
         schedule=schedule,
         microbatches=M,
+        transport=transport,
     )
     key = jax.random.key(0)
     n = STEPS * M * MB
@@ -55,9 +56,9 @@ def _setup(schedule: str, span: bool = False, three: bool = False):
     return pipe, state, mbs
 
 
-def _train(schedule: str, span: bool = False, three: bool = False):
+def _train(schedule: str, span: bool = False, three: bool = False, transport: str = "auto"):
     """Trains; returns {layer index: params} of every stage, and the losses."""
-    pipe, state, mbs = _setup(schedule, span, three)
+    pipe, state, mbs = _setup(schedule, span, three, transport)
     losses = []
     if schedule == "pipedream":
         state, metrics = pipe.run(state, mbs)
@@ -143,9 +144,16 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     if schedule == "dp":
         save("d", *_dp_train())
         return
-    if schedule.startswith("three-"):
-        params, losses = _train(schedule[6:], three=True)
+    if schedule.startswith("three-"):  # device_put transfers between 3 processes: refused
+        params, losses = _train(schedule[6:], three=True, transport="device_put")
         save("t", _flat(params), losses)
+        return
+    if schedule == "four":  # 4 processes x 1 device: collective transfers
+        for name in ("pipedream", "1f1b"):
+            params, losses = _train(name)
+            save(f"four-{name}-", _flat(params), losses)
+        params, losses = _train("1f1b", span=True)  # stage 1 on processes 1 and 2
+        save("four-span-", _flat(params), losses)
         return
     if schedule.startswith("span-"):
         params, losses = _train(schedule[5:], span=True)
@@ -159,7 +167,12 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
 
 
 def _launch(
-    tmp_path: Path, schedule: str, die: str = "", procs: int = 2, devices: int = 2
+    tmp_path: Path,
+    schedule: str,
+    die: str = "",
+    procs: int = 2,
+    devices: int = 2,
+    budget: float = BUDGET,
 ) -> list[tuple[int, str, float]]:
     """Runs the workers (``procs`` processes of ``devices`` CPU devices); returns per
     process (exit code, output, seconds)."""
@@ -168,7 +181,7 @@ def _launch(
     port = free_port()
     n, procs = procs, []
     t0 = time.monotonic()
-    deadline = t0 + BUDGET
+    deadline = t0 + budget
     for i in range(n):
         env = {
             **os.environ,
@@ -195,7 +208,7 @@ def _launch(
             log.seek(0)
             text = log.read().decode(errors="replace")
             if code is None:
-                text += f"\n[still running after the {BUDGET:.0f} s budget: killed]"
+                text += f"\n[still running after the {budget:.0f} s budget: killed]"
             results.append((code, text, time.monotonic() - t0))
     finally:
         for p, log in procs:
@@ -277,15 +290,46 @@ def test_a_replicated_stage_spans_processes(tmp_path, schedule):
     _assert_saved([tmp_path / f"s{i}.npz" for i in range(2)], _flat(params), losses, exact=False)
 
 
-def test_three_processes_on_cpu_are_refused_with_a_reason(tmp_path):
+def test_device_put_between_three_processes_is_refused_with_a_reason(tmp_path):
     """JAX's CPU transfers pair a receive with a send by counting per sender: a process
-    that sends to two others hangs one of them (or hands it the other's array). pdjax
-    says so before any transfer instead."""
+    that sends to two others hangs one of them (or hands it the other's array). Asked for
+    device_put transfers anyway, pdjax says so before any transfer."""
     results = _launch(tmp_path, "three-pipedream", procs=3, devices=1)
     for i, (code, log, seconds) in enumerate(results):
         assert code not in (0, None), f"process {i} did not fail:\n{log[-3000:]}"
         assert "more than 2 processes (3 here)" in log, log[-3000:]
         assert seconds < 60
+
+
+def test_four_processes_train_like_one(tmp_path):
+    """4 processes x 1 CPU device, transfers through XLA collectives (the default there):
+    pipedream and 1f1b over 4 stages train bit for bit as 4 devices in one process, and a
+    stage replicated across processes 1 and 2 as in one process (its all-reduce crosses
+    processes: rtol 1e-6)."""
+    _all_succeeded(_launch(tmp_path, "four", procs=4, devices=1, budget=150))
+    files = [tmp_path / f"{{}}{i}.npz" for i in range(4)]
+    for name in ("pipedream", "1f1b"):
+        params, losses = _train(name)
+        _assert_saved([Path(str(f).format(f"four-{name}-")) for f in files], _flat(params), losses)
+    params, losses = _train("1f1b", span=True)
+    _assert_saved(
+        [Path(str(f).format("four-span-")) for f in files], _flat(params), losses, exact=False
+    )
+
+
+def test_checkpoint_across_four_processes(tmp_path):
+    """4 processes save one checkpoint (each stage's arrays reach process 0 through a
+    collective), restore it among themselves, and it restores in one process; every
+    resumed run goes on exactly as the run that never stopped."""
+    from pdjax.pipeline.checkpoint import Checkpointer
+
+    _all_succeeded(_launch(tmp_path, "checkpoint", procs=4, devices=1, budget=150))
+    half = STEPS * M // 2
+    pipe, template, mbs = _setup("pipedream")
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        restored, _ = ckpt.restore(template)
+    resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
+    _assert_saved([tmp_path / f"c{i}.npz" for i in range(4)], resumed)
 
 
 def test_dead_peer_stops_the_other(tmp_path):

@@ -192,7 +192,20 @@ def _whole(leaf: Any) -> Any:
 def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
     """``value`` (an array of ``spec``'s shape and dtype, real on process ``src``) sent to
     process ``dst``; the two processes call it together. Returns it on ``dst`` (as host
-    memory), None on ``src``."""
+    memory), None on ``src``. Through ``jax.device_put``, or, with more than 2 processes on
+    CPU (where JAX's CPU transfers cannot tell receivers apart), an XLA collective."""
+    if _collective_transfers():
+        from pdjax.pipeline.transport import Collective
+
+        global _LINKS
+        _LINKS = _LINKS or Collective()
+        a, b = first_device(src), first_device(dst)
+        if jax.process_index() == src:
+            jax.block_until_ready(
+                _LINKS._single(jax.device_put(value, a), a, b, spec.shape, spec.dtype, send=True)
+            )
+            return None
+        return np.asarray(_LINKS._single(None, a, b, spec.shape, spec.dtype, send=False))
     from_, to = (
         jax.sharding.SingleDeviceSharding(first_device(src)),
         jax.sharding.SingleDeviceSharding(first_device(dst)),
@@ -202,6 +215,13 @@ def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
         return None
     remote = jax.make_array_from_single_device_arrays(spec.shape, from_, [], dtype=spec.dtype)
     return np.asarray(jax.device_put(remote, to))
+
+
+_LINKS: Any = None  # the collective links of checkpoint transfers (made on first use)
+
+
+def _collective_transfers() -> bool:
+    return jax.process_count() > 2 and jax.devices()[0].platform == "cpu"
 
 
 def _gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,7 +282,7 @@ class Checkpointer:
         # several processes: process 0 alone reads and writes the directory
         self._process = jax.process_index()
         self._multi = jax.process_count() > 1
-        if self._multi:
+        if self._multi and not _collective_transfers():
             check_cpu_transfers("a checkpoint across processes (gathered on process 0)")
         self._manager = self._new_manager()
 

@@ -709,6 +709,7 @@ class Pipeline:
             link = self.transport.link(src, dst, spec, replicated=scalar)
             if kind == "MOVE":  # within this process: returns a 1-tuple
                 return link
+            self.transport.connect(src, dst, replicated=scalar)
             if kind == "SEND":
                 return lambda v: (link(v), ())[1]
             if kind == "RECV":

@@ -84,6 +84,28 @@ class Transport:
 
         return move
 
+    def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
+        """Sets up, now, whatever the transfers from ``src`` to ``dst`` need (every
+        process calls it for its links, in the program's order). A no-op by default."""
+
+    def _pairs(
+        self, src: Stage, dst: Stage, replicated: bool
+    ) -> list[tuple[jax.Device, jax.Device]]:
+        """The (source device, destination device) parts that cross processes and involve
+        this process, in the order :meth:`_reshard` moves them."""
+        n = len(src.devices) * len(dst.devices)  # rows cut in every part's common multiple
+        out = []
+        for i, d in enumerate(dst.devices):
+            lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
+            sources = [src.devices[0]] if replicated else src.devices
+            for j, e in enumerate(sources):
+                start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
+                if max(lo, start) >= min(hi, stop) or d.process_index == e.process_index:
+                    continue
+                if self.me in (d.process_index, e.process_index):
+                    out.append((e, d))
+        return out
+
     def broadcast(self, tree: PyTree, source: jax.Device) -> PyTree:
         """``tree`` (single-device arrays on ``source`` in its process; anything of the same
         shapes elsewhere) on every process's first device. Every process calls it."""
@@ -210,6 +232,23 @@ class Collective(Transport):
         super().__init__()
         self._links: dict[tuple[int, int], Any] = {}
 
+    def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
+        """Sets up every gloo communicator these transfers use before the first one: it
+        must not wait on a peer that is still compiling (a 30 s limit; see
+        ``pdjax.pipeline._collective``)."""
+        for e, d in self._pairs(src, dst, replicated):
+            self._link(e, d)
+
+    def _link(self, src: jax.Device, dst: jax.Device) -> Any:
+        from pdjax.pipeline._collective import CollectiveLink
+
+        key = (src.id, dst.id)
+        link = self._links.get(key)
+        if link is None:
+            link = self._links[key] = CollectiveLink(src, dst)
+            link.connect()
+        return link
+
     def _single(
         self,
         piece: jax.Array | None,
@@ -220,12 +259,7 @@ class Collective(Transport):
         *,
         send: bool,
     ) -> jax.Array:
-        from pdjax.pipeline._collective import CollectiveLink
-
-        key = (src.id, dst.id)
-        link = self._links.get(key)
-        if link is None:
-            link = self._links[key] = CollectiveLink(src, dst)
+        link = self._link(src, dst)
         if send:
             return link.send(piece)
         return link.recv(jax.ShapeDtypeStruct(shape, dtype))
