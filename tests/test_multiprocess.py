@@ -144,6 +144,13 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     if schedule == "dp":
         save("d", *_dp_train())
         return
+    if schedule.startswith("threecol-"):  # 3 processes, collective transfers
+        if die == str(pid):
+            _setup(schedule[9:], three=True)
+            os._exit(7)  # dies before its first transfer; the others wait on it
+        params, losses = _train(schedule[9:], three=True)
+        save("tc", _flat(params), losses)
+        return
     if schedule.startswith("three-"):  # device_put transfers between 3 processes: refused
         params, losses = _train(schedule[6:], three=True, transport="device_put")
         save("t", _flat(params), losses)
@@ -330,6 +337,18 @@ def test_checkpoint_across_four_processes(tmp_path):
         restored, _ = ckpt.restore(template)
     resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
     _assert_saved([tmp_path / f"c{i}.npz" for i in range(4)], resumed)
+
+
+def test_dead_peer_stops_the_others_in_collectives(tmp_path):
+    """Process 1 of 3 dies while the others wait in a collective transfer on it: they end
+    with an error after the heartbeat timeout, not a hang."""
+    results = _launch(tmp_path, "threecol-pipedream", die="1", procs=3, devices=1)
+    assert results[1][0] == 7
+    for i in (0, 2):
+        code, log, seconds = results[i]
+        assert code not in (0, None), f"process {i} did not end:\n{log[-3000:]}"
+        assert "another task died" in log or "unhealthy" in log or "died" in log, log[-3000:]
+        assert seconds < 40  # 5 s heartbeat timeout, plus start-up
 
 
 def test_dead_peer_stops_the_other(tmp_path):
