@@ -16,7 +16,15 @@ queue short:
 - *one at a time*: a replicated pipeline stage's programs run one after the other (in
   one process, XLA's CPU devices share one thread pool, so little overlap is lost).
 
-Neither applies to GPUs or TPUs, whose collectives do not take threads from a shared pool.
+A third: donating a buffer that programs already queued still read makes the CPU client
+wait, on the dispatching thread, until they finish (measured: a fused backward-update that
+donated the weights a queued forward still read held the driver 6 ms per microbatch on a
+pinned worker, and stalled the pipeline). So on CPU the fused updates do not donate the
+weights they replace (``donate_weights``): the replaced version lives until the update
+finishes, one more weight copy for its duration. Gradient sums and optimizer states have
+no other reader and are donated everywhere.
+
+None of these applies to GPUs or TPUs, whose programs are ordered by streams.
 :class:`Workarounds` says which apply to a runner; runners report it in their metrics.
 """
 
@@ -44,11 +52,13 @@ class Workarounds:
         steps (data parallelism) back; None: it never waits.
       one_at_a_time: per pipeline stage, whether its programs run one at a time.
       reasons: one line per workaround applied (empty off CPU).
+      donate_weights: whether updates may donate the weights they replace.
     """
 
     run_ahead: int | None
     one_at_a_time: tuple[bool, ...] = ()
     reasons: tuple[str, ...] = ()
+    donate_weights: bool = True
 
 
 def for_pipeline(
@@ -62,13 +72,16 @@ def for_pipeline(
     """The workarounds for a pipeline whose stages have ``replicas`` devices each;
     ``collectives``: its transfers are XLA collectives too (the collective transport)."""
     replicated = tuple(r > 1 and platform == "cpu" for r in replicas)
-    if platform != "cpu" or not (any(replicated) or collectives):
+    if platform != "cpu":
         return Workarounds(None, (False,) * len(replicas))
+    keep = "updates keep the weights they replace (donating them would block the driver)"
+    if not (any(replicated) or collectives):
+        return Workarounds(None, replicated, (keep,), donate_weights=False)
     window = 4 * max(microbatches_per_step, groups)
     reasons = [f"run-ahead bounded to {window} microbatches (collectives on XLA's CPU client)"]
     if any(replicated):
         reasons.append("replicated stages run one program at a time (XLA's CPU client)")
-    return Workarounds(window, replicated, tuple(reasons))
+    return Workarounds(window, replicated, (*reasons, keep), donate_weights=False)
 
 
 def for_data_parallel(platform: str, devices: int) -> Workarounds:

@@ -224,6 +224,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         microbatches=M,
         devices=jax.devices(),
         extra_in_flight=r.get("extra", 0),
+        transport=r.get("transport", "auto"),
     )
     x, y = jax.tree.map(np.asarray, spec.sample_batch(b * units, seed))
     mbs = [jax.tree.map(lambda a, k=k: a[k * b : (k + 1) * b], (x, y)) for k in range(units)]
@@ -290,7 +291,8 @@ class Row:
       model: a :data:`CLUSTER_MODELS` name.
       link_mbit: the link's configured rate (Mbit/s), or None for unshaped loopback.
       runner: ``single``, ``dp``, ``pipedream``, ``pipedream+1`` (one more microbatch in
-        flight at the first stage: latency hiding) or ``1f1b``.
+        flight at the first stage: latency hiding), ``.../coll`` (transfers through a gloo
+        collective instead of ``jax.device_put``) or ``1f1b``.
       stages: the layout (``"1 worker"``, ``"DP x2"``, ``"0-6 | 7-15"``).
       measured: median seconds per microbatch.
       planner: the planner's steady-state prediction (no fill/drain, no update).
@@ -639,6 +641,13 @@ def run_cluster(
                     # latency hiding: one more microbatch in flight at stage 0
                     runners.insert(1, {"name": "pipedream", "label": "pipedream+1", "extra": 1,
                                        "units": units, "stages": split})  # fmt: skip
+                    # the other transport: a gloo collective per transfer, not device_put
+                    runners.insert(1, {"name": "pipedream", "label": "pipedream/coll",
+                                       "transport": "collective", "units": units,
+                                       "stages": split})  # fmt: skip
+                    runners.insert(1, {"name": "pipedream", "label": "pipedream+1/coll",
+                                       "transport": "collective", "extra": 1, "units": units,
+                                       "stages": split})  # fmt: skip
                 where = "loopback" if rate is None else f"{rate:g} Mbit/s"
                 log(f"({experiment}) {model}: {', '.join(r['name'] for r in runners)} on {where}")
                 got = _launch({**base, "runners": runners}, 2, rate, emulate, work)
@@ -680,7 +689,7 @@ def run_cluster(
                 chosen = plan_pipedream(prof, topo, fewer_machines=True, microbatch_size=microbatch)
                 runner, how = _describe_plan(chosen)
                 best = min(measured, key=measured.__getitem__)
-                best_kind = best.split("+")[0]  # pipedream+1 is a pipedream plan
+                best_kind = best.split("+")[0].split("/")[0]  # pipedream+1/coll: pipedream
                 choices.append(
                     {
                         "model": model,

@@ -76,6 +76,9 @@ class TrainConfig:
       vertical_sync: ``pipedream`` option.
       weight_stashing: ``pipedream`` option.
       seq_len: tokens per window for ``text``.
+      extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
+        (latency hiding).
+      transport: how values cross processes (``auto``, ``device_put``, ``collective``).
       straight: ``plan="auto"`` without replication (a pure pipeline, one stage per
         device), as PipeDream's optimizer offers.
     """
@@ -98,6 +101,8 @@ class TrainConfig:
     weight_stashing: bool = True
     seq_len: int = 16
     straight: bool = False
+    extra_in_flight: int = 0
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -122,6 +127,14 @@ class TrainConfig:
             raise PipelineError(
                 "vertical sync and no weight stashing are options of the pipedream schedule"
             )
+        if self.extra_in_flight and self.schedule != "pipedream":
+            raise PipelineError("extra microbatches in flight are an option of pipedream")
+        if self.extra_in_flight < 0:
+            raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
+        if self.transport not in ("auto", "device_put", "collective"):
+            raise PipelineError(
+                f"unknown transport {self.transport!r}; choose auto, device_put or collective"
+            )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
 
@@ -137,6 +150,8 @@ class TrainConfig:
             name += " (no stashing)"
         if name == "pipedream" and self.vertical_sync:
             name += " (vertical sync)"
+        if self.extra_in_flight:
+            name += f" (+{self.extra_in_flight} in flight)"
         return name
 
 
@@ -322,6 +337,8 @@ def make_runner(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, st
         vertical_sync=cfg.vertical_sync,
         weight_stashing=cfg.weight_stashing,
         devices=devices,
+        extra_in_flight=cfg.extra_in_flight,
+        transport=cfg.transport,
     )
     for s, r in enumerate(runner.replicas):
         if cfg.microbatch_size % r:

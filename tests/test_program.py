@@ -109,6 +109,16 @@ def test_pipedream_without_stashing_recomputes_at_the_newest_weights():
     assert prog.peak_versions == (1, 1)
 
 
+def test_updates_donate_the_weights_they_replace_only_where_allowed():
+    """pipedream P = 1: from the second update on, the fused update reuses the replaced
+    version's buffers (never the caller's version 0); off where donating blocks (CPU)."""
+    sched = generate("pipedream", 1, 3)
+    flags = [sorted(op.flags) for op in lower(sched, _local(1)).ops[0] if op.kind == "FBU"]
+    assert flags == [["newest"], ["donate_w", "newest"], ["donate_w", "newest"]]
+    kept = lower(sched, _local(1), donate_weights=False)
+    assert not any("donate_w" in op.flags for op in kept.ops[0])
+
+
 def test_waits_and_callbacks_are_operations():
     prog = lower(
         generate("1f1b", 2, 2),

@@ -200,14 +200,15 @@ def test_timeline_on_loss_and_several_runs_match_the_reference():
     seen = []
     state, m0 = pipe.run(state, mbs[:M], on_loss=lambda k, loss: seen.append((k, loss)))
     state, m1 = pipe.run(state, mbs[M : 2 * M], timeline=True)
-    state, m2 = pipe.run(state, mbs[2 * M :])
+    later = []
+    state, m2 = pipe.run(state, mbs[2 * M :], on_loss=lambda k, loss: later.append(k))
     ref, _, ref_losses = flush_training(
         spec.layers, spec.loss, optax.adam(1e-2), variables, mbs, M, state.rng
     )
     _close([v["params"] for v in pipe.variables(state)], ref)
     losses = [float(v) for m in (m0, m1, m2) for v in m.losses]
     np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
-    assert [k for k, _ in seen] == [0, 1]
+    assert [k for k, _ in seen] == [0, 1] and later == [0, 1]  # each call its own callback
     np.testing.assert_allclose([float(v) for _, v in seen], losses[:M], rtol=1e-6)
     spans = m1.timeline.spans
     assert sorted(str(s.action) for s in spans) == sorted(
@@ -277,27 +278,25 @@ def test_async_schedules_with_replication_and_batchnorm(schedule):
 
 def test_updates_reuse_the_gradient_buffers():
     """The update does not hold old weights, new weights and gradients at once: the new
-    weights take the donated gradient sum's buffers (U), or the replaced version's when
-    nothing reads it later (a fused backward-update without a sum)."""
+    weights take the donated gradient sum's buffers. (Fused updates without a sum donate
+    the replaced weights instead, except on CPU: tests/test_program.py.)"""
     spec = get_model("mlp", "tiny")
     pipe = Pipeline(
         spec.layers,
         even_stages(len(spec.layers), 2),
         spec.loss,
-        optax.sgd(0.1),
-        schedule="pipedream",
+        optax.adam(1e-3),
+        schedule="gpipe",
+        microbatches=2,
     )
-    mbs = _mbs(spec, 6, 4)
+    mbs = _mbs(spec, 2, 4)
     state = pipe.init(jax.random.key(0), mbs[0][0])
-    state, _ = pipe.run(state, mbs)
-    stage = pipe.stages[0]
-    names = set(stage.trace_counts)
-    assert any("BU" in n and "donate_w" in n for n in names), names
-    w = state.params[0]
+    w, o = state.params[0], state.opt_state[0]
     weight_bytes = sum(a.nbytes for a in jax.tree.leaves(w))
     grads = jax.tree.map(jnp.zeros_like, w)
-    u = stage.program("U").lower(grads, w, state.opt_state[0]).compile().memory_analysis()
-    assert u.alias_size_in_bytes >= weight_bytes, (u.alias_size_in_bytes, weight_bytes)
+    u = pipe.stages[0].program("U").lower(grads, w, o).compile().memory_analysis()
+    # the gradient sum becomes the new weights, the old moments the new moments
+    assert u.alias_size_in_bytes >= 3 * weight_bytes, (u.alias_size_in_bytes, weight_bytes)
 
 
 def test_xla_cpu_workarounds_have_one_home():
@@ -307,10 +306,36 @@ def test_xla_cpu_workarounds_have_one_home():
     spec = get_model("mlp", "tiny")
     L = len(spec.layers)
     straight = Pipeline(spec.layers, even_stages(L, 2), spec.loss, optax.sgd(0.1))
-    assert straight.workarounds == _xla_cpu.Workarounds(None, (False, False))
+    assert straight.workarounds.run_ahead is None
+    assert straight.workarounds.one_at_a_time == (False, False)
+    assert not straight.workarounds.donate_weights  # it would block the driver on CPU
     hybrid = Pipeline(spec.layers, even_stages(L, 2, 2), spec.loss, optax.sgd(0.1))
     assert hybrid.workarounds.one_at_a_time == (True, True)
     assert hybrid.workarounds.run_ahead == 4 * 2
-    assert _xla_cpu.for_pipeline("gpu", (2, 2), 4, 2).run_ahead is None
+    gpu = _xla_cpu.for_pipeline("gpu", (2, 2), 4, 2)
+    assert gpu.run_ahead is None and gpu.donate_weights and not gpu.reasons
     dp = DataParallel(spec.layers, spec.loss, optax.sgd(0.1), devices=jax.devices()[:2])
     assert dp.workarounds.run_ahead == _xla_cpu.DP_WINDOW and dp.workarounds.reasons
+
+
+def test_init_builds_each_stage_on_its_own_devices(monkeypatch):
+    """Each stage's layers are initialised on that stage's devices (the whole model's init,
+    which would build every layer on one device, is never called), to the values the whole
+    model's init gives."""
+    from pdjax.layers import LayerSequence
+
+    spec = get_model("cnn", "tiny")
+    L = len(spec.layers)
+    pipe = Pipeline(spec.layers, even_stages(L, 3, first_device=1), spec.loss, optax.sgd(0.1))
+    x = spec.sample_input(4, jax.random.key(0))
+    with monkeypatch.context() as m:
+        m.setattr(LayerSequence, "init", lambda *a: pytest.fail("whole-model init called"))
+        state = pipe.init(jax.random.key(5), x)
+    whole = jax.jit(spec.layers.init)(jax.random.fold_in(jax.random.key(5), 0), x)
+    _close([v["params"] for v in pipe.variables(state)], [v["params"] for v in whole])
+    for s, stage in enumerate(pipe.stages):
+        for leaf in jax.tree.leaves((state.params[s], state.opt_state[s])):
+            assert leaf.sharding.device_set == set(stage.devices), (s, leaf.sharding)
+    assert not any(
+        jax.devices()[0] in leaf.sharding.device_set for leaf in jax.tree.leaves(state.params)
+    )

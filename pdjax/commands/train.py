@@ -49,6 +49,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--no-weight-stashing", action="store_true", help="pipedream without weight stashing"
     )
+    p.add_argument(
+        "--extra-in-flight",
+        type=int,
+        default=0,
+        metavar="E",
+        help="pipedream: E more microbatches in flight per stage (hides transfer latency; "
+        "one more stashed version and activation each)",
+    )
     p.add_argument("--seq-len", type=int, default=16, help="tokens per window (text)")
     p.add_argument(
         "--compare",
@@ -66,6 +74,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--devices counts the devices of all processes",
     )
     g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument(
+        "--transport",
+        default="auto",
+        choices=("auto", "device_put", "collective"),
+        help="how activations cross processes (auto: device_put up to 2 processes on CPU, "
+        "collectives beyond)",
+    )
     g.add_argument("--process-id", type=int, help="this process, 0..N-1")
     g.add_argument("--coordinator", help="HOST:PORT of process 0 (the coordination service)")
     g.add_argument(
@@ -95,7 +110,11 @@ def set_cpu_devices(n: int) -> None:
 def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {"schedule": args.schedule}
     if args.schedule == "pipedream":
-        base.update(vertical_sync=args.vertical_sync, weight_stashing=not args.no_weight_stashing)
+        base.update(
+            vertical_sync=args.vertical_sync,
+            weight_stashing=not args.no_weight_stashing,
+            extra_in_flight=args.extra_in_flight,
+        )
     runs = [base]
     for name in filter(None, (c.strip() for c in args.compare.split(","))):
         if name == "pipedream-nostash":
@@ -139,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
         target_accuracy=args.target_accuracy,
         seq_len=args.seq_len,
         straight=args.straight,
+        transport=args.transport,
     )
     # every configuration is checked before the first run trains
     configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]

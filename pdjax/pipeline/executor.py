@@ -334,6 +334,7 @@ class Pipeline:
         self._programs: dict[Any, Program] = {}
         self._bound: dict[Any, Any] = {}
         self._rng_cache: tuple[jax.Array, dict[str, jax.Array]] | None = None
+        self._on_loss: Callable[[int, jax.Array], None] | None = None
         self._splitters: dict[Any, Any] = {}
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
@@ -380,7 +381,9 @@ class Pipeline:
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), sample
         )
         if variables is None:
-            variables = jax.eval_shape(self.layers.init, jax.random.key(0), specs)
+            variables, _ = jax.eval_shape(
+                partial(_init_layers, self.layers.layers, 0), jax.random.key(0), specs
+            )
         x = specs
         for s, spec in enumerate(self.stage_specs):
             for i in range(spec.first_layer, spec.last_layer + 1):
@@ -420,16 +423,7 @@ class Pipeline:
     def _init_stage(self, stage: Stage, first: int) -> Any:
         """Jitted: a stage's layers initialised as :meth:`LayerSequence.init` does (layer
         ``i`` from ``fold_in(key, i)``, fed the layer before's output), on its devices."""
-
-        def init(key: jax.Array, x: PyTree) -> tuple[list[Variables], PyTree]:
-            out = []
-            for j, layer in enumerate(stage.layers):
-                v = layer.init(jax.random.fold_in(key, first + j), x)
-                x, _ = layer.apply(v, x, train=False)
-                out.append(v)
-            return out, x
-
-        return jax.jit(init, out_shardings=stage.replicated)
+        return jax.jit(partial(_init_layers, stage.layers, first), out_shardings=stage.replicated)
 
     def state_from_variables(
         self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array
@@ -659,6 +653,7 @@ class Pipeline:
                 run_ahead=self.workarounds.run_ahead,
                 one_at_a_time=self.workarounds.one_at_a_time if not timeline else None,
                 on_loss=on_loss,
+                donate_weights=self.workarounds.donate_weights,
             )
             self._programs[key] = prog
         return prog
@@ -715,8 +710,8 @@ class Pipeline:
             if kind == "RECV":
                 return lambda: (link(None),)
             return lambda v: (link(v),)
-        if kind == "LOSS":
-            return lambda loss, k=op.mb: (on_loss(k, loss), ())[1]
+        if kind == "LOSS":  # this call's callback (bound programs outlive a call)
+            return lambda loss, k=op.mb: (self._on_loss(k, loss), ())[1]
         if kind in ("WAIT", "SYNC"):
             return _wait
         prog_fn = self.stages[op.stage].program(kind, op.flags)
@@ -737,6 +732,7 @@ class Pipeline:
     ) -> tuple[PipelineState, RunMetrics]:
         S, N, last = self.num_stages, len(microbatches), self.num_stages - 1
         code, slots = self._bind(prog, state, microbatches[0][0], on_loss)
+        self._on_loss = on_loss
         reg: list[Any] = [None] * len(slots)
         for name, value in self._inputs(state, microbatches).items():
             if name in slots:
@@ -924,6 +920,19 @@ class Pipeline:
         if source.process_index == self.process_index:
             tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)
+
+
+def _init_layers(
+    layers: Sequence[Any], first: int, key: jax.Array, x: PyTree
+) -> tuple[list[Variables], PyTree]:
+    """``layers`` (model layers ``first ..``) initialised as :meth:`LayerSequence.init`
+    does, and the last one's output."""
+    out = []
+    for j, layer in enumerate(layers):
+        v = layer.init(jax.random.fold_in(key, first + j), x)
+        x, _ = layer.apply(v, x, train=False)
+        out.append(v)
+    return out, x
 
 
 def _unaliased(tree: PyTree, other: PyTree) -> PyTree:

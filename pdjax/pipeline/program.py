@@ -198,6 +198,7 @@ def lower(
     run_ahead: int | None = None,
     one_at_a_time: Sequence[bool] | None = None,
     on_loss: bool = False,
+    donate_weights: bool = True,
 ) -> Program:
     """Lowers a validated ``schedule`` over ``placement`` into per-process programs.
 
@@ -213,6 +214,9 @@ def lower(
         microbatch ``k - run_ahead``'s (None: never).
       one_at_a_time: per stage, wait for each of its operations before the next.
       on_loss: report each loss to a callback as it is dispatched (``LOSS`` operations).
+      donate_weights: fused updates reuse the buffers of the weights they replace when
+        nothing reads them later (``donate_w``); off where donating a buffer that queued
+        programs still read blocks the driver (XLA's CPU client: ``pdjax._xla_cpu``).
 
     Raises:
       PipelineError: for a placement that does not fit the schedule, or a program that
@@ -226,7 +230,8 @@ def lower(
     ops = _in_dependency_order(ops, _caller_slots(schedule))
     if one_at_a_time is not None:
         ops = _one_at_a_time(ops, one_at_a_time)
-    ops = _donate_dropped_weights(ops, schedule)
+    if donate_weights:
+        ops = _donate_dropped_weights(ops, schedule)
     peak = _peak_versions(ops, S)
     per_process, inputs, outputs = [], [], []
     for p in range(placement.num_processes):

@@ -48,6 +48,18 @@ class LayerProfile:
       forward_seconds: forward time, or None if neither measured nor estimated.
       backward_seconds: backward time, or None.
       output_shape: a readable rendering of the output's shapes and dtypes.
+      input_grad_flops: FLOPs of the backward's input gradient alone (zero bubble's ``I``:
+        the layer's pullback keeping only the input's cotangent), or None if not counted.
+        0 for a layer whose input needs no gradient (the first layer, integer inputs).
+      weight_grad_flops: FLOPs of the backward's weight gradient alone (``W``: the
+        pullback keeping only the parameters' cotangents), or None. 0 without parameters.
+      input_grad_seconds: the time of that input gradient alone (measured or estimated
+        like ``backward_seconds``), or None.
+      weight_grad_seconds: the time of that weight gradient alone, or None.
+
+    ``I`` and ``W`` are separate programs: their sum is ``backward_seconds`` only where the
+    two share no work (a dense or convolution layer); their ratio is what
+    :func:`pdjax.pipeline.weight_grad_fraction` reads.
     """
 
     name: str
@@ -65,6 +77,10 @@ class LayerProfile:
     forward_seconds: float | None = None
     backward_seconds: float | None = None
     output_shape: str = ""
+    input_grad_flops: float | None = None
+    weight_grad_flops: float | None = None
+    input_grad_seconds: float | None = None
+    weight_grad_seconds: float | None = None
 
     @property
     def stash_bytes(self) -> int:
@@ -194,11 +210,18 @@ class Profile:
     def replace_times(
         self, forward: Sequence[float], backward: Sequence[float], time_source: str
     ) -> Profile:
-        """A copy with new per-layer seconds."""
+        """A copy with new per-layer seconds. The seconds of the input and weight gradients
+        alone, which came with the old ones, are dropped (their FLOPs stay)."""
         if len(forward) != len(self.layers) or len(backward) != len(self.layers):
             raise ProfileError("need one forward and one backward time per layer")
         layers = tuple(
-            dataclasses.replace(layer, forward_seconds=float(f), backward_seconds=float(b))
+            dataclasses.replace(
+                layer,
+                forward_seconds=float(f),
+                backward_seconds=float(b),
+                input_grad_seconds=None,
+                weight_grad_seconds=None,
+            )
             for layer, f, b in zip(self.layers, forward, backward, strict=True)
         )
         return dataclasses.replace(self, layers=layers, time_source=time_source)

@@ -6,10 +6,16 @@ For each layer, on its input's shape (the previous layer's output), pdjax compil
 * the backward alone: the VJP's residuals and an output cotangent in, parameter
   gradients (and, past the first layer, the input gradient) out — exactly the work a
   pipeline stage's backward does,
+* for a layer with parameters that also computes its input gradient, that backward split
+  in two as zero bubble (``zb-h1``) runs it: the input gradient alone (``I``: the same
+  pullback keeping only the input's cotangent) and the weight gradient alone (``W``:
+  keeping only the parameters'); XLA drops the other half of each,
 and reads FLOPs and bytes accessed from ``compiled.cost_analysis()``. Compiling needs
 only shapes, so paper-size models profile without allocating their weights. With
-``measure=True`` the forward and backward are also run on a device (warm-up, then the
-median of several timed runs).
+``measure=True`` the same compiled programs are also run on a device (warm-up, then the
+median of several timed runs). A layer without parameters has ``W = 0`` and ``I`` = its
+backward; one without input gradient has ``I = 0`` and ``W`` = its backward: neither
+needs another program.
 
 Known limits of XLA's counts: a ``scan``/``fori_loop`` body (e.g. an LSTM over time) is
 counted once, not once per iteration — measure such models; convolution FLOPs exclude
@@ -82,19 +88,28 @@ class _LayerFns:
         def backward(pullback: Any, ct: PyTree) -> Any:
             return pullback(ct)
 
+        def input_grad_only(pullback: Any, ct: PyTree) -> PyTree:
+            return pullback(ct)[1]
+
+        def weight_grad_only(pullback: Any, ct: PyTree) -> PyTree:
+            return pullback(ct)[0]
+
         self.apply = apply
         self.vjp = vjp
         self.forward = jax.jit(apply)
         self.forward_vjp = jax.jit(vjp)
         self.backward = jax.jit(backward)
+        self.input_grad_only = jax.jit(input_grad_only)
+        self.weight_grad_only = jax.jit(weight_grad_only)
 
 
-def _residual_bytes(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> int:
-    """Bytes of the VJP's residuals that are neither a parameter nor the layer's input."""
+def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tuple[Any, int]:
+    """One abstract trace of the VJP: its pullback (shapes) and the bytes of its residuals
+    that are neither a parameter nor the layer's input."""
     found: list[int] = []
 
-    def probe(params: PyTree, rest: Variables, x: PyTree) -> PyTree:
-        y, pullback = fns.vjp(params, rest, x)
+    def probe(params: PyTree, rest: Variables, x: PyTree) -> Any:
+        _, pullback = fns.vjp(params, rest, x)
         inputs = {id(leaf) for leaf in jax.tree.leaves((params, rest, x))}
         found.append(
             sum(
@@ -103,10 +118,10 @@ def _residual_bytes(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) 
                 if id(leaf) not in inputs and hasattr(leaf, "shape")
             )
         )
-        return y
+        return pullback
 
-    jax.eval_shape(probe, params, rest, x)
-    return found[0]
+    pullback_spec = jax.eval_shape(probe, params, rest, x)
+    return pullback_spec, found[0]
 
 
 def _median_seconds(
@@ -214,23 +229,13 @@ def profile(
         fns = _LayerFns(layer, train, fold, input_grad)
         dtypes.update(str(leaf.dtype) for leaf in jax.tree.leaves(params))
 
-        fwd = fns.forward.lower(params, rest, x_spec).compile()
-        fwd_ca = cost_analysis(fwd)
-        _, pullback_spec = jax.eval_shape(fns.vjp, params, rest, x_spec)
-        ct_spec = jax.tree.map(
-            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype if _is_float(s) else jax.dtypes.float0),
-            y_spec,
-        )
-        bwd = fns.backward.lower(pullback_spec, ct_spec).compile()
-        bwd_ca = cost_analysis(bwd)
-        peak = _peak_bytes(fwd, bwd)
-
-        fwd_s = bwd_s = None
+        pullback_spec, residual_bytes = _trace_vjp(fns, params, rest, x_spec)
         if measure:
+            # lower on the real arguments, so that the programs timed are the ones counted
             v_real = variables[i]
             p_real = v_real.get("params", {})
             r_real = {k: v for k, v in v_real.items() if k != "params"}
-            fwd_s = _median_seconds(fns.forward, (p_real, r_real, x_real), warmup, repeats)
+            fwd_args: tuple[Any, ...] = (p_real, r_real, x_real)
             y_real, pullback = fns.forward_vjp(p_real, r_real, x_real)
             ct = jax.tree.map(
                 lambda y: (
@@ -238,16 +243,50 @@ def profile(
                 ),
                 y_real,
             )
-            bwd_s = _median_seconds(fns.backward, (pullback, ct), warmup, repeats)
+            bwd_args: tuple[Any, ...] = (pullback, ct)
+        else:
+            fwd_args = (params, rest, x_spec)
+            ct_spec = jax.tree.map(
+                lambda s: jax.ShapeDtypeStruct(
+                    s.shape, s.dtype if _is_float(s) else jax.dtypes.float0
+                ),
+                y_spec,
+            )
+            bwd_args = (pullback_spec, ct_spec)
+        fwd = fns.forward.lower(*fwd_args).compile()
+        bwd = fns.backward.lower(*bwd_args).compile()
+        peak = _peak_bytes(fwd, bwd)
+        # zero bubble's split: programs of their own only where both halves have work
+        has_params = bool(jax.tree.leaves(params))
+        split = has_params and input_grad
+        igr = fns.input_grad_only.lower(*bwd_args).compile() if split else None
+        wgr = fns.weight_grad_only.lower(*bwd_args).compile() if split else None
+        counts = {"fwd": cost_analysis(fwd), "bwd": cost_analysis(bwd)}
+        if split:
+            counts["igr"], counts["wgr"] = cost_analysis(igr), cost_analysis(wgr)
+
+        secs: dict[str, float | None] = dict.fromkeys(("fwd", "bwd", "igr", "wgr"))
+        if measure:
+            secs["fwd"] = _median_seconds(fwd, fwd_args, warmup, repeats)
+            secs["bwd"] = _median_seconds(bwd, bwd_args, warmup, repeats)
+            if split:
+                secs["igr"] = _median_seconds(igr, bwd_args, warmup, repeats)
+                secs["wgr"] = _median_seconds(wgr, bwd_args, warmup, repeats)
             x_real = y_real
         elif model is not None:
-            dtype = str(jax.tree.leaves(params)[0].dtype) if jax.tree.leaves(params) else "float32"
-            fwd_s = model.seconds(
-                fwd_ca.get("flops", 0.0), fwd_ca.get("bytes accessed", 0.0), dtype
-            )
-            bwd_s = model.seconds(
-                bwd_ca.get("flops", 0.0), bwd_ca.get("bytes accessed", 0.0), dtype
-            )
+            dtype = str(jax.tree.leaves(params)[0].dtype) if has_params else "float32"
+            for key, ca in counts.items():
+                secs[key] = model.seconds(
+                    ca.get("flops", 0.0), ca.get("bytes accessed", 0.0), dtype
+                )
+        flops = {key: float(ca.get("flops", 0.0)) for key, ca in counts.items()}
+        if not split:  # one half is the whole backward, the other nothing
+            whole, other = ("wgr", "igr") if has_params else ("igr", "wgr")
+            flops[whole], flops[other] = flops["bwd"], 0.0
+            if secs["bwd"] is not None:
+                secs[whole], secs[other] = secs["bwd"], 0.0
+        fwd_ca, bwd_ca = counts["fwd"], counts["bwd"]
+        fwd_s, bwd_s = secs["fwd"], secs["bwd"]
 
         results.append(
             LayerProfile(
@@ -261,11 +300,15 @@ def profile(
                 state_bytes=_nbytes(rest),
                 input_bytes=_nbytes(x_spec),
                 output_bytes=_nbytes(y_spec),
-                residual_bytes=_residual_bytes(fns, params, rest, x_spec),
+                residual_bytes=residual_bytes,
                 peak_bytes=peak,
                 forward_seconds=fwd_s,
                 backward_seconds=bwd_s,
                 output_shape=_render(y_spec),
+                input_grad_flops=flops["igr"],
+                weight_grad_flops=flops["wgr"],
+                input_grad_seconds=secs["igr"],
+                weight_grad_seconds=secs["wgr"],
             )
         )
 
