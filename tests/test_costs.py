@@ -81,6 +81,43 @@ def test_weight_grad_fraction():
     assert weight_grad_fraction(_profile()).tolist() == [0.5, 0.25, 0.0, 0.5]
 
 
+def test_weight_grad_fraction_prefers_measured_then_counted_then_heuristic():
+    heuristic = LayerProfile("d", param_bytes=4, forward_flops=10.0, backward_flops=40.0)
+    counted = dataclasses.replace(heuristic, input_grad_flops=10.0, weight_grad_flops=30.0)
+    measured = dataclasses.replace(counted, input_grad_seconds=3.0, weight_grad_seconds=1.0)
+
+    def fraction(*layers: LayerProfile) -> list[float]:
+        return weight_grad_fraction(Profile.chain(layers, batch_size=1)).tolist()
+
+    assert fraction(heuristic, counted, measured) == [0.25, 0.75, 0.25]
+    # only seconds of both halves count; a half alone, or an empty split, falls through
+    assert fraction(
+        dataclasses.replace(counted, input_grad_seconds=3.0),
+        dataclasses.replace(measured, input_grad_seconds=0.0, weight_grad_seconds=0.0),
+        dataclasses.replace(heuristic, input_grad_flops=0.0, weight_grad_flops=0.0),
+        dataclasses.replace(measured, input_grad_seconds=0.0),
+    ) == [0.75, 0.75, 0.25, 1.0]
+    # no parameters: no weight gradient, whatever the split says
+    assert fraction(dataclasses.replace(measured, param_bytes=0)) == [0.0]
+
+
+def test_costs_split_the_backward_by_the_measured_share():
+    # the simulator's I and W follow the profile's split, and sum to the measured backward
+    split = {"input_grad_seconds": 0.9, "weight_grad_seconds": 0.1}  # measured: w = 0.1
+    base = _profile()
+    layers = list(base.layers)
+    layers[3] = dataclasses.replace(layers[3], **split)  # heuristic would say 1/2
+    layers[1] = dataclasses.replace(layers[1], input_grad_flops=1.0, weight_grad_flops=3.0)
+    topo = Topology.from_levels([2, 2], [10.0, 1.0])
+    plan = _plan(topo, [(0, 1, (0, 1)), (2, 2, (2,)), (3, 3, (3,))])
+    st0, _, st2 = costs_from_plan(plan, dataclasses.replace(base, layers=tuple(layers))).stages
+    s = 0.5
+    assert (st2.input_grad, st2.weight_grad) == pytest.approx((6.0 * 0.9 * s, 6.0 * 0.1 * s))
+    # layer 1 counted: w = 3/4 instead of the heuristic's 1/4
+    assert st0.weight_grad == pytest.approx((2.0 * 0.5 + 4.0 * 0.75) * s / 2)
+    assert st0.input_grad + st0.weight_grad == pytest.approx((2.0 + 4.0) * s / 2)
+
+
 def test_costs_of_a_hand_made_plan():
     # 2 servers of 2 devices: 10 B/s inside a server, 1 B/s between servers.
     topo = Topology.from_levels([2, 2], [10.0, 1.0])

@@ -10,7 +10,16 @@ import pytest
 
 from pdjax.errors import ProfileError
 from pdjax.layers import sequential
+from pdjax.pipeline import weight_grad_fraction
 from pdjax.profile import LayerProfile, Profile, get_device_model, profile
+
+_SPLIT = ("input_grad_flops", "weight_grad_flops", "input_grad_seconds", "weight_grad_seconds")
+
+
+class _Tanh(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(x)
 
 
 def test_dense_flops_equal_analytic_count():
@@ -63,6 +72,54 @@ def test_measured_times_and_device_model_times():
     assert half.layers[0].forward_seconds == pytest.approx(2 * modelled.layers[0].forward_seconds)
 
 
+def test_dense_backward_splits_into_input_and_weight_gradients_of_equal_flops():
+    # zero bubble's I (dx = ct W^T) and W (dW = x^T ct, db = sum ct): each one matmul
+    b, din, dout = 16, 32, 24
+    seq = sequential(nn.Dense(din), nn.Dense(dout, use_bias=False), nn.Dense(dout), _Tanh())
+    prof = profile(seq, jnp.ones((b, din)))
+    first, nobias, dense, tanh = prof.layers
+    assert nobias.input_grad_flops == nobias.weight_grad_flops == 2 * b * din * dout
+    assert dense.input_grad_flops == 2 * b * dout * dout
+    assert dense.weight_grad_flops == 2 * b * dout * dout + (b - 1) * dout  # + bias sum
+    for layer in (nobias, dense):  # one contraction each: I and W share no work
+        assert layer.input_grad_flops + layer.weight_grad_flops == layer.backward_flops
+    # the first layer needs no input gradient: its backward is all W; tanh's is all I
+    assert (first.input_grad_flops, first.weight_grad_flops) == (0.0, first.backward_flops)
+    assert (tanh.input_grad_flops, tanh.weight_grad_flops) == (tanh.backward_flops, 0.0)
+    assert all(layer.input_grad_seconds is None for layer in prof.layers)
+    frac = weight_grad_fraction(prof)
+    assert frac[1] == 0.5 and frac[3] == 0.0 and frac[0] == 1.0
+    mm, bias = 2 * b * dout * dout, (b - 1) * dout
+    assert frac[2] == pytest.approx((mm + bias) / (2 * mm + bias))  # just over 1/2
+    # with a device model the split's seconds come from the same roofline as B's
+    h100 = get_device_model("h100")
+    modelled = profile(seq, jnp.ones((b, din)), device_model=h100).layers[1]
+    for flops, seconds in (
+        (modelled.input_grad_flops, modelled.input_grad_seconds),
+        (modelled.weight_grad_flops, modelled.weight_grad_seconds),
+    ):
+        assert h100.seconds(flops, 0.0) <= seconds <= modelled.backward_seconds
+
+
+def test_measured_dense_split_is_near_half():
+    # big enough that the matmuls, not the dispatch, take the time
+    seq = sequential(nn.Dense(512, use_bias=False), nn.Dense(512, use_bias=False))
+    prof = profile(seq, jnp.ones((256, 512)), measure=True, warmup=1, repeats=5)
+    layer = prof.layers[1]
+    assert layer.input_grad_seconds > 0 and layer.weight_grad_seconds > 0
+    assert 0.3 < weight_grad_fraction(prof)[1] < 0.7
+    assert prof.layers[0].input_grad_seconds == 0.0
+    assert prof.layers[0].weight_grad_seconds == prof.layers[0].backward_seconds
+    # measured and counted profiles count the same programs
+    counted = profile(seq, jax.ShapeDtypeStruct((256, 512), jnp.float32))
+    for a, b in zip(prof.layers, counted.layers, strict=True):
+        assert (a.input_grad_flops, a.weight_grad_flops) == (
+            b.input_grad_flops,
+            b.weight_grad_flops,
+        )
+        assert (a.forward_flops, a.backward_flops) == (b.forward_flops, b.backward_flops)
+
+
 def test_pytree_activations_and_residuals():
     class Split(nn.Module):
         @nn.compact
@@ -102,6 +159,28 @@ def test_json_round_trip_is_exact(tmp_path):
     prof.save(path)
     assert Profile.load(path) == prof
     assert json.loads(path.read_text())["format"] == "pdjax.profile/1"
+    layer = again.layers[1]
+    assert layer.input_grad_seconds > 0 and layer.weight_grad_flops > 0
+
+
+def test_json_without_the_split_still_loads():
+    # a profile written before the input/weight-gradient split (or by graph.txt) has none
+    prof = profile(sequential(nn.Dense(7), nn.Dense(3)), jnp.ones((5, 4)))
+    data = prof.to_dict()
+    for raw in data["layers"]:
+        for name in _SPLIT:
+            del raw[name]
+    old = Profile.from_json(json.dumps(data))
+    assert all(getattr(layer, name) is None for layer in old.layers for name in _SPLIT)
+    assert Profile.from_json(old.to_json()) == old
+    assert old.layers[1].backward_flops == prof.layers[1].backward_flops
+
+
+def test_replace_times_drops_the_split_seconds_keeps_its_flops():
+    prof = profile(sequential(nn.Dense(7), nn.Dense(3)), jnp.ones((5, 4)), device_model="v100")
+    new = prof.replace_times([1.0, 1.0], [2.0, 2.0], "manual")
+    assert new.layers[1].input_grad_seconds is None and new.layers[1].weight_grad_seconds is None
+    assert new.layers[1].input_grad_flops == prof.layers[1].input_grad_flops
 
 
 def test_profile_is_deterministic_without_measurement():

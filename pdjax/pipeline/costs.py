@@ -20,13 +20,31 @@ samples and a profile of batch ``B`` (``scale = b / B``):
 ``optimizer_bytes``    ``param_bytes * optimizer_state_factor`` (``plan.options``, default 2)
 =====================  =====================================================================
 
-``w_l``, the weight-gradient share of layer ``l``'s backward: XLA profiles (and PipeDream's
-``graph.txt``) time the backward as a whole. A layer without parameters has no weight
-gradient (``w_l = 0``). For a layer with parameters whose forward and backward FLOPs are
-known, the weight gradient is the forward's contraction with one operand swapped (dense,
-convolution: the same FLOPs as the forward), so ``w_l = min(1, forward_flops /
-backward_flops)`` (``1/2`` for a dense or convolution layer that also computes its input
-gradient); without FLOPs, ``w_l = 1/2``. Only ``zb-h1`` (which defers ``W``) depends on it.
+``w_l``, the weight-gradient share of layer ``l``'s backward (:func:`weight_grad_fraction`;
+only ``zb-h1``, which defers ``W``, depends on it). The runtime computes zero bubble's ``I``
+and ``W`` layer by layer (:mod:`pdjax.pipeline.stage`): ``I`` runs each layer's pullback
+keeping its input cotangent and the cotangent at each layer's output, ``W`` applies each
+layer's pullback to that cotangent for the weights only. The profiler
+(:func:`pdjax.profile.profile`) compiles those two programs for every layer, counts their
+FLOPs and, with ``measure=True`` (or a device model), their seconds. ``w_l`` is, in order
+of preference:
+
+1. measured (or modelled): ``weight_grad_seconds / (input_grad_seconds +
+   weight_grad_seconds)``;
+2. counted: ``weight_grad_flops / (input_grad_flops + weight_grad_flops)``;
+3. for profiles without the split (PipeDream's ``graph.txt``, older pdjax profiles), a
+   heuristic: the weight gradient is the forward's contraction with one operand swapped
+   (dense, convolution: the forward's FLOPs), so ``w_l = min(1, forward_flops /
+   backward_flops)``; ``1/2`` without FLOPs.
+
+A layer without parameters has ``w_l = 0``; one whose input needs no gradient (the first
+layer) has ``w_l = 1``. ``I`` and ``W`` split the *measured backward* (``(1 - w_l) B`` and
+``w_l B``), so a stage's ``I + W`` is what its ``B`` costs. That is what the runtime runs
+for a layer that is one contraction (dense, convolution: ``I`` and ``W`` share no work,
+their FLOPs sum exactly to ``B``'s). For a composite layer (a transformer block), ``W``
+replays the layer's pullback through its interior to reach the inner weights, so the
+runtime's ``I + W`` exceeds ``B`` (GPT's block: by about half of ``B`` in FLOPs); the
+simulator prices ``zb-h1`` without that repeated work.
 
 Layers are read as the planner reads them (:func:`pdjax.partition.cost.model_arrays`):
 an ``Input`` source layer (data loading) and unused ``__getitem__`` sinks of PipeDream's
@@ -92,22 +110,40 @@ DEFAULT_OPTIMIZER_STATE_FACTOR = 2.0
 def weight_grad_fraction(profile: Profile) -> np.ndarray:
     """Per layer, the share of its backward seconds that is the weight gradient ``W``.
 
-    0 for a layer without parameters; ``min(1, forward_flops / backward_flops)`` for one
-    with parameters and both FLOP counts; 1/2 otherwise (see the module doc).
+    0 for a layer without parameters; else, from the first of these the layer has (see the
+    module doc): the measured (or modelled) seconds of ``W`` over those of ``I + W``; the
+    FLOPs of ``W`` over those of ``I + W``; ``min(1, forward_flops / backward_flops)``;
+    1/2.
 
     >>> from pdjax.profile import LayerProfile
     >>> layers = [LayerProfile("relu"), LayerProfile("dense", param_bytes=4,
-    ...           forward_flops=2.0, backward_flops=4.0), LayerProfile("w", param_bytes=4)]
+    ...           forward_flops=2.0, backward_flops=4.0), LayerProfile("w", param_bytes=4),
+    ...           LayerProfile("split", param_bytes=4, input_grad_flops=3.0,
+    ...                        weight_grad_flops=1.0, input_grad_seconds=1.0,
+    ...                        weight_grad_seconds=4.0)]
     >>> weight_grad_fraction(Profile.chain(layers, batch_size=1)).tolist()
-    [0.0, 0.5, 0.5]
+    [0.0, 0.5, 0.5, 0.8]
     """
     out = np.zeros(len(profile.layers))
     for i, layer in enumerate(profile.layers):
         if layer.param_bytes <= 0:
             continue
+        share = _share(layer.input_grad_seconds, layer.weight_grad_seconds)
+        if share is None:
+            share = _share(layer.input_grad_flops, layer.weight_grad_flops)
         f, b = layer.forward_flops, layer.backward_flops
-        out[i] = min(1.0, f / b) if f is not None and b is not None and f > 0 and b > 0 else 0.5
+        if share is None and f is not None and b is not None and f > 0 and b > 0:
+            share = min(1.0, f / b)
+        out[i] = 0.5 if share is None else share
     return out
+
+
+def _share(input_grad: float | None, weight_grad: float | None) -> float | None:
+    """``weight_grad / (input_grad + weight_grad)``, or None if unknown or both 0."""
+    if input_grad is None or weight_grad is None or input_grad < 0 or weight_grad < 0:
+        return None
+    total = input_grad + weight_grad
+    return weight_grad / total if total > 0 else None
 
 
 def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> PipelineCosts:

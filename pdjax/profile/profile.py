@@ -57,9 +57,11 @@ class LayerProfile:
         like ``backward_seconds``), or None.
       weight_grad_seconds: the time of that weight gradient alone, or None.
 
-    ``I`` and ``W`` are separate programs: their sum is ``backward_seconds`` only where the
-    two share no work (a dense or convolution layer); their ratio is what
-    :func:`pdjax.pipeline.weight_grad_fraction` reads.
+    ``I`` and ``W`` are separate programs, as zero bubble runs them: their FLOPs sum to
+    ``backward_flops`` where the two share no work (a dense or convolution layer), and to
+    more where ``W`` must go back through the layer's interior to reach inner weights (a
+    transformer block). Their ratio is what :func:`pdjax.pipeline.weight_grad_fraction`
+    reads.
     """
 
     name: str

@@ -124,6 +124,16 @@ def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tu
     return pullback_spec, found[0]
 
 
+def _compile(lowered: Any, run: bool) -> Any:
+    """Compiles ``lowered``. A program only counted, never run, skips the backend's code
+    optimisations on XLA's CPU client: the counts and the memory analysis come from the
+    optimised HLO, which is the same, and compiling a transformer block's forward takes
+    ~0.3 s instead of ~2.7 s."""
+    if run or jax.default_backend() != "cpu":
+        return lowered.compile()
+    return lowered.compile({"xla_backend_optimization_level": 0})
+
+
 def _median_seconds(
     fn: Callable[..., Any], args: tuple[Any, ...], warmup: int, repeats: int
 ) -> float:
@@ -253,14 +263,14 @@ def profile(
                 y_spec,
             )
             bwd_args = (pullback_spec, ct_spec)
-        fwd = fns.forward.lower(*fwd_args).compile()
-        bwd = fns.backward.lower(*bwd_args).compile()
+        fwd = _compile(fns.forward.lower(*fwd_args), measure)
+        bwd = _compile(fns.backward.lower(*bwd_args), measure)
         peak = _peak_bytes(fwd, bwd)
         # zero bubble's split: programs of their own only where both halves have work
         has_params = bool(jax.tree.leaves(params))
         split = has_params and input_grad
-        igr = fns.input_grad_only.lower(*bwd_args).compile() if split else None
-        wgr = fns.weight_grad_only.lower(*bwd_args).compile() if split else None
+        igr = _compile(fns.input_grad_only.lower(*bwd_args), measure) if split else None
+        wgr = _compile(fns.weight_grad_only.lower(*bwd_args), measure) if split else None
         counts = {"fwd": cost_analysis(fwd), "bwd": cost_analysis(bwd)}
         if split:
             counts["igr"], counts["wgr"] = cost_analysis(igr), cost_analysis(wgr)
