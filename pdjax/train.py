@@ -452,7 +452,7 @@ def train(
                 start_epoch = len(history)
 
         if warmup and start_epoch < cfg.epochs:
-            _warm_up(runner, state, ds, cfg)
+            _warm_up(runner, state, ds, cfg, on_progress is not None)
         result = TrainResult(cfg, plan_text, history, "epochs", state=state)
         _mark_target(result)
         if result.target_epoch is not None:
@@ -536,18 +536,22 @@ def train(
         return result
 
 
-def _warm_up(runner: Any, state: Any, ds: data_lib.Dataset, cfg: TrainConfig) -> None:
+def _warm_up(
+    runner: Any, state: Any, ds: data_lib.Dataset, cfg: TrainConfig, progress: bool
+) -> None:
+    """Compiles what an epoch runs, on a copy of the state: a pipeline's program is lowered
+    and bound per number of microbatches in a call (and per progress callback), so the
+    warm-up runs one epoch's worth (of the first epoch's length)."""
     copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
     if cfg.schedule == "dp":
         x, y = ds.train_x[: cfg.batch_size], ds.train_y[: cfg.batch_size]
         jax.block_until_ready(runner.step(copy, (x, y)))
     else:
-        b = cfg.microbatch_size
-        batches = [
-            (ds.train_x[k * b : (k + 1) * b], ds.train_y[k * b : (k + 1) * b])
-            for k in range(cfg.microbatches)
-        ]
-        jax.block_until_ready(runner.run(copy, batches)[0])
+        batches = list(ds.train_batches(cfg.microbatch_size, seed=cfg.seed, epoch=0))
+        if cfg.schedule != "pipedream":
+            batches = batches[: len(batches) - len(batches) % cfg.microbatches]
+        on_loss = (lambda k, loss: None) if progress else None
+        jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
 
 
 def _resumable(config: dict[str, Any]) -> dict[str, Any]:

@@ -663,7 +663,9 @@ class Pipeline:
     ) -> tuple[list[tuple[Any, tuple[int, ...], tuple[int, ...], tuple[int, ...]]], dict[str, int]]:
         """The program's operations of this process as ``(function, input registers,
         output registers, registers to drop)``, and the register of every slot."""
-        key = (id(prog), on_loss is not None)
+        # across processes the receiving side binds shapes: key on the microbatch's too
+        shapes = _shape_key(x) if self.multiprocess else None
+        key = (id(prog), on_loss is not None, shapes)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is prog:
             return hit[1], hit[2]
@@ -920,6 +922,11 @@ class Pipeline:
         if source.process_index == self.process_index:
             tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)
+
+
+def _shape_key(tree: PyTree) -> Any:
+    leaves = jax.tree.leaves(tree)
+    return jax.tree.structure(tree), tuple((np.shape(a), str(jnp.result_type(a))) for a in leaves)
 
 
 def _init_layers(
