@@ -147,13 +147,13 @@ class Stage:
         nres = (3 if last else 2) if recompute else 1
         nct = 0 if last else 1
 
-        def residual_vjp(w: Any, x: Any, res: Sequence[Any]) -> tuple[Any, _Pullbacks]:
+        def pullbacks(w: Any, x: Any, res: Sequence[Any]) -> _Pullbacks:
+            """The per-layer VJPs: rebuilt from kept residuals, or by recomputing."""
             if recompute:
                 st, key = res[0], res[1]
                 tgt = res[2] if last else None
-                _, _, pbs = self._forward_vjp(w, st, x, key, tgt)
-                return None, pbs
-            return None, self._rebuild(w, x, res[0])
+                return self._forward_vjp(w, st, x, key, tgt)[2]
+            return self._rebuild(w, x, res[0])
 
         if kind == "KEYS":
 
@@ -186,7 +186,7 @@ class Stage:
                 w, x = args[0], args[1]
                 res = args[2 : 2 + nres]
                 i = 2 + nres
-                _, pbs = residual_vjp(w, x, res)
+                pbs = pullbacks(w, x, res)
                 if kind == "W":
                     cts = args[i]
                     i += 1
