@@ -720,8 +720,6 @@ class Pipeline:
         if kind == "KEYS":
             n = prog.num_microbatches
             return lambda rng, offset: prog_fn(rng, offset, n)
-        if kind == "SQ":
-            return lambda g: (prog_fn(g),)
         return prog_fn
 
     def _execute(
@@ -765,12 +763,11 @@ class Pipeline:
             losses = [None] * N
         if self.multiprocess:  # the losses live on the last stage's processes
             losses = self._broadcast(last, losses if self.local[last] else [jnp.float32(0)] * N)
-        updates = self._updates_per_stage(prog)
         new_state = PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
             opt_state=tuple(opt_state),
-            updates=tuple(u + n for u, n in zip(state.updates, updates, strict=True)),
+            updates=tuple(u + n for u, n in zip(state.updates, prog.updates, strict=True)),
             microbatches=state.microbatches + N,
             rng=state.rng,
         )
@@ -795,15 +792,6 @@ class Pipeline:
             )
             allgather_json("pipeline run drained")
         return new_state, metrics
-
-    def _updates_per_stage(self, prog: Program) -> tuple[int, ...]:
-        sched = self.schedule(prog.num_microbatches)
-        counts = [0] * self.num_stages
-        for group in sched.actions:
-            for a in group:
-                if a.kind == "U":
-                    counts[a.stage] += 1
-        return tuple(counts)
 
     def _inputs(
         self, state: PipelineState, microbatches: list[tuple[PyTree, PyTree]]

@@ -159,6 +159,7 @@ class Program:
         model state of its stages, losses).
       peak_versions: per stage, the most weight versions alive at once.
       actions: schedule actions covered.
+      updates: per stage, the optimizer updates the call makes.
     """
 
     schedule: str
@@ -168,6 +169,7 @@ class Program:
     outputs: tuple[tuple[str, ...], ...]
     peak_versions: tuple[int, ...]
     actions: int
+    updates: tuple[int, ...] = ()
 
     def table(self, process: int = 0) -> str:
         """One line per operation of ``process``."""
@@ -254,6 +256,10 @@ def lower(
         outputs=tuple(outputs),
         peak_versions=peak,
         actions=sum(len(g) for g in schedule.actions),
+        updates=tuple(
+            sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
+            for s in range(S)
+        ),
     )
 
 

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
+from pdjax.pipeline.optim import StageOptimizer
 
 __all__ = ["LossFn", "Stage"]
 
@@ -78,7 +79,7 @@ class Stage:
         layers: Sequence[Layer],
         first_layer: int,
         devices: Sequence[jax.Device],
-        optimizer: Any,
+        optimizer: optax.GradientTransformation | StageOptimizer,
         loss_fn: LossFn | None = None,
         *,
         train: bool = True,
@@ -89,9 +90,12 @@ class Stage:
         self.layers = tuple(layers)
         self.first_layer = first_layer
         self.devices = tuple(devices)
-        # an optax transformation, or an object with the same ``update`` taking the other
-        # stages' gradient sums of squares too (``pdjax.pipeline.optim.StageOptimizer``)
-        self.optimizer = optimizer if hasattr(optimizer, "sum_squares") else _Alone(optimizer)
+        # a plain optax transformation runs on this stage alone
+        self.optimizer = (
+            optimizer
+            if isinstance(optimizer, StageOptimizer)
+            else StageOptimizer(optimizer, (), scope="stage")
+        )
         self.loss_fn = loss_fn
         self.is_last = loss_fn is not None
         self.train = train
@@ -205,29 +209,11 @@ class Stage:
                     return (*e_out, cts)
                 if not upd:
                     return (out_g, *e_out)
-                wn = w if newest else args[i]
-                i += 0 if newest else 1
-                o = args[i]
-                new_w, new_o = self._update(out_g, wn, o, args[i + 1 :])
+                new_w, new_o = self._fused_update(out_g, w, args[i:], newest)
                 return (new_w, new_o, *e_out)
 
-            # donate: the accumulator, the optimizer state, and the newest weights when
-            # nothing reads them later ("donate_w")
-            pos = 2 + nres + (1 if kind == "W" else nct)
-            donate: list[int] = []
-            if acc:
-                donate.append(pos)
-                pos += 1
-            if upd:
-                if newest:
-                    if "donate_w" in flags:
-                        donate.append(0)
-                else:
-                    if "donate_w" in flags:
-                        donate.append(pos)
-                    pos += 1
-                donate.append(pos)
-            return backward, tuple(donate)
+            first_tail = 2 + nres + (1 if kind == "W" else nct)
+            return backward, _donated(first_tail, acc, upd, newest, "donate_w" in flags)
 
         if kind in ("FB", "FBU"):
             upd = kind == "FBU"
@@ -243,26 +229,10 @@ class Stage:
                 e_out = () if first else (e,)
                 if not upd:
                     return (y, new_st, g, *e_out)
-                wn = w if newest else rest[i]
-                i += 0 if newest else 1
-                new_w, new_o = self._update(g, wn, rest[i], rest[i + 1 :])
+                new_w, new_o = self._fused_update(g, w, rest[i:], newest)
                 return (y, new_st, new_w, new_o, *e_out)
 
-            donate = []
-            pos = 5
-            if acc:
-                donate.append(pos)
-                pos += 1
-            if upd:
-                if newest:
-                    if "donate_w" in flags:
-                        donate.append(0)
-                else:
-                    if "donate_w" in flags:
-                        donate.append(pos)
-                    pos += 1
-                donate.append(pos)
-            return forward_backward, tuple(donate)
+            return forward_backward, _donated(5, acc, upd, newest, "donate_w" in flags)
 
         if kind == "U":
 
@@ -272,7 +242,7 @@ class Stage:
             return update, (0, 2)  # the gradient sum takes the new weights' place
 
         if kind == "SQ":
-            return (lambda g: self.optimizer.sum_squares(self._scaled(g))), ()
+            return (lambda g: (self.optimizer.sum_squares(self._scaled(g)),)), ()
 
         raise ValueError(f"no stage program of kind {kind!r}")
 
@@ -368,6 +338,15 @@ class Stage:
         s = jnp.float32(self.scale)
         return jax.tree.map(lambda a: a * s.astype(a.dtype), g)
 
+    def _fused_update(
+        self, g: list[PyTree], w: list[PyTree], tail: Sequence[Any], newest: bool
+    ) -> tuple[list[PyTree], optax.OptState]:
+        """The update at the end of a fused program; ``tail`` holds ``[w_newest] o
+        [norms...]`` (the newest weights only when the ones read are not the newest)."""
+        if not newest:
+            w, tail = tail[0], tail[1:]
+        return self._update(g, w, tail[0], tail[1:])
+
     def _update(
         self, g: list[PyTree], w: list[PyTree], o: optax.OptState, norms: Sequence[jax.Array]
     ) -> tuple[list[PyTree], optax.OptState]:
@@ -399,20 +378,24 @@ class Stage:
         return place(tree, self.batch_sharding)
 
 
-class _Alone:
-    """An optax transformation applied to one stage's parameters alone (exact when the
-    optimizer treats every parameter on its own: see ``pdjax.pipeline.optim``)."""
-
-    def __init__(self, optimizer: optax.GradientTransformation) -> None:
-        self.optimizer = optimizer
-
-    def init(self, params: PyTree) -> optax.OptState:
-        return self.optimizer.init(params)
-
-    def update(
-        self, grads: PyTree, state: optax.OptState, params: PyTree
-    ) -> tuple[PyTree, optax.OptState]:
-        return self.optimizer.update(grads, state, params)
-
-    def sum_squares(self, grads: PyTree) -> jax.Array:
-        return optax.tree.norm(grads, squared=True)
+def _donated(
+    first_tail: int, acc: bool, update: bool, newest: bool, donate_w: bool
+) -> tuple[int, ...]:
+    """Argument positions a backward program donates: the gradient sum (``acc``, at
+    ``first_tail``), and with a fused update the optimizer state and, when nothing reads
+    them later (``donate_w``), the newest weights (argument 0 when they are the ones read,
+    else passed after the sum)."""
+    donate: list[int] = []
+    pos = first_tail
+    if acc:
+        donate.append(pos)
+        pos += 1
+    if update:
+        if not newest:
+            if donate_w:
+                donate.append(pos)
+            pos += 1
+        elif donate_w:
+            donate.append(0)
+        donate.append(pos)
+    return tuple(donate)

@@ -93,18 +93,12 @@ class Transport:
     ) -> list[tuple[jax.Device, jax.Device]]:
         """The (source device, destination device) parts that cross processes and involve
         this process, in the order :meth:`_reshard` moves them."""
-        n = len(src.devices) * len(dst.devices)  # rows cut in every part's common multiple
-        out = []
-        for i, d in enumerate(dst.devices):
-            lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
-            sources = [src.devices[0]] if replicated else src.devices
-            for j, e in enumerate(sources):
-                start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
-                if max(lo, start) >= min(hi, stop) or d.process_index == e.process_index:
-                    continue
-                if self.me in (d.process_index, e.process_index):
-                    out.append((e, d))
-        return out
+        n = len(src.devices) * len(dst.devices)  # rows every part's split divides exactly
+        return [
+            (e, d)
+            for _, d, e, _, _, _ in _overlaps(n, src, dst, replicated)
+            if d.process_index != e.process_index and self.me in (d.process_index, e.process_index)
+        ]
 
     def broadcast(self, tree: PyTree, source: jax.Device) -> PyTree:
         """``tree`` (single-device arrays on ``source`` in its process; anything of the same
@@ -150,30 +144,23 @@ class Transport:
         me = self.me
         parts: dict[int, list[jax.Array]] = {}
         n = shape[0] if shape and not replicated else 1
-        for i, d in enumerate(dst.devices):
-            lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
-            sources = [src.devices[0]] if replicated else src.devices
-            for j, e in enumerate(sources):
-                start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
-                a, b = max(lo, start), min(hi, stop)
-                if a >= b or me not in (d.process_index, e.process_index):
-                    continue
-                if replicated:
-                    part_shape = shape
-                    piece = _shard_on(leaf, e) if e.process_index == me else None
-                else:
-                    part_shape = (b - a, *shape[1:])
-                    piece = (
-                        _shard_on(leaf, e)[a - start : b - start] if e.process_index == me else None
-                    )
-                if e.process_index == me and d.process_index == me:
-                    got = jax.device_put(piece, d)
-                elif e.process_index == me:
-                    self._sent.append(self._single(piece, e, d, part_shape, dtype, send=True))
-                    continue
-                else:
-                    got = self._single(None, e, d, part_shape, dtype, send=False)
-                parts.setdefault(i, []).append(got)
+        for i, d, e, a, b, start in _overlaps(n, src, dst, replicated):
+            if me not in (d.process_index, e.process_index):
+                continue
+            if replicated:
+                part_shape = shape
+                piece = _shard_on(leaf, e) if e.process_index == me else None
+            else:
+                part_shape = (b - a, *shape[1:])
+                piece = _shard_on(leaf, e)[a - start : b - start] if e.process_index == me else None
+            if e.process_index == me and d.process_index == me:
+                got = jax.device_put(piece, d)
+            elif e.process_index == me:
+                self._sent.append(self._single(piece, e, d, part_shape, dtype, send=True))
+                continue
+            else:
+                got = self._single(None, e, d, part_shape, dtype, send=False)
+            parts.setdefault(i, []).append(got)
         if me not in {d.process_index for d in dst.devices}:
             return None
         sharding = dst.replicated if replicated else dst.batch_sharding
@@ -288,6 +275,25 @@ def _receiver(target: jax.sharding.Sharding) -> Link:
 
 def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
     return i * n // parts, (i + 1) * n // parts
+
+
+def _overlaps(
+    n: int, src: Stage, dst: Stage, replicated: bool
+) -> list[tuple[int, jax.Device, jax.Device, int, int, int]]:
+    """The parts of a value of ``n`` rows moving from ``src`` to ``dst``, in the order every
+    process moves them: ``(destination index, destination device, source device, first row,
+    end row, the source part's first row)``. A batch-sharded value moves each overlap of a
+    source and a destination part; a replicated one goes whole from the first source."""
+    out = []
+    for i, d in enumerate(dst.devices):
+        lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
+        sources = [src.devices[0]] if replicated else src.devices
+        for j, e in enumerate(sources):
+            start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                out.append((i, d, e, a, b, start))
+    return out
 
 
 def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
