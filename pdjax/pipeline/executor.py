@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -130,6 +131,9 @@ class RunMetrics:
       ops: operations of the lowered program this process ran (fused actions count once;
         transfers, waits and per-call set-up count too).
       workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
+      all_reduces: with ``collectives=True``, per operation kind (``B``, ``BU``, ``U``...)
+        the all-reduce operations in the compiled programs this process ran (an XLA
+        all-reduce of several arrays at once counts once).
     """
 
     losses: list[jax.Array]
@@ -140,6 +144,7 @@ class RunMetrics:
     peak_bytes: tuple[int, ...] | None = None
     ops: int = 0
     workarounds: tuple[str, ...] = ()
+    all_reduces: dict[str, int] | None = None
 
     @property
     def loss(self) -> float:
@@ -217,6 +222,7 @@ class Pipeline:
         transport: str = "auto",
         optimizer_scope: str = "model",
         extra_in_flight: int = 0,
+        grad_allreduce: str = "update",
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -236,6 +242,12 @@ class Pipeline:
         if not isinstance(extra_in_flight, int) or extra_in_flight < 0:
             raise PipelineError(f"extra_in_flight must be an integer >= 0, got {extra_in_flight!r}")
         self.extra_in_flight = extra_in_flight
+        if grad_allreduce not in ("update", "backward"):
+            raise PipelineError(
+                f"grad_allreduce must be 'update' or 'backward', got {grad_allreduce!r}"
+            )
+        self.grad_allreduce = grad_allreduce
+        self._parts_checked = False
         if schedule != "interleaved" and chunks != 1:
             raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
         self.layers = layers
@@ -338,6 +350,52 @@ class Pipeline:
         self._splitters: dict[Any, Any] = {}
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
+
+    @property
+    def grad_allreduce_at(self) -> tuple[str, ...]:
+        """Per stage, where its gradients are all-reduced: ``"-"`` (one device),
+        ``"update"``, or ``"backward: <why>"``; decided at the first step or run."""
+        out = []
+        for st in self.stages:
+            if st.num_replicas == 1:
+                out.append("-")
+            elif st.per_device:
+                out.append("update")
+            else:
+                out.append(f"backward: {st.whole_reason}")
+        return tuple(out)
+
+    def _check_parts(self, state: PipelineState, x: PyTree) -> None:
+        """Decides, once and before any stage program is built, which replicated stages
+        sum their gradients per device (:meth:`Stage.check_parts`)."""
+        if self._parts_checked:
+            return
+        self._parts_checked = True
+        replicated = [s for s, st in enumerate(self.stages) if st.num_replicas > 1]
+        if not replicated:
+            return
+        if self.grad_allreduce == "backward":
+            for s in replicated:
+                self.stages[s].whole_reason = "asked for (grad_allreduce='backward')"
+            return
+        inputs = [_abstract(x), *self._stage_outputs(state, x)]
+        for s in replicated:
+            stage = self.stages[s]
+            if not self.local[s]:
+                continue
+            dev = next(d for d in stage.devices if d.process_index == self.process_index)
+            params, model_state = jax.tree.map(
+                partial(_shard_on, device=dev), (state.params[s], state.model_state[s])
+            )
+            stage.check_parts(params, model_state, inputs[s])
+        if self.multiprocess:  # every owner of a stage must build the same programs
+            mine = {s: self.stages[s].per_device for s in replicated if self.local[s]}
+            for theirs in allgather_json(mine):
+                for s, ok in theirs.items():
+                    stage = self.stages[int(s)]
+                    if not ok and stage.per_device:
+                        stage.per_device = False
+                        stage.whole_reason = "another process's check of this stage failed"
 
     @property
     def multiprocess(self) -> bool:
@@ -576,7 +634,12 @@ class Pipeline:
         ]
 
     def step(
-        self, state: PipelineState, batch: tuple[PyTree, PyTree], *, timeline: bool = False
+        self,
+        state: PipelineState,
+        batch: tuple[PyTree, PyTree],
+        *,
+        timeline: bool = False,
+        collectives: bool = False,
     ) -> tuple[PipelineState, RunMetrics]:
         """One optimizer step of a flush schedule over ``batch = (inputs, targets)``.
 
@@ -589,7 +652,7 @@ class Pipeline:
                 "so one step at a time would drain after every step (2bw would then use "
                 "W(t), not W(t-1)); use run(state, microbatches) over a stream"
             )
-        return self.run(state, self.split_batch(batch), timeline=timeline)
+        return self.run(state, self.split_batch(batch), timeline=timeline, collectives=collectives)
 
     def run(
         self,
@@ -598,6 +661,7 @@ class Pipeline:
         *,
         timeline: bool = False,
         on_loss: Callable[[int, jax.Array], None] | None = None,
+        collectives: bool = False,
     ) -> tuple[PipelineState, RunMetrics]:
         """Runs the schedule over a stream of ``(inputs, targets)`` microbatches.
 
@@ -610,7 +674,9 @@ class Pipeline:
         ``on_loss(k, loss)`` is called when microbatch ``k``'s loss is dispatched (an
         unfinished device array: converting it to a float waits for it). Across processes
         (:attr:`multiprocess`) every process calls it, and it returns once the pipeline
-        has drained in all of them.
+        has drained in all of them. ``collectives=True`` counts the all-reduces in the
+        compiled program of every operation run (:attr:`RunMetrics.all_reduces`; a
+        diagnostic: each distinct program is lowered and compiled once more).
         """
         microbatches = list(microbatches)
         if not microbatches:
@@ -632,7 +698,7 @@ class Pipeline:
                     f"multiple of each stage's replicas {self.replicas}"
                 )
         prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
-        return self._execute(prog, state, microbatches, timeline, on_loss)
+        return self._execute(prog, state, microbatches, timeline, on_loss, collectives)
 
     # -- lowering and the interpreter -------------------------------------------------------
 
@@ -669,6 +735,7 @@ class Pipeline:
         hit = self._bound.get(key)
         if hit is not None and hit[0] is prog:
             return hit[1], hit[2]
+        self._check_parts(state, x)
         ops = prog.ops[self.process_index]
         slots: dict[str, int] = {}
         for name in prog.inputs[self.process_index]:
@@ -729,6 +796,7 @@ class Pipeline:
         microbatches: list[tuple[PyTree, PyTree]],
         record: bool,
         on_loss: Callable[[int, jax.Array], None] | None = None,
+        collectives: bool = False,
     ) -> tuple[PipelineState, RunMetrics]:
         S, N, last = self.num_stages, len(microbatches), self.num_stages - 1
         code, slots = self._bind(prog, state, microbatches[0][0], on_loss)
@@ -738,8 +806,11 @@ class Pipeline:
             if name in slots:
                 reg[slots[name]] = value
         t0 = time.perf_counter()
+        all_reduces = None
         if record:
             spans, peaks = self._interpret_recording(prog, code, reg)
+        elif collectives:
+            all_reduces = _interpret_counting(prog.ops[self.process_index], code, reg)
         else:
             _interpret(code, reg)
         host = time.perf_counter() - t0
@@ -780,6 +851,7 @@ class Pipeline:
             peak_bytes=tuple(peaks) if record else None,
             ops=len(code),
             workarounds=self.workarounds.reasons,
+            all_reduces=all_reduces,
         )
         if self.multiprocess:
             # Return drained everywhere: this process's results are computed (so what it
@@ -884,6 +956,10 @@ class Pipeline:
     def _activation_specs(self, state: PipelineState, x: PyTree) -> list[Any]:
         """Per stage, the shapes of its output for a microbatch input like ``x`` (what a
         process receives from another process's stage, or sends back as a gradient)."""
+        return self._stage_outputs(state, x)
+
+    def _stage_outputs(self, state: PipelineState, x: PyTree) -> list[Any]:
+        """The shapes of every stage's output but the last's, for a microbatch like ``x``."""
         x = _abstract(x)
         key = jax.tree.structure(x), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(x))
         if key not in self._specs:
@@ -962,6 +1038,30 @@ def _interpret(code: list[Any], reg: list[Any]) -> None:
             reg[i] = v
         for i in frees:
             reg[i] = None
+
+
+_ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")
+
+
+def _interpret_counting(ops: Sequence[Op], code: list[Any], reg: list[Any]) -> dict[str, int]:
+    """:func:`_interpret`, counting per operation kind the all-reduces in the compiled
+    program each operation runs (each distinct program and argument shapes compiled once
+    more, to read its HLO)."""
+    counts: dict[str, int] = {}
+    texts: dict[Any, int] = {}
+    for op, (fn, ins, outs, frees) in zip(ops, code, strict=True):
+        args = [reg[i] for i in ins]
+        if hasattr(fn, "lower"):
+            key = (id(fn), _shape_key(args))
+            if key not in texts:
+                texts[key] = len(_ALL_REDUCE.findall(fn.lower(*args).compile().as_text()))
+            counts[op.kind] = counts.get(op.kind, 0) + texts[key]
+        res = fn(*args)
+        for i, v in zip(outs, res, strict=True):
+            reg[i] = v
+        for i in frees:
+            reg[i] = None
+    return counts
 
 
 def _wait(*values: Any) -> tuple[()]:

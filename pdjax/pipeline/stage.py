@@ -2,8 +2,20 @@
 
 A stage is a contiguous run of layers placed on a device group of ``r`` devices. Its
 batch dimension is sharded ``r`` ways over a one-axis ``Mesh`` (``"data"``) and its
-weights are replicated, so a replicated stage is data parallel and XLA inserts the
-gradient all-reduce; ``r = 1`` is a single device.
+weights are replicated; ``r = 1`` is a single device.
+
+Gradients of a replicated stage are summed on each device and all-reduced once, at the
+update (``per_device``): the programs compute on the microbatch viewed as ``r`` parts (a
+``[r, b/r, ...]`` reshape of every input leaf, each part on its own device) with the
+weights broadcast to one copy per part, ``vmap``-ed over the parts, so each device's
+weight gradient is its own partial sum (``[r, ...]``, sharded) and no backward
+communicates. The update sums the parts: one all-reduce. That computes exactly what the
+whole microbatch computes only for layers whose output rows depend on their own input
+rows alone; :meth:`Stage.check_parts` tests it on the stage's real weights before any
+program is built, and a stage that fails (BatchNorm's batch statistics, dropout's masks
+drawn for the whole microbatch, anything that mixes rows) keeps the whole-microbatch
+programs, whose every backward all-reduces (XLA inserts it), with the reason recorded.
+The loss is always taken on the whole microbatch.
 
 Every operation of a lowered :class:`~pdjax.pipeline.program.Program` that computes is one
 call of one jitted program made here by :meth:`Stage.program` from the operation's kind and
@@ -105,6 +117,9 @@ class Stage:
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.trace_counts: dict[str, int] = {}
+        # per-device gradient sums (see the module docstring); decided by check_parts
+        self.per_device = False
+        self.whole_reason = "one device" if self.num_replicas == 1 else "not checked yet"
         self._layout: dict[Any, _ResidualLayout] = {}
         self._programs: dict[tuple[str, frozenset[str]], Callable[..., Any]] = {}
 
@@ -176,8 +191,8 @@ class Stage:
                 if recompute:  # keeps nothing: the backward recomputes
                     y, new_st = self._apply(w, st, x, key, t)
                     return y, new_st
-                y, new_st, pbs = self._forward_vjp(w, st, x, key, t)
-                return y, new_st, self._keep(w, x, pbs)
+                y, new_st, pbs, (wv, xv) = self._forward_vjp(w, st, x, key, t)
+                return y, new_st, self._keep(wv, xv, pbs)
 
             return forward, ()
 
@@ -220,7 +235,7 @@ class Stage:
             newest = "newest" in flags
 
             def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
-                y, new_st, pbs = self._forward_vjp(w, st, x, key, t)
+                y, new_st, pbs, _ = self._forward_vjp(w, st, x, key, t)
                 g, e, _ = self._chain(pbs, None, "both", first)
                 i = 0
                 if acc:
@@ -242,14 +257,104 @@ class Stage:
             return update, (0, 2)  # the gradient sum takes the new weights' place
 
         if kind == "SQ":
-            return (lambda g: (self.optimizer.sum_squares(self._scaled(g)),)), ()
+            return (lambda g: (self.optimizer.sum_squares(self._scaled(self._reduce(g))),)), ()
 
         raise ValueError(f"no stage program of kind {kind!r}")
+
+    # -- per-device gradient sums ------------------------------------------------------------
+
+    @property
+    def parts(self) -> int:
+        """Parts a microbatch is computed in: ``r`` with per-device gradient sums, else 1."""
+        return self.num_replicas if self.per_device else 1
+
+    def _view(self, params: list[PyTree], x: PyTree, parts: int, pin: bool = True) -> Any:
+        """``(params, x)`` as the layers see them: with ``parts > 1`` the weights broadcast
+        to ``[parts, ...]`` and every input leaf reshaped to ``[parts, b/parts, ...]``,
+        the leading axis on the stage's devices (a local reshape: part ``d`` is the rows
+        device ``d`` holds)."""
+        if parts == 1:
+            return params, x
+        on = self._pin if pin else (lambda a: a)
+        pv = jax.tree.map(lambda a: on(jnp.broadcast_to(a, (parts, *a.shape))), params)
+        return pv, _split(x, parts, on)
+
+    def _pin(self, a: jax.Array) -> jax.Array:
+        return jax.lax.with_sharding_constraint(a, self.batch_sharding)
+
+    def _merge(self, tree: PyTree, parts: int) -> PyTree:
+        if parts == 1 or tree is None:
+            return tree
+        return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1], *a.shape[2:])), tree)
+
+    def _reduce(self, g: list[PyTree]) -> list[PyTree]:
+        """The weight gradient from the per-device partial sums (the one all-reduce)."""
+        if self.parts == 1:
+            return g
+        return jax.tree.map(lambda a: jnp.sum(a, axis=0), g)
+
+    def check_parts(
+        self, params: list[PyTree], state: list[Variables], x: PyTree, rtol: float = 1e-5
+    ) -> str | None:
+        """Whether this stage's layers compute on ``r`` parts of a microbatch what they
+        compute on the whole; sets :attr:`per_device` and returns ``None`` if so, else
+        the reason (kept in :attr:`whole_reason`). ``params``, ``state``: the stage's
+        weights and model state on one device; ``x``: the stage's microbatch input (arrays
+        or shapes). Runs the forward twice on random inputs of ``x``'s shapes, on the
+        device ``params`` lives on. Must run before any program is built."""
+        r = self.num_replicas
+        if self._programs:
+            raise RuntimeError("check_parts must run before the stage's programs are built")
+        self.per_device = False
+        if r == 1:
+            self.whole_reason = "one device"
+            return self.whole_reason
+        leaves = jax.tree.leaves(x)
+        if any(np.ndim(a) == 0 or np.shape(a)[0] % r for a in leaves):
+            self.whole_reason = f"an input leaf's first axis is not a multiple of {r} rows"
+            return self.whole_reason
+        device = (
+            next(iter(jax.tree.leaves(params)[0].devices())) if jax.tree.leaves(params) else None
+        )
+        xs = _random_like(x, device)
+        key = jax.device_put(jax.random.key(0), device)
+
+        def run(parts: int) -> Any:
+            def fwd(p: Any, st: Any, x: Any, k: Any) -> Any:
+                pv, xv = self._view(p, x, parts, pin=False)
+                for j in range(len(self.layers)):
+                    xv, _ = self._layer_fn(j, st[j], k, parts)(pv[j], xv)
+                return self._merge(xv, parts)
+
+            return jax.jit(fwd)(params, state, xs, key)
+
+        try:
+            whole, split = run(1), run(r)
+        except Exception as err:  # any failure means: keep the whole microbatch
+            self.whole_reason = f"its layers do not run on parts ({type(err).__name__}: {err})"
+            self.whole_reason = self.whole_reason[:300]
+            return self.whole_reason
+        a_leaves, b_leaves = jax.tree.leaves(whole), jax.tree.leaves(split)
+        same = jax.tree.structure(whole) == jax.tree.structure(split) and all(
+            np.shape(a) == np.shape(b)
+            and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
+            for a, b in zip(a_leaves, b_leaves, strict=True)
+        )
+        if not same:
+            self.whole_reason = (
+                "its output rows depend on other rows of the microbatch (batch statistics, "
+                "dropout masks drawn for the whole microbatch, or another batch-wide "
+                "operation)"
+            )
+            return self.whole_reason
+        self.per_device = True
+        self.whole_reason = ""
+        return None
 
     # -- the stage's function -------------------------------------------------------------
 
     def _layer_fn(
-        self, j: int, state: Variables, key: jax.Array
+        self, j: int, state: Variables, key: jax.Array, parts: int = 1
     ) -> Callable[[PyTree, PyTree], tuple[PyTree, Variables]]:
         layer = self.layers[j]
         rng = jax.random.fold_in(key, self.first_layer + j)
@@ -257,34 +362,46 @@ class Stage:
         def f(p: PyTree, x: PyTree) -> tuple[PyTree, Variables]:
             return layer.apply({**state, "params": p}, x, train=self.train, rng=rng)
 
-        return f
+        if parts == 1:
+            return f
+        # one copy of the weights per part (so each part's weight gradient stays its own);
+        # the model state may not depend on the part (vmap refuses otherwise)
+        return jax.vmap(f, out_axes=(0, None))
 
     def _apply(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
     ) -> tuple[PyTree, list[Variables]]:
+        parts = self.parts
+        params, x = self._view(params, x, parts)
         new_state = []
         for j in range(len(self.layers)):
-            x, s = self._layer_fn(j, state[j], key)(params[j], x)
+            x, s = self._layer_fn(j, state[j], key, parts)(params[j], x)
             new_state.append(s)
+        x = self._merge(x, parts)
         if self.loss_fn is not None:
             x = self.loss_fn(x, tgt)
         return x, new_state
 
     def _forward_vjp(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
-    ) -> tuple[PyTree, list[Variables], _Pullbacks]:
-        """The forward, layer by layer, with each layer's pullback (and the loss's last)."""
+    ) -> tuple[PyTree, list[Variables], _Pullbacks, Any]:
+        """The forward, layer by layer, with each layer's pullback (and the loss's last),
+        and the viewed ``(weights, input)`` the pullbacks may hold (see :meth:`_keep`)."""
+        parts = self.parts
+        params, x = sources = self._view(params, x, parts)
         pbs: _Pullbacks = []
         new_state = []
         for j in range(len(self.layers)):
-            x, pb, s = jax.vjp(self._layer_fn(j, state[j], key), params[j], x, has_aux=True)
+            layer_fn = self._layer_fn(j, state[j], key, parts)
+            x, pb, s = jax.vjp(layer_fn, params[j], x, has_aux=True)
             pbs.append(pb)
             new_state.append(s)
+        x = self._merge(x, parts)
         if self.loss_fn is not None:
             loss_fn = self.loss_fn
             x, pb = jax.vjp(lambda y: loss_fn(y, tgt), x)
             pbs.append(pb)
-        return x, new_state, pbs
+        return x, new_state, pbs, sources
 
     def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
         """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
@@ -305,6 +422,7 @@ class Stage:
         return kept
 
     def _rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
+        params, x = self._view(params, x, self.parts)
         layout = self._layout[self._key(params, x, residuals)]
         flat = jax.tree.leaves((params, x))
         leaves = [flat[s] if s >= 0 else residuals[-1 - s] for s in layout.sources]
@@ -315,9 +433,11 @@ class Stage:
     ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]:
         """Back through the layers: ``(weight gradients or None, input gradient, the
         cotangent at each layer's output)``; XLA drops what the caller does not return."""
-        n = len(self.layers)
+        n, parts = len(self.layers), self.parts
         if self.loss_fn is not None:
             (ct,) = pbs[n](jnp.ones((), jnp.float32))
+        if parts > 1:
+            ct = _split(ct, parts, self._pin)
         cts: list[PyTree] = [None] * n
         grads: list[PyTree] = [None] * n
         for j in reversed(range(n)):
@@ -326,7 +446,7 @@ class Stage:
                 break  # the first stage has no input gradient to pass on
             gp, ct = pbs[j](ct)
             grads[j] = gp
-        return (None if want == "input" else grads), ct, cts
+        return (None if want == "input" else grads), self._merge(ct, parts), cts
 
     def _weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
         """Zero bubble's ``W``: each layer's weight gradient from its output cotangent."""
@@ -350,7 +470,7 @@ class Stage:
     def _update(
         self, g: list[PyTree], w: list[PyTree], o: optax.OptState, norms: Sequence[jax.Array]
     ) -> tuple[list[PyTree], optax.OptState]:
-        g = self._scaled(g)
+        g = self._scaled(self._reduce(g))
         if norms:  # the other stages' sums of squares: the optimizer clips by the global norm
             others = norms[0]
             for q in norms[1:]:
@@ -399,3 +519,30 @@ def _donated(
             donate.append(0)
         donate.append(pos)
     return tuple(donate)
+
+
+def _split(tree: PyTree, parts: int, pin: Callable[[jax.Array], jax.Array]) -> PyTree:
+    """Every leaf ``[b, ...]`` as ``[parts, b/parts, ...]`` (part ``d``: rows ``d*b/parts ..``)."""
+    return jax.tree.map(lambda a: pin(a.reshape((parts, a.shape[0] // parts, *a.shape[1:]))), tree)
+
+
+def _random_like(tree: PyTree, device: jax.Device | None) -> PyTree:
+    """Random arrays of ``tree``'s shapes and dtypes (normal floats, small integers)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.key(1), max(len(leaves), 1))
+    out = []
+    for k, a in zip(keys, leaves, strict=False):
+        shape, dtype = np.shape(a), jnp.result_type(a)
+        if jnp.issubdtype(dtype, jnp.floating):
+            v = jax.random.normal(k, shape, dtype)
+        elif jnp.issubdtype(dtype, jnp.integer):
+            v = jax.random.randint(k, shape, 0, 2).astype(dtype)
+        else:
+            v = jax.random.bernoulli(k, 0.5, shape).astype(dtype)
+        out.append(jax.device_put(v, device))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _scale(a: Any) -> float:
+    """The tolerance scale of a leaf: its largest magnitude (at least 1)."""
+    return max(1.0, float(np.max(np.abs(np.asarray(a)))) if np.size(a) else 1.0)
