@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -70,6 +71,7 @@ SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
 """Schedule names, as :func:`generate` and the ``pdjax simulate`` command accept them."""
 
 _FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_ROUND_ROBIN = ("gpipe", "1f1b", "pipedream", "2bw")
 _ASYNC = ("pipedream", "2bw")
 _JSON_FORMAT = "pdjax.schedule/1"
 _ACTION_RE = re.compile(r"(\d+)([FBIWU])(\d+)(?:v(\d+))?")
@@ -181,8 +183,13 @@ class Schedule:
         actions: per device group, its actions in execution order.
         stage_device: the device group of each stage: ``stage_device[s] = s % P``; for
             ``interleaved``, group ``d`` holds stages ``d, d + P, d + 2P, ...``.
-        replicas: devices in each device group (a replicated stage splits each microbatch
-            across them).
+        replicas: devices in each device group.
+        replication: per device group, how its replicas share the work: ``"split"`` (each
+            microbatch split across them; the default, ``()`` meaning every group) or
+            ``"round-robin"`` (PipeDream's: each replica takes whole microbatches, ``r``
+            consecutive ones at once; the group's ``F`` and ``B`` actions then cover
+            ``r`` microbatches each, named by the first, and under ``pipedream`` it
+            updates once per such group of ``r``; see :func:`pipedream`).
         in_flight_bound: per device group, the most microbatches whose forward has run
             there and whose backward (``B``, or ``I`` and ``W``) has not, summed over the
             group's stages.
@@ -206,6 +213,7 @@ class Schedule:
     vertical_sync: bool = False
     weight_stashing: bool = True
     extra_in_flight: int = 0
+    replication: tuple[str, ...] = ()
 
     @property
     def num_groups(self) -> int:
@@ -219,8 +227,33 @@ class Schedule:
 
     @property
     def num_steps(self) -> int:
-        """Optimizer updates per stage over the whole schedule."""
+        """Steps of ``M`` microbatches (optimizer updates per stage, except at round-robin
+        stages under ``pipedream``: see :meth:`updates_of`)."""
         return self.num_microbatches // self.microbatches_per_step
+
+    def group_size(self, stage: int) -> int:
+        """Microbatches one ``F``/``B`` of ``stage`` covers: its replicas under round-robin
+        replication, else 1."""
+        d = self.stage_device[stage]
+        rr = bool(self.replication) and self.replication[d] == "round-robin"
+        return self.replicas[d] if rr else 1
+
+    def covers(self, a: Action) -> range:
+        """The microbatches action ``a`` computes (``U``: none)."""
+        if a.kind == "U":
+            return range(0)
+        return range(a.mb, a.mb + self.group_size(a.stage))
+
+    def per_update(self, stage: int) -> int:
+        """Microbatches whose gradients one update of ``stage`` applies: ``M``, or under
+        ``pipedream`` the stage's group size (1 unless round-robin)."""
+        if self.name == "pipedream":
+            return self.group_size(stage)
+        return self.microbatches_per_step
+
+    def updates_of(self, stage: int) -> int:
+        """Optimizer updates of ``stage`` over the whole schedule."""
+        return self.num_microbatches // self.per_update(stage)
 
     def stages_of(self, group: int) -> tuple[int, ...]:
         """The stages device group ``group`` holds, in increasing order."""
@@ -328,6 +361,93 @@ def _replicas(replicas: Sequence[int] | None, groups: int) -> tuple[int, ...]:
     return replicas
 
 
+REPLICATION = ("split", "round-robin")
+"""How a replicated stage's devices share its microbatches."""
+
+
+def _replication(
+    replication: Sequence[str] | str | None, replicas: tuple[int, ...], name: str
+) -> tuple[str, ...]:
+    """Per device group ``"split"`` or ``"round-robin"`` (``()`` when every group splits)."""
+    if replication is None:
+        return ()
+    if isinstance(replication, str):
+        replication = [replication] * len(replicas)
+    replication = tuple(replication)
+    if len(replication) != len(replicas):
+        raise ScheduleError(
+            f"replication has {len(replication)} entries but the pipeline has {len(replicas)} "
+            "device groups; give one per group, or one word for all"
+        )
+    for mode in replication:
+        if mode not in REPLICATION:
+            raise ScheduleError(f"replication must be one of {REPLICATION}, got {mode!r}")
+    if all(m == "split" or r == 1 for m, r in zip(replication, replicas, strict=True)):
+        return ()
+    if name not in _ROUND_ROBIN:
+        raise ScheduleError(
+            f"round-robin replication runs whole groups of microbatches through 1F1B-style "
+            f"orders: {', '.join(_ROUND_ROBIN)}; {name} has no round-robin form, use "
+            "replication='split'"
+        )
+    return replication
+
+
+def _units(replicas: tuple[int, ...], replication: tuple[str, ...]) -> tuple[int, ...]:
+    """Per device group, microbatches one action covers (its replicas under round-robin)."""
+    if not replication:
+        return (1,) * len(replicas)
+    return tuple(r if m == "round-robin" else 1 for r, m in zip(replicas, replication, strict=True))
+
+
+def _groups_in_flight(units: Sequence[int], stage: int, extra: int = 0) -> int:
+    """Groups in flight at ``stage`` of a 1F1B-style order over groups.
+
+    ``units[s] = n_s``: microbatches one action of stage ``s`` covers (its replicas under
+    round-robin, else 1). ``q_s`` is the larger of
+
+    - ``ceil(W_s / n_s) + e``, ``W_s = n_s + ... + n_{P-1}``: enough to keep the stages
+      from ``s`` on busy (``P - s + e`` with no round-robin stage; PipeDream's NOAM at
+      stage 0), ``e`` not at the last stage;
+    - ``ceil((q_{s+1} n_{s+1} + n_s - 1 - ((n_s - 1) mod gcd(n_s, n_{s+1}))) / n_s)``: the
+      forwards stage ``s + 1`` needs before the backward of the group holding the last
+      microbatch of stage ``s``'s oldest group (groups of different sizes do not line up),
+      so that the order cannot deadlock.
+    """
+    P = len(units)
+    q = 1
+    for s in range(P - 1, stage - 1, -1):
+        n = units[s]
+        e = extra if s < P - 1 else 0
+        busy = -(-sum(units[s:]) // n) + e
+        if s == P - 1:
+            q = busy
+            continue
+        after = units[s + 1]
+        slack = n - 1 - ((n - 1) % math.gcd(n, after))
+        q = max(busy, -(-(q * after + slack) // n))
+    return q
+
+
+def _group_order(groups: int, warmup: int) -> list[tuple[str, int]]:
+    """1F1B over ``groups`` (indices): ``warmup`` forwards, F/B pairs, then the drain."""
+    warmup = min(warmup, groups)
+    order = [("F", g) for g in range(warmup)]
+    for g in range(groups - warmup):
+        order += [("F", warmup + g), ("B", g)]
+    order += [("B", g) for g in range(groups - warmup, groups)]
+    return order
+
+
+def _check_multiple(what: str, count: int, units: Sequence[int]) -> None:
+    for d, n in enumerate(units):
+        if count % n:
+            raise ScheduleError(
+                f"{what}={count} is not a multiple of device group {d}'s {n} round-robin "
+                f"replicas (each takes whole groups of {n} microbatches)"
+            )
+
+
 def _extra(e: int, stage: int, num_stages: int) -> int:
     """PipeDream's extra microbatches in flight at ``stage``: ``e``, none at the last stage."""
     return e if stage < num_stages - 1 else 0
@@ -355,6 +475,7 @@ def _flush(
     step_order: Callable[[int], list[tuple[str, int, int]]],
     in_flight: Callable[[int], int],
     replicas: Sequence[int] | None,
+    replication: tuple[str, ...] = (),
 ) -> Schedule:
     """Repeats one step's order ``steps`` times, step ``t`` at version ``t``, then updates."""
     stages = groups * chunks
@@ -376,6 +497,7 @@ def _flush(
         replicas=_replicas(replicas, groups),
         in_flight_bound=tuple(in_flight(d) for d in range(groups)),
         version_bound=(1,) * stages,
+        replication=replication,
     )
 
 
@@ -385,6 +507,7 @@ def gpipe(
     *,
     steps: int = 1,
     replicas: Sequence[int] | None = None,
+    replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """GPipe: all forwards of a step, then all backwards (last microbatch first), then update.
 
@@ -407,11 +530,16 @@ def gpipe(
     P = _positive("num_stages (P)", num_stages)
     M = _positive("num_microbatches (M)", num_microbatches)
     _positive("steps", steps)
+    reps = _replicas(replicas, P)
+    mode = _replication(replication, reps, "gpipe")
+    units = _units(reps, mode)
+    _check_multiple("num_microbatches (M)", M, units)
 
     def order(s: int) -> list[tuple[str, int, int]]:
-        return [("F", s, k) for k in range(M)] + [("B", s, k) for k in reversed(range(M))]
+        ks = range(0, M, units[s])
+        return [("F", s, k) for k in ks] + [("B", s, k) for k in reversed(ks)]
 
-    return _flush("gpipe", P, 1, M, steps, order, lambda s: M, replicas)
+    return _flush("gpipe", P, 1, M, steps, order, lambda s: M, replicas, mode)
 
 
 def one_f_one_b(
@@ -420,11 +548,17 @@ def one_f_one_b(
     *,
     steps: int = 1,
     replicas: Sequence[int] | None = None,
+    replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """1F1B with a flush (PipeDream-Flush): ``P - s - 1`` warm-up forwards, then F/B pairs.
 
     Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
     In flight at stage ``s``: at most ``min(P - s, M)``. Versions kept: 1.
+
+    With round-robin stages (``replication``) every stage runs 1F1B over its groups of
+    ``n_s`` microbatches (``n_s``: its replicas if round-robin, else 1) with
+    ``q_s = ceil(W_s / n_s)`` groups in flight, ``W_s = n_s + ... + n_{P-1}``: at most
+    ``min(q_s n_s, M)`` microbatches. ``M`` must be a multiple of every ``n_s``.
 
     Args:
         num_stages: ``P``, stages (one device group each).
@@ -438,11 +572,20 @@ def one_f_one_b(
     P = _positive("num_stages (P)", num_stages)
     M = _positive("num_microbatches (M)", num_microbatches)
     _positive("steps", steps)
+    reps = _replicas(replicas, P)
+    mode = _replication(replication, reps, "1f1b")
+    units = _units(reps, mode)
+    _check_multiple("num_microbatches (M)", M, units)
 
     def order(s: int) -> list[tuple[str, int, int]]:
-        return [(kind, s, k) for kind, k in _one_f_one_b_order(P, M, s)]
+        n = units[s]
+        warmup = _groups_in_flight(units, s) - 1
+        return [(kind, s, g * n) for kind, g in _group_order(M // n, warmup)]
 
-    return _flush("1f1b", P, 1, M, steps, order, lambda s: min(P - s, M), replicas)
+    def in_flight(s: int) -> int:
+        return min(_groups_in_flight(units, s) * units[s], M)
+
+    return _flush("1f1b", P, 1, M, steps, order, in_flight, replicas, mode)
 
 
 def zb_h1(
@@ -584,6 +727,7 @@ def pipedream(
     weight_stashing: bool = True,
     replicas: Sequence[int] | None = None,
     extra_in_flight: int = 0,
+    replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """PipeDream: asynchronous 1F1B over a stream, an update after every backward.
 
@@ -611,6 +755,19 @@ def pipedream(
     ``P - s`` becomes ``P - s + e`` for ``s < P - 1`` in every formula above (``P`` becomes
     ``P + e`` with vertical sync).
 
+    Round-robin replication (PipeDream's own, ``replication``): a stage ``s`` on ``r``
+    devices takes groups of ``n_s = r`` consecutive microbatches, one per device, and
+    updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
+    microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
+    has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s = ceil(W_s / n_s) + e``
+    groups in flight (``e`` not at the last stage), ``W_s = n_s + ... + n_{P-1}`` (the
+    microbatch slots from ``s`` on; PipeDream's NOAM at stage 0). Microbatch ``k``, in group
+    ``g = k // n_s``, runs ``F`` and ``B`` at version ``max(0, g - q_s + 1)``: the updates
+    of the groups ``0 .. g - q_s``, whose backwards ran before its forward. Versions kept:
+    ``q_s``; in flight: ``q_s n_s`` microbatches. With every ``n_s = 1`` this is the formula
+    above (``q_s = P - s + e``). ``N`` must be a multiple of every ``n_s``; vertical sync and
+    ``weight_stashing=False`` are not defined with round-robin stages.
+
     Args:
         num_stages: ``P``, stages (one device group each).
         num_microbatches: ``N``, the stream length.
@@ -618,6 +775,7 @@ def pipedream(
         weight_stashing: the backward reuses the forward's version.
         replicas: devices per stage (default 1 each).
         extra_in_flight: ``e >= 0``, microbatches in flight beyond 1F1B's ``P - s``.
+        replication: per stage ``"split"`` or ``"round-robin"`` (or one word for all).
 
     Raises:
         ScheduleError: for a parameter out of range.
@@ -625,6 +783,10 @@ def pipedream(
     P = _positive("num_stages (P)", num_stages)
     N = _positive("num_microbatches (N, the stream length)", num_microbatches)
     e = _positive("extra_in_flight", extra_in_flight, minimum=0)
+    reps = _replicas(replicas, P)
+    mode = _replication(replication, reps, "pipedream")
+    if mode:
+        return _pipedream_round_robin(P, N, e, reps, mode, vertical_sync, weight_stashing)
     actions = []
     for s in range(P):
         es = e if s < P - 1 else 0
@@ -658,12 +820,56 @@ def pipedream(
     )
 
 
+def _pipedream_round_robin(
+    P: int,
+    N: int,
+    e: int,
+    replicas: tuple[int, ...],
+    replication: tuple[str, ...],
+    vertical_sync: bool,
+    weight_stashing: bool,
+) -> Schedule:
+    """:func:`pipedream` with round-robin stages (the formulas in its docstring)."""
+    if vertical_sync or not weight_stashing:
+        raise ScheduleError(
+            "pipedream with round-robin replication is defined with weight stashing and "
+            "without vertical sync; use replication='split' for those options"
+        )
+    units = _units(replicas, replication)
+    _check_multiple("num_microbatches (N, the stream length)", N, units)
+    actions = []
+    for s in range(P):
+        n = units[s]
+        q = _groups_in_flight(units, s, e)
+        acts = []
+        for kind, g in _group_order(N // n, q - 1):
+            version = max(0, g - q + 1)
+            acts.append(Action(kind, s, g * n, version))
+            if kind == "B":
+                acts.append(Action("U", s, g, g))
+        actions.append(tuple(acts))
+    return Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=replicas,
+        in_flight_bound=tuple(min(_groups_in_flight(units, s, e) * units[s], N) for s in range(P)),
+        version_bound=tuple(min(_groups_in_flight(units, s, e), N // units[s]) for s in range(P)),
+        extra_in_flight=e,
+        replication=replication,
+    )
+
+
 def pipedream_2bw(
     num_stages: int,
     microbatches_per_step: int,
     num_microbatches: int,
     *,
     replicas: Sequence[int] | None = None,
+    replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """PipeDream-2BW: 1F1B without flush, one update per ``M`` microbatches, two versions.
 
@@ -697,13 +903,19 @@ def pipedream_2bw(
             f"2bw needs num_microbatches (N, the stream length) a multiple of "
             f"microbatches_per_step (M={M}); got N={N}. Accepted: N in {{{M}, {2 * M}, ...}}"
         )
+    reps = _replicas(replicas, P)
+    mode = _replication(replication, reps, "2bw")
+    units = _units(reps, mode)
+    _check_multiple("microbatches_per_step (M)", M, units)
     actions = []
     for s in range(P):
+        n = units[s]
         acts = []
-        for kind, k in _one_f_one_b_order(P, N, s):
+        for kind, g in _group_order(N // n, _groups_in_flight(units, s) - 1):
+            k = g * n
             t = k // M
             acts.append(Action(kind, s, k, max(0, t - 1)))
-            if kind == "B" and k % M == M - 1:
+            if kind == "B" and (k + n) % M == 0:
                 acts.append(Action("U", s, t, t))
         actions.append(tuple(acts))
     return Schedule(
@@ -713,9 +925,10 @@ def pipedream_2bw(
         microbatches_per_step=M,
         actions=tuple(actions),
         stage_device=tuple(range(P)),
-        replicas=_replicas(replicas, P),
-        in_flight_bound=tuple(min(P - s, N) for s in range(P)),
+        replicas=reps,
+        in_flight_bound=tuple(min(_groups_in_flight(units, s) * units[s], N) for s in range(P)),
         version_bound=(2,) * P,
+        replication=mode,
     )
 
 
@@ -732,6 +945,7 @@ def generate(
     num_layers: int | None = None,
     replicas: Sequence[int] | None = None,
     extra_in_flight: int = 0,
+    replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """Builds the schedule called ``name`` (one of :data:`SCHEDULES`).
 
@@ -749,16 +963,21 @@ def generate(
         num_layers: ``interleaved``: checks that ``P * chunks`` divides it.
         replicas: devices per device group.
         extra_in_flight: ``pipedream`` option (latency hiding).
+        replication: per device group ``"split"`` or ``"round-robin"`` (one word: all);
+            round-robin for ``gpipe``, ``1f1b``, ``pipedream`` and ``2bw``.
 
     Raises:
         ScheduleError: for an unknown name or a parameter out of range.
     """
     if extra_in_flight and name != "pipedream":
         raise ScheduleError(f"extra_in_flight is a pipedream option, not of {name}")
+    if name not in _ROUND_ROBIN and replication is not None:
+        _replication(replication, _replicas(replicas, num_stages), name)
+    rr = {"replication": replication}
     if name == "gpipe":
-        return gpipe(num_stages, num_microbatches, steps=steps, replicas=replicas)
+        return gpipe(num_stages, num_microbatches, steps=steps, replicas=replicas, **rr)
     if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches, steps=steps, replicas=replicas)
+        return one_f_one_b(num_stages, num_microbatches, steps=steps, replicas=replicas, **rr)
     if name == "zb-h1":
         return zb_h1(num_stages, num_microbatches, steps=steps, replicas=replicas)
     if name == "interleaved":
@@ -778,10 +997,11 @@ def generate(
             weight_stashing=weight_stashing,
             replicas=replicas,
             extra_in_flight=extra_in_flight,
+            replication=replication,
         )
     if name == "2bw":
         N = num_microbatches * steps if stream is None else stream
-        return pipedream_2bw(num_stages, num_microbatches, N, replicas=replicas)
+        return pipedream_2bw(num_stages, num_microbatches, N, replicas=replicas, **rr)
     raise ScheduleError(f"unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
 
 
@@ -791,6 +1011,10 @@ def generate(
 def _expected_in_flight(s: Schedule, group: int) -> int:
     """In-flight bound of ``group`` under ``s.name``'s semantics (independent of generators)."""
     P, S, M, N = s.num_groups, s.num_stages, s.microbatches_per_step, s.num_microbatches
+    if s.replication and s.name != "gpipe":
+        units = [s.group_size(st) for st in range(P)]
+        q = _semantic_groups_in_flight(s, units, group)
+        return min(q * units[group], N if s.name != "1f1b" else M)
     if s.name == "gpipe":
         return M
     if s.name == "1f1b":
@@ -805,8 +1029,17 @@ def _expected_in_flight(s: Schedule, group: int) -> int:
     return min(P - group + _extra(s.extra_in_flight, group, P), N)
 
 
+def _semantic_groups_in_flight(s: Schedule, units: Sequence[int], stage: int) -> int:
+    """``q_s`` of DESIGN.md's round-robin semantics (see :func:`_groups_in_flight`)."""
+    return _groups_in_flight(units, stage, s.extra_in_flight if s.name == "pipedream" else 0)
+
+
 def _expected_versions(s: Schedule, stage: int) -> int:
     P, e = s.num_stages, s.extra_in_flight
+    if s.name == "pipedream" and s.replication:
+        units = [s.group_size(st) for st in range(P)]
+        q = _semantic_groups_in_flight(s, units, stage)
+        return min(q, s.num_microbatches // units[stage])
     if s.name == "pipedream":
         if s.vertical_sync:
             return P + e
@@ -830,6 +1063,14 @@ def _required_version(s: Schedule, a: Action, updates: int) -> tuple[int, str]:
             f"version {updates} after {updates} updates"
         )
     e = s.extra_in_flight
+    if s.replication:
+        units = [s.group_size(st) for st in range(P)]
+        q = _semantic_groups_in_flight(s, units, a.stage)
+        g = k // units[a.stage]
+        return max(0, g - q + 1), (
+            f"pipedream with round-robin stages runs group g={g} of stage {a.stage} at "
+            f"version max(0, g - q_s + 1), q_s={q}"
+        )
     if s.vertical_sync:
         return max(0, k - (P + e) + 1), "pipedream with vertical sync uses max(0, k-(P+e)+1)"
     lag = P - a.stage + _extra(e, a.stage, P)
@@ -878,6 +1119,22 @@ def _check_header(s: Schedule) -> None:
             raise ScheduleError(f"{label} has {len(values)} entries, expected {size}")
     for r in s.replicas:
         _positive("every replica count", r)
+    if s.replication:
+        if _replication(s.replication, tuple(s.replicas), s.name) != tuple(s.replication):
+            raise ScheduleError(
+                "replication lists 'round-robin' only for stages of one replica: give () "
+                "(every group split)"
+            )
+        if s.chunks > 1:
+            raise ScheduleError("round-robin replication puts one stage on each device group")
+        if s.name == "pipedream" and (s.vertical_sync or not s.weight_stashing):
+            raise ScheduleError(
+                "pipedream with round-robin stages is defined with weight stashing and "
+                "without vertical sync"
+            )
+        units = [s.group_size(st) for st in range(s.num_stages)]
+        per = s.num_microbatches if s.name == "pipedream" else s.microbatches_per_step
+        _check_multiple("microbatches per step (M; N for pipedream)", per, units)
     for d in range(s.num_groups):
         if s.in_flight_bound[d] != _expected_in_flight(s, d):
             raise ScheduleError(
@@ -898,7 +1155,7 @@ def _where(s: Schedule, group: int, position: int) -> str:
 
 def _check_work(s: Schedule) -> None:
     """Every action in range and on its stage's group; all work present exactly once."""
-    S, N, steps = s.num_stages, s.num_microbatches, s.num_steps
+    S, N = s.num_stages, s.num_microbatches
     seen: dict[tuple[str, int, int], tuple[int, int]] = {}
     for d, acts in enumerate(s.actions):
         for pos, a in enumerate(acts):
@@ -911,10 +1168,17 @@ def _check_work(s: Schedule) -> None:
                     f"{_where(s, d, pos)}: stage {a.stage} lives on device group "
                     f"{s.stage_device[a.stage]}, not {d}"
                 )
-            limit = steps if a.kind == "U" else N
+            limit = s.updates_of(a.stage) if a.kind == "U" else N
             if not 0 <= a.mb < limit:
                 index = "step" if a.kind == "U" else "microbatch"
                 raise ScheduleError(f"{_where(s, d, pos)}: {index} out of range [0, {limit})")
+            n = s.group_size(a.stage)
+            if a.kind != "U" and a.mb % n:
+                raise ScheduleError(
+                    f"{_where(s, d, pos)}: stage {a.stage} is round-robin over {n} replicas; "
+                    f"its actions cover groups of {n} microbatches, named by the first (a "
+                    f"multiple of {n})"
+                )
             key = (a.kind, a.stage, a.mb)
             if key in seen:
                 first = seen[key]
@@ -924,7 +1188,7 @@ def _check_work(s: Schedule) -> None:
                 )
             seen[key] = (d, pos)
     for st in range(S):
-        for k in range(N):
+        for k in range(0, N, s.group_size(st)):
             if ("F", st, k) not in seen:
                 raise ScheduleError(f"drops work: F(stage={st}, mb={k}) is missing")
             full = ("B", st, k) in seen
@@ -937,14 +1201,13 @@ def _check_work(s: Schedule) -> None:
             if not full and len(split) < 2:
                 lack = "B (or I and W)" if not split else ("W" if split == ["I"] else "I")
                 raise ScheduleError(f"drops work: stage {st}, mb {k} has no {lack}")
-        for t in range(steps):
+        for t in range(s.updates_of(st)):
             if ("U", st, t) not in seen:
                 raise ScheduleError(f"drops work: U(stage={st}, step={t}) is missing")
 
 
 def _check_order(s: Schedule) -> None:
     """Per device group: local order, versions, in-flight and version bounds."""
-    M = s.microbatches_per_step
     for d, acts in enumerate(s.actions):
         forwarded: set[tuple[int, int]] = set()
         input_grads: set[tuple[int, int]] = set()
@@ -955,7 +1218,7 @@ def _check_order(s: Schedule) -> None:
             key = (a.stage, a.mb)
             if a.kind == "F":
                 forwarded.add(key)
-                in_flight += 1
+                in_flight += len(s.covers(a))
                 if in_flight > s.in_flight_bound[d]:
                     raise ScheduleError(
                         f"{_where(s, d, pos)} exceeds the in-flight bound: "
@@ -973,9 +1236,10 @@ def _check_order(s: Schedule) -> None:
                     f"mb={a.mb})"
                 )
             if a.kind in "BW":
-                finished.add(key)
-                in_flight -= 1
+                finished.update((a.stage, k) for k in s.covers(a))
+                in_flight -= len(s.covers(a))
             if a.kind == "U":
+                M = s.per_update(a.stage)
                 for k in range(a.mb * M, (a.mb + 1) * M):
                     if (a.stage, k) not in finished:
                         raise ScheduleError(
@@ -1068,11 +1332,14 @@ def _play(
     nxt = [0] * G
 
     def needs(a: Action) -> tuple[tuple[str, int, int], ...]:
+        ks = s.covers(a)
         if a.kind == "F":
-            return (("x", a.stage, a.mb),) if a.stage > 0 else ()
+            return tuple(("x", a.stage, k) for k in ks) if a.stage > 0 else ()
         if a.kind in "BI":
             own = ("f", a.stage, a.mb)
-            return (own, ("g", a.stage, a.mb)) if a.stage < S - 1 else (own,)
+            if a.stage == S - 1:
+                return (own,)
+            return (own, *(("g", a.stage, k) for k in ks))
         if a.kind == "W":
             return (("i", a.stage, a.mb),)
         return ()
@@ -1114,11 +1381,13 @@ def _play(
                 if a.kind == "F":
                     ready["f", a.stage, a.mb] = end
                     if a.stage + 1 < S:
-                        send(("x", a.stage + 1, a.mb), a.stage, d, where[a.stage + 1], end, a)
+                        for k in s.covers(a):
+                            send(("x", a.stage + 1, k), a.stage, d, where[a.stage + 1], end, a)
                 elif a.kind in "BI":
                     ready["i", a.stage, a.mb] = end
                     if a.stage > 0:
-                        send(("g", a.stage - 1, a.mb), a.stage - 1, d, where[a.stage - 1], end, a)
+                        for k in s.covers(a):
+                            send(("g", a.stage - 1, k), a.stage - 1, d, where[a.stage - 1], end, a)
     if any(nxt[d] < len(s.actions[d]) for d in range(G)):
         raise ScheduleError(_deadlock_message(s, nxt, ready, needs))
     return starts, ends, transfers
