@@ -113,7 +113,8 @@ def delayed_training(
 
     ``version_of(s, k)``: the version stage ``s`` uses for microbatch ``k``'s forward;
     ``backward_version_of(s, k)`` (default: the same) for its backward. Every ``M``
-    microbatches each stage applies the mean of their gradients to its newest weights:
+    microbatches (``M`` may be a list: one period per stage, PipeDream's round-robin
+    replication) each stage applies the mean of their gradients to its newest weights:
     ``W_s(t+1) = W_s(t) - lr * mean_k g_s(k)``. With ``whole_model`` the optimizer makes one
     update of all stages together (one state over the whole model: global-norm clipping
     sees every stage's gradient). Returns the final per-stage params list.
@@ -127,6 +128,9 @@ def delayed_training(
     whole_state = optimizer.init([h[0] for h in history])
     grad_fn = jax.jit(lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r))
     acc = [None] * P
+    periods = list(M) if isinstance(M, (list, tuple)) else [M] * P
+    assert not whole_model or len(set(periods)) == 1
+    M = periods[0]
     for k, (x, y) in enumerate(microbatches):
         fwd = [history[s][version_of(s, k)] for s in range(P)]
         bwd = [history[s][backward_version_of(s, k)] for s in range(P)]
@@ -140,9 +144,12 @@ def delayed_training(
             for s, new in enumerate(optax.apply_updates(newest, updates)):
                 history[s].append(new)
             acc = [None] * P
-        elif k % M == M - 1:
+        elif not whole_model:
             for s in range(P):
-                g = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc[s])
+                m = periods[s]
+                if k % m != m - 1:
+                    continue
+                g = jax.tree.map(lambda a, m=m: a * jnp.float32(1.0 / m), acc[s])
                 updates, opt_states[s] = optimizer.update(g, opt_states[s], history[s][-1])
                 history[s].append(optax.apply_updates(history[s][-1], updates))
                 acc[s] = None

@@ -192,6 +192,23 @@ class Pipeline:
         ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
         each costs one more stashed weight version and activation per stage and one more
         update of staleness (:func:`pdjax.pipeline.schedule.pipedream`).
+      replication: how a replicated stage's devices share its work: ``"split"`` (each
+        microbatch split across them) or ``"round-robin"`` (PipeDream's: each device
+        takes whole microbatches, ``r`` consecutive ones at once, the gradients
+        all-reduced once per group; under ``pipedream`` the stage updates once per group
+        of ``r`` with their mean gradient; :func:`~pdjax.pipeline.schedule.pipedream`);
+        one word for every stage, or one per stage; ``None``: each plan stage's
+        ``replication`` attribute, else ``"split"``. Round-robin runs with ``gpipe``,
+        ``1f1b``, ``pipedream`` and ``2bw``, in one process, on layers without model
+        state.
+      grad_allreduce: where a replicated stage's gradients are all-reduced. ``"update"``
+        (default): each device sums its own part of every microbatch's gradient and the
+        update all-reduces the sum once, for stages whose layers compute row by row
+        (checked on the real weights before the first run,
+        :meth:`~pdjax.pipeline.stage.Stage.check_parts`; the others, e.g. with BatchNorm
+        or dropout, fall back to ``"backward"``: see :attr:`grad_allreduce_at`).
+        ``"backward"``: every backward all-reduces its gradient (the whole microbatch's
+        programs, XLA's data parallelism).
       optimizer_scope: ``"model"`` (default): the optimizer means one update of the whole
         model, as in sequential training. An optimizer that treats each parameter on its
         own runs per stage as it is; one coupled through the gradients' global norm
@@ -223,6 +240,7 @@ class Pipeline:
         optimizer_scope: str = "model",
         extra_in_flight: int = 0,
         grad_allreduce: str = "update",
+        replication: str | Sequence[str] | None = None,
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
@@ -267,6 +285,25 @@ class Pipeline:
                 f"stages, the plan has {len(specs)}"
             )
         self.num_groups = len(specs) // self.chunks
+        self.replication = _replication_of(replication, specs, self.num_groups)
+        round_robin = [
+            mode == "round-robin" and len(spec.devices) > 1
+            for mode, spec in zip(self.replication, specs, strict=False)
+        ]
+        if any(round_robin):
+            if schedule not in ("gpipe", "1f1b", "pipedream", "2bw"):
+                raise PipelineError(
+                    f"round-robin replication runs with gpipe, 1f1b, pipedream and 2bw, not "
+                    f"{schedule}; use replication='split'"
+                )
+            for s, rr in enumerate(round_robin):
+                r = len(specs[s].devices)
+                if rr and schedule != "pipedream" and microbatches % r:
+                    raise PipelineError(
+                        f"stage {s} is round-robin over {r} devices (whole groups of {r} "
+                        f"microbatches): microbatches (M={microbatches}) must be a multiple "
+                        f"of {r}"
+                    )
         all_devices = list(jax.devices() if devices is None else devices)
         for s, spec in enumerate(specs):
             ids = tuple(spec.devices)
@@ -296,7 +333,8 @@ class Pipeline:
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
                     remat=remat,
-                    scale=1.0 if schedule == "pipedream" else 1.0 / microbatches,
+                    scale=_scale(schedule, microbatches, len(spec.devices), round_robin[s]),
+                    round_robin=round_robin[s % self.num_groups],
                 )
             )
         self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
@@ -352,6 +390,15 @@ class Pipeline:
             check_cpu_transfers("a pipeline across processes")
 
     @property
+    def _schedule_replication(self) -> tuple[str, ...] | None:
+        """The schedule's per-group modes (``None`` when no stage is round-robin)."""
+        if not any(st.round_robin for st in self.stages):
+            return None
+        return tuple(
+            "round-robin" if st.round_robin else "split" for st in self.stages[: self.num_groups]
+        )
+
+    @property
     def grad_allreduce_at(self) -> tuple[str, ...]:
         """Per stage, where its gradients are all-reduced: ``"-"`` (one device),
         ``"update"``, or ``"backward: <why>"``; decided at the first step or run."""
@@ -359,6 +406,8 @@ class Pipeline:
         for st in self.stages:
             if st.num_replicas == 1:
                 out.append("-")
+            elif st.round_robin:
+                out.append("update (round-robin)")
             elif st.per_device:
                 out.append("update")
             else:
@@ -370,8 +419,18 @@ class Pipeline:
         sum their gradients per device (:meth:`Stage.check_parts`)."""
         if self._parts_checked:
             return
+        for s, st in enumerate(self.stages):
+            if st.round_robin and jax.tree.leaves(state.model_state[s]):
+                raise PipelineError(
+                    f"stage {s} is round-robin (r={st.num_replicas} whole microbatches at "
+                    "once) but its layers keep model state (e.g. BatchNorm statistics), which "
+                    "r microbatches would update at once, unlike r in turn; use "
+                    "replication='split' for this stage"
+                )
         self._parts_checked = True
-        replicated = [s for s, st in enumerate(self.stages) if st.num_replicas > 1]
+        replicated = [
+            s for s, st in enumerate(self.stages) if st.num_replicas > 1 and not st.round_robin
+        ]
         if not replicated:
             return
         if self.grad_allreduce == "backward":
@@ -586,10 +645,16 @@ class Pipeline:
                     weight_stashing=self.weight_stashing,
                     replicas=self.replicas,
                     extra_in_flight=self.extra_in_flight,
+                    replication=self._schedule_replication,
                 )
             elif name == "2bw":
                 sched = generate(
-                    name, self.num_groups, M, stream=num_microbatches, replicas=self.replicas
+                    name,
+                    self.num_groups,
+                    M,
+                    stream=num_microbatches,
+                    replicas=self.replicas,
+                    replication=self._schedule_replication,
                 )
             else:
                 if num_microbatches % M:
@@ -603,6 +668,7 @@ class Pipeline:
                     steps=num_microbatches // M,
                     chunks=self.chunks,
                     replicas=self.replicas,
+                    replication=self._schedule_replication,
                 )
             validate(sched)
             self._schedules[key] = sched
@@ -689,13 +755,22 @@ class Pipeline:
                 "this state was consumed by an earlier step/run (the optimizer state is "
                 "updated in place); pass the state that call returned"
             )
+        split = tuple(st.num_replicas for st in self.stages if not st.round_robin)
         for k, (x, _) in enumerate(microbatches):
             n = jax.tree.leaves(x)[0].shape[0]
-            bad = [r for r in self.replicas if n < 1 or n % r]
+            bad = [r for r in split if n < 1 or n % r]
             if bad:
                 raise PipelineError(
                     f"microbatch {k} has {n} samples; every microbatch needs a positive "
-                    f"multiple of each stage's replicas {self.replicas}"
+                    f"multiple of each split stage's replicas {split}"
+                )
+        for s, st in enumerate(self.stages):
+            if st.round_robin and len(microbatches) % st.num_replicas:
+                raise PipelineError(
+                    f"stage {s} is round-robin over {st.num_replicas} devices and takes "
+                    f"whole groups of {st.num_replicas} microbatches: a call over "
+                    f"{len(microbatches)} microbatches must be a multiple of "
+                    f"{st.num_replicas}"
                 )
         prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
         return self._execute(prog, state, microbatches, timeline, on_loss, collectives)
@@ -761,6 +836,12 @@ class Pipeline:
     def _function(self, op: Op, prog: Program, specs: Any, on_loss: Any) -> Any:
         """What the interpreter calls for ``op``: always ``fn(*inputs) -> outputs``."""
         kind = op.kind
+        if kind == "GATHER":
+            return partial(_gather, self.stages[op.stage])
+        if kind == "PART":
+            return partial(_part, self.stages[op.stage], op.outs[0].startswith("loss"))
+        if kind == "MOVE" and op.part != (-1, -1):
+            return self.transport.piece(self.stages[op.stage], self.stages[op.peer], op.part)
         if kind in ("MOVE", "SEND", "RECV", "SENDRECV"):
             src, dst = self.stages[op.stage], self.stages[op.peer]
             scalar = op.ins[0].startswith("q") if op.ins else op.outs[0].startswith("q")
@@ -879,12 +960,20 @@ class Pipeline:
             values[f"o{s}v0"] = state.opt_state[s]
             values[f"st{s}"] = state.model_state[s]
         values.update(self._placed_rng(state.rng))
-        if self.local[0]:
-            xs = self._place_microbatches(self.stages[0], [mb[0] for mb in microbatches])
-            values.update((f"x0.{k}", x) for k, x in enumerate(xs))
-        if self.local[last]:
-            ts = self._place_microbatches(self.stages[last], [mb[1] for mb in microbatches])
-            values.update((f"t{k}", t) for k, t in enumerate(ts))
+        for s, i, name in ((0, 0, "x0."), (last, 1, "t")):
+            if not self.local[s]:
+                continue
+            stage = self.stages[s]
+            trees = [mb[i] for mb in microbatches]
+            if stage.round_robin:  # one array per group: microbatch k0 + d on device d
+                r = stage.num_replicas
+                name = "mx0." if i == 0 else f"mt{s}."
+                groups = [_concat(trees[k : k + r]) for k in range(0, len(trees), r)]
+                placed = self._place_microbatches(stage, groups)
+                values.update((f"{name}{k * r}", v) for k, v in enumerate(placed))
+            else:
+                placed = self._place_microbatches(stage, trees)
+                values.update((f"{name}{k}", v) for k, v in enumerate(placed))
         return values
 
     def _placed_rng(self, rng: jax.Array) -> dict[str, jax.Array]:
@@ -1038,6 +1127,68 @@ def _interpret(code: list[Any], reg: list[Any]) -> None:
             reg[i] = v
         for i in frees:
             reg[i] = None
+
+
+def _replication_of(
+    replication: str | Sequence[str] | None, specs: Sequence[Any], groups: int
+) -> tuple[str, ...]:
+    """Per device group ``"split"`` or ``"round-robin"`` (see :class:`Pipeline`)."""
+    if replication is None:
+        modes = tuple(getattr(spec, "replication", "split") for spec in specs[:groups])
+    elif isinstance(replication, str):
+        modes = (replication,) * groups
+    else:
+        modes = tuple(replication)
+    if len(modes) != groups:
+        raise PipelineError(
+            f"replication has {len(modes)} entries for {groups} stages; give one per stage "
+            "or one word for all"
+        )
+    for mode in modes:
+        if mode not in ("split", "round-robin"):
+            raise PipelineError(f"replication must be 'split' or 'round-robin', got {mode!r}")
+    return modes
+
+
+def _scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:
+    """The factor on a stage's summed gradients before its update: the mean over the
+    microbatches one update applies (``M``; a round-robin group under ``pipedream``)."""
+    if schedule == "pipedream":
+        return 1.0 / replicas if round_robin else 1.0
+    return 1.0 / microbatches
+
+
+def _concat(trees: list[PyTree]) -> PyTree:
+    """Microbatches concatenated along axis 0 (on the host when they are numpy)."""
+    if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(trees)):
+        return jax.tree.map(lambda *a: np.concatenate(a), *trees)
+    return jax.tree.map(lambda *a: jnp.concatenate(a), *trees)
+
+
+def _gather(stage: Stage, *pieces: PyTree) -> tuple[PyTree]:
+    """A round-robin group from its microbatches, each already on its device (piece ``d``
+    on device ``d``): one array per leaf, sharded over the stage's devices, no copy."""
+    leaves = [jax.tree.leaves(p) for p in pieces]
+    treedef = jax.tree.structure(pieces[0])
+    out = []
+    for parts in zip(*leaves, strict=True):
+        shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
+        out.append(jax.make_array_from_single_device_arrays(shape, stage.batch_sharding, parts))
+    return (jax.tree.unflatten(treedef, out),)
+
+
+def _part(stage: Stage, scalars: bool, group: PyTree) -> tuple[PyTree, ...]:
+    """A round-robin group's value as one piece per microbatch, each on its own device (no
+    copy); ``scalars``: the group's losses, one scalar per microbatch."""
+    leaves, treedef = jax.tree.flatten(group)
+    per_device = [{sh.device: sh.data for sh in a.addressable_shards} for a in leaves]
+    out = []
+    for d in stage.devices:
+        parts = [m[d] for m in per_device]
+        if scalars:
+            parts = [a.reshape(()) for a in parts]
+        out.append(jax.tree.unflatten(treedef, parts))
+    return tuple(out)
 
 
 _ALL_REDUCE = re.compile(r"\ball-reduce(?:-start)?\(")

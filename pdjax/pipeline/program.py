@@ -30,7 +30,16 @@ slot                    value
 ``loss{k}``             microbatch ``k``'s loss, on the last stage
 ``q{s}.{u}``, ``q{s}.{u}@{r}``  update ``u``'s gradient sum of squares at stage ``s`` (and on
                         stage ``r``): optimizers that clip by the global norm
+``m<name>{s}.{k}``      a round-robin stage's group value (``mx``, ``my``, ``mkey``,
+                        ``mt``, ``mloss``, ``md``, ``me``): the ``r`` microbatches from
+                        ``k`` on, concatenated, microbatch ``k + d`` on device ``d``
 ======================  =============================================================
+
+A round-robin stage (PipeDream's replication; see
+:func:`~pdjax.pipeline.schedule.pipedream`) computes ``r`` microbatches in one operation:
+``GATHER`` assembles the pieces that arrived on its devices into the group value (no
+copy), ``PART`` hands the group's outputs back as one piece per microbatch (no copy), and
+each piece moves to or from its own device (``MOVE`` with ``part``).
 
 Operations and their arguments (the stage programs of :class:`~pdjax.pipeline.stage.Stage`
 take and return exactly these, in this order; ``[..]`` appears only where it applies):
@@ -54,6 +63,8 @@ kind       reads                                               writes
 ``LOSS``   ``loss{k}``                                         (calls ``on_loss``)
 ``WAIT``   ``loss{k}``                                         (blocks until it is computed)
 ``SYNC``   the outputs of the operation before                 (blocks: one at a time)
+``GATHER`` ``r`` pieces, each on its device of stage ``s``     the group value
+``PART``   a group value                                       its ``r`` pieces
 =========  ==================================================  ===========================
 
 ``R`` is ``r`` (the forward's residuals) or, with the ``recompute`` flag, ``st key [t]``
@@ -124,6 +135,8 @@ class Op:
       frees: slots dropped after it (their last read in this process).
       peer: transfers: the stage the value goes to.
       actions: the schedule actions it carries out (for timelines).
+      part: transfers: ``(source part, destination part)``, the device index within a
+        round-robin stage the piece leaves from or goes to (-1: the stage's whole layout).
     """
 
     kind: str
@@ -136,10 +149,13 @@ class Op:
     frees: tuple[str, ...] = ()
     peer: int = -1
     actions: tuple[Action, ...] = ()
+    part: tuple[int, int] = (-1, -1)
 
     def __str__(self) -> str:
         head = self.kind + "".join(f"+{f}" for f in sorted(self.flags))
         where = f"{self.stage}" + (f">{self.peer}" if self.peer >= 0 else "")
+        if self.part != (-1, -1):
+            where += "[{}>{}]".format(*("-" if i < 0 else i for i in self.part))
         text = f"{head:<10} {where:<4} {' '.join(self.ins)} -> {' '.join(self.outs)}"
         if self.frees:
             text += f" | free {' '.join(self.frees)}"
@@ -228,6 +244,12 @@ def lower(
     if len(placement.stages) != S:
         raise PipelineError(f"the placement has {len(placement.stages)} stages, the schedule {S}")
     _check_transport(placement)
+    if schedule.replication and placement.num_processes > 1:
+        raise PipelineError(
+            "round-robin replication runs in one process for now (its stages gather "
+            "microbatches from their devices on the host); use replication='split' across "
+            "processes"
+        )
     ops = _global_ops(schedule, placement, remat, fuse, coupled, run_ahead, on_loss)
     ops = _in_dependency_order(ops, _caller_slots(schedule))
     if one_at_a_time is not None:
@@ -288,7 +310,10 @@ def _caller_slots(schedule: Schedule) -> list[str]:
     slots = ["offset"]
     for s in range(S):
         slots += [f"w{s}v0", f"o{s}v0", f"st{s}", f"rng{s}"]
-    return slots + [f"x0.{k}" for k in range(N)] + [f"t{k}" for k in range(N)]
+    first, last = schedule.group_size(0), schedule.group_size(S - 1)
+    xs = [f"mx0.{k}" for k in range(0, N, first)] if first > 1 else [f"x0.{k}" for k in range(N)]
+    ts = [f"mt{S - 1}.{k}" for k in range(0, N, last)] if last > 1 else [f"t{k}" for k in range(N)]
+    return slots + xs + ts
 
 
 def _global_ops(
@@ -303,6 +328,8 @@ def _global_ops(
     """The operations of every process, in the schedule's unit-time clock order."""
     S, N = schedule.num_stages, schedule.num_microbatches
     last = S - 1
+    n_of = [schedule.group_size(s) for s in range(S)]
+    rr = [n > 1 for n in n_of]
     order = sorted(
         (tick, g, i) for g, ticks in enumerate(schedule.clock()) for i, tick in enumerate(ticks)
     )
@@ -316,18 +343,62 @@ def _global_ops(
     acc: list[str | None] = [None] * S
     updates = [0] * S
     ops: list[Op] = [
-        Op("KEYS", s, outs=tuple(f"key{s}.{k}" for k in range(N)), ins=(f"rng{s}", "offset"))
+        Op(
+            "KEYS",
+            s,
+            outs=tuple(f"mkey{s}.{k}" if rr[s] else f"key{s}.{k}" for k in range(0, N, n_of[s])),
+            ins=(f"rng{s}", "offset"),
+        )
         for s in range(S)
     ]
     skip: set[tuple[int, int]] = set()  # (group, index) of actions fused into an earlier op
 
-    def moved(slot_from: str, slot_to: str, src: int, dst: int, mb: int) -> list[Op]:
-        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst)]
+    def name(prefix: str, s: int, k: int) -> str:
+        """A stage's slot for microbatch ``k`` (a round-robin stage's: the group's)."""
+        return f"m{prefix}{s}.{k}" if rr[s] else f"{prefix}{s}.{k}"
+
+    def target(s: int, k: int) -> str:
+        return f"mt{s}.{k}" if rr[s] else f"t{k}"
+
+    def loss_slot(s: int, k: int) -> str:
+        return f"mloss{s}.{k}" if rr[s] else f"loss{k}"
+
+    def moved(
+        slot_from: str, slot_to: str, src: int, dst: int, mb: int, part: bool = True
+    ) -> list[Op]:
+        ends = tuple(mb % n_of[t] if part and rr[t] else -1 for t in (src, dst))
+        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=ends)]
+
+    def gathered(prefix: str, s: int, k: int) -> list[Op]:
+        """A round-robin stage's group value from the pieces on its devices."""
+        if not rr[s]:
+            return []
+        pieces = tuple(f"{prefix}{s}.{j}" for j in range(k, k + n_of[s]))
+        return [Op("GATHER", s, k, ins=pieces, outs=(f"m{prefix}{s}.{k}",))]
+
+    def parted(slot: str, s: int, k: int, pieces: list[str]) -> list[Op]:
+        return [Op("PART", s, k, ins=(slot,), outs=tuple(pieces))] if rr[s] else []
+
+    def covered(s: int, k: int) -> range:
+        return range(k, k + n_of[s])
+
+    def sent_back(s: int, k: int) -> list[Op]:
+        """The input gradient of stage ``s > 0`` to stage ``s - 1``, piece by piece."""
+        out = parted(f"me{s}.{k}", s, k, [f"e{s}.{j}" for j in covered(s, k)])
+        for j in covered(s, k):
+            out += moved(f"e{s}.{j}", f"d{s - 1}.{j}", s, s - 1, j)
+        return out
+
+    def losses(s: int, k: int) -> list[Op]:
+        out = parted(f"mloss{s}.{k}", s, k, [f"loss{j}" for j in covered(s, k)])
+        for j in covered(s, k):
+            out += loss_ops(j)
+        return out
 
     def residual_args(s: int, k: int, recompute: bool) -> tuple[str, ...]:
         if recompute:
-            extra = (f"t{k}",) if s == last else ()
-            return (state_before[(s, k)], f"key{s}.{k}", *extra)
+            extra = (target(s, k),) if s == last else ()
+            return (state_before[(s, k)], name("key", s, k), *extra)
         return (f"r{s}.{k}",)
 
     def update_tail(s: int, read_version: int) -> tuple[tuple[str, ...], frozenset[str]]:
@@ -364,8 +435,10 @@ def _global_ops(
             forward_version[(s, k)] = v
             state_before[(s, k)] = state[s]
             new_state = f"st{s}.{k}"
-            x = f"x{s}.{k}"
-            key = f"key{s}.{k}"
+            x = name("x", s, k)
+            key = name("key", s, k)
+            if s > 0:
+                ops += gathered("x", s, k)
             if (
                 s == last
                 and fuse
@@ -376,7 +449,7 @@ def _global_ops(
                 skip.add((g, i + 1))
                 g_in = (acc[s],) if acc[s] else ()
                 flags = {"acc"} if acc[s] else set()
-                e = () if s == 0 else (f"e{s}.{k}",)
+                e = () if s == 0 else (name("e", s, k),)
                 if not coupled and nxt2 is not None and nxt2.kind == "U" and nxt2.stage == s:
                     skip.add((g, i + 2))
                     tail, more = update_tail(s, v)
@@ -388,8 +461,8 @@ def _global_ops(
                             k,
                             v,
                             frozenset(flags | more),
-                            (w, state[s], x, key, f"t{k}", *g_in, *tail),
-                            (f"loss{k}", new_state, w2, o2, *e),
+                            (w, state[s], x, key, target(s, k), *g_in, *tail),
+                            (loss_slot(s, k), new_state, w2, o2, *e),
                             actions=(a, nxt, nxt2),
                         )
                     )
@@ -402,19 +475,19 @@ def _global_ops(
                             k,
                             v,
                             frozenset(flags),
-                            (w, state[s], x, key, f"t{k}", *g_in),
-                            (f"loss{k}", new_state, acc[s], *e),
+                            (w, state[s], x, key, target(s, k), *g_in),
+                            (loss_slot(s, k), new_state, acc[s], *e),
                             actions=(a, nxt),
                         )
                     )
                 state[s] = new_state
-                ops += loss_ops(k)
+                ops += losses(s, k) if rr[s] else loss_ops(k)
                 if s > 0:
-                    ops += moved(f"e{s}.{k}", f"d{s - 1}.{k}", s, s - 1, k)
+                    ops += sent_back(s, k)
                 continue
             recompute = remat or backward_version[(s, k)] != v
-            out = f"loss{k}" if s == last else f"y{s}.{k}"
-            tgt = (f"t{k}",) if s == last else ()
+            out = loss_slot(s, k) if s == last else name("y", s, k)
+            tgt = (target(s, k),) if s == last else ()
             res = () if recompute else (f"r{s}.{k}",)
             ops.append(
                 Op(
@@ -430,16 +503,20 @@ def _global_ops(
             )
             state[s] = new_state
             if s == last:
-                ops += loss_ops(k)
+                ops += losses(s, k) if rr[s] else loss_ops(k)
             else:
-                ops += moved(out, f"x{s + 1}.{k}", s, s + 1, k)
+                ops += parted(out, s, k, [f"y{s}.{j}" for j in covered(s, k)])
+                for j in covered(s, k):
+                    ops += moved(f"y{s}.{j}", f"x{s + 1}.{j}", s, s + 1, j)
         elif a.kind in ("B", "I", "W"):
             recompute = remat or forward_version[(s, k)] != v
             flags = {"recompute"} if recompute else set()
-            x = f"x{s}.{k}"
+            x = name("x", s, k)
             R = residual_args(s, k, recompute)
-            d = () if s == last else (f"d{s}.{k}",)
-            e = () if s == 0 else (f"e{s}.{k}",)
+            d = () if s == last else (name("d", s, k),)
+            e = () if s == 0 else (name("e", s, k),)
+            if s < last:
+                ops += gathered("d", s, k)
             if a.kind == "I":
                 ops.append(
                     Op(
@@ -503,7 +580,7 @@ def _global_ops(
                         )
                     )
             if a.kind != "W" and s > 0:
-                ops += moved(f"e{s}.{k}", f"d{s - 1}.{k}", s, s - 1, k)
+                ops += sent_back(s, k)
         else:  # U
             if v != latest[s]:
                 raise PipelineError(
@@ -521,7 +598,7 @@ def _global_ops(
                 ops.append(Op("SQ", s, u, ins=(grads,), outs=(f"q{s}.{u}",)))
                 for r in range(S):
                     if r != s:
-                        ops += moved(f"q{s}.{u}", f"q{s}.{u}@{r}", s, r, u)
+                        ops += moved(f"q{s}.{u}", f"q{s}.{u}@{r}", s, r, u, part=False)
             w2, o2 = after_update(s)
             ops.append(
                 Op(

@@ -17,6 +17,14 @@ drawn for the whole microbatch, anything that mixes rows) keeps the whole-microb
 programs, whose every backward all-reduces (XLA inserts it), with the reason recorded.
 The loss is always taken on the whole microbatch.
 
+A *round-robin* stage (PipeDream's replication, ``round_robin=True``) takes ``r`` whole
+microbatches at once, one per device: its input is the ``r`` microbatches concatenated
+(device ``d`` holds microbatch ``d`` of the group), computed as the same ``r`` parts, each
+with its own microbatch's PRNG key and, on the last stage, its own loss (the programs
+return the ``r`` losses). That is exactly what ``r`` separate microbatches compute, so no
+check is needed; model state (BatchNorm statistics) is refused by the pipeline, since ``r``
+microbatches would update it at once.
+
 Every operation of a lowered :class:`~pdjax.pipeline.program.Program` that computes is one
 call of one jitted program made here by :meth:`Stage.program` from the operation's kind and
 flags. The argument and result order of each program is fixed by the table in
@@ -97,6 +105,7 @@ class Stage:
         train: bool = True,
         remat: bool = False,
         scale: float = 1.0,
+        round_robin: bool = False,
     ) -> None:
         self.index = index
         self.layers = tuple(layers)
@@ -120,6 +129,10 @@ class Stage:
         # per-device gradient sums (see the module docstring); decided by check_parts
         self.per_device = False
         self.whole_reason = "one device" if self.num_replicas == 1 else "not checked yet"
+        # PipeDream's replication: r whole microbatches at once, one per device
+        self.round_robin = round_robin and self.num_replicas > 1
+        if self.round_robin:
+            self.whole_reason = ""
         self._layout: dict[Any, _ResidualLayout] = {}
         self._programs: dict[tuple[str, frozenset[str]], Callable[..., Any]] = {}
 
@@ -147,14 +160,15 @@ class Stage:
         # weights and optimizer state stay replicated: XLA would otherwise carry the batch
         # sharding of the gradient computation into them
         if kind == "KEYS":
-            kwargs["out_shardings"] = rep
+            kwargs["out_shardings"] = batch if self.round_robin else rep
             kwargs["static_argnums"] = (2,)
         elif kind == "U":
             kwargs["out_shardings"] = (rep, rep)
         elif kind == "BU":
             kwargs["out_shardings"] = (rep, rep) if first else (rep, rep, batch)
         elif kind == "FBU":
-            kwargs["out_shardings"] = (rep, rep, rep, rep) + (() if first else (batch,))
+            loss = batch if self.round_robin else rep  # round-robin: r losses, one per device
+            kwargs["out_shardings"] = (loss, rep, rep, rep) + (() if first else (batch,))
         return jax.jit(count_traces(self.trace_counts, name, body), **kwargs)
 
     def _body(self, kind: str, flags: frozenset[str]) -> tuple[Callable[..., Any], tuple[int, ...]]:
@@ -180,6 +194,9 @@ class Stage:
                 ks = jax.vmap(lambda k: jax.random.fold_in(rng, k))(
                     offset + jnp.arange(count, dtype=jnp.int32)
                 )
+                if self.round_robin:  # one stacked [r] key array per group, sharded
+                    r = self.num_replicas
+                    return tuple(ks[i : i + r] for i in range(0, count, r))
                 return tuple(ks[i] for i in range(count))
 
             return keys, ()
@@ -265,8 +282,9 @@ class Stage:
 
     @property
     def parts(self) -> int:
-        """Parts a microbatch is computed in: ``r`` with per-device gradient sums, else 1."""
-        return self.num_replicas if self.per_device else 1
+        """Parts an input is computed in: ``r`` with per-device gradient sums or round-robin
+        (then each part is a whole microbatch), else 1."""
+        return self.num_replicas if self.per_device or self.round_robin else 1
 
     def _view(self, params: list[PyTree], x: PyTree, parts: int, pin: bool = True) -> Any:
         """``(params, x)`` as the layers see them: with ``parts > 1`` the weights broadcast
@@ -305,6 +323,8 @@ class Stage:
         r = self.num_replicas
         if self._programs:
             raise RuntimeError("check_parts must run before the stage's programs are built")
+        if self.round_robin:
+            raise RuntimeError("a round-robin stage computes whole microbatches: no check")
         self.per_device = False
         if r == 1:
             self.whole_reason = "one device"
@@ -357,16 +377,20 @@ class Stage:
         self, j: int, state: Variables, key: jax.Array, parts: int = 1
     ) -> Callable[[PyTree, PyTree], tuple[PyTree, Variables]]:
         layer = self.layers[j]
-        rng = jax.random.fold_in(key, self.first_layer + j)
+        index = self.first_layer + j
 
-        def f(p: PyTree, x: PyTree) -> tuple[PyTree, Variables]:
+        def f(p: PyTree, x: PyTree, k: jax.Array) -> tuple[PyTree, Variables]:
+            rng = jax.random.fold_in(k, index)
             return layer.apply({**state, "params": p}, x, train=self.train, rng=rng)
 
         if parts == 1:
-            return f
+            return lambda p, x: f(p, x, key)
         # one copy of the weights per part (so each part's weight gradient stays its own);
-        # the model state may not depend on the part (vmap refuses otherwise)
-        return jax.vmap(f, out_axes=(0, None))
+        # the model state may not depend on the part (vmap refuses otherwise). Round-robin
+        # parts are microbatches: each draws from its own key
+        if self.round_robin:
+            return lambda p, x: jax.vmap(f, out_axes=(0, None))(p, x, key)
+        return jax.vmap(lambda p, x: f(p, x, key), out_axes=(0, None))
 
     def _apply(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
@@ -377,6 +401,8 @@ class Stage:
         for j in range(len(self.layers)):
             x, s = self._layer_fn(j, state[j], key, parts)(params[j], x)
             new_state.append(s)
+        if self.round_robin and self.loss_fn is not None:
+            return self._group_loss(tgt)(x), new_state
         x = self._merge(x, parts)
         if self.loss_fn is not None:
             x = self.loss_fn(x, tgt)
@@ -396,12 +422,23 @@ class Stage:
             x, pb, s = jax.vjp(layer_fn, params[j], x, has_aux=True)
             pbs.append(pb)
             new_state.append(s)
+        if self.round_robin and self.loss_fn is not None:  # each microbatch's own loss
+            x, pb = jax.vjp(self._group_loss(tgt), x)
+            pbs.append(pb)
+            return x, new_state, pbs, sources
         x = self._merge(x, parts)
         if self.loss_fn is not None:
             loss_fn = self.loss_fn
             x, pb = jax.vjp(lambda y: loss_fn(y, tgt), x)
             pbs.append(pb)
         return x, new_state, pbs, sources
+
+    def _group_loss(self, tgt: PyTree) -> Callable[[PyTree], jax.Array]:
+        """Round-robin: the ``r`` microbatches' losses (``[r]``) from the outputs in parts."""
+        loss_fn = self.loss_fn
+        assert loss_fn is not None
+        t = _split(tgt, self.num_replicas, self._pin)
+        return lambda y: jax.vmap(loss_fn)(y, t)
 
     def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
         """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
@@ -434,10 +471,13 @@ class Stage:
         """Back through the layers: ``(weight gradients or None, input gradient, the
         cotangent at each layer's output)``; XLA drops what the caller does not return."""
         n, parts = len(self.layers), self.parts
-        if self.loss_fn is not None:
-            (ct,) = pbs[n](jnp.ones((), jnp.float32))
-        if parts > 1:
-            ct = _split(ct, parts, self._pin)
+        if self.loss_fn is not None and self.round_robin:  # already in parts
+            (ct,) = pbs[n](jnp.ones((parts,), jnp.float32))
+        else:
+            if self.loss_fn is not None:
+                (ct,) = pbs[n](jnp.ones((), jnp.float32))
+            if parts > 1:
+                ct = _split(ct, parts, self._pin)
         cts: list[PyTree] = [None] * n
         grads: list[PyTree] = [None] * n
         for j in reversed(range(n)):

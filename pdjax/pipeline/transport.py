@@ -84,6 +84,19 @@ class Transport:
 
         return move
 
+    def piece(self, src: Stage, dst: Stage, part: tuple[int, int]) -> Link:
+        """Within a process, one microbatch's value leaving or reaching one device of a
+        round-robin stage: ``part = (source device index, destination device index)``
+        within the stages (-1: the stage's own layout). Returns a 1-tuple."""
+        sp, dp = part
+        if dp >= 0:
+            target: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(dst.devices[dp])
+        else:
+            target = dst.batch_sharding
+        if (sp >= 0 or len(src.devices) == 1) and (dp >= 0 or len(dst.devices) == 1):
+            return _receiver(target)
+        return lambda value: (jax.device_put(value, target),)
+
     def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
         """Sets up, now, whatever the transfers from ``src`` to ``dst`` need (every
         process calls it for its links, in the program's order). A no-op by default."""
@@ -218,6 +231,19 @@ class Collective(Transport):
     def __init__(self) -> None:
         super().__init__()
         self._links: dict[tuple[int, int], Any] = {}
+
+    def piece(self, src: Stage, dst: Stage, part: tuple[int, int]) -> Link:
+        """Within a process, one microbatch's value leaving or reaching one device of a
+        round-robin stage: ``part = (source device index, destination device index)``
+        within the stages (-1: the stage's own layout). Returns a 1-tuple."""
+        sp, dp = part
+        if dp >= 0:
+            target: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(dst.devices[dp])
+        else:
+            target = dst.batch_sharding
+        if (sp >= 0 or len(src.devices) == 1) and (dp >= 0 or len(dst.devices) == 1):
+            return _receiver(target)
+        return lambda value: (jax.device_put(value, target),)
 
     def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
         """Sets up every gloo communicator these transfers use before the first one: it

@@ -1,0 +1,271 @@
+"""PipeDream's round-robin replication run by the runtime: a stage on r devices takes r
+whole microbatches at once, one per device. Under flush schedules it equals sequential
+training; under ``pipedream`` it equals the delayed-update recurrence of DESIGN.md with
+one update per group, written here from the formula (not from pdjax's schedule code)."""
+
+import math
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from reference import delayed_training, flush_training
+
+from pdjax.errors import PipelineError
+from pdjax.layers import sequential
+from pdjax.pipeline.executor import Pipeline, StageSpec
+
+
+class Dense32(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(32)(x))
+
+
+class DenseDropout(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
+
+
+class DenseBN(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x))
+
+
+def xent(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def _stream(n, mb=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.standard_normal((mb, 16)).astype(np.float32),
+            rng.integers(0, 10, mb).astype(np.int32),
+        )
+        for _ in range(n)
+    ]
+
+
+def _plan(bounds, replicas):
+    devices, first = [], 0
+    for r in replicas:
+        devices.append(tuple(range(first, first + r)))
+        first += r
+    return tuple(StageSpec(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
+
+
+def groups_in_flight(n, s):
+    """DESIGN.md: q_s = max(ceil(W_s / n_s), ceil((q_{s+1} n_{s+1} + slack_s) / n_s)),
+    W_s = n_s + ... + n_{P-1}, slack_s = n_s - 1 - ((n_s - 1) mod gcd(n_s, n_{s+1}));
+    q_{P-1} = 1."""
+    P = len(n)
+    if s == P - 1:
+        return 1
+    busy = math.ceil(sum(n[s:]) / n[s])
+    slack = n[s] - 1 - ((n[s] - 1) % math.gcd(n[s], n[s + 1]))
+    return max(busy, math.ceil((groups_in_flight(n, s + 1) * n[s + 1] + slack) / n[s]))
+
+
+CONFIGS = [
+    # (stage layer bounds, replicas, layers): stage s is round-robin when it has r > 1
+    (((0, 2), (2, 4)), (2, 1)),
+    (((0, 2), (2, 4)), (1, 2)),
+    (((0, 1), (1, 3), (3, 4)), (1, 3, 1)),
+    (((0, 1), (1, 3), (3, 4)), (2, 1, 3)),
+]
+
+
+@pytest.mark.parametrize("bounds,replicas", CONFIGS)
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name):
+    """Group g of stage s (microbatches g n_s .. g n_s + n_s - 1) runs forward and backward
+    at version max(0, g - q_s + 1); each group's update applies its mean gradient. A stream
+    of at least 3P groups at every stage; dropout draws each microbatch's own masks."""
+    layers = sequential(Dense32(), DenseDropout(), Dense32(), nn.Dense(10))
+    opt = optax.sgd(0.1) if opt_name == "sgd" else optax.adam(1e-2)
+    n = list(replicas)  # every replicated stage here is round-robin
+    P = len(n)
+    groups = 3 * P
+    N = groups * math.lcm(*n)
+    stream = _stream(N)
+    pipe = Pipeline(
+        layers,
+        _plan(bounds, replicas),
+        xent,
+        opt,
+        schedule="pipedream",
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    start = pipe.variables(state)
+    state, metrics = pipe.run(state, stream)
+    q = [groups_in_flight(n, s) for s in range(P)]
+    assert metrics.peak_versions == tuple(min(q[s], N // n[s]) for s in range(P))
+    assert state.updates == tuple(N // n[s] for s in range(P))
+
+    ref = delayed_training(
+        layers,
+        xent,
+        opt,
+        start,
+        stream,
+        bounds,
+        lambda s, k: max(0, k // n[s] - q[s] + 1),
+        state.rng,
+        M=n,
+    )
+    got = [list(p) for p in state.params]
+    _close(got, ref)
+
+
+@pytest.mark.parametrize(
+    "schedule,replicas", [("1f1b", (3, 1)), ("gpipe", (1, 2)), ("1f1b", (2, 2))]
+)
+def test_flush_round_robin_equals_sequential_training(schedule, replicas):
+    layers = sequential(Dense32(), DenseDropout(), Dense32(), nn.Dense(10))
+    M = 6 if 3 in replicas else 4
+    stream = _stream(2 * M)
+    pipe = Pipeline(
+        layers,
+        _plan(((0, 2), (2, 4)), replicas),
+        xent,
+        optax.adam(1e-2),
+        schedule=schedule,
+        microbatches=M,
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    start = pipe.variables(state)
+    losses = []
+    for t in range(2):
+        state, metrics = pipe.run(state, stream[t * M : (t + 1) * M])
+        losses += [float(v) for v in metrics.losses]
+    ref, _, ref_losses = flush_training(layers, xent, optax.adam(1e-2), start, stream, M, state.rng)
+    np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
+    _close([v["params"] for v in pipe.variables(state)], ref)
+
+
+def test_2bw_round_robin_equals_its_recurrence():
+    layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
+    M, bounds = 4, ((0, 2), (2, 4))
+    stream = _stream(3 * M)
+    pipe = Pipeline(
+        layers,
+        _plan(bounds, (2, 1)),
+        xent,
+        optax.sgd(0.1),
+        schedule="2bw",
+        microbatches=M,
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    start = pipe.variables(state)
+    state, _ = pipe.run(state, stream)
+    ref = delayed_training(
+        layers,
+        xent,
+        optax.sgd(0.1),
+        start,
+        stream,
+        bounds,
+        lambda s, k: max(0, k // M - 1),
+        state.rng,
+        M=M,
+    )
+    _close([list(p) for p in state.params], ref)
+
+
+@pytest.mark.parametrize("schedule,M", [("1f1b", 4), ("pipedream", 1)])
+def test_round_robin_all_reduces_once_per_update(schedule, M):
+    """Counted in the compiled programs run: no all-reduce in a forward or backward of the
+    round-robin stage, one per update (per step of M under 1f1b, per group of r under
+    pipedream); the single-device stage none."""
+    layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
+    stream = _stream(8)
+    pipe = Pipeline(
+        layers,
+        _plan(((0, 2), (2, 4)), (2, 1)),
+        xent,
+        optax.sgd(0.1),
+        schedule=schedule,
+        microbatches=M,
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    _, metrics = pipe.run(state, stream, collectives=True)
+    counts = metrics.all_reduces
+    assert sum(counts.get(k, 0) for k in ("F", "B", "FB", "MOVE")) == 0, counts
+    updates = len(stream) // (M if schedule == "1f1b" else 2)
+    assert sum(counts.get(k, 0) for k in ("BU", "U", "FBU")) == updates, counts
+
+
+def test_gather_and_part_do_not_copy():
+    """The group a round-robin stage computes on is assembled from the microbatches where
+    they arrived (each device's shard is the piece's own buffer), and its outputs leave as
+    the shards themselves."""
+    from pdjax.pipeline.executor import _gather, _part
+    from pdjax.pipeline.stage import Stage
+
+    stage = Stage(0, [], 0, jax.devices()[:2], optax.sgd(0.1), round_robin=True)
+    pieces = [jax.device_put(np.full((3, 2), d, np.float32), jax.devices()[d]) for d in range(2)]
+    (group,) = _gather(stage, *pieces)
+    assert group.shape == (6, 2) and group.sharding == stage.batch_sharding
+    for sh in group.addressable_shards:
+        d = stage.devices.index(sh.device)
+        assert sh.data.unsafe_buffer_pointer() == pieces[d].unsafe_buffer_pointer()
+    back = _part(stage, False, group)
+    assert [b.unsafe_buffer_pointer() for b in back] == [p.unsafe_buffer_pointer() for p in pieces]
+
+
+def test_round_robin_refuses_what_it_cannot_do_exactly():
+    layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
+    plan = _plan(((0, 2), (2, 4)), (2, 1))
+    with pytest.raises(PipelineError, match="zb-h1"):
+        Pipeline(
+            layers,
+            plan,
+            xent,
+            optax.sgd(0.1),
+            schedule="zb-h1",
+            microbatches=4,
+            replication="round-robin",
+        )
+    with pytest.raises(PipelineError, match="multiple of 2"):
+        Pipeline(
+            layers,
+            plan,
+            xent,
+            optax.sgd(0.1),
+            schedule="1f1b",
+            microbatches=3,
+            replication="round-robin",
+        )
+    with pytest.raises(PipelineError, match="'split' or 'round-robin'"):
+        Pipeline(layers, plan, xent, optax.sgd(0.1), replication="rr")
+    pipe = Pipeline(
+        layers, plan, xent, optax.sgd(0.1), schedule="pipedream", replication="round-robin"
+    )
+    stream = _stream(3)
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    with pytest.raises(PipelineError, match="multiple of 2"):
+        pipe.run(state, stream)
+    bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
+    pipe = Pipeline(
+        bn,
+        _plan(((0, 1), (1, 3)), (2, 1)),
+        xent,
+        optax.sgd(0.1),
+        schedule="pipedream",
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    with pytest.raises(PipelineError, match="model state"):
+        pipe.run(state, stream[:2])
