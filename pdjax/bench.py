@@ -54,6 +54,10 @@ __all__ = ["BENCH_SCHEDULES", "BenchResult", "BenchRow", "bench", "format_table"
 
 #: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
 BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+#: Runner variants: ``<schedule>/<variant>`` runs the schedule with replicated stages
+#: all-reducing in every backward (``backward``, the runtime before per-device gradient
+#: sums) or replicated round-robin (``rr``, PipeDream's replication).
+VARIANTS = ("backward", "rr")
 _STREAMING = ("pipedream", "2bw")
 
 
@@ -73,6 +77,10 @@ class BenchRow:
       repeats: the measured samples/s of each repeat, in order.
       note: how the row was run, when it differs from the others.
       error: why the row could not run (its numbers are then NaN).
+      all_reduces_per_step: all-reduce operations in the compiled programs one optimizer
+        step of ``M`` microbatches runs (counted by the runtime in one extra, untimed
+        call: :attr:`~pdjax.pipeline.executor.RunMetrics.all_reduces`); NaN for data
+        parallelism.
     """
 
     name: str
@@ -85,6 +93,7 @@ class BenchRow:
     repeats: tuple[float, ...] = ()
     note: str = ""
     error: str | None = None
+    all_reduces_per_step: float = math.nan
 
     @property
     def ratio(self) -> float:
@@ -205,7 +214,8 @@ def bench(
       chunks: ``v`` for ``interleaved``.
       steps: optimizer steps per timed repeat.
       repeats: timed rounds over all runners (the table reports medians).
-      schedules: which runners, in order; ``"dp"`` is data parallelism.
+      schedules: which runners, in order; ``"dp"`` is data parallelism; a schedule may
+        carry a variant, ``"1f1b/backward"`` or ``"pipedream/rr"`` (:data:`VARIANTS`).
       learning_rate: Adam's step size (the numbers do not depend on it).
       seed: the synthetic batch and the initialisation.
       on_row: called with a runner's name when it starts compiling (progress).
@@ -231,11 +241,12 @@ def bench(
         raise PipelineError(
             f"batch_size {batch_size} is not a multiple of microbatches {microbatches}"
         )
-    unknown = [s for s in schedules if s not in (*BENCH_SCHEDULES, "dp")]
+    unknown = [s for s in schedules if not _known_runner(s)]
     if unknown or len(set(schedules)) != len(schedules) or not schedules:
         raise PipelineError(
             f"unknown, repeated or no schedules in {list(schedules)}; choose some of "
-            f"{', '.join((*BENCH_SCHEDULES, 'dp'))}, each once"
+            f"{', '.join((*BENCH_SCHEDULES, 'dp'))}, each once, a schedule optionally with "
+            f"a variant /{' or /'.join(VARIANTS)} (e.g. 1f1b/backward)"
         )
     visible = jax.devices()
     if devices > len(visible):
@@ -282,6 +293,7 @@ def bench(
             measured[runner.name].append(runner.call())
     for runner in runners:
         sps = [runner.samples / seconds for seconds, _ in measured[runner.name]]
+        all_reduces = runner.count() if runner.count is not None else math.nan
         rows[runner.name] = BenchRow(
             name=runner.name,
             stages=runner.stages,
@@ -292,6 +304,7 @@ def bench(
             samples=runner.samples,
             repeats=tuple(sps),
             note=runner.note,
+            all_reduces_per_step=all_reduces,
         )
     return BenchResult(
         model=model,
@@ -356,6 +369,14 @@ class _Runner:
     predicted_seconds: float
     note: str
     call: Callable[[], tuple[float, float]]
+    count: Callable[[], float] | None = None
+
+
+def _known_runner(name: str) -> bool:
+    base, _, variant = name.partition("/")
+    if base == "dp":
+        return not variant
+    return base in BENCH_SCHEDULES and (not variant or variant in VARIANTS)
 
 
 def _describe(replicas: Sequence[int]) -> str:
@@ -380,6 +401,8 @@ def _pipeline_runner(
 ) -> _Runner:
     L = len(spec.layers)
     note = ""
+    runner_name, name = name, name.partition("/")[0]
+    variant = runner_name.partition("/")[2]
     if name == "interleaved":
         G, K = plan.num_stages, plan.num_stages * chunks
         if K > L:
@@ -407,7 +430,12 @@ def _pipeline_runner(
         microbatches=microbatches,
         chunks=chunks if name == "interleaved" else 1,
         devices=jax.devices(),
+        grad_allreduce="backward" if variant == "backward" else "update",
+        replication="round-robin" if variant == "rr" else "split",
     )
+    if variant:
+        how = {"rr": "round-robin replication", "backward": "all-reduce in every backward"}
+        note = "; ".join(filter(None, [note, how[variant]]))
     batch = pipe.split_batch((x, y))
     if name in _STREAMING:
         calls, stream = 1, batch * steps
@@ -433,9 +461,15 @@ def _pipeline_runner(
         jax.block_until_ready(state)
         return time.perf_counter() - t0, host / actions
 
+    def count() -> float:
+        """All-reduces per optimizer step (M microbatches), from the runtime's counters."""
+        nonlocal state
+        state, metrics = pipe.run(state, stream, collectives=True)
+        return sum((metrics.all_reduces or {}).values()) * microbatches / len(stream)
+
     samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // microbatches)
     actions = calls * sum(len(group) for group in sched.actions)
-    return _Runner(name, stages, samples, actions, predicted, note, call)
+    return _Runner(runner_name, stages, samples, actions, predicted, note, call, count)
 
 
 def _virtual_costs(
@@ -517,13 +551,14 @@ def format_table(result: BenchResult) -> Any:
         ("predicted samples/s", "right"),
         ("measured / predicted", "right"),
         ("host us / action", "right"),
+        ("all-reduces / step", "right"),
         ("actions", "right"),
         ("note", "left"),
     ]:
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for r in result.rows:
         if r.error is not None:
-            table.add_row(r.name, r.stages, "-", "-", "-", "-", "-", f"not run: {r.error}")
+            table.add_row(r.name, r.stages, "-", "-", "-", "-", "-", "-", f"not run: {r.error}")
             continue
         table.add_row(
             r.name,
@@ -532,6 +567,7 @@ def format_table(result: BenchResult) -> Any:
             f"{r.predicted_samples_per_second:,.0f}",
             f"{r.ratio:.2f}",
             f"{r.host_seconds_per_action * 1e6:,.0f}",
+            "-" if math.isnan(r.all_reduces_per_step) else f"{r.all_reduces_per_step:g}",
             str(r.actions),
             r.note,
         )

@@ -81,6 +81,9 @@ class TrainConfig:
       transport: how values cross processes (``auto``, ``device_put``, ``collective``).
       straight: ``plan="auto"`` without replication (a pure pipeline, one stage per
         device), as PipeDream's optimizer offers.
+      replication: how replicated stages share their work: ``"plan"`` (each plan stage's
+        choice, split when the plan says nothing), ``"split"`` or ``"round-robin"``
+        (:class:`~pdjax.pipeline.Pipeline`).
     """
 
     model: str = "cnn"
@@ -103,6 +106,7 @@ class TrainConfig:
     straight: bool = False
     extra_in_flight: int = 0
     transport: str = "auto"
+    replication: str = "plan"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -131,6 +135,10 @@ class TrainConfig:
             raise PipelineError("extra microbatches in flight are an option of pipedream")
         if self.extra_in_flight < 0:
             raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
+        if self.replication not in ("plan", "split", "round-robin"):
+            raise PipelineError(
+                f"unknown replication {self.replication!r}; choose plan, split or round-robin"
+            )
         if self.transport not in ("auto", "device_put", "collective"):
             raise PipelineError(
                 f"unknown transport {self.transport!r}; choose auto, device_put or collective"
@@ -152,6 +160,8 @@ class TrainConfig:
             name += " (vertical sync)"
         if self.extra_in_flight:
             name += f" (+{self.extra_in_flight} in flight)"
+        if self.replication != "plan":
+            name += f" ({self.replication})"
         return name
 
 
@@ -339,14 +349,18 @@ def make_runner(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, st
         devices=devices,
         extra_in_flight=cfg.extra_in_flight,
         transport=cfg.transport,
+        replication=None if cfg.replication == "plan" else cfg.replication,
     )
     for s, r in enumerate(runner.replicas):
-        if cfg.microbatch_size % r:
+        if cfg.microbatch_size % r and not runner.stages[s].round_robin:
             raise PipelineError(
                 f"the plan replicates stage {s} on {r} devices but a microbatch has "
                 f"{cfg.microbatch_size} samples; pick --batch-size so that batch_size / "
                 f"microbatches is a multiple of {r}"
             )
+    rr = [str(s) for s, st in enumerate(runner.stages) if st.round_robin]
+    if rr:
+        text += f"; round-robin stage{'s' if len(rr) > 1 else ''} {', '.join(rr)}"
     return runner, text
 
 

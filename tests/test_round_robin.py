@@ -269,3 +269,35 @@ def test_round_robin_refuses_what_it_cannot_do_exactly():
     state = pipe.init(jax.random.key(0), stream[0][0])
     with pytest.raises(PipelineError, match="model state"):
         pipe.run(state, stream[:2])
+
+
+def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
+    """A plan's round-robin choice is a performance choice: a stage whose layers keep
+    model state, or a schedule without a round-robin form, runs split (and says so); the
+    caller's explicit choice raises instead (above)."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Stage:
+        first_layer: int
+        last_layer: int
+        devices: tuple
+        replication: str = "round-robin"
+
+    bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
+    plan = (Stage(0, 0, (0, 1)), Stage(1, 2, (2,)))
+    stream = _stream(4)
+    pipe = Pipeline(bn, plan, xent, optax.sgd(0.1), schedule="pipedream")
+    assert pipe.stages[0].round_robin
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    one, m = pipe.run(state, stream)
+    assert not pipe.stages[0].round_robin and "model state" in pipe.replication_notes[0]
+    assert one.updates == (4, 4)  # split: an update per microbatch
+    layers = sequential(Dense32(), Dense32(), nn.Dense(10))
+    pipe = Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="zb-h1", microbatches=2)
+    assert not pipe.stages[0].round_robin and "zb-h1" in pipe.replication_notes[0]
+    pipe = Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="pipedream")
+    assert pipe.stages[0].round_robin
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    two, _ = pipe.run(state, stream)
+    assert two.updates == (2, 4)  # round-robin: an update per group of 2

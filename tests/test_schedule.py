@@ -7,6 +7,8 @@ action one tick, as early as its group and its inputs allow); they are not gener
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 
@@ -721,3 +723,63 @@ def test_pipedream_extra_in_flight_grid_and_bounds():
     fake = dataclasses.replace(pipedream(2, 6), extra_in_flight=1)
     with pytest.raises(ScheduleError):
         validate(fake)
+
+
+# ----------------------------------------------------------------------------- round-robin
+
+
+def test_round_robin_pipedream_grid_and_versions():
+    """Stage 0 on 2 round-robin replicas takes microbatches two at a time: q_0 =
+    ceil((2 + 1) / 2) = 2 groups in flight, group g at version max(0, g - 1), one update
+    per group; stage 1 is plain PipeDream (one in flight, version k)."""
+    s = generate("pipedream", 2, 8, replicas=(2, 1), replication="round-robin")
+    validate(s)
+    assert format_actions(s.actions) == (
+        "g0: 0F0 0F2 0B0 0U0 0F4v1 0B2 0U1v1 0F6v2 0B4v1 0U2v2 0B6v2 0U3v3\n"
+        "g1: 1F0 1B0 1U0 1F1v1 1B1v1 1U1v1 1F2v2 1B2v2 1U2v2 1F3v3 1B3v3 1U3v3 "
+        "1F4v4 1B4v4 1U4v4 1F5v5 1B5v5 1U5v5 1F6v6 1B6v6 1U6v6 1F7v7 1B7v7 1U7v7"
+    )
+    assert s.in_flight_bound == (4, 1) and s.version_bound == (2, 1)
+    assert [s.group_size(st) for st in range(2)] == [2, 1]
+    assert s.updates_of(0) == 4 and s.updates_of(1) == 8
+    assert Schedule.from_json(s.to_json()) == s
+
+
+def test_round_robin_groups_of_different_sizes_do_not_deadlock():
+    """Stage 0 (2 replicas) feeds stage 1 (3 replicas): stage 0's oldest group {0, 1} needs
+    stage 1's group {0, 1, 2} back, which needs stage 0's next group too: q_0 = 3."""
+    s = generate("pipedream", 2, 12, replicas=(2, 3), replication="round-robin")
+    validate(s)
+    assert s.in_flight_bound == (6, 3)
+    # every mix of replicas, modes and schedules is valid (deadlock-free, right versions)
+    for reps in itertools.product((1, 2, 3), repeat=3):
+        for modes in itertools.product(("split", "round-robin"), repeat=3):
+            units = [r if m == "round-robin" else 1 for r, m in zip(reps, modes, strict=True)]
+            L = math.lcm(*units)
+            kw = {"replicas": reps, "replication": modes}
+            validate(generate("pipedream", 3, 4 * L, extra_in_flight=1, **kw))
+            validate(generate("1f1b", 3, 2 * L, steps=2, **kw))
+            validate(generate("gpipe", 3, L, **kw))
+            validate(generate("2bw", 3, 3 * L, stream=6 * L, **kw))
+
+
+def test_round_robin_refusals_and_validator():
+    with pytest.raises(ScheduleError, match="no round-robin form"):
+        generate("zb-h1", 2, 4, replicas=(2, 1), replication="round-robin")
+    with pytest.raises(ScheduleError, match="not a multiple of device group 0's 2"):
+        generate("1f1b", 2, 3, replicas=(2, 1), replication="round-robin")
+    with pytest.raises(ScheduleError, match="weight stashing"):
+        generate("pipedream", 2, 4, replicas=(2, 1), replication="round-robin", vertical_sync=True)
+    with pytest.raises(ScheduleError, match="must be one of"):
+        generate("1f1b", 2, 4, replicas=(2, 1), replication="rr")
+    # one replica round-robin is split: the schedule is the plain one
+    assert generate("1f1b", 2, 4, replication="round-robin") == generate("1f1b", 2, 4)
+    s = generate("pipedream", 2, 8, replicas=(2, 1), replication="round-robin")
+    acts = list(s.actions[0])
+    acts[4] = acts[4]._replace(version=0)  # group 2 needs version 1
+    with pytest.raises(ScheduleError, match="max\\(0, g - q_s \\+ 1\\)"):
+        validate(dataclasses.replace(s, actions=(tuple(acts), s.actions[1])))
+    acts = list(s.actions[0])
+    acts[1] = acts[1]._replace(mb=1)  # not a group's first microbatch
+    with pytest.raises(ScheduleError, match="round-robin over 2"):
+        validate(dataclasses.replace(s, actions=(tuple(acts), s.actions[1])))

@@ -57,6 +57,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="pipedream: E more microbatches in flight per stage (hides transfer latency; "
         "one more stashed version and activation each)",
     )
+    p.add_argument(
+        "--replication",
+        default="plan",
+        choices=("plan", "split", "round-robin"),
+        help="replicated stages: split each microbatch over the devices, or PipeDream's "
+        "round-robin (whole microbatches, one per device, one update per group under "
+        "pipedream); plan: as the plan says (default)",
+    )
     p.add_argument("--seq-len", type=int, default=16, help="tokens per window (text)")
     p.add_argument(
         "--compare",
@@ -159,6 +167,7 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         straight=args.straight,
         transport=args.transport,
+        replication=args.replication,
     )
     # every configuration is checked before the first run trains
     configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]

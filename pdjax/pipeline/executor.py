@@ -52,6 +52,7 @@ from pdjax.pipeline.transport import make_transport
 __all__ = ["Pipeline", "PipelineState", "RunMetrics", "StageSpec", "even_stages"]
 
 _ASYNC = ("pipedream", "2bw")
+_ROUND_ROBIN = ("gpipe", "1f1b", "pipedream", "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,6 +267,7 @@ class Pipeline:
             )
         self.grad_allreduce = grad_allreduce
         self._parts_checked = False
+        self._settled = False
         if schedule != "interleaved" and chunks != 1:
             raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
         self.layers = layers
@@ -286,12 +288,22 @@ class Pipeline:
             )
         self.num_groups = len(specs) // self.chunks
         self.replication = _replication_of(replication, specs, self.num_groups)
+        # the plan's choice (not the caller's) falls back to split where round-robin cannot
+        # run; for flush schedules and 2bw the two compute the same
+        self._replication_asked = replication is not None
+        self.replication_notes: list[str] = []
+        if not self._replication_asked and schedule not in _ROUND_ROBIN:
+            if "round-robin" in self.replication:
+                self.replication_notes.append(
+                    f"the plan's round-robin stages run split: {schedule} has no round-robin form"
+                )
+            self.replication = ("split",) * self.num_groups
         round_robin = [
             mode == "round-robin" and len(spec.devices) > 1
             for mode, spec in zip(self.replication, specs, strict=False)
         ]
         if any(round_robin):
-            if schedule not in ("gpipe", "1f1b", "pipedream", "2bw"):
+            if schedule not in _ROUND_ROBIN:
                 raise PipelineError(
                     f"round-robin replication runs with gpipe, 1f1b, pipedream and 2bw, not "
                     f"{schedule}; use replication='split'"
@@ -389,6 +401,41 @@ class Pipeline:
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
 
+    def _settle_replication(self, state: PipelineState) -> None:
+        """Before the first run: a round-robin stage whose layers keep model state
+        (BatchNorm statistics, which ``r`` microbatches at once would update unlike ``r``
+        in turn) raises when the caller asked for round-robin, and runs split when only
+        the plan did (its schedules and programs are made anew)."""
+        if self._settled:
+            return
+        self._settled = True
+        changed = False
+        for s, st in enumerate(self.stages):
+            if not (st.round_robin and jax.tree.leaves(state.model_state[s])):
+                continue
+            if self._replication_asked:
+                raise PipelineError(
+                    f"stage {s} is round-robin (r={st.num_replicas} whole microbatches at "
+                    "once) but its layers keep model state (e.g. BatchNorm statistics), which "
+                    "r microbatches would update at once, unlike r in turn; use "
+                    "replication='split' for this stage"
+                )
+            st.round_robin = False
+            st.scale = _scale(self.schedule_name, self.microbatches, st.num_replicas, False)
+            st.whole_reason = "not checked yet"
+            self.replication_notes.append(
+                f"the plan's round-robin stage {s} runs split: its layers keep model state"
+            )
+            changed = True
+        if changed:
+            self.replication = tuple(
+                "round-robin" if st.round_robin else "split"
+                for st in self.stages[: self.num_groups]
+            )
+            self._schedules.clear()
+            self._programs.clear()
+            self._bound.clear()
+
     @property
     def _schedule_replication(self) -> tuple[str, ...] | None:
         """The schedule's per-group modes (``None`` when no stage is round-robin)."""
@@ -419,14 +466,6 @@ class Pipeline:
         sum their gradients per device (:meth:`Stage.check_parts`)."""
         if self._parts_checked:
             return
-        for s, st in enumerate(self.stages):
-            if st.round_robin and jax.tree.leaves(state.model_state[s]):
-                raise PipelineError(
-                    f"stage {s} is round-robin (r={st.num_replicas} whole microbatches at "
-                    "once) but its layers keep model state (e.g. BatchNorm statistics), which "
-                    "r microbatches would update at once, unlike r in turn; use "
-                    "replication='split' for this stage"
-                )
         self._parts_checked = True
         replicated = [
             s for s, st in enumerate(self.stages) if st.num_replicas > 1 and not st.round_robin
@@ -755,6 +794,7 @@ class Pipeline:
                 "this state was consumed by an earlier step/run (the optimizer state is "
                 "updated in place); pass the state that call returned"
             )
+        self._settle_replication(state)
         split = tuple(st.num_replicas for st in self.stages if not st.round_robin)
         for k, (x, _) in enumerate(microbatches):
             n = jax.tree.leaves(x)[0].shape[0]
