@@ -345,7 +345,9 @@ class Pipeline:
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
                     remat=remat,
-                    scale=_scale(schedule, microbatches, len(spec.devices), round_robin[s]),
+                    scale=_scale(
+                        schedule, microbatches, len(spec.devices), round_robin[s % self.num_groups]
+                    ),
                     round_robin=round_robin[s % self.num_groups],
                 )
             )
