@@ -282,10 +282,10 @@ def bench(
                 runner = _pipeline_runner(
                     name, spec, prof, base, chunks, optimizer, x, y, microbatches, seed, steps
                 )
+            runner.call()  # compile (and the first transfers); refusals come before work
         except PdjaxError as e:
             rows[name] = BenchRow(name, "-", math.nan, math.nan, math.nan, 0, 0, error=str(e))
             continue
-        runner.call()  # compile (and the first transfers)
         runners.append(runner)
     measured: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runners}
     for _ in range(repeats):
