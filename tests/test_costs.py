@@ -229,7 +229,11 @@ def _round_trip_bound(plan: Plan, costs) -> float:
 
 
 def test_planner_and_simulator_agree_on_vgg16(vgg16):
-    plan = plan_pipedream(vgg16, Topology.flat(4, 1.25e9), schedule="pipedream")
+    # Split replication: stage s holds P - s microbatches (round-robin: see
+    # tests/test_round_robin_plan.py).
+    plan = plan_pipedream(
+        vgg16, Topology.flat(4, 1.25e9), schedule="pipedream", replication="split"
+    )
     assert plan.config == "3-1"
     costs = costs_from_plan(plan, vgg16)
     # The planner's bottleneck is stage 0 (compute / 3 + all-reduce); without transfer
@@ -244,7 +248,9 @@ def test_planner_and_simulator_agree_on_vgg16(vgg16):
     assert real == pytest.approx(bound, rel=0.02)
     assert real > 1.3 * plan.time_per_microbatch
     # With fast links the two agree again.
-    fast = plan_pipedream(vgg16, Topology.flat(4, 1.25e11), schedule="pipedream")
+    fast = plan_pipedream(
+        vgg16, Topology.flat(4, 1.25e11), schedule="pipedream", replication="split"
+    )
     assert _steady(fast, costs_from_plan(fast, vgg16)) == pytest.approx(
         fast.time_per_microbatch, rel=0.01
     )

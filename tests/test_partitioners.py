@@ -85,7 +85,9 @@ def test_partitioners_make_straight_plans():
     assert [(s.first_layer, s.last_layer) for s in par.stages] == [(0, 4), (5, 5)]
     assert par.partitioner == "balanced-params"
     replicated = plan_uniform(profile, Topology.flat(4, 1e9), replicas=2)
-    assert replicated.config == "2-2"
+    assert replicated.config == "2rr-2rr"  # pipedream: round-robin where cheaper ("auto")
+    split = plan_uniform(profile, Topology.flat(4, 1e9), replicas=2, replication="split")
+    assert split.config == "2-2"
     assert replicated.stages[1].devices == (2, 3)
     three = plan_balanced_time(profile, Topology.flat(4, 1e9), 3, schedule="1f1b")
     assert three.num_stages == 3 and three.num_devices == 3 and three.schedule == "1f1b"

@@ -54,6 +54,7 @@ def test_json_fields(plans):
         "in_flight": 2,
         "compute_seconds": plans[0].stages[0].compute_seconds,
         "memory_bytes": plans[0].stages[0].memory_bytes,
+        "replication": "split",
     }
     for key in (
         "time_per_microbatch",

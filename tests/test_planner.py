@@ -3,6 +3,7 @@ memory limits, DAGs, and bad input."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from pdjax.errors import PlanError, ProfileError
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream
+from pdjax.partition import plan_pipedream as _plan_pipedream
 from pdjax.partition.pipedream import solve
 from pdjax.profile import LayerProfile, Profile
 
@@ -42,9 +44,23 @@ class Ref:
     limit: float | None = None
     schedule: str = "pipedream"
     opt: float = 2.0
+    replication: str = "split"
+
+    @property
+    def round_robin(self) -> bool:
+        """Replicated stages take whole microbatches round-robin (pdjax model only)."""
+        return self.replication == "round-robin" and self.model == "pdjax"
 
 
-def ref_from(layers: list[LayerProfile], levels, model, schedule="pipedream", M=None, limit=None):
+def ref_from(
+    layers: list[LayerProfile],
+    levels,
+    model,
+    schedule="pipedream",
+    M=None,
+    limit=None,
+    replication="split",
+):
     n_total = math.prod(n for n, _ in levels)
     return Ref(
         compute=[lp.forward_seconds + lp.backward_seconds for lp in layers],
@@ -58,6 +74,7 @@ def ref_from(layers: list[LayerProfile], levels, model, schedule="pipedream", M=
         num_microbatches=M or n_total,
         limit=limit,
         schedule=schedule,
+        replication=replication,
     )
 
 
@@ -96,6 +113,11 @@ def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
         return 0.0
     n_total = math.prod(n for n, _ in ref.levels)
     outer = n_total - ref.levels[0][0]
+    if ref.round_robin:
+        # pipedream, whole microbatches per device: q of them stashed and q versions, q
+        # bounded by the devices from this stage on (any mix of modes after it).
+        q = 1 if b == len(ref.compute) - 1 else max(1, (2 * (r + after + outer) - 2) // r)
+        return w * (q + ref.opt) + sum(ref.stash[a : b + 1]) * q
     bound = 1 + min(after + outer, len(ref.compute) - 1 - b)
     if ref.schedule == "gpipe":
         inflight = ref.num_microbatches
@@ -109,6 +131,18 @@ def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
         return w * (q + ref.opt) + stash * q
     versions = {"pipedream": inflight, "2bw": 2}.get(ref.schedule, 1)
     return w * (versions + ref.opt) + stash * inflight / r
+
+
+def whole_below(ref: Ref, k: int, sub) -> int:
+    """Devices of a unit of level ``k`` if ``sub`` (its configuration one level down)
+    replicates the range whole on every unit of every level below, else 0."""
+    if k == 0:
+        return 1
+    (node,) = sub if len(sub) == 1 else (None,)
+    if node is None or node[2] != ref.levels[k - 1][0]:
+        return 0
+    inner = whole_below(ref, k - 1, node[3])
+    return inner * node[2] if inner else 0
 
 
 def ref_value(ref: Ref, k: int, tree) -> float:
@@ -125,8 +159,18 @@ def ref_value(ref: Ref, k: int, tree) -> float:
             return math.inf
         c = sum(ref.compute[a : b + 1]) if k == 0 else ref_value(ref, k - 1, sub)
         w = sum(ref.params[a : b + 1])
-        if ref.model == "pdjax":
-            terms.append(c / r + 2 * (r - 1) / r * w / bw * u)
+        units = whole_below(ref, k, sub) if k > 0 else 0
+        if ref.round_robin and ref.per_microbatch_update and units and math.isfinite(c):
+            # Replicated whole below: r * units devices take one microbatch each, then
+            # every level's ring all-reduce runs once.
+            rings = (
+                sum(2 * (m - 1) / m * w / level_bw for m, level_bw in ref.levels[:k])
+                + 2 * (r - 1) / r * w / bw
+            )
+            terms.append((sum(ref.compute[a : b + 1]) + rings) / (r * units))
+        elif ref.model == "pdjax":
+            per = u / r if ref.round_robin and ref.per_microbatch_update else u
+            terms.append(c / r + 2 * (r - 1) / r * w / bw * per)
         elif ref.model == "paper":
             terms.append(max(c, 2 * (r - 1) * w / bw) / r)
         else:
@@ -191,27 +235,45 @@ def topology_of(levels) -> Topology:
     return Topology.from_levels([n for n, _ in levels], [b for _, b in levels])
 
 
-def check_optimal(layers, levels, model, *, straight=False, fewer=False, schedule="pipedream"):
+def check_optimal(
+    layers,
+    levels,
+    model,
+    *,
+    straight=False,
+    fewer=False,
+    schedule="pipedream",
+    replication="split",
+):
     profile = Profile.chain(layers, batch_size=4)
     topo = topology_of(levels)
-    ref = ref_from(layers, levels, model, schedule=schedule)
+    if schedule != "pipedream":
+        replication = "split"  # the planner prices round-robin for pipedream only
+    ref = ref_from(layers, levels, model, schedule=schedule, replication=replication)
     expected = brute_force(ref, straight, fewer)
     if straight and not fewer and topo.num_devices > len(layers):
         with pytest.raises(PlanError, match="straight pipeline"):
             plan_pipedream(profile, topo, cost_model=model, straight=True)
         return
-    search, tables = solve(
-        profile, topo, cost_model=model, schedule=schedule, straight=straight, fewer_machines=fewer
+    options = dict(
+        cost_model=model,
+        schedule=schedule,
+        straight=straight,
+        fewer_machines=fewer,
+        replication=replication,
     )
+    search, tables = solve(profile, topo, **options)
     got = search.best(tables)
     assert got == pytest.approx(expected, rel=1e-9, abs=1e-15)
     # The configuration it returns scores its optimum under the reference cost.
     tree = as_ref_tree(search.tree(tables))
     assert ref_value(ref, len(levels) - 1, tree) == pytest.approx(got, rel=1e-9, abs=1e-15)
-    plan = plan_pipedream(
-        profile, topo, cost_model=model, schedule=schedule, straight=straight, fewer_machines=fewer
-    )
+    plan = plan_pipedream(profile, topo, **options)
     assert plan.time_per_microbatch == got
+    rr = replication == "round-robin"
+    assert plan.replication == tuple(
+        "round-robin" if rr and s.replicas > 1 else "split" for s in plan.stages
+    )
     devices = [d for s in plan.stages for d in s.devices]
     assert len(devices) == len(set(devices))
     if not fewer:
@@ -220,7 +282,9 @@ def check_optimal(layers, levels, model, *, straight=False, fewer=False, schedul
         assert all(s.replicas == 1 for s in plan.stages)
     if len(levels) == 1:
         stages = [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages]
-        again = evaluate_partition(profile, topo, stages, cost_model=model, schedule=schedule)
+        again = evaluate_partition(
+            profile, topo, stages, cost_model=model, schedule=schedule, replication=replication
+        )
         assert again.time_per_microbatch == pytest.approx(got, rel=1e-12)
     else:
         # Replicas stay in whole, consecutive servers, the same number in each.
@@ -237,17 +301,20 @@ def check_optimal(layers, levels, model, *, straight=False, fewer=False, schedul
 # -- optimality -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", MODELS)
-@given(layers=chains(), levels=one_level)
-@FAST
-def test_dp_equals_brute_force_one_level(model, layers, levels):
-    check_optimal(layers, levels, model)
+REPLICATION = st.sampled_from(["split", "round-robin"])
 
 
 @pytest.mark.parametrize("model", MODELS)
-@given(layers=chains(max_layers=4), levels=two_levels)
+@given(layers=chains(), levels=one_level, replication=REPLICATION)
 @FAST
-def test_dp_equals_brute_force_two_levels(model, layers, levels):
+def test_dp_equals_brute_force_one_level(model, layers, levels, replication):
+    check_optimal(layers, levels, model, replication=replication)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@given(layers=chains(max_layers=4), levels=two_levels, replication=REPLICATION)
+@FAST
+def test_dp_equals_brute_force_two_levels(model, layers, levels, replication):
     check_optimal(layers, levels, model)
 
 
@@ -259,7 +326,16 @@ def test_dp_options_equal_brute_force(model, straight, fewer, layers, levels, da
     if len(levels) == 2:
         layers = layers[:3]
     schedule = data.draw(st.sampled_from(["pipedream", "1f1b"]))
-    check_optimal(layers, levels, model, straight=straight, fewer=fewer, schedule=schedule)
+    replication = data.draw(REPLICATION)
+    check_optimal(
+        layers,
+        levels,
+        model,
+        straight=straight,
+        fewer=fewer,
+        schedule=schedule,
+        replication=replication,
+    )
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -268,14 +344,18 @@ def test_dp_options_equal_brute_force(model, straight, fewer, layers, levels, da
     levels=one_level | two_levels,
     schedule=st.sampled_from(["pipedream", "1f1b", "gpipe", "2bw"]),
     fraction=st.floats(0.05, 1.0),
+    replication=REPLICATION,
 )
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fraction):
+def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fraction, replication):
     if len(levels) == 2:
         layers = layers[:3]
     profile = Profile.chain(layers, batch_size=4)
     topo = topology_of(levels)
-    free = ref_from(layers, levels, model, schedule=schedule)
+    if schedule != "pipedream":
+        replication = "split"  # the planner prices round-robin for pipedream only
+    plan_pipedream = functools.partial(_plan_pipedream, replication=replication)
+    free = ref_from(layers, levels, model, schedule=schedule, replication=replication)
     top = len(levels) - 1
 
     def peak(ref, k, tree):
@@ -291,7 +371,7 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
     smallest = min(peak(free, top, t) for t in configs(free, top, 0, len(layers) - 1, False, False))
     # A limit between the smallest feasible one and the unconstrained optimum's needs.
     limit = max(smallest, 1.0) * (1 + 4 * fraction)
-    ref = ref_from(layers, levels, model, schedule=schedule, limit=limit)
+    ref = ref_from(layers, levels, model, schedule=schedule, limit=limit, replication=replication)
     expected = brute_force(ref)
     plan = plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=limit)
     assert plan.time_per_microbatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
@@ -348,7 +428,11 @@ def test_vgg16_sixteen_workers_flat_is_the_papers_15_1():
     topo = Topology.flat(16, 1.25e9)
     for model in ("paper", "pdjax"):
         plan = plan_pipedream(profile, topo, cost_model=model)
-        assert plan.config == "15-1", model
+        assert plan.replicas == (15, 1), model
+    # pdjax replicates the first stage as PipeDream does, whole microbatches round-robin.
+    assert plan.config == "15rr-1" and plan.replication == ("round-robin", "split")
+    split = plan_pipedream(profile, topo, replication="split")
+    assert split.time_per_microbatch > plan.time_per_microbatch
 
 
 def test_input_layer_costs_nothing_and_stays_with_its_consumer():
@@ -463,12 +547,18 @@ def test_update_frequency_matters_only_for_pdjax_replication():
     layers = [LayerProfile("a", forward_seconds=0.1, backward_seconds=0.2, param_bytes=10**9)]
     profile = Profile.chain(layers, batch_size=8)
     topo = Topology.flat(4, 1e9)
-    per_mb = plan_pipedream(profile, topo, schedule="pipedream")
+    per_mb = plan_pipedream(profile, topo, schedule="pipedream", replication="split")
     per_step = plan_pipedream(profile, topo, schedule="1f1b", num_microbatches=8)
+    per_group = plan_pipedream(profile, topo, schedule="pipedream")  # auto: round-robin
     allreduce = 2 * 3 / 4 * 1e9 / 1e9
     assert per_mb.time_per_microbatch == pytest.approx(0.3 / 4 + allreduce)
     assert per_step.time_per_microbatch == pytest.approx(0.3 / 4 + allreduce / 8)
-    assert per_mb.data_parallel_time == pytest.approx(per_mb.time_per_microbatch)
+    assert per_group.time_per_microbatch == pytest.approx(0.3 / 4 + allreduce / 4)
+    assert per_group.replication == ("round-robin",)
+    # Data parallelism as PipeDream runs it: a microbatch per device, then one all-reduce;
+    # a one-stage round-robin plan is exactly that.
+    assert per_mb.data_parallel_time == pytest.approx((0.3 + allreduce) / 4)
+    assert per_group.data_parallel_time == pytest.approx(per_group.time_per_microbatch)
 
 
 def test_local_devices_topology_gives_device_ids():

@@ -745,12 +745,27 @@ def test_round_robin_pipedream_grid_and_versions():
     assert Schedule.from_json(s.to_json()) == s
 
 
-def test_round_robin_groups_of_different_sizes_do_not_deadlock():
+def test_round_robin_groups_of_different_sizes_do_not_deadlock_and_run_at_full_rate():
     """Stage 0 (2 replicas) feeds stage 1 (3 replicas): stage 0's oldest group {0, 1} needs
-    stage 1's group {0, 1, 2} back, which needs stage 0's next group too: q_0 = 3."""
+    stage 1's group {0, 1, 2} back, which needs stage 0's next group too (at least 3 groups
+    in flight); a group leaves all at once and queues at the next stage, so full rate
+    takes one more (q_0 = 4). With unit costs every such pipeline runs at one microbatch
+    per 3 units (F = 1, B = 2 per microbatch on one device), like a pipeline of single
+    devices."""
+    from pdjax.pipeline import round_robin_in_flight
+    from pdjax.pipeline.simulate import simulate, stream_length, unit_costs
+
     s = generate("pipedream", 2, 12, replicas=(2, 3), replication="round-robin")
     validate(s)
-    assert s.in_flight_bound == (6, 3)
+    assert s.in_flight_bound == (8, 3)
+    assert round_robin_in_flight([1, 1, 1, 1]) == (4, 3, 2, 1)
+    assert round_robin_in_flight([2, 3], extra=1) == (5, 1)
+    for reps in [(1, 2), (2, 3), (12, 2, 1, 1), (3, 2, 1), (1, 3, 1), (2, 1, 1)]:
+        P = len(reps)
+        N = stream_length("pipedream", P, replicas=reps, replication="round-robin")
+        sched = generate("pipedream", P, N, replicas=reps, replication="round-robin")
+        steady = simulate(sched, unit_costs(P)).time_per_microbatch
+        assert steady == pytest.approx(3.0, abs=0.05), (reps, steady)
     # every mix of replicas, modes and schedules is valid (deadlock-free, right versions)
     for reps in itertools.product((1, 2, 3), repeat=3):
         for modes in itertools.product(("split", "round-robin"), repeat=3):

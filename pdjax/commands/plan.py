@@ -6,6 +6,10 @@
 
 ``--levels`` and ``--bandwidths`` list the levels innermost first (``4x4``: 4 servers of 4
 devices, ``1e10,1.25e9``: 10 GB/s inside a server, 10 Gbit/s between servers).
+``--replication`` chooses how a replicated stage shares its work: ``split`` (each microbatch
+split across its devices), ``round-robin`` (PipeDream's: whole microbatches per device, one
+all-reduce per group; the planner prices it for ``pipedream``), or ``auto`` (default: the
+cheaper, round-robin under ``pipedream``, split under the other schedules).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pdjax.errors import PlanError
 from pdjax.partition import (
     COST_MODELS,
     PRESETS,
+    REPLICATION_OPTIONS,
     SCHEDULES,
     Plan,
     Topology,
@@ -56,6 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule", default="pipedream", choices=sorted(SCHEDULES))
     p.add_argument("--partitioner", default="pipedream", choices=_PARTITIONERS)
     p.add_argument("--stages", type=int, help="stages for the simpler partitioners")
+    p.add_argument(
+        "--replication",
+        default="auto",
+        choices=REPLICATION_OPTIONS,
+        help="how a replicated stage shares its work: split (each microbatch split across "
+        "its devices, one all-reduce per update), round-robin (PipeDream's: whole "
+        "microbatches per device, one all-reduce per group of r under pipedream), or auto "
+        "(default: round-robin under pipedream, where it all-reduces less; split otherwise)",
+    )
     p.add_argument("--straight", action="store_true", help="no replication")
     p.add_argument("--fewer-machines", action="store_true", help="may leave devices idle")
     p.add_argument("--memory-limit", type=float, help="bytes per device")
@@ -110,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         num_microbatches=args.microbatches,
         microbatch_size=args.microbatch_size,
         optimizer_state_factor=args.optimizer_state_factor,
+        replication=args.replication,
     )
     if args.partitioner == "pipedream":
         if args.stages is not None:
@@ -154,6 +169,7 @@ def render_plan(plan: Plan, file: object = None) -> None:
         ("stage", "right"),
         ("layers", "left"),
         ("replicas", "right"),
+        ("replication", "left"),
         ("devices", "left"),
         ("compute / device", "right"),
         ("in flight", "right"),
@@ -168,6 +184,7 @@ def render_plan(plan: Plan, file: object = None) -> None:
             str(s),
             f"{st.first_layer}-{st.last_layer}",
             str(st.replicas),
+            st.replication if st.replicas > 1 else "-",
             devices,
             fmt_seconds(st.compute_seconds),
             str(st.in_flight),

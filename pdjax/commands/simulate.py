@@ -2,6 +2,12 @@
 
 pdjax simulate --unit-costs 1,1,1 --stages 4 --schedule all --microbatches 8 --png out.png
 pdjax simulate --plan plan.json --profile profile.json --schedule 1f1b --microbatches 8
+
+With a plan, ``--replication`` says how its replicated stages run: ``auto`` (default) as
+the plan records them for the schedule it was planned for, and for another schedule
+round-robin under ``pipedream`` (one all-reduce per group instead of per microbatch) and
+split under the rest (where both modes all-reduce once per step); ``split`` or
+``round-robin`` force one mode on every replicated stage.
 """
 
 from __future__ import annotations
@@ -16,7 +22,13 @@ from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.plan import Plan
 from pdjax.pipeline import costs as _costs
 from pdjax.pipeline.schedule import SCHEDULES, generate
-from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate, unit_costs
+from pdjax.pipeline.simulate import (
+    PipelineCosts,
+    Simulation,
+    simulate,
+    stream_length,
+    unit_costs,
+)
 from pdjax.profile.profile import Profile
 
 __all__ = ["costs_from_plan", "register", "run"]
@@ -83,6 +95,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="N, microbatches streamed by pipedream and 2bw (default: a multiple of M, "
         "at least 4 M and 2 P)",
     )
+    p.add_argument(
+        "--replication",
+        default="auto",
+        choices=("auto", "split", "round-robin"),
+        help="with --plan: how replicated stages share their work. split: each microbatch "
+        "split across the stage's devices; round-robin (PipeDream's; gpipe, 1f1b, pipedream, "
+        "2bw): whole microbatches per device, r at once, one all-reduce per group under "
+        "pipedream; auto (default): as the plan records for its own schedule, else "
+        "round-robin under pipedream and split under the others",
+    )
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument(
         "--no-weight-stashing",
@@ -125,6 +147,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
         f, i, w = _parse_unit_costs(args.unit_costs)
         stages = args.stages
         replicas = None
+        plan = None
 
         def costs_for(chunks: int) -> PipelineCosts:
             return unit_costs(stages, f, i, w, chunks=chunks)
@@ -146,13 +169,18 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             "pdjax simulate needs costs: --plan PLAN.json --profile PROFILE.json, or "
             "--unit-costs F,I,W --stages P"
         )
-    stream = args.stream
-    if stream is None:
-        stream = _default_stream(stages, max(1, args.microbatches))
     names = SCHEDULES if args.schedule == "all" else (args.schedule,)
     results: list[tuple[str, Simulation | str]] = []
     for name in names:
         try:
+            mode = _replication(args.replication, plan, name)
+            stream = args.stream
+            if stream is None and mode and "round-robin" in mode:
+                stream = stream_length(
+                    name, stages, max(1, args.microbatches), replicas=replicas, replication=mode
+                )
+            elif stream is None:
+                stream = _default_stream(stages, max(1, args.microbatches))
             schedule = generate(
                 name,
                 stages,
@@ -162,6 +190,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
                 vertical_sync=args.vertical_sync,
                 weight_stashing=args.weight_stashing,
                 replicas=replicas,
+                replication=mode,
             )
             results.append((name, simulate(schedule, costs_for(schedule.chunks))))
         except ScheduleError as e:
@@ -171,16 +200,28 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
     return results
 
 
+def _replication(option: str, plan: Plan | None, name: str) -> tuple[str, ...] | None:
+    """The replication modes to generate ``name`` with (None: every stage split)."""
+    if plan is None or option == "split":
+        return None
+    if option == "round-robin":
+        return ("round-robin",) * plan.num_stages
+    if name == plan.schedule:
+        return plan.replication
+    return ("round-robin",) * plan.num_stages if name == "pipedream" else None
+
+
 def _label(sim: Simulation) -> str:
     s = sim.schedule
+    rr = " rr" if "round-robin" in s.replication else ""
     if s.name == "interleaved":
         return f"interleaved (v={s.chunks})"
     if s.name == "pipedream":
         extras = [
             x for x, on in [("vsync", s.vertical_sync), ("no stash", not s.weight_stashing)] if on
         ]
-        return "pipedream" + (f" ({', '.join(extras)})" if extras else "")
-    return s.name
+        return "pipedream" + rr + (f" ({', '.join(extras)})" if extras else "")
+    return s.name + rr
 
 
 def _note(sim: Simulation) -> str:

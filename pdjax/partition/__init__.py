@@ -6,7 +6,13 @@
 16
 """
 
-from pdjax.partition.cost import COST_MODELS, SCHEDULES, CostModel, ScheduleTraits
+from pdjax.partition.cost import (
+    COST_MODELS,
+    REPLICATION_OPTIONS,
+    SCHEDULES,
+    CostModel,
+    ScheduleTraits,
+)
 from pdjax.partition.partitioners import (
     balanced_split,
     evaluate_partition,
@@ -22,6 +28,7 @@ from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
 __all__ = [
     "COST_MODELS",
     "PRESETS",
+    "REPLICATION_OPTIONS",
     "SCHEDULES",
     "CostModel",
     "Level",

@@ -12,20 +12,38 @@ Three models, selected by name (``cost_model=``). Notation, for a stage holding 
   its gradient backward;
 * ``m``: the units (devices, servers, ...) the stage is replicated on at this level.
 
-``pdjax`` (the default; what pdjax's runtime and simulator do): a replicated stage splits
-each microbatch across its ``m`` units, and all-reduces its weight gradients once per
-optimizer update, a ring all-reduce of ``2 (m-1)/m W / B`` seconds. ``u`` is the number of
-microbatches per update: 1 for ``pipedream``, ``M`` (the step's microbatches) for the flush
-schedules and ``2bw``. The update needs the reduced gradient before the next forward, so the
-all-reduce adds to compute::
+``pdjax`` (the default; what pdjax's runtime and simulator do): a replicated stage on ``m``
+units costs ``C / m`` per microbatch in steady state, and all-reduces its weight gradients
+once per optimizer update, a ring all-reduce of ``2 (m-1)/m W / B`` seconds. The update
+needs the reduced gradient before the next forward, so the all-reduce adds to compute::
 
     stage(i..j, m) = C / m + 2 (m-1)/m * W / B / u
     cut(s)         = 2 a_s / B             (a_s / B each way; one link per cut)
 
-One level up, a unit runs the sub-pipeline on its share ``1/m`` of the microbatch, and the
-recursion divides the whole sub-pipeline time by ``m``; the inner all-reduce is divided by
-``m`` too, which is exact when no inner stage is replicated and optimistic by at most
-``(1-1/m)`` times the inner all-reduce otherwise.
+``u`` is the number of microbatches per all-reduce, which depends on the stage's
+*replication* mode (DESIGN.md, "Schedules and their semantics"):
+
+* ``split``: the stage splits each microbatch across its units and updates as the schedule
+  does: ``u = 1`` under ``pipedream``, ``M`` (the step's microbatches) under the flush
+  schedules and ``2bw``;
+* ``round-robin`` (PipeDream's own): each unit takes whole microbatches, ``m`` consecutive
+  ones at once, and the stage updates once per such group: ``u = m`` under ``pipedream``,
+  ``M`` under ``gpipe``, ``1f1b`` and ``2bw`` (the same as split there: the modes differ in
+  memory only). ``interleaved`` and ``zb-h1`` have no round-robin form.
+
+One level up, a unit runs the sub-pipeline, and the recursion divides the whole
+sub-pipeline time by ``m``. Split: each unit takes ``1/m`` of the microbatch; the inner
+all-reduce is divided by ``m`` too, which is exact when no inner stage is replicated and
+optimistic by at most ``(1-1/m)`` times the inner all-reduce otherwise. Round-robin: each
+unit takes whole microbatches, so dividing by ``m`` is exact for the compute and for the
+inner all-reduces (an inner stage on ``r`` devices of each of the ``m`` units all-reduces
+once per ``m r`` microbatches). The level's own all-reduce, over the ``m`` units, happens
+once per ``m r`` microbatches for each inner stage on ``r`` devices per unit; the program
+does not carry ``r`` up a level, so it charges ``u = m`` (``r = 1``, pessimistic), except
+for a range replicated whole at every level below (``r`` = the devices of a unit, ``G``),
+which it prices exactly as well, ``(C + sum of the all-reduces of the levels below + this
+level's) / (m G)``, and takes the cheaper: for such a range on all ``N`` devices this is
+data parallelism's time (below).
 
 ``paper`` (PipeDream, SOSP'19, section 3.1; whole microbatches routed round-robin to the
 ``m`` replicas, compute and communication overlapped)::
@@ -61,7 +79,10 @@ Memory per device (bytes):
 * ``pdjax``: ``W (versions + k) + stash * in_flight / r`` with ``r`` the devices of the
   stage, ``k`` the optimizer-state factor (2 for Adam), ``versions`` the weight versions the
   schedule keeps (``pipedream``: the in-flight count, ``2bw``: 2, flush schedules: 1) and
-  ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`;
+  ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`. A round-robin
+  stage holds ``q`` groups of ``r`` microbatches (``in_flight = q r``, :func:`groups_in_flight`),
+  i.e. ``q`` whole stashes per device, and under ``pipedream`` keeps ``q`` versions: the
+  same formula;
 * ``paper`` (weight stashing, whole microbatches per replica): with ``q = ceil(in_flight /
   r)``, ``W (q + k) + stash * q``;
 * ``pipedream-code`` (the original's pruning rule): ``ceil(d / m) (A + W)``, with ``A`` the
@@ -73,7 +94,18 @@ dynamic program does not know ``P - s`` while it builds a prefix, so its memory 
 it by ``1 +`` the devices after the stage (and the layers after it); inside a server of a
 hierarchical topology the devices of other servers count as "after" and replication across
 servers is not credited. The check is sound (a plan it accepts fits) and can be
-conservative. ``pdjax`` and ``paper`` check at the innermost level, ``pipedream-code`` at
+conservative. With round-robin stages the in-flight counts follow the group sizes
+(:func:`groups_in_flight`): stage ``s`` holds ``T_s = q_s n_s`` microbatches, which is at
+most ``2 D_s - 2`` for ``D_s`` the devices of stages ``s..P-1`` (``2 D_s - 1`` counting
+the last stage; ``n_s``: the stage's replicas if round-robin, else 1) whatever the modes of
+the stages after it; and a round-robin stage replicated across servers has more devices
+than the ``r`` the innermost level sees, so ``T_s / r`` bounds its per-device share. The
+round-robin memory check (the planner prices round-robin for ``pipedream`` only, where it
+all-reduces less) charges ``q = max(1, floor(T / r))`` whole stashes and ``q`` versions per
+device with ``T = 2 D - 2``, ``D = r +`` the devices after, and ``q = 1`` for the model's
+last stage. It is sound for any mix of modes, and tight for PipeDream's ``15-1``
+(``q_0 = 2``); a one-device stage before a large round-robin stage can be charged up to
+twice its real count. ``pdjax`` and ``paper`` check at the innermost level, ``pipedream-code`` at
 every level with that level's counts, as the original. A plan reports its exact memory with
 the final ``P - s``: the ``pdjax`` formula under ``pdjax``, the ``paper`` formula under the
 other two.
@@ -102,6 +134,13 @@ __all__ = [
 
 CostModel = Literal["pdjax", "paper", "pipedream-code"]
 COST_MODELS: tuple[str, ...] = ("pdjax", "paper", "pipedream-code")
+
+REPLICATION_OPTIONS: tuple[str, ...] = ("auto", "split", "round-robin")
+"""The planner's ``replication`` option: ``"auto"`` (the cheaper mode), ``"split"`` or
+``"round-robin"`` for every replicated stage."""
+
+#: Schedules with a round-robin form (``pdjax.pipeline.generate(..., replication=...)``).
+ROUND_ROBIN_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +202,108 @@ def versions_kept(schedule: str, in_flight_count: int) -> int:
     """Weight versions a stage keeps: the in-flight count with weight stashing, else 1 or 2."""
     v = schedule_traits(schedule).versions
     return in_flight_count if v == "in_flight" else int(v)
+
+
+def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
+    schedule generators keep them (:func:`pdjax.pipeline.schedule.round_robin_in_flight`,
+    without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
+
+    >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
+    ((2, 1), (3, 2, 1), (30, 1))
+    """
+    from pdjax.pipeline.schedule import round_robin_in_flight
+
+    return round_robin_in_flight(units)
+
+
+def stage_units(replicas: tuple[int, ...] | list[int], replication: tuple[str, ...]) -> list[int]:
+    """``n_s``: a round-robin stage's replicas, 1 for a split one."""
+    return [r if m == "round-robin" else 1 for r, m in zip(replicas, replication, strict=True)]
+
+
+def exact_in_flight(
+    schedule: str,
+    replicas: tuple[int, ...] | list[int],
+    replication: tuple[str, ...],
+    num_microbatches: int,
+) -> list[tuple[int, int]]:
+    """Per stage ``(in_flight, versions)``: microbatches in flight over the stage's devices
+    and weight versions kept, as the schedule ``schedule`` with these replication modes
+    holds them (a ``pipedream`` stream of at least ``in_flight`` microbatches).
+
+    >>> exact_in_flight("pipedream", [15, 1], ("round-robin", "split"), 16)
+    [(30, 2), (1, 1)]
+    >>> exact_in_flight("1f1b", [2, 1, 1], ("split",) * 3, 2)
+    [(2, 1), (2, 1), (1, 1)]
+    """
+    P = len(replicas)
+    if "round-robin" not in replication:
+        out = []
+        for s in range(P):
+            count = in_flight(schedule, P, s, num_microbatches)
+            out.append((count, versions_kept(schedule, count)))
+        return out
+    if schedule not in ROUND_ROBIN_SCHEDULES:
+        raise PlanError(
+            f"round-robin replication runs with {', '.join(ROUND_ROBIN_SCHEDULES)}, not "
+            f"{schedule}; use replication='split'"
+        )
+    units = stage_units(replicas, replication)
+    q = groups_in_flight(units)
+    out = []
+    for s in range(P):
+        if schedule == "gpipe":
+            count = num_microbatches
+        elif schedule == "1f1b":
+            count = min(q[s] * units[s], num_microbatches)
+        else:
+            count = q[s] * units[s]
+        if schedule == "pipedream":
+            out.append((count, count // units[s]))
+        else:
+            out.append((count, versions_kept(schedule, count)))
+    return out
+
+
+def allreduces_per_microbatch(
+    schedule: str, num_microbatches: int, replication: str, replicas: int
+) -> float:
+    """``1/u``: all-reduces per microbatch of a stage on ``replicas`` units replicated
+    ``replication`` (``"split"`` or ``"round-robin"``) under ``schedule``."""
+    if schedule_traits(schedule).update_per_microbatch:
+        return 1.0 / replicas if replication == "round-robin" else 1.0
+    return 1.0 / num_microbatches
+
+
+def check_replication(
+    replication: str | tuple[str, ...] | list[str], schedule: str, cost_model: str
+) -> None:
+    """Raises PlanError for a replication option the planner cannot honour."""
+    modes = [replication] if isinstance(replication, str) else list(replication)
+    for mode in modes:
+        if mode not in REPLICATION_OPTIONS:
+            raise PlanError(
+                f"replication must be one of {', '.join(REPLICATION_OPTIONS)}; got {mode!r}"
+            )
+    if "round-robin" in modes and schedule not in ROUND_ROBIN_SCHEDULES:
+        raise PlanError(
+            f"round-robin replication runs with {', '.join(ROUND_ROBIN_SCHEDULES)}, not "
+            f"{schedule}; use replication='split' (or 'auto')"
+        )
+
+
+def resolve_replication(option: str, schedule: str, cost_model: str) -> str:
+    """The mode ``"auto"`` stands for: ``"round-robin"`` where it is cheaper (``pipedream``
+    under the ``pdjax`` cost model: one all-reduce per group instead of per microbatch),
+    else ``"split"`` (the modes cost the same all-reduce under the other schedules, and the
+    ``paper`` and ``pipedream-code`` models price PipeDream's replication whatever pdjax
+    records)."""
+    if option != "auto":
+        return option
+    if cost_model == "pdjax" and schedule_traits(schedule).update_per_microbatch:
+        return "round-robin"
+    return "split"
 
 
 def check_cost_model(name: str) -> str:
@@ -392,12 +533,30 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def data_parallel_time(
-    arrays: ModelArrays, topology: Topology, model: str, updates_per_microbatch: float
+    arrays: ModelArrays,
+    topology: Topology,
+    model: str,
+    updates_per_microbatch: float,
+    *,
+    per_round: bool = False,
 ) -> float:
     """Seconds per microbatch of data parallelism over the whole topology: every level
-    replicates the whole model (PipeDream's data-parallel model, under ``model``)."""
+    replicates the whole model (PipeDream's data-parallel model, under ``model``).
+
+    ``per_round`` (``pdjax`` only): data parallelism as PipeDream runs it, each of the
+    ``N`` devices one microbatch, then one hierarchical all-reduce (each level's ring,
+    ``2 (n_k - 1)/n_k W / B_k``): ``(C + sum_k 2 (n_k - 1)/n_k W / B_k) / N``. Otherwise
+    every level all-reduces ``updates_per_microbatch`` times per microbatch (once per step of
+    ``M`` for the flush schedules and ``2bw``; per microbatch would make ``pipedream``'s
+    baseline a strawman)."""
     value = math.fsum(arrays.compute)
     weights = math.fsum(arrays.params)
+    if per_round and model == "pdjax":
+        total = value + math.fsum(
+            2.0 * (level.workers - 1) / level.workers * weights / level.bandwidth
+            for level in topology.levels
+        )
+        return total / topology.num_devices
     for k, level in enumerate(topology.levels):
         value = float(
             stage_time(

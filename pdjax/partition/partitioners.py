@@ -14,7 +14,9 @@ Evaluation places stage ``t`` on the next ``r_t`` devices of the topology. A rep
 stage all-reduces at the bandwidth of the innermost level whose group holds all its
 devices; a cut transfers at the bandwidth of the innermost level holding both stages. On a
 one-level topology this is exactly the cost model of the dynamic program, so
-``evaluate_partition`` of a plan's stages gives back its ``time_per_microbatch``.
+``evaluate_partition`` of a plan's stages gives back its ``time_per_microbatch``. A
+round-robin stage on ``r`` devices all-reduces once per group of ``r`` microbatches under
+``pipedream`` (see :mod:`pdjax.partition.cost`), a flat ring at that level's bandwidth.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def evaluate_partition(
     optimizer_state_factor: float = 2.0,
     memory_limit: float | None = None,
     partitioner: str = "manual",
+    replication: str | Sequence[str] = "auto",
 ) -> Plan:
     """A plan for the given stages, with the cost model's predictions.
 
@@ -122,14 +125,32 @@ def evaluate_partition(
       memory_limit: recorded in the plan (``plan.fits_memory`` says whether it fits); the
         partition is not changed. None: ``topology.memory_per_device``.
       partitioner: the name recorded in the plan.
+      replication: per stage (or one word for all) ``"split"``, ``"round-robin"`` or
+        ``"auto"`` (round-robin where it is cheaper: replicated stages under ``pipedream``
+        with the ``pdjax`` cost model; see :func:`~pdjax.partition.plan_pipedream`). A
+        one-device stage is always recorded ``"split"``.
 
     Raises:
       PlanError: stages that do not cover the layers contiguously, fewer than one replica,
-        or more replicas in total than the topology's devices.
+        more replicas in total than the topology's devices, or a replication mode the
+        schedule has no form for.
     """
     M, limit = check_options(
         topology, schedule, cost_model, num_microbatches, optimizer_state_factor, memory_limit
     )
+    if isinstance(replication, str):
+        replication = [replication] * len(stages)
+    replication = list(replication)
+    if len(replication) != len(stages):
+        raise PlanError(
+            f"replication has {len(replication)} entries for {len(stages)} stages; give one "
+            "per stage, or one word for all"
+        )
+    cost.check_replication(replication, schedule, cost_model)
+    modes = [
+        "split" if int(r) == 1 else cost.resolve_replication(mode, schedule, cost_model)
+        for mode, (_, _, r) in zip(replication, stages, strict=True)
+    ]
     arrays = cost.model_arrays(profile, microbatch_size)
     L = arrays.num_layers
     stages = [(int(a), int(b), int(r)) for a, b, r in stages]
@@ -159,6 +180,7 @@ def evaluate_partition(
             "use fewer replicas or stages"
         )
     u = cost.updates_per_microbatch(schedule, M)
+    per_round = cost.schedule_traits(schedule).update_per_microbatch
     offsets = np.concatenate([[0], np.cumsum([r for _, _, r in stages])]).astype(int)
     terms = []
     P = len(stages)
@@ -177,7 +199,11 @@ def evaluate_partition(
                     float(arrays.params[a : b + 1].sum()),
                     r,
                     topology.levels[level].bandwidth,
-                    updates_per_microbatch=u,
+                    updates_per_microbatch=(
+                        cost.allreduces_per_microbatch(schedule, M, modes[t], r)
+                        if cost_model == "pdjax"
+                        else u
+                    ),
                     first=t == 0,
                 )
             )
@@ -205,11 +231,14 @@ def evaluate_partition(
         partitioner=partitioner,
         num_microbatches=M,
         time_per_microbatch=max(terms),
-        data_parallel_time=cost.data_parallel_time(arrays, topology, cost_model, u),
+        data_parallel_time=cost.data_parallel_time(
+            arrays, topology, cost_model, u, per_round=per_round
+        ),
         memory_limit=limit,
         optimizer_state_factor=float(optimizer_state_factor),
         options={},
         microbatch_size=microbatch_size,
+        replication=modes,
     )
 
 

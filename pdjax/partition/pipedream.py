@@ -21,6 +21,15 @@ antichains); for chains (VGG, AlexNet) the two coincide.
 
 The program is vectorised with NumPy: the inner ``min over s`` of a ``max`` is one
 array reduction per ``(m, m')``.
+
+Replication modes (``pdjax`` cost model): the program prices every replicated stage either
+as *split* (each microbatch split across the stage's devices) or as *round-robin*
+(PipeDream's: whole microbatches per device, one all-reduce per group), and records the
+mode in each :class:`~pdjax.partition.StagePlan`. ``replication="auto"`` (the default)
+takes round-robin where it is cheaper, i.e. under ``pipedream``, whose split stages
+all-reduce every microbatch; under a memory limit it solves both ways and keeps the faster
+plan. The modes are chosen per plan, not mixed within one: a round-robin plan's one-device
+stages are split (the two are the same on one device).
 """
 
 from __future__ import annotations
@@ -168,11 +177,15 @@ class _Search:
         num_microbatches: int,
         optimizer_state_factor: float,
         objective: str = "time",
+        round_robin: bool = False,
     ) -> None:
         self.arrays = arrays
         self.topology = topology
         self.model = model
         self.traits = cost.schedule_traits(schedule)
+        # Round-robin changes the pdjax model only; paper and pipedream-code price
+        # PipeDream's replication already.
+        self.rr = round_robin and model == "pdjax"
         self.straight = straight
         self.fewer = fewer
         self.limit = memory_limit
@@ -192,6 +205,48 @@ class _Search:
         self.cut = arrays.cut
         self._shift_level: int | None = None
         self._shift: tuple[np.ndarray, np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
+        self._whole_num: dict[int, np.ndarray] = {}
+        self._whole_shift: dict[int, np.ndarray] = {}
+
+    def _u(self, m: int) -> float:
+        """All-reduces per microbatch of a stage on ``m`` units (see pdjax.partition.cost)."""
+        if self.rr and self.traits.update_per_microbatch:
+            return self.u / m
+        return self.u
+
+    def _prices_whole(self, k: int) -> bool:
+        """Whether level ``k`` also prices ranges replicated whole at every level below
+        (round-robin under ``pipedream``: their all-reduce is rarer than ``u = m`` says)."""
+        return (
+            self.rr
+            and k > 0
+            and self.traits.update_per_microbatch
+            and self.objective == "time"
+            and not self.straight
+        )
+
+    def _whole_numerator(self, k: int) -> np.ndarray:
+        """``(L, L)``: compute plus the all-reduces of levels ``0..k-1`` of each range
+        replicated whole at every level below ``k`` (inf where that does not fit)."""
+        if k not in self._whole_num:
+            num = self.compute.copy()
+            for lower in self.topology.levels[:k]:
+                n = lower.workers
+                num = num + 2.0 * (n - 1) / n * self.weights / lower.bandwidth
+            if self.limit is not None:
+                n0 = self.topology.levels[0].workers
+                mem = self.own_memory(0, n0, 0)
+                if mem is not None:
+                    num = np.where(mem <= self.limit, num, np.inf)
+            self._whole_num[k] = np.where(self.valid, num, np.inf)
+        return self._whole_num[k]
+
+    def _whole_time(self, k: int, m: int, num: np.ndarray, weights: np.ndarray) -> np.ndarray:
+        """Time per microbatch of ranges replicated whole below level ``k``, on ``m`` units:
+        one group of ``m G`` microbatches (``G``: devices per unit), then the all-reduces."""
+        level = self.topology.levels[k]
+        ar = 2.0 * (m - 1) / m * weights / level.bandwidth
+        return (num + ar) / (m * self.topology.group_size(k))
 
     # -- per-level terms ------------------------------------------------------------------
 
@@ -213,6 +268,8 @@ class _Search:
             return None
         levels = self.topology.levels
         outer = self.topology.num_devices - levels[0].workers
+        if self.rr:
+            return self._round_robin_memory(r, units_after + outer)
         bound = 1 + np.minimum(units_after + outer, self.layers_after)
         if not self.traits.pipelined_in_flight:
             inflight = np.full_like(bound, self.M)
@@ -232,6 +289,24 @@ class _Search:
             optimizer_state_factor=self.opt,
         )
 
+    def _round_robin_memory(self, r: int, after: int) -> np.ndarray:
+        """Bytes per device of a stage on ``r`` devices of the innermost level, ``after``
+        devices after it, in a pipeline whose replicated stages are round-robin (the bound
+        in :mod:`pdjax.partition.cost`: ``q`` whole stashes and, under ``pipedream``, ``q``
+        versions per device)."""
+        # pipedream only (the planner has no round-robin for the other schedules).
+        q = np.where(self.layers_after == 0, 1, max(1, (2 * (r + after) - 2) // r))
+        return cost.stage_memory(
+            "pdjax",
+            weights=self.weights,
+            stash=self.stash,
+            act=self.act,
+            replicas=r,
+            in_flight_count=q * r,
+            versions=q,
+            optimizer_state_factor=self.opt,
+        )
+
     def stage_value(
         self, k: int, inner: np.ndarray, m: int, units_after: int, first: bool
     ) -> np.ndarray:
@@ -247,10 +322,13 @@ class _Search:
                 self.weights,
                 m,
                 level.bandwidth,
-                updates_per_microbatch=self.u,
+                updates_per_microbatch=self._u(m),
                 first=first,
                 inner_units=self.topology.levels[k - 1].workers if k > 0 else 1,
             )
+            if self._prices_whole(k):
+                whole = self._whole_time(k, m, self._whole_numerator(k), self.weights)
+                out = np.minimum(out, whole)
             if self.limit is not None and mem is not None:
                 out = np.where(mem <= self.limit, out, np.inf)
         return np.where(self.valid, out, np.inf)
@@ -269,9 +347,17 @@ class _Search:
                 weights_s,
                 mp,
                 bw,
-                updates_per_microbatch=self.u,
+                updates_per_microbatch=self._u(mp),
                 inner_units=self.topology.levels[k - 1].workers if k > 0 else 1,
             )
+            if self._prices_whole(k):
+                if k not in self._whole_shift:
+                    shifted = np.full((self.L, self.L), np.inf)
+                    shifted[:-1] = self._whole_numerator(k)[1:]
+                    shifted[~self.cut_ok] = np.inf
+                    self._whole_shift[k] = shifted
+                whole = self._whole_time(k, mp, self._whole_shift[k], weights_s)
+                out = np.minimum(out, whole, out=out)
             cut = cut_s / mp if self.model == "pipedream-code" else cut_s
             return np.maximum(out, cut, out=out)
         stage = self.stage_value(k, inner, mp, n - m, first=False)
@@ -340,17 +426,37 @@ class _Search:
         its units runs one level down."""
         top = len(tables) - 1
 
+        def whole(k: int, a: int, b: int) -> list[Node]:  # replicated whole below level k+1
+            inner = whole(k - 1, a, b) if k > 0 else None
+            return [Node(a, b, self.topology.levels[k].workers, inner)]
+
         def expand(k: int, i: int, j: int, m: int) -> list[Node]:
             row = 0 if k == top else i
             out = []
             for a, b, r in _level_stages(tables[k], row, i, j, m):
                 inner = None
-                if k > 0:
+                if k > 0 and self._whole_wins(tables, k, a, b, r):
+                    inner = whole(k - 1, a, b)
+                elif k > 0:
                     inner = expand(k - 1, a, b, self.topology.levels[k - 1].workers)
                 out.append(Node(a, b, r, inner))
             return out
 
         return expand(top, 0, self.L - 1, tables[top].n)
+
+    def _whole_wins(self, tables: list[_Table], k: int, a: int, b: int, m: int) -> bool:
+        """Whether the program priced stage ``a..b`` on ``m`` units of level ``k`` as
+        replicated whole at every level below (rather than with the optimal inner
+        configuration), so that the tree must say so."""
+        if not self._prices_whole(k):
+            return False
+        lower = tables[k - 1]
+        level = self.topology.levels[k]
+        w = float(self.weights[a, b])
+        general = float(lower.value[lower.n, a, b]) / m
+        general += 2.0 * (m - 1) / m * w / level.bandwidth * self._u(m)
+        num = np.array(self._whole_numerator(k)[a, b])
+        return float(self._whole_time(k, m, num, np.array(w))) <= general
 
     def flatten(self, tree: list[Node]) -> list[tuple[int, int, list[int]]]:
         """Pipeline stages ``(first, last, device positions)`` of a configuration tree.
@@ -379,7 +485,13 @@ class _Search:
         return place(tree, len(self.topology.levels) - 1, 0)
 
     def data_parallel_time(self) -> float:
-        return cost.data_parallel_time(self.arrays, self.topology, self.model, self.u)
+        return cost.data_parallel_time(
+            self.arrays,
+            self.topology,
+            self.model,
+            self.u,
+            per_round=self.traits.update_per_microbatch,
+        )
 
 
 def _max_stages(arrays: cost.ModelArrays) -> int:
@@ -425,6 +537,7 @@ def plan_pipedream(
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     optimizer_state_factor: float = 2.0,
+    replication: str = "auto",
 ) -> Plan:
     """The optimal pipeline configuration by PipeDream's dynamic program.
 
@@ -445,6 +558,16 @@ def plan_pipedream(
       microbatch_size: samples per microbatch; None: the profile's batch size. Times and
         activation bytes scale linearly with it, parameter bytes do not.
       optimizer_state_factor: optimizer state bytes per parameter byte (Adam 2, SGD 0).
+      replication: how replicated stages share their work (see :mod:`pdjax.partition.cost`):
+        ``"split"`` (each microbatch split across the stage's devices), ``"round-robin"``
+        (PipeDream's: whole microbatches per device, one all-reduce per group; planned for
+        ``pipedream`` only, where it all-reduces less: under the other schedules both modes
+        all-reduce once per step, and :func:`~pdjax.partition.evaluate_partition` prices a
+        round-robin partition for ``gpipe``, ``1f1b`` and ``2bw``), or ``"auto"`` (default):
+        round-robin under ``pipedream`` with the ``pdjax`` cost model (under a memory limit,
+        the faster of the round-robin and the split plan), else split. Recorded per stage
+        (:attr:`StagePlan.replication`; a one-device stage is split); ``paper`` and
+        ``pipedream-code`` price PipeDream's replication whatever is recorded.
 
     Returns:
       The plan; ``plan.time_per_microbatch`` is the program's optimum.
@@ -463,9 +586,7 @@ def plan_pipedream(
     >>> plan.describe().splitlines()[0]
     '1-1: stage 0 = layers 0-2 x1, stage 1 = layers 3-3 x1'
     """
-    search, tables = solve(
-        profile,
-        topology,
+    common = dict(
         cost_model=cost_model,
         schedule=schedule,
         straight=straight,
@@ -475,7 +596,26 @@ def plan_pipedream(
         microbatch_size=microbatch_size,
         optimizer_state_factor=optimizer_state_factor,
     )
+    cost.check_replication(replication, schedule, cost_model)
+    mode = cost.resolve_replication(replication, schedule, cost_model)
+    limit = memory_limit if memory_limit is not None else topology.memory_per_device
+    if replication == "auto" and mode == "round-robin" and limit is not None:
+        # Round-robin all-reduces less but may stash more per device: try both.
+        found, errors = [], []
+        for candidate in ("round-robin", "split"):
+            try:
+                found.append(solve(profile, topology, replication=candidate, **common))
+            except PlanError as e:
+                errors.append(e)
+        if not found:
+            raise errors[-1]
+        search, tables = min(found, key=lambda st: st[0].best(st[1]))
+    else:
+        search, tables = solve(profile, topology, replication=mode, **common)
     flat = search.flatten(search.tree(tables))
+    # Under paper and pipedream-code the mode is only recorded (their time is the same).
+    rr = search.rr if cost_model == "pdjax" else mode == "round-robin"
+    modes = ["round-robin" if rr and len(pos) > 1 else "split" for _, _, pos in flat]
     return build_plan(
         profile,
         topology,
@@ -489,8 +629,13 @@ def plan_pipedream(
         data_parallel_time=search.data_parallel_time(),
         memory_limit=search.limit,
         optimizer_state_factor=float(optimizer_state_factor),
-        options={"straight": straight, "fewer_machines": fewer_machines},
+        options={
+            "straight": straight,
+            "fewer_machines": fewer_machines,
+            "replication": replication,
+        },
         microbatch_size=microbatch_size,
+        replication=modes,
     )
 
 
@@ -506,12 +651,25 @@ def solve(
     num_microbatches: int | None = None,
     microbatch_size: int | None = None,
     optimizer_state_factor: float = 2.0,
+    replication: str = "split",
 ) -> tuple[_Search, list[_Table]]:
     """Validates, checks the memory limit, and runs the program (see :func:`plan_pipedream`).
+
+    ``replication`` is ``"split"`` or ``"round-robin"`` (``"auto"`` is resolved by
+    :func:`pdjax.partition.cost.resolve_replication`, without comparing the two).
 
     Returns the search and its solved tables: ``search.best(tables)`` is the optimum and
     ``search.tree(tables)`` the configuration.
     """
+    cost.check_replication(replication, schedule, cost_model)
+    replication = cost.resolve_replication(replication, schedule, cost_model)
+    if replication == "round-robin" and schedule != "pipedream":
+        raise PlanError(
+            f"the planner prices round-robin replication for pipedream only: under {schedule} "
+            "a replicated stage all-reduces once per step in either mode, and round-robin "
+            "stashes whole microbatches per device; plan with replication='split' (or "
+            "'auto'), or price a round-robin partition with evaluate_partition"
+        )
     M, limit = check_options(
         topology, schedule, cost_model, num_microbatches, optimizer_state_factor, memory_limit
     )
@@ -529,6 +687,7 @@ def solve(
         fewer=fewer_machines,
         num_microbatches=M,
         optimizer_state_factor=float(optimizer_state_factor),
+        round_robin=replication == "round-robin",
     )
     if limit is not None:
         mem_search = _Search(
@@ -538,7 +697,8 @@ def solve(
         if smallest > limit:
             raise PlanError(
                 f"no configuration fits in {limit:.6g} bytes per device under the "
-                f"{cost_model} cost model and the {schedule} schedule; the smallest limit that "
+                f"{cost_model} cost model and the {schedule} schedule with {replication} "
+                f"replication; the smallest limit that "
                 f"works is {smallest:.6g} bytes ({smallest / 1e9:.4g} GB). Raise the limit, use "
                 "more devices, a smaller microbatch_size, or a schedule that keeps fewer "
                 "weight versions (1f1b, 2bw)"
@@ -566,20 +726,37 @@ def build_plan(
     optimizer_state_factor: float,
     options: dict,
     microbatch_size: int | None,
+    replication: list[str] | tuple[str, ...] | None = None,
 ) -> Plan:
-    """Builds a :class:`Plan` from flattened stages, with exact in-flight and memory."""
+    """Builds a :class:`Plan` from flattened stages, with exact in-flight and memory.
+
+    ``replication``: per stage ``"split"`` or ``"round-robin"`` (None: all split); the
+    in-flight counts and versions are those of the schedule with these modes
+    (:func:`pdjax.partition.cost.exact_in_flight`)."""
     P = len(flat)
     if schedule == "2bw" and num_microbatches < P:
         raise PlanError(
             f"the 2bw schedule needs at least as many microbatches per step as stages: the "
             f"plan has {P} stages but num_microbatches={num_microbatches}; raise it to {P} or more"
         )
+    replicas = [len(positions) for _, _, positions in flat]
+    modes = tuple(replication) if replication is not None else ("split",) * P
+    modes = tuple("split" if r == 1 else m for m, r in zip(modes, replicas, strict=True))
+    units = cost.stage_units(replicas, modes)
+    if schedule in ("1f1b", "gpipe", "2bw"):
+        for r, n in zip(replicas, units, strict=True):
+            if num_microbatches % n:
+                raise PlanError(
+                    f"a round-robin stage on {r} devices takes groups of {r} microbatches, "
+                    f"but the {schedule} step has num_microbatches={num_microbatches}; use a "
+                    f"multiple of {n} or replication='split'"
+                )
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
     stages = []
     memory_model = "pdjax" if cost_model == "pdjax" else "paper"
     for s, (first, last, positions) in enumerate(flat):
         r = len(positions)
-        inflight = cost.in_flight(schedule, P, s, num_microbatches)
-        versions = cost.versions_kept(schedule, inflight)
+        inflight, versions = counts[s]
         sl = slice(first, last + 1)
         memory = cost.stage_memory(
             memory_model,
@@ -599,6 +776,7 @@ def build_plan(
                 in_flight=inflight,
                 compute_seconds=math.fsum(arrays.compute[sl]) / r,
                 memory_bytes=float(memory),
+                replication=modes[s],
             )
         )
     used = sum(len(p) for _, _, p in flat)

@@ -5,6 +5,10 @@ it, a user may edit it, the schedule and the runtime read it. Its text rendering
 PipeDream's configurations::
 
     15-1 on 16 devices (pipedream-code, pipedream): stage 0 = layers 0-30 x15, ...
+
+A replicated stage that takes whole microbatches round-robin (PipeDream's replication)
+rather than splitting each microbatch across its devices shows ``rr`` after its replica
+count: ``15rr-1``, ``stage 0 = layers 0-30 x15 round-robin``.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ __all__ = ["Plan", "StagePlan"]
 
 _FORMAT = "pdjax.plan/1"
 
+REPLICATION = ("split", "round-robin")
+"""How a replicated stage's devices share its microbatches (see :class:`StagePlan`)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -38,8 +45,12 @@ class StagePlan:
         (the stage's compute divided by its replicas).
       memory_bytes: predicted bytes per device (weights x versions + optimizer state +
         stashed activations; see :mod:`pdjax.partition.cost`), with the plan's exact
-        in-flight count: pdjax's split replication under the ``pdjax`` cost model,
+        in-flight count: under the ``pdjax`` cost model for the stage's replication mode,
         PipeDream's whole microbatches per replica (the ``paper`` formula) under the others.
+      replication: how the stage's devices share its work: ``"split"`` (each microbatch
+        split across them; the default) or ``"round-robin"`` (PipeDream's: each device takes
+        whole microbatches, ``r`` consecutive ones at once, and the stage all-reduces once
+        per such group under ``pipedream``). A one-device stage is ``"split"``.
     """
 
     first_layer: int
@@ -48,6 +59,7 @@ class StagePlan:
     in_flight: int
     compute_seconds: float
     memory_bytes: float
+    replication: str = "split"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
@@ -55,6 +67,21 @@ class StagePlan:
             raise PlanError(f"bad layer range {self.first_layer}-{self.last_layer}")
         if not self.devices:
             raise PlanError(f"stage {self.first_layer}-{self.last_layer} has no devices")
+        if self.replication not in REPLICATION:
+            raise PlanError(
+                f"stage {self.first_layer}-{self.last_layer}: replication must be one of "
+                f"{REPLICATION}, got {self.replication!r}"
+            )
+        if self.replication == "round-robin" and len(self.devices) == 1:
+            raise PlanError(
+                f"stage {self.first_layer}-{self.last_layer} is round-robin on one device; "
+                "a one-device stage is 'split'"
+            )
+
+    @property
+    def round_robin(self) -> bool:
+        """True if the stage takes whole microbatches round-robin."""
+        return self.replication == "round-robin"
 
     @property
     def replicas(self) -> int:
@@ -150,9 +177,17 @@ class Plan:
         return tuple(stage.replicas for stage in self.stages)
 
     @property
+    def replication(self) -> tuple[str, ...]:
+        """Per stage, ``"split"`` or ``"round-robin"``: pass it to the schedule generator
+        with :attr:`replicas` (``generate(..., replicas=plan.replicas,
+        replication=plan.replication)``)."""
+        return tuple(stage.replication for stage in self.stages)
+
+    @property
     def config(self) -> str:
-        """PipeDream's notation: replicas per stage joined by ``-``, e.g. ``"15-1"``."""
-        return "-".join(str(r) for r in self.replicas)
+        """PipeDream's notation: replicas per stage joined by ``-``, e.g. ``"15-1"``; a
+        round-robin stage's count is followed by ``rr`` (``"15rr-1"``)."""
+        return "-".join(f"{st.replicas}{'rr' if st.round_robin else ''}" for st in self.stages)
 
     @property
     def in_flight(self) -> tuple[int, ...]:
@@ -191,6 +226,7 @@ class Plan:
         """
         parts = [
             f"stage {s} = layers {st.first_layer}-{st.last_layer} x{st.replicas}"
+            + (" round-robin" if st.round_robin else "")
             for s, st in enumerate(self.stages)
         ]
         head = f"{self.config}: " + ", ".join(parts)
@@ -242,6 +278,7 @@ class Plan:
                     "in_flight": st.in_flight,
                     "compute_seconds": st.compute_seconds,
                     "memory_bytes": st.memory_bytes,
+                    "replication": st.replication,
                 }
                 for st in self.stages
             ],
@@ -262,6 +299,8 @@ class Plan:
                     in_flight=int(st["in_flight"]),
                     compute_seconds=float(st["compute_seconds"]),
                     memory_bytes=float(st["memory_bytes"]),
+                    # Plans written before round-robin replication split every stage.
+                    replication=st.get("replication", "split"),
                 )
                 for st in data["stages"]
             )

@@ -25,6 +25,7 @@ from pdjax.pipeline.schedule import (
     parse_grid,
     pipedream,
     pipedream_2bw,
+    round_robin_in_flight,
     validate,
     zb_h1,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "pipedream",
     "pipedream_2bw",
     "plot_gantt",
+    "round_robin_in_flight",
     "simulate",
     "unit_costs",
     "validate",

@@ -61,10 +61,19 @@ without those sinks. Links come from the plan's topology:
   level's bandwidth (a flat ring: for replicas spread over servers this is the slower,
   pessimistic side of the planner's hierarchical estimate).
 
-Planner and simulator (steady state of ``pipedream``) price a stage identically: with free
-transfers the simulator's time per microbatch is the planner's ``time_per_microbatch``
-(the slowest stage: compute / ``r`` plus its all-reduce). Two systematic differences
-remain, both in the transfers:
+The costs are per replica whatever the plan's replication mode: a round-robin stage
+(``plan.replication``) runs ``r`` whole microbatches side by side, and the simulator
+charges each of its actions ``r`` times these costs (see :mod:`pdjax.pipeline.simulate`).
+Pass both ``replicas=plan.replicas`` and ``replication=plan.replication`` to the schedule
+generator.
+
+Planner and simulator (steady state of ``pipedream``) price a stage identically on one
+level: with free transfers the simulator's time per microbatch is the planner's
+``time_per_microbatch`` (the slowest stage: compute / ``r`` plus its all-reduce, once per
+microbatch when split, once per ``r`` when round-robin). On a hierarchical topology the
+planner's all-reduce is per level (a ring inside each server, then one between servers),
+the simulator's a flat ring at the slowest level's bandwidth, so a stage replicated across
+servers simulates slower. Two more systematic differences remain, both in the transfers:
 
 - **Cuts.** The planner charges a cut ``2 a / B`` (activation forward and its gradient
   backward on one link); the simulator has one link per direction, busy ``a / B`` per
@@ -77,6 +86,17 @@ remain, both in the transfers:
   comparable to compute. PipeDream's VGG-16 profile on 4 workers at 10 Gbit/s (plan 3-1,
   ~100 MB crossing the cut per microbatch of 128): planner 178.8 ms, simulator 252.0 ms,
   round-trip bound 250.8 ms; with free links or at 1 Tbit/s the two agree within 0.2%.
+  Round-robin stages run 1F1B over groups (``q_s`` groups of ``n_s`` microbatches in
+  flight), and a stage returns the gradient of a group's last microbatch only after the
+  forwards of the next group's first ones: a round-robin stage's backward waits for those
+  to cross the cut and come back. On PipeDream's VGG-16 profile on 4 servers x 4 at
+  10 Gbit/s, plan ``12rr-2rr-1-1``: planner 61.2 ms, simulator 66.6 ms (the first stage
+  idles 51 ms per group of 12).
+
+The cut model is optimistic for a stage that shares a server with the next stage but has
+most of its devices elsewhere (PipeDream's ``15-1`` on 4 servers x 4: 12 of stage 0's 15
+devices send to stage 1 over the network, the simulator gives the whole cut the
+intra-server link).
 
 With interleaving (``chunks = v > 1``), the model is re-cut into ``P v`` contiguous virtual
 stages, virtual stage ``k`` on device group ``k mod P`` (the plan's stage ``k mod P``, with
@@ -157,7 +177,8 @@ def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> Pipelin
 
     Returns:
         One :class:`StageCosts` per (virtual) stage, the cut bandwidths and the all-reduce
-        bandwidths; pass ``replicas=plan.replicas`` to the schedule generator.
+        bandwidths; pass ``replicas=plan.replicas`` and ``replication=plan.replication``
+        to the schedule generator.
 
     Raises:
         PlanError: the profile does not match the plan (layer count), or has no times.

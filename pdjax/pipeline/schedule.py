@@ -38,6 +38,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -60,6 +61,7 @@ __all__ = [
     "parse_grid",
     "pipedream",
     "pipedream_2bw",
+    "round_robin_in_flight",
     "validate",
     "zb_h1",
 ]
@@ -439,6 +441,99 @@ def _group_order(groups: int, warmup: int) -> list[tuple[str, int]]:
     return order
 
 
+def round_robin_in_flight(units: Sequence[int], extra: int = 0) -> tuple[int, ...]:
+    """``q_s`` per stage: the groups in flight each stage of a round-robin pipeline keeps.
+
+    ``units[s] = n_s``: the microbatches one action of stage ``s`` covers (its replicas if
+    round-robin, else 1). Starting from the least counts (:func:`_groups_in_flight`: the
+    busy bound and the one that keeps groups of unequal sizes from deadlocking), from the
+    last stage back, stage ``s`` gets one more group at a time until the stages from ``s``
+    on run a balanced pipeline (every stage one unit of forward and two of backward per
+    microbatch on one device, free transfers) at full rate, one microbatch per 3 units
+    (found by playing the schedule; a few more groups everywhere if the whole still falls
+    short). Groups of unequal sizes need more than the busy bound: a group leaves its stage
+    all at once and its microbatches queue at the next. ``extra`` (``pipedream``'s latency
+    hiding) is then added at every stage but the last. With every ``n_s = 1`` this is
+    ``P - s + extra``.
+
+    >>> round_robin_in_flight([1, 1, 1]), round_robin_in_flight([15, 1])
+    ((3, 2, 1), (2, 1))
+    >>> round_robin_in_flight([1, 2]), round_robin_in_flight([12, 2, 1, 1])
+    ((4, 1), (3, 3, 2, 1))
+    """
+    units = tuple(int(n) for n in units)
+    q = list(_searched_in_flight(units))
+    for st in range(len(units) - 1):
+        q[st] += extra
+    return _unstuck(units, q)
+
+
+def _unstuck(units: Sequence[int], q: list[int]) -> tuple[int, ...]:
+    """``q`` raised where stage ``s + 1``'s count needs more groups at stage ``s``."""
+    q = list(q)
+    for st in range(len(units) - 2, -1, -1):
+        n, after = units[st], units[st + 1]
+        slack = n - 1 - ((n - 1) % math.gcd(n, after))
+        q[st] = max(q[st], -(-(q[st + 1] * after + slack) // n))
+    return tuple(q)
+
+
+@functools.lru_cache(maxsize=256)
+def _searched_in_flight(units: tuple[int, ...]) -> tuple[int, ...]:
+    """From the last stage back: the least groups in flight at stage ``s`` that let the
+    stages from ``s`` on run at full rate (``s`` fed without waiting), then a check of the
+    whole pipeline with a few more groups everywhere if it still falls short."""
+    P = len(units)
+    q = list(_unstuck(units, [_groups_in_flight(units, st) for st in range(P)]))
+    if all(n == 1 for n in units):
+        return tuple(q)
+    for st in range(P - 2, -1, -1):
+        for _ in range(2 * sum(units[st:])):
+            if _unit_rate(units[st:], q[st:]) <= 3.0 + 1e-9:
+                break
+            q[st] += 1
+        q = list(_unstuck(units, q))
+    best = (_unit_rate(units, q), tuple(q))
+    for _ in range(3):
+        if best[0] <= 3.0 + 1e-9:
+            break
+        q = list(_unstuck(units, [x + (t < P - 1) for t, x in enumerate(q)]))
+        rate = _unit_rate(units, q)
+        if rate < best[0] - 1e-9:
+            best = (rate, tuple(q))
+    return best[1]
+
+
+def _unit_rate(units: tuple[int, ...], q: Sequence[int]) -> float:
+    """Steady-state time per microbatch of round-robin 1F1B with ``q`` groups in flight,
+    every stage costing 1 (forward) + 2 (backward) per microbatch on one device, free
+    transfers (the middle fifth of a long stream at stage 0)."""
+    P = len(units)
+    period = math.lcm(*units)
+    N = period * max(12, -(-4 * sum(a * b for a, b in zip(q, units, strict=True)) // period))
+    actions = []
+    for st, n in enumerate(units):
+        actions.append(
+            tuple(Action(kind, st, g * n) for kind, g in _group_order(N // n, q[st] - 1))
+        )
+    sched = Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=units,
+        in_flight_bound=(0,) * P,
+        version_bound=(0,) * P,
+        replication=tuple("round-robin" if n > 1 else "split" for n in units),
+    )
+    _, ends, _ = _play(sched, lambda a: (1 if a.kind == "F" else 2) * units[a.stage], None)
+    done = [e for a, e in zip(actions[0], ends[0], strict=True) if a.kind == "B"]
+    lo, hi = int(len(done) * 0.4), int(len(done) * 0.6)
+    return (done[hi] - done[lo]) / ((hi - lo) * units[0])
+
+
 def _check_multiple(what: str, count: int, units: Sequence[int]) -> None:
     for d, n in enumerate(units):
         if count % n:
@@ -577,13 +672,14 @@ def one_f_one_b(
     units = _units(reps, mode)
     _check_multiple("num_microbatches (M)", M, units)
 
+    q = round_robin_in_flight(units)
+
     def order(s: int) -> list[tuple[str, int, int]]:
         n = units[s]
-        warmup = _groups_in_flight(units, s) - 1
-        return [(kind, s, g * n) for kind, g in _group_order(M // n, warmup)]
+        return [(kind, s, g * n) for kind, g in _group_order(M // n, q[s] - 1)]
 
     def in_flight(s: int) -> int:
-        return min(_groups_in_flight(units, s) * units[s], M)
+        return min(q[s] * units[s], M)
 
     return _flush("1f1b", P, 1, M, steps, order, in_flight, replicas, mode)
 
@@ -837,10 +933,10 @@ def _pipedream_round_robin(
         )
     units = _units(replicas, replication)
     _check_multiple("num_microbatches (N, the stream length)", N, units)
+    qs = round_robin_in_flight(units, e)
     actions = []
     for s in range(P):
-        n = units[s]
-        q = _groups_in_flight(units, s, e)
+        n, q = units[s], qs[s]
         acts = []
         for kind, g in _group_order(N // n, q - 1):
             version = max(0, g - q + 1)
@@ -856,8 +952,8 @@ def _pipedream_round_robin(
         actions=tuple(actions),
         stage_device=tuple(range(P)),
         replicas=replicas,
-        in_flight_bound=tuple(min(_groups_in_flight(units, s, e) * units[s], N) for s in range(P)),
-        version_bound=tuple(min(_groups_in_flight(units, s, e), N // units[s]) for s in range(P)),
+        in_flight_bound=tuple(min(qs[s] * units[s], N) for s in range(P)),
+        version_bound=tuple(min(qs[s], N // units[s]) for s in range(P)),
         extra_in_flight=e,
         replication=replication,
     )
@@ -907,11 +1003,12 @@ def pipedream_2bw(
     mode = _replication(replication, reps, "2bw")
     units = _units(reps, mode)
     _check_multiple("microbatches_per_step (M)", M, units)
+    qs = round_robin_in_flight(units)
     actions = []
     for s in range(P):
         n = units[s]
         acts = []
-        for kind, g in _group_order(N // n, _groups_in_flight(units, s) - 1):
+        for kind, g in _group_order(N // n, qs[s] - 1):
             k = g * n
             t = k // M
             acts.append(Action(kind, s, k, max(0, t - 1)))
@@ -926,7 +1023,7 @@ def pipedream_2bw(
         actions=tuple(actions),
         stage_device=tuple(range(P)),
         replicas=reps,
-        in_flight_bound=tuple(min(_groups_in_flight(units, s) * units[s], N) for s in range(P)),
+        in_flight_bound=tuple(min(qs[s] * units[s], N) for s in range(P)),
         version_bound=(2,) * P,
         replication=mode,
     )
@@ -1012,9 +1109,20 @@ def _expected_in_flight(s: Schedule, group: int) -> int:
     """In-flight bound of ``group`` under ``s.name``'s semantics (independent of generators)."""
     P, S, M, N = s.num_groups, s.num_stages, s.microbatches_per_step, s.num_microbatches
     if s.replication and s.name != "gpipe":
+        # round-robin: the schedule's own q_s (see round_robin_in_flight), if it is at least
+        # the least count and whole groups (or every microbatch there is)
         units = [s.group_size(st) for st in range(P)]
-        q = _semantic_groups_in_flight(s, units, group)
-        return min(q * units[group], N if s.name != "1f1b" else M)
+        cap = N if s.name != "1f1b" else M
+        e = s.extra_in_flight if s.name == "pipedream" else 0
+        least = min(
+            _unstuck(units, [_groups_in_flight(units, st, e) for st in range(P)])[group]
+            * units[group],
+            cap,
+        )
+        declared = s.in_flight_bound[group]
+        if declared >= least and (declared % units[group] == 0 or declared == cap):
+            return declared
+        return least
     if s.name == "gpipe":
         return M
     if s.name == "1f1b":
@@ -1030,8 +1138,9 @@ def _expected_in_flight(s: Schedule, group: int) -> int:
 
 
 def _semantic_groups_in_flight(s: Schedule, units: Sequence[int], stage: int) -> int:
-    """``q_s`` of DESIGN.md's round-robin semantics (see :func:`_groups_in_flight`)."""
-    return _groups_in_flight(units, stage, s.extra_in_flight if s.name == "pipedream" else 0)
+    """``q_s``, the groups in flight of a round-robin schedule's stage: its in-flight bound
+    in groups (checked against the least count by the header checks)."""
+    return -(-s.in_flight_bound[s.stage_device[stage]] // units[stage])
 
 
 def _expected_versions(s: Schedule, stage: int) -> int:

@@ -5,18 +5,26 @@ The cost model (DESIGN.md's ``pdjax`` model):
 - a device group runs its actions in order, one at a time; an action starts when the group
   is free and its inputs have arrived, and takes its stage's ``forward``, ``backward``
   (``= input_grad + weight_grad``), ``input_grad``, ``weight_grad`` seconds; costs are per
-  replica (a stage on ``r`` devices already counts compute / ``r``);
+  replica (a stage on ``r`` devices already counts compute / ``r``), which is what one
+  action costs when the group *splits* each microbatch across its devices. A group that
+  replicates *round-robin* (``Schedule.replication``) runs ``n = r`` microbatches at once,
+  one per device, in each action (``Schedule.covers``): the action takes ``n`` times the
+  per-replica cost, the whole microbatch's compute on one device;
 - ``U`` takes ``update`` seconds plus, for a stage on ``r > 1`` devices, a ring all-reduce of
-  its weight gradients, ``2 (r - 1) / r * param_bytes / allreduce_bandwidth``; so the
-  all-reduce is paid once per step for flush schedules and ``2bw`` and once per microbatch
-  for ``pipedream``;
+  its weight gradients, ``2 (r - 1) / r * param_bytes / allreduce_bandwidth``; the schedule
+  has one ``U`` per update, so the all-reduce is paid once per step for flush schedules and
+  ``2bw``, and under ``pipedream`` once per microbatch at a split stage and once per group of
+  ``r`` microbatches at a round-robin one;
 - an activation crossing the cut after stage ``s`` (and its gradient, coming back) takes
   ``activation_bytes / link_bandwidth + link_latency`` seconds when the two stages are on
   different device groups; each direction between two groups is one link carrying one
   tensor at a time; transfers overlap compute;
 - memory of a device in a group: for each of the group's stages, ``param_bytes`` times the
   weight versions alive + ``optimizer_bytes`` + ``stash_bytes`` times the microbatches in
-  flight (forward run, backward - ``B`` or ``W`` - not yet).
+  flight (forward run, backward - ``B`` or ``W`` - not yet), counted over the whole group:
+  ``stash_bytes`` is one replica's share of a microbatch's stash (``1 / r`` of it), so a
+  round-robin group holding ``q`` groups of ``r`` microbatches holds ``q`` whole stashes per
+  device.
 
 :class:`PipelineCosts` is the seam to the planner: a Plan and its Profile become one
 (``pdjax.commands.simulate.costs_from_plan``); :func:`unit_costs` makes one from numbers.
@@ -38,6 +46,7 @@ __all__ = [
     "Simulation",
     "StageCosts",
     "simulate",
+    "stream_length",
     "unit_costs",
 ]
 
@@ -222,6 +231,46 @@ def unit_costs(
     return PipelineCosts.build([stage] * num_stages).interleave(chunks)
 
 
+def stream_length(
+    name: str,
+    num_stages: int,
+    microbatches_per_step: int = 1,
+    *,
+    replicas: Sequence[int] | None = None,
+    replication: Sequence[str] | str | None = None,
+) -> int:
+    """A stream length ``N`` for ``pipedream`` or ``2bw`` long enough for a steady state.
+
+    ``N`` is a multiple of ``M`` (``2bw``) and of every round-robin stage's group size
+    (as the generators require). Without round-robin stages it is ``M`` times
+    ``max(4, ceil(2 P / M))`` (``M = 1`` for ``pipedream``); with them, long enough to hold
+    the fill and the drain (each at most ``2 (n_0 + ... + n_{P-1})`` microbatches) and four
+    periods of ``lcm(M, n_0, ..., n_{P-1})`` microbatches between them.
+
+    Args:
+        name: ``"pipedream"`` or ``"2bw"`` (any other name is treated as ``pipedream``).
+        num_stages: ``P``.
+        microbatches_per_step: ``M`` (``2bw``; ignored for ``pipedream``).
+        replicas: devices per stage (default 1 each).
+        replication: per stage ``"split"`` or ``"round-robin"`` (or one word for all).
+
+    >>> stream_length("pipedream", 4), stream_length("2bw", 4, 3)
+    (8, 12)
+    >>> stream_length("pipedream", 2, replicas=(15, 1), replication="round-robin")
+    135
+    """
+    M = microbatches_per_step if name == "2bw" else 1
+    reps = tuple(replicas) if replicas is not None else (1,) * num_stages
+    modes = (replication,) * len(reps) if isinstance(replication, str) else replication
+    modes = tuple(modes or ("split",) * len(reps))
+    units = [r if m == "round-robin" else 1 for r, m in zip(reps, modes, strict=True)]
+    if all(n == 1 for n in units):
+        return M * max(4, -(-2 * num_stages // M))
+    period = math.lcm(M, *units)
+    need = max(4 * M, 4 * sum(units) + 4 * period)
+    return period * -(-need // period)
+
+
 @dataclasses.dataclass(frozen=True)
 class Simulation:
     """The result of :func:`simulate`.
@@ -237,10 +286,12 @@ class Simulation:
         bubble_fraction: idle share of device-group time: over the whole run for flush
             schedules, over the steady state for ``pipedream`` and ``2bw``.
         peak_memory: per device group, the most bytes one of its devices holds.
-        peak_in_flight: per stage, the most microbatches in flight.
+        peak_in_flight: per stage, the most microbatches in flight (over the stage's whole
+            group: a round-robin group's ``q`` groups of ``r`` count ``q r``).
         steady_state: whether ``step_time`` and ``bubble_fraction`` come from a steady-state
-            window (only ``pipedream`` and ``2bw`` with a stream of at least ``2 P``
-            microbatches; otherwise they describe the whole run).
+            window (only ``pipedream`` and ``2bw`` with a stream long enough to have one:
+            about ``2 P`` microbatches, more with round-robin stages, see
+            :func:`stream_length`; otherwise they describe the whole run).
     """
 
     schedule: Schedule
@@ -262,6 +313,8 @@ class Simulation:
             "num_groups": s.num_groups,
             "num_microbatches": s.num_microbatches,
             "microbatches_per_step": s.microbatches_per_step,
+            "replicas": list(s.replicas),
+            "replication": list(s.replication) or ["split"] * s.num_groups,
             "makespan": self.makespan,
             "step_time": self.step_time,
             "time_per_microbatch": self.time_per_microbatch,
@@ -285,16 +338,20 @@ def _check_match(schedule: Schedule, costs: PipelineCosts) -> None:
 
 
 def _durations(schedule: Schedule, costs: PipelineCosts) -> dict[tuple[str, int], float]:
+    """Seconds of each kind of action at each stage (see the module doc)."""
     table = {}
     for s, st in enumerate(costs.stages):
         r = schedule.replicas[schedule.stage_device[s]]
         allreduce = 2 * (r - 1) / r * st.param_bytes / costs.allreduce_bandwidth[s]
+        # A round-robin action runs n whole microbatches side by side, one per device: the
+        # time of n per-replica shares. The update is per device either way.
+        n = schedule.group_size(s)
         table.update(
             {
-                ("F", s): st.forward,
-                ("B", s): st.backward,
-                ("I", s): st.input_grad,
-                ("W", s): st.weight_grad,
+                ("F", s): n * st.forward,
+                ("B", s): n * st.backward,
+                ("I", s): n * st.input_grad,
+                ("W", s): n * st.weight_grad,
                 ("U", s): st.update + allreduce,
             }
         )
@@ -313,13 +370,13 @@ def _memory(schedule: Schedule, costs: PipelineCosts) -> tuple[tuple[int, ...], 
             in_flight = 0
             for pos, a in enumerate(acts):
                 if a.stage == s and a.kind == "F":
-                    in_flight += 1
+                    in_flight += len(schedule.covers(a))
                 peak_in_flight[s] = max(peak_in_flight[s], in_flight)
                 total[pos] += (
                     st.param_bytes * versions[pos] + st.optimizer_bytes + st.stash_bytes * in_flight
                 )
                 if a.stage == s and a.kind in "BW":
-                    in_flight -= 1
+                    in_flight -= len(schedule.covers(a))
         peak_bytes.append(max(total, default=0))
     return tuple(peak_bytes), tuple(peak_in_flight)
 
@@ -394,23 +451,33 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
 
 
 def _steady_window(schedule: Schedule, ends: list[list[float]]) -> tuple[float, float, int] | None:
-    """The steady state of a stream: from the end of a step to the end of a later one.
+    """The steady state of a stream: from the end of an update of stage 0 to a later one.
 
-    Steps are timed by stage 0's updates (stage 0 finishes every microbatch last). The
-    window skips the fill (steps ending before microbatch ``P - 1``) and the drain (steps
-    ending after microbatch ``N - P``).
+    Stage 0 finishes every microbatch last, so its updates time the stream; update ``u``
+    applies microbatches ``u k .. u k + k - 1`` (``k``: ``Schedule.per_update(0)``, ``M`` for
+    ``2bw``, stage 0's group size for ``pipedream``). The window skips the fill (updates
+    ending before stage 0 has held its most microbatches in flight, ``W``) and the drain (the
+    last ``W - 1`` microbatches), and spans whole periods of ``lcm(k, n_0, ..., n_{P-1})``
+    microbatches, ``n_s`` the stages' group sizes (1 unless round-robin), so that every
+    stage does the same work in it.
 
     Returns:
         ``(start, end, microbatches)`` in seconds, or ``None`` if the stream is too short.
     """
-    P, N, M = schedule.num_stages, schedule.num_microbatches, schedule.microbatches_per_step
-    first = -(-P // M) - 1
-    last = (N - P + 1) // M - 1
-    if last <= first:
+    N = schedule.num_microbatches
+    k = schedule.per_update(0)
+    fill = schedule.in_flight_bound[0]
+    first = -(-fill // k) - 1
+    last = (N - fill + 1) // k - 1
+    units = [schedule.group_size(s) for s in range(schedule.num_stages)]
+    period = math.lcm(k, *units) // k  # updates of stage 0 per period
+    span = (last - first) // period * period
+    if span <= 0:
         return None
+    last = first + span
     update_end = {
         a.mb: end
         for a, end in zip(schedule.actions[0], ends[0], strict=True)
         if a.kind == "U" and a.stage == 0
     }
-    return update_end[first], update_end[last], (last - first) * M
+    return update_end[first], update_end[last], span * k
