@@ -550,13 +550,15 @@ def headline(rows: Sequence[SimRow], flat: dict[str, tuple[str, float]]) -> str:
         "replicated first stage is the bottleneck (the bubble falls on the last stages); "
         "(2) the planner's hierarchical program replicates whole servers across servers "
         "(12 devices, then the fourth server's own pipeline): it cannot express 15-1, "
-        "which spans four servers; (3) with the 12-device stage the round-robin group's "
-        "backward waits for the next group's first microbatches to cross the 10 Gbit/s cut "
-        "and come back (the 1F1B order over groups of different sizes, 12 then 2), a "
-        "round trip the planner does not model (see `pdjax.pipeline.costs`); with one "
-        "group more in flight (`extra_in_flight=1`) the same plan reaches "
-        f"{flat['extra'][1]:.2f}x, its slowest stage's rate, at {flat['extra'][0]} per "
-        "device."
+        "which spans four servers; (3) the schedule keeps enough groups in flight for "
+        "its slowest stage's rate (`pdjax.pipeline.schedule.round_robin_in_flight`; one "
+        f"group more, `extra_in_flight=1`, gives {flat['extra'][1]:.2f}x at "
+        f"{flat['extra'][0]} per device), so the gap is the plan's own: the planner "
+        f"prices `{rr.config}` under `pipedream` at {rr.planned * 1e3:.2f} ms per "
+        f"microbatch and `{flush.config}` under {flush.label} at "
+        f"{flush.planned * 1e3:.2f} ms (under `pipedream` each round-robin stage "
+        "all-reduces once per group of its r microbatches, under the flush schedules and "
+        "`2bw` once per 16)."
     )
 
 

@@ -269,9 +269,12 @@ def auto_plan(
     schedule: str,
     microbatches: int,
     straight: bool = False,
+    replication: str = "split",
 ) -> Any:
     """Profiles ``spec`` on one microbatch (measured on ``devices[0]``) and plans it over
-    ``devices`` with PipeDream's optimizer (``pdjax`` cost model)."""
+    ``devices`` with PipeDream's optimizer (``pdjax`` cost model). ``replication``:
+    ``"split"``, or ``"round-robin"`` / ``"auto"`` (``pipedream`` only: PipeDream's own
+    replication, or the planner's pick)."""
     from pdjax.partition import Topology, plan_pipedream
     from pdjax.profile import profile
 
@@ -283,6 +286,7 @@ def auto_plan(
         schedule=schedule if schedule != "dp" else "1f1b",
         num_microbatches=microbatches,
         straight=straight,
+        replication=replication if schedule == "pipedream" else "split",
     )
 
 
@@ -310,7 +314,15 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
         text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
         return stages, text
     if cfg.plan == "auto":
-        plan = auto_plan(spec, sample, devices, cfg.schedule, cfg.microbatches, cfg.straight)
+        plan = auto_plan(
+            spec,
+            sample,
+            devices,
+            cfg.schedule,
+            cfg.microbatches,
+            cfg.straight,
+            "round-robin" if cfg.replication == "round-robin" else "split",
+        )
         return plan, plan.describe().splitlines()[0]
     if cfg.plan == "even":
         stages = even_stages(L, min(L, cfg.devices))

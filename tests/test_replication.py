@@ -125,7 +125,7 @@ def test_per_device_sums_equal_sequential_training(schedule):
 @pytest.mark.parametrize(
     "layer,why",
     [
-        (DenseBN, "batch_stats"),
+        (DenseBN, "depend on other rows"),
         (DenseDropout, "depend on other rows"),
         (Centre, "depend on other rows"),
     ],

@@ -5,10 +5,10 @@ batch dimension is sharded ``r`` ways over a one-axis ``Mesh`` (``"data"``) and 
 weights are replicated; ``r = 1`` is a single device.
 
 Gradients of a replicated stage are summed on each device and all-reduced once, at the
-update (``per_device``): the programs compute on the microbatch viewed as ``r`` parts (a
-``[r, b/r, ...]`` reshape of every input leaf, each part on its own device) with the
-weights broadcast to one copy per part, ``vmap``-ed over the parts, so each device's
-weight gradient is its own partial sum (``[r, ...]``, sharded) and no backward
+update (``per_device``): each layer runs under ``shard_map`` on the rows its device holds
+(the same kernels as on one device), its weights handed to it as one copy per device
+(``[r, ...]``, sharded: a broadcast of the replicated weights, no data moves), so each
+device's weight gradient is its own partial sum (``[r, ...]``, sharded) and no backward
 communicates. The update sums the parts: one all-reduce. That computes exactly what the
 whole microbatch computes only for layers whose output rows depend on their own input
 rows alone; :meth:`Stage.check_parts` tests it on the stage's real weights before any
@@ -286,24 +286,17 @@ class Stage:
         (then each part is a whole microbatch), else 1."""
         return self.num_replicas if self.per_device or self.round_robin else 1
 
-    def _view(self, params: list[PyTree], x: PyTree, parts: int, pin: bool = True) -> Any:
+    def _view(self, params: list[PyTree], x: PyTree, parts: int) -> Any:
         """``(params, x)`` as the layers see them: with ``parts > 1`` the weights broadcast
-        to ``[parts, ...]`` and every input leaf reshaped to ``[parts, b/parts, ...]``,
-        the leading axis on the stage's devices (a local reshape: part ``d`` is the rows
-        device ``d`` holds)."""
+        to ``[parts, ...]`` on the stage's devices (one copy each: device ``d``'s weight
+        gradient stays its own); the input as it is (device ``d`` holds part ``d``)."""
         if parts == 1:
             return params, x
-        on = self._pin if pin else (lambda a: a)
-        pv = jax.tree.map(lambda a: on(jnp.broadcast_to(a, (parts, *a.shape))), params)
-        return pv, _split(x, parts, on)
+        pv = jax.tree.map(lambda a: self._pin(jnp.broadcast_to(a, (parts, *a.shape))), params)
+        return pv, x
 
     def _pin(self, a: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(a, self.batch_sharding)
-
-    def _merge(self, tree: PyTree, parts: int) -> PyTree:
-        if parts == 1 or tree is None:
-            return tree
-        return jax.tree.map(lambda a: a.reshape((a.shape[0] * a.shape[1], *a.shape[2:])), tree)
 
     def _reduce(self, g: list[PyTree]) -> list[PyTree]:
         """The weight gradient from the per-device partial sums (the one all-reduce)."""
@@ -339,17 +332,27 @@ class Stage:
         xs = _random_like(x, device)
         key = jax.device_put(jax.random.key(0), device)
 
-        def run(parts: int) -> Any:
-            def fwd(p: Any, st: Any, x: Any, k: Any) -> Any:
-                pv, xv = self._view(p, x, parts, pin=False)
-                for j in range(len(self.layers)):
-                    xv, _ = self._layer_fn(j, st[j], k, parts)(pv[j], xv)
-                return self._merge(xv, parts)
+        @jax.jit
+        def fwd(p: Any, st: Any, x: Any, k: Any) -> Any:
+            new = []
+            for j in range(len(self.layers)):
+                x, sj = self._layer_fn(j, st[j], k)(p[j], x)
+                new.append(sj)
+            return x, new
 
-            return jax.jit(fwd)(params, state, xs, key)
+        def rows(tree: Any, d: int) -> Any:
+            return jax.tree.map(
+                lambda a: a[d * (a.shape[0] // r) : (d + 1) * (a.shape[0] // r)], tree
+            )
+
+        def run_parts() -> Any:
+            """What each device computes on its rows, put back together."""
+            outs = [fwd(params, state, rows(xs, d), key) for d in range(r)]
+            y = jax.tree.map(lambda *a: jnp.concatenate(a), *[o[0] for o in outs])
+            return y, [o[1] for o in outs]
 
         try:
-            whole, split = run(1), run(r)
+            (whole, whole_state), (split, part_states) = fwd(params, state, xs, key), run_parts()
         except Exception as err:  # any failure means: keep the whole microbatch
             self.whole_reason = f"its layers do not run on parts ({type(err).__name__}: {err})"
             self.whole_reason = self.whole_reason[:300]
@@ -359,6 +362,14 @@ class Stage:
             np.shape(a) == np.shape(b)
             and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
             for a, b in zip(a_leaves, b_leaves, strict=True)
+        )
+        same = same and all(
+            jax.tree.structure(ps) == jax.tree.structure(whole_state)
+            and all(
+                np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
+                for a, b in zip(jax.tree.leaves(whole_state), jax.tree.leaves(ps), strict=True)
+            )
+            for ps in part_states
         )
         if not same:
             self.whole_reason = (
@@ -385,12 +396,31 @@ class Stage:
 
         if parts == 1:
             return lambda p, x: f(p, x, key)
-        # one copy of the weights per part (so each part's weight gradient stays its own);
-        # the model state may not depend on the part (vmap refuses otherwise). Round-robin
-        # parts are microbatches: each draws from its own key
-        if self.round_robin:
-            return lambda p, x: jax.vmap(f, out_axes=(0, None))(p, x, key)
-        return jax.vmap(lambda p, x: f(p, x, key), out_axes=(0, None))
+        # each device runs the layer on its rows with its own copy of the weights (so its
+        # weight gradient stays its own: no psum in the transpose); round-robin parts are
+        # microbatches, each drawing from its own key. The model state is the same on every
+        # device (check_parts, or none: round-robin)
+        rr = self.round_robin
+        data, same = P("data"), P()
+
+        def body(p: PyTree, st: Variables, x: PyTree, k: jax.Array) -> Any:
+            mine = jax.tree.map(lambda a: a[0], p)
+            y, new = layer.apply(
+                {**st, "params": mine},
+                x,
+                train=self.train,
+                rng=jax.random.fold_in(k[0] if rr else k, index),
+            )
+            return y, new
+
+        mapped = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(data, same, data, data if rr else same),
+            out_specs=(data, same),
+            check_vma=False,
+        )
+        return lambda p, x: mapped(p, state, x, key)
 
     def _apply(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
@@ -403,7 +433,6 @@ class Stage:
             new_state.append(s)
         if self.round_robin and self.loss_fn is not None:
             return self._group_loss(tgt)(x), new_state
-        x = self._merge(x, parts)
         if self.loss_fn is not None:
             x = self.loss_fn(x, tgt)
         return x, new_state
@@ -426,7 +455,6 @@ class Stage:
             x, pb = jax.vjp(self._group_loss(tgt), x)
             pbs.append(pb)
             return x, new_state, pbs, sources
-        x = self._merge(x, parts)
         if self.loss_fn is not None:
             loss_fn = self.loss_fn
             x, pb = jax.vjp(lambda y: loss_fn(y, tgt), x)
@@ -434,11 +462,13 @@ class Stage:
         return x, new_state, pbs, sources
 
     def _group_loss(self, tgt: PyTree) -> Callable[[PyTree], jax.Array]:
-        """Round-robin: the ``r`` microbatches' losses (``[r]``) from the outputs in parts."""
+        """Round-robin: the ``r`` microbatches' losses (``[r]``) from the group's outputs
+        (microbatch ``d``: the rows device ``d`` holds)."""
         loss_fn = self.loss_fn
         assert loss_fn is not None
-        t = _split(tgt, self.num_replicas, self._pin)
-        return lambda y: jax.vmap(loss_fn)(y, t)
+        r = self.num_replicas
+        t = _split(tgt, r, self._pin)
+        return lambda y: jax.vmap(loss_fn)(_split(y, r, self._pin), t)
 
     def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
         """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
@@ -470,14 +500,10 @@ class Stage:
     ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]:
         """Back through the layers: ``(weight gradients or None, input gradient, the
         cotangent at each layer's output)``; XLA drops what the caller does not return."""
-        n, parts = len(self.layers), self.parts
-        if self.loss_fn is not None and self.round_robin:  # already in parts
-            (ct,) = pbs[n](jnp.ones((parts,), jnp.float32))
-        else:
-            if self.loss_fn is not None:
-                (ct,) = pbs[n](jnp.ones((), jnp.float32))
-            if parts > 1:
-                ct = _split(ct, parts, self._pin)
+        n = len(self.layers)
+        if self.loss_fn is not None:  # round-robin: one loss per microbatch of the group
+            seed = jnp.ones((self.num_replicas,) if self.round_robin else (), jnp.float32)
+            (ct,) = pbs[n](seed)
         cts: list[PyTree] = [None] * n
         grads: list[PyTree] = [None] * n
         for j in reversed(range(n)):
@@ -486,7 +512,7 @@ class Stage:
                 break  # the first stage has no input gradient to pass on
             gp, ct = pbs[j](ct)
             grads[j] = gp
-        return (None if want == "input" else grads), self._merge(ct, parts), cts
+        return (None if want == "input" else grads), ct, cts
 
     def _weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
         """Zero bubble's ``W``: each layer's weight gradient from its output cotangent."""
