@@ -71,8 +71,16 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("bounds,replicas", CONFIGS)
-@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+@pytest.mark.parametrize(
+    "bounds,replicas,opt_name",
+    [
+        (*CONFIGS[0], "sgd"),
+        (*CONFIGS[0], "adam"),
+        (*CONFIGS[1], "adam"),
+        (*CONFIGS[2], "sgd"),
+        (*CONFIGS[3], "adam"),
+    ],
+)
 def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name):
     """Group g of stage s (microbatches g n_s .. g n_s + n_s - 1) runs forward and backward
     at version max(0, g - q_s + 1), q_s the groups the stage keeps in flight; each group's

@@ -232,19 +232,6 @@ class Collective(Transport):
         super().__init__()
         self._links: dict[tuple[int, int], Any] = {}
 
-    def piece(self, src: Stage, dst: Stage, part: tuple[int, int]) -> Link:
-        """Within a process, one microbatch's value leaving or reaching one device of a
-        round-robin stage: ``part = (source device index, destination device index)``
-        within the stages (-1: the stage's own layout). Returns a 1-tuple."""
-        sp, dp = part
-        if dp >= 0:
-            target: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(dst.devices[dp])
-        else:
-            target = dst.batch_sharding
-        if (sp >= 0 or len(src.devices) == 1) and (dp >= 0 or len(dst.devices) == 1):
-            return _receiver(target)
-        return lambda value: (jax.device_put(value, target),)
-
     def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
         """Sets up every gloo communicator these transfers use before the first one: it
         must not wait on a peer that is still compiling (a 30 s limit; see
