@@ -303,3 +303,11 @@ def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
     state = pipe.init(jax.random.key(0), stream[0][0])
     two, _ = pipe.run(state, stream)
     assert two.updates == (2, 4)  # round-robin: an update per group of 2
+
+
+def test_train_config_replication():
+    from pdjax.train import TrainConfig
+
+    assert TrainConfig(replication="round-robin").label == "pipedream (round-robin)"
+    with pytest.raises(PipelineError, match="plan, split or round-robin"):
+        TrainConfig(replication="rr")

@@ -244,8 +244,10 @@ def stream_length(
     ``N`` is a multiple of ``M`` (``2bw``) and of every round-robin stage's group size
     (as the generators require). Without round-robin stages it is ``M`` times
     ``max(4, ceil(2 P / M))`` (``M = 1`` for ``pipedream``); with them, long enough to hold
-    the fill and the drain (each at most ``2 (n_0 + ... + n_{P-1})`` microbatches) and four
-    periods of ``lcm(M, n_0, ..., n_{P-1})`` microbatches between them.
+    the fill and the drain (the microbatches the stages keep in flight,
+    :func:`~pdjax.pipeline.schedule.round_robin_in_flight`, twice over, and
+    ``4 (n_0 + ... + n_{P-1})``) and four periods of ``lcm(M, n_0, ..., n_{P-1})``
+    microbatches between them.
 
     Args:
         name: ``"pipedream"`` or ``"2bw"`` (any other name is treated as ``pipedream``).
@@ -257,7 +259,7 @@ def stream_length(
     >>> stream_length("pipedream", 4), stream_length("2bw", 4, 3)
     (8, 12)
     >>> stream_length("pipedream", 2, replicas=(15, 1), replication="round-robin")
-    135
+    195
     """
     M = microbatches_per_step if name == "2bw" else 1
     reps = tuple(replicas) if replicas is not None else (1,) * num_stages
@@ -266,8 +268,11 @@ def stream_length(
     units = [r if m == "round-robin" else 1 for r, m in zip(reps, modes, strict=True)]
     if all(n == 1 for n in units):
         return M * max(4, -(-2 * num_stages // M))
+    from pdjax.pipeline.schedule import round_robin_in_flight
+
     period = math.lcm(M, *units)
-    need = max(4 * M, 4 * sum(units) + 4 * period)
+    held = sum(q * n for q, n in zip(round_robin_in_flight(units), units, strict=True))
+    need = max(4 * M, 4 * sum(units) + 2 * held + 4 * period)
     return period * -(-need // period)
 
 
