@@ -311,3 +311,40 @@ def test_train_config_replication():
     assert TrainConfig(replication="round-robin").label == "pipedream (round-robin)"
     with pytest.raises(PipelineError, match="plan, split or round-robin"):
         TrainConfig(replication="rr")
+
+
+def test_round_robin_next_to_a_split_replicated_stage_and_retries():
+    """A round-robin stage before a split replicated one (the shapes each stage passes on
+    are one microbatch's), and a refusal that stays a refusal when the call is retried."""
+    layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
+    stream = _stream(4)
+    pipe = Pipeline(
+        layers,
+        _plan(((0, 2), (2, 4)), (2, 2)),
+        xent,
+        optax.sgd(0.1),
+        schedule="1f1b",
+        microbatches=4,
+        replication=("round-robin", "split"),
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    start = pipe.variables(state)
+    state, _ = pipe.run(state, stream)
+    assert pipe.grad_allreduce_at == ("update (round-robin)", "update")
+    ref, _, _ = flush_training(layers, xent, optax.sgd(0.1), start, stream, 4, state.rng)
+    _close([v["params"] for v in pipe.variables(state)], ref)
+
+    bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
+    pipe = Pipeline(
+        bn,
+        _plan(((0, 1), (1, 3)), (2, 1)),
+        xent,
+        optax.sgd(0.1),
+        schedule="gpipe",
+        microbatches=2,
+        replication="round-robin",
+    )
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    for _ in range(2):
+        with pytest.raises(PipelineError, match="model state"):
+            pipe.run(state, stream[:2])

@@ -410,7 +410,6 @@ class Pipeline:
         the plan did (its schedules and programs are made anew)."""
         if self._settled:
             return
-        self._settled = True
         changed = False
         for s, st in enumerate(self.stages):
             if not (st.round_robin and jax.tree.leaves(state.model_state[s])):
@@ -429,6 +428,7 @@ class Pipeline:
                 f"the plan's round-robin stage {s} runs split: its layers keep model state"
             )
             changed = True
+        self._settled = True
         if changed:
             self.replication = tuple(
                 "round-robin" if st.round_robin else "split"
@@ -468,15 +468,16 @@ class Pipeline:
         sum their gradients per device (:meth:`Stage.check_parts`)."""
         if self._parts_checked:
             return
-        self._parts_checked = True
         replicated = [
             s for s, st in enumerate(self.stages) if st.num_replicas > 1 and not st.round_robin
         ]
         if not replicated:
+            self._parts_checked = True
             return
         if self.grad_allreduce == "backward":
             for s in replicated:
                 self.stages[s].whole_reason = "asked for (grad_allreduce='backward')"
+            self._parts_checked = True
             return
         inputs = [_abstract(x), *self._stage_outputs(state, x)]
         for s in replicated:
@@ -496,6 +497,7 @@ class Pipeline:
                     if not ok and stage.per_device:
                         stage.per_device = False
                         stage.whole_reason = "another process's check of this stage failed"
+        self._parts_checked = True  # only once every check has run (a failure re-checks)
 
     @property
     def multiprocess(self) -> bool:
@@ -1097,8 +1099,8 @@ class Pipeline:
             specs = []
             rng = jax.random.key(0)
             for s, stage in enumerate(self.stages[:-1]):
-                x, _ = jax.eval_shape(
-                    partial(stage._apply, tgt=None),
+                x = jax.eval_shape(
+                    stage.microbatch_output,
                     _abstract(state.params[s]),
                     _abstract(state.model_state[s]),
                     x,

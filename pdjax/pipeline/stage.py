@@ -461,6 +461,15 @@ class Stage:
             pbs.append(pb)
         return x, new_state, pbs, sources
 
+    def microbatch_output(
+        self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array
+    ) -> PyTree:
+        """The layers' output for one microbatch ``x`` (whatever the stage's mode: for
+        shapes, e.g. under ``jax.eval_shape``)."""
+        for j in range(len(self.layers)):
+            x, _ = self._layer_fn(j, state[j], key)(params[j], x)
+        return x
+
     def _group_loss(self, tgt: PyTree) -> Callable[[PyTree], jax.Array]:
         """Round-robin: the ``r`` microbatches' losses (``[r]``) from the group's outputs
         (microbatch ``d``: the rows device ``d`` holds)."""
