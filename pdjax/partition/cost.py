@@ -218,8 +218,11 @@ def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 
 def stage_units(replicas: tuple[int, ...] | list[int], replication: tuple[str, ...]) -> list[int]:
-    """``n_s``: a round-robin stage's replicas, 1 for a split one."""
-    return [r if m == "round-robin" else 1 for r, m in zip(replicas, replication, strict=True)]
+    """``n_s``: a round-robin stage's replicas, 1 for a split one
+    (:func:`pdjax.pipeline.schedule.group_sizes`)."""
+    from pdjax.pipeline.schedule import group_sizes
+
+    return list(group_sizes(replicas, replication))
 
 
 def exact_in_flight(

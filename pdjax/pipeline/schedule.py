@@ -55,6 +55,7 @@ __all__ = [
     "format_actions",
     "generate",
     "gpipe",
+    "group_sizes",
     "interleaved",
     "one_f_one_b",
     "parse_actions",
@@ -395,8 +396,9 @@ def _replication(
     return replication
 
 
-def _units(replicas: tuple[int, ...], replication: tuple[str, ...]) -> tuple[int, ...]:
-    """Per device group, microbatches one action covers (its replicas under round-robin)."""
+def group_sizes(replicas: Sequence[int], replication: Sequence[str]) -> tuple[int, ...]:
+    """Per device group, microbatches one action covers: its replicas under round-robin,
+    else 1 (``replication`` empty: every group splits)."""
     if not replication:
         return (1,) * len(replicas)
     return tuple(r if m == "round-robin" else 1 for r, m in zip(replicas, replication, strict=True))
@@ -627,7 +629,7 @@ def gpipe(
     _positive("steps", steps)
     reps = _replicas(replicas, P)
     mode = _replication(replication, reps, "gpipe")
-    units = _units(reps, mode)
+    units = group_sizes(reps, mode)
     _check_multiple("num_microbatches (M)", M, units)
 
     def order(s: int) -> list[tuple[str, int, int]]:
@@ -669,7 +671,7 @@ def one_f_one_b(
     _positive("steps", steps)
     reps = _replicas(replicas, P)
     mode = _replication(replication, reps, "1f1b")
-    units = _units(reps, mode)
+    units = group_sizes(reps, mode)
     _check_multiple("num_microbatches (M)", M, units)
 
     q = round_robin_in_flight(units)
@@ -931,7 +933,7 @@ def _pipedream_round_robin(
             "pipedream with round-robin replication is defined with weight stashing and "
             "without vertical sync; use replication='split' for those options"
         )
-    units = _units(replicas, replication)
+    units = group_sizes(replicas, replication)
     _check_multiple("num_microbatches (N, the stream length)", N, units)
     qs = round_robin_in_flight(units, e)
     actions = []
@@ -1001,7 +1003,7 @@ def pipedream_2bw(
         )
     reps = _replicas(replicas, P)
     mode = _replication(replication, reps, "2bw")
-    units = _units(reps, mode)
+    units = group_sizes(reps, mode)
     _check_multiple("microbatches_per_step (M)", M, units)
     qs = round_robin_in_flight(units)
     actions = []

@@ -38,7 +38,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedule import Action, Schedule, _live_versions, _play, validate
+from pdjax.pipeline.schedule import (
+    Action,
+    Schedule,
+    _live_versions,
+    _play,
+    group_sizes,
+    round_robin_in_flight,
+    validate,
+)
 from pdjax.pipeline.timeline import Span, Timeline, Transfer
 
 __all__ = [
@@ -265,11 +273,9 @@ def stream_length(
     reps = tuple(replicas) if replicas is not None else (1,) * num_stages
     modes = (replication,) * len(reps) if isinstance(replication, str) else replication
     modes = tuple(modes or ("split",) * len(reps))
-    units = [r if m == "round-robin" else 1 for r, m in zip(reps, modes, strict=True)]
+    units = group_sizes(reps, modes)
     if all(n == 1 for n in units):
         return M * max(4, -(-2 * num_stages // M))
-    from pdjax.pipeline.schedule import round_robin_in_flight
-
     period = math.lcm(M, *units)
     held = sum(q * n for q, n in zip(round_robin_in_flight(units), units, strict=True))
     need = max(4 * M, 4 * sum(units) + 2 * held + 4 * period)
