@@ -11,15 +11,21 @@ as the pipeline without a pipeline: the honest floor of the machinery):
 * host microseconds per schedule action (the driver's loop over the program, divided by
   the actions it carries out), on the compute-bound model and on a width-16 one where
   compute is negligible (``--host-width``);
-* peak live bytes per device group (measured after every action) against the
-  simulator's memory prediction for the same plan.
+* peak live bytes per device group against the simulator's memory prediction for the same
+  plan: measured with the unfused program one operation at a time, after each operation
+  (``RunMetrics.peak_bytes``) and while it runs (its results next to the inputs it frees);
+  predicted by the simulator's ``planner`` memory model and its ``runtime`` one, with the
+  inputs placed up front and zero bubble's cotangents filled in (``--memory-only`` runs
+  this table alone, for the schedules in ``--memory-schedules``).
 
     python benchmarks/bench_runtime.py [--width 512] [--layers 8] [--batch 128] [--rounds 5]
+    python benchmarks/bench_runtime.py --memory-only --memory-schedules 1f1b,pipedream,2bw
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -34,7 +40,7 @@ import optax  # noqa: E402
 
 from pdjax.layers import sequential  # noqa: E402
 from pdjax.partition import Topology, evaluate_partition  # noqa: E402
-from pdjax.pipeline import Pipeline, costs_from_plan, even_stages, generate, simulate  # noqa: E402
+from pdjax.pipeline import Pipeline, costs_from_plan, even_stages, simulate  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
 
 
@@ -68,7 +74,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="optimizer steps per timed round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--host-width", type=int, default=16, help="width of the dispatch-bound run")
+    ap.add_argument(
+        "--memory-only",
+        action="store_true",
+        help="only the memory table (no timing): measured peak bytes vs the simulator",
+    )
+    ap.add_argument(
+        "--memory-schedules",
+        default="1f1b,pipedream",
+        help="with --memory-only: the schedules whose memory to measure, comma-separated",
+    )
     args = ap.parse_args()
+    if args.memory_only:
+        _memory_only(args)
+        return
     host_only = _host_per_action(args) if args.host_width else {}
 
     W, L, B, M = args.width, args.layers, args.batch, args.microbatches
@@ -224,31 +243,149 @@ def main() -> None:
 
     # -- memory: measured peak live bytes per device group vs the simulator -------------
     print()
-    print("| runner | group | measured peak | predicted peak | measured / predicted |")
-    print("|---|---:|---:|---:|---:|")
+    _memory_table(layers, xs, mb, configs, microbatches)
+
+
+def _unshared(tree):
+    """``tree`` with every array copied into a buffer of its own (PRNG keys as they are)."""
+
+    def one(a):
+        if not isinstance(a, jax.Array) or jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
+            return a
+        return jnp.array(a, copy=True)
+
+    return jax.tree.map(one, tree)
+
+
+def _runtime_costs(costs, plan, prof, microbatch):
+    """``costs`` with what the runtime holds besides the planner's terms filled in (the
+    simulator's ``runtime`` memory model): the inputs and targets the call places on the
+    first and last stage (the bytes of this benchmark's microbatch), and the cotangents
+    zero bubble's ``I`` keeps for ``W`` (each layer's output, per replica)."""
+    scale = plan.microbatch_size / prof.batch_size
+    x_bytes, y_bytes = (sum(a.nbytes for a in jax.tree.leaves(t)) for t in microbatch)
+    last = len(costs.stages) - 1
+    stages = []
+    for s, (st, spec) in enumerate(zip(costs.stages, plan.stages, strict=True)):
+        outputs = sum(
+            prof.layers[i].output_bytes for i in range(spec.first_layer, spec.last_layer + 1)
+        )
+        stages.append(
+            dataclasses.replace(
+                st,
+                input_bytes=(x_bytes if s == 0 else 0) + (y_bytes if s == last else 0),
+                cotangent_bytes=round(outputs * scale / spec.replicas),
+            )
+        )
+    return dataclasses.replace(costs, stages=tuple(stages), memory_model="runtime")
+
+
+def _memory_only(args: argparse.Namespace) -> None:
+    """The memory table alone, for ``--memory-schedules`` at P = 2 and 4 (what the timing
+    part runs, without running it)."""
+    W, L, B, M = args.width, args.layers, args.batch, args.microbatches
+    layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
+    rng = np.random.default_rng(0)
+    xs = rng.standard_normal((args.steps, B, W)).astype(np.float32)
+    ys = rng.integers(0, 10, (args.steps, B)).astype(np.int32)
+    mb = B // M
+    variables = jax.jit(layers.init)(jax.random.key(0), jnp.asarray(xs[0, :mb]))
+    configs = {}
+    for P in (2, 4):
+        for name in args.memory_schedules.split(","):
+            pipe = Pipeline(
+                layers, even_stages(L, P), xent, optax.adam(1e-4), schedule=name, microbatches=M
+            )
+            configs[f"{name} P={P}"] = [
+                pipe,
+                pipe.state_from_variables(variables, jax.random.key(1)),
+            ]
+    microbatches = [
+        (xs[t, k * mb : (k + 1) * mb], ys[t, k * mb : (k + 1) * mb])
+        for t in range(args.steps)
+        for k in range(M)
+    ]
+    print(
+        f"model: {L} dense layers of width {W}; {B} samples per step, M = {M}, "
+        f"{args.steps} steps per call"
+    )
+    _memory_table(layers, xs, mb, configs, microbatches)
+
+
+def _memory_table(layers, xs, mb: int, configs: dict, microbatches: list) -> None:
+    """Measured peak live bytes per device group against the simulator's prediction for the
+    same plan and schedule: its ``planner`` memory model (weights x versions, optimizer
+    state, stash x in flight) and its ``runtime`` one (also the gradient sum, the call's
+    starting weights, the inputs placed up front, zero bubble's cotangents and the
+    activations in transit). Measured with the unfused program of ``timeline=True``, one
+    operation at a time: after each operation (what ``RunMetrics.peak_bytes`` records) and
+    while it runs (its outputs next to the inputs it frees, which the simulator counts)."""
+    print(
+        "| runner | group | measured, after each op | measured, during each op | "
+        "predicted, planner model | predicted, runtime model | during / runtime |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     prof = profile(layers, jnp.asarray(xs[0, :mb]), measure=True)
     topology = Topology.from_devices(jax.devices())
     for key, (pipe, state) in configs.items():
+        # A state whose arrays were device_put onto the device they were on shares their
+        # buffers with the source arrays, which their cached shards keep alive: live_arrays()
+        # then lists each buffer twice, and donating the optimizer state deletes both (the
+        # count drops by the alias, counted in "others"). Measure on buffers of its own.
+        state = _unshared(state)
+        configs[key][1] = None
         name = pipe.schedule_name
         stages = [(s.first_layer, s.last_layer, 1) for s in pipe.stage_specs]
+        M = pipe.microbatches
         plan = evaluate_partition(prof, topology, stages, schedule=name, num_microbatches=M)
-        n = len(microbatches)
-        sched = generate(name, pipe.num_stages, M if name != "pipedream" else n, steps=n // M)
-        sim = simulate(sched, costs_from_plan(plan, prof), check=False)
-        # the other runners' arrays live on the same devices: count only this pipeline's
-        others = _per_device_bytes(jax.live_arrays())
-        for device, used in _per_device_bytes(jax.tree.leaves(state)).items():
-            others[device] -= used
-        _, metrics = pipe.run(state, microbatches, timeline=True)
-        peaks = [
-            peak - others.get(pipe.stages[g].devices[0], 0)
-            for g, peak in enumerate(metrics.peak_bytes)
-        ]
-        for g, (got, want) in enumerate(zip(peaks, sim.peak_memory, strict=True)):
-            print(
-                f"| {key} | {g} | {got / 2**20:.2f} MiB | {want / 2**20:.2f} MiB | "
-                f"{got / want:.2f} |"
-            )
+        sched = pipe.schedule(len(microbatches))  # the schedule the runtime plays
+        planner = costs_from_plan(plan, prof)
+        runtime = _runtime_costs(planner, plan, prof, microbatches[0])
+        old = simulate(sched, planner, check=False).peak_memory
+        new = simulate(sched, runtime, check=False).peak_memory
+        after, during = _measure(pipe, state, microbatches)
+        for g in range(len(new)):
+            cells = [f"{b / 2**20:.2f} MiB" for b in (after[g], during[g], old[g], new[g])]
+            print(f"| {key} | {g} | " + " | ".join(cells) + f" | {during[g] / new[g]:.2f} |")
+
+
+def _measure(pipe, state, microbatches) -> tuple[list[int], list[int]]:
+    """Per device group, the most live bytes of this pipeline on one of its devices, after
+    each operation and while it runs (its results stored, the inputs it reads for the last
+    time not yet dropped). The interpreter of ``Pipeline.run(..., timeline=True)``, with a
+    second count before the drops."""
+    # the other runners' arrays live on the same devices: count only this pipeline's
+    others = _per_device_bytes(jax.live_arrays())
+    for device, used in _per_device_bytes(jax.tree.leaves(state)).items():
+        others[device] -= used
+    prog = pipe.program(len(microbatches), timeline=True)
+    code, slots = pipe._bind(prog, state, microbatches[0][0], None)
+    reg: list = [None] * len(slots)
+    for slot, value in pipe._inputs(state, microbatches).items():
+        if slot in slots:
+            reg[slots[slot]] = value
+    del state  # consumed: its optimizer state is donated; the caller's weights stay alive
+    sched = pipe.schedule(len(microbatches))
+    group = {d: sched.stage_device[s] for s, st in enumerate(pipe.stages) for d in st.devices}
+    after, during = [0] * sched.num_groups, [0] * sched.num_groups
+
+    def track(peaks: list[int]) -> None:
+        for device, used in _per_device_bytes(jax.live_arrays()).items():
+            if device in group:
+                g = group[device]
+                peaks[g] = max(peaks[g], used - others.get(device, 0))
+
+    for fn, ins, outs, frees in code:
+        res = fn(*[reg[i] for i in ins])
+        jax.block_until_ready(res)
+        for i, v in zip(outs, res, strict=True):
+            reg[i] = v
+        del res
+        track(during)
+        for i in frees:
+            reg[i] = None
+        track(after)
+    return after, during
 
 
 def _host_per_action(args: argparse.Namespace) -> dict[str, float]:

@@ -410,15 +410,22 @@ def _pipeline_runner(
                 f"interleaved needs {G} x {chunks} = {K} virtual stages, {spec.name} has only "
                 f"{L} layers; use --chunks 1 or a plan with fewer stages"
             )
-        specs: tuple[Any, ...] = tuple(
-            StageSpec(s.first_layer, s.last_layer, plan.stages[k % G].devices)
+        # hand-written stages name devices by index into jax.devices(); the plan's are ids
+        index = {int(d.id): i for i, d in enumerate(jax.devices())}
+        ids = plan.topology.device_ids is not None
+
+        def where(devs: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(index[d] for d in devs) if ids else devs
+
+        specs: Any = tuple(
+            StageSpec(s.first_layer, s.last_layer, where(plan.stages[k % G].devices))
             for k, s in enumerate(even_stages(L, K))
         )
         costs = _virtual_costs(prof, plan, specs, microbatches)
         stages = f"{_describe(plan.replicas)}, {chunks} chunks each"
         note = f"{K} equal virtual stages"
     else:
-        specs = plan.stages
+        specs = plan  # the plan itself: its device ids are looked up by id
         costs = costs_from_plan(plan, prof)
         stages = _describe(plan.replicas)
     pipe = Pipeline(

@@ -1,4 +1,4 @@
-"""``pdjax`` command line: ``pdjax profile | plan | simulate | train | bench``.
+"""``pdjax`` command line: ``pdjax profile | calibrate | plan | simulate | train | bench``.
 
 The logic lives in the library; each subcommand in :mod:`pdjax.commands` only parses
 arguments, calls it and prints.

@@ -10,21 +10,28 @@ worker runs in a network namespace of its own on a link of known bandwidth
 way), so those transfers cross that link; without, the workers share loopback and the
 report says so.
 
-:func:`run_cluster` runs, side by side:
+:func:`run_cluster` runs, side by side, per model and link rate (:data:`RATES`):
 
 - (a) a compute-bound model (``mlp-512``: 8 dense layers of 512, 8 MB of weights that
-  stay in the shared L3 cache, microbatches of 128) on a fast link: a 2-stage
-  ``pipedream`` and ``1f1b`` pipeline (and 2-worker DP) against one worker alone;
+  stay in the shared L3 cache, microbatches of 128); on the fast link also
+  ``pipedream+1`` (one more microbatch in flight), ``pipedream/coll`` (the collective
+  transport) and ``1f1b``;
 - (b) a parameter-heavy VGG-style model (``vgg-fc``: a narrow VGG-16 front, then a
-  2048 x 2048 fully connected layer, 18 MB of weights) over links of several bandwidths:
-  ``pipedream`` against 2-worker data parallelism, and one worker alone;
+  2048 x 2048 fully connected layer, 18 MB of weights) over slow links;
+- for both: a 2-stage ``pipedream`` at every cut point, 2-worker data parallelism, and one
+  worker alone (one jitted step, and a one-stage pipeline);
 - (c) for every run, the measured seconds per microbatch next to the planner's prediction
-  (:func:`~pdjax.partition.evaluate_partition`: the slowest stage or link) and the
-  simulator's (:func:`~pdjax.pipeline.simulate` of exactly the schedule that ran), both
-  from per-layer costs measured on one pinned worker (forward, backward and the optimizer
-  update) and the configured link;
-- (d) per link, the planner's choice (:func:`~pdjax.partition.plan_pipedream`: pipeline,
-  data parallel, or fewer workers) against the measured best of the runs.
+  (:func:`~pdjax.partition.evaluate_partition`) and the simulator's
+  (:func:`~pdjax.pipeline.simulate` of exactly the schedule that ran), both from
+  *calibrated* costs (:mod:`pdjax.calibrate`): every candidate stage timed as compiled
+  programs (forward, backward, SGD update) on one pinned worker, the link measured both
+  ways through ``jax.device_put`` and the gradient all-reduce measured, in the run's own
+  launch before its runners; next to them the simulator from the per-layer profile alone;
+- (d) per link, the planner's choice from the calibrated costs
+  (:func:`~pdjax.partition.plan_pipedream`: a pipeline, data parallel, or one worker)
+  against the measured best;
+- (e) the plans ranked: Kendall's tau of the planner's (and the simulator's) order of
+  every candidate against the measured order.
 
 What one microbatch is: :data:`MICROBATCH` samples (128 for ``mlp-512``, 32 for
 ``vgg-fc``). One worker trains on batches of that size; a pipeline streams microbatches of
@@ -65,13 +72,17 @@ __all__ = [
     "Row",
     "cluster_model",
     "format_markdown",
+    "kendall_tau",
     "plot_cluster",
+    "plot_ranking",
     "run_cluster",
     "write_results",
 ]
 
 #: Samples per microbatch of each benchmark model.
 MICROBATCH = {"mlp-512": 128, "vgg-fc": 32}
+#: Link rates (Mbit/s each way) each model runs at: every 2-stage cut, DP and one worker.
+RATES: dict[str, tuple[float, ...]] = {"mlp-512": (1000.0, 10000.0), "vgg-fc": (100.0, 1000.0)}
 #: XLA flags for a worker that computes on one core.
 _ONE_CORE = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 #: TCP payload per Ethernet frame of a 1500-byte MTU (what a shaped link's rate buys).
@@ -152,7 +163,50 @@ def _profile_job(job: Mapping[str, Any]) -> None:
             params, state = jax.block_until_ready(fn(params, state, grads))
             times.append(time.perf_counter() - t0)
         updates.append(statistics.median(times[2:]))
-    Path(job["out"]).write_text(json.dumps({"profile": prof.to_json(), "updates": updates}))
+    measured = []
+    if job.get("stages"):
+        from pdjax.calibrate import measure_stages
+
+        sample = jax.tree.map(np.asarray, spec.sample_batch(b, job["seed"]))
+        stages = [tuple(st) for st in job["stages"]]
+        measured = [
+            dataclasses.asdict(m)
+            for m in measure_stages(spec.layers, sample, spec.loss, opt, stages, repeats=7)
+        ]
+    Path(job["out"]).write_text(
+        json.dumps({"profile": prof.to_json(), "updates": updates, "stages": measured})
+    )
+
+
+def _measure_links(job: Mapping[str, Any]) -> dict[str, Any]:
+    """Every process: both directions of the link between the two workers' devices, through
+    the runtime's ``device_put`` transport, and the data-parallel gradient all-reduce (the
+    model's gradient tree, and a latency/bandwidth fit), as :mod:`pdjax.calibrate` measures
+    them. Device ids are positions in ``jax.devices()``."""
+    import jax
+
+    from pdjax.calibrate import measure_allreduce, measure_link
+    from pdjax.distributed import allgather_json
+
+    spec = cluster_model(job["model"])
+    devices = jax.devices()
+    x, _ = spec.sample_batch(job["microbatch"], 0)
+    shapes = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
+    grads = [v.get("params", {}) for v in shapes]
+    sizes = job.get("sizes", (4096, 65536, 1 << 20, 4 << 20))
+    mine = []
+    for a, b in [(0, 1), (1, 0)]:
+        m = measure_link(devices[a], devices[b], sizes=sizes, timeout=120.0)
+        if m is not None:
+            mine.append({**dataclasses.asdict(m), "src": a, "dst": b})
+    fit, exact = measure_allreduce(devices, sizes=sizes, trees={"model": grads}, repeats=3)
+    links = [m for part in allgather_json(mine) for m in part]
+    return {
+        "links": links,
+        "allreduce": {**dataclasses.asdict(fit), "devices": list(range(len(devices)))},
+        "allreduce_model": exact["model"],
+        "device_ids": [int(d.id) for d in devices],
+    }
 
 
 def _worker_job(job: Mapping[str, Any]) -> None:
@@ -165,6 +219,7 @@ def _worker_job(job: Mapping[str, Any]) -> None:
         initialize(config)
     import jax
 
+    calibration = _measure_links(job) if job.get("calibrate") else None
     runners = [_make_runner(job, r) for r in job["runners"]]
     for _ in range(2):  # compile, first transfers; the first call after is slow still
         for name, call in runners:
@@ -176,7 +231,10 @@ def _worker_job(job: Mapping[str, Any]) -> None:
             allgather_json(name)  # start together
             times[name].append(call())
     if jax.process_index() == 0:
-        Path(job["out"]).write_text(json.dumps(times))
+        out: dict[str, Any] = dict(times)
+        if calibration is not None:
+            out["_calibration"] = calibration
+        Path(job["out"]).write_text(json.dumps(out))
 
 
 def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Callable[[], float]]:
@@ -303,7 +361,11 @@ class Row:
       repeats: every measured seconds per microbatch.
       allreduce: ``dp``: measured seconds of the gradient all-reduce alone (the same
         arrays summed over the 2 workers with JAX's collectives, in a program of its own).
-      allreduce_predicted: ``dp``: the ring all-reduce the simulator assumes, on the link.
+      allreduce_predicted: ``dp``: the all-reduce the simulator uses: the calibrated one
+        (measured in the same launch, alone), or the ring at the link rate without a
+        calibration.
+      simulated_profile: the simulator's prediction from the per-layer profile alone (no
+        calibration; the ring all-reduce at the link rate): what calibration corrects.
     """
 
     experiment: str
@@ -319,6 +381,7 @@ class Row:
     repeats: tuple[float, ...] = ()
     allreduce: float = math.nan
     allreduce_predicted: float = math.nan
+    simulated_profile: float = math.nan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +397,11 @@ class ClusterResult:
         ``{model: {runner: [(mbit, simulated speedup, planner speedup), ...]}}``.
       microbatch: samples per microbatch, per model.
       seconds: the benchmark's wall time.
+      rankings: per (model, link): every candidate plan (each 2-stage cut, DP, one worker)
+        with measured, planner and simulated seconds per microbatch, Kendall's tau of the
+        planner's and the simulator's order against the measured one, the planner's pick
+        and the measured best.
+      links: per launch, the calibrated links (both directions) and all-reduce.
     """
 
     rows: tuple[Row, ...]
@@ -342,6 +410,8 @@ class ClusterResult:
     curves: dict[str, dict[str, list[tuple[float, float, float]]]]
     microbatch: dict[str, int]
     seconds: float
+    rankings: tuple[dict[str, Any], ...] = ()
+    links: tuple[dict[str, Any], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -361,16 +431,19 @@ def _python_env(extra: Mapping[str, str]) -> dict[str, str]:
 
 
 def _run_processes(
-    commands: Sequence[Sequence[str]], envs: Sequence[Mapping[str, str]], what: str
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[Mapping[str, str]],
+    what: str,
+    timeout: float = LAUNCH_TIMEOUT,
 ) -> None:
-    """Runs the processes together, bounded by :data:`LAUNCH_TIMEOUT`; ends them all when
-    one fails; raises :class:`ClusterError` with the failing one's output."""
+    """Runs the processes together, bounded by ``timeout`` seconds; ends them all when one
+    fails; raises :class:`ClusterError` with the failing one's output."""
     logs = [tempfile.TemporaryFile() for _ in commands]
     procs = [
         subprocess.Popen(list(c), env=dict(e), stdout=log, stderr=log, start_new_session=True)
         for c, e, log in zip(commands, envs, logs, strict=True)
     ]
-    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    deadline = time.monotonic() + timeout
     failed = None
     try:
         while True:
@@ -382,7 +455,7 @@ def _run_processes(
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
-                failed = (codes.index(None), f"still running after {LAUNCH_TIMEOUT:.0f} s")
+                failed = (codes.index(None), f"still running after {timeout:.0f} s")
                 break
             time.sleep(0.05)
     finally:
@@ -399,23 +472,29 @@ def _run_processes(
     raise ClusterError(f"{what}: worker {i} failed ({why}):\n{tail}")
 
 
-def _profile(model: str, microbatch: int, seed: int, workdir: Path) -> tuple[Any, list[float]]:
+def _profile(
+    model: str, microbatch: int, seed: int, workdir: Path, stages: Sequence[tuple[int, ...]] = ()
+) -> tuple[Any, list[float], list[dict[str, Any]]]:
+    """One pinned worker: the per-layer profile, per-layer update seconds, and the
+    calibrated ``stages`` (``(first, last, replicas, replication)``)."""
     from pdjax.profile import Profile
 
     out = workdir / f"profile-{model}.json"
-    job = {"model": model, "microbatch": microbatch, "seed": seed, "out": str(out)}
+    job = {"model": model, "microbatch": microbatch, "seed": seed, "out": str(out),
+           "stages": [list(st) for st in stages]}  # fmt: skip
     _run_processes(
         [["taskset", "-c", "0", sys.executable, "-m", "pdjax.cluster", "profile", json.dumps(job)]],
         [_python_env({})],
         f"profiling {model}",
+        timeout=LAUNCH_TIMEOUT + 10 * len(stages),
     )
     data = json.loads(out.read_text())
-    return Profile.from_json(data["profile"]), data["updates"]
+    return Profile.from_json(data["profile"]), data["updates"], data["stages"]
 
 
 def _launch(
     job: dict[str, Any], workers: int, rate_mbit: float | None, emulate: bool, workdir: Path
-) -> dict[str, list[float]]:
+) -> dict[str, Any]:
     """One launch: ``workers`` pinned processes (on an emulated network when ``emulate``)."""
     from pdjax.distributed import free_port
     from pdjax.netem import EmulatedNetwork
@@ -424,12 +503,13 @@ def _launch(
     job = {**job, "out": str(out)}
     argv = [sys.executable, "-m", "pdjax.cluster", "worker", json.dumps(job)]
     cores = os.cpu_count() or 1
+    timeout = LAUNCH_TIMEOUT + 30.0 * len(job["runners"])
 
     def pinned(i: int) -> list[str]:
         return ["taskset", "-c", str(i % cores), *argv]
 
     if workers == 1:
-        _run_processes([pinned(0)], [_python_env({})], f"{job['model']} alone")
+        _run_processes([pinned(0)], [_python_env({})], f"{job['model']} alone", timeout=timeout)
         return json.loads(out.read_text())
     what = f"{job['model']} on {workers} workers"
     if emulate:
@@ -446,7 +526,8 @@ def _launch(
                 )
                 for i in range(workers)
             ]
-            _run_processes([net.command(i, pinned(i)) for i in range(workers)], envs, what)
+            commands = [net.command(i, pinned(i)) for i in range(workers)]
+            _run_processes(commands, envs, what, timeout=timeout)
     else:
         port = free_port()
         envs = [
@@ -459,7 +540,7 @@ def _launch(
             )
             for i in range(workers)
         ]
-        _run_processes([pinned(i) for i in range(workers)], envs, what)
+        _run_processes([pinned(i) for i in range(workers)], envs, what, timeout=timeout)
     return json.loads(out.read_text())
 
 
@@ -481,6 +562,28 @@ def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
     return dataclasses.replace(costs, stages=stages)
 
 
+def _schedule(runner: str, num_stages: int, units: int, microbatches: int, extra: int = 0) -> Any:
+    """The schedule a runner plays: ``units`` microbatches (see :func:`_make_runner`)."""
+    from pdjax.pipeline.schedule import generate
+
+    if runner == "single":
+        return generate("1f1b", 1, 1, steps=units)
+    if runner == "dp":  # each worker a whole microbatch per step: round-robin over 2
+        return generate("1f1b", 1, 2, steps=units // 2, replicas=(2,),
+                        replication=("round-robin",))  # fmt: skip
+    if runner == "pipedream":
+        return generate("pipedream", num_stages, units, extra_in_flight=extra)
+    return generate(runner, num_stages, microbatches, steps=units // microbatches)
+
+
+def _layout(runner: str, stages: Sequence[tuple[int, int]], L: int) -> list[tuple[int, int, int]]:
+    if runner == "single":
+        return [(0, L - 1, 1)]
+    if runner == "dp":
+        return [(0, L - 1, 2)]
+    return [(f, last, 1) for f, last in stages]
+
+
 def _predict(
     prof: Any,
     updates: Sequence[float],
@@ -492,44 +595,115 @@ def _predict(
     microbatches: int,
     extra: int = 0,
 ) -> tuple[float, float]:
-    """``(planner, simulator)`` seconds per microbatch of one run (``extra``: pipedream's
-    extra microbatches in flight)."""
+    """``(planner, simulator)`` seconds per microbatch of one run from the per-layer profile
+    alone (no calibration; ``extra``: pipedream's extra microbatches in flight)."""
     from pdjax.partition import Topology, evaluate_partition
     from pdjax.pipeline.schedule import generate
     from pdjax.pipeline.simulate import simulate
 
     L = len(prof.layers)
     bw = _bandwidth(rate_mbit)
-    common = {"microbatch_size": microbatch, "partitioner": "manual"}
+    layout = _layout(runner, stages, L)
     if runner in ("single", "dp"):
         # one stage on r workers, each taking a microbatch per step: the plan's microbatch
         # is the step's r microbatches (pdjax's cost model splits it over the replicas)
-        r = 1 if runner == "single" else 2
-        plan = evaluate_partition(
-            prof,
-            Topology.flat(r, bw),
-            [(0, L - 1, r)],
-            schedule="1f1b",
-            num_microbatches=1,
-            microbatch_size=r * microbatch,
-            partitioner="manual",
-        )
+        r = layout[0][2]
+        plan = evaluate_partition(prof, Topology.flat(r, bw), layout, schedule="1f1b",
+                                  num_microbatches=1, microbatch_size=r * microbatch,
+                                  partitioner="manual", replication="split")  # fmt: skip
         sched = generate("1f1b", 1, 1, steps=units // r, replicas=(r,))
         sim = simulate(sched, _stage_costs(prof, updates, plan)).makespan / units
         return plan.time_per_microbatch / r, sim
-    plan = evaluate_partition(
-        prof,
-        Topology.flat(len(stages), bw),
-        [(f, last, 1) for f, last in stages],
-        schedule=runner,
-        num_microbatches=microbatches,
-        **common,
-    )
-    if runner == "pipedream":
-        sched = generate("pipedream", len(stages), units, extra_in_flight=extra)
-    else:
-        sched = generate(runner, len(stages), microbatches, steps=units // microbatches)
+    plan = evaluate_partition(prof, Topology.flat(len(stages), bw), layout, schedule=runner,
+                              num_microbatches=microbatches, microbatch_size=microbatch,
+                              partitioner="manual")  # fmt: skip
+    sched = _schedule(runner, len(stages), units, microbatches, extra)
     sim = simulate(sched, _stage_costs(prof, updates, plan)).makespan / units
+    return plan.time_per_microbatch, sim
+
+
+def _calibration(
+    prof: Any, model: str, microbatch: int, stages: Sequence[Mapping[str, Any]],
+    links: Mapping[str, Any] | None,
+) -> Any:  # fmt: skip
+    """The :class:`~pdjax.calibrate.Calibration` of one model (and one launch's links);
+    device ids are the workers' positions (0, 1)."""
+    from pdjax.calibrate import AllReduceMeasure, Calibration, LinkMeasure, StageMeasure
+
+    spec = cluster_model(model)
+    from pdjax.calibrate import model_fingerprint
+
+    x, _ = spec.sample_batch(microbatch, 0)
+    measured = [StageMeasure(**st) for st in stages]
+    ars: tuple[AllReduceMeasure, ...] = ()
+    link_list: tuple[LinkMeasure, ...] = ()
+    if links is not None:
+        exact = float(links["allreduce_model"])
+        measured = [
+            dataclasses.replace(m, allreduce=exact) if m.replicas == 2 and m.first == 0
+            and m.last == len(prof.layers) - 1 else m
+            for m in measured
+        ]  # fmt: skip
+        a = links["allreduce"]
+        ars = (AllReduceMeasure(tuple(a["devices"]), a["latency"], a["bandwidth"],
+                                tuple(a["sizes"]), tuple(a["seconds"])),)  # fmt: skip
+        link_list = tuple(
+            LinkMeasure(**{**ln, "sizes": tuple(ln["sizes"]), "seconds": tuple(ln["seconds"])})
+            for ln in links["links"]
+        )
+    cal = Calibration(
+        model=model_fingerprint(spec.layers, x), microbatch_size=microbatch, devices=(0, 1),
+        platform="cpu", optimizer="sgd", stages=tuple(measured), links=link_list,
+        allreduces=ars,
+    )  # fmt: skip
+    return cal.with_profile_ratio(prof)
+
+
+def _topology(cal: Any, workers: int, rate_mbit: float | None) -> Any:
+    """A flat topology of ``workers`` with the calibrated link (both directions' mean
+    bandwidth and latency), or the configured rate without measured links."""
+    from pdjax.partition import Topology
+    from pdjax.partition.topology import Level
+
+    there, back = cal.link(0, 1), cal.link(1, 0)
+    if workers < 2 or there is None or back is None:
+        return Topology.flat(max(1, workers), _bandwidth(rate_mbit))
+    bw = 2.0 / (1.0 / there.bandwidth + 1.0 / back.bandwidth)
+    return Topology((Level(workers, bw, "worker", (there.latency + back.latency) / 2),))
+
+
+def _predict_calibrated(
+    prof: Any,
+    cal: Any,
+    rate_mbit: float | None,
+    runner: str,
+    stages: Sequence[tuple[int, int]],
+    units: int,
+    microbatch: int,
+    microbatches: int,
+    extra: int = 0,
+) -> tuple[float, float]:
+    """``(planner, simulator)`` seconds per microbatch of one run from calibrated costs:
+    the stages' programs measured on a pinned worker, the link and the all-reduce measured
+    in the run's own launch."""
+    from pdjax.partition import evaluate_partition
+    from pdjax.pipeline.costs import costs_from_plan
+    from pdjax.pipeline.simulate import simulate
+
+    L = len(prof.layers)
+    layout = _layout(runner, stages, L)
+    n = sum(r for *_, r in layout)
+    schedule = {"single": "1f1b", "dp": "1f1b"}.get(runner, runner)
+    M = {"single": 1, "dp": 2}.get(runner, microbatches)
+    mode = "round-robin" if runner == "dp" else "split"
+    kw = {"stage_seconds": cal.stage_seconds(schedule, M),
+          "allreduce_seconds": cal.allreduce_function()}  # fmt: skip
+    plan = evaluate_partition(prof, _topology(cal, n, rate_mbit), layout, schedule=schedule,
+                              num_microbatches=M, microbatch_size=microbatch,
+                              partitioner="manual", replication=mode, **kw)  # fmt: skip
+    sched = _schedule(runner, len(layout), units, microbatches, extra)
+    costs = costs_from_plan(plan, prof, calibration=cal, partial=not cal.links)
+    sim = simulate(sched, costs).makespan / units
     return plan.time_per_microbatch, sim
 
 
@@ -542,9 +716,33 @@ def _describe_plan(plan: Any) -> tuple[str, str]:
     return "hybrid", plan.describe().splitlines()[0]
 
 
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-b of two rankings (ties count for neither side).
+
+    >>> kendall_tau([1, 2, 3], [10, 20, 30]), kendall_tau([1, 2, 3], [3, 2, 1])
+    (1.0, -1.0)
+    """
+    n, conc, disc, ta, tb = len(a), 0, 0, 0, 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            if x == 0 and y == 0:
+                continue
+            if x == 0:
+                ta += 1
+            elif y == 0:
+                tb += 1
+            elif (x > 0) == (y > 0):
+                conc += 1
+            else:
+                disc += 1
+    denom = math.sqrt((conc + disc + ta) * (conc + disc + tb))
+    return (conc - disc) / denom if denom else math.nan
+
+
 def run_cluster(
     *,
-    rates_mbit: Sequence[float] = (100.0, 1000.0, 10000.0),
+    rates_mbit: Mapping[str, Sequence[float]] | None = None,
     fast_mbit: float = 10000.0,
     microbatch: Mapping[str, int] | None = None,
     units: int = 24,
@@ -552,14 +750,17 @@ def run_cluster(
     repeats: int = 3,
     seed: int = 0,
     emulate: bool | None = None,
+    every_cut: bool = True,
+    models: Sequence[str] = ("mlp-512", "vgg-fc"),
     workdir: str | os.PathLike[str] | None = None,
     log: Callable[[str], None] = lambda s: None,
 ) -> ClusterResult:
-    """Runs experiments (a)-(d) of the module doc on 2 pinned workers.
+    """Runs experiments (a)-(e) of the module doc on 2 pinned workers.
 
     Args:
-      rates_mbit: link rates (Mbit/s each way) for experiment (b).
-      fast_mbit: the fast link of experiment (a).
+      rates_mbit: link rates (Mbit/s each way) per model (default :data:`RATES`).
+      fast_mbit: the link of experiment (a)'s extra runners (``pipedream+1``, the collective
+        transport, ``1f1b``), on ``mlp-512``.
       microbatch: samples per microbatch, per model (default :data:`MICROBATCH`).
       units: microbatches per timed call (a ``pipedream`` stream, ``1f1b`` steps of 4,
         one worker's steps); data parallelism does ``units / 2`` steps of 2 microbatches.
@@ -569,6 +770,9 @@ def run_cluster(
       seed: synthetic data and initialisation.
       emulate: use an emulated network (None: when :func:`~pdjax.netem.network_support`
         allows; False: loopback, one rate only).
+      every_cut: run a 2-stage ``pipedream`` at every cut point (the ranking, (e)); else
+        only at the planner's straight cut.
+      models: which of :data:`MICROBATCH`'s models.
       workdir: where the workers' files go (default: a temporary directory).
       log: progress lines.
 
@@ -583,14 +787,12 @@ def run_cluster(
     if emulate and reason:
         raise ClusterError(f"cannot emulate a network here: {reason}")
     emulate = reason is None if emulate is None else emulate
+    wanted_rates = {**RATES, **(rates_mbit or {})}
     if emulate:
         network = "2 workers, each in its own network namespace on a veth link through a bridge"
-        rates: list[float | None] = list(rates_mbit)
-        fast: float | None = fast_mbit
     else:
         why = reason or "emulate=False"
         network = f"2 workers on loopback ({why}): no link emulation, one unshaped link"
-        rates, fast = [None], None
     cores = os.cpu_count() or 1
     if cores < 2:
         network += f"; only {cores} core: the workers share it"
@@ -599,17 +801,25 @@ def run_cluster(
     M = 4
     rows: list[Row] = []
     choices: list[dict[str, Any]] = []
+    rankings: list[dict[str, Any]] = []
+    links_seen: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        for experiment, model, links in [("a", "mlp-512", [fast]), ("b", "vgg-fc", rates)]:
+        for model in models:
+            experiment = "a" if model == "mlp-512" else "b"
+            links: list[float | None] = list(wanted_rates[model]) if emulate else [None]
             microbatch = sizes[model]
-            log(f"({experiment}) {model}: profiling one pinned worker")
-            prof, updates = _profile(model, microbatch, seed, work)
+            L = len(cluster_model(model).layers)
+            cuts = [((0, c), (c + 1, L - 1)) for c in range(L - 1)]
+            wanted = [(0, L - 1, 1, "split"), (0, L - 1, 2, "round-robin")]
+            wanted += [(f, last, 1, "split") for cut in cuts for f, last in cut]
+            log(f"({experiment}) {model}: profiling and calibrating {len(wanted)} stages on "
+                "one pinned worker")  # fmt: skip
+            prof, updates, measured_stages = _profile(model, microbatch, seed, work, wanted)
             base = {"model": model, "microbatch": microbatch, "seed": seed, "repeats": repeats}
             log(f"({experiment}) {model}: one worker alone")
-            L = len(prof.layers)
             one = [  # one jitted step, and a one-stage pipeline: the faster is the baseline
                 {"name": "single", "units": units},
                 {"name": "pipedream", "label": "single-pipe", "units": units,
@@ -618,92 +828,108 @@ def run_cluster(
             alone = _launch({**base, "runners": one}, 1, None, False, work)
             times = {k: statistics.median(v) / units for k, v in alone.items()}
             single = min(times.values())
-            p_single, s_single = _predict(prof, updates, fast, "single", [], units, microbatch, M)
+            cal0 = _calibration(prof, model, microbatch, measured_stages, None)
+            p_single, s_single = _predict_calibrated(
+                prof, cal0, None, "single", [], units, microbatch, M
+            )
+            _, s_prof = _predict(prof, updates, None, "single", [], units, microbatch, M)
             for k, how in [("single", "1 worker, one jit"), ("single-pipe", "1 worker, 1 stage")]:
                 rows.append(
                     Row(experiment, model, None, k, how, times[k], p_single, s_single,
-                        single / times[k], 1.0, tuple(t / units for t in alone[k]))
+                        single / times[k], 1.0, tuple(t / units for t in alone[k]),
+                        simulated_profile=s_prof)
                 )  # fmt: skip
             for rate in links:
                 topo = Topology.flat(2, _bandwidth(rate))
                 straight = plan_pipedream(prof, topo, straight=True, microbatch_size=microbatch)
                 split = [(s.first_layer, s.last_layer) for s in straight.stages]
-                layout = " / ".join(f"{f}-{last}" for f, last in split)
                 dpu = dp_units.get(rate, 8 if rate is not None and rate < 1000 else units)
-                runners = [
-                    {"name": "pipedream", "units": units, "stages": split},
-                    {"name": "dp", "units": dpu},
-                    {"name": "allreduce", "units": max(1, dpu // 4)},
-                ]
-                if experiment == "a":
-                    runners.insert(1, {"name": "1f1b", "units": units, "stages": split,
-                                       "microbatches": M})  # fmt: skip
-                    # latency hiding: one more microbatch in flight at stage 0
-                    runners.insert(1, {"name": "pipedream", "label": "pipedream+1", "extra": 1,
-                                       "units": units, "stages": split})  # fmt: skip
-                    # the other transport: a gloo collective per transfer, not device_put
-                    runners.insert(1, {"name": "pipedream", "label": "pipedream/coll",
-                                       "transport": "collective", "units": units,
-                                       "stages": split})  # fmt: skip
-                    runners.insert(1, {"name": "pipedream", "label": "pipedream+1/coll",
-                                       "transport": "collective", "extra": 1, "units": units,
-                                       "stages": split})  # fmt: skip
+                chosen_cuts = cuts if every_cut else [tuple(split)]
+                runners: list[dict[str, Any]] = [
+                    {"name": "pipedream", "label": f"pipedream@{a[1]}", "units": units,
+                     "stages": [a, b]}
+                    for a, b in chosen_cuts
+                ]  # fmt: skip
+                runners.append({"name": "dp", "units": dpu})
+                if experiment == "a" and rate == fast_mbit:
+                    runners += [  # latency hiding, the collective transport, a flush schedule
+                        {"name": "pipedream", "label": "pipedream+1", "extra": 1,
+                         "units": units, "stages": split},
+                        {"name": "pipedream", "label": "pipedream/coll",
+                         "transport": "collective", "units": units, "stages": split},
+                        {"name": "1f1b", "units": units, "stages": split, "microbatches": M},
+                    ]  # fmt: skip
                 where = "loopback" if rate is None else f"{rate:g} Mbit/s"
-                log(f"({experiment}) {model}: {', '.join(r['name'] for r in runners)} on {where}")
-                got = _launch({**base, "runners": runners}, 2, rate, emulate, work)
-                measured: dict[str, float] = {}
+                log(f"({experiment}) {model}: {len(runners)} runners on {where}, links "
+                    "calibrated first")  # fmt: skip
+                got = _launch({**base, "runners": runners, "calibrate": True}, 2, rate,
+                              emulate, work)  # fmt: skip
+                meas = got.pop("_calibration")
+                cal = _calibration(prof, model, microbatch, measured_stages, meas)
+                links_seen.append({"model": model, "link_mbit": rate, "links": meas["links"],
+                                   "allreduce_model": meas["allreduce_model"],
+                                   "device_ids": meas["device_ids"]})  # fmt: skip
                 ring = sum(lp.param_bytes for lp in prof.layers) / _bandwidth(rate)
-                allreduce = statistics.median(got["allreduce"]) / runners[-1]["units"]
-                for r in runners[:-1]:
+                measured: dict[str, float] = {}
+                plans: list[dict[str, Any]] = []
+                for r in runners:
                     n = r["units"]
                     label = r.get("label", r["name"])
                     t = statistics.median(got[label]) / n
                     measured[label] = t
-                    p, s = _predict(
-                        prof,
-                        updates,
-                        rate,
-                        r["name"],
-                        r.get("stages", []),
-                        n,
-                        microbatch,
-                        M,
-                        r.get("extra", 0),
-                    )
+                    args = (rate, r["name"], r.get("stages", []), n, microbatch, M,
+                            r.get("extra", 0))  # fmt: skip
+                    p, sim = _predict_calibrated(prof, cal, *args)
+                    _, s_old = _predict(prof, updates, *args)
+                    st = r.get("stages", [])
+                    layout = "DP x2" if r["name"] == "dp" else " / ".join(
+                        f"{f}-{last}" for f, last in st)  # fmt: skip
                     rows.append(
-                        Row(
-                            experiment,
-                            model,
-                            rate,
-                            label,
-                            "DP x2" if r["name"] == "dp" else layout,
-                            t,
-                            p,
-                            s,
-                            single / t,
-                            s_single / s,
-                            tuple(x / n for x in got[label]),
-                            *((allreduce, ring) if r["name"] == "dp" else ()),
-                        )
-                    )
-                chosen = plan_pipedream(prof, topo, fewer_machines=True, microbatch_size=microbatch)
+                        Row(experiment, model, rate, label, layout, t, p, sim, single / t,
+                            s_single / sim, tuple(x / n for x in got[label]),
+                            *((cal.stage(0, L - 1, 2, "round-robin").allreduce, ring)
+                              if r["name"] == "dp" else ()),
+                            simulated_profile=s_old)
+                    )  # fmt: skip
+                    if r["name"] == "dp" or (r["name"] == "pipedream" and not r.get("extra")
+                                             and "transport" not in r):  # fmt: skip
+                        plans.append({"runner": label, "layout": layout, "measured": t,
+                                      "planner": p, "simulated": sim})  # fmt: skip
+                # one worker alone is a candidate too (measured in its own launch)
+                plans.append({"runner": "single", "layout": "1 worker", "measured": single,
+                              "planner": p_single, "simulated": s_single})  # fmt: skip
+                # the planner's choice, from calibrated costs, among all it may pick
+                ctopo = _topology(cal, 2, rate)
+                chosen = plan_pipedream(
+                    prof, ctopo, fewer_machines=True, microbatch_size=microbatch,
+                    replication="round-robin", stage_seconds=cal.stage_seconds("pipedream", 1),
+                    allreduce_seconds=cal.allreduce_function(),
+                )  # fmt: skip
                 runner, how = _describe_plan(chosen)
-                best = min(measured, key=measured.__getitem__)
-                best_kind = best.split("+")[0].split("/")[0]  # pipedream+1/coll: pipedream
-                choices.append(
-                    {
-                        "model": model,
-                        "link_mbit": rate,
-                        "planner": runner,
-                        "planner_layout": how,
-                        "planner_seconds": chosen.time_per_microbatch,
-                        "measured_best": best,
-                        "measured_best_seconds": measured[best],
-                        "measured_of_choice": measured.get(runner),
-                        "agree": runner == best_kind,
-                    }
-                )
-            # the predicted curves over bandwidth, for the plot
+                if runner == "pipedream":
+                    pick = f"pipedream@{chosen.stages[0].last_layer}"
+                else:
+                    pick = runner
+                best = min(plans, key=lambda q: q["measured"])
+                of_pick = next((q["measured"] for q in plans if q["runner"] == pick), math.nan)
+                rankings.append({
+                    "model": model, "link_mbit": rate, "plans": plans,
+                    "tau_planner": kendall_tau([q["planner"] for q in plans],
+                                               [q["measured"] for q in plans]),
+                    "tau_simulated": kendall_tau([q["simulated"] for q in plans],
+                                                 [q["measured"] for q in plans]),
+                    "pick": pick, "pick_layout": how, "pick_measured": of_pick,
+                    "best": best["runner"], "best_measured": best["measured"],
+                })  # fmt: skip
+                choices.append({
+                    "model": model, "link_mbit": rate, "planner": runner,
+                    "planner_layout": how, "planner_seconds": chosen.time_per_microbatch,
+                    "measured_best": best["runner"], "measured_best_seconds": best["measured"],
+                    "measured_of_choice": of_pick,
+                    "agree": of_pick <= 1.05 * best["measured"],
+                })  # fmt: skip
+            # the predicted curves over bandwidth, for the plot (the last launch's
+            # calibration, its link replaced by each rate)
             grid = [10 ** (k / 8) for k in range(8, 8 * 5 + 1)]  # 10 Mbit/s .. 100 Gbit/s
             curve: dict[str, list[tuple[float, float, float]]] = {"pipedream": [], "dp": []}
             for mbit in grid:
@@ -711,16 +937,19 @@ def run_cluster(
                 straight = plan_pipedream(prof, topo, straight=True, microbatch_size=microbatch)
                 split = [(s.first_layer, s.last_layer) for s in straight.stages]
                 for name in curve:
-                    p, s = _predict(prof, updates, mbit, name, split, units, microbatch, M)
-                    curve[name].append((mbit, s_single / s, p_single / p))
+                    p, sim = _predict_calibrated(prof, cal0, mbit, name, split, units,
+                                                 microbatch, M)  # fmt: skip
+                    curve[name].append((mbit, s_single / sim, p_single / p))
             curves[model] = curve
     return ClusterResult(
         rows=tuple(rows),
         choices=tuple(choices),
         network=network,
         curves=curves,
-        microbatch={m: sizes[m] for m in ("mlp-512", "vgg-fc")},
+        microbatch={m: sizes[m] for m in models},
         seconds=time.monotonic() - t_start,
+        rankings=tuple(rankings),
+        links=tuple(links_seen),
     )
 
 
@@ -745,24 +974,41 @@ def format_markdown(result: ClusterResult) -> str:
         + ". "
         f"Wall time: {result.seconds:.0f} s.",
         "",
+        "Predictions from calibrated costs (stages measured as programs on a pinned worker, "
+        "the link and the all-reduce measured in the run's launch); the last column is the "
+        "simulator from the per-layer profile alone, as before calibration.",
+        "",
         "| exp | model | link | runner | stages | measured ms/mb | speedup vs 1 worker "
-        "| simulated ms/mb (err) | predicted speedup | planner ms/mb (err) |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|",
+        "| simulated ms/mb (err) | predicted speedup | planner ms/mb (err) "
+        "| profile-only simulated (err) |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result.rows:
         lines.append(
             f"| {r.experiment} | {r.model} | {_link(r.link_mbit)} | {r.runner} | {r.stages} | "
             f"{1e3 * r.measured:.1f} | {r.speedup:.2f}x | "
             f"{1e3 * r.simulated:.1f} ({_err(r.simulated, r.measured)}) | "
-            f"{r.predicted_speedup:.2f}x | {1e3 * r.planner:.1f} ({_err(r.planner, r.measured)}) |"
+            f"{r.predicted_speedup:.2f}x | {1e3 * r.planner:.1f} ({_err(r.planner, r.measured)}) "
+            f"| {_ms_err(r.simulated_profile, r.measured)} |"
         )
+    errs = [
+        (abs(r.simulated / r.measured - 1), abs(r.planner / r.measured - 1)) for r in result.rows
+    ]
+    if errs:
+        lines += [
+            "",
+            f"Rows with the simulator within 10%: {sum(e[0] <= 0.10 for e in errs)} of "
+            f"{len(errs)} (largest error {100 * max(e[0] for e in errs):.0f}%); the planner "
+            f"within 15%: {sum(e[1] <= 0.15 for e in errs)} of {len(errs)} (largest "
+            f"{100 * max(e[1] for e in errs):.0f}%).",
+        ]
     dp = [r for r in result.rows if r.runner == "dp" and not math.isnan(r.allreduce)]
     if dp:
         lines += [
             "",
             "Data parallelism's gradient all-reduce alone (JAX's CPU collectives, gloo over "
-            "TCP), measured, against the ring all-reduce at the link's rate that the "
-            "simulator and planner assume:",
+            "TCP), measured by the calibration, against the ring all-reduce at the link's "
+            "rate that the uncalibrated model assumes:",
             "",
             "| model | link | measured all-reduce ms | ring at link rate ms |",
             "|---|---|---:|---:|",
@@ -772,19 +1018,103 @@ def format_markdown(result: ClusterResult) -> str:
             f"{1e3 * r.allreduce_predicted:.1f} |"
             for r in dp
         ]
+    if result.links:
+        lines += [
+            "",
+            "Calibrated links (through `jax.device_put` between the workers, fitted to "
+            "latency + bytes / bandwidth) and the model's all-reduce:",
+            "",
+            "| model | link | 0 -> 1 latency us, MB/s | 1 -> 0 latency us, MB/s | sender host us "
+            "| all-reduce ms |",
+            "|---|---|---|---|---:|---:|",
+        ]
+        for cal in result.links:
+            by = {(ln["src"], ln["dst"]): ln for ln in cal["links"]}
+            cells = [
+                f"{1e6 * by[k]['latency']:.0f}, {by[k]['bandwidth'] / 1e6:.1f}" if k in by else "-"
+                for k in [(0, 1), (1, 0)]
+            ]
+            host = [ln["send_seconds"] for ln in cal["links"]]
+            lines.append(
+                f"| {cal['model']} | {_link(cal['link_mbit'])} | {cells[0]} | {cells[1]} | "
+                f"{1e6 * statistics.mean(host) if host else math.nan:.0f} | "
+                f"{1e3 * cal['allreduce_model']:.1f} |"
+            )
     lines += [
         "",
         "| model | link | planner's choice | its predicted ms/mb | measured best | measured ms/mb "
-        "| agree |",
-        "|---|---|---|---:|---|---:|---|",
+        "| measured of the choice | within 5% |",
+        "|---|---|---|---:|---|---:|---:|---|",
     ]
     for c in result.choices:
         lines.append(
             f"| {c['model']} | {_link(c['link_mbit'])} | {c['planner']} ({c['planner_layout']}) "
             f"| {1e3 * c['planner_seconds']:.1f} | {c['measured_best']} | "
-            f"{1e3 * c['measured_best_seconds']:.1f} | {'yes' if c['agree'] else 'NO'} |"
+            f"{1e3 * c['measured_best_seconds']:.1f} | "
+            f"{1e3 * (c['measured_of_choice'] or math.nan):.1f} | "
+            f"{'yes' if c['agree'] else 'NO'} |"
         )
+    for rk in result.rankings:
+        lines += [
+            "",
+            f"Plans ranked, {rk['model']} at {_link(rk['link_mbit'])}: Kendall tau (planner vs "
+            f"measured) {rk['tau_planner']:.2f}, (simulator vs measured) "
+            f"{rk['tau_simulated']:.2f}; planner's pick {rk['pick']} measured "
+            f"{1e3 * rk['pick_measured']:.1f} ms/mb against the best, {rk['best']}, "
+            f"{1e3 * rk['best_measured']:.1f} ms/mb.",
+            "",
+            "| plan | stages | measured ms/mb | planner ms/mb (err) | simulated ms/mb (err) |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for q in sorted(rk["plans"], key=lambda q: q["measured"]):
+            lines.append(
+                f"| {q['runner']} | {q['layout']} | {1e3 * q['measured']:.1f} | "
+                f"{_ms_err(q['planner'], q['measured'])} | "
+                f"{_ms_err(q['simulated'], q['measured'])} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _ms_err(pred: float, measured: float) -> str:
+    if pred is None or math.isnan(pred):
+        return "-"
+    return f"{1e3 * pred:.1f} ({_err(pred, measured)})"
+
+
+def plot_ranking(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
+    """Predicted (planner) against measured seconds per microbatch, one point per plan, one
+    panel per model and link."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = max(1, len(result.rankings))
+    fig, axes = plt.subplots(1, n, figsize=(3.4 * n, 3.4), squeeze=False)
+    for ax, rk in zip(axes[0], result.rankings, strict=False):
+        xs = [1e3 * q["measured"] for q in rk["plans"]]
+        for key, colour, marker in [("planner", "tab:blue", "o"), ("simulated", "tab:orange", "x")]:
+            ax.scatter(xs, [1e3 * q[key] for q in rk["plans"]], s=18, color=colour,
+                       marker=marker, label=key)  # fmt: skip
+        for q, x in zip(rk["plans"], xs, strict=True):
+            if q["runner"] in (rk["pick"], rk["best"]):
+                ax.annotate(q["runner"].replace("pipedream@", "cut "), (x, 1e3 * q["planner"]),
+                            fontsize=6)  # fmt: skip
+        lo = min(xs + [1e3 * q["planner"] for q in rk["plans"]]) * 0.8
+        hi = max(xs + [1e3 * q["planner"] for q in rk["plans"]]) * 1.2
+        ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{rk['model']}, {_link(rk['link_mbit'])}: tau {rk['tau_planner']:.2f}",
+                     fontsize=8)  # fmt: skip
+        ax.set_xlabel("measured ms / microbatch", fontsize=7)
+        ax.set_ylabel("predicted ms / microbatch", fontsize=7)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 def plot_cluster(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
@@ -805,7 +1135,15 @@ def plot_cluster(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
                 "simulated")  # fmt: skip
         ax.plot(mbit, [p[2] for p in points], color=colours[name], ls="--", lw=1,
                 label=f"{labels[name]}: planner")  # fmt: skip
+        # measured: DP, and per link the best 2-stage cut
         dots = [r for r in result.rows if r.model == model and r.runner == name]
+        if name == "pipedream":
+            cut = [r for r in result.rows if r.model == model and r.runner.startswith("pipedream@")]
+            best: dict[Any, Row] = {}
+            for r in cut:
+                if r.link_mbit not in best or r.measured < best[r.link_mbit].measured:
+                    best[r.link_mbit] = r
+            dots += list(best.values())
         xs = [r.link_mbit if r.link_mbit is not None else 2e9 * 8 / 1e6 for r in dots]
         ax.scatter(xs, [r.speedup for r in dots], color=colours[name], zorder=3, s=40,
                    edgecolor="black", label=f"{labels[name]}: measured")  # fmt: skip
@@ -854,6 +1192,8 @@ def write_results(result: ClusterResult, out: str | os.PathLike[str]) -> list[Pa
     paths[1].write_text(format_markdown(result))
     try:
         paths.append(plot_cluster(result, folder / "cluster.png"))
+        if result.rankings:
+            paths.append(plot_ranking(result, folder / "cluster-ranking.png"))
     except ImportError:  # matplotlib is the [plot] extra
         pass
     return paths

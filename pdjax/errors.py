@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "CalibrationError",
     "CheckpointError",
     "DataError",
     "GraphFormatError",
@@ -49,3 +50,8 @@ class DataError(PdjaxError):
 
 class CheckpointError(PdjaxError):
     """A checkpoint is missing, or does not fit the state it is restored into."""
+
+
+class CalibrationError(PdjaxError):
+    """A calibration could not be measured, or does not fit the model, plan or devices it is
+    used with (the message says what differs)."""

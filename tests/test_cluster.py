@@ -19,6 +19,7 @@ from pdjax.cluster import (
     cluster_model,
     format_markdown,
     plot_cluster,
+    plot_ranking,
 )
 from pdjax.netem import network_support
 from pdjax.profile import LayerProfile, Profile
@@ -57,9 +58,9 @@ def test_pipeline_prediction_compute_bound_and_link_bound():
     assert stage + 2 * U < sim < (stage + 2 * U) * (1 + 3 / 64)
     planner, sim = _predict(_profile(), [U] * 4, 1.0, "pipedream", stages, 16, 8, 4)
     link = ACT / _bandwidth(1.0)  # 0.84 s per activation (and per gradient back)
-    # PipeDream's cost model charges a cut for the activation and the gradient together;
-    # the simulator sends them each way on a full-duplex link
-    assert planner == pytest.approx(2 * link, rel=1e-3)
+    # the planner and the simulator send activation and gradient each way on a
+    # full-duplex link
+    assert planner == pytest.approx(link, rel=1e-3)
     assert link < sim < 1.2 * link
 
 
@@ -69,6 +70,46 @@ def test_data_parallel_prediction_pays_the_all_reduce():
     step = 4 * (F + B + U) + ring  # one step = 2 microbatches (one per worker)
     assert sim == pytest.approx(step / 2, rel=1e-3)
     assert planner == pytest.approx((4 * (F + B) + ring) / 2, rel=0.05)
+
+
+def _calibrated(L=4):
+    from pdjax.calibrate import Calibration, LinkMeasure, StageMeasure
+
+    stages = [StageMeasure(0, L - 1, 1, "split", 4 * F, 4 * B, 4 * U),
+              StageMeasure(0, L - 1, 2, "round-robin", 2 * F, 2 * B, 4 * U, allreduce=0.05),
+              StageMeasure(0, 1, 1, "split", 2 * F, 2 * B, 2 * U),
+              StageMeasure(2, 3, 1, "split", 3 * F, 3 * B, 2 * U)]  # fmt: skip
+    links = [LinkMeasure(0, 1, 1e-3, 1e6, 1e-4), LinkMeasure(1, 0, 1e-3, 1e6, 1e-4)]
+    return Calibration(
+        model={"layers": [f"l{i}" for i in range(L)], "param_bytes": [PARAMS] * L},
+        microbatch_size=8, devices=(0, 1), platform="cpu", stages=tuple(stages),
+        links=tuple(links),
+    )  # fmt: skip
+
+
+def test_calibrated_predictions():
+    from pdjax.cluster import _predict_calibrated
+
+    cal = _calibrated()
+    planner, sim = _predict_calibrated(_profile(), cal, None, "single", [], 10, 8, 4)
+    assert sim == pytest.approx(4 * (F + B + U))  # the measured stage, every microbatch
+    assert planner == pytest.approx(4 * (F + B + U))
+    # data parallelism: each worker a whole microbatch per step, one measured all-reduce
+    planner, sim = _predict_calibrated(_profile(), cal, None, "dp", [], 8, 8, 4)
+    assert sim == pytest.approx((4 * (F + B + U) + 0.05) / 2, rel=1e-3)
+    # a pipeline bound by its slower stage (3F + 3B + 2U, stage 1) or by the round trip
+    planner, sim = _predict_calibrated(_profile(), cal, None, "pipedream", [(0, 1), (2, 3)],
+                                       64, 8, 4)  # fmt: skip
+    slow = 3 * (F + B) + 2 * U
+    assert slow < sim < slow * 1.15
+    assert planner >= slow
+
+
+def test_kendall_tau():
+    from pdjax.cluster import kendall_tau
+
+    assert kendall_tau([1, 2, 3, 4], [2, 4, 6, 8]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
 
 
 def test_unknown_model_is_refused():
@@ -95,8 +136,21 @@ def test_report_and_plot(tmp_path):
         "measured_of_choice": 0.03,
         "agree": True,
     }
-    result = ClusterResult(rows, (choice,), "test network", curves, {"vgg-fc": 32}, 1.0)
+    ranking = {
+        "model": "vgg-fc", "link_mbit": 100.0, "tau_planner": 1.0, "tau_simulated": 0.5,
+        "pick": "pipedream@6", "pick_layout": "0-6 / 7-15", "pick_measured": 0.03,
+        "best": "pipedream@6", "best_measured": 0.03,
+        "plans": [{"runner": "pipedream@6", "layout": "0-6 / 7-15", "measured": 0.03,
+                   "planner": 0.02, "simulated": 0.028},
+                  {"runner": "dp", "layout": "DP x2", "measured": 1.2, "planner": 1.1,
+                   "simulated": 1.15}],
+    }  # fmt: skip
+    result = ClusterResult(rows, (choice,), "test network", curves, {"vgg-fc": 32}, 1.0,
+                           rankings=(ranking,))  # fmt: skip
+    assert plot_ranking(result, tmp_path / "r.png").stat().st_size > 10_000
     text = format_markdown(result)
+    assert "Kendall tau (planner vs measured) 1.00" in text
+    assert "| pipedream@6 | 0-6 / 7-15 | 30.0 | 20.0 (-33%) | 28.0 (-7%) |" in text
     assert "| b | vgg-fc | 100 Mbit/s | pipedream | 0-6 / 7-15 | 30.0 | 1.67x |" in text
     assert "28.0 (-7%)" in text and "| yes |" in text
     assert plot_cluster(result, tmp_path / "c.png").stat().st_size > 10_000
@@ -118,6 +172,16 @@ def test_workers_run_every_runner_across_processes(tmp_path):
             {"name": "dp", "units": 4},
         ],
     }
+    job["calibrate"] = True
+    job["sizes"] = [4096, 65536]
     got = _launch(job, 2, 100.0, reason is None, tmp_path)
+    cal = got.pop("_calibration")
     assert sorted(got) == ["1f1b", "dp", "pipedream"]
     assert all(len(v) == 1 and 0 < v[0] < 60 and math.isfinite(v[0]) for v in got.values())
+    # the link measured both ways through the runtime's transport, and the all-reduce
+    assert sorted((ln["src"], ln["dst"]) for ln in cal["links"]) == [(0, 1), (1, 0)]
+    for ln in cal["links"]:
+        assert ln["bandwidth"] > 0 and ln["latency"] >= 0 and ln["send_seconds"] > 0
+        if reason is None:  # 100 Mbit/s: 64 KiB takes at least 5 ms each way
+            assert ln["bandwidth"] < 100e6 / 8 * 1.05
+    assert cal["allreduce_model"] > 0

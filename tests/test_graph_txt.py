@@ -95,3 +95,83 @@ def test_load_by_published_name():
     assert Profile.load("pipedream:vgg16") == published_profile("vgg16")
     with pytest.raises(GraphFormatError, match="available"):
         Profile.load("pipedream:vgg19")
+
+
+# -- batch size -----------------------------------------------------------------------
+
+IMAGE_BATCH = {
+    "alexnet": 256,
+    "densenet121": 64,
+    "inception_v3": 128,
+    "resnet101": 64,
+    "resnet18": 256,
+    "resnet50": 128,
+    "squeezenet1_0": 256,
+    "vgg16": 128,
+}
+
+
+@pytest.mark.parametrize("model", sorted(IMAGE_BATCH))
+def test_image_profiles_batch_from_the_input_node(model):
+    prof = published_profile(model)
+    assert prof.batch_size == IMAGE_BATCH[model]
+    assert prof.meta["batch_size_from"] == "image input"
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "src", "tgt"), [("gnmt", 32, 48, 47), ("gnmt_large", 128, 25, 25)]
+)
+def test_gnmt_batch_from_the_lstm_state(model, batch, src, tgt):
+    # Token inputs carry no size (Input0..2 are 0 bytes); an LSTM(1024, 1024)'s h and c
+    # are [1, batch, 1024] fp32. The other nodes agree: the encoder embedding is
+    # [src, batch, 1024], the classifier [tgt, batch, 32320] (the decoder sees tgt[:-1]).
+    prof = published_profile(model)
+    assert [x.output_bytes for x in prof.layers if x.kind.startswith("Input")] == [0, 0, 0]
+    assert prof.batch_size == batch
+    assert prof.meta["batch_size_from"] == "recurrent state"
+    text = Path(prof.meta["source"]).read_text()
+    assert "LSTM(1024, 1024) -- " in text
+    state = f"{4.0 * batch * 1024}; {4.0 * batch * 1024}]"
+    lstms = [line for line in text.splitlines() if line.startswith("node") and "-- LSTM(" in line]
+    assert lstms and all(state in line for line in lstms)
+    encoder = next(x for x in prof.layers if x.kind.startswith("Embedding"))
+    classifier = next(x for x in prof.layers if x.kind.startswith("Classifier"))
+    assert encoder.output_bytes == 4 * src * batch * 1024
+    assert classifier.output_bytes == 4 * tgt * batch * 32320
+    # the attention scores, the RecurrentAttention's last output: [batch, tgt, src]
+    assert f"; {4.0 * batch * tgt * src}], parameter_size" in text
+
+
+def test_batch_size_override_and_unknown():
+    path = Path(published_profile("gnmt").meta["source"])
+    for prof in (published_profile("gnmt", batch_size=64), read_graph_txt(path, batch_size=64)):
+        assert prof.batch_size == 64 and prof.meta["batch_size_from"] == "given"
+    assert published_profile("vgg16", batch_size=32).batch_size == 32
+    plain = parse_graph_txt(GOOD)  # no image input, no recurrent layer
+    assert plain.batch_size == 1 and plain.meta["batch_size_from"] == "unknown"
+
+
+def _rnn_line(n, desc, sizes):
+    act = "[" + "; ".join(f"{s:.1f}" for s in sizes) + "]"
+    return (
+        f"node{n} -- {desc} -- forward_compute_time=1.0, backward_compute_time=2.0, "
+        f"activation_size={act}, parameter_size=16.0"
+    )
+
+
+def test_recurrent_rules_on_small_graphs():
+    # a GRU's [output; h], batch-first or not (h is [layers * dirs, batch, hidden] either
+    # way); a bidirectional 2-layer LSTM
+    gru = _rnn_line(2, "GRU(8, 16, batch_first=True)", [4 * 3 * 5 * 16, 4 * 3 * 16])
+    assert parse_graph_txt(GOOD.splitlines()[1] + "\n" + gru).batch_size == 3
+    bi = _rnn_line(
+        2,
+        "LSTM(8, 16, num_layers=2, bidirectional=True)",
+        [4 * 7 * 6 * 32, 4 * 4 * 6 * 16, 4 * 4 * 6 * 16],
+    )
+    assert parse_graph_txt(bi).batch_size == 6
+    # two recurrent layers that disagree, or sizes that fit no batch: no guess
+    other = _rnn_line(3, "LSTM(16, 16)", [4 * 7 * 5 * 16, 4 * 5 * 16, 4 * 5 * 16])
+    assert parse_graph_txt(bi + "\n" + other).meta["batch_size_from"] == "unknown"
+    odd = _rnn_line(2, "LSTM(8, 16)", [4 * 7 * 6 * 16 + 4, 4 * 6 * 16, 4 * 6 * 16])
+    assert parse_graph_txt(odd).batch_size == 1

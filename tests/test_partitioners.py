@@ -125,8 +125,15 @@ def test_evaluate_partition_uses_the_slow_link_across_servers():
     topo = Topology.from_levels([2, 2], [1e10, 1e9])
     inside = evaluate_partition(profile, topo, [(0, 0, 1), (1, 1, 1)])
     across = evaluate_partition(profile, topo, [(0, 0, 2), (1, 1, 2)])
-    assert inside.time_per_microbatch == pytest.approx(max(1.0, 2 * 1e9 / 1e10))
-    assert across.time_per_microbatch == pytest.approx(max(0.5, 2 * 1e9 / 1e9))
+    # One transfer each way; stage 0 keeps 2 microbatches in flight, so the period is at
+    # least the round trip (both stages' compute and the cut twice) over 2.
+    assert inside.time_per_microbatch == pytest.approx(max(1.0, 1e9 / 1e10, (2.0 + 0.2) / 2))
+    # Across (round-robin under "auto"): 2 groups of 2 in flight at stage 0, and a
+    # microbatch spends a whole group's action (2 x 0.5 s) at each stage.
+    assert across.in_flight == (4, 2)
+    assert across.time_per_microbatch == pytest.approx(max(0.5, 1e9 / 1e9, (2.0 + 2.0) / 4))
+    split = evaluate_partition(profile, topo, [(0, 0, 2), (1, 1, 2)], replication="split")
+    assert split.time_per_microbatch == pytest.approx(max(0.5, 1e9 / 1e9, (1.0 + 2.0) / 2))
 
 
 def test_evaluate_partition_matches_the_optimizer_on_one_level():

@@ -69,7 +69,12 @@ def test_json_fields(plans):
         "microbatch_size",
     ):
         assert key in data
-    assert data["topology"]["levels"][0] == {"workers": 4, "bandwidth": 1.25e9, "name": ""}
+    assert data["topology"]["levels"][0] == {
+        "workers": 4,
+        "bandwidth": 1.25e9,
+        "name": "",
+        "latency": 0.0,
+    }
 
 
 def test_describe(plans):

@@ -3,6 +3,7 @@ memory limits, DAGs, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -15,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdjax.errors import PlanError, ProfileError
-from pdjax.partition import Topology, evaluate_partition, plan_pipedream
+from pdjax.partition import Topology, cost, evaluate_partition, plan_pipedream
 from pdjax.partition import plan_pipedream as _plan_pipedream
 from pdjax.partition.pipedream import solve
 from pdjax.profile import LayerProfile, Profile
@@ -37,7 +38,7 @@ class Ref:
     stash: list[float]
     act: list[float]
     cut: list[float]  # bytes after each layer of a chain; 0 after the last
-    levels: list[tuple[int, float]]
+    levels: list[tuple[int, float]]  # (workers, bandwidth) or (workers, bandwidth, latency)
     model: str
     per_microbatch_update: bool
     num_microbatches: int
@@ -51,6 +52,22 @@ class Ref:
         """Replicated stages take whole microbatches round-robin (pdjax model only)."""
         return self.replication == "round-robin" and self.model == "pdjax"
 
+    def lat(self, k: int) -> float:
+        return self.levels[k][2] if len(self.levels[k]) > 2 else 0.0
+
+    def ring(self, k: int, w: float, r: int) -> float:
+        """pdjax's ring all-reduce of w bytes over r units of level k: 2 (r-1) messages."""
+        return 2 * (r - 1) / r * w / self.levels[k][1] + 2 * (r - 1) * self.lat(k)
+
+    @property
+    def update_copies(self) -> float:
+        """Gradient accumulator (not under pipedream) + the update's new weights and state."""
+        return (0.0 if self.schedule == "pipedream" else 1.0) + 1.0 + self.opt
+
+    @property
+    def has_round_trip(self) -> bool:
+        return self.model == "pdjax" and self.schedule in ("pipedream", "1f1b", "2bw", "zb-h1")
+
 
 def ref_from(
     layers: list[LayerProfile],
@@ -61,7 +78,7 @@ def ref_from(
     limit=None,
     replication="split",
 ):
-    n_total = math.prod(n for n, _ in levels)
+    n_total = math.prod(lv[0] for lv in levels)
     return Ref(
         compute=[lp.forward_seconds + lp.backward_seconds for lp in layers],
         params=[float(lp.param_bytes) for lp in layers],
@@ -111,13 +128,14 @@ def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
         return math.ceil(after / r) * (sum(ref.act[a : b + 1]) + w)
     if k > 0:
         return 0.0
-    n_total = math.prod(n for n, _ in ref.levels)
+    n_total = math.prod(lv[0] for lv in ref.levels)
     outer = n_total - ref.levels[0][0]
+    extra = ref.update_copies if ref.model == "pdjax" else 0.0
     if ref.round_robin:
         # pipedream, whole microbatches per device: q of them stashed and q versions, q
         # bounded by the devices from this stage on (any mix of modes after it).
         q = 1 if b == len(ref.compute) - 1 else max(1, (2 * (r + after + outer) - 2) // r)
-        return w * (q + ref.opt) + sum(ref.stash[a : b + 1]) * q
+        return w * (q + ref.opt + extra) + sum(ref.stash[a : b + 1]) * q
     bound = 1 + min(after + outer, len(ref.compute) - 1 - b)
     if ref.schedule == "gpipe":
         inflight = ref.num_microbatches
@@ -130,7 +148,109 @@ def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
         q = math.ceil(inflight / r)
         return w * (q + ref.opt) + stash * q
     versions = {"pipedream": inflight, "2bw": 2}.get(ref.schedule, 1)
-    return w * (versions + ref.opt) + stash * inflight / r
+    return w * (versions + ref.opt + extra) + stash * inflight / r
+
+
+def flat_stages(ref: Ref, tree, k: int | None = None, base: int = 0):
+    """The pipeline stages (a, b, device positions) of a configuration tree, placed as the
+    planner places them (units in order; inner stage u on the matching devices of every
+    unit)."""
+    k = len(ref.levels) - 1 if k is None else k
+    unit = math.prod(lv[0] for lv in ref.levels[:k])
+    out, offset = [], 0
+    for a, b, r, sub in tree:
+        bases = [base + (offset + q) * unit for q in range(r)]
+        offset += r
+        if sub is None:
+            out.append((a, b, bases))
+            continue
+        subs = [flat_stages(ref, sub, k - 1, ub) for ub in bases]
+        for u, (first, last, _) in enumerate(subs[0]):
+            out.append((first, last, [d for one in subs for d in one[u][2]]))
+    return out
+
+
+def link_level(ref: Ref, positions) -> int:
+    lo, hi = min(positions), max(positions)
+    for k in range(len(ref.levels)):
+        size = math.prod(lv[0] for lv in ref.levels[: k + 1])
+        if lo // size == hi // size:
+            return k
+    return len(ref.levels) - 1
+
+
+def exact_counts(ref: Ref, replicas):
+    """(in flight, versions, group size) per stage of the final pipeline."""
+    P = len(replicas)
+    rr = ref.round_robin
+    if rr and any(r > 1 for r in replicas):
+        modes = tuple("round-robin" if r > 1 else "split" for r in replicas)
+        counts = cost.exact_in_flight(ref.schedule, replicas, modes, ref.num_microbatches)
+        return [(c, v, r if r > 1 else 1) for (c, v), r in zip(counts, replicas, strict=True)]
+    out = []
+    for s in range(P):
+        if ref.schedule == "gpipe":
+            c = ref.num_microbatches
+        elif ref.schedule in ("1f1b", "interleaved", "zb-h1"):
+            c = min(P - s, ref.num_microbatches)
+        else:
+            c = P - s
+        v = {"pipedream": c, "2bw": 2}.get(ref.schedule, 1)
+        out.append((c, v, 1))
+    return out
+
+
+def exact_memory(ref: Ref, stages) -> float:
+    """Peak bytes per device of a final pipeline under the pdjax model."""
+    counts = exact_counts(ref, [len(p) for _, _, p in stages])
+    peak = 0.0
+    for (a, b, pos), (c, v, _) in zip(stages, counts, strict=True):
+        w, stash = sum(ref.params[a : b + 1]), sum(ref.stash[a : b + 1])
+        peak = max(peak, w * (v + ref.opt + ref.update_copies) + stash * c / len(pos))
+    return peak
+
+
+def hier_ring(ref: Ref, pos, w: float) -> float:
+    """A stage's all-reduce: a ring at each level up to the one holding all its devices,
+    over the units of that level it occupies in one group of the level above."""
+    if len(pos) <= 1:
+        return 0.0
+    total = 0.0
+    for k in range(link_level(ref, pos) + 1):
+        unit = math.prod(lv[0] for lv in ref.levels[:k])
+        group = unit * ref.levels[k][0]
+        per: dict[int, set] = {}
+        for p in pos:
+            per.setdefault(p // group, set()).add(p // unit)
+        total += ref.ring(k, w, max(len(v) for v in per.values()))
+    return total
+
+
+def round_trip(ref: Ref, stages) -> float:
+    """pdjax's round-trip bound of a final pipeline (0 where the schedule has none): stage
+    terms as evaluate_partition prices them (hierarchical rings), cuts at the innermost
+    level holding both stages."""
+    if not ref.has_round_trip:
+        return 0.0
+    P = len(stages)
+    counts = exact_counts(ref, [len(p) for _, _, p in stages])
+    terms, cuts = [], []
+    for t, (a, b, pos) in enumerate(stages):
+        r = len(pos)
+        w = sum(ref.params[a : b + 1])
+        if ref.per_microbatch_update:
+            per = 1.0 / r if ref.round_robin else 1.0
+        else:
+            per = 1.0 / ref.num_microbatches
+        terms.append(sum(ref.compute[a : b + 1]) / r + hier_ring(ref, pos, w) * per)
+        if t < P - 1:
+            k2 = link_level(ref, list(pos) + list(stages[t + 1][2]))
+            cuts.append(ref.cut[b] / ref.levels[k2][1] + ref.lat(k2))
+    best = 0.0
+    for s in range(P):
+        trip = sum(counts[t][2] * terms[t] for t in range(s, P)) + 2 * sum(cuts[s:])
+        best = max(best, trip / counts[s][0])
+    return best
 
 
 def whole_below(ref: Ref, k: int, sub) -> int:
@@ -147,7 +267,7 @@ def whole_below(ref: Ref, k: int, sub) -> int:
 
 def ref_value(ref: Ref, k: int, tree) -> float:
     """Time per microbatch of a configuration tree at level k (inf if it breaks the limit)."""
-    n, bw = ref.levels[k]
+    n, bw = ref.levels[k][:2]
     g = ref.levels[k - 1][0] if k > 0 else 1
     last_layer = len(ref.compute) - 1
     u = 1.0 if ref.per_microbatch_update else 1.0 / ref.num_microbatches
@@ -163,14 +283,11 @@ def ref_value(ref: Ref, k: int, tree) -> float:
         if ref.round_robin and ref.per_microbatch_update and units and math.isfinite(c):
             # Replicated whole below: r * units devices take one microbatch each, then
             # every level's ring all-reduce runs once.
-            rings = (
-                sum(2 * (m - 1) / m * w / level_bw for m, level_bw in ref.levels[:k])
-                + 2 * (r - 1) / r * w / bw
-            )
+            rings = sum(ref.ring(q, w, ref.levels[q][0]) for q in range(k)) + ref.ring(k, w, r)
             terms.append((sum(ref.compute[a : b + 1]) + rings) / (r * units))
         elif ref.model == "pdjax":
             per = u / r if ref.round_robin and ref.per_microbatch_update else u
-            terms.append(c / r + 2 * (r - 1) / r * w / bw * per)
+            terms.append(c / r + ref.ring(k, w, r) * per)
         elif ref.model == "paper":
             terms.append(max(c, 2 * (r - 1) * w / bw) / r)
         else:
@@ -183,15 +300,36 @@ def ref_value(ref: Ref, k: int, tree) -> float:
             terms.append(2 * before / (bw * r))
             if b < last_layer:
                 terms.append(2 * ref.cut[b] / (bw * r))
+        elif ref.model == "pdjax":
+            terms.append(before / bw + ref.lat(k))  # full duplex: one transfer each way
         else:
             terms.append(2 * before / bw)
     return max(terms)
 
 
 def brute_force(ref: Ref, straight=False, fewer=False) -> float:
+    """The program's objective (slowest term, no round trip) over every configuration."""
     top = len(ref.levels) - 1
     trees = configs(ref, top, 0, len(ref.compute) - 1, straight, fewer)
     return min((ref_value(ref, top, t) for t in trees), default=math.inf)
+
+
+def brute_force_period(ref: Ref, straight=False, fewer=False, memory=None) -> float:
+    """The period with the round trip, max(slowest term, max_s RT_s / T_s), over every
+    configuration; ``memory="exact"``: only those whose exact memory fits ``ref.limit``
+    (and no memory check inside ref_value)."""
+    top = len(ref.levels) - 1
+    check = ref if memory != "exact" else Ref(**{**ref.__dict__, "limit": None})
+    best = math.inf
+    for tree in configs(ref, top, 0, len(ref.compute) - 1, straight, fewer):
+        value = ref_value(check, top, tree)
+        if not math.isfinite(value):
+            continue
+        stages = flat_stages(ref, tree)
+        if memory == "exact" and exact_memory(ref, stages) > ref.limit:
+            continue
+        best = min(best, max(value, round_trip(ref, stages)))
+    return best
 
 
 def as_ref_tree(nodes):
@@ -224,15 +362,20 @@ def chains(draw, max_layers=5):
 
 
 bandwidths = st.sampled_from([1.25e9, 1e10]) | st.floats(5e8, 2e10)
-one_level = st.tuples(st.integers(1, 4), bandwidths).map(lambda lv: [lv])
-two_levels = st.tuples(st.integers(1, 3), bandwidths, st.integers(1, 3), bandwidths).map(
-    lambda t: [(t[0], t[1]), (t[2], t[3])]
-)
+latencies = st.sampled_from([0.0, 0.0, 1e-3, 0.02])
+one_level = st.tuples(st.integers(1, 4), bandwidths, latencies).map(lambda lv: [lv])
+two_levels = st.tuples(
+    st.integers(1, 3), bandwidths, latencies, st.integers(1, 3), bandwidths, latencies
+).map(lambda t: [t[:3], t[3:]])
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def topology_of(levels) -> Topology:
-    return Topology.from_levels([n for n, _ in levels], [b for _, b in levels])
+    return Topology.from_levels(
+        [lv[0] for lv in levels],
+        [lv[1] for lv in levels],
+        latencies=[lv[2] if len(lv) > 2 else 0.0 for lv in levels],
+    )
 
 
 def check_optimal(
@@ -269,7 +412,25 @@ def check_optimal(
     tree = as_ref_tree(search.tree(tables))
     assert ref_value(ref, len(levels) - 1, tree) == pytest.approx(got, rel=1e-9, abs=1e-15)
     plan = plan_pipedream(profile, topo, **options)
-    assert plan.time_per_microbatch == got
+    stages = [(s.first_layer, s.last_layer, list(s.devices)) for s in plan.stages]
+    trip = round_trip(ref, stages)
+    plain = round_trip(ref, flat_stages(ref, tree))  # the program's own plan
+    if not ref.has_round_trip:
+        assert plan.time_per_microbatch == got
+    elif plain <= got * (1 + 1e-13):
+        assert plan.time_per_microbatch == pytest.approx(got, rel=1e-9)
+    elif len(levels) == 1:
+        # One level: the round trip is in the search (exact for split stages).
+        period = brute_force_period(ref, straight, fewer)
+        own = ref_value(ref, 0, [(a, b, len(p), None) for a, b, p in stages])
+        assert plan.time_per_microbatch == pytest.approx(max(own, trip), rel=1e-9)
+        if ref.round_robin:
+            assert period * (1 - 1e-9) <= plan.time_per_microbatch <= max(got, plain) * (1 + 1e-9)
+        else:
+            assert plan.time_per_microbatch == pytest.approx(period, rel=1e-9, abs=1e-15)
+    else:
+        # More levels: the program's plan, evaluated with its round trip.
+        assert plan.time_per_microbatch == pytest.approx(max(got, trip), rel=1e-9)
     rr = replication == "round-robin"
     assert plan.replication == tuple(
         "round-robin" if rr and s.replicas > 1 else "split" for s in plan.stages
@@ -285,7 +446,7 @@ def check_optimal(
         again = evaluate_partition(
             profile, topo, stages, cost_model=model, schedule=schedule, replication=replication
         )
-        assert again.time_per_microbatch == pytest.approx(got, rel=1e-12)
+        assert again.time_per_microbatch == pytest.approx(plan.time_per_microbatch, rel=1e-12)
     else:
         # Replicas stay in whole, consecutive servers, the same number in each.
         server = levels[0][0]
@@ -372,10 +533,49 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
     # A limit between the smallest feasible one and the unconstrained optimum's needs.
     limit = max(smallest, 1.0) * (1 + 4 * fraction)
     ref = ref_from(layers, levels, model, schedule=schedule, limit=limit, replication=replication)
-    expected = brute_force(ref)
     plan = plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=limit)
-    assert plan.time_per_microbatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
-    if smallest > 0:
+    # (paper and pipedream-code prune by the published rules, not by the memory they report
+    # with the recorded replication's exact in-flight counts)
+    assert plan.fits_memory or model != "pdjax"
+    stages = [(s.first_layer, s.last_layer, list(s.devices)) for s in plan.stages]
+    if model != "pdjax" or not ref.has_round_trip:
+        period = None
+    elif len(levels) == 1 and not ref.round_robin:
+        period = brute_force_period  # the round trip is optimised exactly on one level
+    else:
+        period = "evaluated"
+    check = plan.options["memory_check"]
+    if model != "pdjax":
+        assert check == "bound"
+    if check == "verified":
+        # The program pruned by an optimistic bound and its plan fits: optimal among all
+        # configurations whose exact memory fits.
+        exact_ref = dataclasses.replace(ref, limit=None)
+        trees = [
+            t
+            for t in configs(ref, top, 0, len(layers) - 1, False, False)
+            if exact_memory(ref, flat_stages(ref, t)) <= limit
+        ]
+        value = min(ref_value(exact_ref, top, t) for t in trees)
+        if period is brute_force_period:
+            expected = brute_force_period(ref, memory="exact")
+        else:
+            expected = value
+    else:
+        # The sound bound: optimal among the configurations the bound accepts.
+        value = brute_force(ref)
+        expected = brute_force_period(ref) if period is brute_force_period else value
+    if period == "evaluated":
+        trip = round_trip(ref, stages)
+        if ref.round_robin and len(levels) == 1:
+            assert plan.time_per_microbatch >= brute_force_period(ref) * (1 - 1e-9) or (
+                check == "verified"
+            )
+        else:
+            assert plan.time_per_microbatch == pytest.approx(max(value, trip), rel=1e-9)
+    else:
+        assert plan.time_per_microbatch == pytest.approx(expected, rel=1e-9, abs=1e-15)
+    if smallest > 0 and model != "pdjax":
         with pytest.raises(PlanError, match="smallest limit that works") as info:
             plan_pipedream(
                 profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest * 0.999
@@ -383,6 +583,25 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
         said = float(re.search(r"works is ([0-9.e+]+) bytes", str(info.value)).group(1))
         assert said == pytest.approx(smallest, rel=1e-5)
         plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest)
+    elif smallest > 0:
+        # pdjax: the sound smallest limit always works; below every configuration's exact
+        # memory nothing does, and the message gives the sound smallest.
+        plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest)
+        exact_smallest = min(
+            exact_memory(ref, flat_stages(ref, t))
+            for t in configs(ref, top, 0, len(layers) - 1, False, False)
+        )
+        assert exact_smallest <= smallest * (1 + 1e-9)
+        with pytest.raises(PlanError, match="smallest limit that works") as info:
+            plan_pipedream(
+                profile,
+                topo,
+                cost_model=model,
+                schedule=schedule,
+                memory_limit=exact_smallest * 0.999,
+            )
+        said = float(re.search(r"works is ([0-9.e+]+) bytes", str(info.value)).group(1))
+        assert said == pytest.approx(smallest, rel=1e-5)
 
 
 def test_memory_limit_is_respected_by_the_reported_memory():
@@ -465,9 +684,11 @@ def test_dag_cut_bytes_count_every_crossing_output():
         evaluate_partition(profile, topo, [(0, c, 1), (c + 1, 3, 1)]).time_per_microbatch
         for c in range(3)
     ]
-    assert times[0] == pytest.approx(2 * 100 / 100.0)  # after 0: 0's output
-    assert times[1] == pytest.approx(2 * 110 / 100.0)  # after 1: 0's and 1's outputs
-    assert times[2] == pytest.approx(2 * 1010 / 100.0)  # after 2: 1's and 2's outputs
+    # One transfer each way (full duplex), and the round trip of stage 0 (2 in flight):
+    # (4 layers x 0.02 s + 2 a / B) / 2 = 0.04 + a / B.
+    assert times[0] == pytest.approx(0.04 + 100 / 100.0)  # after 0: 0's output
+    assert times[1] == pytest.approx(0.04 + 110 / 100.0)  # after 1: 0's and 1's outputs
+    assert times[2] == pytest.approx(0.04 + 1010 / 100.0)  # after 2: 1's and 2's outputs
     best = plan_pipedream(profile, topo, straight=True)
     assert best.stages[0].last_layer == 0
 
@@ -521,13 +742,30 @@ def test_memory_per_device_formula():
     for s, stage in enumerate(plan.stages):
         lp = profile.layers[stage.first_layer]
         inflight = 4 - s
+        # inflight versions, no optimizer state, no accumulator (pipedream), and the
+        # update's transient new weights (1 + k = 1).
         assert stage.memory_bytes == pytest.approx(
-            lp.param_bytes * inflight + lp.stash_bytes * inflight
+            lp.param_bytes * (inflight + 1) + lp.stash_bytes * inflight
         )
     adam = plan_pipedream(profile, Topology.flat(4, 1e9), straight=True)
+    # Adam: the state (2) and the transient new state (2).
     assert adam.stages[-1].memory_bytes == pytest.approx(
-        plan.stages[-1].memory_bytes + 2 * profile.layers[-1].param_bytes
+        plan.stages[-1].memory_bytes + 4 * profile.layers[-1].param_bytes
     )
+    # Flush schedules and 2bw also keep a gradient accumulator.
+    for schedule, versions in (("1f1b", 1), ("2bw", 2)):
+        flush = plan_pipedream(
+            profile,
+            Topology.flat(4, 1e9),
+            straight=True,
+            schedule=schedule,
+            optimizer_state_factor=0,
+        )
+        for s, stage in enumerate(flush.stages):
+            lp = profile.layers[stage.first_layer]
+            assert stage.memory_bytes == pytest.approx(
+                lp.param_bytes * (versions + 1 + 1) + lp.stash_bytes * (4 - s)
+            ), schedule
 
 
 def test_microbatch_size_scales_time_and_activations_not_weights():
@@ -537,7 +775,7 @@ def test_microbatch_size_scales_time_and_activations_not_weights():
     half = plan_pipedream(profile, topo, microbatch_size=8)
     assert half.time_per_microbatch == pytest.approx(full.time_per_microbatch / 2)
     assert half.microbatch_size == 8 and full.microbatch_size == 16
-    weights = sum(lp.param_bytes for lp in profile.layers) * (1 + 2)
+    weights = sum(lp.param_bytes for lp in profile.layers) * (1 + 2 + 1 + 2)
     stash = sum(lp.stash_bytes for lp in profile.layers)
     assert full.stages[0].memory_bytes == pytest.approx(weights + stash)
     assert half.stages[0].memory_bytes == pytest.approx(weights + stash / 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 
@@ -165,6 +166,211 @@ def test_peak_memory_counts_versions_stash_and_optimizer_state():
     both = simulate(interleaved(2, 4, 2), PipelineCosts.build([stage] * 4))
     assert both.peak_in_flight == (4, 3, 2, 1)
     assert both.peak_memory == (2 * 1007 + 5 * 10, 2 * 1007 + 3 * 10)
+
+
+def test_latency_per_cut_adds_to_each_transfer_on_its_cut():
+    stage = StageCosts(1.0, 1.0, 1.0)
+    # One microbatch through 3 stages: 3 x (F + B) = 9 s of compute on the critical path,
+    # and each cut crossed twice (activation, gradient).
+    scalar = simulate(gpipe(3, 1), PipelineCosts.build([stage] * 3, link_latency=0.5))
+    assert scalar.makespan == pytest.approx(9.0 + 4 * 0.5)
+    per_cut = simulate(gpipe(3, 1), PipelineCosts.build([stage] * 3, link_latency=[1.0, 10.0]))
+    assert per_cut.makespan == pytest.approx(9.0 + 2 * 1.0 + 2 * 10.0)
+    took = sorted((t.src, t.dst, t.end - t.start) for t in per_cut.timeline.transfers)
+    assert took == [(0, 1, 1.0), (1, 0, 1.0), (1, 2, 10.0), (2, 1, 10.0)]
+    # the same latency on every cut, given either way, plays the same timeline
+    timelines = [
+        simulate(one_f_one_b(3, 6), PipelineCosts.build([stage] * 3, link_latency=x)).timeline
+        for x in (0.5, (0.5, 0.5))
+    ]
+    assert timelines[0] == timelines[1]
+    assert len(timelines[0].transfers) == 4 * 6
+
+
+def test_gradients_travel_at_the_backward_bandwidth():
+    stages = [StageCosts(1.0, 1.0, 1.0, activation_bytes=100), StageCosts(1.0, 1.0, 1.0)]
+    costs = PipelineCosts.build(stages, link_bandwidth=50.0, link_bandwidth_back=25.0)
+    sim = simulate(gpipe(2, 1), costs)
+    # F0 [0, 1], activation 100 B at 50 B/s [1, 3], F1 [3, 4], B1 [4, 6], gradient at
+    # 25 B/s [6, 10], B0 [10, 12].
+    assert [(t.src, t.dst, t.start, t.end) for t in sim.timeline.transfers] == [
+        (0, 1, 1.0, 3.0),
+        (1, 0, 6.0, 10.0),
+    ]
+    assert sim.makespan == pytest.approx(12.0)
+    symmetric = PipelineCosts.build(stages, link_bandwidth=50.0)
+    assert simulate(gpipe(2, 1), symmetric).makespan == pytest.approx(10.0)
+
+
+def test_measured_allreduce_replaces_the_ring_formula():
+    stage = StageCosts(1.0, 1.0, 1.0, update=0.5, param_bytes=100)
+    ring = PipelineCosts.build([stage, stage], allreduce_bandwidth=10.0)
+    measured = PipelineCosts.build(
+        [stage, stage], allreduce_bandwidth=10.0, allreduce_seconds=[3.0, None]
+    )
+    # ring over r = 2 for stage 0: 2 (r - 1) / r * 100 / 10 = 10 s; measured: 3 s
+    for costs, want in [(ring, 10.5), (measured, 3.5)]:
+        sim = simulate(one_f_one_b(2, 4, replicas=[2, 1]), costs)
+        updates = [(s.group, s.end - s.start) for s in sim.timeline.spans if s.action.kind == "U"]
+        assert updates == [(0, want), (1, 0.5)]
+    # a stage given a number takes it whatever its replicas (here one device: the ring's 0)
+    one = PipelineCosts.build([stage, stage], allreduce_seconds=[None, 2.0])
+    sim = simulate(one_f_one_b(2, 4), one)
+    updates = [(s.group, s.end - s.start) for s in sim.timeline.spans if s.action.kind == "U"]
+    assert updates == [(0, 0.5), (1, 2.5)]
+    assert one.allreduce(0, 4) == 0.0 and one.allreduce(1, 4) == 2.0
+
+
+def test_send_seconds_occupy_the_sender_before_the_transfer():
+    stages = [
+        StageCosts(1.0, 1.0, 1.0, activation_bytes=10, send_seconds=0.5),
+        StageCosts(1.0, 1.0, 1.0, send_seconds=0.25),
+    ]
+    sim = simulate(gpipe(2, 1), PipelineCosts.build(stages, link_bandwidth=10.0))
+    spans = {str(s.action): (s.start, s.end) for s in sim.timeline.spans}
+    # stage 0's F posts its activation (0.5 s) before the 1 s transfer; stage 1's B posts
+    # the gradient (0.25 s); the last F and the first B send nothing.
+    assert spans["0F0"] == (0.0, 1.5)
+    assert spans["1F0"] == (2.5, 3.5)
+    assert spans["1B0"] == (3.5, 5.75)
+    assert spans["0B0"] == (6.75, 8.75)
+    assert [(t.start, t.end) for t in sim.timeline.transfers] == [(1.5, 2.5), (5.75, 6.75)]
+    # posting is per microbatch sent: a round-robin action over 2 posts twice
+    rr = [StageCosts(1.0, 1.0, 1.0, send_seconds=0.5), StageCosts(1.0, 1.0, 1.0)]
+    sim = simulate(
+        pipedream(2, 4, replicas=[2, 1], replication="round-robin"), PipelineCosts.build(rr)
+    )
+    forward = [s.end - s.start for s in sim.timeline.spans if str(s.action).startswith("0F")]
+    assert forward and all(d == pytest.approx(2 * 1.0 + 2 * 0.5) for d in forward)
+
+
+def test_new_costs_are_validated():
+    stage = StageCosts(1.0, 1.0, 1.0)
+    with pytest.raises(
+        ScheduleError, match=r"link_latency has 1 entries; expected 2 \(one per cut\)"
+    ):
+        PipelineCosts.build([stage] * 3, link_latency=[1.0])
+    with pytest.raises(ScheduleError, match="link_latency must be finite numbers >= 0"):
+        PipelineCosts.build([stage] * 3, link_latency=[1.0, -1.0])
+    with pytest.raises(ScheduleError, match="link_latency must be a finite number >= 0"):
+        PipelineCosts.build([stage] * 3, link_latency=-0.1)
+    with pytest.raises(ScheduleError, match="link_latency must be a finite number >= 0"):
+        PipelineCosts.build([stage] * 3, link_latency=math.inf)
+    with pytest.raises(ScheduleError, match="link_bandwidth_back has 3 entries; expected 2"):
+        PipelineCosts.build([stage] * 3, link_bandwidth_back=[1.0, 1.0, 1.0])
+    with pytest.raises(ScheduleError, match="link_bandwidth_back must be > 0"):
+        PipelineCosts.build([stage] * 3, link_bandwidth_back=0.0)
+    with pytest.raises(
+        ScheduleError, match=r"allreduce_seconds has 2 entries; expected 3 \(one per stage\)"
+    ):
+        PipelineCosts.build([stage] * 3, allreduce_seconds=[1.0, None])
+    with pytest.raises(ScheduleError, match="allreduce_seconds must hold None or finite numbers"):
+        PipelineCosts.build([stage] * 2, allreduce_seconds=[None, -1.0])
+    with pytest.raises(ScheduleError, match=r"StageCosts\.send_seconds must be a finite number"):
+        StageCosts(1.0, 1.0, 1.0, send_seconds=-1.0)
+    with pytest.raises(ScheduleError, match=r"StageCosts\.input_bytes must be a finite number"):
+        StageCosts(1.0, 1.0, 1.0, input_bytes=-1)
+    with pytest.raises(ScheduleError, match="memory_model must be one of"):
+        PipelineCosts.build([stage], memory_model="exact")
+    # lists (as JSON gives them) become tuples: the costs stay hashable and comparable
+    listed = PipelineCosts((stage, stage), (1.0,), (1.0, 1.0), [0.5], [2.0], [None, 1.0])
+    assert listed == PipelineCosts.build(
+        [stage, stage],
+        link_bandwidth=1.0,
+        allreduce_bandwidth=1.0,
+        link_latency=[0.5],
+        link_bandwidth_back=2.0,
+        allreduce_seconds=(None, 1.0),
+    )
+    assert hash(listed) == hash(dataclasses.replace(listed))
+
+
+def test_interleave_keeps_the_new_fields_per_virtual_stage():
+    stages = [
+        StageCosts(2.0, 4.0, 6.0, activation_bytes=10, input_bytes=8, send_seconds=0.1),
+        StageCosts(2.0, 4.0, 6.0, input_bytes=3, cotangent_bytes=40, send_seconds=0.2),
+    ]
+    costs = PipelineCosts.build(
+        stages,
+        link_bandwidth=5.0,
+        link_latency=[0.5],
+        link_bandwidth_back=[4.0],
+        allreduce_seconds=[2.0, None],
+        memory_model="runtime",
+    ).interleave(2)
+    assert [st.input_bytes for st in costs.stages] == [8, 0, 0, 3]
+    assert [st.cotangent_bytes for st in costs.stages] == [0, 20, 0, 20]
+    assert [st.send_seconds for st in costs.stages] == [0.1, 0.2, 0.1, 0.2]
+    assert costs.link_latency == (0.5, 0.5, 0.5)
+    assert costs.link_bandwidth_back == (4.0, 4.0, 4.0)
+    assert costs.allreduce_seconds == (1.0, None, 1.0, None)
+    assert costs.memory_model == "runtime"
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def _memory(schedule, *stages, **options):
+    return simulate(schedule, PipelineCosts.build(stages, **options)).memory_by_action
+
+
+def test_runtime_memory_holds_the_gradient_sum_from_the_first_backward_to_the_update():
+    stage = StageCosts(1.0, 1.0, 1.0, param_bytes=1000, optimizer_bytes=100, stash_bytes=10)
+    schedule = gpipe(1, 2, steps=2)  # F0 F1 B1 B0 U | F2 F3 B3 B2 U
+    assert _memory(schedule, stage) == ((1110, 1120, 1120, 1110, 1100) * 2,)
+    runtime = _memory(schedule, stage, memory_model="runtime")
+    # + 1000 from the first B of a step to its U (the gradient sum), and from the second
+    # step on + 1000 for the weights the call started from, still alive
+    assert runtime == ((1110, 1120, 2120, 2110, 2100, 2110, 2120, 3120, 3110, 3100),)
+    placed = dataclasses.replace(stage, input_bytes=1)  # the microbatches not yet forwarded
+    assert _memory(schedule, placed, memory_model="runtime") == (
+        (1113, 1122, 2122, 2112, 2102, 2111, 2120, 3120, 3110, 3100),
+    )
+    # pipedream: the sum lives from each B to its U; version 0 stays alive after its update
+    stream = pipedream(1, 3)  # F0 B0 U F1 B1 U F2 B2 U
+    assert _memory(stream, stage) == ((1110, 1110, 1100) * 3,)
+    assert _memory(stream, stage, memory_model="runtime") == (
+        (1110, 2110, 2100, 2110, 3110, 3100, 2110, 3110, 3100),
+    )
+
+
+def test_runtime_memory_splits_placed_inputs_over_replicas():
+    first = StageCosts(1.0, 1.0, 1.0, input_bytes=8)
+    last = StageCosts(1.0, 1.0, 1.0, input_bytes=3)
+    memory = _memory(one_f_one_b(2, 2, replicas=[2, 1]), first, last, memory_model="runtime")
+    # group 0 (2 devices, 4 B per microbatch each): F0 F1 B0 B1 U; group 1: F0 B0 F1 B1 U
+    assert memory == ((4, 0, 0, 0, 0), (3, 3, 0, 0, 0))
+    assert _memory(one_f_one_b(2, 2, replicas=[2, 1]), first, last) == ((0,) * 5, (0,) * 5)
+
+
+def test_runtime_memory_keeps_zero_bubble_cotangents_from_i_to_w():
+    stage = StageCosts(1.0, 1.0, 1.0, stash_bytes=10, cotangent_bytes=5)
+    schedule = zb_h1(1, 2)  # F0 I0 W0 F1 I1 W1 U
+    assert _memory(schedule, stage) == ((10, 10, 10, 10, 10, 10, 0),)
+    assert _memory(schedule, stage, memory_model="runtime") == ((10, 15, 15, 10, 15, 15, 0),)
+
+
+def test_runtime_memory_counts_activations_in_transit():
+    stages = [
+        StageCosts(1.0, 1.0, 1.0, activation_bytes=100),
+        StageCosts(3.0, 1.0, 1.0),
+    ]
+    # 2 s per transfer each way. Group 0: F0 [0, 1] F1 [1, 2] B1 [13, 15] B0 [15, 17];
+    # activations on the link [1, 3] and [3, 5]. Group 1: F0 [3, 6] F1 [6, 9] B1 [9, 11]
+    # B0 [11, 13] U [13, 13]; gradients on the link [11, 13] and [13, 15].
+    sim = simulate(gpipe(2, 2), PipelineCosts.build(stages, link_bandwidth=50.0))
+    assert sim.memory_by_action == ((0,) * 5, (0,) * 5)
+    runtime = simulate(
+        gpipe(2, 2), PipelineCosts.build(stages, link_bandwidth=50.0, memory_model="runtime")
+    )
+    spans = {str(s.action): (s.start, s.end) for s in runtime.timeline.spans}
+    assert spans["1F1"] == (6.0, 9.0) and spans["0B0"] == (15.0, 17.0)
+    # group 0: the sent activation of mb 0 until 3 (F0, F1), of mb 1 until 5 (F1); the
+    # received gradients up to the B that reads each (mb 1 at B1, mb 0 at B0).
+    # group 1: mb 1's activation arrives at 5, during F0, and waits for F1 (which stashes
+    # it); the sent gradient of mb 1 until 13 (B1, B0), of mb 0 until 15 (B0, U).
+    assert runtime.memory_by_action == ((100, 200, 100, 100, 0), (100, 0, 100, 200, 100))
+    assert runtime.peak_memory == (200, 200)
 
 
 def test_costs_and_schedule_must_agree_on_stages():

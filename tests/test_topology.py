@@ -103,3 +103,29 @@ def test_other_bad_input():
         Topology((Level(4, 1e9),), device_ids=(0, 1, 2))
     with pytest.raises(PlanError, match="not a pdjax topology"):
         Topology.from_dict({"format": "x"})
+
+
+def test_latency_per_level_round_trips_and_defaults_to_zero():
+    topo = Topology.from_levels([4, 2], [1e10, 1.25e9], latencies=[5e-6, 1e-4])
+    assert [lvl.latency for lvl in topo.levels] == [5e-6, 1e-4]
+    assert "latency 5e-06, 0.0001 s" in topo.describe()
+    assert Topology.from_json(topo.to_json()) == topo
+    # JSON written before the field existed reads as 0.
+    data = topo.to_dict()
+    for lvl in data["levels"]:
+        del lvl["latency"]
+    old = Topology.from_dict(data)
+    assert [lvl.latency for lvl in old.levels] == [0.0, 0.0]
+    assert Topology.from_levels([4], [1e9]).levels[0].latency == 0.0
+    assert "latency" not in Topology.flat(4, 1e9).describe()
+
+
+@pytest.mark.parametrize("bad", [-1.0, math.inf, math.nan, "1", True])
+def test_bad_latency(bad):
+    with pytest.raises(PlanError, match="latency must be a finite number"):
+        Topology([Level(4, 1e9, "", bad)])
+
+
+def test_latencies_need_one_per_level():
+    with pytest.raises(PlanError, match="1 latencies"):
+        Topology.from_levels([4, 4], [1e10, 1e9], latencies=[0.0])

@@ -8,7 +8,7 @@ import importlib
 __all__ = ["COMMANDS", "register_all"]
 
 #: Subcommand modules, in the order the help lists them.
-COMMANDS = ("profile", "plan", "simulate", "train", "bench")
+COMMANDS = ("profile", "calibrate", "plan", "simulate", "train", "bench")
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

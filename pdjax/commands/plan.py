@@ -81,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=2.0,
         help="optimizer state bytes per parameter byte (Adam 2, SGD 0)",
     )
+    p.add_argument(
+        "--calibration",
+        help="a calibration JSON (pdjax calibrate) for this model and microbatch size: "
+        "measured stage seconds and all-reduces replace the profile's where measured",
+    )
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
     p.add_argument("--out", help="write the plan JSON here")
     p.set_defaults(func=run)
@@ -126,6 +131,19 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state_factor=args.optimizer_state_factor,
         replication=args.replication,
     )
+    if args.calibration:
+        if args.partitioner != "pipedream":
+            raise PlanError(
+                "--calibration prices the optimizer's search: use --partitioner pipedream"
+            )
+        from pdjax.calibrate import Calibration
+
+        cal = Calibration.load(args.calibration)
+        size = args.microbatch_size or profile.batch_size
+        cal.check(layers=[layer.name for layer in profile.layers], microbatch_size=size)
+        M = args.microbatches or topology.num_devices
+        common["stage_seconds"] = cal.stage_seconds(args.schedule, M)
+        common["allreduce_seconds"] = cal.allreduce_function()
     if args.partitioner == "pipedream":
         if args.stages is not None:
             raise PlanError("--stages is for the simpler partitioners; the optimizer picks them")

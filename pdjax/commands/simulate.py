@@ -105,6 +105,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "pipedream; auto (default): as the plan records for its own schedule, else "
         "round-robin under pipedream and split under the others",
     )
+    p.add_argument(
+        "--calibration",
+        help="with --plan: a calibration JSON (pdjax calibrate) for this model, microbatch size "
+        "and devices: measured stages, links and all-reduces replace the profile's estimates",
+    )
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="with --calibration: price stages it did not measure from the profile (times its "
+        "profile ratio) instead of refusing",
+    )
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument(
         "--no-weight-stashing",
@@ -137,6 +148,8 @@ def _default_stream(stages: int, microbatches: int) -> int:
 
 def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]:
     """Each requested schedule with its simulation, or the reason it cannot run."""
+    if args.calibration and not args.plan:
+        raise ScheduleError("--calibration prices a plan's stages: give --plan and --profile")
     if args.unit_costs is not None:
         if args.plan or args.profile:
             raise ScheduleError("give either --unit-costs (with --stages) or --plan/--profile")
@@ -154,6 +167,11 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
 
     elif args.plan and args.profile:
         plan, profile = _load(args.plan, args.profile)
+        calibration = None
+        if args.calibration:
+            from pdjax.calibrate import Calibration
+
+            calibration = Calibration.load(args.calibration)
         stages, replicas = plan.num_stages, plan.replicas
         if args.stages is not None and args.stages != stages:
             raise ScheduleError(
@@ -162,6 +180,10 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             )
 
         def costs_for(chunks: int) -> PipelineCosts:
+            if calibration is not None:
+                return _costs.costs_from_plan(
+                    plan, profile, chunks=chunks, calibration=calibration, partial=args.partial
+                )
             return _costs.costs_from_plan(plan, profile, chunks=chunks)
 
     else:

@@ -14,11 +14,15 @@ Three models, selected by name (``cost_model=``). Notation, for a stage holding 
 
 ``pdjax`` (the default; what pdjax's runtime and simulator do): a replicated stage on ``m``
 units costs ``C / m`` per microbatch in steady state, and all-reduces its weight gradients
-once per optimizer update, a ring all-reduce of ``2 (m-1)/m W / B`` seconds. The update
-needs the reduced gradient before the next forward, so the all-reduce adds to compute::
+once per optimizer update, a ring all-reduce of ``2 (m-1)`` messages: ``2 (m-1) * lat +
+2 (m-1)/m * W / B`` seconds (``lat``: the level's per-message
+:attr:`~pdjax.partition.Level.latency`). The update needs the reduced gradient before the
+next forward, so the all-reduce adds to compute. Links are full duplex, one per direction
+(as in the simulator): the activation goes forward on one, its gradient comes back on the
+other, so a cut costs one transfer's time per microbatch::
 
-    stage(i..j, m) = C / m + 2 (m-1)/m * W / B / u
-    cut(s)         = 2 a_s / B             (a_s / B each way; one link per cut)
+    stage(i..j, m) = C / m + (2 (m-1) * lat + 2 (m-1)/m * W / B) / u
+    cut(s)         = a_s / B + lat
 
 ``u`` is the number of microbatches per all-reduce, which depends on the stage's
 *replication* mode (DESIGN.md, "Schedules and their semantics"):
@@ -66,7 +70,35 @@ whole, used both for one-stage ranges and for a split's prefix); the original di
 all-reduce by ``g`` there and not in the last-stage term, and pdjax reproduces that.
 
 In every model the objective is the slowest term: the maximum over stages and cuts, the
-time per microbatch of the pipeline in steady state.
+time per microbatch of the pipeline in steady state. ``pdjax`` adds the *round-trip bound*
+for schedules whose stage ``s`` holds at most ``T_s`` microbatches in flight between its
+forward and its backward (``pipedream``, ``1f1b``, ``2bw``, ``zb-h1``: ``T_s = P - s``,
+``min(P - s, M)`` for the flush ones): by Little's law stage ``s`` cannot finish more than
+``T_s`` microbatches per round trip of one microbatch from ``s`` to the last stage and back,
+so with ``C_t`` the stage term of stage ``t`` and ``cut_t`` the term of the cut after it::
+
+    RT_s   = sum_{t >= s} n_t C_t + 2 sum_{s <= t < P-1} cut_t
+    period = max( max_t C_t, max_t cut_t, max_s RT_s / T_s )
+
+``n_t`` is 1 for a split stage; a round-robin stage (below) holds a microbatch for a whole
+group's action, ``n_t = r_t`` times its per-microbatch term, and ``T_s = q_s n_s``
+(:func:`groups_in_flight`). ``gpipe`` (``M`` in flight, its flush bubble is outside every
+model) and ``interleaved`` (its in-flight count depends on the chunks, which the planner
+does not know) get no round-trip term. The dynamic program's treatment of this term is in
+:mod:`pdjax.partition.pipedream`; :func:`partition_terms` and :func:`round_trip_time`
+compute it for given stages, and every plan's ``time_per_microbatch`` includes it.
+
+Calibration (``pdjax`` only): ``stage_seconds(first, last, replicas, replication)`` may
+return measured seconds per microbatch of a stage's compute on one of its devices (its
+share: what replaces ``C / m``), and ``allreduce_seconds(param_bytes, devices)`` measured
+seconds of one all-reduce (what replaces ``2 (m-1) * lat + 2 (m-1)/m * W / B``); ``None``
+falls back to the formulas.
+
+Data parallelism (``data_parallel_time``, the baseline of ``speedup_over_data_parallel``)
+under ``pdjax`` is what :class:`pdjax.baselines.DataParallel` and ``pdjax.cluster`` run:
+each of the ``N`` devices takes one microbatch per step, then one all-reduce per step (a
+hierarchical ring, each level's ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``), whatever
+the schedule: ``(C + sum_k allreduce_k) / N`` per microbatch.
 
 Times and activation bytes are those of one microbatch: the profile's values (for
 ``Profile.batch_size`` samples) times ``microbatch_size / batch_size``; parameter bytes do
@@ -76,10 +108,17 @@ profiles) cost nothing and hold no activation across a cut (:func:`model_arrays`
 
 Memory per device (bytes):
 
-* ``pdjax``: ``W (versions + k) + stash * in_flight / r`` with ``r`` the devices of the
-  stage, ``k`` the optimizer-state factor (2 for Adam), ``versions`` the weight versions the
-  schedule keeps (``pipedream``: the in-flight count, ``2bw``: 2, flush schedules: 1) and
-  ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`. A round-robin
+* ``pdjax``: ``W (versions + k + g + 1 + k) + stash * in_flight / r`` with ``r`` the
+  devices of the stage, ``k`` the optimizer-state factor (2 for Adam), ``versions`` the
+  weight versions the schedule keeps (``pipedream``: the in-flight count, ``2bw``: 2, flush
+  schedules: 1), ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`,
+  ``g`` the gradient accumulator (1 under the flush schedules and ``2bw``, which sum the
+  gradients of ``M`` microbatches in one parameter-sized buffer; 0 under ``pipedream``,
+  whose gradient lives only until its update) and ``1 + k`` the update's transient (the
+  new weights and the new optimizer state exist next to the old ones until the old are
+  freed). The transient is charged at the stage's peak of stashed activations, which is
+  conservative by at most one microbatch's stash (a 1F1B update follows a backward)
+  (:func:`update_copies`). A round-robin
   stage holds ``q`` groups of ``r`` microbatches (``in_flight = q r``, :func:`groups_in_flight`),
   i.e. ``q`` whole stashes per device, and under ``pipedream`` keeps ``q`` versions: the
   same formula;
@@ -94,7 +133,12 @@ dynamic program does not know ``P - s`` while it builds a prefix, so its memory 
 it by ``1 +`` the devices after the stage (and the layers after it); inside a server of a
 hierarchical topology the devices of other servers count as "after" and replication across
 servers is not credited. The check is sound (a plan it accepts fits) and can be
-conservative. With round-robin stages the in-flight counts follow the group sizes
+conservative. Under ``pdjax`` the planner therefore first runs the program with an
+optimistic check (a lower bound: ``T_s >= 2`` before the last stage, replication credited
+across every level) and verifies the plan it returns with its exact memory: a plan that
+fits is optimal among all that fit; otherwise it runs the sound check
+(``plan.options["memory_check"]`` says which: ``"verified"`` or ``"bound"``).
+With round-robin stages the in-flight counts follow the group sizes
 (:func:`groups_in_flight`): stage ``s`` holds ``T_s = q_s n_s`` microbatches, which is at
 most ``2 D_s - 2`` for ``D_s`` the devices of stages ``s..P-1`` (``2 D_s - 1`` counting
 the last stage; ``n_s``: the stage's replicas if round-robin, else 1) whatever the modes of
@@ -447,6 +491,8 @@ def stage_time(
     updates_per_microbatch: float,
     first: bool = False,
     inner_units: int = 1,
+    latency: float = 0.0,
+    allreduce: np.ndarray | float | None = None,
 ) -> np.ndarray:
     """Seconds per microbatch of a stage replicated on ``m`` units (see the module doc).
 
@@ -459,11 +505,16 @@ def stage_time(
       updates_per_microbatch: ``1/u`` (pdjax only).
       first: the range replicated whole (``pipedream-code``'s initial value).
       inner_units: ``g``, units of the level below (``pipedream-code`` only).
+      latency: seconds per message at this level (``pdjax`` only).
+      allreduce: seconds of one all-reduce, replacing the ring formula (``pdjax`` only;
+        calibration).
     """
     inner = np.asarray(inner, dtype=np.float64)
     weights = np.asarray(weights, dtype=np.float64)
     if model == "pdjax":
-        return inner / m + (2.0 * (m - 1) / m) * weights / bandwidth * updates_per_microbatch
+        if allreduce is None:
+            allreduce = ring_allreduce(weights, m, bandwidth, latency)
+        return inner / m + np.asarray(allreduce, dtype=np.float64) * updates_per_microbatch
     if model == "paper":
         return np.maximum(inner, 2.0 * (m - 1) * weights / bandwidth) / m
     allreduce = 4.0 * (m - 1) * weights / (bandwidth * m)
@@ -472,8 +523,26 @@ def stage_time(
     return (inner + allreduce) / m
 
 
+def ring_allreduce(
+    weights: np.ndarray | float, m: int, bandwidth: float, latency: float = 0.0
+) -> np.ndarray:
+    """Seconds of a ring all-reduce of ``weights`` bytes over ``m`` units: ``2 (m-1)``
+    messages of ``W / m`` bytes, ``2 (m-1) * latency + 2 (m-1)/m * W / B``.
+
+    >>> float(ring_allreduce(100.0, 4, 10.0, 0.5))
+    18.0
+    """
+    weights = np.asarray(weights, dtype=np.float64)
+    return (2.0 * (m - 1) / m) * weights / bandwidth + 2.0 * (m - 1) * latency
+
+
 def cut_time(
-    model: str, cut_before: np.ndarray, cut_after: np.ndarray, m: int, bandwidth: float
+    model: str,
+    cut_before: np.ndarray,
+    cut_after: np.ndarray,
+    m: int,
+    bandwidth: float,
+    latency: float = 0.0,
 ) -> np.ndarray:
     """Seconds per microbatch of the transfers charged to a stage that follows a cut.
 
@@ -484,12 +553,15 @@ def cut_time(
         ``pipedream-code`` charges them to this stage.
       m: the stage's replicas at this level.
       bandwidth: bytes/s at this level.
+      latency: seconds per message (``pdjax`` only: full-duplex links, ``a / B + latency``).
     """
     before, after = np.broadcast_arrays(
         np.asarray(cut_before, dtype=np.float64), np.asarray(cut_after, dtype=np.float64)
     )
     if model == "pipedream-code":
         return 2.0 * np.maximum(before, after) / (bandwidth * m)
+    if model == "pdjax":
+        return before / bandwidth + latency
     return 2.0 * before / bandwidth
 
 
@@ -504,6 +576,7 @@ def stage_memory(
     versions: np.ndarray | int,
     optimizer_state_factor: float,
     units_after: np.ndarray | int = 0,
+    update_copies: float = 0.0,
 ) -> np.ndarray:
     """Bytes per device of a stage (see the module doc).
 
@@ -517,11 +590,13 @@ def stage_memory(
       versions: weight versions kept (``pdjax``).
       optimizer_state_factor: optimizer state bytes per parameter byte (Adam: 2, SGD: 0).
       units_after: units after the stage at this level (``pipedream-code``).
+      update_copies: parameter-sized buffers of the gradient accumulator and the update's
+        transient (``pdjax``; :func:`update_copies`).
     """
     weights = np.asarray(weights, dtype=np.float64)
     if model == "pdjax":
         return (
-            weights * (np.asarray(versions) + optimizer_state_factor)
+            weights * (np.asarray(versions) + optimizer_state_factor + update_copies)
             + np.asarray(stash) * np.asarray(in_flight_count) / replicas
         )
     if model == "paper":
@@ -529,6 +604,183 @@ def stage_memory(
         return weights * (q + optimizer_state_factor) + np.asarray(stash) * q
     q = -(-np.asarray(units_after) // replicas)
     return q * (np.asarray(act) + weights)
+
+
+def update_copies(schedule: str, optimizer_state_factor: float) -> float:
+    """Parameter-sized buffers a ``pdjax`` stage holds besides its weight versions and
+    optimizer state, at the moment of an update: the gradient accumulator (1 under the
+    flush schedules and ``2bw``, 0 under ``pipedream``) plus the update's transient new
+    weights and new optimizer state (``1 + k``).
+
+    >>> update_copies("pipedream", 2.0), update_copies("1f1b", 2.0), update_copies("2bw", 0.0)
+    (3.0, 4.0, 2.0)
+    """
+    accumulator = 0.0 if schedule_traits(schedule).update_per_microbatch else 1.0
+    return accumulator + 1.0 + float(optimizer_state_factor)
+
+
+def has_round_trip(schedule: str, model: str = "pdjax") -> bool:
+    """Whether the ``model``'s objective has the round-trip bound under ``schedule``
+    (``pdjax`` with ``pipedream``, ``1f1b``, ``2bw`` or ``zb-h1``)."""
+    return (
+        model == "pdjax"
+        and schedule_traits(schedule).pipelined_in_flight
+        and schedule != "interleaved"
+    )
+
+
+def calibrated(value: object, what: str) -> float | None:
+    """A calibration callable's answer as seconds, or None. Raises PlanError for anything
+    that is not None or a finite number >= 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise PlanError(f"{what} must return seconds (a number) or None, got {value!r}")
+    value = float(value)
+    if not value >= 0 or not math.isfinite(value):
+        raise PlanError(f"{what} must return finite seconds >= 0 or None, got {value!r}")
+    return value
+
+
+def check_calibration(stage_seconds, allreduce_seconds, cost_model: str) -> None:
+    """Raises PlanError for calibration hooks that are not callables, or under a cost model
+    other than ``pdjax`` (``paper`` and ``pipedream-code`` are published formulas)."""
+    for name, fn in (("stage_seconds", stage_seconds), ("allreduce_seconds", allreduce_seconds)):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise PlanError(f"{name} must be a callable or None, got {type(fn).__name__}")
+        if cost_model != "pdjax":
+            raise PlanError(
+                f"{name} calibrates the pdjax cost model only; {cost_model} reproduces a "
+                "published formula"
+            )
+
+
+def partition_terms(
+    arrays: ModelArrays,
+    topology: Topology,
+    stages: list[tuple[int, int, list[int]]] | list[tuple[int, int, tuple[int, ...]]],
+    modes: tuple[str, ...] | list[str],
+    *,
+    model: str,
+    schedule: str,
+    num_microbatches: int,
+    stage_seconds=None,
+    allreduce_seconds=None,
+) -> tuple[list[float], list[float]]:
+    """``(stage terms, cut terms)`` of a pipeline: per stage its time per microbatch, and
+    (``pdjax``, ``paper``) per cut between stages ``t`` and ``t + 1`` its transfer time, or
+    (``pipedream-code``) every transfer term the original charges.
+
+    ``stages`` are ``(first, last, device positions)``. A stage's all-reduce is
+    hierarchical, as the program and :func:`data_parallel_time` price it: a ring at each
+    level up to the innermost one whose group holds all its devices, over the units of
+    that level it occupies in one group of the level above (on one level: one ring over
+    its ``r`` devices). A cut transfers at the bandwidth (and latency) of the innermost
+    level holding both stages.
+    """
+    P = len(stages)
+    u = updates_per_microbatch(schedule, num_microbatches)
+    levels = topology.levels
+
+    def level_of(positions) -> int:
+        return topology.link_level(min(positions), max(positions))
+
+    stage_terms: list[float] = []
+    cut_terms: list[float] = []
+    for t, (a, b, positions) in enumerate(stages):
+        r = len(positions)
+        level = levels[level_of(positions)]
+        sl = slice(a, b + 1)
+        compute = math.fsum(arrays.compute[sl])
+        weights = math.fsum(arrays.params[sl])
+        if model == "pdjax":
+            measured = None
+            if stage_seconds is not None:
+                measured = calibrated(stage_seconds(a, b, r, modes[t]), "stage_seconds")
+            ar = None
+            if allreduce_seconds is not None and r > 1:
+                ar = calibrated(allreduce_seconds(weights, tuple(positions)), "allreduce_seconds")
+            if ar is None:
+                ar = hierarchical_allreduce(topology, positions, weights)
+            per = allreduces_per_microbatch(schedule, num_microbatches, modes[t], r)
+            own = compute / r if measured is None else measured
+            stage_terms.append(own + ar * per)
+        else:
+            stage_terms.append(
+                float(
+                    stage_time(
+                        model,
+                        compute,
+                        weights,
+                        r,
+                        level.bandwidth,
+                        updates_per_microbatch=u,
+                        first=t == 0,
+                    )
+                )
+            )
+    for t in range(P - 1):
+        both = list(stages[t][2]) + list(stages[t + 1][2])
+        level = levels[level_of(both)]
+        before = float(arrays.cut[stages[t][1]])
+        if model == "pipedream-code":
+            r_next = len(stages[t + 1][2])
+            b_next = stages[t + 1][1]
+            cut_terms.append(2.0 * before / (level.bandwidth * r_next))
+            if t + 1 < P - 1:
+                after_level = levels[level_of(list(stages[t + 1][2]) + list(stages[t + 2][2]))]
+                cut_terms.append(2.0 * float(arrays.cut[b_next]) / (after_level.bandwidth * r_next))
+        else:
+            cut_terms.append(float(cut_time(model, before, 0.0, 1, level.bandwidth, level.latency)))
+    return stage_terms, cut_terms
+
+
+def hierarchical_allreduce(topology: Topology, positions, weights: float) -> float:
+    """Seconds of the all-reduce of ``weights`` bytes over the devices at ``positions``:
+    at each level ``k`` up to the innermost one whose group holds them all, a ring over
+    the level-``k`` units they occupy in one group of level ``k + 1`` (the most in any).
+
+    >>> topo = Topology.from_levels([4, 2], [100.0, 10.0])
+    >>> hierarchical_allreduce(topo, [0, 1, 4, 5], 100.0)  # 2 per server, 2 servers
+    11.0
+    """
+    positions = list(positions)
+    if len(positions) <= 1:
+        return 0.0
+    top = topology.link_level(min(positions), max(positions))
+    total = 0.0
+    for k in range(top + 1):
+        unit, group = topology.group_size(k), topology.group_size(k + 1)
+        per_group: dict[int, set[int]] = {}
+        for p in positions:
+            per_group.setdefault(p // group, set()).add(p // unit)
+        n = max(len(units) for units in per_group.values())
+        level = topology.levels[k]
+        total += float(ring_allreduce(weights, n, level.bandwidth, level.latency))
+    return total
+
+
+def round_trip_time(
+    stage_terms: list[float],
+    cut_terms: list[float],
+    in_flight_counts: list[int] | tuple[int, ...],
+    units: list[int] | tuple[int, ...],
+) -> float:
+    """``max_s RT_s / T_s`` (the module doc): ``RT_s = sum_{t>=s} n_t C_t + 2 sum_{s<=t<P-1}
+    cut_t``, ``T_s`` the in-flight count of stage ``s`` and ``n_t`` its group size.
+
+    >>> round_trip_time([1.0, 1.0], [0.5], [2, 1], [1, 1])
+    1.5
+    """
+    P = len(stage_terms)
+    best = 0.0
+    for s in range(P):
+        trip = math.fsum(units[t] * stage_terms[t] for t in range(s, P))
+        trip += 2.0 * math.fsum(cut_terms[s : P - 1])
+        best = max(best, trip / in_flight_counts[s])
+    return best
 
 
 def ceil_div(a: int, b: int) -> int:
@@ -542,24 +794,39 @@ def data_parallel_time(
     updates_per_microbatch: float,
     *,
     per_round: bool = False,
+    stage_seconds=None,
+    allreduce_seconds=None,
 ) -> float:
     """Seconds per microbatch of data parallelism over the whole topology: every level
     replicates the whole model (PipeDream's data-parallel model, under ``model``).
 
-    ``per_round`` (``pdjax`` only): data parallelism as PipeDream runs it, each of the
-    ``N`` devices one microbatch, then one hierarchical all-reduce (each level's ring,
-    ``2 (n_k - 1)/n_k W / B_k``): ``(C + sum_k 2 (n_k - 1)/n_k W / B_k) / N``. Otherwise
-    every level all-reduces ``updates_per_microbatch`` times per microbatch (once per step of
-    ``M`` for the flush schedules and ``2bw``; per microbatch would make ``pipedream``'s
-    baseline a strawman)."""
+    ``pdjax`` (whatever ``per_round`` says): data parallelism as
+    :class:`pdjax.baselines.DataParallel` and ``pdjax.cluster`` run it, a step of ``N``
+    microbatches, one per device, then one hierarchical all-reduce (each level's ring,
+    ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``): ``(C + sum_k allreduce_k) / N``.
+    With calibration, ``stage_seconds(0, L-1, N, "round-robin")`` replaces ``C / N`` and
+    ``allreduce_seconds(W, all positions)`` the sum of the rings. The other models: every
+    level all-reduces ``updates_per_microbatch`` times per microbatch (PipeDream's
+    data-parallel model)."""
     value = math.fsum(arrays.compute)
     weights = math.fsum(arrays.params)
-    if per_round and model == "pdjax":
-        total = value + math.fsum(
-            2.0 * (level.workers - 1) / level.workers * weights / level.bandwidth
-            for level in topology.levels
-        )
-        return total / topology.num_devices
+    if model == "pdjax":
+        N = topology.num_devices
+        rings = None
+        if allreduce_seconds is not None and N > 1:
+            rings = calibrated(allreduce_seconds(weights, tuple(range(N))), "allreduce_seconds")
+        if rings is None:
+            rings = math.fsum(
+                float(ring_allreduce(weights, level.workers, level.bandwidth, level.latency))
+                for level in topology.levels
+            )
+        own = None
+        if stage_seconds is not None:
+            own = calibrated(
+                stage_seconds(0, arrays.num_layers - 1, N, "round-robin" if N > 1 else "split"),
+                "stage_seconds",
+            )
+        return (value / N if own is None else own) + rings / N
     for k, level in enumerate(topology.levels):
         value = float(
             stage_time(

@@ -13,21 +13,22 @@ and for users who know what they want.
 Evaluation places stage ``t`` on the next ``r_t`` devices of the topology. A replicated
 stage all-reduces at the bandwidth of the innermost level whose group holds all its
 devices; a cut transfers at the bandwidth of the innermost level holding both stages. On a
-one-level topology this is exactly the cost model of the dynamic program, so
-``evaluate_partition`` of a plan's stages gives back its ``time_per_microbatch``. A
+one-level topology this is exactly the cost model of the dynamic program (round-trip bound
+included), so ``evaluate_partition`` of a plan's stages gives back its
+``time_per_microbatch``. A
 round-robin stage on ``r`` devices all-reduces once per group of ``r`` microbatches under
 ``pipedream`` (see :mod:`pdjax.partition.cost`), a flat ring at that level's bandwidth.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pdjax.errors import PlanError
 from pdjax.partition import cost
-from pdjax.partition.pipedream import build_plan, check_options
+from pdjax.partition.pipedream import build_plan, check_options, pipeline_time
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
 from pdjax.profile.profile import Profile
@@ -112,6 +113,8 @@ def evaluate_partition(
     memory_limit: float | None = None,
     partitioner: str = "manual",
     replication: str | Sequence[str] = "auto",
+    stage_seconds: Callable[[int, int, int, str], float | None] | None = None,
+    allreduce_seconds: Callable[[float, tuple[int, ...] | int], float | None] | None = None,
 ) -> Plan:
     """A plan for the given stages, with the cost model's predictions.
 
@@ -129,6 +132,14 @@ def evaluate_partition(
         ``"auto"`` (round-robin where it is cheaper: replicated stages under ``pipedream``
         with the ``pdjax`` cost model; see :func:`~pdjax.partition.plan_pipedream`). A
         one-device stage is always recorded ``"split"``.
+      stage_seconds, allreduce_seconds: calibration (``pdjax`` only), as for
+        :func:`~pdjax.partition.plan_pipedream`; ``allreduce_seconds`` gets the tuple of
+        the stage's device positions.
+
+    Returns:
+      The plan; its ``time_per_microbatch`` is the slowest stage or cut term and, under
+      ``pdjax`` for the 1F1B-style schedules, at least the round-trip bound ``max_s RT_s /
+      T_s`` (:mod:`pdjax.partition.cost`).
 
     Raises:
       PlanError: stages that do not cover the layers contiguously, fewer than one replica,
@@ -138,6 +149,7 @@ def evaluate_partition(
     M, limit = check_options(
         topology, schedule, cost_model, num_microbatches, optimizer_state_factor, memory_limit
     )
+    cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
     if isinstance(replication, str):
         replication = [replication] * len(stages)
     replication = list(replication)
@@ -182,45 +194,31 @@ def evaluate_partition(
     u = cost.updates_per_microbatch(schedule, M)
     per_round = cost.schedule_traits(schedule).update_per_microbatch
     offsets = np.concatenate([[0], np.cumsum([r for _, _, r in stages])]).astype(int)
-    terms = []
-    P = len(stages)
-
-    def cut_bw(t: int) -> float:  # the cut between stages t and t+1
-        level = topology.link_level(int(offsets[t]), int(offsets[t + 2]) - 1)
-        return topology.levels[level].bandwidth
-
-    for t, (a, b, r) in enumerate(stages):
-        level = topology.link_level(int(offsets[t]), int(offsets[t + 1]) - 1)
-        terms.append(
-            float(
-                cost.stage_time(
-                    cost_model,
-                    float(arrays.compute[a : b + 1].sum()),
-                    float(arrays.params[a : b + 1].sum()),
-                    r,
-                    topology.levels[level].bandwidth,
-                    updates_per_microbatch=(
-                        cost.allreduces_per_microbatch(schedule, M, modes[t], r)
-                        if cost_model == "pdjax"
-                        else u
-                    ),
-                    first=t == 0,
-                )
-            )
-        )
-        if t == 0:
-            continue
-        before = arrays.cut[stages[t - 1][1]]
-        if cost_model == "pipedream-code":
-            terms.append(2.0 * before / (cut_bw(t - 1) * r))
-            if t < P - 1:
-                terms.append(2.0 * arrays.cut[b] / (cut_bw(t) * r))
-        else:
-            terms.append(2.0 * before / cut_bw(t - 1))
     flat = [
         (a, b, list(range(int(offsets[t]), int(offsets[t + 1]))))
         for t, (a, b, _) in enumerate(stages)
     ]
+    slowest, trip = pipeline_time(
+        arrays,
+        topology,
+        flat,
+        modes,
+        cost_model=cost_model,
+        schedule=schedule,
+        num_microbatches=M,
+        stage_seconds=stage_seconds,
+        allreduce_seconds=allreduce_seconds,
+    )
+    options = {}
+    if stage_seconds is not None or allreduce_seconds is not None:
+        options["calibrated"] = [
+            name
+            for name, fn in (
+                ("stage_seconds", stage_seconds),
+                ("allreduce_seconds", allreduce_seconds),
+            )
+            if fn is not None
+        ]
     return build_plan(
         profile,
         topology,
@@ -230,13 +228,19 @@ def evaluate_partition(
         schedule=schedule,
         partitioner=partitioner,
         num_microbatches=M,
-        time_per_microbatch=max(terms),
+        time_per_microbatch=max(slowest, trip),
         data_parallel_time=cost.data_parallel_time(
-            arrays, topology, cost_model, u, per_round=per_round
+            arrays,
+            topology,
+            cost_model,
+            u,
+            per_round=per_round,
+            stage_seconds=stage_seconds,
+            allreduce_seconds=allreduce_seconds,
         ),
         memory_limit=limit,
         optimizer_state_factor=float(optimizer_state_factor),
-        options={},
+        options=options,
         microbatch_size=microbatch_size,
         replication=modes,
     )

@@ -178,8 +178,19 @@ class _Search:
         optimizer_state_factor: float,
         objective: str = "time",
         round_robin: bool = False,
+        memory_mode: str = "bound",
+        stage_seconds=None,
+        allreduce_seconds=None,
     ) -> None:
         self.arrays = arrays
+        self.schedule = schedule
+        self.memory_mode = memory_mode if model == "pdjax" else "bound"
+        self.stage_seconds = stage_seconds if model == "pdjax" else None
+        self.allreduce_seconds = allreduce_seconds if model == "pdjax" else None
+        self.calibrated = self.stage_seconds is not None or self.allreduce_seconds is not None
+        self._cal: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+        self.update_copies = cost.update_copies(schedule, optimizer_state_factor)
+        self.microbatch_size: int | None = None
         self.topology = topology
         self.model = model
         self.traits = cost.schedule_traits(schedule)
@@ -231,8 +242,9 @@ class _Search:
         if k not in self._whole_num:
             num = self.compute.copy()
             for lower in self.topology.levels[:k]:
-                n = lower.workers
-                num = num + 2.0 * (n - 1) / n * self.weights / lower.bandwidth
+                num = num + cost.ring_allreduce(
+                    self.weights, lower.workers, lower.bandwidth, lower.latency
+                )
             if self.limit is not None:
                 n0 = self.topology.levels[0].workers
                 mem = self.own_memory(0, n0, 0)
@@ -245,7 +257,7 @@ class _Search:
         """Time per microbatch of ranges replicated whole below level ``k``, on ``m`` units:
         one group of ``m G`` microbatches (``G``: devices per unit), then the all-reduces."""
         level = self.topology.levels[k]
-        ar = 2.0 * (m - 1) / m * weights / level.bandwidth
+        ar = cost.ring_allreduce(weights, m, level.bandwidth, level.latency)
         return (num + ar) / (m * self.topology.group_size(k))
 
     # -- per-level terms ------------------------------------------------------------------
@@ -266,6 +278,8 @@ class _Search:
             )
         if k > 0:
             return None
+        if self.memory_mode == "optimistic":
+            return self._optimistic_memory(r)
         levels = self.topology.levels
         outer = self.topology.num_devices - levels[0].workers
         if self.rr:
@@ -287,6 +301,46 @@ class _Search:
             in_flight_count=inflight,
             versions=versions,
             optimizer_state_factor=self.opt,
+            update_copies=self.update_copies if self.model == "pdjax" else 0.0,
+        )
+
+    def _optimistic_memory(self, r: int) -> np.ndarray:
+        """A lower bound of the ``pdjax`` bytes per device of a stage on ``r`` devices of the
+        innermost level, whatever the rest of the plan: in flight at least 2 before the
+        model's last stage (1 for it), and replicated on at most ``r`` devices of each unit
+        of the outer levels. A plan the program finds under it must be verified."""
+        last = self.layers_after == 0
+        bound = np.where(last, 1, 2)
+        if self.rr:
+            return cost.stage_memory(
+                "pdjax",
+                weights=self.weights,
+                stash=self.stash,
+                act=self.act,
+                replicas=r,
+                in_flight_count=bound * r,
+                versions=bound,
+                optimizer_state_factor=self.opt,
+                update_copies=self.update_copies,
+            )
+        if not self.traits.pipelined_in_flight:
+            inflight = np.full_like(bound, self.M)
+        elif self.traits.flush:
+            inflight = np.minimum(bound, self.M)
+        else:
+            inflight = bound
+        versions = inflight if self.traits.versions == "in_flight" else int(self.traits.versions)
+        outer = self.topology.num_devices // self.topology.levels[0].workers
+        return cost.stage_memory(
+            "pdjax",
+            weights=self.weights,
+            stash=self.stash,
+            act=self.act,
+            replicas=r * outer,
+            in_flight_count=inflight,
+            versions=versions,
+            optimizer_state_factor=self.opt,
+            update_copies=self.update_copies,
         )
 
     def _round_robin_memory(self, r: int, after: int) -> np.ndarray:
@@ -305,30 +359,76 @@ class _Search:
             in_flight_count=q * r,
             versions=q,
             optimizer_state_factor=self.opt,
+            update_copies=self.update_copies,
         )
+
+    def _calibrated(self, m: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Innermost level, ``m`` devices: ``(inner, allreduce)``, the ranges' compute as
+        the stage time divides it (``m`` times the measured seconds where
+        ``stage_seconds`` answers, else the profile's sum) and the measured all-reduce
+        seconds (None: the formula). ``stage_seconds`` is called once per range and ``m``
+        (``L (L+1) / 2`` calls per replica count), ``allreduce_seconds`` once per distinct
+        parameter size and ``m``."""
+        if m not in self._cal:
+            inner = self.compute.copy()
+            mode = "round-robin" if self.rr and m > 1 else "split"
+            L = self.L
+            if self.stage_seconds is not None:
+                for i in range(L):
+                    for j in range(i, L):
+                        got = cost.calibrated(self.stage_seconds(i, j, m, mode), "stage_seconds")
+                        if got is not None:
+                            inner[i, j] = got * m
+            ar = None
+            if self.allreduce_seconds is not None and m > 1:
+                level = self.topology.levels[0]
+                ar = cost.ring_allreduce(self.weights, m, level.bandwidth, level.latency)
+                seen: dict[float, float | None] = {}
+                for i in range(L):
+                    for j in range(i, L):
+                        w = float(self.weights[i, j])
+                        if w not in seen:
+                            seen[w] = cost.calibrated(
+                                self.allreduce_seconds(w, m), "allreduce_seconds"
+                            )
+                        if seen[w] is not None:
+                            ar[i, j] = seen[w]
+            self._cal[m] = (inner, ar)
+        return self._cal[m]
+
+    def stage_time_matrix(self, k: int, inner: np.ndarray, m: int, first: bool) -> np.ndarray:
+        """``(L, L)``: time per microbatch of stage ``i..j`` on ``m`` units of level ``k``,
+        without the memory check (not masked to ``i <= j``)."""
+        level = self.topology.levels[k]
+        allreduce = None
+        if k == 0 and self.calibrated:
+            inner, allreduce = self._calibrated(m)
+        out = cost.stage_time(
+            self.model,
+            inner,
+            self.weights,
+            m,
+            level.bandwidth,
+            updates_per_microbatch=self._u(m),
+            first=first,
+            inner_units=self.topology.levels[k - 1].workers if k > 0 else 1,
+            latency=level.latency,
+            allreduce=allreduce,
+        )
+        if self._prices_whole(k):
+            whole = self._whole_time(k, m, self._whole_numerator(k), self.weights)
+            out = np.minimum(out, whole)
+        return out
 
     def stage_value(
         self, k: int, inner: np.ndarray, m: int, units_after: int, first: bool
     ) -> np.ndarray:
         """``(L, L)``: value of stage ``i..j`` on ``m`` units of level ``k`` (inf: invalid)."""
-        level = self.topology.levels[k]
         mem = self.own_memory(k, m, units_after)
         if self.objective == "memory":
             out = inner if mem is None else np.maximum(inner, mem)
         else:
-            out = cost.stage_time(
-                self.model,
-                inner,
-                self.weights,
-                m,
-                level.bandwidth,
-                updates_per_microbatch=self._u(m),
-                first=first,
-                inner_units=self.topology.levels[k - 1].workers if k > 0 else 1,
-            )
-            if self._prices_whole(k):
-                whole = self._whole_time(k, m, self._whole_numerator(k), self.weights)
-                out = np.minimum(out, whole)
+            out = self.stage_time_matrix(k, inner, m, first)
             if self.limit is not None and mem is not None:
                 out = np.where(mem <= self.limit, out, np.inf)
         return np.where(self.valid, out, np.inf)
@@ -338,7 +438,9 @@ class _Search:
         the cut after ``s`` (inf where no cut may be)."""
         n = self.topology.levels[k].workers
         bw = self.topology.levels[k].bandwidth
-        if self.objective == "time" and not self._checks_memory(k):
+        lat = self.topology.levels[k].latency
+        calibrated = k == 0 and self.calibrated
+        if self.objective == "time" and not self._checks_memory(k) and not calibrated:
             # No memory check at this level: shifted inputs are computed once per level.
             inner_s, weights_s, cut_s = self._shifted(k, inner)
             out = cost.stage_time(
@@ -349,6 +451,7 @@ class _Search:
                 bw,
                 updates_per_microbatch=self._u(mp),
                 inner_units=self.topology.levels[k - 1].workers if k > 0 else 1,
+                latency=lat,
             )
             if self._prices_whole(k):
                 if k not in self._whole_shift:
@@ -364,7 +467,7 @@ class _Search:
         out = np.full((self.L, self.L), np.inf)
         out[:-1] = stage[1:]
         if self.objective == "time":
-            cuts = cost.cut_time(self.model, self.cut[:, None], self.cut[None, :], mp, bw)
+            cuts = cost.cut_time(self.model, self.cut[:, None], self.cut[None, :], mp, bw, lat)
             out = np.maximum(out, cuts)
         out[~self.cut_ok] = np.inf
         return out
@@ -387,7 +490,8 @@ class _Search:
             weights_s = np.zeros((self.L, self.L))
             weights_s[:-1] = self.weights[1:]
             bw = self.topology.levels[k].bandwidth
-            cut_s = cost.cut_time(self.model, self.cut[:, None], self.cut[None, :], 1, bw)
+            lat = self.topology.levels[k].latency
+            cut_s = cost.cut_time(self.model, self.cut[:, None], self.cut[None, :], 1, bw, lat)
             if self.model != "pipedream-code":
                 cut_s = cut_s[:, :1]  # the same for every range end: broadcast a column
             self._shift = (inner_s, weights_s, np.ascontiguousarray(cut_s))
@@ -454,7 +558,7 @@ class _Search:
         level = self.topology.levels[k]
         w = float(self.weights[a, b])
         general = float(lower.value[lower.n, a, b]) / m
-        general += 2.0 * (m - 1) / m * w / level.bandwidth * self._u(m)
+        general += float(cost.ring_allreduce(w, m, level.bandwidth, level.latency)) * self._u(m)
         num = np.array(self._whole_numerator(k)[a, b])
         return float(self._whole_time(k, m, num, np.array(w))) <= general
 
@@ -491,7 +595,113 @@ class _Search:
             self.model,
             self.u,
             per_round=self.traits.update_per_microbatch,
+            stage_seconds=self.stage_seconds,
+            allreduce_seconds=self.allreduce_seconds,
         )
+
+    # -- the round-trip bound on one level ------------------------------------------------
+
+    def round_trip_exact(self) -> bool:
+        """Whether :meth:`round_trip_probe` decides "period <= T" exactly (split stages and
+        ``T_s = P - s``); otherwise it is a relaxation (round-robin: ``T_s = q_s n_s >=
+        n_s + ... + n_{P-1}``; a flush schedule with ``M`` below the device count:
+        ``min(P - s, M) <= P - s``)."""
+        if self.rr:
+            return False
+        return not (self.traits.flush and self.M < self.topology.num_devices)
+
+    def _round_trip_setup(self) -> None:
+        """Per replica count ``r``: the stage times ``tm[r]`` (inf: invalid range), the
+        weights ``n_r`` of the round trip, and ``ua_max[r]``, the most devices after the
+        stage with which its memory check passes (-1: never)."""
+        if hasattr(self, "_rt_tm"):
+            return
+        N, L = self.topology.num_devices, self.L
+        rs = [1] if self.straight else list(range(1, N + 1))
+        self._rt_tm, self._rt_ua, self._rt_w = {}, {}, {}
+        for r in rs:
+            tm = self.stage_time_matrix(0, self.compute, r, first=False)
+            self._rt_tm[r] = np.where(self.valid, tm, np.inf)
+            self._rt_w[r] = float(r) if self.rr and r > 1 else 1.0
+            ua_max = np.full((L, L), N, dtype=np.int32)
+            if self.limit is not None:
+                ua_max[...] = -1
+                still = np.ones((L, L), dtype=bool)
+                for ua in range(0, N - r + 1):
+                    mem = self.own_memory(0, r, ua)
+                    still &= np.broadcast_to(mem <= self.limit, (L, L))
+                    ua_max[still] = ua
+            self._rt_ua[r] = ua_max
+        cut = cost.cut_time(
+            self.model,
+            self.cut,
+            0.0,
+            1,
+            self.topology.levels[0].bandwidth,
+            self.topology.levels[0].latency,
+        )
+        self._rt_cut = np.where(self.cut_ok, cut, np.inf)
+
+    def round_trip_probe(self, T: float) -> list[tuple[int, int, int]] | None:
+        """Stages ``(first, last, replicas)`` of a one-level configuration whose period,
+        round trip included, is at most ``T`` (see :meth:`round_trip_exact`), or None.
+
+        The condition is, for every suffix of stages ``s..P-1``, ``sum_{t>=s} (n_t (C_t - T)
+        + 2 cut_t) <= 0`` (``cut_{P-1} = 0``), with every ``C_t <= T`` and ``cut_t <= T``.
+        A suffix program over (first layer, devices) keeps the least sum of each suffix
+        among those meeting every condition inside it, which is optimal for the suffixes
+        that extend it: ``O(N^2 L^2)`` per probe (``O(N L^2)`` straight)."""
+        self._round_trip_setup()
+        N, L = self.topology.num_devices, self.L
+        slack = 1e-12 * T
+        cut2 = np.where(self._rt_cut <= T + slack, 2.0 * self._rt_cut, np.inf)[: L - 1]
+        h = {}
+        for r, tm in self._rt_tm.items():
+            w = self._rt_w[r]
+            h[r] = np.where(tm <= T + slack, w * (tm - T), np.inf)
+        F = np.full((N + 1, L + 1), np.inf)
+        F[0, L] = 0.0
+        if self.fewer:
+            F[:, L] = 0.0
+        cj = np.zeros((N + 1, L), dtype=np.int32)
+        cr = np.zeros((N + 1, L), dtype=np.int32)
+        cf = np.zeros((N + 1, L), dtype=bool)
+        rows = np.arange(L)
+        tol = 1e-11 * T
+        for m in range(1, N + 1):
+            best = np.full(L, np.inf)
+            for r in h:
+                if r > m:
+                    break
+                rest = F[m - r]
+                add = np.empty(L)
+                add[: L - 1] = cut2 + rest[1:L]
+                add[L - 1] = rest[L]
+                val = h[r] + add[None, :]
+                val[self._rt_ua[r] < m - r] = np.inf
+                val[val > tol] = np.inf
+                j = np.argmin(val, axis=1)
+                v = val[rows, j]
+                better = v < best
+                best[better] = v[better]
+                cj[m][better] = j[better]
+                cr[m][better] = r
+            F[m, :L] = best
+            if self.fewer and m > 1:
+                use = F[m - 1, :L] < F[m, :L]
+                F[m, :L][use] = F[m - 1, :L][use]
+                cf[m][use] = True
+        if not np.isfinite(F[N, 0]):
+            return None
+        out, m, i = [], N, 0
+        while i < L:
+            if cf[m][i]:
+                m -= 1
+                continue
+            j, r = int(cj[m][i]), int(cr[m][i])
+            out.append((i, j, r))
+            i, m = j + 1, m - r
+        return out
 
 
 def _max_stages(arrays: cost.ModelArrays) -> int:
@@ -538,6 +748,8 @@ def plan_pipedream(
     microbatch_size: int | None = None,
     optimizer_state_factor: float = 2.0,
     replication: str = "auto",
+    stage_seconds: Callable[[int, int, int, str], float | None] | None = None,
+    allreduce_seconds: Callable[[float, tuple[int, ...] | int], float | None] | None = None,
 ) -> Plan:
     """The optimal pipeline configuration by PipeDream's dynamic program.
 
@@ -551,8 +763,11 @@ def plan_pipedream(
         the weight versions and (``pdjax``) how often a replicated stage all-reduces.
       straight: no replication: every unit of every level holds its own stage.
       fewer_machines: allow configurations that leave devices idle when that is faster.
-      memory_limit: bytes per device, or None for ``topology.memory_per_device``; stages
-        that may not fit are pruned (a sound, possibly conservative check).
+      memory_limit: bytes per device, or None for ``topology.memory_per_device``. Under
+        ``pdjax`` the program first prunes stages by an optimistic bound and keeps its plan
+        if the plan's exact memory fits (then it is optimal among all plans that fit:
+        ``plan.options["memory_check"] == "verified"``), else prunes by a sound, possibly
+        conservative bound (``"bound"``, as the other models always do).
       num_microbatches: ``M`` per step (flush schedules, ``2bw``); None: the number of
         devices.
       microbatch_size: samples per microbatch; None: the profile's batch size. Times and
@@ -568,9 +783,23 @@ def plan_pipedream(
         the faster of the round-robin and the split plan), else split. Recorded per stage
         (:attr:`StagePlan.replication`; a one-device stage is split); ``paper`` and
         ``pipedream-code`` price PipeDream's replication whatever is recorded.
+      stage_seconds: calibration (``pdjax`` only): ``(first_layer, last_layer, replicas,
+        replication) -> seconds or None``, the measured seconds per microbatch of the
+        stage's compute (forward + backward + update) on one of its devices, for its share
+        of the microbatch; replaces ``C / m`` where it returns a number. The program asks
+        it for every range and every replica count of the innermost level (``L (L+1) / 2``
+        calls per count: cache or tabulate expensive measurements); on more levels
+        ``replicas`` there is the count inside a unit of the innermost level, and the plan's
+        final evaluation asks again with each stage's total replicas.
+      allreduce_seconds: calibration (``pdjax`` only): ``(param_bytes, devices) -> seconds
+        or None``, the measured seconds of one all-reduce; ``devices`` is a count inside
+        the program (innermost level; once per distinct byte count and count) and the
+        tuple of device positions in the final evaluation. Plans made with either record
+        ``plan.options["calibrated"]``.
 
     Returns:
-      The plan; ``plan.time_per_microbatch`` is the program's optimum.
+      The plan; ``plan.time_per_microbatch`` is its period under the cost model: the
+      program's optimum, with the round-trip bound (``pdjax``; see the module doc).
 
     Raises:
       PlanError: a bad profile or option, a straight pipeline with more devices than the
@@ -586,6 +815,9 @@ def plan_pipedream(
     >>> plan.describe().splitlines()[0]
     '1-1: stage 0 = layers 0-2 x1, stage 1 = layers 3-3 x1'
     """
+    cost.check_replication(replication, schedule, cost_model)
+    cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
+    mode = cost.resolve_replication(replication, schedule, cost_model)
     common = dict(
         cost_model=cost_model,
         schedule=schedule,
@@ -595,48 +827,273 @@ def plan_pipedream(
         num_microbatches=num_microbatches,
         microbatch_size=microbatch_size,
         optimizer_state_factor=optimizer_state_factor,
+        stage_seconds=stage_seconds,
+        allreduce_seconds=allreduce_seconds,
     )
-    cost.check_replication(replication, schedule, cost_model)
-    mode = cost.resolve_replication(replication, schedule, cost_model)
     limit = memory_limit if memory_limit is not None else topology.memory_per_device
+    options = {
+        "straight": straight,
+        "fewer_machines": fewer_machines,
+        "replication": replication,
+    }
+    if stage_seconds is not None or allreduce_seconds is not None:
+        options["calibrated"] = [
+            name
+            for name, fn in (
+                ("stage_seconds", stage_seconds),
+                ("allreduce_seconds", allreduce_seconds),
+            )
+            if fn is not None
+        ]
     if replication == "auto" and mode == "round-robin" and limit is not None:
         # Round-robin all-reduces less but may stash more per device: try both.
-        found, errors = [], []
-        for candidate in ("round-robin", "split"):
-            try:
-                found.append(solve(profile, topology, replication=candidate, **common))
-            except PlanError as e:
-                errors.append(e)
-        if not found:
-            raise errors[-1]
-        search, tables = min(found, key=lambda st: st[0].best(st[1]))
+        candidates = ("round-robin", "split")
     else:
-        search, tables = solve(profile, topology, replication=mode, **common)
+        candidates = (mode,)
+    found, errors = [], []
+    for candidate in candidates:
+        try:
+            found.append(_plan_mode(profile, topology, candidate, options, common))
+        except PlanError as e:
+            errors.append(e)
+    if not found:
+        raise errors[-1]
+    return min(found, key=lambda plan: plan.time_per_microbatch)
+
+
+def _plan_mode(
+    profile: Profile, topology: Topology, mode: str, options: dict, common: dict
+) -> Plan:
+    """The plan for one replication mode: under ``pdjax`` with a memory limit, the program
+    with the optimistic memory check first, kept if its plan fits (then optimal among all
+    that fit), else the program with the sound check."""
+    limit = common["memory_limit"]
+    if limit is None:
+        limit = topology.memory_per_device
+    if common["cost_model"] == "pdjax" and limit is not None:
+        try:
+            search, tables = solve(
+                profile, topology, replication=mode, memory_mode="optimistic", **common
+            )
+        except PlanError:
+            pass  # nothing fits even optimistically: the sound program says how much it needs
+        else:
+            plan = _finish(
+                search, tables, profile, topology, {**options, "memory_check": "verified"}
+            )
+            if plan.fits_memory:
+                return plan
+        search, tables = solve(profile, topology, replication=mode, memory_mode="bound", **common)
+        return _finish(search, tables, profile, topology, {**options, "memory_check": "bound"})
+    search, tables = solve(profile, topology, replication=mode, **common)
+    extra = {} if limit is None else {"memory_check": "bound"}
+    return _finish(search, tables, profile, topology, {**options, **extra})
+
+
+def pipeline_time(
+    arrays: cost.ModelArrays,
+    topology: Topology,
+    flat: list[tuple[int, int, list[int]]],
+    modes: list[str] | tuple[str, ...],
+    *,
+    cost_model: str,
+    schedule: str,
+    num_microbatches: int,
+    stage_seconds=None,
+    allreduce_seconds=None,
+) -> tuple[float, float]:
+    """``(slowest term, round-trip bound)`` of the stages ``(first, last, positions)``
+    with their replication modes (:func:`pdjax.partition.cost.partition_terms`,
+    :func:`~pdjax.partition.cost.round_trip_time`; the bound is 0 where the model and
+    schedule have none)."""
+    stage_terms, cut_terms = cost.partition_terms(
+        arrays,
+        topology,
+        flat,
+        modes,
+        model=cost_model,
+        schedule=schedule,
+        num_microbatches=num_microbatches,
+        stage_seconds=stage_seconds,
+        allreduce_seconds=allreduce_seconds,
+    )
+    slowest = max(stage_terms + cut_terms)
+    if not cost.has_round_trip(schedule, cost_model):
+        return slowest, 0.0
+    replicas = [len(pos) for _, _, pos in flat]
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
+    units = cost.stage_units(replicas, modes)
+    return slowest, cost.round_trip_time(stage_terms, cut_terms, [c for c, _ in counts], units)
+
+
+def _finish(
+    search: _Search, tables: list[_Table], profile: Profile, topology: Topology, options: dict
+) -> Plan:
+    """The plan of a solved program: its configuration, with the round trip (``pdjax``)
+    optimised on one level, evaluated on more (see the module doc)."""
     flat = search.flatten(search.tree(tables))
-    # Under paper and pipedream-code the mode is only recorded (their time is the same).
-    rr = search.rr if cost_model == "pdjax" else mode == "round-robin"
-    modes = ["round-robin" if rr and len(pos) > 1 else "split" for _, _, pos in flat]
+    time = search.best(tables)
+    rr = search.rr
+
+    def modes_of(stages) -> list[str]:
+        return ["round-robin" if rr and len(pos) > 1 else "split" for _, _, pos in stages]
+
+    def exact(stages) -> float:
+        slowest, trip = pipeline_time(
+            search.arrays,
+            topology,
+            stages,
+            modes_of(stages),
+            cost_model=search.model,
+            schedule=search.schedule,
+            num_microbatches=search.M,
+            stage_seconds=search.stage_seconds,
+            allreduce_seconds=search.allreduce_seconds,
+        )
+        return max(slowest, trip)
+
+    if cost.has_round_trip(search.schedule, search.model):
+        _, trip = pipeline_time(
+            search.arrays,
+            topology,
+            flat,
+            modes_of(flat),
+            cost_model=search.model,
+            schedule=search.schedule,
+            num_microbatches=search.M,
+            stage_seconds=search.stage_seconds,
+            allreduce_seconds=search.allreduce_seconds,
+        )
+        # (within rounding of the program's optimum, the program's value stands)
+        trip = trip if trip > time * (1 + 1e-12) else 0.0
+        if trip > time and topology.num_levels == 1:
+            flat, time = _round_trip_search(search, flat, time, max(time, trip), exact)
+            options = {
+                **options,
+                "round_trip": "optimal" if search.round_trip_exact() else "relaxed",
+            }
+        elif trip > time:
+            time = trip
+            options = {**options, "round_trip": "evaluated"}
+    if search.model == "pdjax":
+        # Under paper and pipedream-code the mode is only recorded (their time is the same).
+        modes = modes_of(flat)
+    else:
+        rr_recorded = options.get("replication") == "round-robin"
+        modes = ["round-robin" if rr_recorded and len(pos) > 1 else "split" for _, _, pos in flat]
     return build_plan(
         profile,
         topology,
         search.arrays,
         flat,
-        cost_model=cost_model,
-        schedule=schedule,
+        cost_model=search.model,
+        schedule=search.schedule,
         partitioner="pipedream",
         num_microbatches=search.M,
-        time_per_microbatch=search.best(tables),
+        time_per_microbatch=time,
         data_parallel_time=search.data_parallel_time(),
         memory_limit=search.limit,
-        optimizer_state_factor=float(optimizer_state_factor),
-        options={
-            "straight": straight,
-            "fewer_machines": fewer_machines,
-            "replication": replication,
-        },
-        microbatch_size=microbatch_size,
+        optimizer_state_factor=float(search.opt),
+        options=options,
+        microbatch_size=search.microbatch_size,
         replication=modes,
     )
+
+
+def _round_trip_search(
+    search: _Search,
+    flat: list[tuple[int, int, list[int]]],
+    lo: float,
+    hi: float,
+    exact: Callable[[list[tuple[int, int, list[int]]]], float],
+) -> tuple[list[tuple[int, int, list[int]]], float]:
+    """The one-level configuration of least period, round trip included: a search over the
+    period ``T`` with :meth:`_Search.round_trip_probe` ("is there a plan of period at most
+    ``T``?"), between ``lo`` (the program's optimum without the round trip, a lower bound)
+    and ``hi`` (the period of its plan). Each plan a probe finds has its exact period
+    evaluated; the best is kept. When the probe is exact, after each found plan a probe
+    just below its period either finds a better one or proves it optimal (relative
+    ``1e-12``), interleaved with bisection; when it is a relaxation (round-robin), bisection
+    to relative ``1e-6`` on it, and the better of its plan and the program's, evaluated
+    exactly."""
+
+    def placed(stages: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:
+        out, base = [], 0
+        for a, b, r in stages:
+            out.append((a, b, list(range(base, base + r))))
+            base += r
+        return out
+
+    best_flat, best = flat, hi
+    exact_probe = search.round_trip_exact()
+    if not exact_probe:
+        # A relaxation: bisect on it, then evaluate only its final plan (an exact
+        # evaluation of a round-robin plan plays its schedule: too slow for every probe).
+        found = search.round_trip_probe(lo)
+        top, last = hi, None
+        while found is None and top - lo > 1e-6 * top:
+            mid = 0.5 * (lo + top)
+            got = search.round_trip_probe(mid)
+            if got is None:
+                lo = mid
+            else:
+                top, last = mid, got
+        if found is None:
+            found = last if last is not None else search.round_trip_probe(top)
+        if found is not None:
+            cand = placed(found)
+            value = exact(cand)
+            if value < best:
+                best_flat, best = cand, value
+        return best_flat, best
+    eps = 1e-12
+
+    def probe(T: float) -> bool:
+        nonlocal best_flat, best
+        got = search.round_trip_probe(T)
+        if got is None:
+            return False
+        cand = placed(got)
+        value = exact(cand)
+        if value < best:
+            best_flat, best = cand, value
+        return True
+
+    if probe(lo):  # a plan as fast as the program's optimum meets its round trip
+        return best_flat, best
+    top = hi
+    for _ in range(200):
+        top = min(top, best)
+        below = top * (1 - eps)
+        if below <= lo or not probe(below):
+            break
+        top = min(top, best)
+        if top - lo <= eps * top:
+            break
+        mid = 0.5 * (lo + top)
+        if probe(mid):
+            top = min(mid, best)
+        else:
+            lo = mid
+    return best_flat, best
+    top = hi
+    for _ in range(200):
+        if exact_probe:
+            top = min(top, best)
+            below = top * (1 - eps)
+            if below <= lo:
+                break
+            if not probe(below):
+                break
+            top = min(top, best)
+        if top - lo <= eps * top:
+            break
+        mid = 0.5 * (lo + top)
+        if probe(mid):
+            top = min(mid, best) if exact_probe else mid
+        else:
+            lo = mid
+    return best_flat, best
 
 
 def solve(
@@ -652,16 +1109,24 @@ def solve(
     microbatch_size: int | None = None,
     optimizer_state_factor: float = 2.0,
     replication: str = "split",
+    memory_mode: str = "bound",
+    stage_seconds=None,
+    allreduce_seconds=None,
 ) -> tuple[_Search, list[_Table]]:
     """Validates, checks the memory limit, and runs the program (see :func:`plan_pipedream`).
 
     ``replication`` is ``"split"`` or ``"round-robin"`` (``"auto"`` is resolved by
     :func:`pdjax.partition.cost.resolve_replication`, without comparing the two).
+    ``memory_mode``: ``"bound"`` (the sound check) or ``"optimistic"`` (``pdjax``: a lower
+    bound; the plan must be verified).
 
     Returns the search and its solved tables: ``search.best(tables)`` is the optimum and
     ``search.tree(tables)`` the configuration.
     """
     cost.check_replication(replication, schedule, cost_model)
+    cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
+    if memory_mode not in ("bound", "optimistic"):
+        raise PlanError(f"memory_mode must be 'bound' or 'optimistic', got {memory_mode!r}")
     replication = cost.resolve_replication(replication, schedule, cost_model)
     if replication == "round-robin" and schedule != "pipedream":
         raise PlanError(
@@ -688,6 +1153,7 @@ def solve(
         num_microbatches=M,
         optimizer_state_factor=float(optimizer_state_factor),
         round_robin=replication == "round-robin",
+        memory_mode=memory_mode,
     )
     if limit is not None:
         mem_search = _Search(
@@ -695,6 +1161,8 @@ def solve(
         )
         smallest = mem_search.best(mem_search.solve())
         if smallest > limit:
+            if memory_mode == "optimistic":
+                raise PlanError(f"no configuration needs less than {smallest:.6g} bytes")
             raise PlanError(
                 f"no configuration fits in {limit:.6g} bytes per device under the "
                 f"{cost_model} cost model and the {schedule} schedule with {replication} "
@@ -703,7 +1171,17 @@ def solve(
                 "more devices, a smaller microbatch_size, or a schedule that keeps fewer "
                 "weight versions (1f1b, 2bw)"
             )
-    search = _Search(arrays, topology, cost_model, schedule, memory_limit=limit, **common)
+    search = _Search(
+        arrays,
+        topology,
+        cost_model,
+        schedule,
+        memory_limit=limit,
+        stage_seconds=stage_seconds,
+        allreduce_seconds=allreduce_seconds,
+        **common,
+    )
+    search.microbatch_size = microbatch_size
     tables = search.solve()
     if not math.isfinite(search.best(tables)):
         raise PlanError("no feasible configuration (a bug if the options were valid)")
@@ -767,6 +1245,11 @@ def build_plan(
             in_flight_count=inflight,
             versions=versions,
             optimizer_state_factor=optimizer_state_factor,
+            update_copies=(
+                cost.update_copies(schedule, optimizer_state_factor)
+                if memory_model == "pdjax"
+                else 0.0
+            ),
         )
         stages.append(
             StagePlan(

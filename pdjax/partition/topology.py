@@ -12,7 +12,10 @@ Devices are numbered in order, innermost level fastest: devices ``0..3`` are ser
 topology was built from real devices).
 
 Bandwidths are bytes per second per link, as in PipeDream's optimizer (``-b``); the
-papers' clusters are in :data:`PRESETS`.
+papers' clusters are in :data:`PRESETS`. A level may also give a per-message ``latency``
+(seconds, default 0): the ``pdjax`` cost model charges it once per activation (or gradient)
+transfer across a cut at that level and ``2 (m - 1)`` times per ring all-reduce over ``m``
+units (:mod:`pdjax.partition.cost`).
 """
 
 from __future__ import annotations
@@ -44,11 +47,15 @@ class Level:
         level joins into one group.
       bandwidth: bytes/s of the link between two of those units.
       name: a label for messages and renderings (``"gpu"``, ``"server"``, ...).
+      latency: seconds per message on the level's links (default 0): charged once per
+        transfer across a cut and once per step of a ring all-reduce by the ``pdjax`` cost
+        model. Topology JSON written without it reads as 0.
     """
 
     workers: int
     bandwidth: float
     name: str = ""
+    latency: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +103,17 @@ class Topology:
                 )
             if not math.isfinite(bw):
                 raise PlanError(f"level {k}: bandwidth must be finite, got {bw!r}")
-            levels.append(Level(int(w), float(bw), lvl.name))
+            lat = lvl.latency
+            if (
+                isinstance(lat, bool)
+                or not isinstance(lat, int | float)
+                or not lat >= 0
+                or not math.isfinite(lat)
+            ):
+                raise PlanError(
+                    f"level {k}: latency must be a finite number of seconds >= 0, got {lat!r}"
+                )
+            levels.append(Level(int(w), float(bw), lvl.name, float(lat)))
         object.__setattr__(self, "levels", tuple(levels))
         mem = self.memory_per_device
         if mem is not None:
@@ -128,6 +145,7 @@ class Topology:
         *,
         memory_per_device: float | None = None,
         name: str = "",
+        latencies: Sequence[float] | None = None,
     ) -> Topology:
         """Levels from explicit numbers, innermost first.
 
@@ -136,16 +154,26 @@ class Topology:
           bandwidths: bytes/s per level, in the same order.
           memory_per_device: bytes per device, or None.
           name: a label.
+          latencies: seconds per message per level, in the same order; None: all 0.
 
         Raises:
-          PlanError: the two lists differ in length, or a value is invalid.
+          PlanError: the lists differ in length, or a value is invalid.
         """
         if len(workers) != len(bandwidths):
             raise PlanError(
                 f"{len(workers)} levels of workers but {len(bandwidths)} bandwidths; "
                 "give one bandwidth (bytes/s) per level, innermost first"
             )
-        levels = tuple(Level(w, b) for w, b in zip(workers, bandwidths, strict=True))
+        if latencies is None:
+            latencies = [0.0] * len(workers)
+        if len(latencies) != len(workers):
+            raise PlanError(
+                f"{len(workers)} levels of workers but {len(latencies)} latencies; give one "
+                "latency (seconds per message) per level, innermost first"
+            )
+        levels = tuple(
+            Level(w, b, "", lat) for w, b, lat in zip(workers, bandwidths, latencies, strict=True)
+        )
         return cls(levels, memory_per_device=memory_per_device, name=name)
 
     @classmethod
@@ -243,9 +271,12 @@ class Topology:
         """E.g. ``"4x4 devices (1e+10, 1.25e+09 B/s)"``."""
         shape = "x".join(str(lvl.workers) for lvl in self.levels)
         bws = ", ".join(f"{lvl.bandwidth:.3g}" for lvl in self.levels)
+        lat = ""
+        if any(lvl.latency for lvl in self.levels):
+            lat = "; latency " + ", ".join(f"{lvl.latency:.3g}" for lvl in self.levels) + " s"
         mem = "" if self.memory_per_device is None else f", {self.memory_per_device:.3g} B/device"
         label = f"{self.name}: " if self.name else ""
-        return f"{label}{shape} devices ({bws} B/s{mem})"
+        return f"{label}{shape} devices ({bws} B/s{lat}{mem})"
 
     # -- JSON ---------------------------------------------------------------------------
 

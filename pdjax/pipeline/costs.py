@@ -106,11 +106,26 @@ its devices and replicas): the placement the executor runs for ``interleaved``
 included once per step, and ``2 a / B`` per cut; a small dynamic program). The plan's own
 stage boundaries are not kept: stage ``d``'s layers cannot be both contiguous and spread
 over ``v`` chunks in model order.
+
+Calibrated costs (``calibration=``, a :class:`pdjax.calibrate.Calibration` measured for
+this model, microbatch size and devices): each stage's ``forward``, backward and ``update``
+are the stage's compiled programs measured on one of its devices (the backward is split
+into ``I`` and ``W`` by the profile's weight-gradient share over the range); a replicated
+stage's all-reduce is the measured one (``allreduce_seconds``: the stage's own gradient
+tree when measured, else the device group's latency/bandwidth fit); each cut's
+``link_bandwidth`` (forward direction) and ``link_bandwidth_back`` (gradient direction)
+are the measured links between the two stages' first devices, ``link_latency`` the mean
+of the two directions' latencies; ``send_seconds``, the host seconds a stage's device
+spends to post a transfer, is the measured sender time of its outgoing links. A stage the
+calibration did not measure is refused, or with ``partial=True`` priced from the profile
+times the calibration's profile ratio (the whole model measured as one program over the
+profile's sum).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
@@ -166,7 +181,14 @@ def _share(input_grad: float | None, weight_grad: float | None) -> float | None:
     return weight_grad / total if total > 0 else None
 
 
-def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> PipelineCosts:
+def costs_from_plan(
+    plan: Plan,
+    profile: Profile,
+    *,
+    chunks: int = 1,
+    calibration: Any = None,
+    partial: bool = False,
+) -> PipelineCosts:
     """Per-stage costs of ``plan`` for the simulator (see the module doc for the formulas).
 
     Args:
@@ -174,6 +196,12 @@ def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> Pipelin
         profile: the profile the plan was made from (same number of layers, with times).
         chunks: ``v``; with ``v > 1`` the costs describe ``P v`` virtual stages for the
             ``interleaved`` schedule, virtual stage ``k`` on the plan's stage ``k mod P``.
+        calibration: a :class:`pdjax.calibrate.Calibration` for this model, microbatch
+            size and devices: each stage's forward, backward and update seconds, its
+            all-reduce, and each cut's latency, bandwidth (both directions) and sender
+            host seconds come from it (see "Calibrated costs" in the module doc).
+        partial: with a calibration, price stages it did not measure from the profile
+            (times its profile ratio) instead of refusing them.
 
     Returns:
         One :class:`StageCosts` per (virtual) stage, the cut bandwidths and the all-reduce
@@ -182,6 +210,8 @@ def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> Pipelin
 
     Raises:
         PlanError: the profile does not match the plan (layer count), or has no times.
+        CalibrationError: the calibration is for another model, microbatch size or device
+            set, or (without ``partial``) lacks a stage of the plan.
         ScheduleError: ``chunks`` is not a positive integer, or the model has fewer layers
             that may be cut than ``P v`` virtual stages need.
 
@@ -244,7 +274,99 @@ def costs_from_plan(plan: Plan, profile: Profile, *, chunks: int = 1) -> Pipelin
                 optimizer_bytes=round(params * factor),
             )
         )
-    return PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
+    costs = PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
+    if calibration is None:
+        return costs
+    if chunks != 1:
+        raise PlanError("calibrated costs are per plan stage: simulate interleaving uncalibrated")
+    return _calibrated(plan, profile, costs, calibration, partial)
+
+
+def _calibrated(
+    plan: Plan, profile: Profile, costs: PipelineCosts, calibration: Any, partial: bool
+) -> PipelineCosts:
+    """``costs`` with what ``calibration`` measured (see "Calibrated costs")."""
+    import dataclasses
+
+    from pdjax.errors import CalibrationError
+
+    names = [layer.name for layer in profile.layers]
+    calibration.check(layers=names, plan=plan, require_stages=not partial)
+    w_share = weight_grad_fraction(profile)
+    backward = profile.backward_seconds()
+    ratio = calibration.profile_ratio
+    stages, allreduce_seconds, sends = [], [], []
+    for k, st in enumerate(plan.stages):
+        c = costs.stages[k]
+        m = calibration.stage(st.first_layer, st.last_layer, st.replicas, st.replication)
+        if m is None:
+            if ratio is None:
+                raise CalibrationError(
+                    f"stage {st.first_layer}-{st.last_layer} x{st.replicas} was not measured "
+                    "and the calibration has no profile ratio for unmeasured stages; "
+                    "calibrate the whole model too"
+                )
+            c = dataclasses.replace(
+                c,
+                forward=c.forward * ratio,
+                input_grad=c.input_grad * ratio,
+                weight_grad=c.weight_grad * ratio,
+            )
+            stages.append(c)
+        else:
+            sl = slice(st.first_layer, st.last_layer + 1)
+            total_b = math.fsum(backward[sl])
+            share = math.fsum(backward[sl] * w_share[sl]) / total_b if total_b > 0 else 0.5
+            stages.append(
+                dataclasses.replace(
+                    c,
+                    forward=m.forward,
+                    input_grad=m.backward * (1.0 - share),
+                    weight_grad=m.backward * share,
+                    update=m.update,
+                )
+            )
+        seconds = None
+        if st.replicas > 1:
+            if m is not None and m.allreduce is not None:
+                seconds = m.allreduce
+            else:
+                seconds = calibration.allreduce_seconds(c.param_bytes, st.devices)
+        allreduce_seconds.append(seconds)
+    latency, forward_bw, back_bw = [], [], []
+    for k in range(len(plan.stages) - 1):
+        a, b = plan.stages[k].devices[0], plan.stages[k + 1].devices[0]
+        there, back = calibration.link(a, b), calibration.link(b, a)
+        if there is None or back is None:
+            if not partial:
+                raise CalibrationError(
+                    f"the link between devices {a} and {b} (cut {k}) was not measured both "
+                    "ways; calibrate with these devices"
+                )
+            latency.append(costs.link_latency if isinstance(costs.link_latency, float) else 0.0)
+            forward_bw.append(costs.link_bandwidth[k])
+            back_bw.append(costs.link_bandwidth[k])
+            continue
+        latency.append((there.latency + back.latency) / 2)
+        forward_bw.append(there.bandwidth)
+        back_bw.append(back.bandwidth)
+    for k, st in enumerate(plan.stages):  # host seconds to post each transfer it sends
+        out = [
+            calibration.link(st.devices[0], plan.stages[j].devices[0])
+            for j in (k - 1, k + 1)
+            if 0 <= j < len(plan.stages)
+        ]
+        posted = [ln.send_seconds for ln in out if ln is not None]
+        sends.append(sum(posted) / len(posted) if posted else 0.0)
+    stages = [dataclasses.replace(c, send_seconds=x) for c, x in zip(stages, sends, strict=True)]
+    return dataclasses.replace(
+        costs,
+        stages=tuple(stages),
+        link_bandwidth=tuple(forward_bw),
+        link_bandwidth_back=tuple(back_bw),
+        link_latency=tuple(latency) if latency else 0.0,
+        allreduce_seconds=tuple(allreduce_seconds),
+    )
 
 
 def _position(topology: Topology, device: int) -> int:

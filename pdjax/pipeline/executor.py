@@ -57,9 +57,13 @@ _ROUND_ROBIN = ("gpipe", "1f1b", "pipedream", "2bw")
 
 @dataclasses.dataclass(frozen=True)
 class StageSpec:
-    """Where a stage is: layers ``first_layer..last_layer`` (inclusive) on ``devices`` (ids).
+    """Where a stage is: layers ``first_layer..last_layer`` (inclusive) on ``devices``.
 
     The same fields as :class:`pdjax.partition.StagePlan`; either works as a plan stage.
+    A sequence of stages handed to :class:`Pipeline` (rather than a whole
+    :class:`~pdjax.partition.Plan`) names its devices by index into the pipeline's
+    ``devices`` (default ``jax.devices()``): ``(0, 1)`` is the first two of them,
+    whatever their ``jax.Device.id``.
     """
 
     first_layer: int
@@ -173,9 +177,15 @@ class Pipeline:
     Args:
       layers: the model.
       plan: the stages: a :class:`pdjax.partition.Plan`, or a sequence of objects with
-        ``first_layer``, ``last_layer`` (inclusive) and ``devices`` (ids into
-        ``devices``) such as :func:`even_stages`. For ``interleaved`` with ``chunks=v``
-        give ``P * v`` stages; stage ``s`` runs on the devices of stage ``s % P``.
+        ``first_layer``, ``last_layer`` (inclusive) and ``devices`` such as
+        :func:`even_stages`. For ``interleaved`` with ``chunks=v`` give ``P * v`` stages;
+        stage ``s`` runs on the devices of stage ``s % P``. How stage devices are read:
+        a ``Plan`` whose topology has ``device_ids`` (planned on
+        :meth:`Topology.from_devices <pdjax.partition.Topology.from_devices>`, also after
+        a JSON round trip) names real devices by ``jax.Device.id``, looked up among
+        ``devices`` in any order; a ``Plan`` without them (``Topology.flat``,
+        ``from_levels``, presets: topology positions) and a plain sequence of stages (even
+        ``plan.stages`` alone) name devices by index into ``devices``.
       loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of a microbatch.
       optimizer: any optax ``GradientTransformation``; each stage keeps its own state.
       schedule: one of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1`` (flush: use
@@ -185,7 +195,8 @@ class Pipeline:
       vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
       weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
       remat: recompute each stage's forward in its backward instead of keeping residuals.
-      devices: the devices plan ids refer to (default ``jax.devices()``).
+      devices: the devices the plan's ids refer to (default ``jax.devices()``): indexed
+        by position, or searched by ``jax.Device.id`` for a plan with ``device_ids``.
       transport: how values cross processes (``pdjax.pipeline.transport``):
         ``device_put``, ``collective``, or ``auto`` (``device_put`` unless the pipeline
         spans more than 2 processes on CPU, where only ``collective`` works).
@@ -220,7 +231,7 @@ class Pipeline:
 
     Raises:
       PipelineError: before any device work, for a plan that does not cover the model,
-        too few devices, or an unknown schedule.
+        too few devices, a device id not among ``devices``, or an unknown schedule.
     """
 
     def __init__(
@@ -316,18 +327,7 @@ class Pipeline:
                         f"microbatches): microbatches (M={microbatches}) must be a multiple "
                         f"of {r}"
                     )
-        all_devices = list(jax.devices() if devices is None else devices)
-        for s, spec in enumerate(specs):
-            ids = tuple(spec.devices)
-            if len(set(ids)) != len(ids) or any(d < 0 for d in ids):
-                raise PipelineError(f"stage {s} lists devices {ids}: ids must be distinct and >= 0")
-        wanted = sorted({d for spec in specs for d in spec.devices})
-        if wanted and wanted[-1] >= len(all_devices):
-            raise PipelineError(
-                f"the plan uses device ids up to {wanted[-1]} but only {len(all_devices)} "
-                "devices are visible; on CPU set jax.config.update('jax_num_cpu_devices', N) "
-                "(or XLA_FLAGS=--xla_force_host_platform_device_count=N) before using JAX"
-            )
+        stage_devices = _stage_devices(plan, specs, devices)
         self.stages: list[Stage] = []
         for s, spec in enumerate(specs):
             group_spec = specs[s % self.num_groups]
@@ -341,7 +341,7 @@ class Pipeline:
                     s,
                     layers.layers[spec.first_layer : spec.last_layer + 1],
                     spec.first_layer,
-                    [all_devices[d] for d in spec.devices],
+                    stage_devices[s],
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
                     remat=remat,
@@ -380,8 +380,8 @@ class Pipeline:
             transport = "collective" if many else "device_put"
         self.placement = Placement(
             tuple(
-                StagePlace(tuple(spec.devices), tuple(sorted(owners)))
-                for spec, owners in zip(specs, self.owners, strict=True)
+                StagePlace(tuple(int(d.id) for d in st.devices), tuple(sorted(owners)))
+                for st, owners in zip(self.stages, self.owners, strict=True)
             ),
             platform,
             transport,
@@ -1192,6 +1192,56 @@ def _replication_of(
         if mode not in ("split", "round-robin"):
             raise PipelineError(f"replication must be 'split' or 'round-robin', got {mode!r}")
     return modes
+
+
+def _stage_devices(
+    plan: Any, specs: Sequence[Any], devices: Sequence[jax.Device] | None
+) -> list[list[jax.Device]]:
+    """Per stage, the devices its plan ids name among ``devices`` (default
+    ``jax.devices()``; see :class:`Pipeline`): by ``jax.Device.id`` for a plan whose
+    ``topology.device_ids`` is set (:meth:`pdjax.partition.Topology.from_devices`), else
+    by index into ``devices``."""
+    visible = list(jax.devices() if devices is None else devices)
+    for s, spec in enumerate(specs):
+        ids = tuple(spec.devices)
+        if len(set(ids)) != len(ids) or any(d < 0 for d in ids):
+            raise PipelineError(f"stage {s} lists devices {ids}: ids must be distinct and >= 0")
+    wanted = sorted({int(d) for spec in specs for d in spec.devices})
+    topology_ids = getattr(getattr(plan, "topology", None), "device_ids", None)
+    if topology_ids is not None:  # real jax.Device ids
+        by_id = {int(d.id): d for d in visible}
+        missing = [d for d in wanted if d not in by_id]
+        if missing:
+            raise PipelineError(
+                f"the plan places stages on device ids {_id_list(missing)}, which are not "
+                f"among the visible devices (ids {_id_list(sorted(by_id))}): the plan was made "
+                f"on real devices (its topology's device_ids are {_id_list(topology_ids)}) "
+                "and names them by jax.Device.id. Pass devices= holding those devices (the "
+                "processes that have them must take part), or re-plan on these devices "
+                "(Topology.from_devices(devices))"
+            )
+        return [[by_id[int(d)] for d in spec.devices] for spec in specs]
+    if wanted and wanted[-1] >= len(visible):
+        raise PipelineError(
+            f"the plan uses device ids up to {wanted[-1]} but only {len(visible)} devices are "
+            "visible (its ids are indices into the devices: a hand-written plan or a topology "
+            "without device_ids); on CPU set jax.config.update('jax_num_cpu_devices', N) (or "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N) before using JAX"
+        )
+    return [[visible[int(d)] for d in spec.devices] for spec in specs]
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    """``[0-3, 6]`` for ids 0, 1, 2, 3, 6: runs of consecutive ids as ranges."""
+    parts: list[str] = []
+    ordered = list(ids)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            a, b = ordered[start], ordered[i - 1]
+            parts.append(str(a) if a == b else f"{a}-{b}")
+            start = i
+    return "[" + ", ".join(parts) + "]"
 
 
 def _scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:

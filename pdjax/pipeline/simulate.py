@@ -11,20 +11,72 @@ The cost model (DESIGN.md's ``pdjax`` model):
   one per device, in each action (``Schedule.covers``): the action takes ``n`` times the
   per-replica cost, the whole microbatch's compute on one device;
 - ``U`` takes ``update`` seconds plus, for a stage on ``r > 1`` devices, a ring all-reduce of
-  its weight gradients, ``2 (r - 1) / r * param_bytes / allreduce_bandwidth``; the schedule
-  has one ``U`` per update, so the all-reduce is paid once per step for flush schedules and
-  ``2bw``, and under ``pipedream`` once per microbatch at a split stage and once per group of
-  ``r`` microbatches at a round-robin one;
-- an activation crossing the cut after stage ``s`` (and its gradient, coming back) takes
-  ``activation_bytes / link_bandwidth + link_latency`` seconds when the two stages are on
-  different device groups; each direction between two groups is one link carrying one
-  tensor at a time; transfers overlap compute;
+  its weight gradients, ``2 (r - 1) / r * param_bytes / allreduce_bandwidth``, or, where
+  ``PipelineCosts.allreduce_seconds`` gives the stage a number (a measured all-reduce), that
+  many seconds instead of the ring formula; the schedule has one ``U`` per update, so the
+  all-reduce is paid once per step for flush schedules and ``2bw``, and under ``pipedream``
+  once per microbatch at a split stage and once per group of ``r`` microbatches at a
+  round-robin one;
+- an activation crossing the cut after stage ``s`` takes ``activation_bytes /
+  link_bandwidth[s] + link_latency[s]`` seconds when the two stages are on different device
+  groups, and its gradient, coming back, ``activation_bytes / link_bandwidth_back[s] +
+  link_latency[s]`` (``link_bandwidth_back`` defaults to ``link_bandwidth``; a scalar
+  ``link_latency`` is every cut's); each direction between two groups is one link carrying
+  one tensor at a time; transfers overlap compute;
+- posting a transfer costs the sending group ``send_seconds`` of host time per microbatch
+  sent (its stage's :attr:`StageCosts.send_seconds`): the group is busy for it, after the
+  ``F`` (or ``B``/``I``) that made the tensor and before the transfer starts. The event model
+  folds it into that action, whose span then ends when the transfer starts;
 - memory of a device in a group: for each of the group's stages, ``param_bytes`` times the
   weight versions alive + ``optimizer_bytes`` + ``stash_bytes`` times the microbatches in
   flight (forward run, backward - ``B`` or ``W`` - not yet), counted over the whole group:
   ``stash_bytes`` is one replica's share of a microbatch's stash (``1 / r`` of it), so a
   round-robin group holding ``q`` groups of ``r`` microbatches holds ``q`` whole stashes per
-  device.
+  device. Memory is counted while each action runs: what it reads and what it makes are
+  both alive (a backward's stash, the gradient that came in and the weight version it read
+  for the last time, next to its results). That is the planner's memory model
+  (:mod:`pdjax.partition.cost`), and the simulator's by default
+  (``PipelineCosts.memory_model = "planner"``). With ``memory_model = "runtime"`` it also
+  counts what pdjax's runtime (:mod:`pdjax.pipeline.program`) holds besides, for one call
+  of the schedule:
+
+  ======================  ==============================================================
+  the gradient sum        ``param_bytes`` from the first ``B`` (or ``W``) after an update
+                          up to and including the ``U`` that applies it (slot ``g``). The
+                          ``U`` donates it and the optimizer state: the new weights take the
+                          sum's buffers, the new state the old state's, so the update's
+                          transient (new weights next to the old) is this term. Under
+                          ``pipedream`` (``B`` then ``U`` per microbatch) it is alive during
+                          the ``B`` and the ``U``; a fused ``BU`` that gets no sum holds
+                          the new weights next to the old ones instead, the same bytes (its
+                          fresh gradient is one of XLA's temporaries)
+  the call's weights      version 0, the weights the call starts from, stays alive until
+                          the call returns (the caller's state holds it, and the runtime
+                          never donates it): one more ``param_bytes`` once the stage has
+                          replaced it
+  inputs placed up front  ``input_bytes / r`` per microbatch of the call (the caller's
+                          inputs at the first stage, its targets at the last, both placed
+                          before the first action, batch-sharded over the ``r`` devices),
+                          until the stage's ``F`` of that microbatch: from there the input
+                          is part of ``stash_bytes``, and targets are dropped
+  zero bubble's ``c``     ``cotangent_bytes`` (one replica's share, like ``stash_bytes``)
+                          per microbatch from its ``I`` to its ``W``: the cotangents at
+                          each layer's output that ``I`` keeps for ``W``
+  activations in transit  ``activation_bytes / r`` per microbatch (a round-robin group's
+                          devices hold one whole microbatch each): the sent copy on the
+                          sender from the ``F`` (or ``B``/``I``) that made it until its
+                          transfer ends, the received copy on the receiver from its
+                          arrival until the ``F`` that reads it (an activation; from there
+                          it is stash) or up to the ``B``/``I`` that reads it (a gradient)
+  ======================  ==============================================================
+
+  Not counted: the losses the call returns (a scalar per microbatch), the per-microbatch
+  PRNG keys (8 bytes each), model state (BatchNorm statistics) and XLA's temporaries inside
+  a program. The runtime's peak live bytes per device group (``RunMetrics.peak_bytes``, from
+  ``Pipeline.run(..., timeline=True)``) is measured after each operation, once it has
+  dropped the inputs it read for the last time: below this count where a backward frees a
+  weight version (``pipedream``) or a whole stash (``gpipe``).
+  ``benchmarks/bench_runtime.py --memory-only`` measures both ways and compares.
 
 :class:`PipelineCosts` is the seam to the planner: a Plan and its Profile become one
 (``pdjax.commands.simulate.costs_from_plan``); :func:`unit_costs` makes one from numbers.
@@ -32,6 +84,7 @@ The cost model (DESIGN.md's ``pdjax`` model):
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
@@ -73,6 +126,16 @@ class StageCosts:
         param_bytes: bytes of one copy of the stage's weights.
         stash_bytes: bytes kept per microbatch in flight (saved activations).
         optimizer_bytes: bytes of optimizer state.
+        input_bytes: bytes per microbatch the call places on the stage's devices before it
+            starts (the whole microbatch's, like ``activation_bytes``): at the first stage
+            the inputs, at the last the targets, both at a single stage; 0 elsewhere.
+            Counted by the ``runtime`` memory model only.
+        cotangent_bytes: bytes zero bubble's ``I`` keeps per microbatch for its ``W`` (the
+            cotangent at each layer's output; one replica's share, like ``stash_bytes``).
+            Counted by the ``runtime`` memory model only.
+        send_seconds: host seconds the stage's device group spends posting each transfer
+            it sends (an activation after ``F``, a gradient after ``B``/``I``), before the
+            transfer starts; charged only for transfers to another device group.
     """
 
     forward: float
@@ -83,11 +146,14 @@ class StageCosts:
     param_bytes: int = 0
     stash_bytes: int = 0
     optimizer_bytes: int = 0
+    input_bytes: int = 0
+    cotangent_bytes: int = 0
+    send_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if not isinstance(value, int | float) or not value >= 0 or math.isinf(value):
+            if not _finite_non_negative(value):
                 raise ScheduleError(
                     f"StageCosts.{field.name} must be a finite number >= 0; got {value!r}"
                 )
@@ -96,6 +162,19 @@ class StageCosts:
     def backward(self) -> float:
         """Seconds of the whole backward, ``input_grad + weight_grad``."""
         return self.input_grad + self.weight_grad
+
+
+def _finite_non_negative(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and value >= 0
+        and not math.isinf(value)
+    )
+
+
+#: Memory models of :func:`simulate` (see the module doc).
+MEMORY_MODELS = ("planner", "runtime")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,31 +187,107 @@ class PipelineCosts:
         stages: one entry per (virtual) stage.
         link_bandwidth: bytes/s across each cut, ``link_bandwidth[s]`` between stages
             ``s`` and ``s + 1`` (``num_stages - 1`` entries); ``math.inf`` makes it free.
+            Activations travel at it, and gradients too unless ``link_bandwidth_back`` is
+            given.
         allreduce_bandwidth: bytes/s of each stage's gradient all-reduce among its replicas.
-        link_latency: seconds added to every transfer between device groups.
+        link_latency: seconds added to every transfer between device groups: one number for
+            every cut, or one per cut (``num_stages - 1`` entries, ``link_latency[s]``
+            between stages ``s`` and ``s + 1``, both directions).
+        link_bandwidth_back: bytes/s of the gradient direction of each cut (from stage
+            ``s + 1`` back to ``s``; ``num_stages - 1`` entries); ``None``: the same as
+            ``link_bandwidth``.
+        allreduce_seconds: per stage, the seconds of its all-reduce at each update (a
+            measured all-reduce), replacing the ring formula; ``None`` as a whole or for a
+            stage: the ring formula from ``allreduce_bandwidth``.
+        memory_model: ``"planner"`` (weights x versions, optimizer state, stash x in
+            flight: the planner's formula) or ``"runtime"`` (also what pdjax's runtime
+            holds: gradient sums, the call's starting weights, inputs placed up front, zero
+            bubble's cotangents, activations in transit; see the module doc).
     """
 
     stages: tuple[StageCosts, ...]
     link_bandwidth: tuple[float, ...]
     allreduce_bandwidth: tuple[float, ...]
-    link_latency: float = 0.0
+    link_latency: float | tuple[float, ...] = 0.0
+    link_bandwidth_back: tuple[float, ...] | None = None
+    allreduce_seconds: tuple[float | None, ...] | None = None
+    memory_model: str = "planner"
 
     def __post_init__(self) -> None:
         if not self.stages:
             raise ScheduleError("PipelineCosts needs at least one stage")
-        for label, values, size in [
-            ("link_bandwidth", self.link_bandwidth, len(self.stages) - 1),
-            ("allreduce_bandwidth", self.allreduce_bandwidth, len(self.stages)),
-        ]:
-            if len(values) != size:
-                raise ScheduleError(
-                    f"PipelineCosts.{label} has {len(values)} entries; expected {size} for "
-                    f"{len(self.stages)} stages"
-                )
-            if any(not b > 0 for b in values):
+        S = len(self.stages)
+        # sequences given as lists (JSON) become tuples: the costs stay hashable
+        for name in ("link_latency", "link_bandwidth_back", "allreduce_seconds"):
+            value = getattr(self, name)
+            if isinstance(value, Sequence) and not isinstance(value, str | tuple):
+                object.__setattr__(self, name, tuple(value))
+        checks = [
+            ("link_bandwidth", self.link_bandwidth, S - 1),
+            ("allreduce_bandwidth", self.allreduce_bandwidth, S),
+        ]
+        if self.link_bandwidth_back is not None:
+            checks.append(("link_bandwidth_back", self.link_bandwidth_back, S - 1))
+        for label, values, size in checks:
+            _check_length(label, values, size, S)
+            if any(not isinstance(b, int | float) or not b > 0 for b in values):
                 raise ScheduleError(f"PipelineCosts.{label} must be > 0 bytes/s; got {values}")
-        if not self.link_latency >= 0:
-            raise ScheduleError(f"link_latency must be >= 0 s; got {self.link_latency!r}")
+        latency = self.link_latency
+        if isinstance(latency, tuple):
+            _check_length("link_latency", latency, S - 1, S)
+            if not all(_finite_non_negative(x) for x in latency):
+                raise ScheduleError(
+                    f"PipelineCosts.link_latency must be finite numbers >= 0 s; got {latency}"
+                )
+        elif not _finite_non_negative(latency):
+            raise ScheduleError(
+                "PipelineCosts.link_latency must be a finite number >= 0 s or one per cut; "
+                f"got {latency!r}"
+            )
+        if self.allreduce_seconds is not None:
+            _check_length("allreduce_seconds", self.allreduce_seconds, S, S)
+            if not all(x is None or _finite_non_negative(x) for x in self.allreduce_seconds):
+                raise ScheduleError(
+                    "PipelineCosts.allreduce_seconds must hold None or finite numbers >= 0 s; "
+                    f"got {self.allreduce_seconds}"
+                )
+        if self.memory_model not in MEMORY_MODELS:
+            raise ScheduleError(
+                f"PipelineCosts.memory_model must be one of {MEMORY_MODELS}; "
+                f"got {self.memory_model!r}"
+            )
+
+    def latency(self, cut: int) -> float:
+        """Seconds added to a transfer across the cut between stages ``cut`` and ``cut + 1``.
+
+        >>> PipelineCosts.build([StageCosts(1.0, 1.0, 1.0)] * 3, link_latency=[0.5, 2.0]).latency(1)
+        2.0
+        """
+        if isinstance(self.link_latency, tuple):
+            return float(self.link_latency[cut])
+        return float(self.link_latency)
+
+    def bandwidth(self, cut: int, *, backward: bool = False) -> float:
+        """Bytes/s across the cut between stages ``cut`` and ``cut + 1``: of activations,
+        or with ``backward`` of gradients (``link_bandwidth_back``, if given)."""
+        if backward and self.link_bandwidth_back is not None:
+            return self.link_bandwidth_back[cut]
+        return self.link_bandwidth[cut]
+
+    def allreduce(self, stage: int, replicas: int) -> float:
+        """Seconds of ``stage``'s gradient all-reduce over ``replicas`` devices: the measured
+        ``allreduce_seconds[stage]`` if given, else the ring's ``2 (r - 1) / r *
+        param_bytes / allreduce_bandwidth``.
+
+        >>> costs = PipelineCosts.build([StageCosts(1.0, 1.0, 1.0, param_bytes=100)] * 2,
+        ...                             allreduce_bandwidth=10.0, allreduce_seconds=[None, 3.0])
+        >>> costs.allreduce(0, 2), costs.allreduce(1, 2)
+        (10.0, 3.0)
+        """
+        if self.allreduce_seconds is not None and self.allreduce_seconds[stage] is not None:
+            return float(self.allreduce_seconds[stage])
+        r = replicas
+        return 2 * (r - 1) / r * self.stages[stage].param_bytes / self.allreduce_bandwidth[stage]
 
     @classmethod
     def build(
@@ -141,7 +296,10 @@ class PipelineCosts:
         *,
         link_bandwidth: float | Sequence[float] = math.inf,
         allreduce_bandwidth: float | Sequence[float] = math.inf,
-        link_latency: float = 0.0,
+        link_latency: float | Sequence[float] = 0.0,
+        link_bandwidth_back: float | Sequence[float] | None = None,
+        allreduce_seconds: Sequence[float | None] | None = None,
+        memory_model: str = "planner",
     ) -> PipelineCosts:
         """Like the constructor, with one bandwidth (bytes/s) allowed for all links.
 
@@ -160,17 +318,34 @@ class PipelineCosts:
             stages=stages,
             link_bandwidth=spread(link_bandwidth, len(stages) - 1),
             allreduce_bandwidth=spread(allreduce_bandwidth, len(stages)),
-            link_latency=link_latency,
+            link_latency=(
+                float(link_latency)
+                if isinstance(link_latency, int | float)
+                else tuple(float(x) for x in link_latency)
+            ),
+            link_bandwidth_back=(
+                None
+                if link_bandwidth_back is None
+                else spread(link_bandwidth_back, len(stages) - 1)
+            ),
+            allreduce_seconds=(
+                None
+                if allreduce_seconds is None
+                else tuple(None if x is None else float(x) for x in allreduce_seconds)
+            ),
+            memory_model=memory_model,
         )
 
     def interleave(self, chunks: int) -> PipelineCosts:
         """Costs of ``P * chunks`` virtual stages, each stage cut into equal chunks.
 
         Virtual stage ``d + c P`` gets ``1 / chunks`` of stage ``d``'s compute, weights,
-        optimizer state and stash, and stage ``d``'s activation bytes; the cut from the last
-        group back to the first (between chunks) carries the largest activation of any cut
-        and uses the slowest link: a what-if approximation for when no plan partitions the
-        layers into ``P * chunks`` stages.
+        optimizer state, stash, cotangents and measured all-reduce, and stage ``d``'s
+        activation bytes and send seconds; the first virtual stage gets stage 0's input
+        bytes, the last stage ``P - 1``'s. The cut from the last group back to the first
+        (between chunks) carries the largest activation of any cut and uses the slowest
+        link (the smallest bandwidth of each direction, the largest latency): a what-if
+        approximation for when no plan partitions the layers into ``P * chunks`` stages.
 
         Raises:
             ScheduleError: if ``chunks < 1``.
@@ -181,8 +356,18 @@ class PipelineCosts:
             return self
         P = len(self.stages)
         widest = max((st.activation_bytes for st in self.stages), default=0)
-        slowest = min(self.link_bandwidth, default=math.inf)
-        stages, links = [], []
+        cuts = range(P - 1)
+
+        def wrap(per_cut: Sequence[float], pick: Any) -> list[float]:
+            """Per virtual cut: the stage's own cut, or ``pick`` of all for the wrap-around."""
+            out = []
+            for c in range(chunks):
+                out += [per_cut[d] for d in cuts]
+                if c < chunks - 1:
+                    out.append(pick(per_cut, default=math.inf if pick is min else 0.0))
+            return out
+
+        stages = []
         for c in range(chunks):
             for d, st in enumerate(self.stages):
                 stages.append(
@@ -195,17 +380,44 @@ class PipelineCosts:
                         param_bytes=st.param_bytes // chunks,
                         stash_bytes=st.stash_bytes // chunks,
                         optimizer_bytes=st.optimizer_bytes // chunks,
+                        input_bytes=(
+                            st.input_bytes
+                            if (c, d) == (0, 0) or (P > 1 and (c, d) == (chunks - 1, P - 1))
+                            else 0
+                        ),
+                        cotangent_bytes=st.cotangent_bytes // chunks,
+                        send_seconds=st.send_seconds,
                     )
                 )
-                if d < P - 1:
-                    links.append(self.link_bandwidth[d])
-                elif c < chunks - 1:
-                    links.append(slowest)
+        latency: float | tuple[float, ...] = self.link_latency
+        if isinstance(latency, tuple):
+            latency = tuple(wrap(latency, max))
+        measured = self.allreduce_seconds
         return PipelineCosts(
             stages=tuple(stages),
-            link_bandwidth=tuple(links),
+            link_bandwidth=tuple(wrap(self.link_bandwidth, min)),
             allreduce_bandwidth=self.allreduce_bandwidth * chunks,
-            link_latency=self.link_latency,
+            link_latency=latency,
+            link_bandwidth_back=(
+                None
+                if self.link_bandwidth_back is None
+                else tuple(wrap(self.link_bandwidth_back, min))
+            ),
+            allreduce_seconds=(
+                None
+                if measured is None
+                else tuple(None if x is None else x / chunks for x in measured) * chunks
+            ),
+            memory_model=self.memory_model,
+        )
+
+
+def _check_length(label: str, values: Sequence[Any], size: int, stages: int) -> None:
+    if len(values) != size:
+        what = "one per cut" if size == stages - 1 else "one per stage"
+        raise ScheduleError(
+            f"PipelineCosts.{label} has {len(values)} entries; expected {size} ({what}) for "
+            f"{stages} stages"
         )
 
 
@@ -303,6 +515,9 @@ class Simulation:
             window (only ``pipedream`` and ``2bw`` with a stream long enough to have one:
             about ``2 P`` microbatches, more with round-robin stages, see
             :func:`stream_length`; otherwise they describe the whole run).
+        memory_by_action: per device group, the bytes one of its devices holds during each
+            of its actions (parallel to ``schedule.actions[g]``; ``peak_memory`` is the
+            largest).
     """
 
     schedule: Schedule
@@ -314,6 +529,7 @@ class Simulation:
     peak_memory: tuple[int, ...]
     peak_in_flight: tuple[int, ...]
     steady_state: bool
+    memory_by_action: tuple[tuple[int, ...], ...] = ()
 
     def summary(self) -> dict[str, Any]:
         """The numbers as plain JSON-able data."""
@@ -351,17 +567,21 @@ def _check_match(schedule: Schedule, costs: PipelineCosts) -> None:
 def _durations(schedule: Schedule, costs: PipelineCosts) -> dict[tuple[str, int], float]:
     """Seconds of each kind of action at each stage (see the module doc)."""
     table = {}
+    where, S = schedule.stage_device, schedule.num_stages
     for s, st in enumerate(costs.stages):
-        r = schedule.replicas[schedule.stage_device[s]]
-        allreduce = 2 * (r - 1) / r * st.param_bytes / costs.allreduce_bandwidth[s]
+        g = where[s]
+        allreduce = costs.allreduce(s, schedule.replicas[g])
         # A round-robin action runs n whole microbatches side by side, one per device: the
         # time of n per-replica shares. The update is per device either way.
         n = schedule.group_size(s)
+        # posting each transfer to another group occupies this group (one per microbatch)
+        sends_forward = n * st.send_seconds if s + 1 < S and where[s + 1] != g else 0.0
+        sends_back = n * st.send_seconds if s > 0 and where[s - 1] != g else 0.0
         table.update(
             {
-                ("F", s): n * st.forward,
-                ("B", s): n * st.backward,
-                ("I", s): n * st.input_grad,
+                ("F", s): n * st.forward + sends_forward,
+                ("B", s): n * st.backward + sends_back,
+                ("I", s): n * st.input_grad + sends_back,
                 ("W", s): n * st.weight_grad,
                 ("U", s): st.update + allreduce,
             }
@@ -369,27 +589,130 @@ def _durations(schedule: Schedule, costs: PipelineCosts) -> dict[tuple[str, int]
     return table
 
 
-def _memory(schedule: Schedule, costs: PipelineCosts) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Peak bytes per device group and peak microbatches in flight per stage."""
-    peak_bytes = []
+def _memory(
+    schedule: Schedule,
+    costs: PipelineCosts,
+    starts: list[list[float]],
+    ends: list[list[float]],
+    moves: list[tuple[int, int, float, float, Action]],
+) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Bytes per device of each group during each of its actions, and the peak
+    microbatches in flight per stage (see the module doc for both memory models)."""
+    runtime = costs.memory_model == "runtime"
+    N = schedule.num_microbatches
     peak_in_flight = [0] * schedule.num_stages
+    totals = [[0.0] * len(acts) for acts in schedule.actions]
     for g, acts in enumerate(schedule.actions):
-        total = [0] * len(acts)
+        total = totals[g]
+        r = schedule.replicas[g]
         for s in schedule.stages_of(g):
             st = costs.stages[s]
             versions = _live_versions(acts, s)
+            if runtime:
+                versions = _with_call_weights(acts, s, versions)
             in_flight = 0
+            waiting_for_w = 0  # zero bubble: I done, W not yet
+            forwarded = 0
+            summing = False  # a gradient sum is alive
             for pos, a in enumerate(acts):
-                if a.stage == s and a.kind == "F":
+                mine = a.stage == s
+                if mine and a.kind == "F":
                     in_flight += len(schedule.covers(a))
+                    forwarded += len(schedule.covers(a))
+                if mine and a.kind == "I":
+                    waiting_for_w += len(schedule.covers(a))
+                if mine and a.kind in "BW":
+                    summing = True
                 peak_in_flight[s] = max(peak_in_flight[s], in_flight)
                 total[pos] += (
                     st.param_bytes * versions[pos] + st.optimizer_bytes + st.stash_bytes * in_flight
                 )
-                if a.stage == s and a.kind in "BW":
+                if runtime:
+                    total[pos] += (
+                        st.param_bytes * summing
+                        + st.input_bytes * (N - forwarded) / r
+                        + st.cotangent_bytes * waiting_for_w
+                    )
+                if mine and a.kind in "BW":
                     in_flight -= len(schedule.covers(a))
-        peak_bytes.append(max(total, default=0))
-    return tuple(peak_bytes), tuple(peak_in_flight)
+                if mine and a.kind == "W":
+                    waiting_for_w -= len(schedule.covers(a))
+                if mine and a.kind == "U":
+                    summing = False
+    if runtime:
+        _add_transit(schedule, costs, starts, ends, moves, totals)
+    memory = tuple(tuple(round(x) for x in total) for total in totals)
+    return memory, tuple(peak_in_flight)
+
+
+def _with_call_weights(acts: Sequence[Action], stage: int, versions: list[int]) -> list[int]:
+    """``versions`` plus version 0 from where it would die to the end: the weights a call
+    starts from stay alive until it returns."""
+    first_update = next(
+        (pos for pos, a in enumerate(acts) if a.stage == stage and a.kind == "U"), None
+    )
+    if first_update is None:
+        return versions
+    last_use = max(
+        (pos for pos, a in enumerate(acts) if a.stage == stage and a.version == 0), default=-1
+    )
+    end = max(last_use, first_update)
+    return [v + (pos > end) for pos, v in enumerate(versions)]
+
+
+def _add_transit(
+    schedule: Schedule,
+    costs: PipelineCosts,
+    starts: list[list[float]],
+    ends: list[list[float]],
+    moves: list[tuple[int, int, float, float, Action]],
+    totals: list[list[float]],
+) -> None:
+    """Adds to ``totals`` the activations and gradients in transit: the sender's copy from
+    the action that made it until its transfer ends, the receiver's from its arrival until
+    the action that reads it (an activation: before its ``F``, which stashes it; a
+    gradient: up to its ``B``/``I``)."""
+    S, where = schedule.num_stages, schedule.stage_device
+    # where each microbatch's F, and B or I (what reads a gradient), sits in its group's list
+    reader: dict[tuple[str, int, int], int] = {}
+    for acts in schedule.actions:
+        for pos, a in enumerate(acts):
+            kind = "F" if a.kind == "F" else "G" if a.kind in "BI" else None
+            if kind is not None:
+                for k in schedule.covers(a):
+                    reader.setdefault((kind, a.stage, k), pos)
+    timed: dict[Action, list[tuple[float, float]]] = {}
+    for _src, _dst, start, end, a in moves:
+        timed.setdefault(a, []).append((start, end))
+    deltas = [[0.0] * (len(acts) + 1) for acts in schedule.actions]
+    for g, acts in enumerate(schedule.actions):
+        for pos, a in enumerate(acts):
+            if a.kind == "F" and a.stage + 1 < S:
+                cut, peer, read = a.stage, a.stage + 1, "F"
+            elif a.kind in "BI" and a.stage > 0:
+                cut, peer, read = a.stage - 1, a.stage - 1, "G"
+            else:
+                continue
+            h = where[peer]
+            size = costs.stages[cut].activation_bytes
+            spans = timed.get(a, [])
+            for j, k in enumerate(schedule.covers(a)):
+                arrival = spans[j][1] if j < len(spans) else ends[g][pos]
+                if h != g:  # the sender's copy, until the transfer ends
+                    last = max(pos, bisect.bisect_left(starts[g], arrival) - 1)
+                    deltas[g][pos] += size / schedule.replicas[g]
+                    deltas[g][last + 1] -= size / schedule.replicas[g]
+                # the receiver's copy, from the first of its actions that ends after it arrives
+                until = reader[read, peer, k] + (read == "G")  # exclusive
+                first = bisect.bisect_right(ends[h], arrival)
+                if first < until:
+                    deltas[h][first] += size / schedule.replicas[h]
+                    deltas[h][until] -= size / schedule.replicas[h]
+    for g, delta in enumerate(deltas):
+        alive = 0.0
+        for pos in range(len(totals[g])):
+            alive += delta[pos]
+            totals[g][pos] += alive
 
 
 def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) -> Simulation:
@@ -421,8 +744,9 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         return table[a.kind, a.stage]
 
     def transfer(cut: int, src: int, dst: int) -> float:
-        seconds = costs.stages[cut].activation_bytes / costs.link_bandwidth[cut]
-        return seconds + costs.link_latency
+        backward = src != schedule.stage_device[cut]  # a gradient, from stage cut + 1
+        seconds = costs.stages[cut].activation_bytes / costs.bandwidth(cut, backward=backward)
+        return seconds + costs.latency(cut)
 
     starts, ends, moves = _play(schedule, duration, transfer)
     spans = tuple(
@@ -447,7 +771,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         step_time = (hi - lo) / microbatches * M
     busy = sum(timeline.busy(g, lo, hi) for g in range(G))
     bubble = 1.0 - busy / (G * (hi - lo)) if hi > lo else 0.0
-    peak_memory, peak_in_flight = _memory(schedule, costs)
+    memory, peak_in_flight = _memory(schedule, costs, starts, ends, moves)
     return Simulation(
         schedule=schedule,
         timeline=timeline,
@@ -455,9 +779,10 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         step_time=step_time,
         time_per_microbatch=step_time / M,
         bubble_fraction=max(0.0, bubble),
-        peak_memory=peak_memory,
+        peak_memory=tuple(max(m, default=0) for m in memory),
         peak_in_flight=peak_in_flight,
         steady_state=window is not None,
+        memory_by_action=memory,
     )
 
 

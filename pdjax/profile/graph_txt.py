@@ -11,6 +11,27 @@ its activation sizes as ``[a; b; c]`` (summed here). Nodes come in no particular
 the reader sorts them topologically (Kahn's algorithm, ties broken by node number, as
 PipeDream's own ``topological_sort`` on these graphs gives a stable order) and keeps every
 edge, so DAGs (ResNet, GNMT, Inception) stay DAGs.
+
+The batch size behind a profile is not written in the file, and a file holds no shapes,
+only bytes; PipeDream's profiler writes ``4 * (product of the output's shape)`` for every
+output (4 bytes an element whatever the dtype, the batch dimension included). The reader
+takes, in this order (``meta["batch_size_from"]`` says which):
+
+1. ``batch_size=`` when given (> 0): ``"given"``.
+2. Image inputs: an ``Input`` node whose size is a whole number of 3x224x224 (or, for
+   Inception-v3, 3x299x299) fp32 images: that number (VGG-16: 128), ``"image input"``.
+3. Token inputs (GNMT): their ``Input`` nodes have size 0 and a ``[seq, batch]`` or
+   ``[batch, seq]`` token tensor could not be told apart anyway, so the batch is read off a
+   recurrent layer's state instead, which has one layout: an ``LSTM(in, hidden, ...)`` (or
+   ``GRU``) node's outputs are ``[output; h; c]`` with ``h`` (and ``c``) of shape
+   ``[num_layers * directions, batch, hidden]``, so ``batch = bytes(h) / (4 * num_layers *
+   directions * hidden)``. It counts only when the output is then a whole number of steps
+   (``bytes(output) = 4 * steps * batch * directions * hidden``) and every such node
+   agrees: ``"recurrent state"``. GNMT (``gnmt``): ``h`` of ``LSTM(1024, 1024)`` is 131072
+   bytes, batch 32 (48-token sources; the decoder's 47-step outputs and the attention
+   scores, 288768 bytes = 4 x 32 x 47 x 48, agree); ``gnmt_large``: 524288 bytes, batch
+   128 (25 steps; scores 320000 = 4 x 128 x 25 x 25).
+4. Otherwise 1: ``"unknown"`` (pass ``batch_size=``).
 """
 
 from __future__ import annotations
@@ -41,11 +62,11 @@ _NODE = re.compile(
 _EDGE = re.compile(r"^\s+(?P<a>node\d+) -- (?P<b>node\d+)$")
 
 
-def _size(text: str) -> float:
+def _sizes(text: str) -> tuple[float, ...]:
     # A node with several outputs (an LSTM's output and state) lists them: "[a; b; c]".
     if text.startswith("["):
-        return sum(float(part) for part in text[1:-1].split(";") if part.strip())
-    return float(text)
+        return tuple(float(part) for part in text[1:-1].split(";") if part.strip())
+    return (float(text),)
 
 
 def _node_number(node_id: str) -> int:
@@ -58,8 +79,8 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
     Args:
       text: the file's contents.
       source: the file name, used in error messages and ``meta["source"]``.
-      batch_size: samples per minibatch behind the profile; 0 infers it from an input
-        node of 3x224x224 fp32 images (PipeDream's image profiles), else 1.
+      batch_size: samples per minibatch behind the profile; 0 infers it (from an image
+        input node, else a recurrent layer's state, else 1: see the module doc).
 
     Returns:
       A profile whose seconds are PipeDream's milliseconds / 1000, ``time_source``
@@ -73,6 +94,7 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
         an edge to an unknown node, a cycle, or no nodes at all.
     """
     nodes: dict[str, tuple[str, float, float, float, float]] = {}
+    outputs: dict[str, tuple[float, ...]] = {}  # per node, its outputs' sizes
     edges: list[tuple[str, str, int]] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -82,12 +104,14 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
             if m["id"] in nodes:
                 raise GraphFormatError(f"{source}:{lineno}: node {m['id']} is defined twice")
             try:
-                values = (float(m["fwd"]), float(m["bwd"]), _size(m["act"]), float(m["param"]))
+                sizes = _sizes(m["act"])
+                values = (float(m["fwd"]), float(m["bwd"]), sum(sizes), float(m["param"]))
             except ValueError as e:
                 raise GraphFormatError(f"{source}:{lineno}: bad number: {e}") from e
-            if any(v < 0 for v in values):
+            if any(v < 0 for v in (*values, *sizes)):
                 raise GraphFormatError(f"{source}:{lineno}: negative time or size")
             nodes[m["id"]] = (m["desc"].strip(), *values)
+            outputs[m["id"]] = sizes
             continue
         m = _EDGE.match(line)
         if m:
@@ -148,15 +172,19 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
         _with_input(layer, sum(layers[p].output_bytes for p in preds.get(i, [])))
         for i, layer in enumerate(layers)
     ]
-    if batch_size <= 0:
-        batch_size = _infer_batch_size(layers)
+    if batch_size > 0:
+        batch_from = "given"
+    else:
+        batch_size, batch_from = _infer_batch_size(
+            layers, [(nodes[n][0], outputs[n]) for n in order]
+        )
     edge_idx = sorted({(index[a], index[b]) for a, b, _ in edges})
     return Profile(
         layers=tuple(layers),
         edges=tuple(edge_idx),
         batch_size=batch_size,
         time_source="graph.txt",
-        meta={"source": source, "format": "pipedream graph.txt"},
+        meta={"source": source, "format": "pipedream graph.txt", "batch_size_from": batch_from},
     )
 
 
@@ -166,14 +194,65 @@ def _with_input(layer: LayerProfile, input_bytes: int) -> LayerProfile:
     return replace(layer, input_bytes=int(input_bytes))
 
 
-def _infer_batch_size(layers: list[LayerProfile]) -> int:
+def _infer_batch_size(
+    layers: list[LayerProfile], outputs: list[tuple[str, tuple[float, ...]]]
+) -> tuple[int, str]:
+    """The batch size and how it was found (the module doc's rules 2-4)."""
     for side in (224, 299):  # ImageNet crops: most models, Inception-v3
         image = 3 * side * side * 4
         for layer in layers:
             if layer.kind.startswith("Input") and layer.output_bytes % image == 0:
                 if layer.output_bytes:
-                    return layer.output_bytes // image
-    return 1
+                    return layer.output_bytes // image, "image input"
+    found = {b for desc, sizes in outputs if (b := _recurrent_batch(desc, sizes)) is not None}
+    if len(found) == 1:
+        return found.pop(), "recurrent state"
+    return 1, "unknown"
+
+
+_RECURRENT = re.compile(
+    r"^(?:LSTM|GRU)\((?P<input>\d+), (?P<hidden>\d+)(?P<options>(?:, [^()]*)?)\)$"
+)
+
+
+def _recurrent_batch(desc: str, sizes: tuple[float, ...]) -> int | None:
+    """The batch of an ``LSTM``/``GRU`` node from its state's size (``[output; h(; c)]``,
+    ``h`` of shape ``[num_layers * directions, batch, hidden]``), or None if the node is
+    not one or its sizes do not fit that layout.
+
+    >>> _recurrent_batch("LSTM(1024, 1024)", (6291456.0, 131072.0, 131072.0))
+    32
+    >>> _recurrent_batch("LSTM(8, 4, num_layers=2, bidirectional=True)", (4 * 5 * 3 * 8,
+    ...                  4 * 4 * 3 * 4, 4 * 4 * 3 * 4))
+    3
+    >>> _recurrent_batch("LSTM(1024, 1024)", (6291456.0,)) is None  # no state listed
+    True
+    """
+    m = _RECURRENT.match(desc)
+    if not m or len(sizes) < 2:
+        return None
+    hidden = int(m["hidden"])
+    options: dict[str, str] = {}
+    for part in m["options"].split(","):
+        key, eq, value = part.partition("=")
+        if eq:
+            options[key.strip()] = value.strip()
+    try:
+        layers = int(options.get("num_layers", "1"))
+    except ValueError:
+        return None
+    directions = 2 if options.get("bidirectional") == "True" else 1
+    if options.get("proj_size", "0") != "0" or hidden < 1 or layers < 1:
+        return None  # h would be [.., batch, proj_size]: not worth the guess
+    per_sample = 4 * layers * directions * hidden
+    state = sizes[1:]
+    if any(size != state[0] for size in state) or state[0] <= 0 or state[0] % per_sample:
+        return None
+    batch = int(state[0] // per_sample)
+    step = 4 * batch * directions * hidden  # one step of the output, [.., batch, dirs * hidden]
+    if sizes[0] <= 0 or sizes[0] % step:
+        return None
+    return batch
 
 
 def read_graph_txt(path: str | Path, *, batch_size: int = 0) -> Profile:
@@ -186,8 +265,12 @@ def read_graph_txt(path: str | Path, *, batch_size: int = 0) -> Profile:
     return parse_graph_txt(text, source=str(path), batch_size=batch_size)
 
 
-def published_profile(name: str) -> Profile:
-    """One of PipeDream's published profiles by model name, e.g. ``"vgg16"``.
+def published_profile(name: str, *, batch_size: int = 0) -> Profile:
+    """One of PipeDream's published profiles by model name, e.g. ``"vgg16"``;
+    ``batch_size`` as for :func:`parse_graph_txt` (0: inferred).
+
+    >>> [(m, published_profile(m).batch_size) for m in ("vgg16", "gnmt", "gnmt_large")]
+    [('vgg16', 128), ('gnmt', 32), ('gnmt_large', 128)]
 
     Raises:
       GraphFormatError: for an unknown name, listing the available ones.
@@ -196,4 +279,4 @@ def published_profile(name: str) -> Profile:
         raise GraphFormatError(
             f"no published PipeDream profile {name!r}; available: {list(PUBLISHED_PROFILES)}"
         )
-    return read_graph_txt(_PUBLISHED_DIR / name / "graph.txt")
+    return read_graph_txt(_PUBLISHED_DIR / name / "graph.txt", batch_size=batch_size)

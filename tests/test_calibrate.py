@@ -1,0 +1,211 @@
+"""pdjax.calibrate: measured stages, links and all-reduces as plain data; what plan and
+simulate make of them; refusals of a calibration for another model, plan or devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import jax
+import optax
+import pytest
+
+from pdjax.calibrate import (
+    AllReduceMeasure,
+    Calibration,
+    LinkMeasure,
+    StageMeasure,
+    _with_timeout,
+    calibrate,
+    fit_latency_bandwidth,
+    measure_stages,
+    model_fingerprint,
+    neighbours,
+    rank_plans,
+)
+from pdjax.errors import CalibrationError
+from pdjax.models import get_model
+from pdjax.partition import Topology, evaluate_partition
+from pdjax.pipeline.costs import costs_from_plan
+from pdjax.profile import LayerProfile, Profile
+
+
+def _profile(n: int = 4) -> Profile:
+    layers = [
+        LayerProfile(f"l{i}", forward_seconds=1e-3, backward_seconds=2e-3, output_bytes=1000,
+                     param_bytes=4000)
+        for i in range(n)
+    ]  # fmt: skip
+    return Profile.chain(layers, batch_size=8)
+
+
+def _calibration(**kw) -> Calibration:
+    stages = (
+        StageMeasure(0, 1, 1, "split", forward=0.010, backward=0.020, update=0.004),
+        StageMeasure(2, 3, 1, "split", forward=0.030, backward=0.050, update=0.002),
+        StageMeasure(0, 3, 1, "split", forward=0.040, backward=0.070, update=0.006),
+    )
+    links = (
+        LinkMeasure(0, 1, latency=1e-4, bandwidth=1e6, send_seconds=2e-5),
+        LinkMeasure(1, 0, latency=3e-4, bandwidth=5e5, send_seconds=4e-5),
+    )
+    base = dict(
+        model={"layers": [f"l{i}" for i in range(4)], "param_bytes": [4000] * 4},
+        microbatch_size=8, devices=(0, 1), platform="cpu", device_kind="cpu",
+        stages=stages, links=links, profile_ratio=2.0,
+    )  # fmt: skip
+    return Calibration(**{**base, **kw})
+
+
+def _plan(stages=((0, 1, 1), (2, 3, 1)), workers=2):
+    return evaluate_partition(_profile(), Topology.flat(workers, 1e6), list(stages),
+                              schedule="pipedream", microbatch_size=8)  # fmt: skip
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    secs = [2e-4 + n / 5e8 for n in sizes]
+    lat, bw = fit_latency_bandwidth(sizes, secs)
+    assert lat == pytest.approx(2e-4, rel=1e-6) and bw == pytest.approx(5e8, rel=1e-6)
+    with pytest.raises(CalibrationError, match="two distinct sizes"):
+        fit_latency_bandwidth([10, 10], [1.0, 1.0])
+
+
+def test_json_round_trip_and_bad_files(tmp_path):
+    cal = _calibration(allreduces=(AllReduceMeasure((0, 1), 1e-3, 1e9, (4, 8), (1e-3, 1e-3)),))
+    path = cal.save(tmp_path / "cal.json")
+    assert Calibration.load(path) == cal
+    (tmp_path / "other.json").write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CalibrationError, match="not a pdjax calibration"):
+        Calibration.load(tmp_path / "other.json")
+    with pytest.raises(CalibrationError, match="no calibration file"):
+        Calibration.load(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(CalibrationError, match="not valid JSON"):
+        Calibration.load(tmp_path / "bad.json")
+
+
+def test_a_calibration_for_another_model_plan_or_devices_is_refused():
+    cal = _calibration()
+    cal.check(layers=[f"l{i}" for i in range(4)], microbatch_size=8, plan=_plan())
+    with pytest.raises(CalibrationError, match="the model has 3 layers, the calibration 4"):
+        cal.check(layers=["l0", "l1", "l2"])
+    with pytest.raises(CalibrationError, match="layer 2 is 'conv'"):
+        cal.check(layers=["l0", "l1", "conv", "l3"])
+    with pytest.raises(CalibrationError, match="layer 1 has 8 parameter bytes"):
+        cal.check(param_bytes=[4000, 8, 4000, 4000])
+    with pytest.raises(CalibrationError, match="microbatch of 16 samples wanted"):
+        cal.check(microbatch_size=16)
+    with pytest.raises(CalibrationError, match=r"devices \[2\] that the calibration did not"):
+        cal.check(plan=_plan(((0, 1, 1), (2, 2, 1), (3, 3, 1)), workers=3))
+    with pytest.raises(CalibrationError, match=r"stages \['0-2 x1', '3-3 x1'\]"):
+        cal.check(plan=_plan(((0, 2, 1), (3, 3, 1))), require_stages=True)
+    gpu = dataclasses.replace(cal, platform="gpu", device_kind="NVIDIA H200")
+    with pytest.raises(CalibrationError, match="measured on gpu 'NVIDIA H200'"):
+        gpu.check(devices=jax.devices()[:2])
+
+
+def test_calibrated_costs_are_the_measured_ones():
+    plan, cal = _plan(), _calibration()
+    costs = costs_from_plan(plan, _profile(), calibration=cal)
+    s0, s1 = costs.stages
+    assert (s0.forward, s0.backward, s0.update) == pytest.approx((0.010, 0.020, 0.004))
+    assert (s1.forward, s1.backward, s1.update) == pytest.approx((0.030, 0.050, 0.002))
+    assert costs.link_bandwidth == (1e6,) and costs.link_bandwidth_back == (5e5,)
+    assert costs.link_latency == pytest.approx((2e-4,))
+    assert s0.send_seconds == pytest.approx(2e-5) and s1.send_seconds == pytest.approx(4e-5)
+    # bytes still come from the profile
+    assert s0.activation_bytes == 1000 and s0.param_bytes == 8000
+
+
+def test_unmeasured_stage_is_refused_or_priced_from_the_profile():
+    plan = _plan(((0, 2, 1), (3, 3, 1)))
+    cal = _calibration()
+    with pytest.raises(CalibrationError, match="were not measured"):
+        costs_from_plan(plan, _profile(), calibration=cal)
+    costs = costs_from_plan(plan, _profile(), calibration=cal, partial=True)
+    plain = costs_from_plan(plan, _profile())
+    for got, want in zip(costs.stages, plain.stages, strict=True):
+        assert got.forward == pytest.approx(2.0 * want.forward)  # the profile ratio
+        assert got.backward == pytest.approx(2.0 * want.backward)
+
+
+def test_simulator_plays_the_calibrated_costs():
+    """One worker: the stage's forward + backward + update per microbatch, exactly."""
+    from pdjax.pipeline.schedule import generate
+    from pdjax.pipeline.simulate import simulate
+
+    plan = evaluate_partition(_profile(), Topology.flat(1, 1e6), [(0, 3, 1)],
+                              schedule="pipedream", microbatch_size=8)  # fmt: skip
+    costs = costs_from_plan(plan, _profile(), calibration=_calibration(devices=(0,)))
+    sim = simulate(generate("pipedream", 1, 10), costs)
+    assert sim.makespan == pytest.approx(10 * (0.040 + 0.070 + 0.006))
+
+
+def test_planner_uses_the_calibrated_stage_seconds():
+    cal = _calibration()
+    fn = cal.stage_seconds("pipedream")
+    assert fn(0, 1, 1, "split") == pytest.approx(0.010 + 0.020 + 0.004)
+    assert fn(1, 3, 1, "split") is None
+    assert cal.stage_seconds("1f1b", 4)(2, 3, 1, "split") == pytest.approx(0.08 + 0.002 / 4)
+    plan = evaluate_partition(_profile(), Topology.flat(2, 1e9), [(0, 1, 1), (2, 3, 1)],
+                              schedule="pipedream", microbatch_size=8,
+                              stage_seconds=fn)  # fmt: skip
+    # the slowest stage (2-3: 82 ms with its update) bounds the pipeline
+    assert plan.time_per_microbatch >= 0.082
+
+
+def test_rank_plans_puts_the_measured_fastest_first():
+    """The profile says 0-1 / 2-3 is balanced; the calibration says stage 2-3 is slow and
+    0-2 / 3-3 is balanced: the re-ranking follows the measurement."""
+    base = _calibration()
+    extra = (
+        StageMeasure(0, 2, 1, "split", forward=0.02, backward=0.03, update=0.001),
+        StageMeasure(3, 3, 1, "split", forward=0.02, backward=0.03, update=0.001),
+    )
+    cal = dataclasses.replace(base, stages=base.stages + extra)
+    plans = [_plan(), _plan(((0, 2, 1), (3, 3, 1)))]
+    ranked = rank_plans(plans, _profile(), cal)
+    assert [r.plan.stages[0].last_layer for r in ranked] == [2, 1]
+    assert ranked[0].simulated < ranked[1].simulated
+
+
+def test_neighbours_move_each_cut_by_one():
+    plan = _plan(((0, 1, 1), (2, 2, 1), (3, 3, 1)), workers=3)
+    got = neighbours(plan)
+    assert [(0, 0, 1), (1, 2, 1), (3, 3, 1)] in got
+    assert [(0, 2, 1), (3, 2, 1), (3, 3, 1)] not in got  # an empty stage is not a plan
+    assert [(0, 1, 1), (2, 3, 1), (4, 3, 1)] not in got
+    assert len(got) == 1
+
+
+def test_a_link_that_does_not_answer_fails_in_time_naming_it():
+    t0 = time.monotonic()
+    with pytest.raises(CalibrationError, match=r"link 3 -> 5 could not be measured within"):
+        _with_timeout("link 3 -> 5", 0.2, lambda: time.sleep(5))
+    assert time.monotonic() - t0 < 2
+
+
+def test_measure_and_calibrate_a_tiny_model():
+    spec = get_model("mlp", "tiny")
+    sample = spec.sample_batch(8)
+    L = len(spec.layers)
+    got = measure_stages(spec.layers, sample, spec.loss, optax.sgd(0.1),
+                         [(0, 1, 1, "split"), (2, L - 1, 2, "split"),
+                          (2, L - 1, 2, "round-robin")], repeats=2)  # fmt: skip
+    assert [(m.first, m.last, m.replicas, m.rows) for m in got] == [
+        (0, 1, 1, 8), (2, L - 1, 2, 4), (2, L - 1, 2, 8)
+    ]  # fmt: skip
+    assert all(m.forward > 0 and m.backward >= 0 and m.update > 0 for m in got)
+    with pytest.raises(CalibrationError, match="must be a multiple of 3"):
+        measure_stages(spec.layers, sample, spec.loss, optax.sgd(0.1), [(0, 1, 3, "split")])
+    devices = jax.devices()[:2]
+    cal = calibrate(spec.layers, sample, spec.loss, optax.sgd(0.1), [(0, 1, 2, "split")],
+                    devices=devices, repeats=2, sizes=(4096, 65536))  # fmt: skip
+    assert cal.model == model_fingerprint(spec.layers, sample[0])
+    assert cal.stage(0, L - 1) is not None  # the whole model is always measured
+    assert cal.stage(0, 1, 2, "split").allreduce > 0
+    assert {(ln.src, ln.dst) for ln in cal.links} == {(0, 1), (1, 0)}
+    assert all(ln.bandwidth > 0 and ln.latency >= 0 for ln in cal.links)
+    assert cal.allreduce([1, 0]).bandwidth > 0
