@@ -252,8 +252,6 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     label = r.get("label", name)
     units = r["units"]
     opt = _optimizer()
-    if name == "allreduce":  # the data-parallel gradient all-reduce alone, ``units`` times
-        return label, _allreduce_runner(spec, b, units)
     if name in ("single", "dp"):
         devices = jax.devices()[:1] if name == "single" else jax.devices()
         n = b * len(devices)
@@ -298,43 +296,6 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         return time.perf_counter() - t0
 
     return label, call
-
-
-def _allreduce_runner(spec: Any, microbatch: int, units: int) -> Callable[[], float]:
-    """Sums a gradient-shaped tree over every device, as a data-parallel step's all-reduce
-    does (a program of its own, one all-reduce per array, through JAX's collectives)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    x, _ = spec.sample_batch(microbatch, 0)
-    shapes = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
-    grads = [v.get("params", {}) for v in shapes]
-    mesh = Mesh(np.asarray(jax.devices()), ("data",))
-    n = len(jax.devices())
-    sharded = NamedSharding(mesh, P("data"))
-
-    def place(leaf: Any) -> jax.Array:
-        shape = (n, *leaf.shape)
-        return jax.make_array_from_callback(
-            shape, sharded, lambda index: np.ones(shape, leaf.dtype)[index]
-        )
-
-    tree = jax.tree.map(place, grads)
-    total = jax.jit(
-        lambda t: jax.tree.map(lambda a: jnp.sum(a, axis=0), t),
-        out_shardings=NamedSharding(mesh, P()),
-    )
-
-    def call() -> float:
-        t0 = time.perf_counter()
-        for _ in range(units):
-            jax.block_until_ready(total(tree))
-        return time.perf_counter() - t0
-
-    return call
 
 
 # -- the driver ---------------------------------------------------------------------------------
