@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import math
 
+import numpy as np
 import pytest
 
 from pdjax.errors import ScheduleError
@@ -798,3 +799,66 @@ def test_round_robin_refusals_and_validator():
     acts[1] = acts[1]._replace(mb=1)  # not a group's first microbatch
     with pytest.raises(ScheduleError, match="round-robin over 2"):
         validate(dataclasses.replace(s, actions=(tuple(acts), s.actions[1])))
+
+
+def _unit_rate_played(units, q):
+    """The reference for ``schedule._unit_rate``: the same orders as a :class:`Schedule`,
+    played by the general simulator ``schedule._play``."""
+    from pdjax.pipeline.schedule import Action, Schedule, _group_order, _play, _unit_stream
+
+    P = len(units)
+    N = _unit_stream(units, q)
+    assert all(N % n == 0 for n in units)  # _play needs whole groups
+    actions = tuple(
+        tuple(Action(kind, st, g * n) for kind, g in _group_order(N // n, q[st] - 1))
+        for st, n in enumerate(units)
+    )
+    sched = Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=actions,
+        stage_device=tuple(range(P)),
+        replicas=tuple(units),
+        in_flight_bound=(0,) * P,
+        version_bound=(0,) * P,
+        replication=tuple("round-robin" if n > 1 else "split" for n in units),
+    )
+    _, ends, _ = _play(sched, lambda a: (1 if a.kind == "F" else 2) * units[a.stage], None)
+    done = [e for a, e in zip(actions[0], ends[0], strict=True) if a.kind == "B"]
+    lo, hi = int(len(done) * 0.4), int(len(done) * 0.6)
+    return (done[hi] - done[lo]) / ((hi - lo) * units[0])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unit_rate_equals_the_general_simulator(seed):
+    """The planner's fast in-flight search plays the same game as ``_play``: equal rates
+    for random groups and in-flight counts, at, below and above the searched counts."""
+    from pdjax.pipeline.schedule import _unit_rate, _unstuck, round_robin_in_flight
+
+    rng = np.random.default_rng(seed)
+    for _ in range(6):
+        units = tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(2, 6))))
+        searched = round_robin_in_flight(units)
+        for q in (searched, _unstuck(units, [1] * len(units)),
+                  tuple(x + int(rng.integers(0, 3)) for x in searched)):  # fmt: skip
+            q = _unstuck(units, list(q))
+            assert _unit_rate(units, q) == pytest.approx(_unit_rate_played(units, q)), (units, q)
+
+
+def test_unit_rate_with_groups_cut_short_reads_the_same_steady_state():
+    """Where a multiple of every group size would be a long stream, the stages' last groups
+    are cut short: the middle of the stream reads the same rate as a whole-group stream
+    (exactly 3 at full rate, within a percent below it)."""
+    from pdjax.pipeline.schedule import _unit_rate, _unit_stream, _unstuck, round_robin_in_flight
+
+    for units in [(5, 7, 3), (4, 9, 5, 1), (7, 1, 6, 1, 5)]:
+        period = math.lcm(*units)
+        for q in (round_robin_in_flight(units), _unstuck(units, [1] * len(units))):
+            N = _unit_stream(units, q)
+            whole = period * -(-max(N, 12 * period) // period)
+            cut = _unit_rate(units, q, length=whole + 1)  # every stage's last group short
+            assert cut == pytest.approx(_unit_rate(units, q, length=whole), rel=0.01)
+            if _unit_rate(units, q, length=whole) == 3.0:
+                assert cut == 3.0

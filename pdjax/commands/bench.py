@@ -62,8 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument("--cluster", action="store_true", help="run the cluster benchmark")
     c.add_argument(
         "--rates",
-        default="100,1000,10000",
-        help="link rates in Mbit/s for the parameter-heavy model (comma-separated)",
+        default="",
+        help="link rates in Mbit/s for every model (comma-separated; default: "
+        "pdjax.cluster.RATES, 1 and 10 Gbit/s for mlp-512, 100 Mbit/s and 1 Gbit/s for vgg-fc)",
     )
     c.add_argument("--fast-rate", type=float, default=10000.0, help="Mbit/s for experiment (a)")
     c.add_argument("--loopback", action="store_true", help="no link emulation, even as root")
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
 def _run_cluster(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pdjax.cluster import format_markdown, run_cluster, write_results
+    from pdjax.cluster import MICROBATCH, format_markdown, run_cluster, write_results
 
     err = Console(file=sys.stderr)
     try:
@@ -124,7 +125,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
         err.print(f"--rates takes Mbit/s numbers separated by commas, got {args.rates!r}")
         return 2
     result = run_cluster(
-        rates_mbit=rates,
+        rates_mbit={m: rates for m in MICROBATCH} if rates else None,
         fast_mbit=args.fast_rate,
         repeats=args.repeats,
         seed=args.seed,
