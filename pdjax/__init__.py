@@ -28,7 +28,7 @@ from pdjax.errors import (
     ProfileError,
     ScheduleError,
 )
-from pdjax.layers import LayerSequence, sequential
+from pdjax.layers import Fn, LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataError",
+    "Fn",
     "GraphFormatError",
     "LayerError",
     "LayerSequence",

@@ -1,7 +1,8 @@
 """Layer sequences: a model as an ordered list of Flax modules.
 
 A :class:`Layer` is the unit pdjax profiles, partitions and places on devices. It wraps
-one Flax module (``flax.linen`` or ``flax.nnx``) behind two pure functions:
+one Flax module (``flax.linen`` or ``flax.nnx``), or a parameter-free function such as
+``nn.relu`` (:class:`FnLayer`), behind two pure functions:
 
 * ``init(rng, x) -> variables``: the layer's variables as a plain dict of collections,
   ``{"params": ..., "batch_stats": ...}``, built from a sample input ``x``;
@@ -11,7 +12,9 @@ one Flax module (``flax.linen`` or ``flax.nnx``) behind two pure functions:
 
 Activations between layers are arbitrary pytrees: arrays, tuples (seq2seq), dicts.
 A :class:`LayerSequence` composes layers; applying it equals applying a monolithic model
-built from the same modules in the same order.
+built from the same modules in the same order. Each layer owns its parameters: a module
+object (or an nnx variable) reachable from two layers is refused, since pdjax would give
+each layer its own copy and silently untie them.
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> seq = sequential(nn.Dense(8), nn.Dense(4))
@@ -24,17 +27,22 @@ built from the same modules in the same order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 
 from pdjax.errors import LayerError
 
 __all__ = [
+    "Fn",
+    "FnLayer",
     "Layer",
     "LayerSequence",
     "LinenLayer",
@@ -70,7 +78,8 @@ def count_traces(counts: dict[str, int], name: str, fn: Callable[..., Any]) -> C
 
 @runtime_checkable
 class Layer(Protocol):
-    """What pdjax needs of one layer. Implemented by :class:`LinenLayer` and :class:`NnxLayer`."""
+    """What pdjax needs of one layer. Implemented by :class:`LinenLayer`, :class:`NnxLayer`
+    and :class:`FnLayer`."""
 
     name: str
 
@@ -180,17 +189,112 @@ def _nnx_collection(variable_type: type) -> str:
     return "state"
 
 
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    """``inspect.signature``, but an nnx module class (or a ``functools.partial`` of one)
+    gets its ``__init__``'s parameters, not its metaclass's ``(*args, **kwargs)``.
+
+    Raises:
+      TypeError, ValueError: for a callable without signature (some builtins).
+    """
+    if isinstance(fn, functools.partial):
+        inner = _signature(fn.func)
+
+        def proxy(*args: Any, **kwargs: Any) -> None:
+            del args, kwargs
+
+        proxy.__signature__ = inner  # type: ignore[attr-defined]
+        return inspect.signature(functools.partial(proxy, *fn.args, **fn.keywords))
+    if isinstance(fn, type) and issubclass(fn, nnx.Module):
+        init = inspect.signature(fn.__init__)
+        return init.replace(parameters=list(init.parameters.values())[1:])
+    return inspect.signature(fn)
+
+
+def _rngs_param(fn: Callable[..., Any]) -> tuple[inspect.Parameter | None, list[str]]:
+    """How a callable would take an ``nnx.Rngs``: ``(parameter, other required names)``.
+
+    The parameter is the one named ``rngs`` or annotated ``nnx.Rngs`` (None if there is
+    none, or if the callable has no signature, as builtins and ufuncs may not).
+    """
+    try:
+        params = _signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None, []
+    found = None
+    others = []
+    for p in params:
+        if p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            continue
+        annotation = p.annotation
+        if isinstance(annotation, str):
+            is_rngs = annotation.rsplit(".", 1)[-1] == "Rngs"
+        else:
+            is_rngs = annotation is nnx.Rngs
+        if found is None and (p.name == "rngs" or is_rngs):
+            found = p
+        elif p.default is inspect.Parameter.empty:
+            others.append(p.name)
+    return found, others
+
+
+def _call_factory(factory: Callable[..., nnx.Module], rngs: nnx.Rngs) -> Any:
+    """Calls an nnx factory with ``rngs``, by keyword where its parameter is keyword-only
+    (``functools.partial(nnx.Linear, 3, 4)``), else positionally."""
+    param, _ = _rngs_param(factory)
+    if param is not None and param.kind == inspect.Parameter.KEYWORD_ONLY:
+        return factory(**{param.name: rngs})
+    return factory(rngs)
+
+
+def _is_tracer(value: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(value))
+
+
+def _owned_variables(
+    module: nnx.Module, *, concrete_only: bool = False
+) -> dict[int, tuple[str, nnx.Variable[Any]]]:
+    """The module's variables by ``id``, with their paths, RNG state left out (pdjax
+    reseeds every layer's RNG streams itself, so two layers sharing one lose nothing).
+
+    ``concrete_only`` keeps the variables holding concrete arrays: inside a trace (the
+    ``nnx.eval_shape`` of a factory) those are the ones that existed before the factory
+    was called, i.e. captured from outside and possibly shared with another layer.
+    """
+    owned: dict[int, tuple[str, nnx.Variable[Any]]] = {}
+    for path, node in nnx.iter_graph(module):
+        if not isinstance(node, nnx.Variable) or isinstance(node, nnx.RngState):
+            continue
+        if concrete_only and _is_tracer(node.get_value()):
+            continue
+        owned.setdefault(id(node), ("/".join(map(str, path)), node))
+    return owned
+
+
 class NnxLayer:
     """A ``flax.nnx`` module as a pdjax layer, through ``nnx.split`` and ``nnx.merge``.
 
     nnx modules create their variables when constructed. Give either a module instance
     (``init`` then returns a copy of its current variables and ignores ``rng``) or a
-    factory ``rngs -> module`` (``init`` builds a fresh module from ``nnx.Rngs(rng)``).
+    factory ``rngs -> module`` (``init`` builds a fresh module from ``nnx.Rngs(rng)``; a
+    factory whose ``rngs`` parameter is keyword-only, ``functools.partial(nnx.Linear, 3,
+    4)``, gets it by keyword).
 
     Variables map to collections ``"params"`` (``nnx.Param``), ``"batch_stats"``
-    (``nnx.BatchStat``) and ``"state"`` (everything else, e.g. RNG counters). Train/eval is
-    set with ``module.train()`` / ``module.eval()``; with ``rng`` given, every RNG stream of
-    the module is reseeded from it, so dropout masks depend only on ``rng``.
+    (``nnx.BatchStat``) and ``"state"`` (everything else, e.g. RNG counters).
+
+    Train/eval reaches the module both ways nnx modules are written: the merged module is
+    switched with ``module.train()`` / ``module.eval()`` (the ``deterministic`` and
+    ``use_running_average`` attributes of ``nnx.Dropout``, ``nnx.BatchNorm`` and the like),
+    and the flag is passed to its ``__call__`` as whichever of ``train``, ``training``,
+    ``deterministic`` or ``use_running_average`` it accepts (inverted for the last two), as
+    :class:`LinenLayer` does.
+
+    With ``rng`` given, every RNG stream of the module is reseeded from it, so dropout masks
+    depend only on ``rng`` (pdjax passes a fresh key per call and microbatch); a module
+    without RNG streams of its own whose ``__call__`` takes ``rngs`` (a bare
+    ``nnx.Dropout(0.5)``) gets ``nnx.Rngs(rng)`` there in train mode. Without ``rng`` the
+    module's own streams advance and their counters come back in the ``"state"``
+    collection.
     """
 
     def __init__(
@@ -199,12 +303,25 @@ class NnxLayer:
         name: str,
     ) -> None:
         self.name = name
+        captured: dict[int, tuple[str, nnx.Variable[Any]]] = {}
         if isinstance(module, nnx.Module):
             self._factory: Callable[[nnx.Rngs], nnx.Module] | None = None
             template = module
         elif callable(module):
             self._factory = module
-            template = nnx.eval_shape(lambda: module(nnx.Rngs(0)))
+
+            def build() -> Any:
+                built = _call_factory(module, nnx.Rngs(0))
+                if isinstance(built, nnx.Module):
+                    captured.update(_owned_variables(built, concrete_only=True))
+                return built
+
+            template = nnx.eval_shape(build)
+            if not isinstance(template, nnx.Module):
+                raise LayerError(
+                    f"layer {name!r}: the factory returned {type(template).__name__}, not an "
+                    "nnx.Module; a parameter-free function goes in as Fn(function)"
+                )
         else:
             raise LayerError(
                 f"layer {name!r}: expected an nnx.Module or a factory rngs -> nnx.Module, "
@@ -215,6 +332,8 @@ class NnxLayer:
         self._graphdef, state = nnx.split(template)
         self._template = state
         self._instance = module if self._factory is None else None
+        #: variables that may also be reachable from another layer (by ``id``, with path)
+        self._owned = _owned_variables(module) if self._factory is None else captured
         self._streams = sorted(
             {
                 getattr(v, "tag", None)
@@ -223,6 +342,12 @@ class NnxLayer:
             }
             - {None}
         )
+        call = type(template).__call__
+        self._mode = _mode_kwarg(call)
+        try:
+            self._takes_rngs = "rngs" in inspect.signature(call).parameters
+        except (TypeError, ValueError):
+            self._takes_rngs = False
 
     def __repr__(self) -> str:
         return f"NnxLayer(name={self.name!r})"
@@ -257,7 +382,7 @@ class NnxLayer:
         """Returns the module's variables (fresh from ``rng`` if built from a factory)."""
         del x  # nnx modules know their shapes at construction
         if self._factory is not None:
-            module = self._factory(nnx.Rngs(rng))
+            module = _call_factory(self._factory, nnx.Rngs(rng))
         else:
             module = self._instance
         _, state = nnx.split(module)
@@ -277,11 +402,33 @@ class NnxLayer:
             module.train()
         else:
             module.eval()
+        kwargs: dict[str, Any] = {}
+        if self._mode is not None:
+            arg, inverted = self._mode
+            kwargs[arg] = (not train) if inverted else train
         if rng is not None and self._streams:
             nnx.reseed(
-                module, **{s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)}
+                module,
+                policy="match_shape",
+                **{s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)},
             )
-        y = module(x)
+        elif rng is not None and train and self._takes_rngs:
+            kwargs["rngs"] = nnx.Rngs(rng)
+        try:
+            y = module(x, **kwargs)
+        except Exception as e:  # nnx's own message names no layer
+            if train and not self._streams and "rng" in str(e).lower():
+                if rng is None and self._takes_rngs:
+                    raise LayerError(
+                        f"layer {self.name!r} needs an RNG in train mode (dropout?); "
+                        "pass rng=jax.random.key(...) to apply"
+                    ) from e
+                raise LayerError(
+                    f"layer {self.name!r} needs random numbers in train mode (dropout?) but "
+                    "has no RNG stream for pdjax to seed: build its random modules with "
+                    "rngs (nnx.Dropout(rate, rngs=rngs)), or take rngs in __call__"
+                ) from e
+            raise
         if not train:
             return y, {k: v for k, v in variables.items() if k != "params"}
         _, state = nnx.split(module)
@@ -309,17 +456,172 @@ def _unflatten(items: Mapping[tuple[Any, ...], Any]) -> dict[Any, Any]:
     return root
 
 
+def _fn_name(fn: Callable[..., Any]) -> str:
+    """A function's name fit for a layer name: ``relu``, ``lambda`` (``functools.partial``
+    unwrapped), else its type's name."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    name = getattr(fn, "__name__", None) or type(fn).__name__
+    return re.sub(r"\W+", "_", str(name)).strip("_") or "fn"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fn:
+    """Marks a callable as a parameter-free layer function ``x -> y``.
+
+    Plain functions (``nn.relu``, ``jnp.tanh``, ``lambda x: x * 2``, a
+    ``functools.partial``) are recognised without it (see :func:`as_layer`); wrap one that
+    would otherwise be taken for an nnx factory, such as a function whose one parameter is
+    called ``rngs``.
+
+    >>> import jax.numpy as jnp
+    >>> seq = sequential(Fn(lambda rngs: rngs * 2), jnp.tanh)
+    >>> seq.names
+    ('00_lambda', '01_tanh')
+
+    Attributes:
+      fn: the function, called on the previous layer's output.
+    """
+
+    fn: Callable[[PyTree], PyTree]
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise LayerError(f"Fn needs a callable, got {type(self.fn).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class FnLayer:
+    """A parameter-free function ``x -> y`` as a pdjax layer.
+
+    It has no variables (``init`` returns ``{}``) and ``apply`` calls the function, the
+    same in train and eval mode; ``variables`` and ``rng`` are ignored.
+
+    Attributes:
+      fn: the function, e.g. ``nn.relu``, ``jnp.tanh``, ``lambda x: x * 2``.
+      name: a unique name within its sequence.
+    """
+
+    fn: Callable[[PyTree], PyTree]
+    name: str
+
+    @property
+    def kind(self) -> str:
+        """The function's name (for profiles and tables)."""
+        return _fn_name(self.fn)
+
+    def init(self, rng: jax.Array, x: PyTree) -> Variables:
+        """Returns no variables."""
+        del rng, x
+        return {}
+
+    def apply(
+        self,
+        variables: Variables,
+        x: PyTree,
+        *,
+        train: bool = False,
+        rng: jax.Array | None = None,
+    ) -> tuple[PyTree, Variables]:
+        """Returns ``(fn(x), {})``."""
+        del variables, train, rng
+        return self.fn(x), {}
+
+
+#: Top-level packages whose callables are functions, never nnx factories.
+_FUNCTION_PACKAGES = frozenset({"builtins", "jax", "jaxlib", "math", "numpy", "operator"})
+
+
+def _classify(obj: Any) -> Any:
+    """``obj``, or ``Fn(obj)`` where ``obj`` is a callable taken for a plain function.
+
+    A callable other than a module or layer is an nnx factory if it has a parameter named
+    ``rngs`` (or annotated ``nnx.Rngs``) and no other required one; a function if it
+    comes from JAX, NumPy or the standard library, has no signature, or, called with an
+    ``nnx.Rngs`` under ``nnx.eval_shape``, fails or returns anything but an nnx module.
+
+    Raises:
+      LayerError: for a module class where an instance is needed, a callable that cannot
+        take one argument, or a callable pytree holding arrays (an Equinox module, say),
+        whose arrays a function layer would silently never train.
+    """
+    if isinstance(obj, (nn.Module, nnx.Module, Fn)) or not callable(obj):
+        return obj
+    if isinstance(obj, Layer) and not isinstance(obj, type):
+        return obj
+    what = getattr(obj, "__name__", type(obj).__name__)
+    param, others = _rngs_param(obj)
+    if param is not None and not others:
+        return obj  # a factory rngs -> nnx.Module (an nnx class taking only rngs included)
+    if isinstance(obj, type) and issubclass(obj, nn.Module):
+        raise LayerError(
+            f"cannot make a layer from the class {what}: pass an instance, {what}(...)"
+        )
+    if isinstance(obj, type) and issubclass(obj, nnx.Module):
+        raise LayerError(
+            f"cannot make a layer from the class {what}: pass an instance, or a factory "
+            f"lambda rngs: {what}(..., rngs=rngs)"
+        )
+    if param is not None and param.default is inspect.Parameter.empty:
+        raise LayerError(
+            f"cannot make a layer from {what}: it takes rngs but also needs {others}; an "
+            "nnx factory takes rngs alone (lambda rngs: Module(..., rngs=rngs))"
+        )
+    if any(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in jax.tree.leaves(obj)):
+        raise LayerError(
+            f"cannot make a layer from {what}: it is a pytree holding arrays (parameters?) "
+            "that a function layer would never train; pass a flax module, or wrap it in "
+            "pdjax.layers.Fn if the arrays are constants"
+        )
+    base = obj
+    while isinstance(base, functools.partial):
+        base = base.func
+    package = str(getattr(base, "__module__", None) or "").split(".")[0]
+    if inspect.isbuiltin(base) or package in _FUNCTION_PACKAGES:
+        return Fn(obj)
+    try:
+        signature = _signature(obj)
+    except (TypeError, ValueError):
+        return Fn(obj)
+    try:
+        signature.bind(None)
+    except TypeError:
+        raise LayerError(
+            f"cannot make a layer from {what}{signature}: a layer function takes one "
+            "input (the previous layer's output; bind the rest with functools.partial), "
+            "an nnx factory one argument named rngs"
+        ) from None
+    # one parameter, not named rngs: a factory `lambda r: nnx.Linear(..., rngs=r)` or a
+    # function; only a factory builds a module from an nnx.Rngs
+    try:
+        built = nnx.eval_shape(lambda: obj(nnx.Rngs(0)))
+    except Exception:
+        return Fn(obj)
+    return obj if isinstance(built, nnx.Module) else Fn(obj)
+
+
 def as_layer(module: Any, name: str) -> Layer:
-    """Wraps a linen module, an nnx module (or factory ``rngs -> nnx.Module``), or returns a Layer.
+    """Wraps a linen module, an nnx module or factory ``rngs -> nnx.Module``, a
+    parameter-free function (or :class:`Fn`), or returns a Layer.
+
+    A callable is an nnx factory if its parameter is named ``rngs`` (or annotated
+    ``nnx.Rngs``) or if calling it with an ``nnx.Rngs`` builds an nnx module; otherwise it
+    is a function ``x -> y`` (:class:`FnLayer`). Wrap a function in :class:`Fn` to say so.
 
     Raises:
       LayerError: if ``module`` is none of those.
     """
+    return _to_layer(_classify(module), name)
+
+
+def _to_layer(module: Any, name: str) -> Layer:
     if isinstance(module, nn.Module):
         return LinenLayer(module, name)
     if isinstance(module, nnx.Module):
         return NnxLayer(module, name)
-    if isinstance(module, (LinenLayer, NnxLayer)):
+    if isinstance(module, Fn):
+        return FnLayer(module.fn, name)
+    if isinstance(module, (LinenLayer, NnxLayer, FnLayer)):
         return module
     if isinstance(module, Layer) and not isinstance(module, type):
         return module
@@ -327,12 +629,46 @@ def as_layer(module: Any, name: str) -> Layer:
         return NnxLayer(module, name)
     raise LayerError(
         f"cannot make a layer from {type(module).__name__}; pass a flax.linen Module, "
-        "a flax.nnx Module, or a factory rngs -> nnx.Module"
+        "a flax.nnx Module, a factory rngs -> nnx.Module, or a function x -> y"
     )
 
 
 def _default_name(i: int, module: Any) -> str:
+    if isinstance(module, Fn):
+        return f"{i:02d}_{_fn_name(module.fn)}"
     return f"{i:02d}_{type(module).__name__}"
+
+
+def _shareable(layer: Layer) -> Iterator[tuple[int, str, str]]:
+    """``(id, what, where)`` of each object of ``layer`` that holds its parameters and could
+    be reachable from another layer too: a linen module instance, or an nnx variable (with
+    its path in the layer's module)."""
+    if isinstance(layer, LinenLayer):
+        yield id(layer.module), f"the {type(layer.module).__name__} module instance", ""
+    elif isinstance(layer, NnxLayer):
+        for key, (path, var) in layer._owned.items():
+            yield key, f"an nnx {type(var).__name__}", path
+
+
+def _check_unshared(layers: Sequence[Layer]) -> None:
+    """Raises if two layers share a linen module instance or an nnx variable."""
+    seen: dict[int, tuple[str, str]] = {}
+    for layer in layers:
+        for key, what, where in _shareable(layer):
+            if key not in seen:
+                seen[key] = (layer.name, where)
+                continue
+            first, first_where = seen[key]
+            if first == layer.name:
+                continue
+            if where or first_where:
+                what += f" ({first_where!r} in {first!r}, {where!r} in {layer.name!r})"
+            raise LayerError(
+                f"layers {first!r} and {layer.name!r} share {what}: tied/shared parameters "
+                "across layers are not supported yet, and pdjax would silently give each "
+                "layer its own copy and train them apart; build a separate module for each "
+                "layer (a future `tied=` option will declare shared parameters)"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +691,7 @@ class LayerSequence:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise LayerError(f"layer names must be unique; repeated: {dupes}")
+        _check_unshared(self.layers)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -439,23 +776,28 @@ class LayerSequence:
 
 
 def sequential(*modules: Any, names: Iterable[str] | None = None) -> LayerSequence:
-    """Builds a :class:`LayerSequence` from linen modules, nnx modules or nnx factories.
+    """Builds a :class:`LayerSequence` from linen modules, nnx modules or nnx factories,
+    and parameter-free functions (see :func:`as_layer`).
 
     Args:
       *modules: the modules in order (a single list is accepted too).
-      names: optional unique names; default ``"{index:02d}_{ClassName}"``.
+      names: optional unique names; default ``"{index:02d}_{ClassName}"``, for a function
+        ``"{index:02d}_{function name}"`` (``"02_relu"``, ``"03_lambda"``).
 
     Returns:
       The layer sequence.
 
     Raises:
-      LayerError: for an empty list, duplicate names, or something that is not a module.
+      LayerError: for an empty list, duplicate names, something that is not a module, or
+        a module instance or nnx variable shared by two layers (tied parameters are not
+        supported yet).
     """
     if len(modules) == 1 and isinstance(modules[0], (list, tuple)):
         modules = tuple(modules[0])
+    modules = tuple(_classify(m) for m in modules)
     name_list = (
         list(names) if names is not None else [_default_name(i, m) for i, m in enumerate(modules)]
     )
     if len(name_list) != len(modules):
         raise LayerError(f"got {len(name_list)} names for {len(modules)} modules")
-    return LayerSequence(tuple(as_layer(m, n) for m, n in zip(modules, name_list, strict=True)))
+    return LayerSequence(tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True)))
