@@ -6,9 +6,10 @@ replicated stage. :func:`calibrate` measures those directly and writes them as p
 (:class:`Calibration`, JSON) that ``plan`` and ``simulate`` take next to the profile:
 
 - **stages**: each candidate stage (a layer range, its replica count and replication mode)
-  as compiled programs at the size one of its devices runs: its forward, its forward and
-  backward together (the backward is the difference), and its optimizer update, each the
-  median of several timed runs after warm-up. A split stage on ``r`` devices runs
+  as the runtime's own compiled programs (:class:`~pdjax.pipeline.stage.Stage`: the
+  forward that keeps its residuals, the backward from them, the update that writes new
+  weights beside the old ones, as a schedule that stashes versions runs it) at the size one
+  of its devices runs, each the median of several timed runs after warm-up. A split stage on ``r`` devices runs
   ``b / r`` rows of a ``b``-sample microbatch on each device; a round-robin stage runs
   whole microbatches, ``r`` at a time, so its time per microbatch is the whole
   microbatch's over ``r``. The last stage's forward includes the loss; the first stage's
@@ -35,6 +36,7 @@ refinement loop (:func:`refine`) measures only the best plans and their neighbou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import threading
@@ -511,9 +513,9 @@ def measure_stages(
     """
     import jax
     import jax.numpy as jnp
-    import optax
 
     from pdjax.layers import LayerSequence
+    from pdjax.pipeline.stage import Stage
 
     device = device or jax.devices()[0]
     x, y = sample
@@ -549,61 +551,44 @@ def measure_stages(
         tgt = jax.tree.map(lambda a, n=rows: jnp.asarray(a[:n]), y)
         is_last, is_first = last == L - 1, first == 0
 
-        def apply(p: Any, a: Any, k: Any, sub: Any = sub, rest: Any = rest) -> Any:
-            v = [{**r_, "params": p_} for p_, r_ in zip(p, rest, strict=True)]
-            return sub.apply(v, a, train=True, rng=k)[0]
-
+        # the runtime's own programs for this stage, on one device (unfused: F, B, U)
+        stage = Stage(
+            0 if is_first else 1, sub.layers, first, (device,), optimizer,
+            loss if is_last else None,
+        )  # fmt: skip
+        w, st, key_ = jax.device_put((params, rest, key), device)
+        xin = jax.device_put(xin, device)
+        tail: tuple[Any, ...] = (jax.device_put(tgt, device),) if is_last else ()
+        f_prog, b_prog = stage.program("F"), stage.program("B")
+        _, _, kept = f_prog(w, st, xin, key_, *tail)
         if is_last:
-
-            def forward(p: Any, a: Any, k: Any, t: Any, apply: Any = apply) -> Any:
-                return loss(apply(p, a, k), t)
-
-            def both(p: Any, a: Any, k: Any, t: Any, forward: Any = forward) -> Any:
-                return jax.grad(forward, argnums=(0, 1))(p, a, k, t)
-
-            tail: tuple[Any, ...] = (tgt,)
+            ct: tuple[Any, ...] = ()
         else:
-            ct = jax.tree.map(lambda a: jnp.ones_like(a) * 1e-3, acts[last + 1])
-            ct = jax.tree.map(lambda a, n=rows: a[:n], ct)
-
-            def forward(p: Any, a: Any, k: Any, c: Any, apply: Any = apply) -> Any:
-                return apply(p, a, k)
-
-            def both(
-                p: Any, a: Any, k: Any, c: Any, apply: Any = apply, first: bool = is_first
-            ) -> Any:
-                if first:
-                    _, pb = jax.vjp(lambda p_: apply(p_, a, k), p)
-                    return pb(c)
-                _, pb = jax.vjp(lambda p_, a_: apply(p_, a_, k), p, a)
-                return pb(c)
-
-            tail = (ct,)
-        args = jax.device_put((params, xin, key, *tail), device)
-        f = jax.jit(forward)
-        fb = jax.jit(both)
-        t_f = _median_seconds(lambda f=f, args=args: f(*args), warmup, repeats)
-        t_fb = _median_seconds(lambda fb=fb, args=args: fb(*args), warmup, repeats)
+            ct = (jax.device_put(
+                jax.tree.map(lambda a, n=rows: jnp.ones_like(a[:n]) * 1e-3, acts[last + 1]),
+                device,
+            ),)  # fmt: skip
+        t_f = _median_seconds(functools.partial(f_prog, w, st, xin, key_, *tail), warmup, repeats)
+        t_b = _median_seconds(functools.partial(b_prog, w, xin, kept, *ct), warmup, repeats)
         t_u = 0.0
         if jax.tree.leaves(params):
-            opt_state = jax.jit(optimizer.init)(args[0])
-            grads = jax.tree.map(lambda a: a * 1e-3, args[0])
-
-            def update(p: Any, o: Any, g: Any) -> Any:
-                u, o = optimizer.update(g, o, p)
-                return optax.apply_updates(p, u), o
-
-            upd = jax.jit(update, donate_argnums=(0, 1))
-            state = [jax.tree.map(jnp.copy, args[0]), opt_state]
-
-            def step(upd: Any = upd, state: Any = state, grads: Any = grads) -> Any:
-                state[0], state[1] = upd(state[0], state[1], grads)
-                return state[0]
-
-            t_u = _median_seconds(step, warmup, repeats)
+            # U takes the gradient sum and the optimizer state (donated) and returns new
+            # weights beside the old ones, which the schedule may still read: fresh inputs
+            # for every call, made outside the timed region
+            u_prog = stage.program("U")
+            grads = b_prog(w, xin, kept, *ct)[0]
+            opt0 = jax.jit(stage.optimizer.init)(w)
+            inputs = [jax.tree.map(jnp.copy, (grads, opt0)) for _ in range(warmup + repeats)]
+            jax.block_until_ready(inputs)
+            times = []
+            for g_i, o_i in inputs:
+                t0 = time.perf_counter()
+                jax.block_until_ready(u_prog(g_i, w, o_i))
+                times.append(time.perf_counter() - t0)
+            t_u = statistics.median(times[warmup:])
         per = 1.0 / r if mode == "round-robin" else 1.0
         m = StageMeasure(
-            first, last, r, mode, round(t_f * per, 9), round(max(0.0, t_fb - t_f) * per, 9),
+            first, last, r, mode, round(t_f * per, 9), round(t_b * per, 9),
             round(t_u, 9), None, rows,
         )  # fmt: skip
         log(f"stage {first}-{last} x{r} {mode}: F {m.forward * 1e3:.2f} ms, "

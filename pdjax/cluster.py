@@ -230,6 +230,12 @@ def _worker_job(job: Mapping[str, Any]) -> None:
         for name, call in runners:
             allgather_json(name)  # start together
             times[name].append(call())
+    for r, (name, call) in zip(job["runners"], runners, strict=True):
+        if r.get("timeline"):  # one more call, each action timed (diagnosis)
+            allgather_json(name)
+            spans = call.timeline()  # type: ignore[attr-defined]
+            path = Path(f"{job['out']}.{name}.{jax.process_index()}.timeline.json")
+            path.write_text(json.dumps(spans))
     if jax.process_index() == 0:
         out: dict[str, Any] = dict(times)
         if calibration is not None:
@@ -295,6 +301,18 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         jax.block_until_ready([a for a in jax.tree.leaves(state) if held(a)])
         return time.perf_counter() - t0
 
+    def timeline() -> list[tuple[int, float, float, str, int, int]]:
+        """One call with every action waited for and timed: ``(group, start, end, kind,
+        stage, microbatch)`` for the actions this process ran."""
+        nonlocal state
+        spans = []
+        for chunk in calls:
+            state, metrics = pipe.run(state, chunk, timeline=True)
+            spans += [(sp.group, sp.start, sp.end, sp.action.kind, sp.action.stage,
+                       sp.action.mb) for sp in metrics.timeline.spans]  # fmt: skip
+        return spans
+
+    call.timeline = timeline  # type: ignore[attr-defined]
     return label, call
 
 

@@ -217,12 +217,17 @@ class TrainResult:
         return self.history[-1].test_accuracy if self.history else float("nan")
 
 
+def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+    """The optimizer a CLI name means: ``adam``, ``momentum`` (SGD, 0.9) or ``sgd``."""
+    if name == "adam":
+        return optax.adam(learning_rate)
+    if name == "momentum":
+        return optax.sgd(learning_rate, momentum=0.9)
+    return optax.sgd(learning_rate)
+
+
 def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    if cfg.optimizer == "adam":
-        return optax.adam(cfg.learning_rate)
-    if cfg.optimizer == "momentum":
-        return optax.sgd(cfg.learning_rate, momentum=0.9)
-    return optax.sgd(cfg.learning_rate)
+    return make_optimizer(cfg.optimizer, cfg.learning_rate)
 
 
 def _dataset(cfg: TrainConfig, spec_vocab: int | None = None) -> data_lib.Dataset:

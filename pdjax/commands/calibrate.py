@@ -55,16 +55,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _optimizer(name: str, lr: float) -> Any:
-    import optax
-
-    if name == "adam":
-        return optax.adam(lr)
-    if name == "momentum":
-        return optax.sgd(lr, momentum=0.9)
-    return optax.sgd(lr)
-
-
 def run(args: argparse.Namespace) -> int:
     """Measures and writes the calibration. Raises PdjaxError on bad input."""
     if args.microbatch_size < 1:
@@ -87,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--devices {args.devices}: only {len(devices)} are visible")
     spec = get_model(args.model, args.config)
     sample = spec.sample_batch(args.microbatch_size, args.seed)
-    opt = _optimizer(args.optimizer, args.lr)
+    from pdjax.train import make_optimizer
+
+    opt = make_optimizer(args.optimizer, args.lr)
     earlier = cal_lib.Calibration.load(args.calibration) if args.calibration else None
     log = print
     if args.refine:
