@@ -2,6 +2,7 @@
 
 import io
 import math
+import os
 
 import pytest
 from rich.console import Console
@@ -64,3 +65,24 @@ def test_cli_errors_exit_with_status_2(capsys):
     assert "not a multiple of microbatches" in capsys.readouterr().err
     assert main([*argv, "--microbatches", "2", "--schedules", "1f1b,fast"]) == 2
     assert "unknown, repeated or no schedules" in capsys.readouterr().err
+
+
+def test_shared_pool_prediction_is_the_work_over_the_pool_concurrency():
+    """On in-process CPU devices the prediction is at least the devices' summed busy
+    seconds over the measured concurrency of their shared pool; elsewhere the makespan."""
+    import jax
+
+    from pdjax.bench import _predicted, pool_concurrency
+    from pdjax.models import get_model
+    from pdjax.pipeline import generate, simulate, unit_costs
+
+    spec = get_model("mlp", "tiny")
+    c = pool_concurrency(spec, spec.sample_batch(8), jax.devices()[:2], rounds=4)
+    assert 1.0 <= c <= max(2.0, float(len(os.sched_getaffinity(0))))
+    assert pool_concurrency(spec, spec.sample_batch(8), jax.devices()[:1]) == 1.0
+    sim = simulate(generate("1f1b", 4, 8), unit_costs(4))
+    work = 8 * 4 * 3  # every microbatch: F = 1, B = 2 at each of 4 stages
+    devs = jax.devices()[:4]
+    assert _predicted(sim, devs, 1.0) == pytest.approx(max(sim.makespan, work))
+    assert _predicted(sim, devs, 4.0) == pytest.approx(sim.makespan)  # the pipeline bound
+    assert _predicted(sim, devs[:1], 1.0) == sim.makespan
