@@ -28,7 +28,12 @@ import numpy as np
 
 from pdjax.errors import PlanError
 from pdjax.partition import cost
-from pdjax.partition.pipedream import build_plan, check_options, pipeline_time
+from pdjax.partition.pipedream import (
+    build_plan,
+    calibrated_options,
+    check_options,
+    pipeline_time,
+)
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
 from pdjax.profile.profile import Profile
@@ -209,16 +214,7 @@ def evaluate_partition(
         stage_seconds=stage_seconds,
         allreduce_seconds=allreduce_seconds,
     )
-    options = {}
-    if stage_seconds is not None or allreduce_seconds is not None:
-        options["calibrated"] = [
-            name
-            for name, fn in (
-                ("stage_seconds", stage_seconds),
-                ("allreduce_seconds", allreduce_seconds),
-            )
-            if fn is not None
-        ]
+    options = calibrated_options(stage_seconds, allreduce_seconds)
     return build_plan(
         profile,
         topology,

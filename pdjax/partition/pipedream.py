@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -284,7 +285,12 @@ class _Search:
         outer = self.topology.num_devices - levels[0].workers
         if self.rr:
             return self._round_robin_memory(r, units_after + outer)
-        bound = 1 + np.minimum(units_after + outer, self.layers_after)
+        inflight, versions = self._in_flight(1 + np.minimum(units_after + outer, self.layers_after))
+        return self._memory(self.model, r, inflight, versions)
+
+    def _in_flight(self, bound: np.ndarray) -> tuple[np.ndarray, Any]:
+        """``(in flight, versions)`` per range under the schedule, from the microbatches a
+        pipelined stage holds (``bound``)."""
         if not self.traits.pipelined_in_flight:
             inflight = np.full_like(bound, self.M)
         elif self.traits.flush:
@@ -292,16 +298,20 @@ class _Search:
         else:
             inflight = bound
         versions = inflight if self.traits.versions == "in_flight" else int(self.traits.versions)
+        return inflight, versions
+
+    def _memory(self, model: str, replicas: int, inflight: Any, versions: Any) -> np.ndarray:
+        """:func:`pdjax.partition.cost.stage_memory` of every range on ``replicas`` devices."""
         return cost.stage_memory(
-            self.model,
+            model,
             weights=self.weights,
             stash=self.stash,
             act=self.act,
-            replicas=r,
+            replicas=replicas,
             in_flight_count=inflight,
             versions=versions,
             optimizer_state_factor=self.opt,
-            update_copies=self.update_copies if self.model == "pdjax" else 0.0,
+            update_copies=self.update_copies if model == "pdjax" else 0.0,
         )
 
     def _optimistic_memory(self, r: int) -> np.ndarray:
@@ -312,36 +322,10 @@ class _Search:
         last = self.layers_after == 0
         bound = np.where(last, 1, 2)
         if self.rr:
-            return cost.stage_memory(
-                "pdjax",
-                weights=self.weights,
-                stash=self.stash,
-                act=self.act,
-                replicas=r,
-                in_flight_count=bound * r,
-                versions=bound,
-                optimizer_state_factor=self.opt,
-                update_copies=self.update_copies,
-            )
-        if not self.traits.pipelined_in_flight:
-            inflight = np.full_like(bound, self.M)
-        elif self.traits.flush:
-            inflight = np.minimum(bound, self.M)
-        else:
-            inflight = bound
-        versions = inflight if self.traits.versions == "in_flight" else int(self.traits.versions)
+            return self._memory("pdjax", r, bound * r, bound)
+        inflight, versions = self._in_flight(bound)
         outer = self.topology.num_devices // self.topology.levels[0].workers
-        return cost.stage_memory(
-            "pdjax",
-            weights=self.weights,
-            stash=self.stash,
-            act=self.act,
-            replicas=r * outer,
-            in_flight_count=inflight,
-            versions=versions,
-            optimizer_state_factor=self.opt,
-            update_copies=self.update_copies,
-        )
+        return self._memory("pdjax", r * outer, inflight, versions)
 
     def _round_robin_memory(self, r: int, after: int) -> np.ndarray:
         """Bytes per device of a stage on ``r`` devices of the innermost level, ``after``
@@ -350,17 +334,7 @@ class _Search:
         versions per device)."""
         # pipedream only (the planner has no round-robin for the other schedules).
         q = np.where(self.layers_after == 0, 1, max(1, (2 * (r + after) - 2) // r))
-        return cost.stage_memory(
-            "pdjax",
-            weights=self.weights,
-            stash=self.stash,
-            act=self.act,
-            replicas=r,
-            in_flight_count=q * r,
-            versions=q,
-            optimizer_state_factor=self.opt,
-            update_copies=self.update_copies,
-        )
+        return self._memory("pdjax", r, q * r, q)
 
     def _calibrated(self, m: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Innermost level, ``m`` devices: ``(inner, allreduce)``, the ranges' compute as
@@ -836,15 +810,7 @@ def plan_pipedream(
         "fewer_machines": fewer_machines,
         "replication": replication,
     }
-    if stage_seconds is not None or allreduce_seconds is not None:
-        options["calibrated"] = [
-            name
-            for name, fn in (
-                ("stage_seconds", stage_seconds),
-                ("allreduce_seconds", allreduce_seconds),
-            )
-            if fn is not None
-        ]
+    options.update(calibrated_options(stage_seconds, allreduce_seconds))
     if replication == "auto" and mode == "round-robin" and limit is not None:
         # Round-robin all-reduces less but may stash more per device: try both.
         candidates = ("round-robin", "split")
@@ -924,6 +890,16 @@ def pipeline_time(
     counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
     units = cost.stage_units(replicas, modes)
     return slowest, cost.round_trip_time(stage_terms, cut_terms, [c for c, _ in counts], units)
+
+
+def calibrated_options(stage_seconds: Any, allreduce_seconds: Any) -> dict[str, list[str]]:
+    """``{"calibrated": [hooks given]}`` for a plan's options, or ``{}`` without hooks."""
+    given = [
+        name
+        for name, fn in (("stage_seconds", stage_seconds), ("allreduce_seconds", allreduce_seconds))
+        if fn is not None
+    ]
+    return {"calibrated": given} if given else {}
 
 
 def _finish(
