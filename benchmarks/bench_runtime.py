@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from pdjax.layers import sequential  # noqa: E402
+from pdjax.layers import LayerSequence, sequential  # noqa: E402
 from pdjax.partition import Topology, evaluate_partition  # noqa: E402
 from pdjax.pipeline import Pipeline, costs_from_plan, even_stages, simulate  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
@@ -91,10 +91,7 @@ def main() -> None:
     host_only = _host_per_action(args) if args.host_width else {}
 
     W, L, B, M = args.width, args.layers, args.batch, args.microbatches
-    layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
-    rng = np.random.default_rng(0)
-    xs = rng.standard_normal((args.steps, B, W)).astype(np.float32)
-    ys = rng.integers(0, 10, (args.steps, B)).astype(np.int32)
+    layers, xs, ys = _model_and_data(args)
     mb = B // M
     optimizer = optax.adam(1e-4)
     dev0 = jax.devices()[0]
@@ -280,14 +277,21 @@ def _runtime_costs(costs, plan, prof, microbatch):
     return dataclasses.replace(costs, stages=tuple(stages), memory_model="runtime")
 
 
-def _memory_only(args: argparse.Namespace) -> None:
-    """The memory table alone, for ``--memory-schedules`` at P = 2 and 4 (what the timing
-    part runs, without running it)."""
-    W, L, B, M = args.width, args.layers, args.batch, args.microbatches
+def _model_and_data(args: argparse.Namespace) -> tuple[LayerSequence, np.ndarray, np.ndarray]:
+    """The benchmark's layers and its synthetic batches (one per step)."""
+    W, L, B = args.width, args.layers, args.batch
     layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
     rng = np.random.default_rng(0)
     xs = rng.standard_normal((args.steps, B, W)).astype(np.float32)
     ys = rng.integers(0, 10, (args.steps, B)).astype(np.int32)
+    return layers, xs, ys
+
+
+def _memory_only(args: argparse.Namespace) -> None:
+    """The memory table alone, for ``--memory-schedules`` at P = 2 and 4 (what the timing
+    part runs, without running it)."""
+    W, L, B, M = args.width, args.layers, args.batch, args.microbatches
+    layers, xs, ys = _model_and_data(args)
     mb = B // M
     variables = jax.jit(layers.init)(jax.random.key(0), jnp.asarray(xs[0, :mb]))
     configs = {}
