@@ -845,9 +845,12 @@ def run_cluster(
                               emulate, work)  # fmt: skip
                 meas = got.pop("_calibration")
                 cal = _calibration(prof, model, microbatch, measured_stages, meas)
+                # everything the predictions came from, to predict again offline
                 links_seen.append({"model": model, "link_mbit": rate, "links": meas["links"],
+                                   "allreduce": meas["allreduce"],
                                    "allreduce_model": meas["allreduce_model"],
-                                   "device_ids": meas["device_ids"]})  # fmt: skip
+                                   "device_ids": meas["device_ids"],
+                                   "stages": measured_stages})  # fmt: skip
                 ring = sum(lp.param_bytes for lp in prof.layers) / _bandwidth(rate)
                 measured: dict[str, float] = {}
                 plans: list[dict[str, Any]] = []

@@ -516,3 +516,22 @@ def test_cli_errors_name_the_fix(argv, message):
 def test_cli_missing_plan_file_is_a_clear_error():
     with pytest.raises(PlanError, match=r"cannot read plan plan\.json"):
         _run("--plan", "plan.json", "--profile", "profile.json")
+
+
+def test_posted_receives_start_transfers_when_the_receiver_reaches_the_action():
+    """1F1B, P = 2, M = 2, F = 1, B = 2 (I 1 + W 1), every transfer 1 s. Sent eagerly, the
+    second activation crosses while stage 1 computes (makespan 11); posted by the receiver
+    when it reaches the action (pdjax's runtime across processes on CPU), it crosses after
+    stage 1's first backward, and the last gradient after stage 0's first (makespan 12)."""
+    from pdjax.pipeline import PipelineCosts, StageCosts, generate, simulate
+
+    stage = StageCosts(forward=1.0, input_grad=1.0, weight_grad=1.0, activation_bytes=100)
+    sched = generate("1f1b", 2, 2)
+    eager = PipelineCosts.build([stage, stage], link_bandwidth=100.0)
+    posted = dataclasses.replace(eager, posted_receives=True)
+    assert simulate(sched, eager).makespan == pytest.approx(11.0)
+    sim = simulate(sched, posted)
+    assert sim.makespan == pytest.approx(12.0)
+    moves = sorted((t.start, t.end) for t in sim.timeline.transfers)
+    assert moves == [(1.0, 2.0), (5.0, 6.0), (5.0, 6.0), (9.0, 10.0)]
+    assert PipelineCosts.build([stage, stage], posted_receives=True).posted_receives

@@ -359,8 +359,12 @@ def _calibrated(
         posted = [ln.send_seconds for ln in out if ln is not None]
         sends.append(sum(posted) / len(posted) if posted else 0.0)
     stages = [dataclasses.replace(c, send_seconds=x) for c, x in zip(stages, sends, strict=True)]
+    # across processes on CPU (links with a sender's host time) a receive is posted in
+    # program order: XLA's CPU client runs each program on the thread that dispatches it
+    across = any(x > 0 for x in sends)
     return dataclasses.replace(
         costs,
+        posted_receives=calibration.platform == "cpu" and across,
         stages=tuple(stages),
         link_bandwidth=tuple(forward_bw),
         link_bandwidth_back=tuple(back_bw),

@@ -1458,6 +1458,7 @@ def _play(
     s: Schedule,
     duration: Callable[[Action], float],
     transfer: Callable[[int, int, int], float] | None,
+    posted: bool = False,
 ) -> tuple[list[list[float]], list[list[float]], list[tuple[int, int, float, float, Action]]]:
     """Plays ``s``: every action starts once its group is free and its inputs have arrived.
 
@@ -1468,6 +1469,9 @@ def _play(
             ``src`` to group ``dst``, as ``transfer(cut, src, dst)``; ``None``: free. Each
             directed pair of groups is one link that carries one tensor at a time, in the
             order the sender produced them.
+        posted: a transfer starts only once the receiving group has reached the action that
+            needs it (a receive posted in program order, by a host thread that was busy
+            with the actions before); else as soon as the sender has produced it.
 
     Returns:
         Start times and end times per group (parallel to ``s.actions``), and the transfers
@@ -1499,11 +1503,19 @@ def _play(
             return (("i", a.stage, a.mb),)
         return ()
 
+    pending: dict[tuple[str, int, int], tuple[float, float, int, int, Action]] = {}
+
     def send(key: tuple[str, int, int], cut: int, src: int, dst: int, at: float, a: Action) -> None:
         seconds = 0.0 if src == dst or transfer is None else transfer(cut, src, dst)
         if seconds <= 0:
             ready[key] = at
-            return
+        elif posted:
+            pending[key] = (at, seconds, src, dst, a)
+        else:
+            move(key, at, seconds, src, dst, a)
+
+    def move(key: tuple[str, int, int], at: float, seconds: float, src: int, dst: int,
+             a: Action) -> None:  # fmt: skip
         start = max(at, link_free.get((src, dst), 0.0))
         end = start + seconds
         link_free[src, dst] = end
@@ -1521,6 +1533,10 @@ def _play(
                 blocked = False
                 for key in needs(a):
                     at = ready.get(key)
+                    if at is None and key in pending:  # posted now that d has reached a
+                        sent, seconds, src, dst, by = pending.pop(key)
+                        move(key, max(sent, free[d]), seconds, src, dst, by)
+                        at = ready[key]
                     if at is None:
                         blocked = True
                         break

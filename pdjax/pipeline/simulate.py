@@ -203,6 +203,10 @@ class PipelineCosts:
             flight: the planner's formula) or ``"runtime"`` (also what pdjax's runtime
             holds: gradient sums, the call's starting weights, inputs placed up front, zero
             bubble's cotangents, activations in transit; see the module doc).
+        posted_receives: a transfer starts only when the receiving group reaches the action
+            that needs it, not when the sender has produced it: what pdjax's runtime does
+            across processes on CPU, where XLA runs each program on the thread that
+            dispatches it, so a receive is posted only after the programs before it.
     """
 
     stages: tuple[StageCosts, ...]
@@ -212,6 +216,7 @@ class PipelineCosts:
     link_bandwidth_back: tuple[float, ...] | None = None
     allreduce_seconds: tuple[float | None, ...] | None = None
     memory_model: str = "planner"
+    posted_receives: bool = False
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -300,6 +305,7 @@ class PipelineCosts:
         link_bandwidth_back: float | Sequence[float] | None = None,
         allreduce_seconds: Sequence[float | None] | None = None,
         memory_model: str = "planner",
+        posted_receives: bool = False,
     ) -> PipelineCosts:
         """Like the constructor, with one bandwidth (bytes/s) allowed for all links.
 
@@ -334,6 +340,7 @@ class PipelineCosts:
                 else tuple(None if x is None else float(x) for x in allreduce_seconds)
             ),
             memory_model=memory_model,
+            posted_receives=posted_receives,
         )
 
     def interleave(self, chunks: int) -> PipelineCosts:
@@ -409,6 +416,7 @@ class PipelineCosts:
                 else tuple(None if x is None else x / chunks for x in measured) * chunks
             ),
             memory_model=self.memory_model,
+            posted_receives=self.posted_receives,
         )
 
 
@@ -748,7 +756,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         seconds = costs.stages[cut].activation_bytes / costs.bandwidth(cut, backward=backward)
         return seconds + costs.latency(cut)
 
-    starts, ends, moves = _play(schedule, duration, transfer)
+    starts, ends, moves = _play(schedule, duration, transfer, costs.posted_receives)
     spans = tuple(
         Span(g, start, end, a)
         for g, acts in enumerate(schedule.actions)
