@@ -12,8 +12,8 @@ replicated stage. :func:`calibrate` measures those directly and writes them as p
   of its devices runs, each the median of several timed runs after warm-up. A split stage
   on ``r`` devices runs ``b / r`` rows of a ``b``-sample microbatch on each device; a
   round-robin stage runs whole microbatches, ``r`` at a time, so its time per microbatch
-  is the whole microbatch's over ``r``. The last stage's forward includes the loss; the first stage's
-  backward computes no input gradient (the runtime's programs do the same);
+  is the whole microbatch's over ``r``. The last stage's forward includes the loss; the
+  first stage's backward computes no input gradient (the runtime's programs do the same);
 - **links**: for each ordered pair of devices, one direction at a time, seconds to move
   arrays of several sizes through the transport the runtime uses (``jax.device_put``
   within a process; across processes the pipeline's own transport, both sides taking
