@@ -14,7 +14,10 @@ Activations between layers are arbitrary pytrees: arrays, tuples (seq2seq), dict
 A :class:`LayerSequence` composes layers; applying it equals applying a monolithic model
 built from the same modules in the same order. Each layer owns its parameters: a module
 object (or an nnx variable) reachable from two layers is refused, since pdjax would give
-each layer its own copy and silently untie them.
+each layer its own copy and silently untie them. Parameters that are one, such as an
+embedding shared with the output head, are declared with ``tied=`` (see :func:`sequential`):
+each layer keeps a copy, and pdjax keeps the copies equal, with the gradient of the one
+parameter (the sum of the copies' gradients).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> seq = sequential(nn.Dense(8), nn.Dense(4))
@@ -49,6 +52,7 @@ __all__ = [
     "LossFn",
     "NnxLayer",
     "PyTree",
+    "TiedLeaf",
     "Variables",
     "as_layer",
     "count_traces",
@@ -60,6 +64,8 @@ PyTree = Any
 Variables = dict[str, PyTree]
 #: ``loss_fn(outputs, targets) -> scalar``: the mean loss of a (micro)batch.
 LossFn = Callable[[PyTree, PyTree], jax.Array]
+#: One copy of a tied parameter: ``(layer index, path of keys inside the layer's params)``.
+TiedLeaf = tuple[int, tuple[str, ...]]
 
 
 def count_traces(counts: dict[str, int], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -650,8 +656,10 @@ def _shareable(layer: Layer) -> Iterator[tuple[int, str, str]]:
             yield key, f"an nnx {type(var).__name__}", path
 
 
-def _check_unshared(layers: Sequence[Layer]) -> None:
-    """Raises if two layers share a linen module instance or an nnx variable."""
+def _check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]) -> None:
+    """Raises if two layers share a linen module instance, or an nnx variable that ``tied``
+    does not declare as one parameter (both paths in the same group)."""
+    group_of = {leaf: name for name, leaves in tied for leaf in leaves}
     seen: dict[int, tuple[str, str]] = {}
     for layer in layers:
         for key, what, where in _shareable(layer):
@@ -661,14 +669,161 @@ def _check_unshared(layers: Sequence[Layer]) -> None:
             first, first_where = seen[key]
             if first == layer.name:
                 continue
+            a, b = f"{first}/{first_where}", f"{layer.name}/{where}"
+            if where and first_where and group_of.get(a) is not None:
+                if group_of.get(a) == group_of.get(b):
+                    continue
             if where or first_where:
                 what += f" ({first_where!r} in {first!r}, {where!r} in {layer.name!r})"
+                hint = (
+                    "declare the copies as one parameter, e.g. sequential(..., "
+                    f"tied={{{where.split('/')[-1]!r}: [{a!r}, {b!r}]}}) (parameters only), "
+                    "or build a separate module for each layer"
+                )
+            else:
+                hint = (
+                    "build a separate module for each layer, and declare the parameters "
+                    "that are one with sequential(..., tied={'name': "
+                    f"['{first}/<path in its params>', '{layer.name}/<path in its params>']}})"
+                )
             raise LayerError(
-                f"layers {first!r} and {layer.name!r} share {what}: tied/shared parameters "
-                "across layers are not supported yet, and pdjax would silently give each "
-                "layer its own copy and train them apart; build a separate module for each "
-                "layer (a future `tied=` option will declare shared parameters)"
+                f"layers {first!r} and {layer.name!r} share {what}: sharing objects between "
+                "layers is not supported yet unless declared, since pdjax gives each layer "
+                f"its own copy and would silently train them apart; {hint} (tied= keeps the "
+                "copies one parameter)"
             )
+
+
+def _key_str(key: Any) -> str:
+    """One key of a pytree path as the text a ``tied=`` path uses."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    """The leaf at ``path`` (keys compared as text) in nested mappings, or None."""
+    node = tree
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = next((v for k, v in node.items() if str(k) == part), None)
+        if node is None:
+            return None
+    return None if isinstance(node, Mapping) else node
+
+
+def _replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``tree`` (nested mappings) with the leaf at ``path`` replaced by ``value``."""
+    if not path:
+        return value
+    items = dict(tree.items())
+    key = next(k for k in items if str(k) == path[0])
+    items[key] = _replaced(items[key], path[1:], value)
+    return items if type(tree) is dict else type(tree)(items)
+
+
+def _param_paths(params: Any) -> list[str]:
+    return [
+        "/".join(_key_str(k) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+
+
+def _known_params(layer: Layer) -> PyTree | None:
+    """A layer's params (shapes) where known without a sample input: nnx layers (built at
+    construction) and functions (none); None for linen modules and others."""
+    if isinstance(layer, FnLayer):
+        return {}
+    if isinstance(layer, NnxLayer):
+        return layer._to_collections(layer._template).get("params", {})
+    return None
+
+
+def _resolve_tied(
+    layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]
+) -> tuple[tuple[str, tuple[TiedLeaf, ...]], ...]:
+    """``tied`` with every ``"<layer>/<path>"`` as ``(layer index, path keys)``, checked
+    as far as the layers are known before any input (see :meth:`LayerSequence.check_tied`)."""
+    if not tied:
+        return ()
+    names = [layer.name for layer in layers]
+    where: dict[TiedLeaf, str] = {}
+    out = []
+    for group, leaves in tied:
+        if len(leaves) < 2:
+            raise LayerError(
+                f"tied[{group!r}] lists {len(leaves)} leaf; a tied group names every copy of "
+                "one parameter, at least two"
+            )
+        resolved = []
+        for text in leaves:
+            owners = [n for n in names if text.startswith(n + "/")]
+            if not owners:
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but no layer is called that: write "
+                    f"'<layer name>/<path in its params>' with a layer of {names}"
+                )
+            name = max(owners, key=len)
+            i = names.index(name)
+            path = tuple(text[len(name) + 1 :].split("/"))
+            if not all(path):
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}: the path inside layer {name!r} is empty "
+                    "or has an empty key"
+                )
+            if isinstance(layers[i], FnLayer):
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but layer {name!r} is a function "
+                    "without parameters"
+                )
+            leaf = (i, path)
+            if leaf in where:
+                other = where[leaf]
+                again = "twice" if other == group else f"in groups {other!r} and {group!r}"
+                raise LayerError(
+                    f"{text!r} is listed {again} of tied=; a parameter belongs to one group"
+                )
+            where[leaf] = group
+            resolved.append(leaf)
+        out.append((group, tuple(resolved)))
+    result = tuple(out)
+    known = [_known_params(layer) for layer in layers]
+    _check_leaves(layers, result, lambda i: known[i])
+    return result
+
+
+def _check_leaves(
+    layers: Sequence[Layer],
+    groups: Sequence[tuple[str, tuple[TiedLeaf, ...]]],
+    params_of: Callable[[int], Any],
+) -> None:
+    """Every tied leaf exists in its layer's params (where ``params_of(i)`` is known, not
+    None) and has the first leaf's shape and dtype."""
+    for group, leaves in groups:
+        first: tuple[str, Any] | None = None
+        for i, path in leaves:
+            params = params_of(i)
+            if params is None:
+                continue
+            text = f"{layers[i].name}/{'/'.join(path)}"
+            leaf = _lookup(params, path)
+            if leaf is None:
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but layer {layers[i].name!r} has no "
+                    f"parameter at {'/'.join(path)!r}; its parameters are "
+                    f"{_param_paths(params)}"
+                )
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            sig = (tuple(np.shape(leaf)), str(dtype))
+            if first is None:
+                first = (text, sig)
+            elif sig != first[1]:
+                raise LayerError(
+                    f"tied[{group!r}]: {text!r} is {sig[1]}{list(sig[0])} but {first[0]!r} is "
+                    f"{first[1][1]}{list(first[1][0])}; tied copies need one shape and dtype"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -680,9 +835,12 @@ class LayerSequence:
 
     Attributes:
       layers: the layers, in order; names are unique.
+      tied: the tied parameters (:func:`sequential`'s ``tied=``), as ``(group name,
+        ("<layer name>/<path in its params>", ...))`` pairs; a mapping is accepted too.
     """
 
     layers: tuple[Layer, ...]
+    tied: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -691,7 +849,35 @@ class LayerSequence:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise LayerError(f"layer names must be unique; repeated: {dupes}")
-        _check_unshared(self.layers)
+        tied = _normalise_tied(self.tied)
+        object.__setattr__(self, "tied", tied)
+        object.__setattr__(self, "_tied_leaves", _resolve_tied(self.layers, tied))
+        _check_unshared(self.layers, tied)
+
+    @property
+    def tied_leaves(self) -> tuple[tuple[str, tuple[TiedLeaf, ...]], ...]:
+        """The tied groups with each copy as ``(layer index, path keys)``, first listed first."""
+        return self._tied_leaves  # type: ignore[attr-defined,no-any-return]
+
+    def check_tied(self, variables: Sequence[Variables]) -> None:
+        """Checks ``tied`` against per-layer variables (arrays or shapes): every listed
+        path is a parameter of its layer, and each group's copies share one shape and dtype.
+
+        Raises:
+          LayerError: naming the group, the leaf and what is wrong.
+        """
+        if self.tied:
+            _check_leaves(self.layers, self.tied_leaves, lambda i: variables[i].get("params", {}))
+
+    def tie(self, variables: Sequence[Variables]) -> list[Variables]:
+        """``variables`` with every tied copy set to its group's first listed leaf."""
+        out = [dict(v) for v in variables]
+        for _, leaves in self.tied_leaves:
+            i0, path0 = leaves[0]
+            value = _lookup(out[i0]["params"], path0)
+            for i, path in leaves[1:]:
+                out[i]["params"] = _replaced(out[i]["params"], path, value)
+        return out
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -703,7 +889,14 @@ class LayerSequence:
         """A contiguous sub-sequence (an int gives a one-layer sequence)."""
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        return LayerSequence(tuple(self.layers[index]))
+        layers = tuple(self.layers[index])
+        inside = {layer.name for layer in layers}
+        tied = []  # the groups with at least two copies inside
+        for name, leaves in self.tied:
+            kept = tuple(t for t in leaves if any(t.startswith(n + "/") for n in inside))
+            if len(kept) > 1:
+                tied.append((name, kept))
+        return LayerSequence(layers, tuple(tied))
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -712,15 +905,23 @@ class LayerSequence:
     def init(self, rng: jax.Array, x: PyTree) -> list[Variables]:
         """Initialises every layer in turn, feeding each the previous layer's output.
 
-        Layer ``i`` is initialised from ``jax.random.fold_in(rng, i)``. Under
-        ``jax.eval_shape`` this costs no compute (useful for paper-size models).
+        Layer ``i`` is initialised from ``jax.random.fold_in(rng, i)``; then every tied
+        copy takes its group's first listed leaf (:meth:`tie`). Under ``jax.eval_shape``
+        this costs no compute (useful for paper-size models).
+
+        Raises:
+          LayerError: for a ``tied`` path that is not a parameter, or copies of different
+            shapes or dtypes.
         """
         variables = []
         for i, layer in enumerate(self.layers):
             v = layer.init(jax.random.fold_in(rng, i), x)
             x, _ = layer.apply(v, x, train=False)
             variables.append(v)
-        return variables
+        if not self.tied:
+            return variables
+        self.check_tied(variables)
+        return self.tie(variables)
 
     def apply(
         self,
@@ -775,7 +976,40 @@ class LayerSequence:
         return out
 
 
-def sequential(*modules: Any, names: Iterable[str] | None = None) -> LayerSequence:
+def _normalise_tied(tied: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``tied`` (a mapping or pairs) as ``((name, (leaf, ...)), ...)``, types checked."""
+    if tied is None:
+        return ()
+    items = tied.items() if isinstance(tied, Mapping) else tied
+    try:
+        pairs = [(name, leaves) for name, leaves in items]
+    except (TypeError, ValueError):
+        raise LayerError(
+            "tied must map a group name to its leaves, e.g. tied={'wte': "
+            "['00_Embed/embedding', '05_Head/embedding']}"
+        ) from None
+    out = []
+    for name, leaves in pairs:
+        if not isinstance(name, str):
+            raise LayerError(f"tied group names are strings, got {name!r}")
+        if isinstance(leaves, str) or not isinstance(leaves, Iterable):
+            raise LayerError(
+                f"tied[{name!r}] must list the copies as '<layer name>/<path in its params>' "
+                f"strings, got {leaves!r}"
+            )
+        leaves = tuple(leaves)
+        bad = [leaf for leaf in leaves if not isinstance(leaf, str)]
+        if bad:
+            raise LayerError(f"tied[{name!r}] holds {bad[0]!r}; write '<layer>/<path>' strings")
+        out.append((name, leaves))
+    return tuple(out)
+
+
+def sequential(
+    *modules: Any,
+    names: Iterable[str] | None = None,
+    tied: Mapping[str, Sequence[str]] | None = None,
+) -> LayerSequence:
     """Builds a :class:`LayerSequence` from linen modules, nnx modules or nnx factories,
     and parameter-free functions (see :func:`as_layer`).
 
@@ -783,14 +1017,31 @@ def sequential(*modules: Any, names: Iterable[str] | None = None) -> LayerSequen
       *modules: the modules in order (a single list is accepted too).
       names: optional unique names; default ``"{index:02d}_{ClassName}"``, for a function
         ``"{index:02d}_{function name}"`` (``"02_relu"``, ``"03_lambda"``).
+      tied: parameters that are one (an embedding shared with the output head): group
+        name -> the copies, each ``"<layer name>/<path in the layer's params>"``, e.g.
+        ``{"wte": ["00_Embed/embedding", "05_Head/embedding"]}`` where the head holds a
+        parameter ``embedding`` of the same shape and dtype and computes ``x @
+        embedding.T``. Each layer keeps its copy; every copy starts as the first listed
+        one, and training treats the group as one parameter (its gradient is the sum of
+        the copies', the optimizer sees it once) so the copies stay equal. An nnx
+        variable shared by two layers is accepted when its two paths are declared here.
 
     Returns:
       The layer sequence.
 
     Raises:
-      LayerError: for an empty list, duplicate names, something that is not a module, or
-        a module instance or nnx variable shared by two layers (tied parameters are not
-        supported yet).
+      LayerError: for an empty list, duplicate names, something that is not a module, a
+        module instance or nnx variable shared by two layers and not declared tied, or a
+        ``tied`` entry naming no layer, no parameter (checked where shapes are known: nnx
+        layers here, linen ones at ``init``), copies of different shapes or dtypes, or a
+        leaf in two groups.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> tied = {"k": ["00_Dense/kernel", "01_Dense/kernel"]}
+    >>> seq = sequential(nn.Dense(4), nn.Dense(4), tied=tied)
+    >>> v = seq.init(jax.random.key(0), jnp.ones((2, 4)))
+    >>> bool((v[0]["params"]["kernel"] == v[1]["params"]["kernel"]).all())
+    True
     """
     if len(modules) == 1 and isinstance(modules[0], (list, tuple)):
         modules = tuple(modules[0])
@@ -800,4 +1051,7 @@ def sequential(*modules: Any, names: Iterable[str] | None = None) -> LayerSequen
     )
     if len(name_list) != len(modules):
         raise LayerError(f"got {len(name_list)} names for {len(modules)} modules")
-    return LayerSequence(tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True)))
+    return LayerSequence(
+        tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True)),
+        _normalise_tied(tied),
+    )

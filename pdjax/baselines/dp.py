@@ -120,6 +120,12 @@ class DataParallel:
             raise PipelineError("DataParallel needs at least one device; got devices=[]")
         if len(set(self.devices)) != len(self.devices):
             raise PipelineError(f"DataParallel got a device more than once: {self.devices}")
+        if getattr(layers, "tied", ()):
+            raise PipelineError(
+                "DataParallel does not support tied parameters (sequential(..., tied=...)): it "
+                "would train each copy apart; use pdjax.Pipeline with one stage on these "
+                "devices, which sums the copies' gradients and updates them as one"
+            )
         self.layers = layers
         self.loss_fn = loss_fn
         self.optimizer = optimizer

@@ -45,7 +45,7 @@ from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
 from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, validate
-from pdjax.pipeline.stage import LossFn, Stage
+from pdjax.pipeline.stage import LossFn, Stage, StageTies
 from pdjax.pipeline.timeline import Span, Timeline
 from pdjax.pipeline.transport import make_transport
 
@@ -229,9 +229,21 @@ class Pipeline:
         the state is built (:mod:`pdjax.pipeline.optim`). ``"stage"``: run the optimizer on
         each stage alone, knowingly (e.g. clipping each stage by its own norm).
 
+    Tied parameters (``sequential(..., tied=...)``) train as one parameter: every copy
+    starts as the group's first listed leaf, the group's gradient is the sum of its
+    copies' (from every stage holding one), the optimizer sees it once (global-norm
+    clipping counts it once), and the copies stay bit for bit equal. Copies on one stage
+    are summed within its update (any schedule). Copies on several stages exchange their
+    gradients and the new value at each update (the first stage holding a copy updates the
+    group; :mod:`pdjax.pipeline.program`): flush schedules (``gpipe``, ``1f1b``,
+    ``interleaved``, ``zb-h1``), in one process, with ``optimizer_scope="model"``.
+
     Raises:
       PipelineError: before any device work, for a plan that does not cover the model,
-        too few devices, a device id not among ``devices``, or an unknown schedule.
+        too few devices, a device id not among ``devices``, an unknown schedule, or tied
+        copies on several stages with ``pipedream`` or ``2bw`` (whose stages update at
+        their own times, so the copies cannot stay one parameter), across processes, or
+        with ``optimizer_scope="stage"``.
     """
 
     def __init__(
@@ -371,6 +383,9 @@ class Pipeline:
                 f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}"
             )
         self.optimizer_scope = optimizer_scope
+        #: per tied group: its name and the stages holding its copies (ascending)
+        self.tied_stages = _tied_stages(layers, specs)
+        self._check_tied()
         self.stage_optimizer: StageOptimizer | None = None  # decided on the first state
         self.coupled = False
         platform = self.stages[0].devices[0].platform
@@ -402,6 +417,67 @@ class Pipeline:
         self._splitters: dict[Any, Any] = {}
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
+
+    @property
+    def _tied_across(self) -> tuple[tuple[int, ...], ...]:
+        """The stages of each tied group with copies on several stages."""
+        return tuple(h for _, h in self.tied_stages if len(h) > 1)
+
+    def _check_tied(self) -> None:
+        """Refuses tied copies on several stages where they cannot stay one parameter."""
+        across = [(name, h) for name, h in self.tied_stages if len(h) > 1]
+        if not across:
+            return
+        name, h = across[0]
+        what = f"the tied parameter {name!r} has copies on stages {list(h)}"
+        if self.schedule_name in _ASYNC:
+            raise PipelineError(
+                f"{what}, but under {self.schedule_name} each stage updates at its own time "
+                "and keeps its own weight versions, so the copies would drift apart; tied "
+                "parameters across stages train with gpipe, 1f1b, interleaved or zb-h1, or "
+                "put all copies on one stage (any schedule)"
+            )
+        if self.optimizer_scope == "stage":
+            raise PipelineError(
+                f"{what}; with optimizer_scope='stage' each stage's optimizer would treat "
+                "its copy apart (clipping by its own norm, say), so the copies would drift "
+                "apart; use optimizer_scope='model', or put all copies on one stage"
+            )
+        if self.multiprocess:
+            raise PipelineError(
+                f"{what}, whose gradients and new values the stages exchange at each "
+                "update; that runs in one process for now: put the stages holding the "
+                "copies in one process, or all copies on one stage"
+            )
+
+    def _settle_ties(self, stage_params: Sequence[PyTree]) -> None:
+        """Gives each stage its :class:`~pdjax.pipeline.stage.StageTies` (the leaves of its
+        tied copies in its parameters), once, before the optimizer is analysed."""
+        if not self.tied_stages or any(st.ties is not None for st in self.stages):
+            return
+        where = [
+            {
+                (path[0].idx, tuple(_key_str(k) for k in path[1:])): n
+                for n, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(p)[0])
+            }
+            for p in stage_params
+        ]
+        for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
+            names, copies, holders = [], [], []
+            for (name, leaves), (_, h) in zip(
+                self.layers.tied_leaves, self.tied_stages, strict=True
+            ):
+                mine = tuple(
+                    where[s][(i - spec.first_layer, path)]
+                    for i, path in leaves
+                    if spec.first_layer <= i <= spec.last_layer
+                )
+                if mine:
+                    names.append(name)
+                    copies.append(mine)
+                    holders.append(h)
+            if names:
+                stage.ties = StageTies(s, tuple(names), tuple(copies), tuple(holders))
 
     def _settle_replication(self, state: PipelineState) -> None:
         """Before the first run: a round-robin stage whose layers keep model state
@@ -560,6 +636,8 @@ class Pipeline:
                         f"stage {s}, layer {i} ({layer.name}) cannot take the output of the "
                         f"layer before it, shapes {shapes}: {type(e).__name__}: {e}"
                     ) from e
+        if self.tied_stages:
+            self.layers.check_tied(variables)
 
     def init(self, rng: jax.Array, sample: PyTree) -> PipelineState:
         """Initialises every layer from ``rng`` on a sample microbatch and places the stages.
@@ -596,10 +674,19 @@ class Pipeline:
             raise PipelineError(
                 f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
             )
+        if self.tied_stages:  # every copy starts as its group's first listed leaf
+            self.layers.check_tied(variables)
+            variables = self.layers.tie(variables)
+        stage_params = [
+            [v.get("params", {}) for v in variables[sp.first_layer : sp.last_layer + 1]]
+            for sp in self.stage_specs
+        ]
+        self._settle_ties(_abstract(stage_params))
+        # the optimizer sees each stage's parameters less its tied copies but one per group
         self._analyse_optimizer(
             [
-                [v.get("params", {}) for v in variables[sp.first_layer : sp.last_layer + 1]]
-                for sp in self.stage_specs
+                st.ties.view(_abstract(p)) if st.ties is not None else p
+                for st, p in zip(self.stages, stage_params, strict=True)
             ]
         )
         optimizer = self.stage_optimizer
@@ -611,9 +698,13 @@ class Pipeline:
             # size the transfers; orbax saves each process's own shards)
             place = stage.place_weights if self.local[s] else partial(_remote, stage.replicated)
             p = place([v.get("params", {}) for v in vs])
+            if stage.ties is not None and self.local[s]:
+                p = _unaliased(p, [])  # tied copies here: one buffer each (donated apart)
             params.append(p)
             model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
             init = optimizer.init if self.local[s] else partial(jax.eval_shape, optimizer.init)
+            if stage.ties is not None:
+                init = _compose(init, stage.ties.view)
             o = place(init(p))
             # an optimizer state that holds the parameters' own buffers (cocob, dog,
             # schedule-free keep the initial parameters) would be donated with them
@@ -839,6 +930,7 @@ class Pipeline:
                 one_at_a_time=self.workarounds.one_at_a_time if not timeline else None,
                 on_loss=on_loss,
                 donate_weights=self.workarounds.donate_weights,
+                tied=self._tied_across,
             )
             self._programs[key] = prog
         return prog
@@ -888,7 +980,12 @@ class Pipeline:
             return self.transport.piece(self.stages[op.stage], self.stages[op.peer], op.part)
         if kind in ("MOVE", "SEND", "RECV", "SENDRECV"):
             src, dst = self.stages[op.stage], self.stages[op.peer]
-            scalar = op.ins[0].startswith("q") if op.ins else op.outs[0].startswith("q")
+            slot = op.ins[0] if op.ins else op.outs[0]
+            scalar = slot.startswith("q")
+            if slot.startswith(("pg", "nw")):  # tied gradients or values: weights' layout
+                if kind != "MOVE":
+                    raise PipelineError("tied parameters across processes are not supported")
+                return self.transport.link(src, dst, None, replicated=True)
             if scalar:
                 spec = jax.ShapeDtypeStruct((), jnp.float32)
             elif specs is None:
@@ -1119,6 +1216,31 @@ class Pipeline:
         if source.process_index == self.process_index:
             tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)
+
+
+def _tied_stages(
+    layers: LayerSequence, specs: Sequence[Any]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Per tied group of ``layers``, its name and the stages (``specs``) holding copies."""
+    stage_of = {
+        i: s for s, sp in enumerate(specs) for i in range(sp.first_layer, sp.last_layer + 1)
+    }
+    return tuple(
+        (name, tuple(sorted({stage_of[i] for i, _ in leaves})))
+        for name, leaves in getattr(layers, "tied_leaves", ())
+    )
+
+
+def _key_str(key: Any) -> str:
+    """One key of a pytree path as text (how ``tied=`` paths name it)."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _compose(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    return lambda x: f(g(x))
 
 
 def _shape_key(tree: PyTree) -> Any:

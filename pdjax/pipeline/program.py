@@ -30,6 +30,10 @@ slot                    value
 ``loss{k}``             microbatch ``k``'s loss, on the last stage
 ``q{s}.{u}``, ``q{s}.{u}@{r}``  update ``u``'s gradient sum of squares at stage ``s`` (and on
                         stage ``r``): optimizers that clip by the global norm
+``pg{s}.{u}:{o}``       tied parameters: update ``u``'s summed gradients of stage ``s``'s
+                        copies of the groups stage ``o`` owns (``@{o}``: arrived there)
+``nw{o}.{u}:{s}``       the new values of those groups, made by owner ``o``'s update
+                        ``u``, for stage ``s`` (``@{s}``: arrived there)
 ``m<name>{s}.{k}``      a round-robin stage's group value (``mx``, ``my``, ``mkey``,
                         ``mt``, ``mloss``, ``md``, ``me``): the ``r`` microbatches from
                         ``k`` on, concatenated, microbatch ``k + d`` on device ``d``
@@ -52,11 +56,12 @@ kind       reads                                               writes
 ``B``      ``w x R [d] [g]``                                   ``g' [e]``
 ``I``      ``w x R [d]``                                       ``[e] c``
 ``W``      ``w x R c [g]``                                     ``g'``
-``U``      ``g w o [q@s ...]``                                 ``w' o'``
+``U``      ``g w o [pg@s ...] [nw@s ...] [q@s ...]``           ``w' o' [nw:r ...]``
 ``BU``     ``w x R [d] [g] [w_newest] o``                      ``w' o' [e]``
 ``FB``     ``w st x key t [g]``                                ``loss st' g' [e]``
 ``FBU``    ``w st x key t [g] [w_newest] o``                   ``loss st' w' o' [e]``
-``SQ``     ``g``                                               ``q``
+``SQ``     ``g [pg@s ...]``                                    ``q``
+``TG``     ``g``                                               ``pg:o`` per owner ``o``
 ``MOVE``   a value on stage ``s``                              the same on stage ``peer``
 ``SEND``   a value on stage ``s`` (this process holds it)      (nothing)
 ``RECV``   (nothing: the value comes from stage ``s``)         the value on stage ``peer``
@@ -66,6 +71,13 @@ kind       reads                                               writes
 ``GATHER`` ``r`` pieces, each on its device of stage ``s``     the group value
 ``PART``   a group value                                       its ``r`` pieces
 =========  ==================================================  ===========================
+
+Tied parameters (``sequential(..., tied=...)``) whose copies sit on several stages: each
+group is owned by the first stage holding a copy. At each update, every other holder sums
+its copies' gradients (``TG``) and sends them to the owner (``pg``); the owner's update adds
+them to its own, updates the group once, and sends the new value (``nw``) to the holders,
+whose update writes it into their copies. Updates of such stages are not fused with a
+backward. Copies on one stage are summed inside its update.
 
 ``R`` is ``r`` (the forward's residuals) or, with the ``recompute`` flag, ``st key [t]``
 (what recomputing the forward needs: rematerialisation, or PipeDream without weight
@@ -85,7 +97,7 @@ from pdjax.pipeline.schedule import Action, Schedule
 
 __all__ = ["Op", "Placement", "Program", "StagePlace", "lower"]
 
-_COMPUTE = ("F", "B", "I", "W", "U", "BU", "FB", "FBU", "SQ", "KEYS")
+_COMPUTE = ("F", "B", "I", "W", "U", "BU", "FB", "FBU", "SQ", "TG", "KEYS")
 _TRANSPORTS = ("device_put", "collective")
 
 
@@ -217,6 +229,7 @@ def lower(
     one_at_a_time: Sequence[bool] | None = None,
     on_loss: bool = False,
     donate_weights: bool = True,
+    tied: Sequence[Sequence[int]] = (),
 ) -> Program:
     """Lowers a validated ``schedule`` over ``placement`` into per-process programs.
 
@@ -235,6 +248,10 @@ def lower(
       donate_weights: fused updates reuse the buffers of the weights they replace when
         nothing reads them later (``donate_w``); off where donating a buffer that queued
         programs still read blocks the driver (XLA's CPU client: ``pdjax._xla_cpu``).
+      tied: per tied parameter group with copies on several stages, those stages
+        (ascending; the first owns the group). Their updates exchange the group's
+        gradients and new value (``TG``, ``pg``, ``nw``); every stage must update once
+        per step (flush schedules).
 
     Raises:
       PipelineError: for a placement that does not fit the schedule, or a program that
@@ -250,7 +267,16 @@ def lower(
             "microbatches from their devices on the host); use replication='split' across "
             "processes"
         )
-    ops = _global_ops(schedule, placement, remat, fuse, coupled, run_ahead, on_loss)
+    holders = tuple(tuple(sorted(set(h))) for h in tied)
+    for h in holders:
+        if len(h) < 2 or not all(0 <= t < S for t in h):
+            raise PipelineError(f"a tied group's stages {h} must be at least two of 0..{S - 1}")
+    if holders and not _updates_in_lockstep(schedule):
+        raise PipelineError(
+            f"tied parameters across stages need every stage to update once per step; "
+            f"{schedule.name} does not"
+        )
+    ops = _global_ops(schedule, placement, remat, fuse, coupled, run_ahead, on_loss, holders)
     ops = _in_dependency_order(ops, _caller_slots(schedule))
     if one_at_a_time is not None:
         ops = _one_at_a_time(ops, one_at_a_time)
@@ -303,6 +329,18 @@ def _check_transport(placement: Placement) -> None:
         )
 
 
+def _updates_in_lockstep(schedule: Schedule) -> bool:
+    """Whether the stages update together, once per step each (flush schedules): update
+    ``u`` of one stage then goes with update ``u`` of every other."""
+    if schedule.name in ("pipedream", "2bw"):
+        return False
+    counts = {
+        sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
+        for s in range(schedule.num_stages)
+    }
+    return len(counts) == 1
+
+
 def _caller_slots(schedule: Schedule) -> list[str]:
     """The slots the caller fills: every stage's weights, optimizer and model state and
     PRNG key, the microbatch offset, the inputs (stage 0) and the targets (last stage)."""
@@ -324,9 +362,16 @@ def _global_ops(
     coupled: bool,
     run_ahead: int | None,
     on_loss: bool,
+    tied: Sequence[tuple[int, ...]] = (),
 ) -> list[Op]:
     """The operations of every process, in the schedule's unit-time clock order."""
     S, N = schedule.num_stages, schedule.num_microbatches
+    # tied groups across stages: per stage, the owners it sends gradients to (and gets new
+    # values from), and the holders of the groups it owns (the other way round)
+    owners = [sorted({h[0] for h in tied if s in h[1:]}) for s in range(S)]
+    members = [sorted({r for h in tied if h[0] == s for r in h[1:]}) for s in range(S)]
+    # an update that waits for other stages' values is not fused with a backward
+    unfused = [coupled or bool(owners[s] or members[s]) for s in range(S)]
     last = S - 1
     n_of = [schedule.group_size(s) for s in range(S)]
     rr = [n > 1 for n in n_of]
@@ -450,7 +495,7 @@ def _global_ops(
                 g_in = (acc[s],) if acc[s] else ()
                 flags = {"acc"} if acc[s] else set()
                 e = () if s == 0 else (name("e", s, k),)
-                if not coupled and nxt2 is not None and nxt2.kind == "U" and nxt2.stage == s:
+                if not unfused[s] and nxt2 is not None and nxt2.kind == "U" and nxt2.stage == s:
                     skip.add((g, i + 2))
                     tail, more = update_tail(s, v)
                     w2, o2 = after_update(s)
@@ -549,7 +594,13 @@ def _global_ops(
                         )
                     )
                     continue
-                if fuse and not coupled and nxt is not None and nxt.kind == "U" and nxt.stage == s:
+                if (
+                    fuse
+                    and not unfused[s]
+                    and nxt is not None
+                    and nxt.kind == "U"
+                    and nxt.stage == s
+                ):
                     skip.add((g, i + 1))
                     tail, more = update_tail(s, v)
                     w2, o2 = after_update(s)
@@ -590,16 +641,24 @@ def _global_ops(
                 raise PipelineError(f"{a.describe()} has no gradient to apply")
             grads = acc[s]
             n = latest[s]
+            u = updates[s]
+            if owners[s]:  # this stage's tied gradients, to each owner of a group it holds
+                sums = tuple(f"pg{s}.{u}:{o}" for o in owners[s])
+                ops.append(Op("TG", s, u, ins=(grads,), outs=sums))
+                for o in owners[s]:
+                    ops += moved(f"pg{s}.{u}:{o}", f"pg{s}.{u}@{o}", s, o, u, part=False)
+            tied_in = tuple(f"pg{r}.{u}@{s}" for r in members[s])
+            new_in = tuple(f"nw{o}.{u}:{s}@{s}" for o in owners[s])
             norms: tuple[str, ...] = ()
             if coupled:
                 # every stage's sum of squares for this update, on this stage's devices
-                u = updates[s]
                 norms = tuple(f"q{r}.{u}@{s}" for r in range(S) if r != s)
-                ops.append(Op("SQ", s, u, ins=(grads,), outs=(f"q{s}.{u}",)))
+                ops.append(Op("SQ", s, u, ins=(grads, *tied_in), outs=(f"q{s}.{u}",)))
                 for r in range(S):
                     if r != s:
                         ops += moved(f"q{s}.{u}", f"q{s}.{u}@{r}", s, r, u, part=False)
             w2, o2 = after_update(s)
+            sent = tuple(f"nw{s}.{u}:{r}" for r in members[s])
             ops.append(
                 Op(
                     "U",
@@ -607,11 +666,13 @@ def _global_ops(
                     a.mb,
                     n,
                     frozenset(),
-                    (grads, f"w{s}v{n}", f"o{s}v{n}", *norms),
-                    (w2, o2),
+                    (grads, f"w{s}v{n}", f"o{s}v{n}", *tied_in, *new_in, *norms),
+                    (w2, o2, *sent),
                     actions=(a,),
                 )
             )
+            for r in members[s]:
+                ops += moved(f"nw{s}.{u}:{r}", f"nw{s}.{u}:{r}@{r}", s, r, u, part=False)
     return ops
 
 

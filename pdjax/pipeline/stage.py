@@ -41,6 +41,15 @@ stashed version). With ``remat`` the forward keeps nothing and the backward reco
 The VJP is taken layer by layer, so zero-bubble's split backward costs what the whole one
 costs: ``I`` runs the chain of input gradients and keeps the cotangent at each layer's
 output, ``W`` turns those into weight gradients without recomputing the chain.
+
+Tied parameters (``sequential(..., tied=...)``): every layer keeps its copy, and one stage
+*owns* each group, the first stage holding a copy (:class:`StageTies`). Its update sees
+the group once (the first of its copies), with the sum of every copy's gradient: its own
+copies' and those the other holders send (``TG``: their copies' summed gradients); the
+optimizer's state holds the group once, there. It writes the new value into all its copies
+and sends it to the other holders, whose update writes it into theirs (their optimizer
+does not see the group). So the copies stay bit for bit equal, and the optimizer,
+global-norm clipping included, counts the parameter once.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.optim import StageOptimizer
 
-__all__ = ["LossFn", "Stage"]
+__all__ = ["LossFn", "Stage", "StageTies"]
 
 
 @dataclasses.dataclass
@@ -72,6 +81,122 @@ class _ResidualLayout:
 
 
 _Pullbacks = list[Callable[..., Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageTies:
+    """A stage's copies of tied parameters, and what its update exchanges for them.
+
+    Leaves are indices into ``jax.tree.leaves`` of the stage's parameters (its per-layer
+    list). A group's *owner* is the first stage that holds a copy of it (``holders[i][0]``):
+    the only one whose optimizer sees it. Groups and tuples exchanged with a stage are in
+    the model's group order, so both ends agree on them.
+
+    Attributes:
+      stage: this stage's index.
+      names: per tied group with a copy here, its name.
+      copies: per group, its copies' leaf indices, first listed first (the owner's
+        optimizer sees the first).
+      holders: per group, the stages holding a copy, ascending (this one included).
+    """
+
+    stage: int
+    names: tuple[str, ...]
+    copies: tuple[tuple[int, ...], ...]
+    holders: tuple[tuple[int, ...], ...]
+
+    def owned(self, i: int) -> bool:
+        return self.holders[i][0] == self.stage
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The other stages holding copies of groups this stage owns: they send it their
+        gradients (``pg``) and get the new values (``nw``) from its update."""
+        return tuple(
+            sorted({r for i, h in enumerate(self.holders) if self.owned(i) for r in h[1:]})
+        )
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        """The owners of the groups this stage holds but does not own."""
+        return tuple(sorted({h[0] for i, h in enumerate(self.holders) if not self.owned(i)}))
+
+    def _with(self, peer: int, owner: int) -> tuple[int, ...]:
+        """The groups owned by ``owner`` that ``peer`` holds, by position here."""
+        return tuple(i for i, h in enumerate(self.holders) if h[0] == owner and peer in h)
+
+    @property
+    def hidden(self) -> frozenset[int]:
+        """The leaves the optimizer does not see: every copy but an owned group's first."""
+        return frozenset(
+            c
+            for i, copies in enumerate(self.copies)
+            for c in (copies[1:] if self.owned(i) else copies)
+        )
+
+    def view(self, tree: PyTree) -> PyTree:
+        """``tree`` (parameters or gradients) as the optimizer sees it: hidden leaves None."""
+        leaves, treedef = jax.tree.flatten(tree)
+        hidden = self.hidden
+        return jax.tree.unflatten(
+            treedef, [None if k in hidden else a for k, a in enumerate(leaves)]
+        )
+
+    def _local_sum(self, leaves: Sequence[Any], i: int) -> Any:
+        total = leaves[self.copies[i][0]]
+        for c in self.copies[i][1:]:
+            total = total + leaves[c]
+        return total
+
+    def partials(self, grads: PyTree) -> tuple[tuple[jax.Array, ...], ...]:
+        """Per owner (:attr:`owners`), this stage's summed gradients of the groups it
+        holds for that owner."""
+        leaves = jax.tree.leaves(grads)
+        return tuple(
+            tuple(self._local_sum(leaves, i) for i in self._with(self.stage, o))
+            for o in self.owners
+        )
+
+    def grad_view(self, grads: PyTree, incoming: Sequence[Sequence[jax.Array]]) -> PyTree:
+        """The gradients as the optimizer sees them: an owned group's first copy holds the
+        group's whole gradient, the other holders' sums (``incoming``, per
+        :attr:`members`) added to this stage's in stage order; hidden leaves None."""
+        leaves, treedef = jax.tree.flatten(grads)
+        parts: dict[int, dict[int, Any]] = {}
+        for r, values in zip(self.members, incoming, strict=True):
+            for i, v in zip(self._with(r, self.stage), values, strict=True):
+                parts.setdefault(i, {})[r] = v
+        out = list(leaves)
+        for i, copies in enumerate(self.copies):
+            if not self.owned(i):
+                continue
+            got = {**parts.get(i, {}), self.stage: self._local_sum(leaves, i)}
+            total = got[self.holders[i][0]]
+            for r in self.holders[i][1:]:
+                total = total + got[r]
+            out[copies[0]] = total
+        hidden = self.hidden
+        return jax.tree.unflatten(treedef, [None if k in hidden else a for k, a in enumerate(out)])
+
+    def expand(
+        self, new_view: PyTree, treedef: Any, received: Sequence[Sequence[jax.Array]]
+    ) -> tuple[PyTree, tuple[tuple[jax.Array, ...], ...]]:
+        """The stage's new parameters from the optimizer's (``new_view``, hidden leaves
+        None) and the owners' new values (``received``, per :attr:`owners`), and the new
+        values this stage sends (per :attr:`members`)."""
+        leaves = jax.tree.flatten(new_view, is_leaf=lambda a: a is None)[0]
+        value: dict[int, Any] = {}
+        for i, copies in enumerate(self.copies):
+            if self.owned(i):
+                value[i] = leaves[copies[0]]
+        for o, values in zip(self.owners, received, strict=True):
+            for i, v in zip(self._with(self.stage, o), values, strict=True):
+                value[i] = v
+        for i, copies in enumerate(self.copies):
+            for c in copies:
+                leaves[c] = value[i]
+        sent = tuple(tuple(value[i] for i in self._with(r, self.stage)) for r in self.members)
+        return jax.tree.unflatten(treedef, leaves), sent
 
 
 class Stage:
@@ -135,6 +260,8 @@ class Stage:
             self.whole_reason = ""
         self._layout: dict[Any, _ResidualLayout] = {}
         self._programs: dict[tuple[str, frozenset[str]], Callable[..., Any]] = {}
+        #: the stage's tied parameter copies (set by the pipeline before any program)
+        self.ties: StageTies | None = None
 
     @property
     def num_replicas(self) -> int:
@@ -163,7 +290,10 @@ class Stage:
             kwargs["out_shardings"] = batch if self.round_robin else rep
             kwargs["static_argnums"] = (2,)
         elif kind == "U":
-            kwargs["out_shardings"] = (rep, rep)
+            sent = len(self.ties.members) if self.ties is not None else 0
+            kwargs["out_shardings"] = (rep,) * (2 + sent)
+        elif kind == "TG":
+            kwargs["out_shardings"] = rep
         elif kind == "BU":
             kwargs["out_shardings"] = (rep, rep) if first else (rep, rep, batch)
         elif kind == "FBU":
@@ -241,7 +371,7 @@ class Stage:
                     return (*e_out, cts)
                 if not upd:
                     return (out_g, *e_out)
-                new_w, new_o = self._fused_update(out_g, w, args[i:], newest)
+                new_w, new_o, _ = self._fused_update(out_g, w, args[i:], newest)
                 return (new_w, new_o, *e_out)
 
             first_tail = 2 + nres + (1 if kind == "W" else nct)
@@ -261,20 +391,36 @@ class Stage:
                 e_out = () if first else (e,)
                 if not upd:
                     return (y, new_st, g, *e_out)
-                new_w, new_o = self._fused_update(g, w, rest[i:], newest)
+                new_w, new_o, _ = self._fused_update(g, w, rest[i:], newest)
                 return (y, new_st, new_w, new_o, *e_out)
 
             return forward_backward, _donated(5, acc, upd, newest, "donate_w" in flags)
 
         if kind == "U":
 
-            def update(g: Any, w: Any, o: Any, *norms: Any) -> tuple[Any, Any]:
-                return self._update(g, w, o, norms)
+            def update(g: Any, w: Any, o: Any, *rest: Any) -> tuple[Any, ...]:
+                new_w, new_o, sent = self._update(g, w, o, rest)
+                return (new_w, new_o, *sent)
 
             return update, (0, 2)  # the gradient sum takes the new weights' place
 
         if kind == "SQ":
-            return (lambda g: (self.optimizer.sum_squares(self._scaled(self._reduce(g))),)), ()
+
+            def sum_squares(g: Any, *incoming: Any) -> tuple[jax.Array]:
+                g = self._scaled(self._reduce(g))
+                if self.ties is not None:
+                    g = self.ties.grad_view(g, incoming)
+                return (self.optimizer.sum_squares(g),)
+
+            return sum_squares, ()
+
+        if kind == "TG":
+
+            def tied_grads(g: Any) -> tuple[Any, ...]:
+                assert self.ties is not None
+                return self.ties.partials(self._scaled(self._reduce(g)))
+
+            return tied_grads, ()
 
         raise ValueError(f"no stage program of kind {kind!r}")
 
@@ -535,7 +681,7 @@ class Stage:
 
     def _fused_update(
         self, g: list[PyTree], w: list[PyTree], tail: Sequence[Any], newest: bool
-    ) -> tuple[list[PyTree], optax.OptState]:
+    ) -> tuple[list[PyTree], optax.OptState, tuple[Any, ...]]:
         """The update at the end of a fused program; ``tail`` holds ``[w_newest] o
         [norms...]`` (the newest weights only when the ones read are not the newest)."""
         if not newest:
@@ -543,17 +689,35 @@ class Stage:
         return self._update(g, w, tail[0], tail[1:])
 
     def _update(
-        self, g: list[PyTree], w: list[PyTree], o: optax.OptState, norms: Sequence[jax.Array]
-    ) -> tuple[list[PyTree], optax.OptState]:
+        self, g: list[PyTree], w: list[PyTree], o: optax.OptState, rest: Sequence[Any]
+    ) -> tuple[list[PyTree], optax.OptState, tuple[Any, ...]]:
+        """``-> (new weights, new optimizer state, tied values sent)``. ``rest``: the tied
+        gradients from :attr:`StageTies.members`, the new tied values from
+        :attr:`StageTies.owners`, then the other stages' sums of squares (if exchanged)."""
         g = self._scaled(self._reduce(g))
+        ties = self.ties
+        received: Sequence[Any] = ()
+        treedef: Any = None
+        if ties is not None:
+            n_in, n_new = len(ties.members), len(ties.owners)
+            incoming, received, rest = rest[:n_in], rest[n_in : n_in + n_new], rest[n_in + n_new :]
+            treedef = jax.tree.structure(w)
+            g, w = ties.grad_view(g, incoming), ties.view(w)
+        norms = rest
         if norms:  # the other stages' sums of squares: the optimizer clips by the global norm
             others = norms[0]
             for q in norms[1:]:
                 others = others + q
             updates, o = self.optimizer.update(g, o, w, others)
+        elif self.optimizer.needs_exchange:  # no other stage: nothing outside this one
+            updates, o = self.optimizer.update(g, o, w, jnp.zeros((), jnp.float32))
         else:
             updates, o = self.optimizer.update(g, o, w)
-        return optax.apply_updates(w, updates), o
+        new_w = optax.apply_updates(w, updates)
+        if ties is None:
+            return new_w, o, ()
+        new_w, sent = ties.expand(new_w, treedef, received)
+        return new_w, o, sent
 
     @staticmethod
     def _key(params: list[PyTree], x: PyTree, residuals: list[Any]) -> Any:
