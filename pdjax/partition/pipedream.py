@@ -914,8 +914,9 @@ def _finish(
     def modes_of(stages) -> list[str]:
         return ["round-robin" if rr and len(pos) > 1 else "split" for _, _, pos in stages]
 
-    def exact(stages) -> float:
-        slowest, trip = pipeline_time(
+    def terms(stages) -> tuple[float, float]:
+        """``(slowest term, round trip)`` of ``stages`` (:func:`pipeline_time`)."""
+        return pipeline_time(
             search.arrays,
             topology,
             stages,
@@ -926,20 +927,12 @@ def _finish(
             stage_seconds=search.stage_seconds,
             allreduce_seconds=search.allreduce_seconds,
         )
-        return max(slowest, trip)
+
+    def exact(stages) -> float:
+        return max(terms(stages))
 
     if cost.has_round_trip(search.schedule, search.model):
-        _, trip = pipeline_time(
-            search.arrays,
-            topology,
-            flat,
-            modes_of(flat),
-            cost_model=search.model,
-            schedule=search.schedule,
-            num_microbatches=search.M,
-            stage_seconds=search.stage_seconds,
-            allreduce_seconds=search.allreduce_seconds,
-        )
+        _, trip = terms(flat)
         # (within rounding of the program's optimum, the program's value stands)
         trip = trip if trip > time * (1 + 1e-12) else 0.0
         if trip > time and topology.num_levels == 1:
