@@ -40,6 +40,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdjax import _xla_cpu
+from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
@@ -75,16 +76,22 @@ class DPMetrics:
         of result as :class:`pdjax.pipeline.executor.RunMetrics` with one microbatch).
       host_seconds: wall time spent dispatching the step (excludes waiting for it).
       workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
+      aux: ``[aux]`` for a loss function returning ``(loss, aux)``, else ``None``.
     """
 
     losses: list[jax.Array]
     host_seconds: float
     workarounds: tuple[str, ...] = ()
+    aux: list[PyTree] | None = None
 
     @property
     def loss(self) -> float:
         """The mean loss over the batch (blocks until it is computed)."""
         return float(np.mean([float(x) for x in self.losses]))
+
+    def mean_aux(self) -> PyTree:
+        """The loss function's auxiliary outputs of the step (NumPy), or ``None``."""
+        return None if self.aux is None else jax.device_get(self.aux[0])
 
 
 class DataParallel:
@@ -246,8 +253,13 @@ class DataParallel:
         )
         new_state = DPState(params, model_state, opt_state, state.step + 1, state.rng)
         host = time.perf_counter() - t0
+        aux = None
+        if isinstance(loss, tuple):
+            loss, aux = loss
         self._run_ahead.dispatched(loss)  # bounded on XLA's CPU client (pdjax._xla_cpu)
-        return new_state, DPMetrics([loss], host, self.workarounds.reasons)
+        return new_state, DPMetrics(
+            [loss], host, self.workarounds.reasons, None if aux is None else [aux]
+        )
 
     def evaluate(self, state: DPState, inputs: PyTree) -> PyTree:
         """The model's outputs in eval mode (no dropout, BatchNorm running statistics).
@@ -281,11 +293,12 @@ class DataParallel:
         def objective(p: list[PyTree]) -> tuple[jax.Array, list[Variables]]:
             variables = [{**s, "params": q} for q, s in zip(p, model_state, strict=True)]
             outputs, new_state = self.layers.apply(variables, inputs, train=True, rng=key)
-            return self.loss_fn(outputs, targets), new_state
+            loss, aux = split_loss(self.loss_fn(outputs, targets))
+            return loss, (new_state, aux)
 
-        (loss, new_state), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        (loss, (new_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_state, opt_state, loss
+        return optax.apply_updates(params, updates), new_state, opt_state, with_aux(loss, aux)
 
     def _evaluate_fn(
         self, params: list[PyTree], model_state: list[Variables], inputs: PyTree

@@ -64,7 +64,7 @@ The write itself, the commit rename and the retention are orbax's (a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -77,7 +77,7 @@ from pdjax._sharding import first_device
 from pdjax.baselines.dp import DPState
 from pdjax.distributed import allgather_json, broadcast_json, check_cpu_transfers
 from pdjax.errors import CheckpointError
-from pdjax.pipeline.executor import PipelineState
+from pdjax.pipeline.executor import Pipeline, PipelineState
 
 __all__ = ["Checkpointer"]
 
@@ -144,6 +144,144 @@ def _array_leaves(state: Any, cls: type) -> dict[str, Any]:
                 )
             out[name] = leaf
     return out
+
+
+def _visible_copies(
+    tied: Sequence[tuple[str, tuple[tuple[int, tuple[str, ...]], ...]]],
+    stage_of: Sequence[int],
+) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """Per tied group, the copy its optimizer state belongs to under a plan (``stage_of``:
+    each layer's stage): the first listed copy on the first stage holding one."""
+    out = {}
+    for name, copies in tied:
+        owner = min(stage_of[i] for i, _ in copies)
+        out[name] = next((i, path) for i, path in copies if stage_of[i] == owner)
+    return out
+
+
+def replan_names(
+    pipeline: Any,
+    template: PipelineState,
+    saved_layers: Sequence[int],
+    saved: Mapping[str, Any],
+) -> dict[str, list[str]]:
+    """Where each array of ``template`` (a state of ``pipeline``'s plan) comes from in a
+    checkpoint saved under a plan with ``saved_layers`` layers per stage: per template
+    array name, the saved names that hold it (several for a value every stage keeps, such
+    as an optimizer's step count: they must agree).
+
+    Weights and model state move layer by layer. The optimizer state of each stage is
+    searched for the subtrees shaped like the stage's parameters as its optimizer sees them
+    (``optax`` keeps ``mu``, ``nu``, momentum... that way): their leaves move with their
+    parameters (a tied group's with the group); every other leaf must be in every saved
+    stage.
+
+    Raises:
+      CheckpointError: for an array with no source (an optimizer whose state is not per
+        parameter, e.g. ``optax.masked``, or another model).
+    """
+    from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+    def stage_layer(layers_per_stage: Sequence[int]) -> list[tuple[int, int]]:
+        return [(s, j) for s, n in enumerate(layers_per_stage) for j in range(n)]
+
+    old_at = stage_layer(saved_layers)  # global layer -> (old stage, index in it)
+    new_counts = [len(p) for p in template.params]
+    new_first = np.cumsum([0, *new_counts])[:-1]
+    tied = tuple(getattr(pipeline.layers, "tied_leaves", ()))
+    old_visible = _visible_copies(tied, [s for s, _ in old_at])
+    new_visible = _visible_copies(tied, [s for s, _ in stage_layer(new_counts)])
+    group_of = {v: name for name, v in new_visible.items()}
+    out: dict[str, list[str]] = {}
+
+    def put(name: str, sources: list[str]) -> None:
+        missing = [n for n in sources if n not in saved]
+        if not sources or missing:
+            raise CheckpointError(
+                f"the checkpoint has no source for {name} of the new plan"
+                f"{' (looked for ' + ', '.join(missing) + ')' if missing else ''}; the model "
+                "or the optimizer differ from the run that saved it, or the optimizer's "
+                "state is not kept per parameter (e.g. optax.masked), which pdjax cannot "
+                "move between plans: restore it under its own plan"
+            )
+        out[name] = sources
+
+    def layer_name(field: str, layer: int, rest: tuple[Any, ...]) -> str:
+        s, j = old_at[layer]
+        return _path_name((GetAttrKey(field), SequenceKey(s), SequenceKey(j), *rest))
+
+    for field in ("params", "model_state"):
+        for s, tree in enumerate(getattr(template, field)):
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                name = _path_name((GetAttrKey(field), SequenceKey(s), *path))
+                layer = int(new_first[s]) + path[0].idx
+                put(name, [layer_name(field, layer, path[1:])])
+    put("rng", ["rng"])
+    for s, (params, opt) in enumerate(zip(template.params, template.opt_state, strict=True)):
+        stage = pipeline.stages[s]
+        hidden = stage.ties.hidden if stage.ties is not None else frozenset()
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        visible = [path for k, (path, _) in enumerate(flat) if k not in hidden]
+        view = stage.ties.view(params) if stage.ties is not None else params
+        # an optimizer coupled through the global norm sees (parameters, phantom scalar)
+        phantom = bool(getattr(stage.optimizer, "needs_exchange", False))
+        view_def = jax.tree.structure((view, 0) if phantom else view)
+        shaped = lambda t, d=view_def: jax.tree.structure(t) == d  # noqa: E731
+        tops = jax.tree_util.tree_flatten_with_path(opt, is_leaf=shaped)[0]
+        for prefix, sub in tops:
+            here = (GetAttrKey("opt_state"), SequenceKey(s), *prefix)
+            if not shaped(sub):  # not per parameter: the same in every saved stage
+                rest = prefix
+                put(
+                    _path_name(here),
+                    [
+                        _path_name((GetAttrKey("opt_state"), SequenceKey(o), *rest))
+                        for o in range(len(saved_layers))
+                    ],
+                )
+                continue
+            sub_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]]
+            if phantom:
+                # the phantom's state only drives its own (dropped) update: any stage's does
+                inner = sub_paths.pop()
+                o = min(s, len(saved_layers) - 1)
+                old = (GetAttrKey("opt_state"), SequenceKey(o), *prefix, *inner)
+                put(_path_name((*here, *inner)), [_path_name(old)])
+                sub_paths = [p[1:] for p in sub_paths]
+                prefix_in = (SequenceKey(0),)
+            else:
+                prefix_in = ()
+            if len(sub_paths) != len(visible):
+                raise CheckpointError(
+                    f"opt_state of stage {s}: a subtree shaped like its parameters holds "
+                    f"{len(sub_paths)} arrays for {len(visible)} parameters"
+                )
+            for inner, ppath in zip(sub_paths, visible, strict=True):
+                layer = int(new_first[s]) + ppath[0].idx
+                keys = tuple(_key_text(k) for k in ppath[1:])
+                group = group_of.get((layer, keys))
+                rest: tuple[Any, ...] = ppath[1:]
+                if group is not None:  # a tied group's state: at its copy in the old plan
+                    layer, keys = old_visible[group]
+                    rest = tuple(DictKey(k) for k in keys)
+                o, j = old_at[layer]
+                old = (
+                    GetAttrKey("opt_state"),
+                    SequenceKey(o),
+                    *prefix,
+                    *prefix_in,
+                    SequenceKey(j),
+                    *rest,
+                )
+                put(_path_name((*here, *prefix_in, *inner)), [_path_name(old)])
+    return out
+
+
+def _key_text(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
 
 
 def _is_key(leaf: Any) -> bool:
@@ -396,6 +534,8 @@ class Checkpointer:
             "arrays": manifest,
             "extra": extra,
         }
+        if cls is PipelineState:  # the plan's shape: layers per stage (for restoring into another)
+            meta["stage_layers"] = [len(p) for p in state.params]
         if self._multi:
             arrays = _gather_to_0(arrays)
 
@@ -424,8 +564,16 @@ class Checkpointer:
 
     # -- restoring --------------------------------------------------------------------------
 
-    def restore(self, template: _State, step: int | None = None) -> tuple[_State, dict[str, Any]]:
+    def restore(
+        self, template: _State, step: int | None = None, *, pipeline: Pipeline | None = None
+    ) -> tuple[_State, dict[str, Any]]:
         """Restores checkpoint ``step`` (default: the newest) into ``template``'s layout.
+
+        A pipeline checkpoint restores into *another plan* of the same model and optimizer
+        (other stage cuts, replicas or device count) when ``pipeline`` is the
+        :class:`Pipeline` the template belongs to: weights, model state and optimizer state
+        are moved layer by layer (:func:`replan_names`); the stages' update counts must
+        agree (they do after any flush schedule, ``pipedream`` and ``2bw``).
 
         Args:
           template: a state of the runner to restore into: e.g. ``pipe.init(...)`` of a
@@ -434,6 +582,8 @@ class Checkpointer:
             are ignored). Its values are not used; its shardings say where each restored
             array goes.
           step: the step to restore; ``None`` for the newest.
+          pipeline: the template's pipeline, to restore a checkpoint saved under another
+            plan (one process).
 
         Returns:
           ``(state, extra)``: the saved state, bit for bit (arrays, ints, PRNG key), of
@@ -459,6 +609,13 @@ class Checkpointer:
         meta = self._from_0(lambda: self._read_meta(step))
         ints = meta["ints"]
         wanted = _array_leaves(template, cls)
+        saved_layers = meta.get("stage_layers")
+        if (
+            cls is PipelineState
+            and saved_layers is not None
+            and saved_layers != [len(p) for p in template.params]
+        ):
+            return self._restore_replanned(template, step, meta, pipeline)
         self._check_match(step, cls, meta, wanted)
         abstract: dict[str, jax.ShapeDtypeStruct] = {}
         for name, leaf in wanted.items():
@@ -496,6 +653,84 @@ class Checkpointer:
                     treedef, [next(it) for _ in range(treedef.num_leaves)]
                 )
         return cls(**fields), meta["extra"]
+
+    def _restore_replanned(
+        self, template: PipelineState, step: int, meta: Mapping[str, Any], pipeline: Any
+    ) -> tuple[PipelineState, dict[str, Any]]:
+        """Restores a pipeline checkpoint saved under another plan (see :meth:`restore`)."""
+        where = f"step {step} in {self.directory}"
+        saved_layers = list(meta["stage_layers"])
+        mine = [len(p) for p in template.params]
+        if pipeline is None:
+            raise CheckpointError(
+                f"{where} was saved under another plan (layers per stage {saved_layers}; "
+                f"the template's {mine}): pass pipeline=<the template's Pipeline> to "
+                "restore(...) to move it into this plan"
+            )
+        if self._multi:
+            raise CheckpointError(
+                f"{where} was saved under another plan; restoring into a different plan "
+                "runs in one process: restore and save it there once, then resume"
+            )
+        if sum(saved_layers) != len(pipeline.layers):
+            raise CheckpointError(
+                f"{where} holds {sum(saved_layers)} layers, the pipeline's model has "
+                f"{len(pipeline.layers)}: it is another model"
+            )
+        ints = meta["ints"]
+        updates = list(ints["updates"])
+        if len(set(updates)) != 1:
+            raise CheckpointError(
+                f"{where} has stages at different update counts {updates} (their weights "
+                "are different versions), so it cannot be cut into other stages; restore "
+                "it under its own plan"
+            )
+        saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
+        sources = replan_names(pipeline, template, saved_layers, saved)
+        wanted = _array_leaves(template, PipelineState)
+        host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
+            step,
+            {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
+        )
+        leaves = []
+        for name, leaf in wanted.items():
+            names = sources[name]
+            value = np.asarray(host[names[0]])
+            for other in names[1:]:
+                if not np.array_equal(value, np.asarray(host[other])):
+                    raise CheckpointError(
+                        f"{where}: {name} of the new plan would come from {names[0]} and "
+                        f"{other}, which differ; the optimizer state of this optimizer "
+                        "cannot be moved between plans"
+                    )
+            entry = saved[names[0]]
+            mine = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+            if list(entry["shape"]) != list(mine.shape) or entry["dtype"] != str(mine.dtype):
+                raise CheckpointError(
+                    f"{where}: {name} ({_shape_str({'shape': mine.shape, 'dtype': mine.dtype})}) "
+                    f"would come from {names[0]} ({_shape_str(entry)}); the model or the "
+                    "optimizer differ from the run that saved it"
+                )
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(leaf, jax.Array) and not leaf.committed:
+                array = jnp.asarray(value)
+            else:
+                array = jax.device_put(value, sharding)
+            impl = entry.get("key_impl")
+            leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
+        it = iter(leaves)
+        fields: dict[str, Any] = {}
+        for field in PipelineState._fields:
+            if field == "updates":
+                fields[field] = (updates[0],) * len(template.params)
+            elif field == "microbatches":
+                fields[field] = ints[field]
+            else:
+                treedef = jax.tree.structure(getattr(template, field))
+                fields[field] = jax.tree.unflatten(
+                    treedef, [next(it) for _ in range(treedef.num_leaves)]
+                )
+        return PipelineState(**fields), meta["extra"]
 
     def _read_arrays(self, step: int, abstract: Mapping[str, Any]) -> dict[str, Any]:
         assert self._manager is not None

@@ -28,7 +28,7 @@ import dataclasses
 import itertools
 import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -45,7 +45,7 @@ from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
 from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, validate
-from pdjax.pipeline.stage import LossFn, Stage, StageTies
+from pdjax.pipeline.stage import LossFn, Stage, StageTies, split_loss, with_aux
 from pdjax.pipeline.timeline import Span, Timeline
 from pdjax.pipeline.transport import make_transport
 
@@ -136,6 +136,8 @@ class RunMetrics:
       ops: operations of the lowered program this process ran (fused actions count once;
         transfers, waits and per-call set-up count too).
       workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
+      aux: per microbatch, the loss function's auxiliary outputs when it returns
+        ``(loss, aux)`` (device arrays on the last stage), else ``None``.
       all_reduces: with ``collectives=True``, per operation kind (``B``, ``BU``, ``U``...)
         the all-reduce operations in the compiled programs this process ran (an XLA
         all-reduce of several arrays at once counts once).
@@ -150,11 +152,19 @@ class RunMetrics:
     ops: int = 0
     workarounds: tuple[str, ...] = ()
     all_reduces: dict[str, int] | None = None
+    aux: list[PyTree] | None = None
 
     @property
     def loss(self) -> float:
         """Mean loss over the microbatches (blocks until they are computed)."""
         return float(np.mean([float(x) for x in self.losses]))
+
+    def mean_aux(self) -> PyTree:
+        """The loss function's auxiliary outputs averaged over the microbatches (each
+        leaf as a float64 NumPy value; blocks until they are computed), or ``None``."""
+        if self.aux is None:
+            return None
+        return jax.tree.map(lambda *a: np.mean(np.stack(a), axis=0), *jax.device_get(self.aux))
 
 
 def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int]) -> None:
@@ -910,6 +920,100 @@ class Pipeline:
         prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
         return self._execute(prog, state, microbatches, timeline, on_loss, collectives)
 
+    # -- evaluation and inference -----------------------------------------------------------
+
+    def evaluate(
+        self, state: PipelineState, batches: Iterable[tuple[PyTree, PyTree]]
+    ) -> dict[str, Any]:
+        """The loss and the loss function's metrics over ``batches`` of ``(inputs,
+        targets)``, in eval mode (no dropout, BatchNorm running statistics), forward only,
+        through the stages: each stage runs on its own devices with the newest weights
+        (nothing is gathered on one device), batch ``k`` at stage ``s`` while batch
+        ``k + 1`` runs at stage ``s - 1``. ``state`` is not consumed.
+
+        Returns:
+          ``{"loss": ..., "samples": n}``, and the means of the loss function's aux
+          outputs (``loss_fn -> (loss, aux)``): a dict ``aux`` merged in (``{"loss",
+          "samples", "accuracy", ...}``), any other aux under ``"aux"``. Every mean is
+          over the batches weighted by their sizes, which is the mean over the samples
+          for a loss (or metric) that is a per-sample mean.
+
+        Raises:
+          PipelineError: for no batches, or a pipeline spanning processes (not supported
+          yet: evaluate on :meth:`variables` there).
+        """
+        batches = list(batches)
+        if not batches:
+            raise PipelineError("evaluate needs at least one (inputs, targets) batch")
+        outs = self._forward_stream(state, [b[0] for b in batches], [b[1] for b in batches])
+        sizes = np.array([jax.tree.leaves(b[0])[0].shape[0] for b in batches], np.float64)
+        weights = sizes / sizes.sum()
+        values = jax.device_get(outs)
+        losses = [v[0] if isinstance(v, tuple) else v for v in values]
+        result: dict[str, Any] = {
+            "loss": float(np.dot(weights, np.asarray(losses, np.float64))),
+            "samples": int(sizes.sum()),
+        }
+        if values and isinstance(values[0], tuple):
+            aux = jax.tree.map(
+                lambda *a: _plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
+                *[v[1] for v in values],
+            )
+            if isinstance(aux, Mapping) and not {"loss", "samples"} & set(aux):
+                result.update(aux)
+            else:
+                result["aux"] = aux
+        return result
+
+    def predict(
+        self, state: PipelineState, inputs: PyTree, *, batch_size: int | None = None
+    ) -> PyTree:
+        """The model's outputs for ``inputs`` in eval mode, forward only through the
+        stages (see :meth:`evaluate`), in batches of ``batch_size`` rows (default: all
+        at once), concatenated: arrays on the last stage's devices. ``state`` is not
+        consumed."""
+        n = jax.tree.leaves(inputs)[0].shape[0]
+        size = n if batch_size is None else batch_size
+        if size < 1:
+            raise PipelineError(f"batch_size must be >= 1, got {batch_size}")
+        chunks = [jax.tree.map(lambda a, k=k: a[k : k + size], inputs) for k in range(0, n, size)]
+        outs = self._forward_stream(state, chunks, None)
+        if len(outs) == 1:
+            return outs[0]
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
+    def _forward_stream(
+        self, state: PipelineState, inputs: list[PyTree], targets: list[PyTree] | None
+    ) -> list[Any]:
+        """Eval-mode forwards of a stream through the stages, dispatched as a wavefront
+        (stage ``s`` takes item ``k`` at tick ``k + s``): the last stage's outputs, or
+        with ``targets`` its losses (and aux)."""
+        if self.multiprocess:
+            raise PipelineError(
+                "evaluate and predict run in one process; across processes gather the "
+                "weights with pipe.variables(state) and evaluate them on one device"
+            )
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state.params)):
+            raise PipelineError(
+                "this state was consumed by an earlier step/run; pass the state it returned"
+            )
+        S, N = self.num_stages, len(inputs)
+        with_loss = targets is not None
+        progs = [st.eval_program(with_loss and s == S - 1) for s, st in enumerate(self.stages)]
+        cur: list[Any] = list(inputs)
+        for tick in range(N + S - 1):
+            for s in reversed(range(S)):
+                k = tick - s
+                if not 0 <= k < N:
+                    continue
+                stage = self.stages[s]
+                args = [state.params[s], state.model_state[s], stage.place_eval(cur[k])]
+                if with_loss and s == S - 1:
+                    assert targets is not None
+                    args.append(stage.place_eval(targets[k]))
+                cur[k] = progs[s](*args)
+        return cur
+
     # -- lowering and the interpreter -------------------------------------------------------
 
     def program(self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False):
@@ -1002,7 +1106,7 @@ class Pipeline:
                 return lambda: (link(None),)
             return lambda v: (link(v),)
         if kind == "LOSS":  # this call's callback (bound programs outlive a call)
-            return lambda loss, k=op.mb: (self._on_loss(k, loss), ())[1]
+            return lambda loss, k=op.mb: (self._on_loss(k, _loss_of(loss)), ())[1]
         if kind in ("WAIT", "SYNC"):
             return _wait
         prog_fn = self.stages[op.stage].program(kind, op.flags)
@@ -1055,7 +1159,12 @@ class Pipeline:
         else:
             losses = [None] * N
         if self.multiprocess:  # the losses live on the last stage's processes
-            losses = self._broadcast(last, losses if self.local[last] else [jnp.float32(0)] * N)
+            if not self.local[last]:  # their shapes: the loss and any aux of a microbatch
+                spec = self._loss_spec(state, microbatches[0])
+                losses = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec)] * N
+            losses = self._broadcast(last, losses)
+        aux = [v[1] for v in losses] if losses and isinstance(losses[0], tuple) else None
+        losses = [_loss_of(v) for v in losses]
         new_state = PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
@@ -1066,6 +1175,7 @@ class Pipeline:
         )
         metrics = RunMetrics(
             losses=list(losses),
+            aux=aux,
             peak_versions=prog.peak_versions,
             actions=prog.actions,
             host_seconds=host,
@@ -1206,6 +1316,24 @@ class Pipeline:
                 specs.append(x)
             self._specs[key] = specs
         return self._specs[key]
+
+    def _loss_spec(self, state: PipelineState, mb: tuple[PyTree, PyTree]) -> Any:
+        """The shapes of what the last stage's forward leaves for a microbatch like ``mb``:
+        its loss, or ``(loss, aux)``."""
+        x, t = _abstract(mb[0]), _abstract(mb[1])
+        y = self._stage_outputs(state, x)[-1] if self.num_stages > 1 else x
+        layers = self.stages[-1]
+        loss_fn = layers.loss_fn
+        assert loss_fn is not None
+
+        def loss(p: Any, st: Any, y: Any, t: Any) -> Any:
+            out = layers.microbatch_output(p, st, y, jax.random.key(0))
+            return with_aux(*split_loss(loss_fn(out, t)))
+
+        last = self.num_stages - 1
+        return jax.eval_shape(
+            loss, _abstract(state.params[last]), _abstract(state.model_state[last]), y, t
+        )
 
     def _broadcast(self, s: int, tree: PyTree) -> PyTree:
         """``tree`` of stage ``s`` (real on its process, shapes elsewhere) on every process;
@@ -1401,8 +1529,8 @@ def _part(stage: Stage, scalars: bool, group: PyTree) -> tuple[PyTree, ...]:
     out = []
     for d in stage.devices:
         parts = [m[d] for m in per_device]
-        if scalars:
-            parts = [a.reshape(()) for a in parts]
+        if scalars:  # each device's [1, ...] rows: its microbatch's loss (and aux)
+            parts = [a.reshape(a.shape[1:]) for a in parts]
         out.append(jax.tree.unflatten(treedef, parts))
     return tuple(out)
 
@@ -1429,6 +1557,16 @@ def _interpret_counting(ops: Sequence[Op], code: list[Any], reg: list[Any]) -> d
         for i in frees:
             reg[i] = None
     return counts
+
+
+def _plain(a: np.ndarray) -> Any:
+    """A 0-d array as a Python float; others as they are."""
+    return float(a) if np.ndim(a) == 0 else a
+
+
+def _loss_of(value: Any) -> jax.Array:
+    """The loss in a ``loss`` slot's value (the loss, or ``(loss, aux)``)."""
+    return value[0] if isinstance(value, tuple) else value
 
 
 def _wait(*values: Any) -> tuple[()]:

@@ -65,11 +65,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.optim import StageOptimizer
 
-__all__ = ["LossFn", "Stage", "StageTies"]
+__all__ = ["LossFn", "Stage", "StageTies", "split_loss", "with_aux"]
 
 
 @dataclasses.dataclass
@@ -424,6 +425,37 @@ class Stage:
 
         raise ValueError(f"no stage program of kind {kind!r}")
 
+    def eval_program(self, loss: bool) -> Callable[..., Any]:
+        """The jitted eval-mode forward (no dropout, BatchNorm running statistics) of the
+        stage's layers: ``(w, st, x) -> y``, or with ``loss`` (the last stage)
+        ``(w, st, x, t) -> loss | (loss, aux)``. The model state is not updated."""
+        key = ("EVAL", frozenset({"loss"} if loss else ()))
+        fn = self._programs.get(key)
+        if fn is None:
+            loss_fn = self.loss_fn
+            if loss and loss_fn is None:
+                raise ValueError(f"stage {self.index} is not the last: it has no loss")
+
+            def forward(w: Any, st: Any, x: Any, *tgt: Any) -> Any:
+                for j, layer in enumerate(self.layers):
+                    x, _ = layer.apply({**st[j], "params": w[j]}, x, train=False)
+                if loss:
+                    assert loss_fn is not None
+                    return with_aux(*split_loss(loss_fn(x, tgt[0])))
+                return x
+
+            name = "EVAL" + ("+loss" if loss else "")
+            fn = self._programs[key] = jax.jit(count_traces(self.trace_counts, name, forward))
+        return fn
+
+    def place_eval(self, tree: PyTree) -> PyTree:
+        """An eval input (or targets) on the stage's devices: batch-sharded when its rows
+        divide among them, else whole on each."""
+        n = jax.tree.leaves(tree)[0].shape[0] if jax.tree.leaves(tree) else 0
+        if n and n % self.num_replicas == 0:
+            return self.place_batch(tree)
+        return self.place_weights(tree)
+
     # -- per-device gradient sums ------------------------------------------------------------
 
     @property
@@ -578,9 +610,9 @@ class Stage:
             x, s = self._layer_fn(j, state[j], key, parts)(params[j], x)
             new_state.append(s)
         if self.round_robin and self.loss_fn is not None:
-            return self._group_loss(tgt)(x), new_state
+            return with_aux(*self._group_loss(tgt)(x)), new_state
         if self.loss_fn is not None:
-            x = self.loss_fn(x, tgt)
+            x = with_aux(*split_loss(self.loss_fn(x, tgt)))
         return x, new_state
 
     def _forward_vjp(
@@ -597,14 +629,16 @@ class Stage:
             x, pb, s = jax.vjp(layer_fn, params[j], x, has_aux=True)
             pbs.append(pb)
             new_state.append(s)
-        if self.round_robin and self.loss_fn is not None:  # each microbatch's own loss
-            x, pb = jax.vjp(self._group_loss(tgt), x)
-            pbs.append(pb)
-            return x, new_state, pbs, sources
-        if self.loss_fn is not None:
+        if self.loss_fn is not None:  # round-robin: each microbatch's own loss
             loss_fn = self.loss_fn
-            x, pb = jax.vjp(lambda y: loss_fn(y, tgt), x)
+            fn = (
+                self._group_loss(tgt)
+                if self.round_robin
+                else (lambda y: split_loss(loss_fn(y, tgt)))
+            )
+            loss, pb, aux = jax.vjp(fn, x, has_aux=True)
             pbs.append(pb)
+            x = with_aux(loss, aux)
         return x, new_state, pbs, sources
 
     def microbatch_output(
@@ -616,14 +650,20 @@ class Stage:
             x, _ = self._layer_fn(j, state[j], key)(params[j], x)
         return x
 
-    def _group_loss(self, tgt: PyTree) -> Callable[[PyTree], jax.Array]:
-        """Round-robin: the ``r`` microbatches' losses (``[r]``) from the group's outputs
-        (microbatch ``d``: the rows device ``d`` holds)."""
+    def _group_loss(self, tgt: PyTree) -> Callable[[PyTree], tuple[jax.Array, PyTree]]:
+        """Round-robin: the ``r`` microbatches' losses (``[r]``) and their aux (each leaf
+        ``[r, ...]``) from the group's outputs (microbatch ``d``: the rows device ``d``
+        holds)."""
         loss_fn = self.loss_fn
         assert loss_fn is not None
         r = self.num_replicas
         t = _split(tgt, r, self._pin)
-        return lambda y: jax.vmap(loss_fn)(_split(y, r, self._pin), t)
+
+        def losses(y: PyTree) -> tuple[jax.Array, PyTree]:
+            out = jax.vmap(lambda a, b: split_loss(loss_fn(a, b)))(_split(y, r, self._pin), t)
+            return jax.tree.map(self._pin, out)  # microbatch d's on device d (even constants)
+
+        return losses
 
     def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
         """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
