@@ -60,26 +60,28 @@ def flush_training(layers, loss_fn, optimizer, variables, microbatches, M, rng):
     return params, state, losses
 
 
-def stage_grads(layers, loss_fn, bounds, fwd_params, bwd_params, x, y, rng):
+def stage_grads(layers, loss_fn, bounds, fwd_params, bwd_params, x, y, rng, state=None):
     """Per-stage gradients of one microbatch when each stage's forward uses ``fwd_params[s]``
     and its backward is the VJP at ``bwd_params[s]`` and the stage input the forward saw.
 
     ``bounds[s] = (first, last + 1)`` layer range of stage ``s``. With ``bwd == fwd`` this is
     the ordinary gradient (weight stashing); otherwise PipeDream without stashing.
+    ``state``: per layer, its non-parameter collections, held constant (train-mode outputs
+    that do not read them: BatchNorm's batch statistics, reseeded nnx RNG streams).
     """
     P = len(bounds)
     inputs = []
     h = x
     for s, (lo, hi) in enumerate(bounds):
         inputs.append(h)
-        h, _ = _stage_apply(layers, fwd_params[s], h, rng, lo, hi)
+        h, _ = _stage_apply(layers, fwd_params[s], h, rng, lo, hi, state)
     grads = [None] * P
     ct = None
     for s in reversed(range(P)):
         lo, hi = bounds[s]
 
         def f(p, h, lo=lo, hi=hi, s=s):
-            out, _ = _stage_apply(layers, p, h, rng, lo, hi)
+            out, _ = _stage_apply(layers, p, h, rng, lo, hi, state)
             return loss_fn(out, y) if s == P - 1 else out
 
         out, pullback = jax.vjp(f, bwd_params[s], inputs[s])
@@ -88,10 +90,11 @@ def stage_grads(layers, loss_fn, bounds, fwd_params, bwd_params, x, y, rng):
     return grads
 
 
-def _stage_apply(layers, params, x, rng, lo, hi):
+def _stage_apply(layers, params, x, rng, lo, hi, state=None):
     for j, i in enumerate(range(lo, hi)):
+        rest = state[i] if state is not None else {}
         x, _ = layers.layers[i].apply(
-            {"params": params[j]}, x, train=True, rng=jax.random.fold_in(rng, i)
+            {**rest, "params": params[j]}, x, train=True, rng=jax.random.fold_in(rng, i)
         )
     return x, None
 
@@ -109,7 +112,9 @@ def delayed_training(
     M=1,
     whole_model=False,
 ):
-    """The delayed-update recurrence of DESIGN.md for stateless (no BatchNorm) models.
+    """The delayed-update recurrence of DESIGN.md for models whose train-mode outputs do
+    not read their model state (BatchNorm's running averages, nnx RNG counters that pdjax
+    reseeds): the state is passed as it was at the start.
 
     ``version_of(s, k)``: the version stage ``s`` uses for microbatch ``k``'s forward;
     ``backward_version_of(s, k)`` (default: the same) for its backward. Every ``M``
@@ -123,10 +128,13 @@ def delayed_training(
     variables, microbatches = _one_device(variables, microbatches)
     P = len(bounds)
     params = [v["params"] for v in variables]
+    state = [{k: a for k, a in v.items() if k != "params"} for v in variables]
     history = [[params[lo:hi]] for lo, hi in bounds]  # history[s][v]: version v of stage s
     opt_states = [optimizer.init(history[s][0]) for s in range(P)]
     whole_state = optimizer.init([h[0] for h in history])
-    grad_fn = jax.jit(lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r))
+    grad_fn = jax.jit(
+        lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r, state)
+    )
     acc = [None] * P
     periods = list(M) if isinstance(M, (list, tuple)) else [M] * P
     assert not whole_model or len(set(periods)) == 1

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pdjax import _xla_cpu
+from pdjax import _xla_cpu, export
 from pdjax._sharding import held
 from pdjax.distributed import allgather_json, check_cpu_transfers
 from pdjax.errors import PdjaxError, PipelineError
@@ -771,6 +771,26 @@ class Pipeline:
     def params(self, state: PipelineState) -> dict[str, Any]:
         """The full parameter tree ``{layer name: params}`` of the newest weights."""
         return self.layers.merge(self.variables(state))["params"]
+
+    def update_nnx(
+        self, state: PipelineState, model: Any = None, *, device: jax.Device | None = None
+    ) -> Any:
+        """Writes the newest weights and model state into the nnx modules the layers were
+        built from, on one ``device`` (:func:`pdjax.export.update_nnx`); returns
+        ``model`` (the user's whole model, checked to hold them)."""
+        return export.update_nnx(self.layers, self.variables(state), model, device=device)
+
+    def linen_variables(
+        self,
+        state: PipelineState,
+        names: Sequence[str | None] | Mapping[str, str] | None = None,
+        *,
+        device: jax.Device | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """The newest variables as the user's linen tree ``{collection: {submodule name:
+        ...}}`` on one ``device`` (:func:`pdjax.export.linen_variables`; default names:
+        the layers' names)."""
+        return export.linen_variables(self.layers, self.variables(state), names, device=device)
 
     # -- schedules ----------------------------------------------------------------------------
 

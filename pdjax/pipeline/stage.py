@@ -535,6 +535,9 @@ class Stage:
             self.whole_reason = f"its layers do not run on parts ({type(err).__name__}: {err})"
             self.whole_reason = self.whole_reason[:300]
             return self.whole_reason
+        whole, split, whole_state, part_states = _key_data(
+            (whole, split, whole_state, part_states)
+        )  # PRNG keys (nnx RNG streams in the model state) compare by their bits
         a_leaves, b_leaves = jax.tree.leaves(whole), jax.tree.leaves(split)
         same = jax.tree.structure(whole) == jax.tree.structure(split) and all(
             np.shape(a) == np.shape(b)
@@ -803,6 +806,18 @@ def _donated(
 def _split(tree: PyTree, parts: int, pin: Callable[[jax.Array], jax.Array]) -> PyTree:
     """Every leaf ``[b, ...]`` as ``[parts, b/parts, ...]`` (part ``d``: rows ``d*b/parts ..``)."""
     return jax.tree.map(lambda a: pin(a.reshape((parts, a.shape[0] // parts, *a.shape[1:]))), tree)
+
+
+def _key_data(tree: PyTree) -> PyTree:
+    """``tree`` with every typed PRNG key leaf as its ``key_data``."""
+    return jax.tree.map(
+        lambda a: (
+            jax.random.key_data(a)
+            if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key)
+            else a
+        ),
+        tree,
+    )
 
 
 def _random_like(tree: PyTree, device: jax.Device | None) -> PyTree:
