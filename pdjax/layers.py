@@ -17,7 +17,8 @@ object (or an nnx variable) reachable from two layers is refused, since pdjax wo
 each layer its own copy and silently untie them. Parameters that are one, such as an
 embedding shared with the output head, are declared with ``tied=`` (see :func:`sequential`):
 each layer keeps a copy, and pdjax keeps the copies equal, with the gradient of the one
-parameter (the sum of the copies' gradients).
+parameter (the sum of the copies' gradients). ``sequential(..., precision="bf16")``
+computes every layer in bfloat16 with float32 parameters (:class:`PrecisionLayer`).
 
 >>> import jax, jax.numpy as jnp, flax.linen as nn
 >>> seq = sequential(nn.Dense(8), nn.Dense(4))
@@ -38,10 +39,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from pdjax.errors import LayerError
+from pdjax.precision import Policy, get_policy
 
 __all__ = [
     "Fn",
@@ -51,6 +54,7 @@ __all__ = [
     "LinenLayer",
     "LossFn",
     "NnxLayer",
+    "PrecisionLayer",
     "PyTree",
     "TiedLeaf",
     "Variables",
@@ -534,6 +538,99 @@ class FnLayer:
         return self.fn(x), {}
 
 
+def _in_dtypes_of(new: Variables, old: Variables) -> Variables:
+    """``new`` (a layer's collections after a call) with each float leaf cast back to the
+    dtype of the same leaf in ``old`` where that differs (collections alike in structure)."""
+
+    def back(a: Any, b: Any) -> Any:
+        if not (hasattr(a, "dtype") and hasattr(b, "dtype")) or a.dtype == b.dtype:
+            return a
+        if jnp.issubdtype(a.dtype, jnp.floating) and jnp.issubdtype(b.dtype, jnp.floating):
+            return a.astype(b.dtype)
+        return a
+
+    out = dict(new)
+    for coll, tree in new.items():
+        if coll in old and jax.tree.structure(tree) == jax.tree.structure(old[coll]):
+            out[coll] = jax.tree.map(back, tree, old[coll])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionLayer:
+    """A layer computing under a mixed precision policy (:mod:`pdjax.precision`); made by
+    :func:`sequential`'s ``precision=``.
+
+    ``apply`` casts the float leaves of the ``"params"`` collection and of the input to
+    the policy's compute dtype, calls the wrapped layer, and casts its float outputs to the
+    compute dtype, or to the output dtype for the model's last layer (``final``). The
+    variables keep the parameters in the parameter dtype, so their gradients come back in
+    it through the cast. Other collections (BatchNorm statistics) go in as they are and
+    come back in their own dtypes; integer and PRNG-key leaves are never cast. ``init``
+    casts the float parameters to the parameter dtype.
+
+    The backward keeps the compute-dtype copy of the parameters among its residuals (as
+    ``jax.vjp`` of any cast does), so a pipeline stage holds one such copy per microbatch
+    in flight; the profiler's ``residual_bytes`` counts it.
+
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> seq = sequential(nn.Dense(8), nn.Dense(4), precision="bf16")
+    >>> v = seq.init(jax.random.key(0), jnp.ones((2, 3)))
+    >>> v[0]["params"]["kernel"].dtype, seq.layers[0].apply(v[0], jnp.ones((2, 3)))[0].dtype
+    (dtype('float32'), dtype(bfloat16))
+    >>> seq.apply(v, jnp.ones((2, 3)))[0].dtype
+    dtype('float32')
+
+    Attributes:
+      layer: the wrapped layer.
+      policy: the ``jmp.Policy`` (see :func:`pdjax.precision.get_policy`).
+      final: cast the output to the policy's output dtype (the model's last layer), not
+        to its compute dtype.
+    """
+
+    layer: Layer
+    policy: Policy
+    final: bool = False
+
+    @property
+    def name(self) -> str:
+        """The wrapped layer's name."""
+        return self.layer.name
+
+    @property
+    def kind(self) -> str:
+        """What the wrapped layer is (its module's class name, for profiles and tables)."""
+        module = getattr(self.layer, "module", None)
+        if module is not None:
+            return type(module).__name__
+        return str(getattr(self.layer, "kind", type(self.layer).__name__))
+
+    def init(self, rng: jax.Array, x: PyTree) -> Variables:
+        """The wrapped layer's variables for ``x`` (cast to the compute dtype), with the
+        float parameters in the parameter dtype."""
+        variables = dict(self.layer.init(rng, self.policy.cast_to_compute(x)))
+        if "params" in variables:
+            variables["params"] = self.policy.cast_to_param(variables["params"])
+        return variables
+
+    def apply(
+        self,
+        variables: Variables,
+        x: PyTree,
+        *,
+        train: bool = False,
+        rng: jax.Array | None = None,
+    ) -> tuple[PyTree, Variables]:
+        """Applies the wrapped layer in the compute dtype; see the class docstring."""
+        policy = self.policy
+        cast = dict(variables)
+        if "params" in cast:
+            cast["params"] = policy.cast_to_compute(cast["params"])
+        y, state = self.layer.apply(cast, policy.cast_to_compute(x), train=train, rng=rng)
+        y = policy.cast_to_output(y) if self.final else policy.cast_to_compute(y)
+        return y, _in_dtypes_of(state, variables)
+
+
 #: Top-level packages whose callables are functions, never nnx factories.
 _FUNCTION_PACKAGES = frozenset({"builtins", "jax", "jaxlib", "math", "numpy", "operator"})
 
@@ -649,7 +746,9 @@ def _shareable(layer: Layer) -> Iterator[tuple[int, str, str]]:
     """``(id, what, where)`` of each object of ``layer`` that holds its parameters and could
     be reachable from another layer too: a linen module instance, or an nnx variable (with
     its path in the layer's module)."""
-    if isinstance(layer, LinenLayer):
+    if isinstance(layer, PrecisionLayer):
+        yield from _shareable(layer.layer)
+    elif isinstance(layer, LinenLayer):
         yield id(layer.module), f"the {type(layer.module).__name__} module instance", ""
     elif isinstance(layer, NnxLayer):
         for key, (path, var) in layer._owned.items():
@@ -731,9 +830,25 @@ def _param_paths(params: Any) -> list[str]:
     ]
 
 
+def _unwrapped(layer: Layer) -> Layer:
+    """The layer a :class:`PrecisionLayer` wraps, else ``layer``."""
+    return layer.layer if isinstance(layer, PrecisionLayer) else layer
+
+
 def _known_params(layer: Layer) -> PyTree | None:
     """A layer's params (shapes) where known without a sample input: nnx layers (built at
     construction) and functions (none); None for linen modules and others."""
+    if isinstance(layer, PrecisionLayer):
+        params = _known_params(layer.layer)
+        if params is None:
+            return None
+        dtype = layer.policy.param_dtype
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                np.shape(a), dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+            ),
+            params,
+        )
     if isinstance(layer, FnLayer):
         return {}
     if isinstance(layer, NnxLayer):
@@ -773,7 +888,7 @@ def _resolve_tied(
                     f"tied[{group!r}] names {text!r}: the path inside layer {name!r} is empty "
                     "or has an empty key"
                 )
-            if isinstance(layers[i], FnLayer):
+            if isinstance(_unwrapped(layers[i]), FnLayer):
                 raise LayerError(
                     f"tied[{group!r}] names {text!r}, but layer {name!r} is a function "
                     "without parameters"
@@ -902,6 +1017,15 @@ class LayerSequence:
     def names(self) -> tuple[str, ...]:
         return tuple(layer.name for layer in self.layers)
 
+    @property
+    def precision(self) -> Policy | None:
+        """The mixed precision policy every layer computes under (:func:`sequential`'s
+        ``precision=``), or None if some layer has none or they differ."""
+        policies = {getattr(layer, "policy", None) for layer in self.layers}
+        if len(policies) != 1 or not all(isinstance(layer, PrecisionLayer) for layer in self):
+            return None
+        return policies.pop()
+
     def init(self, rng: jax.Array, x: PyTree) -> list[Variables]:
         """Initialises every layer in turn, feeding each the previous layer's output.
 
@@ -1009,6 +1133,7 @@ def sequential(
     *modules: Any,
     names: Iterable[str] | None = None,
     tied: Mapping[str, Sequence[str]] | None = None,
+    precision: Policy | str | None = None,
 ) -> LayerSequence:
     """Builds a :class:`LayerSequence` from linen modules, nnx modules or nnx factories,
     and parameter-free functions (see :func:`as_layer`).
@@ -1025,6 +1150,12 @@ def sequential(
         one, and training treats the group as one parameter (its gradient is the sum of
         the copies', the optimizer sees it once) so the copies stay equal. An nnx
         variable shared by two layers is accepted when its two paths are declared here.
+      precision: a mixed precision policy (a ``jmp.Policy``, or a string such as
+        ``"bf16"`` or ``"params=float32,compute=bfloat16,output=float32"``; see
+        :func:`pdjax.precision.get_policy`): every layer becomes a
+        :class:`PrecisionLayer`, computing in the compute dtype with its parameters kept
+        in the parameter dtype, activations between layers (and pipeline stages) in the
+        compute dtype, and the last layer's output in the output dtype, for the loss.
 
     Returns:
       The layer sequence.
@@ -1034,7 +1165,9 @@ def sequential(
         module instance or nnx variable shared by two layers and not declared tied, or a
         ``tied`` entry naming no layer, no parameter (checked where shapes are known: nnx
         layers here, linen ones at ``init``), copies of different shapes or dtypes, or a
-        leaf in two groups.
+        leaf in two groups; a ``precision`` that is not a policy, holds float16 (it
+        needs loss scaling, which pdjax does not do yet: use bfloat16), or is given for a
+        layer that already has one.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> tied = {"k": ["00_Dense/kernel", "01_Dense/kernel"]}
@@ -1051,7 +1184,17 @@ def sequential(
     )
     if len(name_list) != len(modules):
         raise LayerError(f"got {len(name_list)} names for {len(modules)} modules")
-    return LayerSequence(
-        tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True)),
-        _normalise_tied(tied),
-    )
+    layers = tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True))
+    if precision is not None:
+        policy = get_policy(precision)
+        for layer in layers:
+            if isinstance(layer, PrecisionLayer):
+                raise LayerError(
+                    f"layer {layer.name!r} already computes under precision {layer.policy}; "
+                    f"give precision= once (pass its .layer to wrap it under {policy})"
+                )
+        last = len(layers) - 1
+        layers = tuple(
+            PrecisionLayer(layer, policy, final=i == last) for i, layer in enumerate(layers)
+        )
+    return LayerSequence(layers, _normalise_tied(tied))

@@ -1,0 +1,298 @@
+"""Mixed precision: parameters float32, compute (and activations between layers and stages)
+bfloat16, the model's output float32; float16 refused until pdjax does loss scaling."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from reference import flush_training
+
+import pdjax
+from pdjax.errors import LayerError
+from pdjax.layers import Fn, PrecisionLayer, sequential
+from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.precision import Policy, get_policy
+
+F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
+MIXED = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+
+
+def _mse(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _linen_mlp(precision="bf16"):
+    return sequential(
+        nn.Dense(32), nn.relu, nn.Dense(32), jnp.tanh, nn.Dense(4), precision=precision
+    )
+
+
+def _nnx_model(precision="bf16"):
+    return sequential(
+        lambda rngs: nnx.Linear(6, 32, rngs=rngs),
+        lambda rngs: nnx.BatchNorm(32, rngs=rngs),
+        nnx.relu,
+        lambda rngs: nnx.Linear(32, 4, rngs=rngs),
+        precision=precision,
+    )
+
+
+def _xy(n=16, seed=1):
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n, 6)), jax.random.normal(ky, (n, 4))
+
+
+def _dtypes(tree):
+    return [np.dtype(a.dtype) for a in jax.tree.leaves(tree)]
+
+
+# -- policies ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "bf16",
+        "bfloat16",
+        " BF16 ",
+        "params=float32,compute=bfloat16,output=float32",
+        "c=bf16,o=f32",
+    ],
+)
+def test_policy_strings(spec):
+    assert get_policy(spec) == MIXED
+    assert sequential(nn.Dense(2), precision=spec).precision == MIXED
+
+
+def test_policy_objects_and_jmp_grammar():
+    assert get_policy(MIXED) is MIXED
+    assert get_policy(jmp.get_policy("p=f32,c=bf16,o=f32")) == MIXED
+    # jmp's defaults for what a key=value string leaves out: output follows compute
+    assert get_policy("compute=bfloat16") == Policy(jnp.float32, jnp.bfloat16, jnp.bfloat16)
+    assert get_policy("float32") == Policy(jnp.float32, jnp.float32, jnp.float32)
+    assert sequential(nn.Dense(2)).precision is None
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("bfloat17", "precision 'bfloat17' is not a policy .*'bf16'"),
+        ("params=float32,cmpute=bf16", "Unknown key 'cmpute'.*params=float32,compute=bfloat16"),
+        ("p=f32=c", "is not a policy"),
+        ("compute=int8", "Unknown dtype 'int8'"),
+        (3, "a jmp.Policy or a string, got int"),
+        (Policy(jnp.float32, jnp.int32, jnp.float32), "compute_dtype is int32, not a float"),
+    ],
+)
+def test_bad_policies_say_what_to_write(spec, match):
+    with pytest.raises(LayerError, match=match):
+        sequential(nn.Dense(2), precision=spec)
+
+
+@pytest.mark.parametrize(
+    "spec", ["f16", "float16", "params=float32,compute=float16,output=float32", "p=f16,c=bf16"]
+)
+def test_float16_is_refused_until_loss_scaling(spec):
+    with pytest.raises(LayerError, match=r"float16 needs loss scaling.*use bfloat16"):
+        sequential(nn.Dense(2), precision=spec)
+    with pytest.raises(LayerError, match="loss scaling"):
+        sequential(nn.Dense(2), precision=Policy(jnp.float32, jnp.float16, jnp.float32))
+
+
+def test_precision_is_given_once():
+    seq = _linen_mlp()
+    assert all(isinstance(layer, PrecisionLayer) for layer in seq)
+    assert [layer.final for layer in seq] == [False] * 4 + [True]
+    assert [layer.kind for layer in seq] == ["Dense", "relu", "Dense", "tanh", "Dense"]
+    with pytest.raises(LayerError, match="already computes under precision"):
+        sequential(*seq.layers, precision="bf16")
+    # the layers as they are: the same policy, the same last layer
+    again = sequential(*seq.layers)
+    assert again.precision == MIXED and again.names == seq.names
+
+
+# -- dtypes and gradients ---------------------------------------------------------------------
+
+
+def _by_hand(seq, variables, x, train=False):
+    """The model run fully in bfloat16 by hand: the wrapped layers fed bfloat16 copies of
+    the parameters and input, each output cast to bfloat16 (nnx's BatchNorm returns float32
+    from a bfloat16 input: its statistics are float32), the last one to float32."""
+
+    def f(params):
+        h = x.astype(jnp.bfloat16)
+        states = []
+        for layer, v, p in zip(seq.layers, variables, params, strict=True):
+            h, s = layer.layer.apply({**v, "params": p}, h, train=train)
+            h = h.astype(jnp.bfloat16)
+            states.append(s)
+        return h.astype(jnp.float32), states
+
+    params = [
+        jax.tree.map(lambda a: a.astype(jnp.bfloat16), v.get("params", {})) for v in variables
+    ]
+    return f, params
+
+
+@pytest.mark.parametrize("build, train", [(_linen_mlp, False), (_nnx_model, True)])
+def test_params_f32_activations_bf16_output_f32_grads_f32(build, train):
+    seq = build()
+    x, t = _xy()
+    variables = seq.init(jax.random.key(0), x)
+    # (a) parameters (and BatchNorm statistics) float32 in the variables
+    assert set(_dtypes(variables)) == {F32}
+    # (b) activations between layers bfloat16, (c) the output float32
+    specs = seq.boundary_specs(variables, x)
+    assert [_dtypes(s) for s in specs] == [[F32]] + [[BF16]] * (len(seq) - 1) + [[F32]]
+    y, states = seq.apply(variables, x, train=train)
+    assert y.dtype == F32
+    h = x
+    for layer, v in zip(seq.layers[:-1], variables, strict=False):
+        h, _ = layer.apply(v, h, train=train)
+        assert h.dtype == BF16
+    # BatchNorm statistics stay float32 after a training-mode call
+    assert set(_dtypes(states)) <= {F32}
+
+    # (d) gradients float32, equal to the same model run in bfloat16 by hand
+    def loss(params):
+        vs = [{**v, "params": p} for v, p in zip(variables, params, strict=True)]
+        out, _ = seq.apply(vs, x, train=train)
+        return _mse(out, t)
+
+    params = [v.get("params", {}) for v in variables]
+    grads = jax.jit(jax.grad(loss))(params)
+    assert set(_dtypes(grads)) == {F32}
+    f, bf16_params = _by_hand(seq, variables, x, train=train)
+    hand = jax.jit(jax.grad(lambda p: _mse(f(p)[0], t)))(bf16_params)
+    assert set(_dtypes(hand)) == {BF16}
+    for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(hand), strict=True):
+        np.testing.assert_allclose(g, np.asarray(e, np.float32), rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(y, f(bf16_params)[0], rtol=1e-2, atol=1e-3)
+    # and it did compute in bfloat16: the float32 model's gradients differ past its rounding
+    f32 = sequential(*(layer.layer for layer in seq.layers), names=seq.names)
+
+    def loss32(params):
+        vs = [{**v, "params": p} for v, p in zip(variables, params, strict=True)]
+        return _mse(f32.apply(vs, x, train=train)[0], t)
+
+    g32 = jax.grad(loss32)(params)
+    pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(g32), strict=True)
+    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+    assert 1e-5 < diff < 0.1
+
+
+def test_params_dtype_of_the_policy():
+    seq = sequential(nn.Dense(8), nn.Dense(2), precision="params=bf16,compute=bf16,output=f32")
+    x, _ = _xy()
+    variables = seq.init(jax.random.key(0), x)
+    assert set(_dtypes(variables)) == {BF16}
+    assert seq.apply(variables, x)[0].dtype == F32
+
+
+def test_integer_and_key_inputs_are_never_cast():
+    ids = jnp.array([[0, 257, 299], [1, 2, 259]], jnp.int32)  # 257, 259 are not bfloat16s
+    seen = []
+
+    def record(tree):
+        seen.append([a.dtype for a in jax.tree.leaves(tree)])
+        return tree[0]
+
+    seq = sequential(
+        nn.Embed(300, 8),
+        lambda h: h.mean(axis=1),
+        nn.Dense(3),
+        precision="bf16",
+    )
+    variables = seq.init(jax.random.key(0), ids)
+    specs = seq.boundary_specs(variables, ids)
+    assert [_dtypes(s) for s in specs] == [[np.dtype(jnp.int32)], [BF16], [BF16], [F32]]
+    rows, _ = seq.layers[0].apply(variables[0], ids)
+    table = variables[0]["params"]["embedding"].astype(jnp.bfloat16)
+    np.testing.assert_array_equal(rows, table[ids])  # row 257, not row 256
+    # a pytree input: float leaves cast, integer and key leaves as they are
+    layer = sequential(Fn(record), precision="bf16").layers[0]
+    key = jax.random.key(0)
+    layer.apply({}, (jnp.ones(2), ids, key))
+    assert seen[-1][:2] == [BF16, np.dtype(jnp.int32)]
+    assert jax.dtypes.issubdtype(seen[-1][2], jax.dtypes.prng_key)
+
+
+def test_tied_and_shared_checks_see_through_the_policy():
+    tied = {"k": ["00_Dense/kernel", "01_Dense/kernel"]}
+    seq = sequential(nn.Dense(4), nn.Dense(4), tied=tied, precision="bf16")
+    v = seq.init(jax.random.key(0), jnp.ones((2, 4)))
+    np.testing.assert_array_equal(v[0]["params"]["kernel"], v[1]["params"]["kernel"])
+    dense = nn.Dense(4)
+    with pytest.raises(LayerError, match="share the Dense module instance"):
+        sequential(dense, dense, precision="bf16")
+    with pytest.raises(LayerError, match="function without parameters"):
+        sequential(
+            nn.relu, nn.Dense(2), tied={"g": ["00_relu/x", "01_Dense/kernel"]}, precision="bf16"
+        )
+
+
+def test_profile_costs_the_bf16_computation():
+    x, _ = _xy(n=8)
+    f32 = pdjax.profile(_linen_mlp(None), x)
+    bf16 = pdjax.profile(_linen_mlp(), x)
+    assert [lp.kind for lp in bf16.layers] == [lp.kind for lp in f32.layers]
+    # what crosses a cut after each hidden layer: half the bytes; the output stays float32
+    assert [lp.output_bytes for lp in bf16.layers[:-1]] == [
+        lp.output_bytes // 2 for lp in f32.layers[:-1]
+    ]
+    assert bf16.layers[-1].output_bytes == f32.layers[-1].output_bytes
+    assert "bfloat16" in bf16.layers[0].output_shape
+    assert [lp.param_bytes for lp in bf16.layers] == [lp.param_bytes for lp in f32.layers]
+
+
+# -- through the pipeline ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [_linen_mlp, _nnx_model])
+def test_pipeline_1f1b_equals_a_single_device_loop(build):
+    seq = build()
+    M, mb, steps = 2, 4, 3
+    x, t = _xy(n=M * mb, seed=2)  # the same batch every step: its loss goes down
+    x, t = jnp.concatenate([x] * steps), jnp.concatenate([t] * steps)
+    optimizer = optax.sgd(0.1)
+    pipe = Pipeline(seq, even_stages(len(seq), 2), _mse, optimizer, schedule="1f1b", microbatches=M)
+    state = pipe.init(jax.random.key(3), x[:mb])
+    variables = pipe.variables(state)
+    assert set(_dtypes(variables)) == {F32}
+    # the activation crossing the cut is bfloat16: half the bytes of float32
+    cut = jax.eval_shape(
+        pipe.stages[0].microbatch_output,
+        state.params[0],
+        state.model_state[0],
+        x[:mb],
+        jax.random.key(0),
+    )
+    assert _dtypes(cut) == [BF16]
+    losses = []
+    for s in range(steps):
+        batch = (x[s * M * mb : (s + 1) * M * mb], t[s * M * mb : (s + 1) * M * mb])
+        state, metrics = pipe.step(state, batch)
+        losses += [float(v) for v in metrics.losses]
+    microbatches = [(x[k * mb : (k + 1) * mb], t[k * mb : (k + 1) * mb]) for k in range(M * steps)]
+    ref_params, ref_state, ref_losses = flush_training(
+        seq, _mse, optimizer, variables, microbatches, M, state.rng
+    )
+    np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
+    got = pipe.variables(state)
+    assert set(_dtypes(got)) == {F32}
+    for a, b in zip(
+        jax.tree.leaves([v["params"] for v in got]), jax.tree.leaves(ref_params), strict=True
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    ref_stats = jax.tree.leaves(ref_state)
+    for a, b in zip(
+        jax.tree.leaves([{k: s for k, s in v.items() if k != "params"} for v in got]),
+        ref_stats,
+        strict=True,
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert np.mean(losses[-M:]) < np.mean(losses[:M])
