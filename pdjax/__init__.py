@@ -17,6 +17,7 @@ True
 (1, 1, 1)
 """
 
+from pdjax.baselines import DataParallel
 from pdjax.errors import (
     CheckpointError,
     DataError,
@@ -28,6 +29,7 @@ from pdjax.errors import (
     ProfileError,
     ScheduleError,
 )
+from pdjax.export import linen_variables, update_nnx
 from pdjax.layers import Fn, LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline.checkpoint import Checkpointer
@@ -42,6 +44,7 @@ __all__ = [
     "CheckpointError",
     "Checkpointer",
     "DataError",
+    "DataParallel",
     "Fn",
     "GraphFormatError",
     "LayerError",
@@ -59,9 +62,11 @@ __all__ = [
     "Topology",
     "even_stages",
     "generate",
+    "linen_variables",
     "plan_pipedream",
     "profile",
     "sequential",
     "simulate",
+    "update_nnx",
     "validate",
 ]
