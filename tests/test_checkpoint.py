@@ -333,12 +333,25 @@ def test_a_template_of_another_model_or_plan_names_the_first_mismatch(tmp_path, 
         ):
             ckpt.restore(pipe.init(jax.random.key(0), x))
 
-        # The same model split 1 + 3 instead of 2 + 2: stage 1 has a layer too many.
+        # The same model split 1 + 3 instead of 2 + 2: another plan, which restores only
+        # with the pipeline given (tests/test_user_models.py moves one between plans)
         _, resplit = _mlp_pipeline([StageSpec(0, 0, (0,)), StageSpec(1, 3, (1,))])
         with pytest.raises(
-            CheckpointError, match=r"params\.1\.1\.\S+ is float32\[10\] in the checkpoint and f"
+            CheckpointError,
+            match=r"saved under another plan \(layers per stage \[2, 2\]; the template's "
+            r"\[1, 3\]\): pass pipeline=",
         ):
             ckpt.restore(resplit.init(jax.random.key(0), x))
+        moved, _ = ckpt.restore(resplit.init(jax.random.key(0), x), pipeline=resplit)
+        want = jax.tree.leaves(jax.device_get(state.params))
+        got = jax.tree.leaves(jax.device_get(moved.params))
+        assert [a.tobytes() for a in map(np.asarray, got)] == [
+            a.tobytes() for a in map(np.asarray, want)
+        ]
+        # another model under another plan: no source for its arrays
+        wider_pipe = Pipeline(wider.layers, even_stages(4, 4), wider.loss, optax.adam(1e-2))
+        with pytest.raises(CheckpointError, match=r"params\.\S+ .*would come from"):
+            ckpt.restore(wider_pipe.init(jax.random.key(0), x), pipeline=wider_pipe)
 
         dp = DataParallel(spec.layers, spec.loss, optax.adam(1e-2), devices=jax.devices()[:1])
         with pytest.raises(

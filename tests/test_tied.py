@@ -344,6 +344,10 @@ def test_checkpoint_restores_tied_copies_identical(tmp_path):
         ckpt.save(1, state)
         other = pipeline()
         restored, _ = ckpt.restore(other.init(jax.random.key(2), batches[0][0][:4]))
+        # the tied embedding is stored once: its head copy names the embedding's array
+        meta = ckpt._read_meta(1)["arrays"]
+        assert meta["params.2.0.embedding"]["same_as"] == "params.0.0.embedding"
+        assert "same_as" not in meta["params.0.0.embedding"]
     want = pipe.params(state)
     got = other.params(restored)
     _assert_copies_identical(got)

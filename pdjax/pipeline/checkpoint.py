@@ -63,6 +63,7 @@ The write itself, the commit rename and the retention are orbax's (a
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -83,7 +84,8 @@ __all__ = ["Checkpointer"]
 
 # The format tag and layout version in every checkpoint's ``meta`` item.
 _FORMAT = "pdjax.checkpoint"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: parameters stored once per value ("same_as")
+_READABLE_VERSIONS = (1, 2)
 
 _State = TypeVar("_State", PipelineState, DPState)
 
@@ -282,6 +284,27 @@ def _key_text(key: Any) -> str:
         if hasattr(key, attr):
             return str(getattr(key, attr))
     return str(key)
+
+
+def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
+    """Parameters bit for bit equal to an earlier one (a tied parameter's copies, also any
+    other equal arrays: storing them once loses nothing): name -> the first one's name."""
+    groups: dict[Any, list[str]] = {}
+    for name, a in arrays.items():
+        if name.startswith("params.") and not _is_key(a):
+            groups.setdefault((tuple(np.shape(a)), str(a.dtype)), []).append(name)
+    out: dict[str, str] = {}
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        seen: dict[bytes, str] = {}
+        for name in names:
+            data = np.ascontiguousarray(np.asarray(arrays[name]))
+            digest = hashlib.sha256(data.view(np.uint8).reshape(-1)).digest()
+            first = seen.setdefault(digest, name)
+            if first != name and np.array_equal(np.asarray(arrays[first]), data):
+                out[name] = first
+    return out
 
 
 def _is_key(leaf: Any) -> bool:
@@ -526,6 +549,10 @@ class Checkpointer:
             entry.update(shape=list(np.shape(leaf)), dtype=str(leaf.dtype))
             arrays[name] = leaf
             manifest[name] = entry
+        if not self._multi:  # a tied parameter's copies (equal bits) are stored once
+            for name, first in _same_values(arrays).items():
+                manifest[name]["same_as"] = first
+                del arrays[name]
         meta = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
@@ -628,9 +655,9 @@ class Checkpointer:
             data = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
             abstract[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         restored = (
-            self._read_arrays_multi(step, abstract)
+            self._read_arrays_multi(step, abstract, meta["arrays"])
             if self._multi
-            else self._read_arrays(step, abstract)
+            else self._read_arrays(step, abstract, meta["arrays"])
         )
         leaves = []
         for name, leaf in wanted.items():
@@ -691,6 +718,7 @@ class Checkpointer:
         host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
             step,
             {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
+            saved,
         )
         leaves = []
         for name, leaf in wanted.items():
@@ -732,20 +760,39 @@ class Checkpointer:
                 )
         return PipelineState(**fields), meta["extra"]
 
-    def _read_arrays(self, step: int, abstract: Mapping[str, Any]) -> dict[str, Any]:
+    def _read_arrays(
+        self, step: int, abstract: Mapping[str, Any], saved: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Reads ``abstract``'s arrays; one stored once for several names (``same_as`` in
+        the ``saved`` manifest) is read once and copied to each (a buffer of its own)."""
         assert self._manager is not None
+        aliases = {
+            n: e["same_as"] for n, e in (saved or {}).items() if "same_as" in e and n in abstract
+        }
+        stored = {n: a for n, a in abstract.items() if n not in aliases}
+        for src in set(aliases.values()) - set(stored):
+            e = (saved or {})[src]
+            stored[src] = np.empty(e["shape"], np.dtype(e["dtype"]))
         try:
-            return self._manager.restore(
-                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(dict(abstract)))
+            out = self._manager.restore(
+                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(stored))
             )["arrays"]
         except Exception as e:
             raise CheckpointError(
                 f"could not read the arrays of step {step} in {self.directory}: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        for name, src in aliases.items():
+            value = np.asarray(out[src])
+            sharding = getattr(abstract[name], "sharding", None)
+            out[name] = value.copy() if sharding is None else jax.device_put(value, sharding)
+        return {n: out[n] for n in abstract}
 
     def _read_arrays_multi(
-        self, step: int, abstract: Mapping[str, jax.ShapeDtypeStruct]
+        self,
+        step: int,
+        abstract: Mapping[str, jax.ShapeDtypeStruct],
+        saved: Mapping[str, Any],
     ) -> dict[str, jax.Array]:
         """Several processes: process 0 reads every array (into host memory) and sends each
         process the ones whose shardings include its devices."""
@@ -758,7 +805,7 @@ class Checkpointer:
         table = np.array(allgather_json(needs.tolist()), dtype=np.bool_).reshape(-1, len(names))
         host = self._from_0(
             lambda: self._read_arrays(
-                step, {n: np.empty(a.shape, a.dtype) for n, a in abstract.items()}
+                step, {n: np.empty(a.shape, a.dtype) for n, a in abstract.items()}, saved
             ),
             share=False,
         )
@@ -819,7 +866,7 @@ class Checkpointer:
                 f"step {step} in {self.directory} was not written by "
                 "pdjax.pipeline.Checkpointer (no format tag in its metadata)"
             )
-        if meta.get("version") != _FORMAT_VERSION:
+        if meta.get("version") not in _READABLE_VERSIONS:
             raise CheckpointError(
                 f"step {step} in {self.directory} has checkpoint format version "
                 f"{meta.get('version')}; this pdjax reads version {_FORMAT_VERSION}"
