@@ -10,7 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from pdjax.commands import register_all
+from pdjax import __version__
+from pdjax.commands import HelpFormatter, register_all
 from pdjax.errors import PdjaxError
 
 __all__ = ["build_parser", "main"]
@@ -21,10 +22,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdjax",
         description="PipeDream-style pipeline-parallel training on JAX/Flax: "
-        "profile -> plan -> simulate -> train.",
+        "profile -> plan -> simulate -> train. 'pdjax COMMAND --help' for each command.",
+        formatter_class=HelpFormatter,
     )
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"pdjax {__version__}",
+        help="print pdjax's version and exit",
+    )
+    subparsers = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", help="what to do"
+    )
     register_all(subparsers)
+    for sub in subparsers.choices.values():  # the commands' own parsers set it too
+        sub.formatter_class = HelpFormatter
     return parser
 
 

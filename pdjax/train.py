@@ -11,6 +11,13 @@ microbatches. PipeDream updates after every microbatch, so it makes ``M`` update
 others make one. A pipeline runs a whole epoch in one call (``Pipeline.run``), so
 asynchronous schedules stream through the epoch and drain only at its end — where the
 loop evaluates and checkpoints (a drain-then-save checkpoint).
+
+Models and data of your own. ``model`` may be ``package.module:factory``
+(:func:`pdjax.models.load_model`; the factory gets ``config`` and ``seq_len`` if it takes
+them) and ``dataset`` a path to an ``.npz`` file (:func:`pdjax.data.load_npz`), checked
+against the model's sample batch before anything runs (:func:`build`, :func:`check`).
+A model without an accuracy function is trained and evaluated on its loss alone (its
+accuracy reads NaN).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,21 +40,28 @@ import optax
 from pdjax import data as data_lib
 from pdjax.baselines import DataParallel
 from pdjax.errors import PdjaxError, PipelineError
-from pdjax.models import ModelSpec, get_model
+from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
 
 __all__ = [
+    "DATASETS",
     "EpochRecord",
     "TrainConfig",
     "TrainResult",
     "TrainingDiverged",
     "auto_plan",
     "build",
+    "check",
     "evaluate",
+    "model_spec",
+    "require_tensorboard",
+    "run_folder",
     "train",
 ]
 
 SCHEDULE_CHOICES = ("pipedream", "2bw", "1f1b", "gpipe", "interleaved", "zb-h1", "dp")
+#: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
+DATASETS = ("digits", "text")
 
 
 class TrainingDiverged(PdjaxError):
@@ -58,9 +73,12 @@ class TrainConfig:
     """Everything a training run depends on (saved next to its metrics).
 
     Attributes:
-      model: a name from :data:`pdjax.models.MODELS`.
-      config: ``"tiny"`` or ``"paper"``.
-      dataset: ``"digits"`` (images) or ``"text"`` (characters of Python's own docs).
+      model: a name from :data:`pdjax.models.MODELS`, or ``package.module:factory``
+        for a model of your own (:func:`pdjax.models.load_model`).
+      config: ``"tiny"`` or ``"paper"`` (a factory that takes ``config`` gets it as is).
+      dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs), or
+        the path of an ``.npz`` file with ``x_train``, ``y_train``, ``x_test``,
+        ``y_test`` (:func:`pdjax.data.load_npz`).
       schedule: a pipeline schedule, or ``"dp"`` for the data-parallel baseline.
       devices: how many of ``jax.devices()`` to use.
       plan: ``"auto"`` (profile and plan now), ``"even"`` (equal layer counts, one device
@@ -75,7 +93,7 @@ class TrainConfig:
       target_accuracy: stop once the test accuracy reaches this (0-1), or None.
       vertical_sync: ``pipedream`` option.
       weight_stashing: ``pipedream`` option.
-      seq_len: tokens per window for ``text``.
+      seq_len: tokens per window for ``text`` (a factory that takes ``seq_len`` gets it).
       extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
         (latency hiding).
       transport: how values cross processes (``auto``, ``device_put``, ``collective``).
@@ -113,8 +131,14 @@ class TrainConfig:
             raise PipelineError(
                 f"unknown schedule {self.schedule!r}; choose one of {SCHEDULE_CHOICES}"
             )
-        if self.dataset not in ("digits", "text"):
-            raise PipelineError(f"unknown dataset {self.dataset!r}; choose digits or text")
+        check_model_name(self.model)
+        if self.dataset not in DATASETS and not (
+            self.dataset.endswith(".npz") or Path(self.dataset).is_file()
+        ):
+            raise PipelineError(
+                f"unknown dataset {self.dataset!r}; choose digits or text, or give the path of "
+                "an .npz file with x_train, y_train, x_test and y_test"
+            )
         if self.optimizer not in ("adam", "sgd", "momentum"):
             raise PipelineError(f"unknown optimizer {self.optimizer!r}; adam, sgd or momentum")
         for name in ("devices", "epochs", "batch_size", "microbatches", "chunks"):
@@ -173,7 +197,8 @@ class EpochRecord:
       epoch: 1-based epoch number.
       train_loss: mean training loss over the epoch's microbatches (steps for DP).
       test_loss: mean loss on the test split (eval mode).
-      test_accuracy: accuracy on the test split (per token for language models).
+      test_accuracy: accuracy on the test split (per token for language models; NaN
+        for a custom model without an accuracy function).
       seconds: wall time of the epoch's training (evaluation excluded).
       elapsed: cumulative training seconds up to the end of this epoch.
       samples_per_second: training samples / seconds.
@@ -202,6 +227,8 @@ class TrainResult:
       target_epoch: the first epoch that reached the target accuracy, or None.
       time_to_target: training seconds until then, or None.
       state: the final runner state.
+      resumed_epoch: the epochs a checkpoint held when the run resumed from it, or None
+        for a fresh run.
     """
 
     config: TrainConfig
@@ -211,6 +238,7 @@ class TrainResult:
     target_epoch: int | None = None
     time_to_target: float | None = None
     state: Any = None
+    resumed_epoch: int | None = None
 
     @property
     def final_accuracy(self) -> float:
@@ -230,41 +258,149 @@ def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     return make_optimizer(cfg.optimizer, cfg.learning_rate)
 
 
-def _dataset(cfg: TrainConfig, spec_vocab: int | None = None) -> data_lib.Dataset:
-    if cfg.dataset == "digits":
-        return data_lib.digits(seed=cfg.seed, flatten=cfg.model == "mlp")
-    return data_lib.text(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=spec_vocab)
+def run_folder(label: str) -> str:
+    """A run's folder name (checkpoints, TensorBoard): its label with non-word characters
+    as ``_``, e.g. ``"pipedream_no_stashing_"`` -> ``"pipedream_no_stashing"``."""
+    return re.sub(r"\W+", "_", label).strip("_")
 
 
-def build(cfg: TrainConfig) -> tuple[ModelSpec, data_lib.Dataset]:
+def model_spec(cfg: TrainConfig) -> ModelSpec:
+    """The model of ``cfg``: a bundled one, or a factory's (which gets ``config`` and
+    ``seq_len`` if it takes them)."""
+    if is_model_ref(cfg.model):
+        return load_model(cfg.model, offer={"config": cfg.config, "seq_len": cfg.seq_len})
+    return get_model(cfg.model, cfg.config)
+
+
+def _row_shape(tree: Any, what: str, cfg: TrainConfig) -> tuple[int, ...]:
+    leaves = jax.tree.leaves(tree)
+    if len(leaves) != 1:
+        raise PipelineError(
+            f"{cfg.model} takes {what} as {len(leaves)} arrays; the {cfg.dataset} dataset "
+            "gives one array"
+        )
+    return tuple(np.shape(leaves[0])[1:])
+
+
+def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, data_lib.Dataset]:
     """The model and dataset of ``cfg``, made to fit each other.
+
+    A dataset must fit the model's sample batch: the shapes of its rows, and dtypes that
+    convert without loss of meaning (:func:`pdjax.data.fit_to_sample`). ``digits`` comes
+    as 8x8x1 images or, for a model taking 64 features, flattened.
+
+    Args:
+      cfg: the run.
+      spec: the model, if already built (default: :func:`model_spec`).
 
     Raises:
       PipelineError: a model that cannot take the dataset (an image model on text...).
+      DataError: a dataset file that is unreadable or does not fit the model.
+      LayerError: a model that cannot be built or imported.
     """
-    spec = get_model(cfg.model, cfg.config)
+    spec = spec if spec is not None else model_spec(cfg)
+    custom = spec.task == "custom"
+    sample = jax.tree.map(np.asarray, spec.sample_batch(1))
     if cfg.dataset == "digits":
-        if spec.task != "classification":
+        if not custom and spec.task != "classification":
             raise PipelineError(
                 f"{cfg.model} is a {spec.task} model; the digits dataset needs an image or "
                 "MLP classifier (cnn, mlp, ...)"
             )
-        ds = _dataset(cfg)
-        sample = spec.sample_input(1)
-        if np.shape(sample)[1:] != ds.train_x.shape[1:] or spec.num_classes != ds.num_classes:
+        shape = _row_shape(sample[0], "inputs", cfg)
+        if shape not in ((8, 8, 1), (64,)) or (not custom and spec.num_classes != 10):
             raise PipelineError(
-                f"{cfg.model} ({cfg.config}) takes inputs {np.shape(sample)[1:]} with "
-                f"{spec.num_classes} classes, {ds.name} has {ds.train_x.shape[1:]} with "
-                f"{ds.num_classes}; use --model cnn (or mlp) for digits"
+                f"{cfg.model} ({cfg.config}) takes inputs {shape}"
+                + ("" if custom else f" with {spec.num_classes} classes")
+                + "; digits has (8, 8, 1) images (or 64 features, flattened) with 10 "
+                "classes; use --model cnn (or mlp) for digits"
+                + (", or a model taking (B, 8, 8, 1) or (B, 64)" if custom else "")
             )
-        return spec, ds
-    if spec.task != "language_model":
+        ds = data_lib.digits(seed=cfg.seed, flatten=shape == (64,))
+    elif cfg.dataset == "text":
+        if not custom and spec.task != "language_model":
+            raise PipelineError(
+                f"{cfg.model} is a {spec.task} model; the text dataset needs a language model "
+                "(gpt, awd_lm)"
+            )
+        if custom:
+            shape = _row_shape(sample[0], "inputs", cfg)
+            if shape != (cfg.seq_len,):
+                raise PipelineError(
+                    f"{cfg.model}'s sample batch has inputs of rows {shape}; the text dataset "
+                    f"gives windows of --seq-len {cfg.seq_len} tokens, int32 (B, "
+                    f"{cfg.seq_len}): match --seq-len to the model (a factory taking seq_len "
+                    "gets it)"
+                )
+        ds = data_lib.text(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=spec.num_classes or None)
+        if not custom:  # a bundled language model takes any window up to its context
+            return spec, ds
+    else:
+        ds = data_lib.load_npz(cfg.dataset)
+    return spec, data_lib.fit_to_sample(ds, sample, num_classes=spec.num_classes)
+
+
+def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
+    """Checks what would fail later without compiling or running anything: sizes against
+    the dataset and the devices, the schedule against the model's layers, a plan file,
+    and a target accuracy for a model without accuracy.
+
+    Raises:
+      PipelineError: saying what to change.
+      PlanError: for an unreadable plan file.
+    """
+    if cfg.batch_size > ds.num_train:
         raise PipelineError(
-            f"{cfg.model} is a {spec.task} model; the text dataset needs a language model "
-            "(gpt, awd_lm)"
+            f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
+            "training samples"
         )
-    ds = _dataset(cfg, spec_vocab=spec.num_classes)
-    return spec, ds
+    visible = len(jax.devices())
+    if cfg.devices > visible:
+        raise PipelineError(
+            f"{cfg.devices} devices requested, {visible} visible; on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={cfg.devices} (the pdjax "
+            "CLI does this for you with --devices)"
+        )
+    if cfg.target_accuracy is not None and not spec.has_accuracy:
+        raise PipelineError(
+            f"--target-accuracy needs an accuracy, and {spec.name} has none: give the model "
+            "an accuracy function (CustomModel(accuracy=...)), or drop --target-accuracy"
+        )
+    L = len(spec.layers)
+    if cfg.schedule == "dp":
+        if cfg.batch_size % cfg.devices:
+            raise PipelineError(
+                f"data parallelism splits each batch of {cfg.batch_size} over {cfg.devices} "
+                f"devices; pick a --batch-size that is a multiple of {cfg.devices}"
+            )
+        return
+    if cfg.schedule == "interleaved":
+        if cfg.devices * cfg.chunks > L:
+            raise PipelineError(
+                f"interleaved needs {cfg.devices} devices x {cfg.chunks} chunks = "
+                f"{cfg.devices * cfg.chunks} stages of at least one layer; {spec.name} has {L} "
+                "layers: use fewer --devices or --chunks"
+            )
+        if cfg.plan not in ("auto", "even") or cfg.straight:
+            raise PipelineError(
+                "interleaved places equal layer counts, chunk k on device k mod P; it takes "
+                "no --plan file and no --straight"
+            )
+        return
+    if cfg.plan not in ("auto", "even"):
+        from pdjax.partition import Plan
+
+        if not Path(cfg.plan).is_file():
+            raise PipelineError(
+                f"--plan takes 'auto', 'even' or a plan JSON file (pdjax plan --out); "
+                f"{cfg.plan!r} is not a file"
+            )
+        plan = Plan.load(cfg.plan)
+        if plan.num_layers != L:
+            raise PipelineError(
+                f"the plan {cfg.plan} covers {plan.num_layers} layers, {spec.name} has {L}: "
+                "make the plan from this model's profile"
+            )
 
 
 def auto_plan(
@@ -384,10 +520,21 @@ def make_runner(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, st
 def evaluate(
     spec: ModelSpec, variables: list[Any], ds: data_lib.Dataset, batch_size: int = 256
 ) -> tuple[float, float]:
-    """Mean loss and accuracy of ``variables`` on the test split (eval mode, one device)."""
+    """Mean loss and accuracy of ``variables`` on the test split (eval mode, one device).
+
+    A model with its own loss (or accuracy) is evaluated with it, batch by batch, each
+    batch's mean weighted by its rows; its accuracy is NaN if it has none."""
     device = jax.local_devices()[0]  # this process's (several processes: each has its own)
     variables = jax.device_put(variables, device)
     fn = _eval_fn(spec)
+    if _own_metrics(spec):
+        total_loss = total_acc = 0.0
+        for lo in range(0, ds.num_test, batch_size):
+            x, y = ds.test_x[lo : lo + batch_size], ds.test_y[lo : lo + batch_size]
+            loss, acc = fn(variables, x, y)
+            total_loss += float(loss) * len(x)
+            total_acc += float(acc) * len(x)
+        return total_loss / ds.num_test, total_acc / ds.num_test
     total_loss = total_acc = count = 0.0
     for x, y, mask in data_lib.eval_batches(ds.test_x, ds.test_y, batch_size):
         loss, acc = fn(variables, x, y, mask)
@@ -398,6 +545,22 @@ def evaluate(
 
 
 _EVAL_FNS: dict[int, tuple[ModelSpec, Callable[..., Any]]] = {}
+
+
+def _own_metrics(spec: ModelSpec) -> bool:
+    return spec.loss_fn is not None or spec.accuracy_fn is not None
+
+
+def _own_eval(spec: ModelSpec) -> Callable[..., Any]:
+    def fn(variables: Any, x: Any, y: Any) -> tuple[jax.Array, jax.Array]:
+        out, _ = spec.layers.apply(variables, x, train=False)
+        loss = spec.loss(out, y)
+        if isinstance(loss, tuple | list):  # (loss, aux)
+            loss = loss[0]
+        acc = spec.accuracy(out, y) if spec.has_accuracy else jnp.float32(jnp.nan)
+        return jnp.asarray(loss, jnp.float32), jnp.asarray(acc, jnp.float32)
+
+    return fn
 
 
 def _eval_fn(spec: ModelSpec) -> Callable[..., Any]:
@@ -415,7 +578,7 @@ def _eval_fn(spec: ModelSpec) -> Callable[..., Any]:
             return (per * m).sum(), (correct * m).sum()
 
         _EVAL_FNS.clear()  # one model at a time: keep one compiled evaluation
-        _EVAL_FNS[id(spec)] = (spec, jax.jit(fn))
+        _EVAL_FNS[id(spec)] = (spec, jax.jit(_own_eval(spec) if _own_metrics(spec) else fn))
     return _EVAL_FNS[id(spec)][1]
 
 
@@ -427,6 +590,10 @@ def train(
     on_epoch: Callable[[EpochRecord], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     warmup: bool = True,
+    built: tuple[ModelSpec, data_lib.Dataset] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+    on_start: Callable[[str], None] | None = None,
+    tensorboard_dir: str | Path | None = None,
 ) -> TrainResult:
     """Trains ``cfg.model`` on ``cfg.dataset``; see the module docstring.
 
@@ -434,11 +601,24 @@ def train(
       cfg: the run.
       checkpoint_dir: save after every epoch (orbax); if it already holds a checkpoint of
         this run, resume from it.
-      metrics_path: append one JSON line per epoch.
+      metrics_path: append one JSON line per epoch (``{"run": label, **record}``; NaN
+        as null). With ``checkpoint_dir`` the file follows the checkpoint: a resumed run
+        keeps its lines of the epochs the checkpoint holds (and writes those that are
+        missing), drops its lines of later epochs, and appends the new ones; a fresh run
+        drops its old lines. Other runs' lines are kept.
       on_epoch: called with each epoch's record (for progress displays).
       on_progress: called with ``(microbatches dispatched, microbatches in the epoch)``.
       warmup: compile every function first, on a throwaway copy of the state, so that
         epoch times (and time to accuracy) measure training, not XLA's compiler.
+      built: the model and dataset from :func:`build`, if already made.
+      on_resume: called with ``(epochs, step)`` when the run resumes from a checkpoint
+        holding that many epochs, ``step`` the optimizer updates (stage 0's) so far.
+      on_start: called with the plan's text once every setting is checked and the state is
+        made, before compiling (where a display starts).
+      tensorboard_dir: write TensorBoard event files under ``tensorboard_dir/<run>``
+        (:func:`run_folder` of the label; needs ``tensorboardX``): per epoch (the step),
+        ``train/loss``, ``test/loss``, ``test/accuracy``, ``train/samples_per_second``,
+        ``train/epoch_seconds``, and the config as text.
 
     Returns:
       The :class:`TrainResult`.
@@ -447,13 +627,12 @@ def train(
       TrainingDiverged: if a training loss is NaN or infinite (the previous epoch's
         checkpoint, if any, is kept).
       PipelineError: for inconsistent settings, before any training.
+      DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
     """
-    spec, ds = build(cfg)
-    if cfg.batch_size > ds.num_train:
-        raise PipelineError(
-            f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
-            "training samples"
-        )
+    spec, ds = built if built is not None else build(cfg)
+    check(cfg, spec, ds)
+    if tensorboard_dir is not None:
+        require_tensorboard()
     b = cfg.microbatch_size
     sample = ds.train_x[:b]
     runner, plan_text = make_runner(cfg, spec, sample)
@@ -481,10 +660,24 @@ def train(
                     )
                 history = [EpochRecord(**r) for r in extra["history"]]
                 start_epoch = len(history)
+                if on_resume is not None:
+                    on_resume(start_epoch, history[-1].updates if history else 0)
+            if metrics_path is not None:
+                _sync_metrics(Path(metrics_path), cfg.label, history)
+        if on_start is not None:
+            on_start(plan_text)
 
         if warmup and start_epoch < cfg.epochs:
             _warm_up(runner, state, ds, cfg, on_progress is not None)
-        result = TrainResult(cfg, plan_text, history, "epochs", state=state)
+        result = TrainResult(
+            cfg,
+            plan_text,
+            history,
+            "epochs",
+            state=state,
+            resumed_epoch=start_epoch if ckpt is not None and history else None,
+        )
+        board = None
         _mark_target(result)
         if result.target_epoch is not None:
             result.stopped = "target"
@@ -545,10 +738,12 @@ def train(
             history.append(record)
             result.state = state
             if metrics_path is not None:
-                path = Path(metrics_path)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with path.open("a") as f:
-                    f.write(json.dumps({"run": cfg.label, **dataclasses.asdict(record)}) + "\n")
+                _append_metrics(Path(metrics_path), cfg.label, [record])
+            if tensorboard_dir is not None:
+                if board is None:
+                    folder = Path(tensorboard_dir) / run_folder(cfg.label)
+                    board = stack.enter_context(contextlib.closing(_TensorBoard(folder, cfg)))
+                board.write(record)
             if ckpt is not None:
                 ckpt.save(
                     epoch + 1,
@@ -583,6 +778,90 @@ def _warm_up(
             batches = batches[: len(batches) - len(batches) % cfg.microbatches]
         on_loss = (lambda k, loss: None) if progress else None
         jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
+
+
+def _metrics_line(label: str, record: EpochRecord) -> str:
+    values = {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v
+        for k, v in dataclasses.asdict(record).items()
+    }
+    return json.dumps({"run": label, **values})
+
+
+def _append_metrics(path: Path, label: str, records: Sequence[EpochRecord]) -> None:
+    if not records:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for record in records:
+            f.write(_metrics_line(label, record) + "\n")
+
+
+def _sync_metrics(path: Path, label: str, history: Sequence[EpochRecord]) -> None:
+    """Makes ``label``'s lines in the metrics file those of ``history`` (a checkpoint's):
+    keeps its lines of those epochs, drops its others (later epochs, duplicates), appends
+    the missing ones. Other lines stay as they are; the file is rewritten only to drop."""
+    lines = path.read_text().splitlines() if path.is_file() else []
+    keep: list[str] = []
+    seen: set[int] = set()
+    dropped = False
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            keep.append(line)
+            continue
+        if not isinstance(entry, dict) or entry.get("run") != label:
+            keep.append(line)
+            continue
+        epoch = entry.get("epoch")
+        if isinstance(epoch, int) and 1 <= epoch <= len(history) and epoch not in seen:
+            seen.add(epoch)
+            keep.append(line)
+        else:
+            dropped = True
+    if dropped:
+        path.write_text("".join(line + "\n" for line in keep))
+    _append_metrics(path, label, [r for r in history if r.epoch not in seen])
+
+
+def require_tensorboard() -> None:
+    """Checks that ``tensorboardX`` can be imported.
+
+    Raises:
+      PipelineError: saying how to install it.
+    """
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError as e:
+        raise PipelineError(
+            "--tensorboard writes event files with tensorboardX, which is not installed: "
+            "pip install 'pdjax[tensorboard]' (or pip install tensorboardX)"
+        ) from e
+
+
+class _TensorBoard:
+    """One run's TensorBoard event files (tensorboardX), one step per epoch."""
+
+    def __init__(self, folder: Path, cfg: TrainConfig) -> None:
+        from tensorboardX import SummaryWriter
+
+        self._writer = SummaryWriter(logdir=str(folder))
+        text = json.dumps(dataclasses.asdict(cfg), indent=1)
+        self._writer.add_text("config", f"```\n{text}\n```", 0)
+
+    def write(self, record: EpochRecord) -> None:
+        w, step = self._writer, record.epoch
+        w.add_scalar("train/loss", record.train_loss, step)
+        w.add_scalar("test/loss", record.test_loss, step)
+        if math.isfinite(record.test_accuracy):
+            w.add_scalar("test/accuracy", record.test_accuracy, step)
+        w.add_scalar("train/samples_per_second", record.samples_per_second, step)
+        w.add_scalar("train/epoch_seconds", record.seconds, step)
+        w.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 def _resumable(config: dict[str, Any]) -> dict[str, Any]:

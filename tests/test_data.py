@@ -158,3 +158,96 @@ def test_bad_requests_fail_at_the_call():
         data.text(vocab_size=1)
     with pytest.raises(DataError, match="decode"):
         data.decode(data.digits(), np.zeros(3, np.int32))
+
+
+# -- .npz datasets of your own ---------------------------------------------------------------
+
+
+def _npz(tmp_path, name="d.npz", **overrides):
+    rng = np.random.default_rng(0)
+    arrays = dict(
+        x_train=rng.normal(size=(20, 6)),  # float64: read as float32
+        y_train=(np.arange(20) % 3).astype(np.int64),  # int64: read as int32
+        x_test=rng.normal(size=(5, 6)),
+        y_test=np.arange(5) % 3,
+    )
+    arrays.update(overrides)
+    arrays = {k: v for k, v in arrays.items() if v is not None}
+    path = tmp_path / name
+    np.savez(path, **arrays)
+    return path
+
+
+def test_load_npz_reads_the_four_arrays_in_32_bits(tmp_path):
+    path = _npz(tmp_path, extra=np.ones(3))
+    ds = data.load_npz(path)
+    assert ds.name == "d.npz" and ds.info["path"] == str(path.resolve())
+    assert (ds.num_train, ds.num_test, ds.num_classes) == (20, 5, 3)
+    assert ds.train_x.dtype == np.float32 and ds.train_y.dtype == np.int32
+    assert ds.info["ignored"] == ("extra",)
+    with np.load(path) as raw:
+        np.testing.assert_array_equal(ds.test_x, raw["x_test"].astype(np.float32))
+        np.testing.assert_array_equal(ds.train_y, raw["y_train"])
+    x, y = next(ds.train_batches(4, seed=0, epoch=0))
+    assert x.shape == (4, 6) and y.shape == (4,)
+    assert data.load_npz(_npz(tmp_path, "n.npz", num_classes=np.int64(7))).num_classes == 7
+    floats = data.load_npz(_npz(tmp_path, "f.npz", y_train=np.ones(20), y_test=np.ones(5)))
+    assert floats.num_classes == 0 and floats.train_y.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(y_test=None), r"has no y_test \(it holds x_train, y_train, x_test\)"),
+        (dict(x_train=None, y_train=None), r"has no x_train, y_train"),
+        (dict(y_train=np.zeros(19, np.int32)), r"x_train has 20 rows but y_train has 19"),
+        (dict(x_test=np.zeros((5, 7))), r"x_train has rows of shape \(6,\) but x_test \(7,\)"),
+        (dict(x_test=np.zeros((0, 6)), y_test=np.zeros(0)), r"x_test and y_test are empty"),
+        (dict(y_train=np.array(["a"] * 20)), r"y_train is a <U1\[20\] array"),
+        (dict(x_train=np.float64(1.0)), r"x_train is a float64\[\] array"),
+        (dict(num_classes=np.int64(2)), r"num_classes must be one integer >= 3"),
+    ],
+)
+def test_load_npz_names_the_file_and_the_arrays_that_are_wrong(tmp_path, overrides, message):
+    path = _npz(tmp_path, **overrides)
+    with pytest.raises(DataError, match=message) as e:
+        data.load_npz(path)
+    assert str(path) in str(e.value)
+
+
+def test_load_npz_refuses_what_is_not_an_npz_of_plain_arrays(tmp_path):
+    with pytest.raises(DataError, match=r"does not exist; an \.npz dataset is written with"):
+        data.load_npz(tmp_path / "missing.npz")
+    with pytest.raises(DataError, match="is a folder"):
+        data.load_npz(tmp_path)
+    (tmp_path / "text.npz").write_text("not numpy")
+    with pytest.raises(DataError, match="cannot read dataset file"):
+        data.load_npz(tmp_path / "text.npz")
+    np.save(tmp_path / "one.npy", np.ones(3))
+    with pytest.raises(DataError, match=r"holds a single array \(.npy\)"):
+        data.load_npz(tmp_path / "one.npy")
+    objects = np.empty(20, object)
+    np.savez(tmp_path / "obj.npz", x_train=objects, y_train=objects, x_test=objects, y_test=objects)
+    with pytest.raises(DataError, match="pickled"):
+        data.load_npz(tmp_path / "obj.npz")
+
+
+def test_fit_to_sample_checks_shapes_dtypes_and_labels(tmp_path):
+    ds = data.load_npz(_npz(tmp_path))
+    sample = (np.zeros((2, 6), np.float32), np.zeros((2,), np.int32))
+    assert data.fit_to_sample(ds, sample) is ds  # fits as it is
+    fitted = data.fit_to_sample(ds, sample, num_classes=10)
+    assert fitted.num_classes == 10
+    bf16 = data.fit_to_sample(ds, (sample[0].astype("bfloat16"), sample[1].astype(np.int8)))
+    assert bf16.train_x.dtype.name == "bfloat16" and bf16.test_y.dtype == np.int8
+    with pytest.raises(DataError, match=r"x_train has rows of shape \(6,\).*\(8, 8, 1\)"):
+        data.fit_to_sample(ds, (np.zeros((2, 8, 8, 1), np.float32), sample[1]))
+    with pytest.raises(DataError, match=r"y_train holds labels 0\.\.2 but the model has 2 classes"):
+        data.fit_to_sample(ds, sample, num_classes=2)
+    with pytest.raises(DataError, match=r"y_train holds float32 values.*store y_train and y_test"):
+        floats = data.load_npz(_npz(tmp_path, "f.npz", y_train=np.ones(20), y_test=np.ones(5)))
+        data.fit_to_sample(floats, sample)
+    ints = data.load_npz(_npz(tmp_path, "i.npz", x_train=np.ones((20, 6), np.uint8)))
+    assert data.fit_to_sample(ints, sample).train_x.dtype == np.float32  # int -> float: fine
+    with pytest.raises(DataError, match="has 2 arrays as x"):
+        data.fit_to_sample(ds, ((sample[0], sample[0]), sample[1]))

@@ -1,14 +1,21 @@
-"""The training loop and ``pdjax train``: accuracy, targets, divergence, resume."""
+"""The training loop and ``pdjax train``: accuracy, targets, divergence, resume; models and
+datasets of your own, metrics that follow checkpoints, TensorBoard, log lines, and
+configuration errors before anything runs."""
 
+import glob
 import json
+import math
+import struct
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+from pdjax import data
 from pdjax.cli import main
-from pdjax.errors import PipelineError
-from pdjax.train import TrainConfig, TrainingDiverged, train
+from pdjax.errors import DataError, LayerError, PipelineError
+from pdjax.train import EpochRecord, TrainConfig, TrainingDiverged, _sync_metrics, build, train
 
 
 def _cfg(**kw):
@@ -108,3 +115,216 @@ def test_cli_trains_compares_and_writes_metrics_and_plots(tmp_path, capsys):
     assert [json.loads(line)["run"] for line in lines] == ["pipedream", "dp"]
     assert (tmp_path / "accuracy-vs-epochs.png").stat().st_size > 1000
     assert (tmp_path / "accuracy-vs-seconds.png").stat().st_size > 1000
+
+
+# -- models and datasets of your own -----------------------------------------------------------
+
+MODEL_PY = """
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+SEEN = {}
+
+
+def _loss(out, y):
+    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+
+def build(config="tiny", seq_len=None):
+    SEEN.update(config=config, seq_len=seq_len)
+    return {
+        "layers": [nn.Dense(32), nn.relu, nn.Dense(10)],
+        "loss": _loss,
+        "sample_batch": (np.zeros((2, 64), np.float32), np.zeros((2,), np.int32)),
+        "accuracy": lambda out, y: jnp.mean(jnp.argmax(out, -1) == y),
+        "num_classes": 10,
+    }
+
+
+def no_accuracy():
+    model = build()
+    del model["accuracy"]
+    return model
+
+
+def twelve():
+    model = build()
+    model["sample_batch"] = (np.zeros((2, 12), np.float32), np.zeros((2,), np.int32))
+    return model
+"""
+
+
+@pytest.fixture
+def mine(tmp_path, monkeypatch):
+    """``mymodel.py`` in the current directory and ``digits.npz``: 320 + 100 flat digits."""
+    (tmp_path / "mymodel.py").write_text(MODEL_PY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+    ds = data.digits(flatten=True)
+    np.savez(
+        tmp_path / "digits.npz",
+        x_train=ds.train_x[:320],
+        y_train=ds.train_y[:320],
+        x_test=ds.test_x[:100],
+        y_test=ds.test_y[:100],
+    )
+    yield tmp_path
+    sys.modules.pop("mymodel", None)
+
+
+def _mine(**kw):
+    return _cfg(model="mymodel:build", dataset="digits.npz", learning_rate=1e-2, **kw)
+
+
+def test_a_model_of_your_own_trains_on_an_npz_dataset(mine):
+    result = train(_mine(epochs=2), metrics_path=mine / "m.jsonl")
+    assert sys.modules["mymodel"].SEEN == {"config": "tiny", "seq_len": 16}
+    losses = [r.train_loss for r in result.history]
+    assert losses[1] < losses[0] and all(math.isfinite(x) for x in losses)
+    assert result.final_accuracy > 0.5
+    assert result.history[0].updates == 320 // 16  # PipeDream: one update per microbatch
+    lines = [json.loads(x) for x in (mine / "m.jsonl").read_text().splitlines()]
+    assert [x["epoch"] for x in lines] == [1, 2]
+    # no accuracy function: trained and evaluated on the loss, accuracy NaN (null in JSON)
+    cfg = _cfg(model="mymodel:no_accuracy", dataset="digits.npz", epochs=1, schedule="dp")
+    result = train(cfg, metrics_path=mine / "n.jsonl")
+    assert math.isnan(result.final_accuracy) and math.isfinite(result.history[0].test_loss)
+    assert json.loads((mine / "n.jsonl").read_text())["test_accuracy"] is None
+    with pytest.raises(PipelineError, match="--target-accuracy needs an accuracy"):
+        train(_cfg(model="mymodel:no_accuracy", dataset="digits.npz", target_accuracy=0.5))
+
+
+def test_datasets_are_checked_against_the_model_before_training(mine):
+    spec, ds = build(_mine())
+    assert spec.task == "custom" and len(spec.layers) == 3
+    assert ds.name == "digits.npz" and ds.train_x.shape == (320, 64) and ds.num_classes == 10
+    _, ds = build(_cfg(model="mymodel:build", dataset="digits"))  # 64 features: flat digits
+    assert ds.name == "digits-flat"
+    _, ds = build(_cfg(model="mlp", dataset="digits.npz"))  # a bundled model, your data
+    assert ds.num_train == 320
+    with pytest.raises(PipelineError, match=r"takes inputs \(12,\).*digits has \(8, 8, 1\)"):
+        build(_cfg(model="mymodel:twelve", dataset="digits"))
+    with pytest.raises(DataError, match=r"digits.npz.*x_train has rows of shape \(64,\)"):
+        build(_cfg(model="mymodel:twelve", dataset="digits.npz"))
+    np.savez("labels.npz", x_train=ds.train_x, y_train=ds.train_y + 5, x_test=ds.test_x,
+             y_test=ds.test_y)  # fmt: skip
+    with pytest.raises(DataError, match=r"labels.npz.*y_train holds labels 5\.\.14.*10 classes"):
+        build(_cfg(model="mlp", dataset="labels.npz"))
+    with pytest.raises(DataError, match=r"'nothere.npz' does not exist"):
+        build(_cfg(dataset="nothere.npz"))
+    with pytest.raises(PipelineError, match=r"unknown dataset 'mnist'.*\.npz file"):
+        _cfg(dataset="mnist")
+    with pytest.raises(LayerError, match=r"package\.module:factory"):
+        _cfg(model="resnet18")
+
+
+def test_metrics_follow_the_checkpoint(tmp_path):
+    path = tmp_path / "m.jsonl"
+
+    def rec(epoch):
+        return EpochRecord(epoch, 1.0, 1.0, 0.5, 1.0, float(epoch), 10.0, 10 * epoch)
+
+    other = json.dumps({"run": "dp", "epoch": 1})
+    path.write_text(f"{other}\n")
+    _sync_metrics(path, "pipedream", [rec(1), rec(2)])  # lines missing: written
+    assert [json.loads(x).get("run") for x in path.read_text().splitlines()] == [
+        "dp",
+        "pipedream",
+        "pipedream",
+    ]
+    before = path.read_text()
+    _sync_metrics(path, "pipedream", [rec(1), rec(2)])  # all there: unchanged
+    assert path.read_text() == before
+    with path.open("a") as f:  # an epoch written after the checkpoint it never reached
+        f.write(json.dumps({"run": "pipedream", "epoch": 3}) + "\n")
+    _sync_metrics(path, "pipedream", [rec(1), rec(2)])
+    assert path.read_text() == before
+    _sync_metrics(path, "pipedream", [])  # a fresh run: its old lines go, the others stay
+    assert path.read_text() == f"{other}\n"
+
+
+def _argv(out, *extra):
+    return [
+        "train", "--model", "mlp", "--devices", "2", "--plan", "even", "--batch-size", "32",
+        "--microbatches", "2", "--out", str(out), "--no-plots", *extra,
+    ]  # fmt: skip
+
+
+def test_cli_resume_appends_metrics_and_says_so(mine, capsys):
+    out, ckpt = mine / "out", str(mine / "ckpt")
+    argv = _argv(out, "--dataset", "digits.npz", "--checkpoint-dir", ckpt)
+    assert main([*argv, "--epochs", "1"]) == 0
+    first = (out / "metrics.jsonl").read_text()
+    assert "resuming" not in capsys.readouterr().out
+    assert main([*argv, "--epochs", "2"]) == 0
+    stdout = capsys.readouterr().out
+    assert "resuming from checkpoint step 20 (epoch 1)" in stdout  # 320 // 16 updates
+    assert stdout.index("resuming") < stdout.index("pipedream epoch 2/2")
+    text = (out / "metrics.jsonl").read_text()
+    assert text.startswith(first)  # appended, not truncated
+    assert [json.loads(x)["epoch"] for x in text.splitlines()] == [1, 2]
+
+
+def _events(folder):
+    """``(tag, step, value)`` of every scalar in the TensorBoard event files of ``folder``."""
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for name in sorted(glob.glob(f"{folder}/events.out.tfevents.*")):
+        with open(name, "rb") as f:
+            raw = f.read()
+        i = 0
+        while i < len(raw):  # TFRecord: length, its CRC, the event, its CRC
+            (n,) = struct.unpack("<Q", raw[i : i + 8])
+            event = event_pb2.Event.FromString(raw[i + 12 : i + 12 + n])
+            i += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out
+
+
+def test_cli_tensorboard_and_one_line_per_epoch_off_a_terminal(mine, capsys):
+    pytest.importorskip("tensorboardX")
+    argv = _argv(mine / "out", "--model", "mymodel:build", "--dataset", "digits.npz")
+    assert main([*argv, "--epochs", "2", "--lr", "1e-2", "--tensorboard", "tb"]) == 0
+    stdout = capsys.readouterr().out  # not a terminal: lines, no progress bar
+    lines = [x for x in stdout.splitlines() if x.startswith("pipedream epoch")]
+    assert [x.split(":")[0] for x in lines] == ["pipedream epoch 1/2", "pipedream epoch 2/2"]
+    assert all("train loss" in x and "test accuracy" in x for x in lines)
+    assert not any("━" in x and "epoch" in x for x in stdout.splitlines())
+    events = _events(mine / "tb" / "pipedream")
+    tags = {tag for tag, _, _ in events}
+    assert tags >= {"train/loss", "test/loss", "test/accuracy", "train/samples_per_second"}
+    metrics = [json.loads(x) for x in (mine / "out" / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:
+        logged = {tag: v for tag, step, v in events if step == m["epoch"]}
+        assert logged["train/loss"] == pytest.approx(m["train_loss"], rel=1e-6)
+        assert logged["test/accuracy"] == pytest.approx(m["test_accuracy"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
+        (["--model", "resnet18"], "unknown model 'resnet18'"),
+        (["--dataset", "nothere.npz"], "'nothere.npz' does not exist"),
+        (["--model", "mymodel:twelve", "--dataset", "digits.npz"], "x_train has rows of shape"),
+        (["--batch-size", "33"], "not a multiple of microbatches"),
+        (["--compare", "dp,ring"], "unknown schedule 'ring'"),
+        (["--schedule", "1f1b", "--vertical-sync"], "options of the pipedream schedule"),
+        (["--model", "mymodel:no_accuracy", "--target-accuracy", "0.9"], "needs an accuracy"),
+        (["--plan", "noplan.json"], "'noplan.json' is not a file"),
+        (["--compare", "dp", "--batch-size", "34", "--microbatches", "1", "--devices", "4"],
+         "multiple of 4"),
+        (["--schedule", "interleaved", "--devices", "4"], "interleaved needs 4 devices x 2"),
+    ],
+)  # fmt: skip
+def test_cli_config_errors_come_before_anything_runs_or_is_written(mine, capsys, extra, message):
+    out = mine / "out"
+    assert main([*_argv(out, "--epochs", "1", "--progress", "bar"), *extra]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert captured.out == ""  # no run started, no progress bar
+    assert not out.exists()

@@ -3,6 +3,7 @@ the simulator's prediction for the same plan.
 
 pdjax bench --model cnn --config tiny --devices 4 --batch-size 64 --microbatches 4
 pdjax bench --model gpt --plan even --steps 20 --json
+pdjax bench --model mypkg.models:build --devices 2 --schedules 1f1b,dp   # a model of your own
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 
+from pdjax.commands import HelpFormatter, add_model_arguments, split_list
 from pdjax.commands.train import set_cpu_devices
 
 __all__ = ["register", "run"]
@@ -19,7 +21,6 @@ __all__ = ["register", "run"]
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``bench`` subcommand."""
     from pdjax.bench import BENCH_SCHEDULES
-    from pdjax.models import MODELS
 
     p = subparsers.add_parser(
         "bench",
@@ -28,9 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(a warm-up call, then round-robin repeats, medians) and print samples/s measured "
         "next to the simulator's prediction for the same plan, and the driver's host "
         "seconds per dispatched action.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default="cnn", choices=MODELS)
-    p.add_argument("--config", default="tiny", choices=("tiny", "paper"))
+    add_model_arguments(p, default="cnn")
     p.add_argument("--devices", type=int, default=4, help="devices to use (CPU: simulated)")
     p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
     p.add_argument("--microbatches", type=int, default=4, help="M: microbatches per step")
@@ -51,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=",".join((*BENCH_SCHEDULES, "dp")),
         help="comma-separated runners, in order ('dp' is data parallelism)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the synthetic batch and weights")
     c = p.add_argument_group(
         "a cluster on one machine",
         "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
@@ -77,13 +78,16 @@ def run(args: argparse.Namespace) -> int:
     """Runs the benchmark and prints the table (or JSON)."""
     if args.cluster:
         return _run_cluster(args)
+    from pdjax.models import check_model_name
+
+    check_model_name(args.model)
     set_cpu_devices(args.devices)
     from rich.console import Console
 
     from pdjax.bench import bench, format_table
 
     err = Console(file=sys.stderr)
-    schedules = [s.strip() for s in args.schedules.split(",") if s.strip()]
+    schedules = split_list(args.schedules)
 
     def on_row(name: str) -> None:
         if not args.json:

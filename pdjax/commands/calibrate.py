@@ -19,6 +19,7 @@ import argparse
 import sys
 from typing import Any
 
+from pdjax.commands import HelpFormatter, add_model_arguments
 from pdjax.errors import CalibrationError
 
 __all__ = ["register", "run"]
@@ -26,18 +27,21 @@ __all__ = ["register", "run"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``calibrate`` subcommand."""
-    from pdjax.models import MODELS
-
     p = subparsers.add_parser(
         "calibrate",
         help="measure stages, links and all-reduces on these devices for plan and simulate",
         description="Time candidate stages as compiled programs, the links between their "
         "devices and their all-reduces, and write a calibration JSON.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", required=True, choices=MODELS, help="model family")
-    p.add_argument("--config", default="tiny", choices=("tiny", "paper"), help="model size")
+    add_model_arguments(p, required=True)
     p.add_argument("--microbatch-size", type=int, required=True, help="samples per microbatch")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=("adam", "sgd", "momentum"),
+        help="the optimizer whose update is timed with each stage",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the update is timed)")
     p.add_argument("--devices", type=int, help="devices to use (CPU: simulated); default all")
     what = p.add_mutually_exclusive_group(required=True)
@@ -49,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, help="with --refine: microbatches per step")
     p.add_argument("--calibration", help="an earlier calibration to extend")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the sample batch and weights")
     p.add_argument("--out", required=True, help="write the calibration JSON here")
     p.add_argument("--plan-out", help="with --refine: write the best plan here")
     p.set_defaults(func=run)

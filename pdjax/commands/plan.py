@@ -3,6 +3,7 @@
     pdjax plan --profile vgg16.json --workers 16 --bandwidths 1.25e9
     pdjax plan --profile graph.txt --levels 4x4 --bandwidths 1e10,1.25e9 --cost-model paper
     pdjax plan --profile pipedream:vgg16 --preset cluster-a --json --out plan.json
+    pdjax plan --model mypkg.models:build --microbatch-size 16 --workers 4   # profiles it first
 
 ``--levels`` and ``--bandwidths`` list the levels innermost first (``4x4``: 4 servers of 4
 devices, ``1e10,1.25e9``: 10 GB/s inside a server, 10 Gbit/s between servers).
@@ -10,6 +11,11 @@ devices, ``1e10,1.25e9``: 10 GB/s inside a server, 10 Gbit/s between servers).
 split across its devices), ``round-robin`` (PipeDream's: whole microbatches per device, one
 all-reduce per group; the planner prices it for ``pipedream``), or ``auto`` (default: the
 cheaper, round-robin under ``pipedream``, split under the other schedules).
+
+``--model`` (a bundled model or ``package.module:factory``) profiles the model first, at
+``--microbatch-size`` samples (default 32), with times measured on this machine's first
+device or estimated for ``--device-model``. A plan predicted to be slower than the whole
+model on one device (from the same profile and cost model) is printed with a warning.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdjax.commands import HelpFormatter, add_model_arguments
 from pdjax.errors import PlanError
 from pdjax.partition import (
     COST_MODELS,
@@ -31,12 +38,13 @@ from pdjax.partition import (
     plan_pipedream,
     plan_uniform,
 )
-from pdjax.profile import Profile
+from pdjax.profile import DEVICE_MODELS, Profile
 
 __all__ = ["register", "render_plan", "run"]
 
 _PARTITIONERS = ("pipedream", "uniform", "balanced-time", "balanced-params")
 _DEFAULT_BANDWIDTH = 1.25e9
+_MODEL_BATCH = 32
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,9 +53,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan",
         help="partition a profile into pipeline stages over a topology",
         description="Run PipeDream's partitioning optimizer (or a simpler partitioner) on a "
-        "profile (pdjax JSON, PipeDream graph.txt, or pipedream:NAME for a shipped one).",
+        "profile (pdjax JSON, PipeDream graph.txt, or pipedream:NAME for a shipped one), or "
+        "on a model profiled now (--model).",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--profile", required=True, help="profile JSON, graph.txt or pipedream:NAME")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--profile", help="profile JSON, graph.txt or pipedream:NAME")
+    add_model_arguments(p, group=source)
+    p.add_argument(
+        "--device-model",
+        choices=sorted(DEVICE_MODELS),
+        help="with --model: estimate seconds with this device's roofline (h100, v100, ...) "
+        "instead of measuring on this machine's first device",
+    )
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--workers", type=int, help="one level of this many devices")
     where.add_argument("--levels", help="workers per level, innermost first, e.g. 4x4")
@@ -57,9 +75,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"bytes/s per level, innermost first, comma-separated (default "
         f"{_DEFAULT_BANDWIDTH:g} = 10 Gbit/s for every level)",
     )
-    p.add_argument("--cost-model", default="pdjax", choices=COST_MODELS)
-    p.add_argument("--schedule", default="pipedream", choices=sorted(SCHEDULES))
-    p.add_argument("--partitioner", default="pipedream", choices=_PARTITIONERS)
+    p.add_argument(
+        "--cost-model",
+        default="pdjax",
+        choices=COST_MODELS,
+        help="how stage and transfer times are predicted: pdjax's, the paper's equations, or "
+        "PipeDream's code",
+    )
+    p.add_argument(
+        "--schedule",
+        default="pipedream",
+        choices=sorted(SCHEDULES),
+        help="the schedule the in-flight counts, memory and times are for",
+    )
+    p.add_argument(
+        "--partitioner",
+        default="pipedream",
+        choices=_PARTITIONERS,
+        help="PipeDream's optimizer, or a simpler partitioner (needs --stages)",
+    )
     p.add_argument("--stages", type=int, help="stages for the simpler partitioners")
     p.add_argument(
         "--replication",
@@ -68,13 +102,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how a replicated stage shares its work: split (each microbatch split across "
         "its devices, one all-reduce per update), round-robin (PipeDream's: whole "
         "microbatches per device, one all-reduce per group of r under pipedream), or auto "
-        "(default: round-robin under pipedream, where it all-reduces less; split otherwise)",
+        "(the cheaper: round-robin under pipedream, where it all-reduces less; split otherwise)",
     )
     p.add_argument("--straight", action="store_true", help="no replication")
     p.add_argument("--fewer-machines", action="store_true", help="may leave devices idle")
     p.add_argument("--memory-limit", type=float, help="bytes per device")
     p.add_argument("--microbatches", type=int, help="microbatches per step (default: devices)")
-    p.add_argument("--microbatch-size", type=int, help="samples per microbatch")
+    p.add_argument(
+        "--microbatch-size",
+        type=int,
+        help=f"samples per microbatch (default: the profile's batch; with --model {_MODEL_BATCH})",
+    )
     p.add_argument(
         "--optimizer-state-factor",
         type=float,
@@ -122,7 +160,12 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
 def run(args: argparse.Namespace) -> int:
     """Plans and prints (or writes) the result. Raises PdjaxError on bad input."""
     topology = topology_from_args(args)  # validate the cheap arguments first
-    profile = Profile.load(args.profile)
+    if args.model is not None:
+        profile = _profile_model(args)
+    else:
+        if args.device_model:
+            raise PlanError("--device-model prices a model profiled now: give --model")
+        profile = Profile.load(args.profile)
     common = dict(
         cost_model=args.cost_model,
         schedule=args.schedule,
@@ -169,7 +212,48 @@ def run(args: argparse.Namespace) -> int:
         render_plan(plan)
         if args.out:
             print(f"plan written to {args.out}")
+    warning = slower_than_one_device(plan)
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _profile_model(args: argparse.Namespace) -> Profile:
+    """``--model``: the model profiled at ``--microbatch-size`` samples."""
+    from pdjax.models import get_model
+    from pdjax.profile import profile
+    from pdjax.profile.devices import get_device_model
+
+    size = args.microbatch_size or _MODEL_BATCH
+    if size < 1:
+        raise PlanError(f"--microbatch-size must be >= 1, got {size}")
+    spec = get_model(args.model, args.config)
+    device_model = get_device_model(args.device_model) if args.device_model else None
+    return profile(
+        spec.layers,
+        spec.sample_input(size),
+        measure=device_model is None,
+        device_model=device_model,
+        meta={"model": args.model, "config": args.config},
+    )
+
+
+def slower_than_one_device(plan: Plan) -> str | None:
+    """A warning if ``plan`` is predicted slower per microbatch (so per sample) than the
+    whole model on one device, from the same profile and cost model; else None."""
+    one, ours = plan.single_device_time, plan.time_per_microbatch
+    if not (one > 0 and ours > one * (1 + 1e-9)):
+        return None
+    from pdjax._units import fmt_seconds
+
+    return (
+        f"this plan ({plan.config} on {plan.num_devices} devices) is predicted SLOWER than one "
+        f"device: {fmt_seconds(ours)} per microbatch of {plan.microbatch_size} samples "
+        f"against {fmt_seconds(one)} for the whole model on one device ({ours / one:.3g}x "
+        "the time): its transfers or all-reduces cost more than splitting the work saves. "
+        "Try --fewer-machines (may use fewer devices), faster --bandwidths, a larger "
+        "--microbatch-size, or train on one device"
+    )
 
 
 def render_plan(plan: Plan, file: object = None) -> None:

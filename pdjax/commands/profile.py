@@ -1,4 +1,5 @@
-"""``pdjax profile``: profile one of pdjax's models and print its per-layer table."""
+"""``pdjax profile``: profile a model (bundled, or ``package.module:factory``) and print its
+per-layer table."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 import jax
 
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
+from pdjax.commands import HelpFormatter, add_model_arguments
 from pdjax.errors import ProfileError
 from pdjax.profile import DEVICE_MODELS, Profile, profile
 
@@ -16,16 +18,14 @@ __all__ = ["register", "render_profile", "run"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``profile`` subcommand."""
-    from pdjax.models import MODELS
-
     p = subparsers.add_parser(
         "profile",
         help="per-layer FLOPs, bytes and times of a model",
         description="Profile a model with XLA's cost analysis (and optionally measured "
         "times) and print a per-layer table.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", required=True, choices=MODELS, help="model family")
-    p.add_argument("--config", default="tiny", choices=("tiny", "paper"), help="model size")
+    add_model_arguments(p, required=True)
     p.add_argument("--batch-size", type=int, default=32, help="samples in the profiled batch")
     p.add_argument("--measure", action="store_true", help="time forward/backward on a device")
     p.add_argument(

@@ -2,6 +2,12 @@
 
 pdjax simulate --unit-costs 1,1,1 --stages 4 --schedule all --microbatches 8 --png out.png
 pdjax simulate --plan plan.json --profile profile.json --schedule 1f1b --microbatches 8
+pdjax simulate --unit-costs 1,1,1 --stages 4 --schedule 1f1b,pipedream,pipedream-nostash
+
+``--schedule`` takes one schedule, ``all``, or a comma-separated list (as ``pdjax train
+--compare``), where ``pipedream-nostash`` and ``pipedream-vsync`` are ``pipedream`` without
+weight stashing and with vertical sync. With several schedules, one that cannot run is a
+row saying why; a single one that cannot run is an error.
 
 With a plan, ``--replication`` says how its replicated stages run: ``auto`` (default) as
 the plan records them for the schedule it was planned for, and for another schedule
@@ -18,6 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from pdjax._units import fmt_bytes, fmt_seconds
+from pdjax.commands import HelpFormatter, split_list
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.plan import Plan
 from pdjax.pipeline import costs as _costs
@@ -31,7 +38,14 @@ from pdjax.pipeline.simulate import (
 )
 from pdjax.profile.profile import Profile
 
-__all__ = ["costs_from_plan", "register", "run"]
+__all__ = ["costs_from_plan", "parse_schedules", "register", "run"]
+
+#: ``--schedule`` names beyond :data:`SCHEDULES`: ``name -> (schedule, vertical sync,
+#: weight stashing)``, as ``pdjax train --compare`` reads them.
+VARIANTS = {
+    "pipedream-nostash": ("pipedream", False, False),
+    "pipedream-vsync": ("pipedream", True, True),
+}
 
 
 def costs_from_plan(
@@ -71,6 +85,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="step time, bubble and memory of pipeline schedules",
         description="Play pipeline schedules against a plan's costs (or unit costs) and "
         "print step time, bubble fraction and peak memory per device group.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--plan", help="plan JSON (from pdjax plan)")
     p.add_argument("--profile", help="profile JSON the plan was made from")
@@ -84,8 +99,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         default="1f1b",
-        choices=(*SCHEDULES, "all"),
-        help="schedule to simulate, or all of them side by side",
+        metavar="NAME[,NAME...]",
+        help=f"schedule(s) to simulate side by side, comma-separated: {', '.join(SCHEDULES)}, "
+        f"{', '.join(VARIANTS)}; or all",
     )
     p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v, model chunks per group (interleaved)")
@@ -102,7 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --plan: how replicated stages share their work. split: each microbatch "
         "split across the stage's devices; round-robin (PipeDream's; gpipe, 1f1b, pipedream, "
         "2bw): whole microbatches per device, r at once, one all-reduce per group under "
-        "pipedream; auto (default): as the plan records for its own schedule, else "
+        "pipedream; auto: as the plan records for its own schedule, else "
         "round-robin under pipedream and split under the others",
     )
     p.add_argument(
@@ -146,8 +162,36 @@ def _default_stream(stages: int, microbatches: int) -> int:
     return steps * microbatches
 
 
+def parse_schedules(text: str) -> list[tuple[str, str, bool | None, bool | None]]:
+    """``--schedule``: ``all`` or comma-separated names, as ``(name, schedule, vertical
+    sync, weight stashing)`` (None: as the command-line flags say).
+
+    Raises:
+      ScheduleError: for an unknown or repeated name, or none.
+    """
+    names = split_list(text)
+    if names == ["all"]:
+        return [(n, n, None, None) for n in SCHEDULES]
+    known = (*SCHEDULES, *VARIANTS)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names or len(set(names)) != len(names):
+        what = f"unknown {unknown}" if unknown else "repeated or no schedules"
+        raise ScheduleError(
+            f"--schedule {text!r}: {what}; give one or more of {', '.join(known)}, "
+            "comma-separated (e.g. 1f1b,pipedream), or all"
+        )
+    out: list[tuple[str, str, bool | None, bool | None]] = []
+    for n in names:
+        if n in VARIANTS:
+            out.append((n, *VARIANTS[n]))
+        else:
+            out.append((n, n, None, None))
+    return out
+
+
 def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]:
     """Each requested schedule with its simulation, or the reason it cannot run."""
+    requested = parse_schedules(args.schedule)
     if args.calibration and not args.plan:
         raise ScheduleError("--calibration prices a plan's stages: give --plan and --profile")
     if args.unit_costs is not None:
@@ -191,9 +235,10 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             "pdjax simulate needs costs: --plan PLAN.json --profile PROFILE.json, or "
             "--unit-costs F,I,W --stages P"
         )
-    names = SCHEDULES if args.schedule == "all" else (args.schedule,)
     results: list[tuple[str, Simulation | str]] = []
-    for name in names:
+    for label, name, vsync, stashing in requested:
+        vertical_sync = args.vertical_sync if vsync is None else vsync
+        weight_stashing = args.weight_stashing if stashing is None else stashing
         try:
             mode = _replication(args.replication, plan, name)
             stream = args.stream
@@ -209,16 +254,16 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
                 args.microbatches,
                 stream=stream,
                 chunks=args.chunks,
-                vertical_sync=args.vertical_sync,
-                weight_stashing=args.weight_stashing,
+                vertical_sync=vertical_sync,
+                weight_stashing=weight_stashing,
                 replicas=replicas,
                 replication=mode,
             )
-            results.append((name, simulate(schedule, costs_for(schedule.chunks))))
+            results.append((label, simulate(schedule, costs_for(schedule.chunks))))
         except ScheduleError as e:
-            if args.schedule != "all":
+            if len(requested) == 1:
                 raise
-            results.append((name, str(e)))
+            results.append((label, str(e)))
     return results
 
 
@@ -273,7 +318,9 @@ def run(args: argparse.Namespace) -> int:
         plot_gantt([s.timeline for s in sims], args.png, titles=titles)
     if args.json:
         rows = [
-            r.summary() if isinstance(r, Simulation) else {"schedule": name, "error": r}
+            {"name": name, **_summary(r)}
+            if isinstance(r, Simulation)
+            else {"name": name, "schedule": name, "error": r}
             for name, r in results
         ]
         print(json.dumps({"schedules": rows}, indent=1))
@@ -283,6 +330,16 @@ def run(args: argparse.Namespace) -> int:
         if path and sims:
             print(f"{flag} written to {path}")
     return 0
+
+
+def _summary(sim: Simulation) -> dict[str, object]:
+    """The simulation's summary with the schedule's options."""
+    s = sim.schedule
+    return {
+        **sim.summary(),
+        "vertical_sync": s.vertical_sync,
+        "weight_stashing": s.weight_stashing,
+    }
 
 
 def _runs(cells: Sequence[str]) -> str:

@@ -1,35 +1,58 @@
 """``pdjax train``: train a model on an offline dataset with a schedule (or DP), with a
-progress bar, per-epoch evaluation, a target accuracy, metrics, plots and checkpoints."""
+progress bar, per-epoch evaluation, a target accuracy, metrics, plots and checkpoints.
+
+Every setting is checked before anything runs or is written: the schedules and their
+options, the model (a bundled one, or imported from ``package.module:factory``), the
+dataset (``digits``, ``text`` or an ``.npz`` file, checked against the model's sample
+batch), sizes, devices and plan files; the output folder is made by the first epoch's
+metrics. On a terminal a progress bar shows the batches; elsewhere (a log file, CI) one
+line per epoch. ``metrics.jsonl`` follows the checkpoints: a resumed run keeps its earlier
+lines and appends; ``--tensorboard DIR`` writes event files per run.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register", "run", "set_cpu_devices"]
+from pdjax.commands import HelpFormatter, add_model_arguments, split_list
+
+__all__ = ["epoch_line", "register", "run", "set_cpu_devices"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``train`` subcommand."""
-    from pdjax.models import MODELS
     from pdjax.train import SCHEDULE_CHOICES
 
     p = subparsers.add_parser(
         "train",
         help="train a model with a pipeline schedule or data parallelism",
-        description="Profile, plan and train a model on digits or text, evaluating every "
+        description="Profile, plan and train a model (bundled, or your own as "
+        "package.module:factory) on digits, text or your own .npz file, evaluating every "
         "epoch. --compare runs other schedules (or dp) on the same data, side by side.",
+        formatter_class=HelpFormatter,
     )
-    p.add_argument("--model", default="cnn", choices=MODELS)
-    p.add_argument("--config", default="tiny", choices=("tiny", "paper"))
-    p.add_argument("--dataset", default="digits", choices=("digits", "text"))
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULE_CHOICES)
+    add_model_arguments(p, default="cnn")
+    p.add_argument(
+        "--dataset",
+        default="digits",
+        metavar="NAME|PATH.npz",
+        help="digits (8x8 images, or 64 features for a model taking them), text "
+        "(characters, for language models), or an .npz file with arrays x_train, y_train, "
+        "x_test, y_test whose rows fit the model's sample batch",
+    )
+    p.add_argument(
+        "--schedule",
+        default="pipedream",
+        choices=SCHEDULE_CHOICES,
+        help="pipeline schedule, or dp for the data-parallel baseline",
+    )
     p.add_argument("--devices", type=int, default=4, help="devices to use (CPU: simulated)")
     p.add_argument(
         "--plan", default="auto", help="'auto' (profile + plan now), 'even', or plan.json"
@@ -37,13 +60,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
     )
-    p.add_argument("--epochs", type=int, default=10)
+    p.add_argument("--epochs", type=int, default=10, help="epochs at most")
     p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
     p.add_argument("--microbatches", type=int, default=4, help="M: microbatches per step")
-    p.add_argument("--chunks", type=int, default=2, help="v for interleaved")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "sgd", "momentum"))
+    p.add_argument("--chunks", type=int, default=2, help="v: model chunks per device (interleaved)")
+    p.add_argument(
+        "--optimizer",
+        default="adam",
+        choices=("adam", "sgd", "momentum"),
+        help="adam, sgd, or sgd with momentum 0.9",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seeds initialisation, dropout, data order and split"
+    )
     p.add_argument("--target-accuracy", type=float, help="stop at this test accuracy (0-1)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument(
@@ -63,18 +93,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=("plan", "split", "round-robin"),
         help="replicated stages: split each microbatch over the devices, or PipeDream's "
         "round-robin (whole microbatches, one per device, one update per group under "
-        "pipedream); plan: as the plan says (default)",
+        "pipedream); plan: as the plan says",
     )
-    p.add_argument("--seq-len", type=int, default=16, help="tokens per window (text)")
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=16,
+        help="tokens per window (text); passed to a factory that takes seq_len",
+    )
     p.add_argument(
         "--compare",
         default="",
         help="comma-separated schedules to run next to --schedule on the same data, e.g. "
         "'dp' or 'dp,1f1b,pipedream-nostash,pipedream-vsync'",
     )
-    p.add_argument("--checkpoint-dir", help="save every epoch here; resume if it holds one")
-    p.add_argument("--out", default="out/train", help="folder for metrics.jsonl and plots")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="save every epoch here (a folder per run); resume a run found there, appending "
+        "to its metrics",
+    )
+    p.add_argument(
+        "--out", default="out/train", help="folder for metrics.jsonl, summary.json and plots"
+    )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also write TensorBoard event files, DIR/<run>: train and test loss, test "
+        "accuracy, samples/s and seconds per epoch (needs tensorboardX: pip install "
+        "'pdjax[tensorboard]')",
+    )
+    p.add_argument(
+        "--progress",
+        default="auto",
+        choices=("auto", "bar", "lines"),
+        help="a progress bar over each epoch's batches (bar), one line per epoch (lines), or "
+        "a bar on a terminal and lines elsewhere (auto)",
+    )
     g = p.add_argument_group(
         "several processes",
         "one pipeline across processes (jax.distributed): run the same command in every "
@@ -116,15 +171,16 @@ def set_cpu_devices(n: int) -> None:
 
 
 def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
-    base = {"schedule": args.schedule}
-    if args.schedule == "pipedream":
-        base.update(
-            vertical_sync=args.vertical_sync,
-            weight_stashing=not args.no_weight_stashing,
-            extra_in_flight=args.extra_in_flight,
-        )
-    runs = [base]
-    for name in filter(None, (c.strip() for c in args.compare.split(","))):
+    # the pipedream options go with --schedule, whatever it is: TrainConfig refuses them
+    # for another schedule rather than ignoring them
+    base = {
+        "schedule": args.schedule,
+        "vertical_sync": args.vertical_sync,
+        "weight_stashing": not args.no_weight_stashing,
+        "extra_in_flight": args.extra_in_flight,
+    }
+    runs: list[dict[str, Any]] = [base]
+    for name in split_list(args.compare):
         if name == "pipedream-nostash":
             runs.append({"schedule": "pipedream", "weight_stashing": False})
         elif name == "pipedream-vsync":
@@ -135,21 +191,15 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Trains every requested variant and prints a summary table."""
+    """Checks every requested variant, trains each and prints a summary table."""
     if getattr(args, "local_processes", None):
         return _launch_local(args)
     if not _join(args):
         set_cpu_devices(args.devices)
     from rich.console import Console
 
-    from pdjax.train import TrainConfig
+    from pdjax.train import TrainConfig, build, check, require_tensorboard, run_folder
 
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    if metrics_path.exists():
-        metrics_path.unlink()
     common = dict(
         model=args.model,
         config=args.config,
@@ -169,24 +219,42 @@ def run(args: argparse.Namespace) -> int:
         transport=args.transport,
         replication=args.replication,
     )
-    # every configuration is checked before the first run trains
+    # Every configuration is checked before the first run trains, and before anything is
+    # written: settings, model, dataset, sizes, devices, plan files.
     configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
+    if args.tensorboard:
+        require_tensorboard()
+    built = build(configs[0])  # the variants differ only in how they train
+    for cfg in configs:
+        check(cfg, *built)
+
+    bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    out = Path(args.out)
+    metrics_path = out / "metrics.jsonl"
+    if not args.checkpoint_dir and metrics_path.exists():
+        metrics_path.unlink()  # fresh runs; with checkpoints, each run keeps its lines
     results = []
     for cfg in configs:
         ckpt = None
         if args.checkpoint_dir:
-            folder = re.sub(r"\W+", "_", cfg.label).strip("_")
-            ckpt = os.path.join(args.checkpoint_dir, folder)
-        results.append(_train_one(cfg, console, ckpt, metrics_path))
+            ckpt = os.path.join(args.checkpoint_dir, run_folder(cfg.label))
+        results.append(_train_one(cfg, console, ckpt, metrics_path, built, bar, args.tensorboard))
     _summary(console, results)
+    out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary_path.write_text(json.dumps([_result_dict(r) for r in results], indent=1))
-    console.print(f"metrics: {metrics_path}  summary: {summary_path}")
+    console.print(f"metrics: {metrics_path}  summary: {summary_path}", highlight=False)
+    if args.tensorboard:
+        console.print(f"tensorboard: tensorboard --logdir {args.tensorboard}", highlight=False)
     if not args.no_plots:
-        from pdjax.plots import plot_training
+        if any(math.isfinite(h.test_accuracy) for r in results for h in r.history):
+            from pdjax.plots import plot_training
 
-        paths = plot_training(results, out)
-        console.print("plots: " + "  ".join(str(p) for p in paths))
+            paths = plot_training(results, out)
+            console.print("plots: " + "  ".join(str(p) for p in paths), highlight=False)
+        else:
+            console.print("plots: none (the model has no accuracy to plot)", highlight=False)
     return 0
 
 
@@ -216,6 +284,7 @@ def _join(args: argparse.Namespace) -> bool:
     if config.process_id > 0:  # process 0 writes the results; the others beside them
         args.out = os.path.join(args.out, f"process{config.process_id}")
         args.no_plots = True
+        args.tensorboard = None
     return True
 
 
@@ -237,42 +306,96 @@ def _launch_local(args: argparse.Namespace) -> int:
     )
 
 
-def _train_one(cfg: Any, console: Any, ckpt: str | None, metrics_path: Path) -> Any:
+def epoch_line(cfg: Any, record: Any) -> str:
+    """One epoch as a log line: ``"pipedream epoch 2/10: train loss 0.4321, test loss
+    0.3810, test accuracy 0.912, 5,120 samples/s, 0.41 s"``."""
+    parts = [f"train loss {record.train_loss:.4f}", f"test loss {record.test_loss:.4f}"]
+    if math.isfinite(record.test_accuracy):
+        parts.append(f"test accuracy {record.test_accuracy:.3f}")
+    parts += [f"{record.samples_per_second:,.0f} samples/s", f"{record.seconds:.2f} s"]
+    return f"{cfg.label} epoch {record.epoch}/{cfg.epochs}: " + ", ".join(parts)
+
+
+def _train_one(
+    cfg: Any,
+    console: Any,
+    ckpt: str | None,
+    metrics_path: Path,
+    built: Any,
+    bar: bool,
+    tensorboard: str | None,
+) -> Any:
+    """Trains one variant; a progress bar (``bar``) or one line per epoch on stdout."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from pdjax.train import train
 
-    console.rule(f"{cfg.label}: {cfg.model} ({cfg.config}) on {cfg.dataset}")
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task(f"{cfg.label} epoch 1", total=None, info="")
+    title = f"{cfg.label}: {cfg.model} ({cfg.config}) on {cfg.dataset}"
+    if bar:
+        console.rule(title)
+    else:
+        print(f"== {title}", flush=True)
+    progress: Progress | None = None
+    task: Any = None
+    epoch = 1  # the epoch running (for the bar)
 
-        def on_progress(done: int, total: int) -> None:
-            progress.update(task, completed=done, total=total)
+    def on_resume(epochs: int, step: int) -> None:
+        nonlocal epoch
+        epoch = epochs + 1
+        print(f"resuming from checkpoint step {step} (epoch {epochs}): {ckpt}", flush=True)
 
-        def on_epoch(record: Any) -> None:
-            progress.update(
-                task,
-                description=f"{cfg.label} epoch {record.epoch} done",
-                info=f"loss {record.train_loss:.3f}  acc {record.test_accuracy:.3f}  "
-                f"{record.samples_per_second:,.0f} samples/s",
+    def on_start(plan: str) -> None:
+        nonlocal progress, task
+        print(f"plan: {plan}", flush=True)
+        if bar:  # every setting is checked by now: no error comes under a bar
+            progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                transient=False,
             )
+            progress.start()
+            task = progress.add_task(f"{cfg.label} compiling", total=None, info="")
 
-        result = train(
+    def on_progress(done: int, total: int) -> None:
+        if progress is not None:
+            description = f"{cfg.label} epoch {epoch}/{cfg.epochs}"
+            progress.update(task, completed=done, total=total, description=description)
+
+    def on_epoch(record: Any) -> None:
+        nonlocal epoch
+        epoch = record.epoch + 1
+        line = epoch_line(cfg, record)
+        if progress is None:
+            print(line, flush=True)
+            return
+        progress.console.print(line, highlight=False, markup=False)
+        acc = record.test_accuracy
+        progress.update(
+            task,
+            description=f"{cfg.label} epoch {record.epoch}/{cfg.epochs} done",
+            info=f"loss {record.train_loss:.3f}"
+            + (f"  acc {acc:.3f}" if math.isfinite(acc) else "")
+            + f"  {record.samples_per_second:,.0f} samples/s",
+        )
+
+    try:
+        return train(
             cfg,
             checkpoint_dir=ckpt,
             metrics_path=metrics_path,
             on_epoch=on_epoch,
-            on_progress=on_progress,
+            on_progress=on_progress if bar else None,
+            built=built,
+            on_resume=on_resume,
+            on_start=on_start,
+            tensorboard_dir=tensorboard,
         )
-    console.print(f"plan: {result.plan}")
-    return result
+    finally:
+        if progress is not None:
+            progress.stop()
 
 
 def _result_dict(result: Any) -> dict[str, Any]:
@@ -310,7 +433,7 @@ def _summary(console: Any, results: list[Any]) -> None:
             r.config.label,
             r.plan,
             str(len(h)),
-            f"{r.final_accuracy:.3f}",
+            f"{r.final_accuracy:.3f}" if math.isfinite(r.final_accuracy) else "-",
             "-" if r.target_epoch is None else str(r.target_epoch),
             f"{mean_epoch:.2f}",
             "-" if r.time_to_target is None else f"{r.time_to_target:.2f} s",
