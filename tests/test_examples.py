@@ -55,3 +55,32 @@ def test_custom_dataset_factory_is_a_model_of_its_own():
     assert same.layers.names == spec.layers.names
     with pytest.raises(LayerError, match="takes --config"):
         load_model("examples.custom_dataset:build", offer={"config": "huge"})
+
+
+def _run_example(name, capsys, monkeypatch):
+    """Runs ``examples/<name>`` in its tiny mode in this process (the suite's 8 CPU devices:
+    the example's own device count must not be set again once JAX has started)."""
+    import jax
+
+    monkeypatch.setattr(jax.config, "update", lambda *a, **k: None)
+    module = runpy.run_path(str(EXAMPLES / name), run_name="example")
+    result = module["main"](["--tiny"])
+    return result, capsys.readouterr().out
+
+
+def test_nnx_model_example_runs_tiny_and_its_own_model_agrees(capsys, monkeypatch):
+    result, out = _run_example("nnx_model.py", capsys, monkeypatch)
+    assert math.isfinite(result["loss"]) and 0.0 <= result["accuracy"] <= 1.0
+    # the last line compares the user's own model (weights put back) with the pipeline
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("first test batch: your model ")
+    own, piped = (float(w) for w in line.replace(",", "").split() if w[0].isdigit())
+    assert abs(own - piped) < 1e-3
+
+
+def test_linen_model_example_runs_tiny_and_its_own_model_agrees(capsys, monkeypatch):
+    result, out = _run_example("linen_model.py", capsys, monkeypatch)
+    # the user's CNN with the trained variables classifies as the pipeline evaluated
+    evaluated = float(out.split("test accuracy ")[1].split()[0])
+    assert result["accuracy"] == pytest.approx(evaluated, abs=1e-3)
+    assert result["accuracy"] > 0.15  # one short epoch learns something (chance: 0.1)
