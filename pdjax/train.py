@@ -544,6 +544,44 @@ def evaluate(
     return total_loss / count, total_acc / count
 
 
+def evaluate_runner(
+    spec: ModelSpec, runner: Any, state: Any, ds: data_lib.Dataset, batch_size: int = 256
+) -> tuple[float, float]:
+    """Mean loss and accuracy of ``runner``'s ``state`` on the test split, in eval mode.
+
+    A pipeline in one process evaluates through its stages
+    (:meth:`~pdjax.pipeline.Pipeline.evaluate`: forward only, each stage on its devices,
+    nothing gathered); data parallelism and a pipeline across processes evaluate the
+    gathered variables on one device (:func:`evaluate`)."""
+    if not isinstance(runner, Pipeline) or runner.multiprocess:
+        return evaluate(spec, runner.variables(state), ds, batch_size)
+    batches = [
+        (ds.test_x[lo : lo + batch_size], ds.test_y[lo : lo + batch_size])
+        for lo in range(0, ds.num_test, batch_size)
+    ]
+    got = runner.evaluate(state, batches, metrics=_accuracy_metric(spec))
+    return got["loss"], float(got.get("_accuracy", math.nan))
+
+
+_METRICS: dict[int, tuple[ModelSpec, Callable[..., Any] | None]] = {}
+
+
+def _accuracy_metric(spec: ModelSpec) -> Callable[..., Any] | None:
+    """``spec``'s accuracy as an evaluation metric (one function object per spec, so the
+    pipeline's evaluation programs compile once), or None without one."""
+    cached = _METRICS.get(id(spec))
+    if cached is None or cached[0] is not spec:
+        fn = None
+        if spec.has_accuracy:
+
+            def fn(outputs: Any, targets: Any) -> dict[str, jax.Array]:
+                return {"_accuracy": jnp.asarray(spec.accuracy(outputs, targets), jnp.float32)}
+
+        _METRICS.clear()
+        _METRICS[id(spec)] = (spec, fn)
+    return _METRICS[id(spec)][1]
+
+
 _EVAL_FNS: dict[int, tuple[ModelSpec, Callable[..., Any]]] = {}
 
 
@@ -722,7 +760,7 @@ def train(
                     + (f"; the last good checkpoint stays in {checkpoint_dir}" if ckpt else "")
                 )
             elapsed += seconds
-            test_loss, test_acc = evaluate(spec, runner.variables(state), ds)
+            test_loss, test_acc = evaluate_runner(spec, runner, state, ds)
             samples = len(batches) * (cfg.batch_size if is_dp else b)
             updates = state.step if is_dp else state.updates[0]
             record = EpochRecord(

@@ -943,7 +943,11 @@ class Pipeline:
     # -- evaluation and inference -----------------------------------------------------------
 
     def evaluate(
-        self, state: PipelineState, batches: Iterable[tuple[PyTree, PyTree]]
+        self,
+        state: PipelineState,
+        batches: Iterable[tuple[PyTree, PyTree]],
+        *,
+        metrics: Callable[[PyTree, PyTree], Mapping[str, Any]] | None = None,
     ) -> dict[str, Any]:
         """The loss and the loss function's metrics over ``batches`` of ``(inputs,
         targets)``, in eval mode (no dropout, BatchNorm running statistics), forward only,
@@ -956,7 +960,9 @@ class Pipeline:
           outputs (``loss_fn -> (loss, aux)``): a dict ``aux`` merged in (``{"loss",
           "samples", "accuracy", ...}``), any other aux under ``"aux"``. Every mean is
           over the batches weighted by their sizes, which is the mean over the samples
-          for a loss (or metric) that is a per-sample mean.
+          for a loss (or metric) that is a per-sample mean. ``metrics(outputs, targets)
+          -> {name: scalar}``, an evaluation-only function (e.g. accuracy beside a loss
+          without aux), adds its means too (computed on the last stage).
 
         Raises:
           PipelineError: for no batches, or a pipeline spanning processes (not supported
@@ -965,10 +971,19 @@ class Pipeline:
         batches = list(batches)
         if not batches:
             raise PipelineError("evaluate needs at least one (inputs, targets) batch")
-        outs = self._forward_stream(state, [b[0] for b in batches], [b[1] for b in batches])
+        outs = self._forward_stream(
+            state, [b[0] for b in batches], [b[1] for b in batches], metrics
+        )
         sizes = np.array([jax.tree.leaves(b[0])[0].shape[0] for b in batches], np.float64)
         weights = sizes / sizes.sum()
         values = jax.device_get(outs)
+        extra: dict[str, Any] = {}
+        if metrics is not None:  # (loss, aux, metrics) per batch
+            extra = jax.tree.map(
+                lambda *a: _plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
+                *[v[2] for v in values],
+            )
+            values = [with_aux(v[0], v[1]) for v in values]
         losses = [v[0] if isinstance(v, tuple) else v for v in values]
         result: dict[str, Any] = {
             "loss": float(np.dot(weights, np.asarray(losses, np.float64))),
@@ -983,6 +998,7 @@ class Pipeline:
                 result.update(aux)
             else:
                 result["aux"] = aux
+        result.update(extra)
         return result
 
     def predict(
@@ -1003,7 +1019,11 @@ class Pipeline:
         return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
     def _forward_stream(
-        self, state: PipelineState, inputs: list[PyTree], targets: list[PyTree] | None
+        self,
+        state: PipelineState,
+        inputs: list[PyTree],
+        targets: list[PyTree] | None,
+        metrics: Callable[..., Any] | None = None,
     ) -> list[Any]:
         """Eval-mode forwards of a stream through the stages, dispatched as a wavefront
         (stage ``s`` takes item ``k`` at tick ``k + s``): the last stage's outputs, or
@@ -1019,7 +1039,10 @@ class Pipeline:
             )
         S, N = self.num_stages, len(inputs)
         with_loss = targets is not None
-        progs = [st.eval_program(with_loss and s == S - 1) for s, st in enumerate(self.stages)]
+        progs = [
+            st.eval_program(with_loss and s == S - 1, metrics if s == S - 1 else None)
+            for s, st in enumerate(self.stages)
+        ]
         cur: list[Any] = list(inputs)
         for tick in range(N + S - 1):
             for s in reversed(range(S)):

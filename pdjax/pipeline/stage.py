@@ -425,11 +425,12 @@ class Stage:
 
         raise ValueError(f"no stage program of kind {kind!r}")
 
-    def eval_program(self, loss: bool) -> Callable[..., Any]:
+    def eval_program(self, loss: bool, metrics: Callable[..., Any] | None = None) -> Any:
         """The jitted eval-mode forward (no dropout, BatchNorm running statistics) of the
         stage's layers: ``(w, st, x) -> y``, or with ``loss`` (the last stage)
-        ``(w, st, x, t) -> loss | (loss, aux)``. The model state is not updated."""
-        key = ("EVAL", frozenset({"loss"} if loss else ()))
+        ``(w, st, x, t) -> loss | (loss, aux)``, and with ``metrics`` ``(loss, aux,
+        metrics(y, t))``. The model state is not updated."""
+        key: Any = ("EVAL", frozenset({"loss"} if loss else ()), metrics)
         fn = self._programs.get(key)
         if fn is None:
             loss_fn = self.loss_fn
@@ -441,10 +442,13 @@ class Stage:
                     x, _ = layer.apply({**st[j], "params": w[j]}, x, train=False)
                 if loss:
                     assert loss_fn is not None
-                    return with_aux(*split_loss(loss_fn(x, tgt[0])))
+                    value, aux = split_loss(loss_fn(x, tgt[0]))
+                    if metrics is not None:
+                        return value, aux, metrics(x, tgt[0])
+                    return with_aux(value, aux)
                 return x
 
-            name = "EVAL" + ("+loss" if loss else "")
+            name = "EVAL" + ("+loss" if loss else "") + ("+metrics" if metrics else "")
             fn = self._programs[key] = jax.jit(count_traces(self.trace_counts, name, forward))
         return fn
 
