@@ -1,17 +1,20 @@
 """The profiler: XLA counts against analytic ones, sizes, times, device models, JSON."""
 
 import dataclasses
+import io
 import json
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from pdjax.errors import ProfileError
 from pdjax.layers import sequential
 from pdjax.pipeline import weight_grad_fraction
-from pdjax.profile import LayerProfile, Profile, get_device_model, profile
+from pdjax.profile import DeviceModel, LayerProfile, Profile, get_device_model, profile
 
 _SPLIT = ("input_grad_flops", "weight_grad_flops", "input_grad_seconds", "weight_grad_seconds")
 
@@ -20,6 +23,189 @@ class _Tanh(nn.Module):
     @nn.compact
     def __call__(self, x):
         return jnp.tanh(x)
+
+
+class _Block(nn.Module):
+    """A residual MLP block: a stand-in for a transformer's repeated blocks."""
+
+    width: int = 16
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(self.width)(jnp.tanh(nn.Dense(2 * self.width)(x)))
+
+
+class _Scale(nn.Module):
+    """A module with an array field: fields that do not compare make layers compile each."""
+
+    w: Any
+
+    @nn.compact
+    def __call__(self, x):
+        return x * self.w
+
+
+class _Bf16Dense(nn.Module):
+    """Mixed precision: float32 parameters, cast with the input to bfloat16 to compute."""
+
+    features: int
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.lecun_normal(), (x.shape[-1], self.features))
+        return x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+
+
+_PROFILED = {"apply", "vjp", "backward", "input_grad_only", "weight_grad_only", "init"}
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Counts the profiler's ``Lowered.compile`` calls and XLA's compilations of its
+    functions (the latter would also see a program recompiled behind its back)."""
+    counts = {"lowered": 0, "xla": 0}
+    original = jax.stages.Lowered.compile
+
+    def counting(self, *args, **kwargs):
+        counts["lowered"] += 1
+        return original(self, *args, **kwargs)
+
+    def listener(event, duration, **kwargs):
+        del duration
+        name = str(kwargs.get("fun_name", ""))
+        if event == "/jax/core/compile/backend_compile_duration" and any(
+            name == f"jit({f})" for f in _PROFILED
+        ):
+            counts["xla"] += 1
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counting)
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield counts
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_each_program_compiles_once_and_identical_layers_share_theirs(compiles):
+    # Dense(16) first (no input gradient: forward and backward), four blocks of one config
+    # (forward, backward, its I and W halves: once), then Dense(4) (the same four)
+    seq = sequential(nn.Dense(16), _Block(), _Block(), _Block(), _Block(width=16), nn.Dense(4))
+    x = jnp.ones((8, 12))
+    counted = profile(seq, x)
+    assert compiles == {"lowered": 2 + 4 + 4, "xla": 2 + 4 + 4}
+    names = [layer.name for layer in counted.layers]
+    blocks = [dataclasses.replace(layer, name="") for layer in counted.layers[1:5]]
+    assert all(block == blocks[0] for block in blocks), names
+    # measured: the same programs, timed as compiled, plus per distinct layer the untimed
+    # forward that makes the backward's inputs, and one initialisation of the model
+    compiles.update(lowered=0, xla=0)
+    measured = profile(seq, x, measure=True, warmup=0, repeats=1)
+    assert compiles == {"lowered": 3 + 5 + 5 + 1, "xla": 3 + 5 + 5 + 1}
+    for a, b in zip(counted.layers, measured.layers, strict=True):
+        assert (a.forward_flops, a.backward_flops, a.input_grad_flops) == (
+            b.forward_flops,
+            b.backward_flops,
+            b.input_grad_flops,
+        )
+        assert b.forward_seconds > 0 and b.backward_seconds > 0  # every layer timed
+    assert measured.layers[3].input_grad_seconds > 0
+
+
+def test_layers_that_differ_do_not_share_programs(compiles):
+    # a different width, the same module on another input shape, array fields
+    seq = sequential(
+        nn.Dense(8), nn.Dense(8), nn.Dense(4), _Scale(jnp.ones((1, 4))), _Scale(jnp.ones((1, 4)))
+    )
+    prof = profile(seq, jnp.ones((2, 3)))
+    # Dense(8) on 3 then on 8 features, Dense(4): 2 + 4 + 4; each _Scale: forward, backward
+    assert compiles["lowered"] == 2 + 4 + 4 + 2 + 2
+    assert prof.layers[0].forward_flops != prof.layers[1].forward_flops
+
+
+def test_identical_nnx_layers_share_programs(compiles):
+    seq = sequential(
+        lambda rngs: nnx.Linear(6, 6, rngs=rngs),
+        lambda rngs: nnx.Linear(6, 6, rngs=rngs),
+        lambda rngs: nnx.Linear(6, 6, rngs=rngs),
+        lambda rngs: nnx.Linear(6, 6, use_bias=False, rngs=rngs),
+    )
+    prof = profile(seq, jnp.ones((4, 6)))
+    assert compiles["lowered"] == 2 + 4 + 4  # first; second = third; the bias-free one
+    assert prof.layers[1].forward_flops == prof.layers[2].forward_flops
+    assert prof.layers[3].forward_flops < prof.layers[2].forward_flops
+
+
+def test_roofline_uses_the_dtype_a_layer_computes_in():
+    # float32 parameters and input, cast to bfloat16 inside: costed at the bfloat16 peak
+    chip = DeviceModel(
+        name="test",
+        peak_flops={"float32": 1e9, "bfloat16": 1e12},
+        memory_bandwidth=1e18,  # compute-bound: seconds = FLOPs / peak
+        memory_bytes=2**30,
+    )
+    seq = sequential(_Bf16Dense(32), nn.Dense(8))
+    prof = profile(seq, jnp.ones((16, 64), jnp.float32), device_model=chip)
+    mixed, dense = prof.layers
+    assert prof.dtype == "float32"  # the parameters'
+    assert mixed.output_shape == "bfloat16[16, 32]"
+    assert mixed.forward_seconds == pytest.approx(mixed.forward_flops / 1e12)
+    assert mixed.backward_seconds == pytest.approx(mixed.backward_flops / 1e12)
+    # the float32 layer after it computes in float32 (its input is bfloat16, its output
+    # float32: the output decides)
+    assert dense.output_shape == "float32[16, 8]"
+    assert dense.forward_seconds == pytest.approx(dense.forward_flops / 1e9)
+
+
+def test_progress_reports_each_layer():
+    seq = sequential(nn.Dense(4), _Tanh(), nn.Dense(2))
+    calls = []
+    prof = profile(seq, jnp.ones((2, 3)), progress=lambda *a: calls.append(a))
+    names = [layer.name for layer in prof.layers]
+    assert calls == [(0, 3, names[0]), (1, 3, names[1]), (2, 3, names[2]), (3, 3, None)]
+    # a rich progress bar gets a task of its own, completed at the end
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(file=io.StringIO())) as bar:
+        profile(seq, jnp.ones((2, 3)), progress=bar)
+    (task,) = bar.tasks
+    assert (task.completed, task.total, task.description) == (3, 3, "profiled")
+    with pytest.raises(ProfileError, match="progress must be"):
+        profile(seq, jnp.ones((2, 3)), progress=3)
+
+
+def test_print_shows_a_table_and_repr_is_one_line():
+    seq = sequential(nn.Dense(64), nn.Dense(8))
+    prof = profile(seq, jnp.ones((32, 16)), device_model="h100")
+    text = str(prof)
+    lines = text.splitlines()
+    assert lines[0] == "Profile: 2 layers, batch size 32, float32, times: model:h100"
+    assert lines[1].split() == [
+        "#",
+        "layer",
+        "fwd",
+        "FLOPs",
+        "bwd",
+        "FLOPs",
+        "params",
+        "output",
+        "fwd",
+        "time",
+        "bwd",
+        "time",
+    ]
+    first = next(line for line in lines if prof.layers[0].name in line)
+    # 2*32*16*64 + 32*64 = 67.58 K FLOPs; (16*64 + 64) * 4 B = 4.2 KiB; 32*64*4 B = 8 KiB
+    assert "67.58 K" in first and "4.2 KiB" in first and "8.0 KiB" in first
+    assert first.rstrip().endswith("ns")  # a roofline time of a tiny layer
+    assert lines[-1].split()[0] == "total"
+    assert len(lines) == 2 + 1 + 2 + 1 + 1  # title, header, rule, rows, rule, totals
+    assert repr(prof) == (
+        "Profile(2 layers, chain, batch_size=32, dtype='float32', time_source='model:h100')"
+    )
+    # without seconds no time columns; unknown counts print as "-"
+    untimed = str(profile(seq, jnp.ones((32, 16))))
+    assert "time" not in untimed.splitlines()[1]
+    bare = Profile.chain([LayerProfile("a"), LayerProfile("b")], batch_size=1)
+    assert str(bare).splitlines()[3].split() == ["0", "a", "-", "-", "0", "B", "0", "B"]
 
 
 def test_dense_flops_equal_analytic_count():

@@ -83,6 +83,43 @@ def test_gantt_chart_is_a_png(tmp_path):
         plot_gantt(tls, many, titles=["one"])
 
 
+def test_gantt_chart_draws_transfers_and_picks_a_time_unit(tmp_path):
+    from matplotlib.quiver import Quiver
+
+    # microsecond stages: the axis reads in \u00b5s, not in 0.00001 s
+    costs = PipelineCosts.build(
+        [StageCosts(2e-6, 2e-6, 2e-6, activation_bytes=1)] * 2 + [StageCosts(2e-6, 2e-6, 2e-6)],
+        link_bandwidth=2e6,
+    )
+    tl = simulate(one_f_one_b(3, 4), costs).timeline
+    assert tl.transfers and tl.makespan < 1e-3
+    path = tmp_path / "us.png"
+    fig = plot_gantt(tl, path, dpi=60)
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    (ax,) = fig.axes
+    assert ax.get_xlabel() == "time (\u00b5s)"
+    assert ax.get_xlim()[1] == pytest.approx(tl.makespan * 1e6)
+    # one arrow per transfer: activations down the rows, gradients up
+    arrows = [c for c in ax.collections if isinstance(c, Quiver)]
+    assert sum(q.N for q in arrows) == len(tl.transfers)
+    forward = next(q for q in arrows if q.get_label() == "activation transfer")
+    assert all(v > 0 for v in forward.V) and all(u >= 0 for u in forward.U)
+    legend = {t.get_text() for t in fig.legends[0].get_texts()}
+    assert {"activation transfer", "gradient transfer"} <= legend
+    # panels of different spans get units of their own, each named
+    fig = plot_gantt([tl, _timeline()], tmp_path / "two.png", dpi=60)
+    assert [a.get_xlabel() for a in fig.axes] == ["time (\u00b5s)", "time (s)"]
+    # milliseconds; one shared label when the panels agree
+    slow = simulate(one_f_one_b(2, 2), unit_costs(2)).timeline
+    ms = Timeline(
+        "ms",
+        slow.num_groups,
+        tuple(s._replace(start=s.start * 1e-3, end=s.end * 1e-3) for s in slow.spans),
+    )
+    fig = plot_gantt([ms, ms], tmp_path / "ms.png", dpi=60)
+    assert [a.get_xlabel() for a in fig.axes] == ["", "time (ms)"]
+
+
 def test_gantt_chart_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pip install 'pdjax\[plot\]'"):

@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdjax.pipeline.timeline import Timeline
+from pdjax.pipeline.timeline import Timeline, Transfer
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["KIND_COLORS", "chrome_trace", "plot_gantt", "write_chrome_trace"]
 
@@ -147,6 +150,23 @@ def write_chrome_trace(
         json.dump(chrome_trace(timelines), f)
 
 
+_TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "\u00b5s"))
+"""Units of the Gantt chart's time axis: seconds per unit, name; the largest that fits."""
+
+
+def _time_unit(span: float) -> tuple[float, str]:
+    """The unit to show a time axis of ``span`` seconds in: ``(seconds per unit, name)``,
+    the largest of s, ms and \u00b5s in which the span is at least 1.
+
+    >>> _time_unit(2.5), _time_unit(0.004), _time_unit(3e-5)
+    ((1.0, 's'), (0.001, 'ms'), (1e-06, '\u00b5s'))
+    """
+    for seconds, name in _TIME_UNITS:
+        if span >= seconds:
+            return seconds, name
+    return _TIME_UNITS[-1]
+
+
 def _tint(color: str, amount: float) -> tuple[float, float, float]:
     """``color`` mixed with white by ``amount`` in [0, 1]."""
     rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
@@ -163,12 +183,15 @@ def plot_gantt(
     *,
     titles: Sequence[str] | None = None,
     dpi: int = 150,
-) -> None:
+) -> Figure:
     """Saves a Gantt chart: one panel per timeline, one row per device group.
 
     Boxes are coloured by action kind (:data:`KIND_COLORS`; later chunks of an interleaved
     schedule lighter) and show the microbatch number (the step for ``U``) when they are wide
-    enough to read.
+    enough to read. Each transfer is an arrow from the sending group's row, where it
+    starts, to the receiving group's, where it ends: activations in the forward's colour,
+    gradients in the backward's. Each panel's time axis is in s, ms or \u00b5s, whichever
+    suits its timeline, named in the axis label (the bottom panel's only, where all agree).
 
     Args:
         timelines: one timeline or several.
@@ -176,11 +199,15 @@ def plot_gantt(
         titles: one title per timeline (default: the timelines' names).
         dpi: resolution.
 
+    Returns:
+        The matplotlib figure, already saved (a bare ``Figure``: no pyplot state).
+
     Raises:
         ImportError: if matplotlib is not installed (``pip install 'pdjax[plot]'``).
     """
     try:
         from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
         from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
@@ -191,35 +218,39 @@ def plot_gantt(
     titles = [tl.name for tl in tls] if titles is None else list(titles)
     if len(titles) != len(tls):
         raise ValueError(f"plot_gantt: {len(titles)} titles for {len(tls)} timelines")
+    units = [_time_unit(tl.makespan or 1.0) for tl in tls]
+    moves = any(tl.transfers for tl in tls)
+    # with transfers, thinner boxes leave room between the rows for their arrows
+    bar_height, row_in = (0.66, 0.5) if moves else (0.8, 0.42)
     width_in = 14.0
-    heights = [0.42 * tl.num_groups + 0.9 for tl in tls]
+    heights = [row_in * tl.num_groups + 0.9 for tl in tls]
     total_height = sum(heights) + 0.6
     # A bare Figure renders with Agg and touches no pyplot state.
     fig = Figure(figsize=(width_in, total_height), dpi=dpi)
     axes = fig.subplots(len(tls), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     fontsize = 7
-    for ax, tl, title in zip(axes[:, 0], tls, titles, strict=True):
-        span_end = tl.makespan or 1.0
+    for ax, tl, title, (scale, unit) in zip(axes[:, 0], tls, titles, units, strict=True):
+        span_end = (tl.makespan or scale) / scale
         stages_of: dict[int, list[int]] = {}
         for s in tl.spans:
             stages_of.setdefault(s.group, []).append(s.action.stage)
         chunk_rank = {g: sorted(set(v)) for g, v in stages_of.items()}
-        points_per_second = width_in * 0.86 * 72 / span_end
+        points_per_unit = width_in * 0.86 * 72 / span_end
         rows, widths, lefts, colors = [], [], [], []
         for s in tl.spans:
             a = s.action
             ranks = chunk_rank[s.group]
             chunk = ranks.index(a.stage)
             shade = 0.55 * chunk / (len(ranks) - 1) if len(ranks) > 1 else 0.0
-            width = s.end - s.start
+            start, width = s.start / scale, (s.end - s.start) / scale
             rows.append(s.group)
             widths.append(width)
-            lefts.append(s.start)
+            lefts.append(start)
             colors.append(_tint(KIND_COLORS[a.kind], shade))
             label = "U" if a.kind == "U" else str(a.mb)
-            if width * points_per_second >= 0.62 * fontsize * len(label) + 2:
+            if width * points_per_unit >= 0.62 * fontsize * len(label) + 2:
                 ax.text(
-                    s.start + width / 2,
+                    start + width / 2,
                     s.group,
                     label,
                     ha="center",
@@ -228,8 +259,15 @@ def plot_gantt(
                     color="black" if a.kind == "U" or shade else "white",
                 )
         ax.barh(
-            rows, widths, left=lefts, height=0.8, color=colors, edgecolor="white", linewidth=0.4
+            rows,
+            widths,
+            left=lefts,
+            height=bar_height,
+            color=colors,
+            edgecolor="white",
+            linewidth=0.4,
         )
+        _draw_transfers(ax, tl, scale, bar_height / 2)
         ax.set_ylim(tl.num_groups - 0.5, -0.5)
         ax.set_yticks(range(tl.num_groups))
         ax.set_yticklabels([f"group {g}" for g in range(tl.num_groups)], fontsize=8)
@@ -238,11 +276,64 @@ def plot_gantt(
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", linewidth=0.3, alpha=0.5)
         ax.set_axisbelow(True)
-    axes[-1, 0].set_xlabel("time (s)", fontsize=8)
+        if ax is axes[-1, 0] or len(set(units)) > 1:  # one label where all panels agree
+            ax.set_xlabel(f"time ({unit})", fontsize=8)
     kinds = sorted({s.action.kind for tl in tls for s in tl.spans}, key="FBIWU".index)
-    handles = [Patch(color=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
+    handles: list[Any] = [Patch(color=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
     if any(len(set(s.action.stage for s in tl.spans if s.group == 0)) > 1 for tl in tls):
         handles.append(Patch(color=_tint("#808080", 0.55), label="lighter: later model chunk"))
+    sent = {_is_activation(t) for tl in tls for t in tl.transfers}
+    for activation in sorted(sent, reverse=True):
+        color, what = _transfer_style(activation)
+        handles.append(Line2D([], [], color=color, linewidth=1.0, label=f"{what} transfer"))
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / total_height))
     fig.savefig(path)
+    return fig
+
+
+def _is_activation(transfer: Transfer) -> bool:
+    """An activation going forward (else a gradient going backward)."""
+    return transfer.action.kind == "F"
+
+
+def _transfer_style(activation: bool) -> tuple[tuple[float, float, float], str]:
+    """Arrow colour (the producing kind's, darker) and name of a kind of transfer."""
+    color = KIND_COLORS["F" if activation else "B"]
+    rgb = [int(color[i : i + 2], 16) / 255 * 0.7 for i in (1, 3, 5)]
+    return (rgb[0], rgb[1], rgb[2]), "activation" if activation else "gradient"
+
+
+def _draw_transfers(ax: Any, tl: Timeline, scale: float, half_height: float) -> None:
+    """Arrows from ``(start, edge of the sender's row)`` to ``(end, edge of the
+    receiver's)``, one quiver per kind of transfer."""
+    for activation in (True, False):
+        moves = [t for t in tl.transfers if _is_activation(t) == activation and t.src != t.dst]
+        if not moves:
+            continue
+        xs, ys, us, vs = [], [], [], []
+        for t in moves:
+            down = 1.0 if t.dst > t.src else -1.0  # rows grow downwards
+            y0 = t.src + down * half_height
+            y1 = t.dst - down * half_height
+            xs.append(t.start / scale)
+            ys.append(y0)
+            us.append((t.end - t.start) / scale)
+            vs.append(y1 - y0)
+        color, what = _transfer_style(activation)
+        ax.quiver(
+            xs,
+            ys,
+            us,
+            vs,
+            angles="xy",
+            scale_units="xy",
+            scale=1,
+            color=color,
+            width=0.0012,
+            headwidth=4.0,
+            headlength=5.0,
+            headaxislength=4.5,
+            zorder=3,
+            label=f"{what} transfer",
+        )

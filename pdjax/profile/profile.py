@@ -19,11 +19,20 @@ from typing import Any
 import numpy as np
 
 from pdjax._jsonio import parse_json, write_atomic
+from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
 from pdjax.errors import ProfileError
 
 __all__ = ["LayerProfile", "Profile"]
 
 _FORMAT = "pdjax.profile/1"
+
+
+def _fmt_seconds(s: float | None) -> str:
+    """:func:`~pdjax._units.fmt_seconds`, with nanoseconds below a microsecond (a device
+    model's times of a small layer)."""
+    if s is not None and 0 < s < 1e-6:
+        return f"{s * 1e9:.1f} ns"
+    return fmt_seconds(s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +106,7 @@ class LayerProfile:
         return self.forward_seconds + self.backward_seconds
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class Profile:
     """Per-layer costs of a model: the input of the planner.
 
@@ -114,6 +123,8 @@ class Profile:
         ``"model:<preset>"``, ``"graph.txt"`` or ``"none"``.
       dtype: the dtype of the parameters (e.g. ``"float32"``).
       meta: free-form provenance (model, config, jax version, source file, ...).
+
+    ``print(profile)`` shows a per-layer table (:meth:`__str__`); ``repr`` is one line.
     """
 
     layers: tuple[LayerProfile, ...]
@@ -146,6 +157,74 @@ class Profile:
         """A profile of a layer sequence: edges ``(i, i+1)``."""
         edges = tuple((i, i + 1) for i in range(len(layers) - 1))
         return cls(layers=tuple(layers), edges=edges, **kwargs)
+
+    # -- text --------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        shape = "chain" if self.is_chain else f"DAG, {len(self.edges)} edges"
+        return (
+            f"Profile({len(self.layers)} layers, {shape}, batch_size={self.batch_size}, "
+            f"dtype={self.dtype!r}, time_source={self.time_source!r})"
+        )
+
+    def __str__(self) -> str:
+        """A table: one row per layer (FLOPs of forward and backward, parameter and output
+        bytes, and seconds where known) and a row of totals, in readable units."""
+        layers = self.layers
+        timed = any(
+            layer.forward_seconds is not None or layer.backward_seconds is not None
+            for layer in layers
+        )
+        header = ["#", "layer", "fwd FLOPs", "bwd FLOPs", "params", "output"]
+        if timed:
+            header += ["fwd time", "bwd time"]
+        rows = []
+        for i, layer in enumerate(layers):
+            row = [
+                str(i),
+                layer.name,
+                fmt_count(layer.forward_flops),
+                fmt_count(layer.backward_flops),
+                fmt_bytes(layer.param_bytes),
+                fmt_bytes(layer.output_bytes),
+            ]
+            if timed:
+                row += [_fmt_seconds(layer.forward_seconds), _fmt_seconds(layer.backward_seconds)]
+            rows.append(row)
+
+        def total(values: list[Any]) -> float | None:
+            return None if any(v is None for v in values) else float(sum(values))
+
+        totals = [
+            "",
+            "total",
+            fmt_count(total([layer.forward_flops for layer in layers])),
+            fmt_count(total([layer.backward_flops for layer in layers])),
+            fmt_bytes(sum(layer.param_bytes for layer in layers)),
+            "",
+        ]
+        if timed:
+            totals += [
+                _fmt_seconds(total([layer.forward_seconds for layer in layers])),
+                _fmt_seconds(total([layer.backward_seconds for layer in layers])),
+            ]
+        widths = [max(len(r[c]) for r in (header, *rows, totals)) for c in range(len(header))]
+
+        def line(cells: list[str]) -> str:
+            # names left-aligned, numbers right-aligned
+            return "  ".join(
+                cell.ljust(w) if c == 1 else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+
+        rule = "-" * len(line(["-" * w for w in widths]))
+        shape = "" if self.is_chain else f", DAG of {len(self.edges)} edges"
+        title = (
+            f"Profile: {len(layers)} layers{shape}, batch size {self.batch_size}, "
+            f"{self.dtype}, times: {self.time_source}"
+        )
+        body = [line(header), rule, *(line(r) for r in rows), rule, line(totals)]
+        return "\n".join([title, *body])
 
     # -- derived views -----------------------------------------------------------------
 
