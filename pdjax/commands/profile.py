@@ -7,6 +7,8 @@ import argparse
 import sys
 
 import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
 from pdjax.commands import HelpFormatter, add_model_arguments
@@ -57,16 +59,26 @@ def run(args: argparse.Namespace) -> int:
     model = None
     if args.device_model and args.device_model != "measured":
         model = get_device_model(args.device_model, efficiency=args.efficiency)
-    prof = profile(
-        spec.layers,
-        sample,
-        rng=rng,
-        train=not args.eval,
-        measure=args.measure or args.device_model == "measured",
-        device_model=model,
-        repeats=args.repeats,
-        meta={"model": args.model, "config": args.config},
-    )
+    console = Console(stderr=True)  # progress on stderr: --json output stays clean
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns,
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    ) as bar:
+        prof = profile(
+            spec.layers,
+            sample,
+            rng=rng,
+            train=not args.eval,
+            measure=args.measure or args.device_model == "measured",
+            device_model=model,
+            repeats=args.repeats,
+            meta={"model": args.model, "config": args.config},
+            progress=bar,
+        )
     if args.out:
         prof.save(args.out)
     if args.json:
