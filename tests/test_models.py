@@ -284,7 +284,7 @@ def test_registry() -> None:
 @pytest.mark.parametrize(
     ("args", "overrides", "match"),
     [
-        (("bert",), {}, "unknown model 'bert'; choose one of mlp, cnn"),
+        (("bert",), {}, "unknown model 'bert'; give a bundled model, one of mlp, cnn"),
         (("vgg16", "huge"), {}, r"unknown config 'huge'.*'tiny', 'paper'"),
         (("gpt",), {"n_layers": 2}, r"no field\(s\) \['n_layers'\].*num_layers"),
         (("gpt",), {"num_heads": 3}, "not divisible by num_heads"),
