@@ -286,6 +286,21 @@ def _key_text(key: Any) -> str:
     return str(key)
 
 
+def _assemble(cls: type, template: Any, leaves: list[Any], ints: Mapping[str, Any]) -> Any:
+    """A state of ``cls`` from its array leaves (in ``template``'s tree order) and ints."""
+    it = iter(leaves)
+    fields: dict[str, Any] = {}
+    for field in cls._fields:
+        if field in _INT_FIELDS[cls]:
+            value = ints[field]
+            fields[field] = tuple(value) if isinstance(value, list) else value
+        else:
+            treedef = jax.tree.structure(getattr(template, field))
+            values = [next(it) for _ in range(treedef.num_leaves)]
+            fields[field] = jax.tree.unflatten(treedef, values)
+    return cls(**fields)
+
+
 def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
     """Parameters bit for bit equal to an earlier one (a tied parameter's copies, also any
     other equal arrays: storing them once loses nothing): name -> the first one's name."""
@@ -668,18 +683,7 @@ class Checkpointer:
                 # devices; orbax commits what it restores, which jit would then refuse.
                 array = jnp.asarray(np.asarray(array))
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
-        fields: dict[str, Any] = {}
-        it = iter(leaves)
-        for field in cls._fields:
-            if field in _INT_FIELDS[cls]:
-                value = ints[field]
-                fields[field] = tuple(value) if isinstance(value, list) else value
-            else:
-                treedef = jax.tree.structure(getattr(template, field))
-                fields[field] = jax.tree.unflatten(
-                    treedef, [next(it) for _ in range(treedef.num_leaves)]
-                )
-        return cls(**fields), meta["extra"]
+        return _assemble(cls, template, leaves, ints), meta["extra"]
 
     def _restore_replanned(
         self, template: PipelineState, step: int, meta: Mapping[str, Any], pipeline: Any
@@ -746,19 +750,8 @@ class Checkpointer:
                 array = jax.device_put(value, sharding)
             impl = entry.get("key_impl")
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
-        it = iter(leaves)
-        fields: dict[str, Any] = {}
-        for field in PipelineState._fields:
-            if field == "updates":
-                fields[field] = (updates[0],) * len(template.params)
-            elif field == "microbatches":
-                fields[field] = ints[field]
-            else:
-                treedef = jax.tree.structure(getattr(template, field))
-                fields[field] = jax.tree.unflatten(
-                    treedef, [next(it) for _ in range(treedef.num_leaves)]
-                )
-        return PipelineState(**fields), meta["extra"]
+        ints = {**ints, "updates": [updates[0]] * len(template.params)}
+        return _assemble(PipelineState, template, leaves, ints), meta["extra"]
 
     def _read_arrays(
         self, step: int, abstract: Mapping[str, Any], saved: Mapping[str, Any] | None = None
