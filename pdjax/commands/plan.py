@@ -33,6 +33,7 @@ from pdjax.partition import (
     Plan,
     Topology,
     parse_levels,
+    plan_auto,
     plan_balanced_params,
     plan_balanced_time,
     plan_pipedream,
@@ -85,8 +86,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--schedule",
         default="pipedream",
-        choices=sorted(SCHEDULES),
-        help="the schedule the in-flight counts, memory and times are for",
+        choices=[*sorted(SCHEDULES), "auto"],
+        help="the schedule the in-flight counts, memory and times are for; 'auto': search "
+        "the schedule, microbatches, stages, replication and per-stage recomputation too, "
+        "ranked by the simulator (plan_auto)",
+    )
+    p.add_argument(
+        "--allow-stale",
+        action="store_true",
+        help="--schedule auto: also search pipedream and 2bw (stale weights)",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        help="--schedule auto: samples per optimizer step (default: the profile's batch "
+        "size times the devices)",
     )
     p.add_argument(
         "--partitioner",
@@ -187,7 +201,25 @@ def run(args: argparse.Namespace) -> int:
         M = args.microbatches or topology.num_devices
         common["stage_seconds"] = cal.stage_seconds(args.schedule, M)
         common["allreduce_seconds"] = cal.allreduce_function()
-    if args.partitioner == "pipedream":
+    if args.schedule != "auto" and (args.allow_stale or args.batch_size is not None):
+        raise PlanError("--allow-stale and --batch-size are options of --schedule auto")
+    if args.schedule == "auto":
+        if args.partitioner != "pipedream" or args.calibration:
+            raise PlanError(
+                "--schedule auto runs its own search: without --partitioner or --calibration"
+            )
+        plan = plan_auto(
+            profile,
+            topology,
+            batch_size=args.batch_size,
+            allow_stale=args.allow_stale,
+            microbatches=[args.microbatches] if args.microbatches else None,
+            memory_limit=args.memory_limit,
+            straight=args.straight,
+            cost_model=args.cost_model,
+            optimizer_state_factor=args.optimizer_state_factor,
+        )
+    elif args.partitioner == "pipedream":
         if args.stages is not None:
             raise PlanError("--stages is for the simpler partitioners; the optimizer picks them")
         plan = plan_pipedream(
@@ -210,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         print(plan.to_json())
     else:
         render_plan(plan)
+        if "auto" in plan.options:
+            render_auto(plan)
         if args.out:
             print(f"plan written to {args.out}")
     warning = slower_than_one_device(plan)
@@ -236,6 +270,37 @@ def _profile_model(args: argparse.Namespace) -> Profile:
         device_model=device_model,
         meta={"model": args.model, "config": args.config},
     )
+
+
+def render_auto(plan: Plan, file: object = None) -> None:
+    """What ``plan_auto`` chose, and the best candidate of every other schedule."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdjax._units import fmt_bytes, fmt_seconds
+
+    chosen = plan.options["auto"]
+    table = Table(title="schedules searched (simulated, per sample)")
+    for col in ("schedule", "M", "stages", "remat", "time / sample", "peak memory", ""):
+        table.add_column(col)
+    rows = [(chosen["schedule"], chosen, "chosen")]
+    rows += [(name, alt, "") for name, alt in plan.options["alternatives"].items()]
+    for name, c, mark in rows:
+        if "none" in c:
+            table.add_row(name, "", "", "", "", "", f"none fits: {c['none'][:60]}")
+            continue
+        label = name + (f" v={c['chunks']}" if c["chunks"] > 1 else "")
+        label += f" +{c['extra_in_flight']}" if c["extra_in_flight"] else ""
+        table.add_row(
+            label,
+            str(c["microbatches"]),
+            "-".join(str(r) for _, _, r in c["stages"]),
+            "".join("r" if r else "-" for r in c["remat"]),
+            fmt_seconds(c["time_per_sample"]),
+            fmt_bytes(c["peak_memory"]),
+            mark,
+        )
+    Console(file=file).print(table)
 
 
 def slower_than_one_device(plan: Plan) -> str | None:

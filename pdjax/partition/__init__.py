@@ -6,6 +6,7 @@
 16
 """
 
+from pdjax.partition.auto import plan_auto
 from pdjax.partition.cost import (
     COST_MODELS,
     REPLICATION_OPTIONS,
@@ -39,6 +40,7 @@ __all__ = [
     "balanced_split",
     "evaluate_partition",
     "parse_levels",
+    "plan_auto",
     "plan_balanced_params",
     "plan_balanced_time",
     "plan_pipedream",

@@ -1,0 +1,533 @@
+"""``plan_auto``: the planner chooses everything a pipeline run needs.
+
+For one model (a profile), devices (a topology) and a batch of ``B`` samples per optimizer
+step, :func:`plan_auto` searches
+
+* the **schedule**: ``gpipe``, ``1f1b``, ``interleaved`` (``v`` chunks), ``zb-h1`` and the
+  other flush schedules pdjax generates; ``pipedream`` and ``2bw`` (stale weights) only
+  when the caller allows them;
+* the **microbatches** per step ``M`` (divisors of ``B``; the microbatch size is ``B / M``);
+* the **stages and replication**, by PipeDream's dynamic program for each (schedule, M),
+  with and without the memory limit, each partition then improved by moving one stage
+  boundary at a time while the simulator says it is faster;
+* per-stage **recomputation** (remat): a stage recomputes its forward in its backward
+  only if its device group would not fit the memory limit otherwise;
+* for ``pipedream``, the **in-flight depth** (``extra_in_flight``);
+
+and ranks every candidate by the simulator (:func:`pdjax.pipeline.simulate` over
+:func:`pdjax.pipeline.costs_from_plan`): predicted seconds per sample (a flush step's
+makespan, fill and drain included, over its ``B`` samples; the steady-state period of the
+asynchronous schedules), among those whose simulated peak memory fits. The dynamic program
+prunes; the simulator decides.
+
+The returned :class:`~pdjax.partition.Plan` records the choice in ``plan.options["auto"]``
+(schedule, M, chunks, remat per stage, in-flight depth, predicted time per sample and peak
+memory) and, under ``"alternatives"``, the best candidate of every other schedule (or why
+none fits), so a user sees why.
+
+Recomputation in the costs: the stage's backward also runs its forward again (added to the
+input-gradient part, which the previous stage waits for), and a microbatch in flight keeps
+only the stage's input instead of its saved activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition.partitioners import evaluate_partition
+from pdjax.partition.pipedream import plan_pipedream
+from pdjax.partition.plan import Plan
+from pdjax.partition.topology import Topology
+from pdjax.profile import Profile
+
+__all__ = ["FLUSH_SCHEDULES", "STALE_SCHEDULES", "Candidate", "evaluate_candidate", "plan_auto"]
+
+#: Schedules whose updates equal sequential training (searched by default).
+FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+#: Schedules with stale weights (searched with ``allow_stale=True``).
+STALE_SCHEDULES = ("pipedream", "2bw")
+_NO_LIMIT = 1e30  # bytes: "no memory limit" for the dynamic program
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration :func:`plan_auto` simulated.
+
+    Attributes:
+      schedule: the schedule's name.
+      microbatches: ``M`` per step (``pipedream``: the microbatch count of a step's batch).
+      chunks: ``v`` (``interleaved``; 1 otherwise).
+      extra_in_flight: ``pipedream``'s extra depth (0 otherwise).
+      remat: per plan stage, whether it recomputes its forward in the backward.
+      stages: per plan stage, ``(first_layer, last_layer, replicas)``.
+      time_per_sample: simulated seconds per sample.
+      peak_memory: simulated bytes on the fullest device.
+      fits: whether every device fits the memory limit.
+    """
+
+    schedule: str
+    microbatches: int
+    chunks: int
+    extra_in_flight: int
+    remat: tuple[bool, ...]
+    stages: tuple[tuple[int, int, int], ...]
+    time_per_sample: float
+    peak_memory: float
+    fits: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["remat"] = list(self.remat)
+        out["stages"] = [list(s) for s in self.stages]
+        return out
+
+    @property
+    def label(self) -> str:
+        extra = f" v={self.chunks}" if self.chunks > 1 else ""
+        extra += f" +{self.extra_in_flight}" if self.extra_in_flight else ""
+        remat = "".join("r" if r else "-" for r in self.remat)
+        config = "-".join(str(r) for _, _, r in self.stages)
+        return f"{self.schedule}{extra} M={self.microbatches} {config} remat={remat}"
+
+
+def _stage_specs(plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    return tuple((st.first_layer, st.last_layer, st.replicas) for st in plan.stages)
+
+
+def _schedule_stages(name: str, chunks: int) -> int:
+    """Virtual stages per device group."""
+    if name == "interleaved":
+        return chunks
+    if name == "zb-v":
+        return 2
+    return 1
+
+
+def evaluate_candidate(
+    plan: Plan,
+    profile: Profile,
+    schedule: str,
+    *,
+    chunks: int = 1,
+    remat: Sequence[bool] | None = None,
+    extra_in_flight: int = 0,
+    batch_size: int | None = None,
+) -> tuple[float, tuple[float, ...]]:
+    """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
+    with ``schedule`` and the given recomputation per plan stage.
+
+    Raises:
+      ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
+    """
+    from pdjax.pipeline import costs_from_plan, generate, simulate
+    from pdjax.pipeline.simulate import stream_length
+
+    P = plan.num_stages
+    v = _schedule_stages(schedule, chunks)
+    if schedule == "zb-v" and len(set(plan.replicas)) > 1:
+        raise ScheduleError("zb-v is priced for device groups of equal size only")
+    # zb-v: the same 2P balanced ranges as interleaved with v = 2 (equal groups: the
+    # ranges do not depend on which group holds which); cut bandwidths are taken in the
+    # interleaved order, exact on a one-level topology
+    costs = costs_from_plan(plan, profile, chunks=v)
+    flags = tuple(remat) if remat is not None else (False,) * P
+    if any(flags):
+        costs = _with_remat(costs, flags, schedule, plan.replicas)
+    M = plan.num_microbatches
+    kwargs: dict[str, Any] = {"replicas": plan.replicas}
+    if schedule in ("gpipe", "1f1b", "pipedream", "2bw"):
+        kwargs["replication"] = plan.replication
+    if schedule == "pipedream":
+        n = stream_length("pipedream", P, replicas=plan.replicas, replication=plan.replication)
+        sched = generate("pipedream", P, n, extra_in_flight=extra_in_flight, **kwargs)
+    elif schedule == "2bw":
+        n = stream_length("2bw", P, M, replicas=plan.replicas, replication=plan.replication)
+        sched = generate("2bw", P, M, stream=n, **kwargs)
+    else:
+        sched = generate(
+            schedule, P, M, chunks=chunks if schedule == "interleaved" else 2, **kwargs
+        )
+    sim = simulate(sched, costs)
+    samples = batch_size if batch_size is not None else M * plan.microbatch_size
+    if schedule in STALE_SCHEDULES:
+        seconds = sim.time_per_microbatch / plan.microbatch_size
+    else:
+        seconds = sim.step_time / samples
+    return seconds, tuple(float(b) for b in sim.peak_memory)
+
+
+def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequence[int]) -> Any:
+    """``costs`` with recomputation at the virtual stages of every plan stage flagged: the
+    backward runs the forward again first, and a microbatch in flight keeps only the
+    stage's input (its share on one device)."""
+    P = len(flags)
+    stages = list(costs.stages)
+    for k, st in enumerate(stages):
+        group = k % P if schedule != "zb-v" else (k if k < P else 2 * P - 1 - k)
+        if not flags[group]:
+            continue
+        kept = stages[k - 1].activation_bytes if k > 0 else 0
+        stages[k] = dataclasses.replace(
+            st,
+            input_grad=st.input_grad + st.forward,
+            stash_bytes=min(st.stash_bytes, round(kept / replicas[group])),
+        )
+    return dataclasses.replace(costs, stages=tuple(stages))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_auto(
+    profile: Profile,
+    topology: Topology,
+    *,
+    batch_size: int | None = None,
+    schedules: Sequence[str] | None = None,
+    allow_stale: bool = False,
+    microbatches: Sequence[int] | None = None,
+    memory_limit: float | None = None,
+    remat: bool = True,
+    straight: bool = False,
+    cost_model: str = "pdjax",
+    optimizer_state_factor: float = 2.0,
+    chunks: Sequence[int] = (2,),
+    extra_in_flight: Sequence[int] = (0, 1, 2),
+    refine: bool = True,
+    exhaustive: int = 256,
+) -> Plan:
+    """The fastest configuration the simulator finds that fits the memory limit.
+
+    Args:
+      profile: per-layer costs (with times).
+      topology: the devices.
+      batch_size: ``B``, samples per optimizer step (default: the profile's batch size
+        times the topology's devices).
+      schedules: the schedules to search (default: every flush schedule pdjax generates,
+        plus ``pipedream`` and ``2bw`` with ``allow_stale``).
+      allow_stale: search ``pipedream`` and ``2bw`` too (their updates use stale weights:
+        not sequential training).
+      microbatches: candidate ``M`` (default: the divisors of ``B`` from the pipeline depth
+        of a straight plan up to ``4 x`` the devices, at most six of them).
+      memory_limit: bytes per device (default: ``topology.memory_per_device``; None: no
+        limit).
+      remat: allow per-stage recomputation to fit the limit.
+      straight: no replication.
+      cost_model: the dynamic program's cost model.
+      optimizer_state_factor: optimizer state bytes per parameter byte.
+      chunks: ``v`` candidates for ``interleaved``.
+      extra_in_flight: candidates for ``pipedream``'s extra depth.
+      refine: improve each partition by moving one stage boundary at a time.
+      exhaustive: with ``straight``, search every partition of the layers into one stage
+        per device when there are at most this many (``C(L - 1, P - 1)``): small cases are
+        then exact; beyond it, the dynamic program's partitions and ``refine``.
+
+    Returns:
+      The plan of the best candidate (its ``schedule`` and ``num_microbatches`` set),
+      ``plan.options["auto"]`` the choice and ``plan.options["alternatives"]`` the best
+      candidate of each other schedule (``Candidate.to_dict`` form) or the reason it has
+      none.
+
+    Raises:
+      PlanError: for bad options, or a memory limit no candidate fits (the message gives
+        the smallest peak memory any candidate reached, and which).
+    """
+    from pdjax.pipeline.schedule import SCHEDULES
+
+    devices = topology.num_devices
+    B = batch_size if batch_size is not None else profile.batch_size * devices
+    if B < 1:
+        raise PlanError(f"batch_size must be >= 1, got {batch_size}")
+    if schedules is None:
+        names = [s for s in FLUSH_SCHEDULES if s in SCHEDULES]
+        if allow_stale:
+            names += list(STALE_SCHEDULES)
+    else:
+        names = list(schedules)
+        unknown = [s for s in names if s not in SCHEDULES]
+        if unknown:
+            raise PlanError(f"unknown schedules {unknown}; choose from {SCHEDULES}")
+        stale = [s for s in names if s in STALE_SCHEDULES]
+        if stale and not allow_stale:
+            raise PlanError(
+                f"{stale} update with stale weights (not sequential training); pass "
+                "allow_stale=True (CLI: --allow-stale) to search them"
+            )
+    limit = topology.memory_per_device if memory_limit is None else memory_limit
+    if microbatches is None:
+        depth = min(devices, len(profile.layers))
+        pool = [d for d in _divisors(B) if depth <= d <= 4 * devices] or [B]
+        step = max(1, math.ceil(len(pool) / 6))
+        counts = sorted(set(pool[::step]) | {pool[-1]})
+    else:
+        counts = sorted(set(int(m) for m in microbatches))
+        bad = [m for m in counts if m < 1 or B % m]
+        if bad:
+            raise PlanError(f"microbatches {bad} do not divide the batch of {B} samples")
+    best: dict[str, Candidate] = {}
+    closest: Candidate | None = None
+    reasons: dict[str, str] = {}
+
+    def consider(c: Candidate) -> None:
+        nonlocal closest
+        if closest is None or c.peak_memory < closest.peak_memory:
+            closest = c
+        if not c.fits:
+            return
+        old = best.get(c.schedule)
+        if old is None or c.time_per_sample < old.time_per_sample:
+            best[c.schedule] = c
+
+    plans: dict[tuple[str, int, int, int], Plan] = {}
+    for name in names:
+        for M in counts:
+            try:
+                partitions, complete = _partitions(
+                    profile,
+                    topology,
+                    name,
+                    M,
+                    B // M,
+                    limit,
+                    straight,
+                    cost_model,
+                    optimizer_state_factor,
+                    exhaustive,
+                )
+            except (PlanError, ScheduleError) as err:
+                reasons.setdefault(name, str(err))
+                continue
+            for v in chunks if name == "interleaved" else (1,):
+                for e in extra_in_flight if name == "pipedream" else (0,):
+                    for plan in partitions:
+                        c = _evaluate(plan, profile, name, v, e, limit, remat, B, reasons)
+                        if c is None:
+                            continue
+                        if refine and not complete:
+                            c, plan = _refine(
+                                c,
+                                plan,
+                                profile,
+                                topology,
+                                name,
+                                v,
+                                e,
+                                limit,
+                                remat,
+                                B,
+                                cost_model,
+                                optimizer_state_factor,
+                                reasons,
+                            )
+                        consider(c)
+                        key = (name, M, v, e)
+                        if c.fits and (key not in plans or _better(c, plans[key])):
+                            plans[key] = dataclasses.replace(
+                                plan, options={**plan.options, "_candidate": c}
+                            )
+    if not best:
+        if closest is None:
+            raise PlanError(
+                "no schedule could be planned for this model and topology: "
+                + "; ".join(f"{k}: {v}" for k, v in reasons.items())
+            )
+        raise PlanError(
+            f"no configuration fits {limit:.4g} bytes per device; the smallest peak memory "
+            f"found is {closest.peak_memory:.4g} bytes ({closest.label}): raise the limit "
+            "to at least that, or use more devices"
+        )
+    winner = min(best.values(), key=lambda c: (c.time_per_sample, c.peak_memory))
+    plan = next(p for (name, M, v, e), p in plans.items() if p.options["_candidate"] == winner)
+    options = {k: v for k, v in plan.options.items() if k != "_candidate"}
+    options["auto"] = winner.to_dict()
+    options["alternatives"] = {
+        name: (best[name].to_dict() if name in best else {"none": reasons.get(name, "no fit")})
+        for name in names
+        if name != winner.schedule
+    }
+    return dataclasses.replace(plan, schedule=winner.schedule, options=options)
+
+
+def _better(c: Candidate, plan: Plan) -> bool:
+    old = plan.options["_candidate"]
+    return c.time_per_sample < old.time_per_sample
+
+
+def _dp_schedule(name: str) -> str:
+    """The schedule the dynamic program prices for ``name`` (the newer zero-bubble
+    schedules keep 1F1B's or more in flight: price them as ``zb-h1``)."""
+    return (
+        name if name in ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw") else "zb-h1"
+    )
+
+
+def _partitions(
+    profile: Profile,
+    topology: Topology,
+    name: str,
+    M: int,
+    size: int,
+    limit: float | None,
+    straight: bool,
+    cost_model: str,
+    factor: float,
+    exhaustive: int = 0,
+) -> tuple[list[Plan], bool]:
+    """The dynamic program's plans for (schedule, M): under the memory limit, and without
+    it (recomputation may make it fit); with ``straight`` and at most ``exhaustive``
+    partitions into one stage per device, every one of them (then the second value is
+    True: the list is complete)."""
+    L, P = len(profile.layers), topology.num_devices
+    if straight and 1 < P <= L and math.comb(L - 1, P - 1) <= exhaustive:
+        plans = []
+        for cuts in itertools.combinations(range(1, L), P - 1):
+            bounds = (0, *cuts, L)
+            stages = [(bounds[i], bounds[i + 1] - 1, 1) for i in range(P)]
+            plans.append(
+                evaluate_partition(
+                    profile,
+                    topology,
+                    stages,
+                    cost_model=cost_model,
+                    schedule=_dp_schedule(name),
+                    num_microbatches=M,
+                    microbatch_size=size,
+                    optimizer_state_factor=factor,
+                    memory_limit=limit,
+                    partitioner="auto",
+                    replication="split",
+                )
+            )
+        return plans, True
+    out = []
+    kwargs = dict(
+        cost_model=cost_model,
+        schedule=_dp_schedule(name),
+        straight=straight,
+        num_microbatches=M,
+        microbatch_size=size,
+        optimizer_state_factor=factor,
+        replication="auto" if name == "pipedream" else "split",
+    )
+    error: Exception | None = None
+    for mem in [limit, _NO_LIMIT] if limit is not None else [_NO_LIMIT]:
+        try:
+            plan = plan_pipedream(profile, topology, memory_limit=mem, **kwargs)
+        except PlanError as e:
+            error = e
+            continue
+        if not any(_stage_specs(plan) == _stage_specs(p) for p in out):
+            out.append(plan)
+    if not out and error is not None:
+        raise error
+    return out, False
+
+
+def _evaluate(
+    plan: Plan,
+    profile: Profile,
+    name: str,
+    v: int,
+    e: int,
+    limit: float | None,
+    remat: bool,
+    B: int,
+    reasons: dict[str, str],
+) -> Candidate | None:
+    """The candidate of ``plan`` with the least recomputation that fits (or none)."""
+    P = plan.num_stages
+    flags = [False] * P
+    try:
+        seconds, peaks = evaluate_candidate(
+            plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B
+        )
+        if limit is not None and remat:
+            over = [d for d, b in enumerate(peaks) if b > limit]
+            if over:
+                for d in over:
+                    flags[d] = True
+                seconds, peaks = evaluate_candidate(
+                    plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B
+                )
+    except (PlanError, ScheduleError) as err:
+        reasons.setdefault(name, str(err))
+        return None
+    peak = max(peaks)
+    return Candidate(
+        schedule=name,
+        microbatches=plan.num_microbatches,
+        chunks=v,
+        extra_in_flight=e,
+        remat=tuple(flags),
+        stages=_stage_specs(plan),
+        time_per_sample=seconds,
+        peak_memory=peak,
+        fits=limit is None or peak <= limit,
+    )
+
+
+def _refine(
+    c: Candidate,
+    plan: Plan,
+    profile: Profile,
+    topology: Topology,
+    name: str,
+    v: int,
+    e: int,
+    limit: float | None,
+    remat: bool,
+    B: int,
+    cost_model: str,
+    factor: float,
+    reasons: dict[str, str],
+) -> tuple[Candidate, Plan]:
+    """Moves one stage boundary by one layer at a time while the simulator finds the
+    result faster (or, not fitting yet, smaller)."""
+
+    def key(x: Candidate) -> tuple[bool, float]:
+        return (not x.fits, x.time_per_sample if x.fits else x.peak_memory)
+
+    for _ in range(4 * len(profile.layers)):
+        improved = False
+        stages = list(c.stages)
+        for b in range(len(stages) - 1):
+            for delta in (-1, 1):
+                first, last, r = stages[b]
+                _, nxt_last, nxt_r = stages[b + 1]
+                cut = last + delta
+                if cut < first or cut + 1 > nxt_last:
+                    continue
+                moved = list(stages)
+                moved[b] = (first, cut, r)
+                moved[b + 1] = (cut + 1, nxt_last, nxt_r)
+                try:
+                    other = evaluate_partition(
+                        profile,
+                        topology,
+                        moved,
+                        cost_model=cost_model,
+                        schedule=_dp_schedule(name),
+                        num_microbatches=plan.num_microbatches,
+                        microbatch_size=plan.microbatch_size,
+                        optimizer_state_factor=factor,
+                        memory_limit=limit,
+                        partitioner="auto",
+                        replication=list(plan.replication),
+                    )
+                except (PlanError, ScheduleError):
+                    continue
+                d = _evaluate(other, profile, name, v, e, limit, remat, B, reasons)
+                if d is not None and key(d) < key(c):
+                    c, plan, improved = d, other, True
+                    break
+            if improved:
+                break
+        if not improved:
+            break
+    return c, plan

@@ -1,0 +1,171 @@
+"""``plan_auto``: the schedule, microbatches, stages and per-stage recomputation chosen
+together, checked against a brute-force search ranked by the same simulator."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition import Topology, plan_auto
+from pdjax.partition.auto import evaluate_candidate
+from pdjax.partition.partitioners import evaluate_partition
+from pdjax.profile import LayerProfile, Profile
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+
+
+def random_profile(rng, L):
+    return Profile.chain(
+        [
+            LayerProfile(
+                f"l{i}",
+                forward_seconds=float(rng.uniform(0.5, 3)) * 1e-3,
+                backward_seconds=float(rng.uniform(1, 6)) * 1e-3,
+                param_bytes=int(rng.integers(1, 50)) * 10**6,
+                output_bytes=int(rng.integers(1, 20)) * 10**5,
+                residual_bytes=int(rng.integers(1, 40)) * 10**6,
+            )
+            for i in range(L)
+        ],
+        batch_size=8,
+    )
+
+
+def brute_force(profile, topology, schedules, counts, B, limit):
+    """Every partition into one stage per device, schedule, M and recomputation set,
+    simulated; the fastest that fits: ``(seconds per sample, description)``."""
+    P, L = topology.num_devices, len(profile.layers)
+    best = (math.inf, None)
+    for cuts in itertools.combinations(range(1, L), P - 1):
+        bounds = [0, *cuts, L]
+        stages = [(bounds[i], bounds[i + 1] - 1, 1) for i in range(P)]
+        for name in schedules:
+            for M in counts:
+                plan = evaluate_partition(
+                    profile,
+                    topology,
+                    stages,
+                    schedule=name,
+                    num_microbatches=M,
+                    microbatch_size=B // M,
+                    replication="split",
+                )
+                for remat in itertools.product([False, True], repeat=P):
+                    try:
+                        t, peaks = evaluate_candidate(plan, profile, name, remat=remat)
+                    except (PlanError, ScheduleError):
+                        continue
+                    if max(peaks) <= limit and t < best[0]:
+                        best = (t, (name, M, stages, remat))
+    return best
+
+
+def _case(seed):
+    rng = np.random.default_rng(seed)
+    L, P = int(rng.integers(4, 8)), int(rng.integers(2, 4))
+    limit = float(rng.uniform(0.3e9, 1.5e9))
+    return random_profile(rng, L), Topology.flat(P, 1e9, memory_per_device=limit), limit
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_plan_auto_equals_brute_force_on_small_cases(seed):
+    profile, topology, limit = _case(seed)
+    P = topology.num_devices
+    B, counts = 8 * P, [P, 2 * P]
+    want, how = brute_force(profile, topology, SCHEDULES, counts, B, limit)
+    if math.isinf(want):
+        with pytest.raises(PlanError, match="no configuration fits"):
+            plan_auto(profile, topology, batch_size=B, schedules=SCHEDULES, microbatches=counts)
+        return
+    plan = plan_auto(
+        profile, topology, batch_size=B, schedules=SCHEDULES, microbatches=counts, straight=True
+    )
+    got = plan.options["auto"]
+    assert got["time_per_sample"] == pytest.approx(want, rel=1e-12), (got, how)
+    assert got["fits"] and got["peak_memory"] <= limit
+    # the plan is the chosen configuration
+    assert plan.schedule == got["schedule"] and plan.num_microbatches == got["microbatches"]
+    assert [list(s) for s in got["stages"]] == [
+        [st.first_layer, st.last_layer, st.replicas] for st in plan.stages
+    ]
+    # the DP's partitions improved boundary by boundary come close without enumerating
+    quick = plan_auto(
+        profile,
+        topology,
+        batch_size=B,
+        schedules=SCHEDULES,
+        microbatches=counts,
+        straight=True,
+        exhaustive=0,
+    )
+    assert quick.options["auto"]["time_per_sample"] <= want * 1.02
+
+
+def test_recomputation_is_chosen_only_where_memory_needs_it():
+    rng = np.random.default_rng(7)
+    profile = random_profile(rng, 6)
+    free = plan_auto(profile, Topology.flat(3, 1e9), batch_size=24, schedules=["gpipe"])
+    assert not any(free.options["auto"]["remat"])
+    peak = free.options["auto"]["peak_memory"]
+    tight = plan_auto(
+        profile,
+        Topology.flat(3, 1e9),
+        batch_size=24,
+        schedules=["gpipe"],
+        microbatches=[free.num_microbatches],
+        memory_limit=peak * 0.8,
+    )
+    chosen = tight.options["auto"]
+    assert chosen["peak_memory"] <= peak * 0.8
+    assert chosen["remat"] == [False, False, True]  # only the stage over the limit
+    assert chosen["time_per_sample"] > free.options["auto"]["time_per_sample"]
+    # a limit below every configuration: the error gives the smallest peak found, which
+    # then fits
+    with pytest.raises(PlanError, match="the smallest peak memory found is") as e:
+        plan_auto(
+            profile,
+            Topology.flat(3, 1e9),
+            batch_size=24,
+            schedules=["gpipe"],
+            microbatches=[12],
+            memory_limit=peak * 0.4,
+        )
+    smallest = float(str(e.value).split("found is ")[1].split()[0])
+    plan = plan_auto(
+        profile,
+        Topology.flat(3, 1e9),
+        batch_size=24,
+        schedules=["gpipe"],
+        microbatches=[12],
+        memory_limit=smallest * 1.001,
+    )
+    assert all(plan.options["auto"]["remat"])
+
+
+def test_every_schedule_is_recorded_with_its_best_or_why_none():
+    profile, topology, _ = _case(3)
+    plan = plan_auto(profile, topology, batch_size=16, allow_stale=True, straight=True)
+    names = {plan.schedule, *plan.options["alternatives"]}
+    assert {"gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"} <= names
+    for alt in plan.options["alternatives"].values():
+        assert "none" in alt or alt["time_per_sample"] >= plan.options["auto"]["time_per_sample"]
+    plan.to_json()  # the record is JSON
+
+
+def test_stale_schedules_need_permission_and_bad_options_are_refused():
+    profile, topology, _ = _case(1)
+    with pytest.raises(PlanError, match="allow_stale"):
+        plan_auto(profile, topology, schedules=["pipedream"])
+    with pytest.raises(PlanError, match="unknown schedules"):
+        plan_auto(profile, topology, schedules=["zigzag"])
+    with pytest.raises(PlanError, match="do not divide"):
+        plan_auto(profile, topology, batch_size=10, microbatches=[3])
+
+
+def test_a_limit_nothing_fits_names_the_smallest_that_would():
+    profile, topology, _ = _case(2)
+    match = r"no configuration fits 1000 bytes .* smallest peak memory"
+    with pytest.raises(PlanError, match=match):
+        plan_auto(profile, topology, memory_limit=1000.0, batch_size=16)
