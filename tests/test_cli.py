@@ -295,3 +295,19 @@ def test_simulate_takes_a_comma_list_like_train_compare(capsys):
     for bad in ("1f1b,ring", "1f1b,1f1b", ","):
         code, err = _simulate(capsys, bad)
         assert code == 2 and "--schedule" in err and "comma-separated" in err, (bad, err)
+
+
+def test_simulate_writes_and_reads_torch_csv_schedules(tmp_path, capsys):
+    out = tmp_path / "zb.csv"
+    args = ["simulate", "--unit-costs", "1,1,1", "--stages", "3", "--microbatches", "6"]
+    assert main([*args, "--schedule", "zb-h1", "--write-csv", str(out), "--json"]) == 0
+    written = json.loads(capsys.readouterr().out)["schedules"][0]
+    assert len(out.read_text().splitlines()) == 3  # one row per rank
+    common = ["simulate", "--unit-costs", "1,1,1", "--json"]
+    assert main([*common, "--schedule-csv", str(out), "--csv-name", "zb-h1"]) == 0
+    read = json.loads(capsys.readouterr().out)["schedules"][0]
+    assert read["step_time"] == written["step_time"] and read["bubble_fraction"] > 0
+    assert main([*common, "--schedule-csv", str(out), "--csv-name", "zb-h1", "--stages", "2"]) == 2
+    assert "disagrees with the 3 ranks" in capsys.readouterr().err
+    assert main([*args, "--schedule", "1f1b,gpipe", "--write-csv", str(out)]) == 2
+    assert "writes one schedule" in capsys.readouterr().err

@@ -103,6 +103,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"schedule(s) to simulate side by side, comma-separated: {', '.join(SCHEDULES)}, "
         f"{', '.join(VARIANTS)}; or all",
     )
+    p.add_argument(
+        "--schedule-csv",
+        metavar="FILE",
+        help="simulate this schedule in torch.distributed.pipelining's CSV format (one row "
+        "per rank) instead of --schedule; its ranks give P",
+    )
+    p.add_argument(
+        "--csv-name",
+        default="1f1b",
+        help="--schedule-csv: the flush semantics to validate it with (gpipe, 1f1b, "
+        "interleaved, zb-h1, ...)",
+    )
+    p.add_argument(
+        "--write-csv",
+        metavar="FILE",
+        help="write the (one) generated schedule in torch.distributed.pipelining's CSV format",
+    )
     p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
     p.add_argument("--chunks", type=int, default=2, help="v, model chunks per group (interleaved)")
     p.add_argument(
@@ -192,6 +209,21 @@ def parse_schedules(text: str) -> list[tuple[str, str, bool | None, bool | None]
 def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]:
     """Each requested schedule with its simulation, or the reason it cannot run."""
     requested = parse_schedules(args.schedule)
+    from_csv = None
+    if args.schedule_csv:
+        from pdjax.pipeline.torch_csv import read_torch_csv
+
+        from_csv = read_torch_csv(args.schedule_csv, name=args.csv_name)
+        if args.stages is None:
+            args.stages = from_csv.num_groups
+        elif args.stages != from_csv.num_groups:
+            raise ScheduleError(
+                f"--stages {args.stages} disagrees with the {from_csv.num_groups} ranks of "
+                f"{args.schedule_csv}"
+            )
+        requested = [(f"{args.schedule_csv} ({args.csv_name})", args.csv_name, None, None)]
+    if args.write_csv and len(requested) != 1:
+        raise ScheduleError("--write-csv writes one schedule: give one --schedule")
     if args.calibration and not args.plan:
         raise ScheduleError("--calibration prices a plan's stages: give --plan and --profile")
     if args.unit_costs is not None:
@@ -248,17 +280,24 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
                 )
             elif stream is None:
                 stream = _default_stream(stages, max(1, args.microbatches))
-            schedule = generate(
-                name,
-                stages,
-                args.microbatches,
-                stream=stream,
-                chunks=args.chunks,
-                vertical_sync=vertical_sync,
-                weight_stashing=weight_stashing,
-                replicas=replicas,
-                replication=mode,
-            )
+            if from_csv is not None:
+                schedule = from_csv
+            else:
+                schedule = generate(
+                    name,
+                    stages,
+                    args.microbatches,
+                    stream=stream,
+                    chunks=args.chunks,
+                    vertical_sync=vertical_sync,
+                    weight_stashing=weight_stashing,
+                    replicas=replicas,
+                    replication=mode,
+                )
+            if args.write_csv:
+                from pdjax.pipeline.torch_csv import write_torch_csv
+
+                write_torch_csv(schedule, args.write_csv)
             results.append((label, simulate(schedule, costs_for(schedule.chunks))))
         except ScheduleError as e:
             if len(requested) == 1:
