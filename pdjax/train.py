@@ -26,7 +26,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import re
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -59,7 +61,7 @@ __all__ = [
     "train",
 ]
 
-SCHEDULE_CHOICES = ("pipedream", "2bw", "1f1b", "gpipe", "interleaved", "zb-h1", "dp")
+SCHEDULE_CHOICES = ("pipedream", "2bw", "1f1b", "gpipe", "interleaved", "zb-h1", "dp", "auto")
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text")
 
@@ -102,6 +104,12 @@ class TrainConfig:
       replication: how replicated stages share their work: ``"plan"`` (each plan stage's
         choice, split when the plan says nothing), ``"split"`` or ``"round-robin"``
         (:class:`~pdjax.pipeline.Pipeline`).
+      allow_stale: ``schedule="auto"``: the search may choose ``pipedream`` or ``2bw``.
+
+    ``schedule="auto"`` profiles the model (measured) and lets
+    :func:`~pdjax.partition.plan_auto` choose the schedule, the microbatches, the stages
+    and their replication for ``batch_size`` samples per step (:func:`resolve_auto`);
+    ``microbatches`` and ``chunks`` are then its choice.
     """
 
     model: str = "cnn"
@@ -125,6 +133,7 @@ class TrainConfig:
     extra_in_flight: int = 0
     transport: str = "auto"
     replication: str = "plan"
+    allow_stale: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -159,6 +168,8 @@ class TrainConfig:
             raise PipelineError("extra microbatches in flight are an option of pipedream")
         if self.extra_in_flight < 0:
             raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
+        if self.allow_stale and self.schedule != "auto":
+            raise PipelineError("allowing stale weights is an option of --schedule auto")
         if self.replication not in ("plan", "split", "round-robin"):
             raise PipelineError(
                 f"unknown replication {self.replication!r}; choose plan, split or round-robin"
@@ -431,6 +442,56 @@ def auto_plan(
     )
 
 
+def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> TrainConfig:
+    """``cfg`` with ``schedule="auto"`` resolved: the model profiled (measured, on a
+    microbatch of ``batch_size / devices`` samples) and planned by
+    :func:`~pdjax.partition.plan_auto` over the devices for ``batch_size`` samples per
+    step; returns the config of its choice (schedule, microbatches, chunks, in-flight
+    depth), with ``plan`` the chosen plan's JSON file (a temporary file) unless the choice
+    is ``interleaved`` (which places equal layer counts). Recomputation is not chosen
+    without a memory limit (CPU devices have none).
+
+    Raises:
+      PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
+        cannot run.
+    """
+    from pdjax.partition import Topology, plan_auto
+    from pdjax.profile import profile
+
+    if cfg.plan not in ("auto", "even"):
+        raise PipelineError("--schedule auto plans by itself: drop the --plan file")
+    devices = jax.devices()[: cfg.devices]
+    size = max(1, cfg.batch_size // cfg.devices)
+    prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
+    plan = plan_auto(
+        prof,
+        Topology.from_devices(devices),
+        batch_size=cfg.batch_size,
+        straight=cfg.straight or cfg.plan == "even",
+        allow_stale=cfg.allow_stale,
+    )
+    chosen = plan.options["auto"]
+    if any(chosen["remat"]):
+        raise PipelineError(
+            f"plan_auto chose per-stage recomputation ({chosen['remat']}), which the "
+            "training loop does not run yet: use more devices or a smaller --batch-size"
+        )
+    path = "auto"
+    if chosen["schedule"] != "interleaved":  # the runner reads the plan from a file
+        handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
+        os.close(handle)
+        plan.save(path)
+    return dataclasses.replace(
+        cfg,
+        schedule=chosen["schedule"],
+        microbatches=chosen["microbatches"],
+        chunks=max(2, chosen["chunks"]) if chosen["schedule"] == "interleaved" else cfg.chunks,
+        extra_in_flight=chosen["extra_in_flight"],
+        plan=path,
+        allow_stale=False,
+    )
+
+
 def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
     """The plan's stages for a pipeline run, and their description."""
     devices = jax.devices()[: cfg.devices]
@@ -668,6 +729,9 @@ def train(
       DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
     """
     spec, ds = built if built is not None else build(cfg)
+    requested = cfg  # what a checkpoint of this run is compared with
+    if cfg.schedule == "auto":
+        cfg = resolve_auto(cfg, spec, ds)
     check(cfg, spec, ds)
     if tensorboard_dir is not None:
         require_tensorboard()
@@ -685,10 +749,13 @@ def train(
 
             ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
             if ckpt.latest_step() is not None:
-                state, extra = ckpt.restore(state)
+                # a re-planned run (--schedule auto) may cut the stages elsewhere
+                state, extra = ckpt.restore(
+                    state, pipeline=runner if isinstance(runner, Pipeline) else None
+                )
                 saved, ours = (
                     _resumable(extra.get("config", {})),
-                    _resumable(dataclasses.asdict(cfg)),
+                    _resumable(dataclasses.asdict(requested)),
                 )
                 if saved != ours:
                     changed = sorted(k for k in ours if saved.get(k) != ours[k])
@@ -787,7 +854,7 @@ def train(
                     epoch + 1,
                     state,
                     {
-                        "config": dataclasses.asdict(cfg),
+                        "config": dataclasses.asdict(requested),
                         "history": [dataclasses.asdict(r) for r in history],
                     },
                 )

@@ -51,7 +51,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--schedule",
         default="pipedream",
         choices=SCHEDULE_CHOICES,
-        help="pipeline schedule, or dp for the data-parallel baseline",
+        help="pipeline schedule, or dp for the data-parallel baseline, or auto: profile and "
+        "let plan_auto choose the schedule, microbatches and stages (simulated)",
+    )
+    p.add_argument(
+        "--allow-stale",
+        action="store_true",
+        help="--schedule auto: the search may choose pipedream or 2bw (stale weights)",
     )
     p.add_argument("--devices", type=int, default=4, help="devices to use (CPU: simulated)")
     p.add_argument(
@@ -178,6 +184,7 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
         "vertical_sync": args.vertical_sync,
         "weight_stashing": not args.no_weight_stashing,
         "extra_in_flight": args.extra_in_flight,
+        "allow_stale": args.allow_stale,
     }
     runs: list[dict[str, Any]] = [base]
     for name in split_list(args.compare):

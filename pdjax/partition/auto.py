@@ -380,9 +380,9 @@ def _partitions(
     exhaustive: int = 0,
 ) -> tuple[list[Plan], bool]:
     """The dynamic program's plans for (schedule, M): under the memory limit, and without
-    it (recomputation may make it fit); with ``straight`` and at most ``exhaustive``
-    partitions into one stage per device, every one of them (then the second value is
-    True: the list is complete)."""
+    it (recomputation may make it fit), replicated and straight; with ``straight`` and at
+    most ``exhaustive`` partitions into one stage per device, every one of them (then the
+    second value is True: the list is complete)."""
     L, P = len(profile.layers), topology.num_devices
     if straight and 1 < P <= L and math.comb(L - 1, P - 1) <= exhaustive:
         plans = []
@@ -416,14 +416,19 @@ def _partitions(
         replication="auto" if name == "pipedream" else "split",
     )
     error: Exception | None = None
+    # the straight pipeline too (one device per stage): a replicated stage's devices must
+    # divide the microbatch, and the program prices neither that nor recomputation
     for mem in [limit, _NO_LIMIT] if limit is not None else [_NO_LIMIT]:
-        try:
-            plan = plan_pipedream(profile, topology, memory_limit=mem, **kwargs)
-        except PlanError as e:
-            error = e
-            continue
-        if not any(_stage_specs(plan) == _stage_specs(p) for p in out):
-            out.append(plan)
+        for pure in (True,) if straight else (False, True):
+            try:
+                plan = plan_pipedream(
+                    profile, topology, memory_limit=mem, **{**kwargs, "straight": pure}
+                )
+            except PlanError as e:
+                error = e
+                continue
+            if not any(_stage_specs(plan) == _stage_specs(p) for p in out):
+                out.append(plan)
     if not out and error is not None:
         raise error
     return out, False
@@ -443,6 +448,17 @@ def _evaluate(
     """The candidate of ``plan`` with the least recomputation that fits (or none)."""
     P = plan.num_stages
     flags = [False] * P
+    uneven = [
+        st.replicas
+        for st in plan.stages
+        if st.replication == "split" and plan.microbatch_size % st.replicas
+    ]
+    if uneven:  # the runtime splits each microbatch evenly over a split stage's devices
+        reasons.setdefault(
+            name,
+            f"microbatches of {plan.microbatch_size} samples do not split over {uneven[0]} devices",
+        )
+        return None
     try:
         seconds, peaks = evaluate_candidate(
             plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B
