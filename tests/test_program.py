@@ -12,9 +12,16 @@ def _local(P, chunks=1):
     return Placement.local([(s % P,) for s in range(P * chunks)])
 
 
+def _placed(schedule):
+    """One device per group: stage ``s`` on device ``stage_device[s]`` (``zb-v``'s V)."""
+    return Placement.local([(d,) for d in schedule.stage_device])
+
+
 def _schedule(name, P):
     if name == "interleaved":
         return generate(name, P, 2 * P, chunks=2)
+    if name == "zb-h2":  # 2P - 1 microbatches fill its warm-up
+        return generate(name, P, max(2, 2 * P - 1))
     if name == "pipedream":
         return generate(name, P, 3)
     if name == "2bw":
@@ -35,6 +42,22 @@ PROGRAMS = {
         "KEYS0 KEYS1 0F0 MOVE0>1 0F1 MOVE0>1 1F0 1I0 MOVE1>0 0I0 1F1 0W0 1I1 MOVE1>0 0I1 "
         "1W0 0W1 1W1 0U0 1U0"
     ),
+    ("zb-h2", 2): (
+        "KEYS0 KEYS1 0F0 MOVE0>1 0F1 MOVE0>1 1F0 0F2 MOVE0>1 1I0 MOVE1>0 0I0 1F1 0W0 1I1 "
+        "MOVE1>0 0I1 1F2 0W1 1I2 MOVE1>0 0I2 1W0 0W2 1W1 0U0 1W2 1U0"
+    ),
+    # the V on one group: stage 0 hands its output to stage 1 on the same device (a MOVE
+    # that only renames the slot)
+    ("zb-v", 1): (
+        "KEYS0 KEYS1 0F0 MOVE0>1 1F0 1I0 MOVE1>0 1W0 0F1 MOVE0>1 0I0 0W0 1F1 1I1 MOVE1>0 "
+        "1W1 0I1 0W1 0U0 1U0"
+    ),
+    # stages 1 and 2 share group 1, stages 0 and 3 group 0 (both ends of the model)
+    ("zb-v", 2): (
+        "KEYS0 KEYS1 KEYS2 KEYS3 0F0 MOVE0>1 0F1 MOVE0>1 1F0 MOVE1>2 2F0 MOVE2>3 3F0 1F1 "
+        "MOVE1>2 3I0 MOVE3>2 2F1 MOVE2>3 3W0 2I0 MOVE2>1 3F1 2W0 3I1 MOVE3>2 1I0 MOVE1>0 3W1 "
+        "1W0 0I0 2I1 MOVE2>1 0W0 2W1 1I1 MOVE1>0 0I1 1W1 0W1 1U0 0U0 2U0 3U0"
+    ),
     ("interleaved", 1): (
         "KEYS0 KEYS1 0F0 MOVE0>1 1FB0 MOVE1>0 0F1 MOVE0>1 0B0 1FB1 MOVE1>0 0BU1 1U0"
     ),
@@ -53,8 +76,8 @@ PROGRAMS = {
 
 @pytest.mark.parametrize("name,P", sorted(PROGRAMS))
 def test_programs_as_literal_tables(name, P):
-    chunks = 2 if name == "interleaved" else 1
-    prog = lower(_schedule(name, P), _local(P, chunks))
+    sched = _schedule(name, P)
+    prog = lower(sched, _placed(sched))
     assert prog.kinds() == PROGRAMS[(name, P)]
 
 
@@ -154,9 +177,8 @@ def test_global_norm_exchange_moves_updates_after_every_sum():
 def test_every_schedule_lowers_to_a_consistent_program(name, P):
     """Each slot is written once, read only after it is written, dropped after its last
     read; weight versions alive never exceed what the schedule keeps."""
-    chunks = 2 if name == "interleaved" else 1
     sched = _schedule(name, P)
-    prog = lower(sched, _local(P, chunks))
+    prog = lower(sched, _placed(sched))
     (ops,) = prog.ops
     alive = set(prog.inputs[0])
     written = set()
@@ -182,3 +204,46 @@ def test_programs_that_cannot_run_are_refused_at_lowering():
         lower(generate("1f1b", 1, 1), Placement(_local(1).stages, "cpu", "carrier-pigeon"))
     with pytest.raises(PipelineError, match="placement has 1 stages, the schedule 2"):
         lower(generate("1f1b", 2, 2), _local(1))
+
+
+def test_zb_v_turn_stays_on_its_devices_across_processes():
+    """zb-v's turn (stage P - 1 to P) and any hand-over between two stages on the same
+    devices is a MOVE in every process that holds them, never a send: the value is already
+    there, it only changes slot. Between groups the usual SEND/RECV pairs remain."""
+    sched = generate("zb-v", 2, 2)
+    two = Placement(
+        (
+            StagePlace((0,), (0,)),
+            StagePlace((1,), (1,)),
+            StagePlace((1,), (1,)),
+            StagePlace((0,), (0,)),
+        ),
+        "cpu",
+        "device_put",
+        2,
+    )
+    prog = lower(sched, two)
+    first, second = prog.kinds(0).split(), prog.kinds(1).split()
+    assert "MOVE1>2" in second and "MOVE1>2" not in first
+    assert not any(k.startswith(("SEND1>2", "RECV1>2")) for k in first + second)
+    assert first.count("SEND0>1") == 2 and second.count("RECV0>1") == 2
+    assert first.count("RECV2>3") == 2 and second.count("SEND2>3") == 2
+    # a group spanning both processes: each takes part in the turn as a plain MOVE
+    wide = Placement(
+        (
+            StagePlace((0,), (0,)),
+            StagePlace((1, 2), (0, 1)),
+            StagePlace((1, 2), (0, 1)),
+            StagePlace((0,), (0,)),
+        ),
+        "cpu",
+        "device_put",
+        2,
+    )
+    prog = lower(sched, wide)
+    for p in (0, 1):
+        kinds = prog.kinds(p).split()
+        assert kinds.count("MOVE1>2") == 2
+        assert not any(
+            op.kind == "SENDRECV" and (op.stage, op.peer) == (1, 2) for op in prog.ops[p]
+        )

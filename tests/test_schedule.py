@@ -30,7 +30,7 @@ from pdjax.pipeline import (
     validate,
     zb_h1,
 )
-from pdjax.pipeline.schedule import _live_versions
+from pdjax.pipeline.schedule import _live_versions, zb_h2, zb_v
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)
@@ -404,6 +404,8 @@ def _family(P: int, M: int) -> list[Schedule]:
         gpipe(P, M),
         one_f_one_b(P, M),
         zb_h1(P, M),
+        zb_h2(P, M),
+        zb_v(P, M),
         interleaved(P, M, 1),
         pipedream(P, M),
         pipedream(P, M, vertical_sync=True),
@@ -427,7 +429,7 @@ def test_every_generator_passes_the_validator(P):
 
 @pytest.mark.parametrize("P", [2, 3, 5, 8])
 def test_steps_and_replicas(P):
-    for name in ("gpipe", "1f1b", "zb-h1", "interleaved", "2bw"):
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2", "zb-v", "interleaved", "2bw"):
         s = generate(name, P, 2 * P, steps=2, replicas=[2] * P)
         validate(s)
         assert s.replicas == (2,) * P
@@ -437,7 +439,8 @@ def test_steps_and_replicas(P):
 def test_bounds_are_reached():
     """The documented bounds are exact, not loose, once there are enough microbatches."""
     P = 5
-    for s in [one_f_one_b(P, 8), pipedream(P, 20), pipedream_2bw(P, P, 4 * P), gpipe(P, 3)]:
+    fam = [one_f_one_b(P, 8), pipedream(P, 20), pipedream_2bw(P, P, 4 * P), gpipe(P, 3)]
+    for s in [*fam, zb_h2(P, 9), zb_h2(P, 4), zb_v(P, 9), zb_v(P, 12)]:
         for g, group in enumerate(s.actions):
             in_flight = peak = 0
             for a in group:
@@ -447,6 +450,9 @@ def test_bounds_are_reached():
             assert peak == s.in_flight_bound[g], (s.name, g)
     assert one_f_one_b(P, 8).in_flight_bound == (5, 4, 3, 2, 1)
     assert zb_h1(P, 8).in_flight_bound == (5,) * 5
+    assert zb_h2(P, 8).in_flight_bound == (8,) * 5
+    assert zb_h2(P, 12).in_flight_bound == (9,) * 5
+    assert zb_v(P, 8).in_flight_bound == (10,) * 5
     assert interleaved(4, 8, 2).in_flight_bound == (11, 9, 7, 5)
 
 
@@ -648,7 +654,19 @@ def test_catches_bad_headers():
         (dataclasses.replace(s, replicas=(1, 1)), "replicas has 2 entries, expected 3"),
         (dataclasses.replace(s, microbatches_per_step=3), "not a multiple"),
         (dataclasses.replace(s, vertical_sync=True), "pipedream options only"),
-        (dataclasses.replace(s, num_stages=6), "only interleaved puts several stages"),
+        (dataclasses.replace(s, num_stages=6), "only interleaved and zb-v put several stages"),
+    ]
+    v = zb_v(2, 4)
+    cases += [
+        (
+            dataclasses.replace(v, stage_device=(0, 1, 0, 1)),
+            r"stage_device must be \[0, 1, 1, 0\] \(the V: stage s on group min\(s, 2P - 1 - s\)\)",
+        ),
+        (
+            dataclasses.replace(v, in_flight_bound=(3, 4)),
+            "in_flight_bound=3 but zb-v holds at most 4",
+        ),
+        (dataclasses.replace(zb_h2(3, 6), in_flight_bound=(6, 5, 5)), "zb-h2 holds at most 5"),
     ]
     for broken, message in cases:
         with pytest.raises(ScheduleError, match=message):

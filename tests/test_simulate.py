@@ -447,9 +447,23 @@ def test_cli_compares_all_schedules_as_json(capsys):
     code = _run("--unit-costs", "1,1,1", "--stages", "4", "--schedule", "all", "--json")
     assert code == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["schedules"]}
-    assert list(rows) == ["gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1"]
+    assert list(rows) == [
+        "gpipe",
+        "1f1b",
+        "pipedream",
+        "2bw",
+        "interleaved",
+        "zb-h1",
+        "zb-h2",
+        "zb-v",
+    ]
     assert rows["1f1b"]["bubble_fraction"] == pytest.approx(3 / 11)
     assert rows["zb-h1"]["step_time"] == pytest.approx(3 * 8 + 3)
+    # one step: zb-h2's parallelogram idles P - 1 per stage like zb-h1 (its gain is across
+    # steps), zb-v's chunks halve it
+    assert rows["zb-h2"]["step_time"] == pytest.approx(3 * 8 + 3)
+    assert rows["zb-v"]["step_time"] == pytest.approx(3 * 8 + 3 / 2)
+    assert rows["zb-v"]["num_stages"] == 8 and rows["zb-v"]["num_groups"] == 4
     assert rows["interleaved"]["step_time"] == pytest.approx(3 * 8 + 9 / 2)
     assert rows["pipedream"]["bubble_fraction"] == pytest.approx(0.0, abs=1e-12)
     assert rows["pipedream"]["num_microbatches"] == 32  # the default stream: 4 M
@@ -473,7 +487,7 @@ def test_cli_table_and_pictures(tmp_path, capsys):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert "zb-h1" in out
+    assert "zb-h1" in out and "zb-h2" in out and "zb-v" in out
     assert "not run: 2bw needs" in out  # M = 2 < P = 3
     assert "not run: interleaved with chunks=2" in out
     assert json.loads(trace.read_text())["traceEvents"]

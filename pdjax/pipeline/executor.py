@@ -44,7 +44,7 @@ from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
-from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, validate
+from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, stage_groups, validate
 from pdjax.pipeline.stage import LossFn, Stage, StageTies, split_loss, with_aux
 from pdjax.pipeline.timeline import Span, Timeline
 from pdjax.pipeline.transport import make_transport
@@ -189,7 +189,10 @@ class Pipeline:
       plan: the stages: a :class:`pdjax.partition.Plan`, or a sequence of objects with
         ``first_layer``, ``last_layer`` (inclusive) and ``devices`` such as
         :func:`even_stages`. For ``interleaved`` with ``chunks=v`` give ``P * v`` stages;
-        stage ``s`` runs on the devices of stage ``s % P``. How stage devices are read:
+        stage ``s`` runs on the devices of stage ``s % P``. For ``zb-v`` give ``2P``
+        stages, placed in a V: stage ``s`` runs on the devices of stage ``min(s, 2P - 1 -
+        s)`` (stages ``P .. 2P - 1`` go back over the groups of stages ``P - 1 .. 0``; the
+        schedule's ``stage_device``). How stage devices are read:
         a ``Plan`` whose topology has ``device_ids`` (planned on
         :meth:`Topology.from_devices <pdjax.partition.Topology.from_devices>`, also after
         a JSON round trip) names real devices by ``jax.Device.id``, looked up among
@@ -198,10 +201,12 @@ class Pipeline:
         ``plan.stages`` alone) name devices by index into ``devices``.
       loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of a microbatch.
       optimizer: any optax ``GradientTransformation``; each stage keeps its own state.
-      schedule: one of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1`` (flush: use
-        :meth:`step`), ``pipedream``, ``2bw`` (streaming: use :meth:`run`).
+      schedule: one of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-h2``,
+        ``zb-v`` (flush: use :meth:`step`), ``pipedream``, ``2bw`` (streaming: use
+        :meth:`run`).
       microbatches: ``M``, microbatches per optimizer step (flush schedules and ``2bw``).
-      chunks: ``v`` for ``interleaved``.
+      chunks: ``v`` for ``interleaved``; ``zb-v`` runs 2 (its V; ``None``, the default,
+        means 2 for ``zb-v`` and 1 otherwise).
       vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
       weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
       remat: recompute each stage's forward in its backward instead of keeping residuals.
@@ -246,7 +251,8 @@ class Pipeline:
     are summed within its update (any schedule). Copies on several stages exchange their
     gradients and the new value at each update (the first stage holding a copy updates the
     group; :mod:`pdjax.pipeline.program`): flush schedules (``gpipe``, ``1f1b``,
-    ``interleaved``, ``zb-h1``), in one process, with ``optimizer_scope="model"``.
+    ``interleaved``, ``zb-h1``, ``zb-h2``, ``zb-v``), in one process, with
+    ``optimizer_scope="model"``.
 
     Raises:
       PipelineError: before any device work, for a plan that does not cover the model,
@@ -265,7 +271,7 @@ class Pipeline:
         *,
         schedule: str = "1f1b",
         microbatches: int = 1,
-        chunks: int = 1,
+        chunks: int | None = None,
         vertical_sync: bool = False,
         weight_stashing: bool = True,
         remat: bool = False,
@@ -280,8 +286,10 @@ class Pipeline:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         if microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {microbatches}")
-        if chunks < 1:
-            raise PipelineError(f"chunks must be >= 1, got {chunks}")
+        if chunks is None:
+            chunks = 2 if schedule == "zb-v" else 1
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise PipelineError(f"chunks must be an integer >= 1, got {chunks!r}")
         if schedule != "pipedream" and (vertical_sync or not weight_stashing):
             raise PipelineError(
                 "vertical_sync and weight_stashing=False are options of the pipedream "
@@ -301,7 +309,12 @@ class Pipeline:
         self.grad_allreduce = grad_allreduce
         self._parts_checked = False
         self._settled = False
-        if schedule != "interleaved" and chunks != 1:
+        if schedule == "zb-v" and chunks != 2:
+            raise PipelineError(
+                f"zb-v runs two chunks per device group (a V over 2P stages): chunks must be "
+                f"2, got {chunks}"
+            )
+        if schedule not in ("interleaved", "zb-v") and chunks != 1:
             raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
         self.layers = layers
         self.schedule_name = schedule
@@ -315,11 +328,19 @@ class Pipeline:
         self.stage_specs = specs
         self._check_cover(specs, len(layers))
         if len(specs) % self.chunks:
+            if schedule == "zb-v":
+                raise PipelineError(
+                    f"zb-v needs an even number 2P of stages in the plan (stages 0..P-1 down "
+                    f"the device groups, P..2P-1 back up); the plan has {len(specs)}"
+                )
             raise PipelineError(
                 f"interleaved with chunks={self.chunks} needs a multiple of {self.chunks} "
                 f"stages, the plan has {len(specs)}"
             )
         self.num_groups = len(specs) // self.chunks
+        #: the device group of each stage (the schedule's ``stage_device``); group ``d``
+        #: runs on the devices of plan stage ``d``
+        self.stage_device = stage_groups(schedule, self.num_groups, self.chunks)
         self.replication = _replication_of(replication, specs, self.num_groups)
         # the plan's choice (not the caller's) falls back to split where round-robin cannot
         # run; for flush schedules and 2bw the two compute the same
@@ -352,11 +373,14 @@ class Pipeline:
         stage_devices = _stage_devices(plan, specs, devices)
         self.stages: list[Stage] = []
         for s, spec in enumerate(specs):
-            group_spec = specs[s % self.num_groups]
+            g = self.stage_device[s]
+            group_spec = specs[g]
             if tuple(spec.devices) != tuple(group_spec.devices):
+                where = "s % P" if schedule == "interleaved" else "min(s, 2P - 1 - s), the V"
                 raise PipelineError(
-                    f"interleaved stage {s} must use the devices of stage {s % self.num_groups} "
-                    f"({tuple(group_spec.devices)}), got {tuple(spec.devices)}"
+                    f"{schedule} stage {s} must use the devices of stage {g} "
+                    f"({tuple(group_spec.devices)}: stage s runs on the device group of stage "
+                    f"{where}), got {tuple(spec.devices)}"
                 )
             self.stages.append(
                 Stage(
@@ -367,10 +391,8 @@ class Pipeline:
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
                     remat=remat,
-                    scale=_scale(
-                        schedule, microbatches, len(spec.devices), round_robin[s % self.num_groups]
-                    ),
-                    round_robin=round_robin[s % self.num_groups],
+                    scale=_scale(schedule, microbatches, len(spec.devices), round_robin[g]),
+                    round_robin=round_robin[g],
                 )
             )
         self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
@@ -444,8 +466,8 @@ class Pipeline:
             raise PipelineError(
                 f"{what}, but under {self.schedule_name} each stage updates at its own time "
                 "and keeps its own weight versions, so the copies would drift apart; tied "
-                "parameters across stages train with gpipe, 1f1b, interleaved or zb-h1, or "
-                "put all copies on one stage (any schedule)"
+                "parameters across stages train with the flush schedules (gpipe, 1f1b, "
+                "interleaved, zb-h1, zb-h2, zb-v), or put all copies on one stage (any schedule)"
             )
         if self.optimizer_scope == "stage":
             raise PipelineError(

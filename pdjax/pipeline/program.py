@@ -812,12 +812,16 @@ def _runs_on(op: Op, p: int, placement: Placement) -> bool:
 
 
 def _for_process(op: Op, p: int, placement: Placement) -> Op:
-    """A transfer as process ``p`` sees it: a ``MOVE`` when it holds both ends alone; a
-    ``SEND`` and/or ``RECV`` otherwise (a stage spanning processes takes part on both)."""
+    """A transfer as process ``p`` sees it: a ``MOVE`` when it holds both ends alone, or
+    when both stages are on the same devices (two chunks of one device group, as
+    ``interleaved`` with one group and ``zb-v``'s turn: every process already holds its
+    part, the value only changes slot); a ``SEND`` and/or ``RECV`` otherwise (a stage
+    spanning processes takes part on both)."""
     if op.kind != "MOVE":
         return op
-    src, dst = placement.stages[op.stage].processes, placement.stages[op.peer].processes
-    if src == dst == (p,):
+    here, there = placement.stages[op.stage], placement.stages[op.peer]
+    src, dst = here.processes, there.processes
+    if src == dst == (p,) or here.devices == there.devices:
         return op
     if p in src and p in dst:
         return dataclasses.replace(op, kind="SENDRECV")

@@ -63,17 +63,21 @@ __all__ = [
     "pipedream",
     "pipedream_2bw",
     "round_robin_in_flight",
+    "stage_groups",
     "validate",
     "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]
 
 KINDS = ("F", "B", "I", "W", "U")
 """Action kinds: forward, backward, input-gradient, weight-gradient, update."""
 
-SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1", "zb-h2", "zb-v")
 """Schedule names, as :func:`generate` and the ``pdjax simulate`` command accept them."""
 
-_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
+_CHUNKED = ("interleaved", "zb-v")  # several stages per device group
 _ROUND_ROBIN = ("gpipe", "1f1b", "pipedream", "2bw")
 _ASYNC = ("pipedream", "2bw")
 _JSON_FORMAT = "pdjax.schedule/1"
@@ -178,14 +182,18 @@ class Schedule:
     Attributes:
         name: one of :data:`SCHEDULES`; fixes the semantics the validator checks.
         num_stages: ``S``, the number of (virtual) stages. For ``interleaved`` with ``v``
-            chunks over ``P`` device groups, ``S = P * v``; otherwise ``S = P``.
+            chunks over ``P`` device groups, ``S = P * v``; for ``zb-v``, ``S = 2 P``;
+            otherwise ``S = P``.
         num_microbatches: ``N``, all microbatches the schedule runs (``steps * M`` for the
             flush schedules, the stream length for ``pipedream`` and ``2bw``).
         microbatches_per_step: ``M``, the microbatches whose gradients one update applies
             (1 for ``pipedream``, which updates after every microbatch).
         actions: per device group, its actions in execution order.
-        stage_device: the device group of each stage: ``stage_device[s] = s % P``; for
-            ``interleaved``, group ``d`` holds stages ``d, d + P, d + 2P, ...``.
+        stage_device: the device group of each stage (:func:`stage_groups`):
+            ``stage_device[s] = s % P``; for ``interleaved``, group ``d`` holds stages
+            ``d, d + P, d + 2P, ...``; for ``zb-v`` (the V), stages ``0 .. P - 1`` on groups
+            ``0 .. P - 1`` and stages ``P .. 2P - 1`` on groups ``P - 1 .. 0``, so that group
+            ``d`` holds stages ``d`` and ``2P - 1 - d``.
         replicas: devices in each device group.
         replication: per device group, how its replicas share the work: ``"split"`` (each
             microbatch split across them; the default, ``()`` meaning every group) or
@@ -225,7 +233,7 @@ class Schedule:
 
     @property
     def chunks(self) -> int:
-        """Stages per device group (``v`` for ``interleaved``, else 1)."""
+        """Stages per device group (``v`` for ``interleaved``, 2 for ``zb-v``, else 1)."""
         return self.num_stages // max(1, self.num_groups)
 
     @property
@@ -607,6 +615,22 @@ def _one_f_one_b_order(
     return order
 
 
+def stage_groups(name: str, groups: int, chunks: int = 1) -> tuple[int, ...]:
+    """The device group of each (virtual) stage of schedule ``name`` over ``groups``
+    device groups with ``chunks`` stages each: ``s % P`` (``interleaved`` and every
+    one-stage-per-group schedule), or the V of ``zb-v`` (``chunks`` must be 2): stages
+    ``0 .. P - 1`` on groups ``0 .. P - 1``, then stages ``P .. 2P - 1`` back on groups
+    ``P - 1 .. 0``.
+
+    >>> stage_groups("interleaved", 3, 2), stage_groups("zb-v", 3, 2)
+    ((0, 1, 2, 0, 1, 2), (0, 1, 2, 2, 1, 0))
+    """
+    stages = groups * chunks
+    if name == "zb-v":
+        return tuple(min(s, stages - 1 - s) for s in range(stages))
+    return tuple(s % groups for s in range(stages))
+
+
 def _flush(
     name: str,
     groups: int,
@@ -618,15 +642,18 @@ def _flush(
     replicas: Sequence[int] | None,
     replication: tuple[str, ...] = (),
 ) -> Schedule:
-    """Repeats one step's order ``steps`` times, step ``t`` at version ``t``, then updates."""
+    """Repeats one step's order ``steps`` times, step ``t`` at version ``t``, then updates
+    (each of the group's stages, in increasing order)."""
     stages = groups * chunks
+    where = stage_groups(name, groups, chunks)
     actions = []
     for d in range(groups):
         order = step_order(d)
+        mine = [s for s in range(stages) if where[s] == d]
         acts = []
         for t in range(steps):
             acts += [Action(kind, s, t * per_step + k, t) for kind, s, k in order]
-            acts += [Action("U", s, t, t) for s in range(d, stages, groups)]
+            acts += [Action("U", s, t, t) for s in mine]
         actions.append(tuple(acts))
     return Schedule(
         name=name,
@@ -634,7 +661,7 @@ def _flush(
         num_microbatches=per_step * steps,
         microbatches_per_step=per_step,
         actions=tuple(actions),
-        stage_device=tuple(s % groups for s in range(stages)),
+        stage_device=where,
         replicas=_replicas(replicas, groups),
         in_flight_bound=tuple(in_flight(d) for d in range(groups)),
         version_bound=(1,) * stages,
@@ -774,6 +801,219 @@ def zb_h1(
         return out
 
     return _flush("zb-h1", P, 1, M, steps, order, lambda s: min(P, M), replicas)
+
+
+def zb_h2(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    steps: int = 1,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """ZB-H2 (zero bubble, Qi et al., ICLR 2024): more warm-up forwards than ZB-H1 and
+    deferred ``W`` in the drain, so that every stage runs without a gap.
+
+    Stage ``s`` warms up with ``2 (P - s) - 1`` forwards (``2P - 1`` at stage 0: what fills
+    the wait for the first input gradient), then for each microbatch ``j`` runs ``I(s, j)``,
+    ``W(s, j - d_s)`` and the next forward, ``d_s = 2s`` (none at stage 0, ``2P - 2`` at the
+    last); the ``d_s`` deferred ``W`` fill the drain. The trapezoid of ZB-H1 becomes a
+    parallelogram. With fewer microbatches than the warm-up wants (``M < 2P - 1``) the
+    forwards run out and ``d_s = min(2s, max(0, M - P + s))`` (never slower than ZB-H1).
+
+    Bubble, with ``F = I = W = 1`` and ``M >= 2P - 1``: stage ``s`` runs its ``3M`` actions
+    without a gap from tick ``s`` to ``3M + s`` (the paper's bubble ``(P - 1)(T_F + T_B -
+    2 T_W) = 0``). One step takes ``3M + P - 1``: stage ``s`` idles ``s`` before and ``P - 1
+    - s`` after, as ZB-H1; but updates are per stage, so the next step's parallelogram
+    starts at stage ``s`` right where this one ends there, and ``k`` steps take ``3Mk + P -
+    1``: the idle ``P - 1`` per stage is paid once, not per step (ZB-H1: ``k (3M + P - 1)``).
+
+    Activation memory: at most ``min(2 (P - s) - 1, M)`` microbatches at stage ``s`` wait
+    for their input gradient (the paper's ``(2P - 1) M_B`` at stage 0, twice 1F1B's ``P``),
+    and ``min(2P - 1, M)`` at every stage hold their stash until their ``W`` (pdjax's
+    in-flight count: the runtime's ``W`` reads the forward's residuals).
+
+    Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
+    In flight (forward run, ``W`` not yet): at most ``min(2P - 1, M)`` at every stage.
+    Versions kept: 1.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``M``, microbatches per step (any; without a bubble from
+            ``2P - 1``).
+        steps: optimizer steps to lay out.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+
+    >>> print(zb_h2(2, 3).grid())
+    t   g0   g1
+    0   0F0  .
+    1   0F1  1F0
+    2   0F2  1I0
+    3   0I0  1F1
+    4   0W0  1I1
+    5   0I1  1F2
+    6   0W1  1I2
+    7   0I2  1W0
+    8   0W2  1W1
+    9   0U0  1W2
+    10  .    1U0
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    _positive("steps", steps)
+
+    def order(s: int) -> list[tuple[str, int, int]]:
+        warmup = min(2 * (P - s) - 1, M)
+        defer = min(2 * s, max(0, M - P + s))
+        out = [("F", s, k) for k in range(warmup)]
+        for j in range(M):
+            out.append(("I", s, j))
+            if j >= defer:
+                out.append(("W", s, j - defer))
+            if warmup + j < M:
+                out.append(("F", s, warmup + j))
+        out += [("W", s, k) for k in range(M - defer, M)]
+        return out
+
+    return _flush("zb-h2", P, 1, M, steps, order, lambda s: min(2 * P - 1, M), replicas)
+
+
+def zb_v(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    steps: int = 1,
+    num_layers: int | None = None,
+    replicas: Sequence[int] | None = None,
+) -> Schedule:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): two chunks
+    per device group in a V, the backward split into ``I`` and ``W``.
+
+    The ``2P`` stages go down and back up the device groups: stages ``0 .. P - 1`` on
+    groups ``0 .. P - 1``, stages ``P .. 2P - 1`` on groups ``P - 1 .. 0`` (group ``d``
+    holds stage ``d``, its *first* chunk, and ``2P - 1 - d``, its *second*; the last
+    group runs stages ``P - 1`` and ``P`` back to back, and group 0 holds both ends of the
+    model). Group ``d`` runs:
+
+    1. ``2 (P - d) - 1`` forwards of its first chunk;
+    2. ``d`` times: a forward of the second chunk, then of the first;
+    3. ``P - d`` times: ``F``, ``I``, ``W`` of the second chunk;
+    4. until both chunks have run every forward: ``F`` (while any is left), ``I``, ``W`` of
+       the first chunk, then ``F``, ``I``, ``W`` of the second;
+    5. the drain: ``d`` times ``I`` of the first chunk and ``I`` of the second; ``P - d``
+       times ``I`` and the oldest deferred ``W`` of the first chunk; then the deferred
+       ``W`` of the second chunk, then of the first.
+
+    For ``M < 2P - 1`` the order is laid out for ``2P - 1`` microbatches and the actions of
+    the missing ones are left out.
+
+    Bubble, with every chunk's ``F = I = W = 1`` and ``M >= 2P - 1``: group ``d`` runs its
+    ``6M`` actions without a gap from tick ``d`` to ``6M + d`` (the paper's zero bubble).
+    One step takes ``6M + P - 1``, each group idling ``P - 1`` (``d`` before, ``P - 1 - d``
+    after; in units of a whole stage, a chunk being half of one, ``(P - 1) / 2`` of a
+    ``3M + (P - 1) / 2`` step, a sixth of 1F1B's ``3 (P - 1)``); updates are per stage, so
+    ``k`` steps take ``6Mk + P - 1``.
+
+    Activation memory: at most ``2P`` chunk-microbatches in flight (forward run, ``W`` not
+    yet) on every group, each chunk half a stage: ``P`` microbatches of a whole stage, the
+    peak of 1F1B (at its first stage), as the paper states; at most ``2M`` when ``M < P``.
+
+    Versions: every action of step ``t`` uses version ``t``; ``U(s, t)`` makes ``t + 1``.
+    In flight at every group (over its two stages): at most ``min(2P, 2M)``. Versions
+    kept: 1.
+
+    Args:
+        num_stages: ``P``, device groups (the schedule has ``2P`` stages).
+        num_microbatches: ``M``, microbatches per step (any; without a bubble from
+            ``2P - 1``).
+        steps: optimizer steps to lay out.
+        num_layers: if given, the layer count to split into ``2P`` equal stages.
+        replicas: devices per device group (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range, or a layer count that ``2P`` does not
+            divide.
+
+    >>> s = zb_v(2, 3)  # M = 2P - 1: no gap from a group's first action to its last
+    >>> s.stage_device
+    (0, 1, 1, 0)
+    >>> print(s.grid())
+    t   g0   g1
+    0   0F0  .
+    1   0F1  1F0
+    2   0F2  2F0
+    3   3F0  1F1
+    4   3I0  2F1
+    5   3W0  2I0
+    6   3F1  2W0
+    7   3I1  1F2
+    8   3W1  1I0
+    9   0I0  1W0
+    10  0W0  2F2
+    11  3F2  2I1
+    12  3I2  2W1
+    13  3W2  1I1
+    14  0I1  2I2
+    15  0W1  1I2
+    16  0I2  1W1
+    17  0W2  2W2
+    18  0U0  1W2
+    19  3U0  1U0
+    20  .    2U0
+    """
+    P = _positive("num_stages (P)", num_stages)
+    M = _positive("num_microbatches (M)", num_microbatches)
+    _positive("steps", steps)
+    if num_layers is not None:
+        _positive("num_layers", num_layers)
+        if num_layers % (2 * P):
+            raise ScheduleError(
+                f"zb-v over P={P} device groups splits the model into 2P = {2 * P} equal "
+                f"stages (two chunks per group); got num_layers={num_layers}, which {2 * P} "
+                f"does not divide"
+            )
+    n = max(M, 2 * P - 1)  # the order's length; microbatches >= M are left out
+
+    def order(d: int) -> list[tuple[str, int, int]]:
+        arms = (d, 2 * P - 1 - d)  # first chunk, second chunk
+        forwards, inputs, weights = [0, 0], [0, 0], [0, 0]
+        out: list[tuple[str, int, int]] = []
+
+        def run(kind: str, arm: int) -> None:
+            count = {"F": forwards, "I": inputs, "W": weights}[kind]
+            out.append((kind, arms[arm], count[arm]))
+            count[arm] += 1
+
+        for _ in range(2 * (P - d) - 1):
+            run("F", 0)
+        for _ in range(d):
+            run("F", 1)
+            run("F", 0)
+        for _ in range(P - d):
+            for kind in "FIW":
+                run(kind, 1)
+        while forwards[1] < forwards[0] or forwards[0] < n:
+            if forwards[0] < n:
+                run("F", 0)
+            for arm in (0, 1):
+                if arm:
+                    run("F", 1)
+                run("I", arm)
+                run("W", arm)
+        for _ in range(d):
+            run("I", 0)
+            run("I", 1)
+        for _ in range(P - d):
+            run("I", 0)
+            run("W", 0)
+        for arm in (1, 0):
+            while weights[arm] < n:
+                run("W", arm)
+        return [a for a in out if a[2] < M]
+
+    return _flush("zb-v", P, 2, M, steps, order, lambda d: min(2 * P, 2 * M), replicas)
 
 
 def interleaved(
@@ -1099,11 +1339,11 @@ def generate(
             when ``stream`` is not given).
         stream: ``N``, the stream length of ``pipedream`` and ``2bw`` (default: ``steps * M``
             for ``2bw``, ``M`` for ``pipedream``).
-        chunks: ``v`` for ``interleaved``.
+        chunks: ``v`` for ``interleaved``; ``zb-v`` has 2 (its V), and takes only 2.
         steps: optimizer steps for the flush schedules and the default ``2bw`` stream.
         vertical_sync: ``pipedream`` option.
         weight_stashing: ``pipedream`` option.
-        num_layers: ``interleaved``: checks that ``P * chunks`` divides it.
+        num_layers: ``interleaved`` and ``zb-v``: checks that ``P * chunks`` divides it.
         replicas: devices per device group.
         extra_in_flight: ``pipedream`` option (latency hiding).
         replication: per device group ``"split"`` or ``"round-robin"`` (one word: all);
@@ -1123,6 +1363,17 @@ def generate(
         return one_f_one_b(num_stages, num_microbatches, steps=steps, replicas=replicas, **rr)
     if name == "zb-h1":
         return zb_h1(num_stages, num_microbatches, steps=steps, replicas=replicas)
+    if name == "zb-h2":
+        return zb_h2(num_stages, num_microbatches, steps=steps, replicas=replicas)
+    if name == "zb-v":
+        if chunks != 2:
+            raise ScheduleError(
+                f"zb-v places two stages on each device group (a V: 2P stages over P groups); "
+                f"chunks must be 2, got {chunks!r}"
+            )
+        return zb_v(
+            num_stages, num_microbatches, steps=steps, num_layers=num_layers, replicas=replicas
+        )
     if name == "interleaved":
         return interleaved(
             num_stages,
@@ -1175,6 +1426,10 @@ def _expected_in_flight(s: Schedule, group: int) -> int:
         return min(P - group, M)
     if s.name == "zb-h1":
         return min(P, M)
+    if s.name == "zb-h2":
+        return min(2 * P - 1, M)
+    if s.name == "zb-v":
+        return min(2 * P, 2 * M)
     if s.name == "interleaved":
         v = S // P
         if v == 1:
@@ -1254,16 +1509,22 @@ def _check_header(s: Schedule) -> None:
     if s.extra_in_flight and s.name != "pipedream":
         raise ScheduleError("extra_in_flight is a pipedream option only")
     _positive("extra_in_flight", s.extra_in_flight, minimum=0)
-    if s.num_stages % s.num_groups or (s.chunks > 1 and s.name != "interleaved"):
+    if s.num_stages % s.num_groups or (s.chunks > 1 and s.name not in _CHUNKED):
         raise ScheduleError(
             f"{s.name} with {s.num_stages} stages on {s.num_groups} device groups: only "
-            f"interleaved puts several stages (a multiple of the groups) on one group"
+            f"interleaved and zb-v put several stages (a multiple of the groups) on one group"
         )
-    expected_map = tuple(st % s.num_groups for st in range(s.num_stages))
-    if tuple(s.stage_device) != expected_map:
+    if s.name == "zb-v" and s.chunks != 2:
         raise ScheduleError(
-            f"stage_device must be {list(expected_map)} (stage s on group s % P); "
-            f"got {list(s.stage_device)}"
+            f"zb-v puts two stages (a V) on each device group: 2P = {2 * s.num_groups} "
+            f"stages on {s.num_groups} groups; got {s.num_stages} stages"
+        )
+    expected_map = stage_groups(s.name, s.num_groups, s.chunks)
+    if tuple(s.stage_device) != expected_map:
+        how = "the V: stage s on group min(s, 2P - 1 - s)" if s.name == "zb-v" else ""
+        how = how or "stage s on group s % P"
+        raise ScheduleError(
+            f"stage_device must be {list(expected_map)} ({how}); got {list(s.stage_device)}"
         )
     for label, values, size in [
         ("replicas", s.replicas, s.num_groups),

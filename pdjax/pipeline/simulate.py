@@ -27,9 +27,12 @@ The cost model (DESIGN.md's ``pdjax`` model):
   sent (its stage's :attr:`StageCosts.send_seconds`): the group is busy for it, after the
   ``F`` (or ``B``/``I``) that made the tensor and before the transfer starts. The event model
   folds it into that action, whose span then ends when the transfer starts;
-- memory of a device in a group: for each of the group's stages, ``param_bytes`` times the
-  weight versions alive + ``optimizer_bytes`` + ``stash_bytes`` times the microbatches in
-  flight (forward run, backward - ``B`` or ``W`` - not yet), counted over the whole group:
+- memory of a device in a group: summed over the group's stages (its chunks: ``v`` under
+  ``interleaved``, the two arms of the V under ``zb-v``, each with its own costs; see
+  :meth:`PipelineCosts.interleave` and :meth:`PipelineCosts.v_shape`), ``param_bytes``
+  times the weight versions alive + ``optimizer_bytes`` + ``stash_bytes`` times the
+  microbatches in flight (forward run, backward - ``B`` or ``W`` - not yet), counted over
+  the whole group:
   ``stash_bytes`` is one replica's share of a microbatch's stash (``1 / r`` of it), so a
   round-robin group holding ``q`` groups of ``r`` microbatches holds ``q`` whole stashes per
   device. Memory is counted while each action runs: what it reads and what it makes are
@@ -419,6 +422,91 @@ class PipelineCosts:
             posted_receives=self.posted_receives,
         )
 
+    def v_shape(self) -> PipelineCosts:
+        """Costs of ``zb-v``'s ``2P`` stages: each stage cut into two equal chunks placed
+        in a V (:func:`~pdjax.pipeline.schedule.stage_groups`).
+
+        Stage ``s`` of the V runs on group ``g = min(s, 2P - 1 - s)`` and gets half of
+        stage ``g``'s compute, weights, optimizer state, stash, cotangents and measured
+        all-reduce, and stage ``g``'s send seconds and all-reduce bandwidth. The way down
+        (cuts ``0 .. P - 2``) is this pipeline's cuts; the turn (cut ``P - 1``, both
+        stages on the last group) moves nothing between groups and carries the largest
+        activation of any cut (it lives on the group until the next forward reads it); the
+        way back up crosses cut ``c = 2P - 2 - s`` from group ``c + 1`` to ``c`` with its
+        activation bytes, the activations at the cut's gradient bandwidth
+        (``link_bandwidth_back``) and the gradients at its activation bandwidth. The first
+        stage gets stage 0's input bytes, the last (on group 0) stage ``P - 1``'s (the
+        targets; with one stage, the first gets them all, as in :meth:`interleave`). Like
+        :meth:`interleave`, a what-if approximation for when no plan partitions the layers
+        into the ``2P`` stages.
+
+        >>> costs = PipelineCosts.build([StageCosts(2.0, 2.0, 2.0, activation_bytes=8)] * 2,
+        ...                             link_bandwidth=[4.0], link_bandwidth_back=[1.0])
+        >>> v = costs.v_shape()
+        >>> [st.forward for st in v.stages], v.link_bandwidth, v.link_bandwidth_back
+        ([1.0, 1.0, 1.0, 1.0], (4.0, inf, 1.0), (1.0, inf, 4.0))
+        """
+        P = len(self.stages)
+        K = 2 * P
+        widest = max((st.activation_bytes for st in self.stages), default=0)
+        groups = [min(s, K - 1 - s) for s in range(K)]
+        back = self.link_bandwidth_back or self.link_bandwidth
+        latency = self.link_latency
+        forward_bw, back_bw, cut_bytes, cut_latency = [], [], [], []
+        for s in range(K - 1):
+            if s < P - 1:  # down: this pipeline's cut s
+                c, fwd, bwd = s, self.link_bandwidth[s], back[s]
+            elif s == P - 1:  # the turn, on the last group
+                c, fwd, bwd = -1, math.inf, math.inf
+            else:  # up: cut c from group c + 1 to c
+                c = K - 2 - s
+                fwd, bwd = back[c], self.link_bandwidth[c]
+            forward_bw.append(fwd)
+            back_bw.append(bwd)
+            cut_bytes.append(widest if c < 0 else self.stages[c].activation_bytes)
+            if isinstance(latency, tuple):
+                cut_latency.append(0.0 if c < 0 else latency[c])
+        ends = {0: self.stages[0].input_bytes}  # one stage: its input bytes hold both
+        if P > 1:
+            ends[K - 1] = self.stages[-1].input_bytes
+        stages = []
+        for s, g in enumerate(groups):
+            st = self.stages[g]
+            stages.append(
+                StageCosts(
+                    forward=st.forward / 2,
+                    input_grad=st.input_grad / 2,
+                    weight_grad=st.weight_grad / 2,
+                    update=st.update / 2,
+                    activation_bytes=cut_bytes[s] if s < K - 1 else 0,
+                    param_bytes=st.param_bytes // 2,
+                    stash_bytes=st.stash_bytes // 2,
+                    optimizer_bytes=st.optimizer_bytes // 2,
+                    input_bytes=ends.get(s, 0),
+                    cotangent_bytes=st.cotangent_bytes // 2,
+                    send_seconds=st.send_seconds,
+                )
+            )
+        measured = self.allreduce_seconds
+        return PipelineCosts(
+            stages=tuple(stages),
+            link_bandwidth=tuple(forward_bw),
+            allreduce_bandwidth=tuple(self.allreduce_bandwidth[g] for g in groups),
+            link_latency=tuple(cut_latency) if isinstance(latency, tuple) else latency,
+            link_bandwidth_back=(
+                None
+                if self.link_bandwidth_back is None and forward_bw == back_bw
+                else tuple(back_bw)
+            ),
+            allreduce_seconds=(
+                None
+                if measured is None
+                else tuple(None if measured[g] is None else measured[g] / 2 for g in groups)
+            ),
+            memory_model=self.memory_model,
+            posted_receives=self.posted_receives,
+        )
+
 
 def _check_length(label: str, values: Sequence[Any], size: int, stages: int) -> None:
     if len(values) != size:
@@ -446,8 +534,9 @@ def unit_costs(
         input_grad: seconds of ``I``.
         weight_grad: seconds of ``W`` (``B = I + W``).
         update: seconds of ``U``.
-        chunks: for ``interleaved``: ``P * chunks`` virtual stages, each ``1 / chunks`` of
-            the costs, so that a device group does the same work as with one chunk.
+        chunks: for ``interleaved`` (and ``zb-v``, with 2): ``P * chunks`` virtual stages,
+            each ``1 / chunks`` of the costs, so that a device group does the same work as
+            with one chunk (the stages being identical, their placement does not matter).
 
     Returns:
         The costs.
@@ -565,6 +654,8 @@ def _check_match(schedule: Schedule, costs: PipelineCosts) -> None:
         hint = ""
         if schedule.chunks > 1 and len(costs.stages) == schedule.num_groups:
             hint = f"; use costs.interleave({schedule.chunks}) for an interleaved schedule"
+            if schedule.name == "zb-v":
+                hint = "; use costs.v_shape() for zb-v (its 2P stages in a V)"
         raise ScheduleError(
             f"the costs describe {len(costs.stages)} stages but the {schedule.name} schedule "
             f"has num_stages={schedule.num_stages} ({schedule.num_groups} device groups x "

@@ -186,12 +186,13 @@ def plot_gantt(
 ) -> Figure:
     """Saves a Gantt chart: one panel per timeline, one row per device group.
 
-    Boxes are coloured by action kind (:data:`KIND_COLORS`; later chunks of an interleaved
-    schedule lighter) and show the microbatch number (the step for ``U``) when they are wide
-    enough to read. Each transfer is an arrow from the sending group's row, where it
-    starts, to the receiving group's, where it ends: activations in the forward's colour,
-    gradients in the backward's. Each panel's time axis is in s, ms or \u00b5s, whichever
-    suits its timeline, named in the axis label (the bottom panel's only, where all agree).
+    Boxes are coloured by action kind (:data:`KIND_COLORS`; a group's later chunks lighter:
+    ``interleaved``'s, and ``zb-v``'s way back up the V) and show the microbatch number (the
+    step for ``U``) when they are wide enough to read. Each transfer is an arrow from the
+    sending group's row, where it starts, to the receiving group's, where it ends:
+    activations in the forward's colour, gradients in the backward's. Each panel's time axis
+    is in s, ms or \u00b5s, whichever suits its timeline, named in the axis label (the bottom
+    panel's only, where all agree).
 
     Args:
         timelines: one timeline or several.
