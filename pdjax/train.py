@@ -44,6 +44,7 @@ from pdjax.baselines import DataParallel
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.pipeline.schedule import stage_groups
 
 __all__ = [
     "DATASETS",
@@ -61,7 +62,18 @@ __all__ = [
     "train",
 ]
 
-SCHEDULE_CHOICES = ("pipedream", "2bw", "1f1b", "gpipe", "interleaved", "zb-h1", "dp", "auto")
+SCHEDULE_CHOICES = (
+    "pipedream",
+    "2bw",
+    "1f1b",
+    "gpipe",
+    "interleaved",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "dp",
+    "auto",
+)
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text")
 
@@ -447,9 +459,11 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     microbatch of ``batch_size / devices`` samples) and planned by
     :func:`~pdjax.partition.plan_auto` over the devices for ``batch_size`` samples per
     step; returns the config of its choice (schedule, microbatches, chunks, in-flight
-    depth), with ``plan`` the chosen plan's JSON file (a temporary file) unless the choice
-    is ``interleaved`` (which places equal layer counts). Recomputation is not chosen
-    without a memory limit (CPU devices have none).
+    depth), with ``plan`` the chosen plan's JSON file (a temporary file). It searches the
+    schedules whose planned stages the runner takes as they are (``gpipe``, ``1f1b``,
+    ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the runner
+    places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation is not
+    chosen without a memory limit (CPU devices have none).
 
     Raises:
       PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
@@ -463,10 +477,14 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     devices = jax.devices()[: cfg.devices]
     size = max(1, cfg.batch_size // cfg.devices)
     prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
+    # the schedules whose planned stages the runner takes as they are (interleaved and
+    # zb-v run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
+    names = [n for n in ("gpipe", "1f1b", "zb-h1", "zb-h2") if n in SCHEDULE_CHOICES]
     plan = plan_auto(
         prof,
         Topology.from_devices(devices),
         batch_size=cfg.batch_size,
+        schedules=names + (["pipedream", "2bw"] if cfg.allow_stale else []),
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
     )
@@ -476,16 +494,13 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
             f"plan_auto chose per-stage recomputation ({chosen['remat']}), which the "
             "training loop does not run yet: use more devices or a smaller --batch-size"
         )
-    path = "auto"
-    if chosen["schedule"] != "interleaved":  # the runner reads the plan from a file
-        handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
-        os.close(handle)
-        plan.save(path)
+    handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
+    os.close(handle)  # the runner reads the plan from a file
+    plan.save(path)
     return dataclasses.replace(
         cfg,
         schedule=chosen["schedule"],
         microbatches=chosen["microbatches"],
-        chunks=max(2, chosen["chunks"]) if chosen["schedule"] == "interleaved" else cfg.chunks,
         extra_in_flight=chosen["extra_in_flight"],
         plan=path,
         allow_stale=False,
@@ -515,6 +530,24 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
         )
         text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
         return stages, text
+    if cfg.schedule == "zb-v":
+        P = cfg.devices
+        if 2 * P > L:
+            raise PipelineError(
+                f"zb-v places 2 stages per device ({2 * P} on {P} devices) and {spec.name} "
+                f"has {L} layers: use fewer --devices"
+            )
+        if cfg.plan not in ("auto", "even") or cfg.straight:
+            raise PipelineError(
+                "zb-v places equal layer counts in a V (stages d and 2P-1-d on device d); "
+                "it takes no --plan file and no --straight"
+            )
+        groups = stage_groups("zb-v", P, 2)
+        virtual = even_stages(L, 2 * P)
+        stages = tuple(
+            StageSpec(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
+        )
+        return stages, f"zb-v: {len(stages)} chunks of {L} layers in a V over {P} devices"
     if cfg.plan == "auto":
         plan = auto_plan(
             spec,
@@ -557,7 +590,7 @@ def make_runner(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, st
         _optimizer(cfg),
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,
-        chunks=cfg.chunks if cfg.schedule == "interleaved" else 1,
+        chunks=cfg.chunks if cfg.schedule == "interleaved" else None,
         vertical_sync=cfg.vertical_sync,
         weight_stashing=cfg.weight_stashing,
         devices=devices,

@@ -100,12 +100,8 @@ def _stage_specs(plan: Plan) -> tuple[tuple[int, int, int], ...]:
 
 
 def _schedule_stages(name: str, chunks: int) -> int:
-    """Virtual stages per device group."""
-    if name == "interleaved":
-        return chunks
-    if name == "zb-v":
-        return 2
-    return 1
+    """Virtual stages per device group (``interleaved``; ``zb-v`` is priced apart)."""
+    return chunks if name == "interleaved" else 1
 
 
 def evaluate_candidate(
@@ -129,12 +125,10 @@ def evaluate_candidate(
 
     P = plan.num_stages
     v = _schedule_stages(schedule, chunks)
-    if schedule == "zb-v" and len(set(plan.replicas)) > 1:
-        raise ScheduleError("zb-v is priced for device groups of equal size only")
-    # zb-v: the same 2P balanced ranges as interleaved with v = 2 (equal groups: the
-    # ranges do not depend on which group holds which); cut bandwidths are taken in the
-    # interleaved order, exact on a one-level topology
-    costs = costs_from_plan(plan, profile, chunks=v)
+    if schedule == "zb-v":  # each plan stage cut into two halves placed in a V
+        costs = costs_from_plan(plan, profile).v_shape()
+    else:
+        costs = costs_from_plan(plan, profile, chunks=v)
     flags = tuple(remat) if remat is not None else (False,) * P
     if any(flags):
         costs = _with_remat(costs, flags, schedule, plan.replicas)

@@ -216,6 +216,8 @@ SCHEDULES: dict[str, ScheduleTraits] = {
     "2bw": ScheduleTraits("2bw", True, 2, False, False),
     "interleaved": ScheduleTraits("interleaved", True, 1, False, True),
     "zb-h1": ScheduleTraits("zb-h1", True, 1, False, True),
+    "zb-h2": ScheduleTraits("zb-h2", True, 1, False, True),
+    "zb-v": ScheduleTraits("zb-v", True, 1, False, True),
 }
 
 
@@ -230,7 +232,8 @@ def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int)
     """Microbatches stage ``stage`` holds between forward and backward, at most.
 
     ``P - s`` for 1F1B-style schedules (capped at ``M`` when the schedule flushes every
-    ``M`` microbatches), ``M`` for GPipe.
+    ``M`` microbatches), ``M`` for GPipe, ``min(2P - 1, M)`` at every stage for ``zb-h2``
+    and ``min(P, M)`` per device group for ``zb-v``.
 
     >>> in_flight("pipedream", 4, 0, 8), in_flight("1f1b", 4, 0, 2), in_flight("gpipe", 4, 3, 8)
     (4, 2, 8)
@@ -238,6 +241,10 @@ def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int)
     traits = schedule_traits(schedule)
     if not traits.pipelined_in_flight:
         return num_microbatches
+    if schedule == "zb-h2":  # 2(P - s) - 1 warm-up forwards, W deferred: 2P - 1 everywhere
+        return min(2 * num_stages - 1, num_microbatches)
+    if schedule == "zb-v":  # P stage-microbatches (2P half-stage chunks) on every group
+        return min(num_stages, num_microbatches)
     n = num_stages - stage
     return min(n, num_microbatches) if traits.flush else n
 

@@ -26,8 +26,11 @@ from pdjax.pipeline.schedule import (
     pipedream,
     pipedream_2bw,
     round_robin_in_flight,
+    stage_groups,
     validate,
     zb_h1,
+    zb_h2,
+    zb_v,
 )
 from pdjax.pipeline.simulate import PipelineCosts, Simulation, StageCosts, simulate, unit_costs
 from pdjax.pipeline.stage import Stage
@@ -66,9 +69,12 @@ __all__ = [
     "plot_gantt",
     "round_robin_in_flight",
     "simulate",
+    "stage_groups",
     "unit_costs",
     "validate",
     "weight_grad_fraction",
     "write_chrome_trace",
     "zb_h1",
+    "zb_h2",
+    "zb_v",
 ]
