@@ -121,6 +121,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write the (one) generated schedule in torch.distributed.pipelining's CSV format",
     )
     p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=1,
+        help="optimizer steps of the flush schedules to lay out one after the other "
+        "(zb-h2 and zb-v gain across steps: the next step starts behind the last)",
+    )
     p.add_argument("--chunks", type=int, default=2, help="v, model chunks per group (interleaved)")
     p.add_argument(
         "--stream",
@@ -289,6 +296,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
                     args.microbatches,
                     stream=stream,
                     chunks=args.chunks,
+                    steps=args.steps,
                     vertical_sync=vertical_sync,
                     weight_stashing=weight_stashing,
                     replicas=replicas,
