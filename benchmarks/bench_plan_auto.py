@@ -7,7 +7,8 @@ it prints the simulated seconds per sample of:
 
 * ``dp plan``: for each fixed schedule, the plan ``pdjax plan --schedule S`` gives (PipeDream's
   dynamic program at ``M`` = devices, no recomputation), simulated; ``-`` when it does not
-  fit;
+  fit, or when pdjax's runtime could not run it (a split stage whose devices do not divide
+  the microbatch);
 * ``searched``: for each fixed schedule, ``plan_auto(schedules=[S])`` (M, stages and
   recomputation searched for that schedule);
 * ``auto``: ``plan_auto`` over the flush schedules, and with ``--stale`` over
@@ -52,6 +53,8 @@ def dp_plan_time(profile: Profile, topology: Topology, name: str, B: int) -> flo
         seconds, peaks = evaluate_candidate(plan, profile, name, chunks=v, batch_size=B)
     except (PlanError, ScheduleError):
         return math.inf
+    if any(st.replication == "split" and plan.microbatch_size % st.replicas for st in plan.stages):
+        return math.inf  # the runtime cannot split its microbatches over a stage's devices
     return seconds if max(peaks) <= LIMIT else math.inf
 
 
@@ -59,7 +62,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="VGG-16 on one cluster")
     parser.add_argument("--stale", action="store_true", help="also pipedream and 2bw")
-    parser.add_argument("--batch", type=int, default=1024, help="samples per step")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1680,
+        help="samples per step (1680 = 2^4 3 5 7: microbatches that most replica counts divide)",
+    )
     parser.add_argument("--out", default="benchmarks/results/plan_auto.json")
     args = parser.parse_args()
     models = MODELS[:1] if args.quick else MODELS

@@ -11,6 +11,7 @@ import pytest
 import pdjax
 from pdjax.cli import build_parser, main
 from pdjax.models import MODELS
+from pdjax.pipeline.schedule import SCHEDULES
 from pdjax.profile import Profile
 
 
@@ -286,7 +287,7 @@ def test_simulate_takes_a_comma_list_like_train_compare(capsys):
     assert rows[0]["bubble_fraction"] == pytest.approx(rows[1]["bubble_fraction"])
     assert not rows[2]["weight_stashing"]
     code, every = _simulate(capsys, "all")
-    assert code == 0 and len(every) == 6
+    assert code == 0 and len(every) == len(SCHEDULES) == 8
     # a schedule that cannot run is a row in a list, an error alone
     code, rows = _simulate(capsys, "1f1b,2bw", "--microbatches", "2")
     assert code == 0 and "error" in rows[1] and "error" not in rows[0]

@@ -195,6 +195,7 @@ def plan_auto(
     extra_in_flight: Sequence[int] = (0, 1, 2),
     refine: bool = True,
     exhaustive: int = 256,
+    refine_top: int = 3,
 ) -> Plan:
     """The fastest configuration the simulator finds that fits the memory limit.
 
@@ -217,7 +218,8 @@ def plan_auto(
       optimizer_state_factor: optimizer state bytes per parameter byte.
       chunks: ``v`` candidates for ``interleaved``.
       extra_in_flight: candidates for ``pipedream``'s extra depth.
-      refine: improve each partition by moving one stage boundary at a time.
+      refine: improve the ``refine_top`` fastest configurations of each schedule by
+        moving one stage boundary at a time while the simulator finds them faster.
       exhaustive: with ``straight``, search every partition of the layers into one stage
         per device when there are at most this many (``C(L - 1, P - 1)``): small cases are
         then exact; beyond it, the dynamic program's partitions and ``refine``.
@@ -303,28 +305,43 @@ def plan_auto(
                         c = _evaluate(plan, profile, name, v, e, limit, remat, B, reasons)
                         if c is None:
                             continue
-                        if refine and not complete:
-                            c, plan = _refine(
-                                c,
-                                plan,
-                                profile,
-                                topology,
-                                name,
-                                v,
-                                e,
-                                limit,
-                                remat,
-                                B,
-                                cost_model,
-                                optimizer_state_factor,
-                                reasons,
-                            )
                         consider(c)
                         key = (name, M, v, e)
                         if c.fits and (key not in plans or _better(c, plans[key])):
                             plans[key] = dataclasses.replace(
-                                plan, options={**plan.options, "_candidate": c}
+                                plan,
+                                options={**plan.options, "_candidate": c, "_complete": complete},
                             )
+    if refine:  # the simulator moves the boundaries of each schedule's best few only
+        for name in names:
+            mine = sorted(
+                (k for k in plans if k[0] == name),
+                key=lambda k: plans[k].options["_candidate"].time_per_sample,
+            )
+            for key in mine[:refine_top]:
+                plan = plans[key]
+                if plan.options["_complete"]:
+                    continue
+                c, better = _refine(
+                    plan.options["_candidate"],
+                    plan,
+                    profile,
+                    topology,
+                    name,
+                    key[2],
+                    key[3],
+                    limit,
+                    remat,
+                    B,
+                    cost_model,
+                    optimizer_state_factor,
+                    reasons,
+                )
+                consider(c)
+                if c.fits and c.time_per_sample < plan.options["_candidate"].time_per_sample:
+                    plans[key] = dataclasses.replace(
+                        better, options={**better.options, "_candidate": c, "_complete": False}
+                    )
     if not best:
         if closest is None:
             raise PlanError(
@@ -338,7 +355,7 @@ def plan_auto(
         )
     winner = min(best.values(), key=lambda c: (c.time_per_sample, c.peak_memory))
     plan = next(p for (name, M, v, e), p in plans.items() if p.options["_candidate"] == winner)
-    options = {k: v for k, v in plan.options.items() if k != "_candidate"}
+    options = {k: v for k, v in plan.options.items() if k not in ("_candidate", "_complete")}
     options["auto"] = winner.to_dict()
     options["alternatives"] = {
         name: (best[name].to_dict() if name in best else {"none": reasons.get(name, "no fit")})
