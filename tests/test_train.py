@@ -333,16 +333,13 @@ def test_cli_config_errors_come_before_anything_runs_or_is_written(mine, capsys,
 def test_schedule_auto_profiles_plans_and_trains(tmp_path):
     """--schedule auto: plan_auto picks the schedule, M and stages; the run trains with
     them, and a flush schedule is chosen unless stale weights are allowed."""
-    from pdjax.train import resolve_auto
-
     cfg = TrainConfig(
         model="mlp", dataset="digits", schedule="auto", devices=4, epochs=1, batch_size=64
     )
-    spec, ds = build(cfg)
-    resolved = resolve_auto(cfg, spec, ds)
-    assert resolved.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2")
-    assert 64 % resolved.microbatches == 0
     result = train(cfg, warmup=False)
+    resolved = result.config  # what plan_auto chose
+    assert resolved.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2")
+    assert 64 % resolved.microbatches == 0 and resolved.plan.endswith(".json")
     assert math.isfinite(result.history[-1].train_loss)
     with pytest.raises(PipelineError, match="option of --schedule auto"):
         TrainConfig(model="mlp", schedule="1f1b", allow_stale=True)
