@@ -208,8 +208,8 @@ def plan_auto(
         plus ``pipedream`` and ``2bw`` with ``allow_stale``).
       allow_stale: search ``pipedream`` and ``2bw`` too (their updates use stale weights:
         not sequential training).
-      microbatches: candidate ``M`` (default: the divisors of ``B`` from the pipeline depth
-        of a straight plan up to ``4 x`` the devices, at most six of them).
+      microbatches: candidate ``M`` (default: every divisor of ``B`` up to ``4 x`` the
+        devices).
       memory_limit: bytes per device (default: ``topology.memory_per_device``; None: no
         limit).
       remat: allow per-stage recomputation to fit the limit.
@@ -257,10 +257,7 @@ def plan_auto(
             )
     limit = topology.memory_per_device if memory_limit is None else memory_limit
     if microbatches is None:
-        depth = min(devices, len(profile.layers))
-        pool = [d for d in _divisors(B) if depth <= d <= 4 * devices] or [B]
-        step = max(1, math.ceil(len(pool) / 6))
-        counts = sorted(set(pool[::step]) | {pool[-1]})
+        counts = [d for d in _divisors(B) if d <= 4 * devices] or [B]
     else:
         counts = sorted(set(int(m) for m in microbatches))
         bad = [m for m in counts if m < 1 or B % m]
