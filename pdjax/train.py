@@ -410,6 +410,18 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
                 "no --plan file and no --straight"
             )
         return
+    if cfg.schedule == "zb-v":
+        if 2 * cfg.devices > L:
+            raise PipelineError(
+                f"zb-v places 2 stages per device ({2 * cfg.devices} on {cfg.devices} "
+                f"devices) and {spec.name} has {L} layers: use fewer --devices"
+            )
+        if cfg.plan not in ("auto", "even") or cfg.straight:
+            raise PipelineError(
+                "zb-v places equal layer counts in a V (stages d and 2P-1-d on device d); "
+                "it takes no --plan file and no --straight"
+            )
+        return
     if cfg.plan not in ("auto", "even"):
         from pdjax.partition import Plan
 
@@ -512,18 +524,7 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
     devices = jax.devices()[: cfg.devices]
     L = len(spec.layers)
     if cfg.schedule == "interleaved":
-        P = cfg.devices
-        if P * cfg.chunks > L:
-            raise PipelineError(
-                f"interleaved needs {P} devices x {cfg.chunks} chunks = {P * cfg.chunks} "
-                f"stages of at least one layer; {spec.name} has {L} layers: use fewer "
-                "--devices or --chunks"
-            )
-        if cfg.plan not in ("auto", "even") or cfg.straight:
-            raise PipelineError(
-                "interleaved places equal layer counts, chunk k on device k mod P; it takes "
-                "no --plan file and no --straight"
-            )
+        P = cfg.devices  # sizes checked by check()
         virtual = even_stages(L, P * cfg.chunks)
         stages = tuple(
             StageSpec(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
@@ -531,17 +532,7 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
         text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
         return stages, text
     if cfg.schedule == "zb-v":
-        P = cfg.devices
-        if 2 * P > L:
-            raise PipelineError(
-                f"zb-v places 2 stages per device ({2 * P} on {P} devices) and {spec.name} "
-                f"has {L} layers: use fewer --devices"
-            )
-        if cfg.plan not in ("auto", "even") or cfg.straight:
-            raise PipelineError(
-                "zb-v places equal layer counts in a V (stages d and 2P-1-d on device d); "
-                "it takes no --plan file and no --straight"
-            )
+        P = cfg.devices  # sizes checked by check()
         groups = stage_groups("zb-v", P, 2)
         virtual = even_stages(L, 2 * P)
         stages = tuple(
