@@ -5,10 +5,10 @@ each published profile (VGG-16, ResNet-50, GNMT-8, AlexNet) on the SOSP'19 clust
 V100 at 10 Gbit/s, 2x8 V100 at 25 Gbit/s) with 16 GB per device and ``B`` samples per step,
 it prints the simulated seconds per sample of:
 
-* ``dp plan``: for each fixed schedule, the plan ``pdjax plan --schedule S`` gives (PipeDream's
-  dynamic program at ``M`` = devices, no recomputation), simulated; ``-`` when it does not
-  fit, or when pdjax's runtime could not run it (a split stage whose devices do not divide
-  the microbatch);
+* ``dp plan``: for each fixed schedule, the best plan ``pdjax plan --schedule S
+  --microbatches M`` gives over ``M`` (PipeDream's dynamic program, no recomputation),
+  simulated; ``-`` when none fits, or none the runtime could run (a split stage whose
+  devices do not divide the microbatch);
 * ``searched``: for each fixed schedule, ``plan_auto(schedules=[S])`` (M, stages and
   recomputation searched for that schedule);
 * ``auto``: ``plan_auto`` over the flush schedules, and with ``--stale`` over
@@ -38,8 +38,14 @@ LIMIT = 16e9
 
 
 def dp_plan_time(profile: Profile, topology: Topology, name: str, B: int) -> float:
-    """The fixed schedule's plan as ``pdjax plan`` makes it, simulated (inf: no fit)."""
-    M = topology.num_devices
+    """The fixed schedule's best plan as ``pdjax plan --schedule S --microbatches M``
+    makes it, over the ``M`` that divide ``B`` from 1 to 4x the devices, simulated (inf:
+    none fits or runs)."""
+    counts = [m for m in range(1, 4 * topology.num_devices + 1) if B % m == 0]
+    return min(_dp_plan_time(profile, topology, name, B, M) for M in counts)
+
+
+def _dp_plan_time(profile: Profile, topology: Topology, name: str, B: int, M: int) -> float:
     try:
         plan = plan_pipedream(
             profile,
