@@ -169,3 +169,56 @@ def test_a_limit_nothing_fits_names_the_smallest_that_would():
     match = r"no configuration fits 1000 bytes .* smallest peak memory"
     with pytest.raises(PlanError, match=match):
         plan_auto(profile, topology, memory_limit=1000.0, batch_size=16)
+
+
+def _chain(L=4, f=1e-3, b=2e-3):
+    layers = [
+        LayerProfile(f"l{i}", forward_seconds=f, backward_seconds=b, output_bytes=10)
+        for i in range(L)
+    ]
+    return Profile.chain(layers, batch_size=8)
+
+
+def test_host_costs_bound_a_candidate_by_the_driver_and_the_shared_pool():
+    from pdjax.partition import HostCosts
+    from pdjax.pipeline import generate
+
+    profile, topology = _chain(), Topology.flat(2, 1e15)
+    M, size = 4, 8
+    plan = evaluate_partition(
+        profile,
+        topology,
+        [(0, 1, 1), (2, 3, 1)],
+        schedule="1f1b",
+        num_microbatches=M,
+        microbatch_size=size,
+    )
+    alone, _ = evaluate_candidate(plan, profile, "1f1b")
+    # the driver: every action of the step, one after another on one thread
+    actions = sum(len(g) for g in generate("1f1b", 2, M).actions)
+    spa = 1.0  # far above any compute, so this bound decides
+    seconds, _ = evaluate_candidate(plan, profile, "1f1b", host=HostCosts(spa))
+    assert seconds == pytest.approx(actions * spa / (M * size))
+    # the shared pool: every stage's forward and backward of every microbatch (2 layers of
+    # 1 + 2 ms each per stage), done at most `concurrency` at a time
+    work = M * 2 * (2 * (1e-3 + 2e-3))
+    seconds, _ = evaluate_candidate(plan, profile, "1f1b", host=HostCosts(0.0, 1.0))
+    assert seconds == pytest.approx(max(alone, work / (M * size)), rel=1e-6)
+    assert work / (M * size) > alone  # one core is slower than two devices
+    seconds, _ = evaluate_candidate(plan, profile, "1f1b", host=HostCosts(0.0, 64.0))
+    assert seconds == pytest.approx(alone)
+    for bad in (dict(seconds_per_action=-1.0), dict(concurrency=0.0), dict(concurrency=math.nan)):
+        with pytest.raises(PlanError):
+            HostCosts(**bad)
+
+
+def test_a_costly_driver_makes_plan_auto_take_fewer_microbatches():
+    from pdjax.partition import HostCosts
+
+    profile, topology = _chain(L=6), Topology.flat(3, 1e15)
+    kwargs = dict(batch_size=48, schedules=["1f1b"], straight=True)
+    fast = plan_auto(profile, topology, **kwargs)
+    slow = plan_auto(profile, topology, host=HostCosts(seconds_per_action=5e-3), **kwargs)
+    assert slow.options["auto"]["microbatches"] < fast.options["auto"]["microbatches"]
+    assert slow.options["auto"]["host"] == {"seconds_per_action": 5e-3, "concurrency": None}
+    assert "host" not in fast.options["auto"]

@@ -6,7 +6,7 @@
 16
 """
 
-from pdjax.partition.auto import plan_auto
+from pdjax.partition.auto import HostCosts, plan_auto
 from pdjax.partition.cost import (
     COST_MODELS,
     REPLICATION_OPTIONS,
@@ -32,6 +32,7 @@ __all__ = [
     "REPLICATION_OPTIONS",
     "SCHEDULES",
     "CostModel",
+    "HostCosts",
     "Level",
     "Plan",
     "ScheduleTraits",

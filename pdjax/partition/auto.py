@@ -45,7 +45,14 @@ from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
 
-__all__ = ["FLUSH_SCHEDULES", "STALE_SCHEDULES", "Candidate", "evaluate_candidate", "plan_auto"]
+__all__ = [
+    "FLUSH_SCHEDULES",
+    "STALE_SCHEDULES",
+    "Candidate",
+    "HostCosts",
+    "evaluate_candidate",
+    "plan_auto",
+]
 
 #: Schedules whose updates equal sequential training (searched by default).
 FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
@@ -95,6 +102,48 @@ class Candidate:
         return f"{self.schedule}{extra} M={self.microbatches} {config} remat={remat}"
 
 
+@dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """What the simulator leaves out and a run may be bound by instead: the driver and
+    devices that share one thread pool.
+
+    The simulator prices each device group's actions and transfers; a single-controller
+    driver also dispatches every action from one host thread, and in-process CPU devices
+    run their programs on one shared pool of cores, the driver's among them. A candidate's
+    seconds are then the largest of the simulated time, the driver's ``actions x
+    seconds_per_action`` and (with ``concurrency``) the devices' summed busy seconds plus
+    the driver's, over ``concurrency``.
+
+    Attributes:
+      seconds_per_action: host seconds the driver spends per dispatched action (measured:
+        ``RunMetrics.host_seconds / RunMetrics.actions`` on a model with negligible compute;
+        ``pdjax bench`` reports it).
+      concurrency: how many programs the devices' shared pool runs at once
+        (:func:`pdjax.bench.pool_concurrency`); None where every device computes apart.
+    """
+
+    seconds_per_action: float = 0.0
+    concurrency: float | None = None
+
+    def __post_init__(self) -> None:
+        spa, conc = self.seconds_per_action, self.concurrency
+        if not (math.isfinite(spa) and spa >= 0):
+            raise PlanError(f"seconds_per_action must be finite and >= 0, got {spa}")
+        if conc is not None and not (math.isfinite(conc) and conc > 0):
+            raise PlanError(f"concurrency must be finite and > 0 (or None), got {conc}")
+
+    def bound(self, sim: Any) -> float:
+        """Seconds the host and the shared pool need for the whole simulated run."""
+        actions = sum(len(group) for group in sim.schedule.actions)
+        driver = actions * self.seconds_per_action
+        if self.concurrency is None:
+            return driver
+        replicas = sim.schedule.replicas
+        work = math.fsum((sp.end - sp.start) * replicas[sp.group] for sp in sim.timeline.spans)
+        # the driver's thread takes its turn on the same cores as the devices' programs
+        return max(driver, (work + driver) / self.concurrency)
+
+
 def _stage_specs(plan: Plan) -> tuple[tuple[int, int, int], ...]:
     return tuple((st.first_layer, st.last_layer, st.replicas) for st in plan.stages)
 
@@ -113,9 +162,11 @@ def evaluate_candidate(
     remat: Sequence[bool] | None = None,
     extra_in_flight: int = 0,
     batch_size: int | None = None,
+    host: HostCosts | None = None,
 ) -> tuple[float, tuple[float, ...]]:
     """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
-    with ``schedule`` and the given recomputation per plan stage.
+    with ``schedule`` and the given recomputation per plan stage; with ``host``, no less
+    than what the driver and a shared pool need (:class:`HostCosts`).
 
     Raises:
       ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
@@ -152,6 +203,9 @@ def evaluate_candidate(
         seconds = sim.time_per_microbatch / plan.microbatch_size
     else:
         seconds = sim.step_time / samples
+    if host is not None:  # the whole run's bound over the samples the run covers
+        covered = sim.schedule.num_microbatches * plan.microbatch_size
+        seconds = max(seconds, host.bound(sim) / covered)
     return seconds, tuple(float(b) for b in sim.peak_memory)
 
 
@@ -196,6 +250,7 @@ def plan_auto(
     refine: bool = True,
     exhaustive: int = 256,
     refine_top: int = 3,
+    host: HostCosts | None = None,
 ) -> Plan:
     """The fastest configuration the simulator finds that fits the memory limit.
 
@@ -220,6 +275,8 @@ def plan_auto(
       extra_in_flight: candidates for ``pipedream``'s extra depth.
       refine: improve the ``refine_top`` fastest configurations of each schedule by
         moving one stage boundary at a time while the simulator finds them faster.
+      host: rank candidates no faster than their driver and shared pool allow
+        (:class:`HostCosts`; e.g. in-process CPU devices). Default: the simulator alone.
       exhaustive: with ``straight``, search every partition of the layers into one stage
         per device when there are at most this many (``C(L - 1, P - 1)``): small cases are
         then exact; beyond it, the dynamic program's partitions and ``refine``.
@@ -299,7 +356,9 @@ def plan_auto(
             for v in chunks if name == "interleaved" else (1,):
                 for e in extra_in_flight if name == "pipedream" else (0,):
                     for plan in partitions:
-                        c = _evaluate(plan, profile, name, v, e, limit, remat, B, reasons)
+                        c = _evaluate(
+                            plan, profile, name, v, e, limit, remat, B, reasons, host=host
+                        )
                         if c is None:
                             continue
                         consider(c)
@@ -333,6 +392,7 @@ def plan_auto(
                     cost_model,
                     optimizer_state_factor,
                     reasons,
+                    host=host,
                 )
                 consider(c)
                 if c.fits and c.time_per_sample < plan.options["_candidate"].time_per_sample:
@@ -354,6 +414,8 @@ def plan_auto(
     plan = next(p for (name, M, v, e), p in plans.items() if p.options["_candidate"] == winner)
     options = {k: v for k, v in plan.options.items() if k not in ("_candidate", "_complete")}
     options["auto"] = winner.to_dict()
+    if host is not None:
+        options["auto"]["host"] = dataclasses.asdict(host)
     options["alternatives"] = {
         name: (best[name].to_dict() if name in best else {"none": reasons.get(name, "no fit")})
         for name in names
@@ -452,6 +514,8 @@ def _evaluate(
     remat: bool,
     B: int,
     reasons: dict[str, str],
+    *,
+    host: HostCosts | None = None,
 ) -> Candidate | None:
     """The candidate of ``plan`` with the least recomputation that fits (or none)."""
     P = plan.num_stages
@@ -469,7 +533,7 @@ def _evaluate(
         return None
     try:
         seconds, peaks = evaluate_candidate(
-            plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B
+            plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B, host=host
         )
         if limit is not None and remat:
             over = [d for d, b in enumerate(peaks) if b > limit]
@@ -477,7 +541,14 @@ def _evaluate(
                 for d in over:
                     flags[d] = True
                 seconds, peaks = evaluate_candidate(
-                    plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B
+                    plan,
+                    profile,
+                    name,
+                    chunks=v,
+                    remat=flags,
+                    extra_in_flight=e,
+                    batch_size=B,
+                    host=host,
                 )
     except (PlanError, ScheduleError) as err:
         reasons.setdefault(name, str(err))
@@ -510,6 +581,8 @@ def _refine(
     cost_model: str,
     factor: float,
     reasons: dict[str, str],
+    *,
+    host: HostCosts | None = None,
 ) -> tuple[Candidate, Plan]:
     """Moves one stage boundary by one layer at a time while the simulator finds the
     result faster (or, not fitting yet, smaller)."""
@@ -546,7 +619,7 @@ def _refine(
                     )
                 except (PlanError, ScheduleError):
                     continue
-                d = _evaluate(other, profile, name, v, e, limit, remat, B, reasons)
+                d = _evaluate(other, profile, name, v, e, limit, remat, B, reasons, host=host)
                 if d is not None and key(d) < key(c):
                     c, plan, improved = d, other, True
                     break
