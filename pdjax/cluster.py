@@ -53,7 +53,6 @@ import dataclasses
 import json
 import math
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -424,39 +423,45 @@ def _run_processes(
     what: str,
     timeout: float = LAUNCH_TIMEOUT,
 ) -> None:
-    """Runs the processes together, bounded by ``timeout`` seconds; ends them all when one
-    fails; raises :class:`ClusterError` with the failing one's output."""
+    """Runs the processes together, bounded by ``timeout`` seconds; ends them all (their
+    process groups: SIGTERM, then SIGKILL) when one fails, at the timeout, or when this
+    launcher gets SIGTERM, SIGINT or SIGHUP; raises :class:`ClusterError` with the failing
+    one's output (:class:`~pdjax.distributed.LaunchInterrupted` on a signal)."""
+    from pdjax.distributed import describe_exit, end_process_groups, ending_on_signals
+
     logs = [tempfile.TemporaryFile() for _ in commands]
-    procs = [
-        subprocess.Popen(list(c), env=dict(e), stdout=log, stderr=log, start_new_session=True)
-        for c, e, log in zip(commands, envs, logs, strict=True)
-    ]
+    procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + timeout
     failed = None
-    try:
-        while True:
-            codes = [p.poll() for p in procs]
-            bad = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if bad:
-                failed = (bad[0], f"exit {codes[bad[0]]}")
-                break
-            if all(c == 0 for c in codes):
-                return
-            if time.monotonic() > deadline:
-                failed = (codes.index(None), f"still running after {timeout:.0f} s")
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-        if failed is not None:
-            i, why = failed
-            logs[i].seek(0)
-            tail = logs[i].read().decode(errors="replace")[-4000:]
-        for log in logs:
-            log.close()
+    with ending_on_signals() as guard:
+        try:
+            for c, e, log in zip(commands, envs, logs, strict=True):
+                with guard.hold():  # no orphan from a Popen that a signal interrupts
+                    procs.append(
+                        subprocess.Popen(
+                            list(c), env=dict(e), stdout=log, stderr=log, start_new_session=True
+                        )
+                    )
+            while True:
+                codes = [p.poll() for p in procs]
+                bad = [i for i, c in enumerate(codes) if c is not None and c != 0]
+                if bad:
+                    failed = (bad[0], describe_exit(codes[bad[0]] or 0))
+                    break
+                if all(c == 0 for c in codes):
+                    return
+                if time.monotonic() > deadline:
+                    failed = (codes.index(None), f"still running after {timeout:.0f} s")
+                    break
+                time.sleep(0.05)
+        finally:
+            end_process_groups(procs)
+            if failed is not None:
+                i, why = failed
+                logs[i].seek(0)
+                tail = logs[i].read().decode(errors="replace")[-4000:]
+            for log in logs:
+                log.close()
     raise ClusterError(f"{what}: worker {i} failed ({why}):\n{tail}")
 
 
@@ -766,7 +771,10 @@ def run_cluster(
 
     Raises:
       ClusterError: a worker failed, or ``emulate=True`` where it cannot be.
+      pdjax.distributed.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP, after ending the
+        workers and deleting the emulated network.
     """
+    from pdjax.distributed import ending_on_signals
     from pdjax.netem import network_support
     from pdjax.partition import Topology, plan_pipedream
 
@@ -792,7 +800,10 @@ def run_cluster(
     rankings: list[dict[str, Any]] = []
     links_seen: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[tuple[float, float, float]]]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    # a signal raises here like Ctrl-C does, so the workers are ended and the network is torn
+    # down on the way out (the workers run in sessions of their own, out of the terminal's
+    # reach, and a launcher killed outright would leave them and the namespaces behind)
+    with ending_on_signals(), tempfile.TemporaryDirectory() as tmp:
         work = Path(workdir or tmp)
         work.mkdir(parents=True, exist_ok=True)
         for model in models:
@@ -1164,13 +1175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("usage: python -m pdjax.cluster (worker|profile) JOB_JSON", file=sys.stderr)
         return 2
     job = json.loads(argv[1])
-    if argv[0] == "profile":
-        import jax
+    try:
+        if argv[0] == "profile":
+            import jax
 
-        jax.config.update("jax_num_cpu_devices", 1)
-        _profile_job(job)
-    else:
-        _worker_job(job)
+            jax.config.update("jax_num_cpu_devices", 1)
+            _profile_job(job)
+        else:
+            _worker_job(job)
+    except PdjaxError as e:  # one line, which the driver's ClusterError quotes
+        print(f"pdjax.cluster {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -9,14 +9,23 @@ Activations and gradients cross processes with ``jax.device_put``; on CPU this n
 
 If a process dies, JAX's coordination service stops the others after
 ``heartbeat_timeout`` seconds (they abort with "Terminating process because the JAX
-distributed service detected fatal errors ... another task died"); a process that
-never joins fails the others after ``init_timeout`` seconds. :func:`launch_local` starts
-``N`` processes on this machine for trying it out, optionally one core each, and ends
-them all when one fails.
+distributed service detected fatal errors ... another task died"). A process that never
+joins is caught before JAX's own start-up: process 0 waits ``init_timeout`` seconds on the
+coordinator's port for every other process to say hello, and then every process ends with a
+:class:`DistributedError` naming the missing ones (JAX would abort them all with a C++
+stack instead). :func:`launch_local` starts ``N`` processes on this machine for trying it
+out, optionally one core each, and ends them all when one fails or when it gets SIGTERM,
+SIGINT or SIGHUP.
+
+What listens: process 0's coordination service (and the join hello before it) on the
+coordinator's ``HOST:PORT`` only (or ``bind_address``), and on CPU each process's transfer
+socket on its ``transfer_host``; on :func:`launch_local`'s runs all of them are 127.0.0.1.
+The coordination service is gRPC without authentication or encryption.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -24,19 +33,26 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from pdjax.errors import PdjaxError
 
 __all__ = [
     "DistributedConfig",
+    "DistributedError",
+    "LaunchInterrupted",
     "allgather_json",
     "broadcast_json",
     "check_cpu_transfers",
     "config_from_env",
+    "describe_exit",
+    "end_process_groups",
+    "ending_on_signals",
     "free_port",
     "initialize",
     "launch_local",
@@ -63,6 +79,10 @@ class DistributedConfig:
       init_timeout: seconds to wait for every process to join.
       heartbeat_timeout: seconds after which a silent process counts as dead and the
         others are stopped.
+      bind_address: ``HOST:PORT`` process 0's coordination service listens on (default:
+        ``coordinator`` itself, so only that address is reachable; give
+        ``0.0.0.0:PORT`` only behind a firewall, e.g. where the coordinator's host name
+        resolves to another address on its own machine).
     """
 
     coordinator: str
@@ -73,23 +93,31 @@ class DistributedConfig:
     transfer_host: str | None = None
     init_timeout: int = 60
     heartbeat_timeout: int = 10
+    bind_address: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
             raise DistributedError(
                 f"process id {self.process_id} is not in 0..{self.num_processes - 1}"
             )
-        host, _, port = self.coordinator.rpartition(":")
-        if not host or not port.isdigit():
-            raise DistributedError(f"coordinator must be HOST:PORT, got {self.coordinator!r}")
+        for name in ("coordinator", "bind_address"):
+            address = getattr(self, name)
+            host, _, port = (address or "h:0").rpartition(":")
+            if not host or not port.isdigit():
+                raise DistributedError(
+                    f"{name} must be HOST:PORT (brackets around an IPv6 host), got {address!r}"
+                )
+        if self.init_timeout < 1:
+            raise DistributedError(f"init_timeout must be >= 1 s, got {self.init_timeout}")
 
 
 def config_from_env(env: Mapping[str, str] | None = None) -> DistributedConfig | None:
     """The run described by ``PDJAX_COORDINATOR``/``PDJAX_NUM_PROCESSES``/``PDJAX_PROCESS_ID``
     (or JAX's ``JAX_COORDINATOR_ADDRESS``/``JAX_NUM_PROCESSES``/``JAX_PROCESS_ID``), plus
     optional ``PDJAX_CPU_DEVICES``, ``PDJAX_TRANSFER_PORT``, ``PDJAX_TRANSFER_HOST`` (this
-    process's address for transfers) and ``PDJAX_HEARTBEAT_TIMEOUT``;
-    None when unset."""
+    process's address for transfers), ``PDJAX_HEARTBEAT_TIMEOUT``, ``PDJAX_INIT_TIMEOUT``
+    and ``PDJAX_COORDINATOR_BIND`` (or ``JAX_COORDINATOR_BIND_ADDRESS``: see
+    :class:`DistributedConfig`'s ``bind_address``); None when unset."""
     env = os.environ if env is None else env
 
     def get(name: str) -> str | None:
@@ -109,28 +137,36 @@ def config_from_env(env: Mapping[str, str] | None = None) -> DistributedConfig |
             else None,
             transfer_host=env.get("PDJAX_TRANSFER_HOST") or None,
             heartbeat_timeout=int(env.get("PDJAX_HEARTBEAT_TIMEOUT") or 10),
+            init_timeout=int(env.get("PDJAX_INIT_TIMEOUT") or 60),
+            bind_address=env.get("PDJAX_COORDINATOR_BIND")
+            or env.get("JAX_COORDINATOR_BIND_ADDRESS")
+            or None,
         )
     except ValueError as e:
         raise DistributedError(f"bad multi-process environment: {e}") from e
 
 
 def initialize(config: DistributedConfig) -> None:
-    """Joins the multi-process run (before any other JAX call in this process)."""
+    """Joins the multi-process run (before any other JAX call in this process).
+
+    Process 0's coordination service listens on ``config.bind_address`` (default: the
+    coordinator's own ``HOST:PORT``, so 127.0.0.1 for a local run), not on every interface.
+    Before JAX starts, the processes meet on that port (see :func:`_rendezvous`), so a
+    process that never joins ends every other one with a :class:`DistributedError` after
+    ``init_timeout`` seconds, instead of JAX's abort. SIGTERM ends the process as before
+    the call (JAX's preemption notifier would otherwise swallow it).
+
+    Raises:
+      DistributedError: naming the processes that did not join, or why joining failed.
+    """
     import jax
 
-    host, _, port = config.coordinator.rpartition(":")
+    host, port = _split(config.coordinator)
     if config.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
-    transfer_port = (
-        int(port) + 1 + config.process_id if config.transfer_port is None else config.transfer_port
-    )
-    if transfer_port:  # port 0 would hang the receiver of a cross-process device_put on CPU
-        address = f"{config.transfer_host or host}:{transfer_port}"
-        jax.config.update("jax_cross_host_transfer_socket_address", address)
-        # the bulk data connections (default 0.0.0.0:0, which a peer cannot reach when
-        # the processes are on different hosts or network namespaces)
-        bulk = ",".join([f"{config.transfer_host or host}:0"] * 4)
-        jax.config.update("jax_cross_host_transport_addresses", bulk)
+    _set_transfer_addresses(config, host, port)
+    _rendezvous(config)
+    sigterm = _sigterm_handler()
     try:
         jax.distributed.initialize(
             config.coordinator,
@@ -139,12 +175,206 @@ def initialize(config: DistributedConfig) -> None:
             initialization_timeout=config.init_timeout,
             heartbeat_timeout_seconds=config.heartbeat_timeout,
             shutdown_timeout_seconds=config.heartbeat_timeout,
+            # JAX's default is [::]:PORT, every interface, for an unauthenticated service
+            coordinator_bind_address=config.bind_address or config.coordinator,
         )
     except Exception as e:
         raise DistributedError(
             f"process {config.process_id} could not join {config.coordinator} "
             f"({config.num_processes} processes) within {config.init_timeout} s: {e}"
         ) from e
+    finally:
+        _restore_sigterm(sigterm)
+
+
+def _split(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; an IPv6 host loses its brackets."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _set_transfer_addresses(config: DistributedConfig, host: str, port: int) -> None:
+    """On CPU, where this process listens for cross-process transfers (see the module)."""
+    import jax
+
+    transfer_port = port + 1 + config.process_id
+    if config.transfer_port is not None:
+        transfer_port = config.transfer_port
+    if not transfer_port:  # port 0 would hang the receiver of a cross-process device_put
+        return
+    here = config.transfer_host or host
+    here = f"[{here}]" if ":" in here and not here.startswith("[") else here
+    jax.config.update("jax_cross_host_transfer_socket_address", f"{here}:{transfer_port}")
+    # the bulk data connections (default 0.0.0.0:0, which a peer cannot reach when the
+    # processes are on different hosts or network namespaces, and which listens everywhere)
+    jax.config.update("jax_cross_host_transport_addresses", ",".join([f"{here}:0"] * 4))
+
+
+def _sigterm_handler() -> Any:
+    """This process's SIGTERM handler now, to put back after JAX's initialize (whose
+    preemption notifier catches SIGTERM and only logs it, so that a launcher's SIGTERM
+    would not end the process); None off the main thread, where it cannot be put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    handler = signal.getsignal(signal.SIGTERM)
+    return signal.SIG_DFL if handler is None else handler  # None: not set from Python
+
+
+def _restore_sigterm(handler: Any) -> None:
+    if handler is not None:
+        signal.signal(signal.SIGTERM, handler)
+
+
+# -- joining: every process says hello to process 0 before JAX starts ---------------------------
+#
+# JAX's coordination service fails a process that waits for a peer that never comes with a
+# fatal log (abort, C++ stack, nothing that names the peer). So process 0 first listens on
+# the coordinator's own port for a one-line hello from each other process and answers each
+# "go" when all are there, or which are missing when init_timeout runs out; then it closes
+# that socket and JAX's service takes the port. The peers close first, so the port is left
+# without TIME_WAIT connections on process 0's side.
+
+_HELLO = "pdjax-join"
+_LINE = 128  # bytes at most in one protocol line
+
+
+def _rendezvous(config: DistributedConfig) -> None:
+    """Returns when every process of the run has said hello to process 0.
+
+    Raises:
+      DistributedError: naming the missing processes (process 0 tells the others too), or
+        the coordinator that did not answer.
+    """
+    if config.num_processes == 1:
+        return
+    if config.process_id == 0:
+        _gather(config)
+    else:
+        _join(config)
+
+
+def _which(ids: Sequence[int]) -> str:
+    return ("process " if len(ids) == 1 else "processes ") + ", ".join(map(str, ids))
+
+
+def _missing(config: DistributedConfig, ids: Sequence[int]) -> DistributedError:
+    they, their = ("it was", "its log") if len(ids) == 1 else ("they were", "their logs")
+    return DistributedError(
+        f"process {config.process_id} of {config.num_processes}: {_which(ids)} did not join "
+        f"the coordinator at {config.coordinator} within {config.init_timeout} s; check that "
+        f"{they} started with PDJAX_COORDINATOR={config.coordinator} and "
+        f"PDJAX_NUM_PROCESSES={config.num_processes}, did not fail at start (see {their}), "
+        f"and can reach {config.coordinator} over TCP (firewall)"
+    )
+
+
+def _readline(conn: socket.socket, deadline: float) -> str:
+    """One line from ``conn`` by ``deadline`` (``time.monotonic``); "" on EOF or timeout."""
+    data = b""
+    while not data.endswith(b"\n") and len(data) < _LINE:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return ""
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(_LINE - len(data))
+        except OSError:  # timeout, reset
+            return ""
+        if not chunk:
+            return ""
+        data += chunk
+    return data.decode(errors="replace").strip()
+
+
+def _listen(config: DistributedConfig) -> socket.socket:
+    host, port = _split(config.bind_address or config.coordinator)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise DistributedError(
+            f"process 0 cannot listen on {config.bind_address or config.coordinator}: {e}; "
+            "choose a free port on an address of this machine (PDJAX_COORDINATOR)"
+        ) from e
+
+
+def _gather(config: DistributedConfig) -> None:
+    """Process 0: waits for every other process's hello, then answers them all."""
+    n, deadline = config.num_processes, time.monotonic() + config.init_timeout
+    peers: dict[int, socket.socket] = {}
+    with _listen(config) as server:
+        try:
+            while len(peers) < n - 1 and (left := deadline - time.monotonic()) > 0:
+                server.settimeout(left)
+                try:
+                    conn, _ = server.accept()
+                except OSError:  # timed out
+                    break
+                # a stranger's connection (a port scan) gets a few seconds, then is dropped
+                words = _readline(conn, min(deadline, time.monotonic() + 5)).split()
+                if len(words) != 3 or words[0] != _HELLO or not words[1].isdigit():
+                    conn.close()
+                    continue
+                i = int(words[1])
+                if words[2] != str(n) or not 0 < i < n or i in peers:
+                    with contextlib.suppress(OSError):
+                        conn.sendall(f"refused {n} {sorted(peers)}\n".encode())
+                    conn.close()
+                    continue
+                peers[i] = conn
+            missing = sorted(set(range(1, n)) - set(peers))
+            reply = "go" if not missing else "missing " + ",".join(map(str, missing))
+            for conn in peers.values():
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"{reply}\n".encode())
+            for conn in peers.values():  # let the peers close first (see above)
+                _readline(conn, time.monotonic() + 5)
+        finally:
+            for conn in peers.values():
+                conn.close()
+    if missing:
+        raise _missing(config, missing)
+
+
+def _join(config: DistributedConfig) -> None:
+    """Process 1 and up: says hello to process 0 (retrying until it listens) and waits for
+    its answer."""
+    host, port = _split(config.coordinator)
+    i, n, timeout = config.process_id, config.num_processes, config.init_timeout
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            conn = socket.create_connection((host, port), timeout=min(left, 5.0))
+        except OSError:  # refused: process 0 is not listening yet
+            time.sleep(min(0.2, left))
+            continue
+        with conn:
+            with contextlib.suppress(OSError):
+                conn.sendall(f"{_HELLO} {i} {n}\n".encode())
+            # process 0 answers by its own deadline, at most timeout s after we connected
+            reply = _readline(conn, time.monotonic() + timeout + 5)
+        if reply == "go":
+            return
+        if reply.startswith("missing "):
+            raise _missing(config, [int(k) for k in reply.split()[1].split(",")])
+        if reply.startswith("refused "):
+            raise DistributedError(
+                f"process {i} of {n}: the coordinator at {config.coordinator} refused it: it "
+                f"runs {reply.split()[1]} processes, and has these joined already: "
+                f"{reply.split(maxsplit=2)[2]}; give every process the same "
+                "PDJAX_NUM_PROCESSES and a process id of its own"
+            )
+        raise DistributedError(
+            f"process {i} of {n}: the coordinator at {config.coordinator} answered "
+            f"{reply!r} instead of pdjax's join reply; is another program (or an older run) "
+            "listening on that port? Choose another port (PDJAX_COORDINATOR)"
+        )
+    raise DistributedError(
+        f"process {i} of {n}: the coordinator (process 0) at {config.coordinator} did not "
+        f"answer within {timeout} s; check that process 0 started with the same "
+        "PDJAX_COORDINATOR, did not fail at start (see its log), and that "
+        f"{config.coordinator} is reachable from here over TCP (firewall)"
+    )
 
 
 def free_port() -> int:
@@ -156,6 +386,99 @@ def free_port() -> int:
         if port < 60000:
             return port
     raise DistributedError("no free port found on 127.0.0.1")
+
+
+# -- launching: the launcher ends its workers however it ends -----------------------------------
+
+
+class LaunchInterrupted(DistributedError):
+    """A launcher got SIGTERM, SIGINT or SIGHUP and ended the processes it started."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"got {signal.Signals(signum).name}: ended the processes this launcher started "
+            "(SIGTERM, then SIGKILL after a grace period)"
+        )
+
+
+#: What a launcher handles: ``kill``, Ctrl-C, and its terminal closing.
+LAUNCH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class _SignalGuard:
+    """Turns the first of :data:`LAUNCH_SIGNALS` into :class:`LaunchInterrupted` (raised in
+    the main thread, like KeyboardInterrupt), so that the ``finally`` that ends the workers
+    runs; later ones are ignored so that it finishes. Inside :meth:`hold` the raise waits
+    for the end of the block: a Popen interrupted after its fork would orphan the child."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._holding = 0
+        self._pending = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:
+            return
+        self.signum = signum
+        if self._holding:
+            self._pending = True
+        else:
+            raise LaunchInterrupted(signum)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+        if self._pending and not self._holding and self.signum is not None:
+            self._pending = False
+            raise LaunchInterrupted(self.signum)
+
+
+_guard: _SignalGuard | None = None  # the active one (guards nest: the outermost counts)
+
+
+@contextlib.contextmanager
+def ending_on_signals() -> Iterator[_SignalGuard]:
+    """Within the block, :data:`LAUNCH_SIGNALS` raise :class:`LaunchInterrupted` (once),
+    so a launcher's ``try/finally`` ends its workers and the launcher exits non-zero; the
+    previous handlers come back after. Workers run in sessions of their own
+    (``start_new_session``), so without this a launcher killed by a signal orphans them.
+    Off the main thread (where Python cannot handle signals) nothing is installed."""
+    global _guard
+    if _guard is not None or threading.current_thread() is not threading.main_thread():
+        yield _guard or _SignalGuard()
+        return
+    guard = _SignalGuard()
+    previous = {s: signal.signal(s, guard.handle) for s in LAUNCH_SIGNALS}
+    _guard = guard
+    try:
+        yield guard
+    finally:
+        _guard = None
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def describe_exit(code: int) -> str:
+    """A worker's exit status in words: ``exit 3``, ``killed by SIGKILL``, and for
+    SIGABRT what it means here (JAX aborts on fatal errors, with a C++ stack in its log)."""
+    if code >= 0:
+        return f"exit {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGABRT:
+        return (
+            f"killed by {name}: JAX aborted it on a fatal error (the 'F...' line above its "
+            "C++ stack trace in its output says which; 'another task died' means look at the "
+            "other processes first)"
+        )
+    return f"killed by {name}"
 
 
 def launch_local(
@@ -171,59 +494,84 @@ def launch_local(
     127.0.0.1 through the ``PDJAX_*`` environment variables (see :func:`config_from_env`).
 
     ``pin=True`` runs process ``i`` on core ``i`` (``taskset -c i``). When one process
-    fails, the others are ended; a run longer than ``timeout`` seconds is ended too.
+    fails, the others are ended; a run longer than ``timeout`` seconds is ended too, and so
+    is every process when the launcher gets SIGTERM, SIGINT or SIGHUP.
 
     Returns:
       0 when every process succeeded.
 
     Raises:
       DistributedError: naming the first process that failed (or the timeout).
+      LaunchInterrupted: on a signal, after ending the processes.
     """
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     base = {**os.environ, **(env or {})}
-    try:
-        for i in range(num_processes):
-            penv = {
-                **base,
-                "PDJAX_COORDINATOR": f"127.0.0.1:{port}",
-                "PDJAX_NUM_PROCESSES": str(num_processes),
-                "PDJAX_PROCESS_ID": str(i),
-            }
-            if cpu_devices is not None:
-                penv["PDJAX_CPU_DEVICES"] = str(cpu_devices)
-            cmd = [sys.executable, *argv]
-            if pin:
-                cmd = ["taskset", "-c", str(i % (os.cpu_count() or 1)), *cmd]
-            procs.append(subprocess.Popen(cmd, env=penv, start_new_session=True))
-        start = time.monotonic()
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                i, c = failed[0]
-                raise DistributedError(f"process {i} of {num_processes} failed (exit {c})")
-            if all(c == 0 for c in codes):
-                return 0
-            if timeout is not None and time.monotonic() - start > timeout:
-                raise DistributedError(f"the {num_processes} processes ran over {timeout} s")
-            time.sleep(0.05)
-    finally:
-        _end(procs)
+    with ending_on_signals() as guard:
+        try:
+            for i in range(num_processes):
+                penv = {
+                    **base,
+                    "PDJAX_COORDINATOR": f"127.0.0.1:{port}",
+                    "PDJAX_NUM_PROCESSES": str(num_processes),
+                    "PDJAX_PROCESS_ID": str(i),
+                }
+                if cpu_devices is not None:
+                    penv["PDJAX_CPU_DEVICES"] = str(cpu_devices)
+                cmd = [sys.executable, *argv]
+                if pin:
+                    cmd = ["taskset", "-c", str(i % (os.cpu_count() or 1)), *cmd]
+                with guard.hold():
+                    procs.append(subprocess.Popen(cmd, env=penv, start_new_session=True))
+            _wait_all(procs, timeout)
+            return 0
+        finally:
+            end_process_groups(procs)
 
 
-def _end(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
-    """Ends the processes (and their children) still running: SIGTERM, then SIGKILL."""
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], timeout: float | None) -> None:
+    """Returns when every process succeeded; raises on the first failure or the timeout."""
+    n, start = len(procs), time.monotonic()
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c is not None and c != 0]
+        if failed:
+            i, c = failed[0]
+            raise DistributedError(
+                f"process {i} of {n} failed ({describe_exit(c)}); its error is in its output "
+                "above, and the others were ended"
+            )
+        if all(c == 0 for c in codes):
+            return
+        if timeout is not None and time.monotonic() - start > timeout:
+            raise DistributedError(
+                f"the {n} processes ran over {timeout} s and were ended; give a longer "
+                "timeout, or look for a process that waits on another"
+            )
+        time.sleep(0.05)
+
+
+def end_process_groups(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> None:
+    """Ends the processes still running and their process groups (each was started with
+    ``start_new_session``): SIGTERM, then SIGKILL for those still there after ``grace``
+    seconds. Signals to a group that is already gone are fine."""
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            _signal_group(p, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _signal_group(p, signal.SIGKILL)
             p.wait()
+
+
+def _signal_group(p: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:  # exited between the poll and now, group and all
+        pass
 
 
 # -- small messages between processes ---------------------------------------------------------

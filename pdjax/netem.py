@@ -345,17 +345,22 @@ class EmulatedNetwork:
         Raises:
           NetworkError: when a namespace could not be deleted (after trying all of them).
         """
-        atexit.unregister(self.close)
         errors = []
+        # each name leaves the list only once deleted, and the atexit hook only at the end:
+        # a close cut short (a launcher's SIGTERM raises wherever it lands) is finished by
+        # the next call or at exit, not left behind as namespaces and bridges
         while self._created:
-            ns = self._created.pop()
+            ns = self._created[-1]
             try:
                 _run(["ip", "netns", "delete", ns])
             except NetworkError as e:
                 if "No such file" not in str(e):
                     errors.append(str(e))
+            self._created.pop()
         while self._folders:
-            shutil.rmtree(self._folders.pop(), ignore_errors=True)
+            shutil.rmtree(self._folders[-1], ignore_errors=True)
+            self._folders.pop()
+        atexit.unregister(self.close)
         if errors:
             raise NetworkError("; ".join(errors))
 
