@@ -22,8 +22,15 @@ On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two 
   ``model_state.0.1.batch_stats.mean``, ``rng``. A typed PRNG key is stored as its
   ``jax.random.key_data`` (``uint32``). A :class:`DPState` has no stage level.
 - ``meta/metadata``: JSON with the format tag and version, the state's type, its Python
-  ints (``updates`` and ``microbatches``, or ``step``), the shape and dtype of every array
-  (and the implementation of each PRNG key, e.g. ``threefry2x32``), and ``extra``.
+  ints (``updates`` and ``microbatches``, or ``step``), the shape, dtype and checksum
+  (CRC-32 of its bytes, dtype and shape) of every array (and the implementation of each
+  PRNG key, e.g. ``threefry2x32``), and ``extra``.
+
+Every restore checks each array it reads against its checksum, and the metadata for every
+field it uses: a damaged step (a flipped bit, a truncated or missing file, edited
+metadata) raises :class:`CheckpointError` naming the step, the array or field at fault and
+the steps in the folder that verify, instead of restoring wrong values.
+:meth:`Checkpointer.verify` runs the same checks without building a state.
 
 Restoring needs a template, a state of the same runner (``pipe.init(...)``, or the same
 tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves): the checkpoint's
@@ -63,9 +70,14 @@ The write itself, the commit rename and the retention are orbax's (a
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+import re
+import sys
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -84,8 +96,16 @@ __all__ = ["Checkpointer"]
 
 # The format tag and layout version in every checkpoint's ``meta`` item.
 _FORMAT = "pdjax.checkpoint"
-_FORMAT_VERSION = 2  # 2: parameters stored once per value ("same_as")
-_READABLE_VERSIONS = (1, 2)
+# 2: parameters stored once per value ("same_as"); 3: a checksum per array ("checksum")
+_FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+# The orbax item and file holding the metadata, inside a step's folder.
+_META_FILE = ("meta", "metadata")
+# A folder name orbax's CheckpointManager takes for a step (its standard name format).
+_STEP_NAME = re.compile(r"0|[1-9]\d*")
+# A damaged step's error lists the steps that verify, newest first; it stops after this
+# many, since verifying a step reads all of it.
+_GOOD_STEPS_LISTED = 3
 
 _State = TypeVar("_State", PipelineState, DPState)
 
@@ -96,6 +116,8 @@ _INT_FIELDS: dict[type, tuple[str, ...]] = {
     DPState: ("step",),
 }
 _ITEMS = ("arrays", "meta")
+# What a committed step's folder holds: the two items and orbax's own files.
+_STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt"})
 
 
 def _state_type(state: Any, what: str) -> type:
@@ -301,6 +323,40 @@ def _assemble(cls: type, template: Any, leaves: list[Any], ints: Mapping[str, An
     return cls(**fields)
 
 
+def _manifest(state: Any, cls: type) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The arrays to save (a PRNG key as its key data) and their manifest entries (shape,
+    dtype, key implementation), keyed by path."""
+    arrays: dict[str, Any] = {}
+    manifest: dict[str, dict[str, Any]] = {}
+    for name, leaf in _array_leaves(state, cls).items():
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise CheckpointError(
+                f"{name} has been deleted: the state was donated to a later step "
+                "(DataParallel donates by default); save the newest state, before "
+                "passing it on, or build the runner with donate=False"
+            )
+        entry: dict[str, Any] = {}
+        if _is_key(leaf):
+            entry["key_impl"] = str(jax.random.key_impl(leaf))
+            leaf = jax.random.key_data(leaf)
+        entry.update(shape=list(np.shape(leaf)), dtype=str(leaf.dtype))
+        arrays[name] = leaf
+        manifest[name] = entry
+    return arrays, manifest
+
+
+def _add_checksums(manifest: Mapping[str, dict[str, Any]], arrays: Mapping[str, Any]) -> None:
+    """Adds each array's checksum to its manifest entry, from the host bytes orbax is
+    given (on process 0, after the gather); an entry stored as another (``same_as``: equal
+    bits, dtype and shape) gets that one's."""
+    for name, entry in manifest.items():
+        if name in arrays:
+            entry["checksum"] = _checksum(arrays[name])
+    for entry in manifest.values():
+        if "same_as" in entry:
+            entry["checksum"] = manifest[entry["same_as"]]["checksum"]
+
+
 def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
     """Parameters bit for bit equal to an earlier one (a tied parameter's copies, also any
     other equal arrays: storing them once loses nothing): name -> the first one's name."""
@@ -432,6 +488,189 @@ def _shape_str(entry: Mapping[str, Any]) -> str:
     return f"{entry['dtype']}{list(entry['shape'])}"
 
 
+class _Damage(Exception):
+    """A step whose files are damaged (what is wrong, without the way out): the public
+    methods turn it into a :class:`CheckpointError` that also lists the steps that verify."""
+
+
+def _checksum(array: Any) -> str:
+    """The checksum of an array's host bytes (C order), its dtype and its shape. CRC-32:
+    any flipped bit or burst of up to 32 changes it, and it runs at memory speed."""
+    data = np.ascontiguousarray(np.asarray(array))
+    crc = zlib.crc32(f"{data.dtype.str}{list(data.shape)}".encode())
+    crc = zlib.crc32(data.reshape(-1).view(np.uint8), crc)
+    return f"crc32:{crc:08x}"
+
+
+def _check_folder(directory: Path) -> None:
+    """Refuses a folder holding step-named entries that pdjax did not write: orbax would
+    list them as steps, and the retention (``max_to_keep``) would delete them."""
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{directory} is a file, not a folder; give the Checkpointer an empty or new folder"
+        )
+    strangers = [
+        entry.name
+        for entry in sorted(directory.iterdir())
+        if _STEP_NAME.fullmatch(entry.name) and not _is_pdjax_step(entry)
+    ]
+    if strangers:
+        raise CheckpointError(
+            f"{directory} holds {', '.join(repr(n) for n in strangers)}, named like "
+            f"checkpoint steps but without pdjax's {'/'.join(_META_FILE)} file: not pdjax "
+            "checkpoints, which a Checkpointer here would take for steps and delete to keep "
+            "max_to_keep; pick an empty or new folder for the checkpoints (a step folder "
+            "left by an interrupted pdjax save or cleanup may be deleted by hand)"
+        )
+
+
+def _is_pdjax_step(entry: Path) -> bool:
+    """Whether a step-named entry is a pdjax step: it holds pdjax's metadata file, or,
+    having lost it (damaged, or partly deleted), holds nothing but a step's own entries,
+    so that restoring reports the damage and offers the intact steps."""
+    if entry.joinpath(*_META_FILE).is_file():
+        return True
+    held = set(os.listdir(entry)) if entry.is_dir() else set()
+    return bool(held) and held <= _STEP_ENTRIES
+
+
+def _check_meta(meta: Any, file: Path) -> None:
+    """Raises :class:`_Damage` naming ``file`` and the field, for metadata that a restore
+    could not use (a missing field, a wrong type, an unknown dtype or PRNG key)."""
+
+    def bad(field: str, problem: str) -> None:
+        raise _Damage(f"its metadata {file} {problem} (field {field!r})")
+
+    if not isinstance(meta, Mapping):
+        bad("<top level>", f"is a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != _FORMAT:
+        bad("format", f"lacks pdjax's format tag {_FORMAT!r}: pdjax did not write it")
+    version = meta.get("version")
+    if version not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{file} has checkpoint format version {version!r}; this pdjax reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}: restore it with the pdjax that "
+            "wrote it (a newer one?)"
+        )
+    classes = {c.__name__: c for c in _INT_FIELDS}
+    if meta.get("state") not in classes:
+        bad("state", f"names no state type ({' or '.join(classes)})")
+    ints = meta.get("ints")
+    if not isinstance(ints, Mapping):
+        bad("ints", "is missing or not an object")
+    for name in _INT_FIELDS[classes[meta["state"]]]:
+        value = ints.get(name)
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            bad(f"ints.{name}", "is missing or not an int (or a list of ints)")
+    for field in ("arrays", "extra"):
+        if not isinstance(meta.get(field), Mapping):
+            bad(field, "is missing or not an object")
+    layers = meta.get("stage_layers")
+    if layers is not None and not (
+        isinstance(layers, list) and all(isinstance(n, int) and n >= 0 for n in layers)
+    ):
+        bad("stage_layers", "is not a list of layer counts")
+    for name, entry in meta["arrays"].items():
+        problem = _entry_problem(entry, meta["arrays"], needs_checksum=version >= 3)
+        if problem is not None:
+            bad(f"arrays.{name}.{problem[0]}", problem[1])
+
+
+def _entry_problem(
+    entry: Any, arrays: Mapping[str, Any], *, needs_checksum: bool
+) -> tuple[str, str] | None:
+    """What is wrong with one array's manifest entry, as (its field, the problem)."""
+    if not isinstance(entry, Mapping):
+        return "", "is not an object"
+    shape = entry.get("shape")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        return "shape", "is missing or not a list of sizes"
+    try:
+        dtype = np.dtype(entry.get("dtype"))
+    except TypeError:
+        return "dtype", f"is {entry.get('dtype')!r}, not a dtype"
+    impl = entry.get("key_impl")
+    if impl is not None:
+        data = jax.ShapeDtypeStruct(tuple(shape), dtype)
+        try:  # abstract: checks the name, and the key data's shape for it, allocating nothing
+            jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=str(impl)), data)
+        except (TypeError, ValueError) as e:
+            return "key_impl", f"is {impl!r}, not a PRNG key implementation for this data ({e})"
+    first = entry.get("same_as")
+    if first is not None:
+        target = arrays.get(first) if isinstance(first, str) else None
+        if not isinstance(target, Mapping) or "same_as" in target:
+            return "same_as", f"names {first!r}, which is no stored array"
+        if target.get("shape") != shape or target.get("dtype") != entry.get("dtype"):
+            return "same_as", f"names {first!r}, of another shape or dtype"
+    checksum = entry.get("checksum")
+    if checksum is None and needs_checksum:
+        return "checksum", "is missing"
+    if checksum is not None and not re.fullmatch(r"crc32:[0-9a-f]{8}", str(checksum)):
+        return "checksum", f"is {checksum!r}, not a crc32:<8 hex digits> checksum"
+    return None
+
+
+@contextlib.contextmanager
+def _quiet_abandoned_reads() -> Iterator[None]:
+    """Silences the reads orbax abandons when another read of the same restore fails: it
+    drops their coroutines unfinished, and each, collected, prints its whole TensorStore
+    spec to stderr as an "Exception ignored". Collects them here, so that a damaged step
+    reports its one :class:`CheckpointError` (the caller collects them, with ``gc.collect``,
+    once it has let go of the error); every other unraisable error still prints."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if getattr(unraisable.object, "__qualname__", "") == _ABANDONED_READ:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+# The orbax coroutine (one array chunk's read) whose abandoned instances are silenced.
+_ABANDONED_READ = "_read_array_index_and_device_put"
+
+
+def _error_texts(e: BaseException) -> list[str]:
+    """The messages of ``e`` and the exceptions it was raised from."""
+    texts, seen = [], set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        texts.append(str(cur))
+        cur = cur.__cause__ or cur.__context__
+    return texts
+
+
+def _failed_array(e: BaseException, names: Sequence[str]) -> str | None:
+    """The array a TensorStore read error is about (its messages name the array's key in
+    the OCDBT database, ``"<name>/<chunk>"``), if it is one of ``names``."""
+    for text in _error_texts(e):
+        for found in re.findall(r"Error reading \"([^\"]+)/[^/\"]*\"|'path': '([^']+)/'", text):
+            name = found[0] or found[1]
+            if name in names:
+                return name
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why a read failed: TensorStore's own status line when there is one
+    (orbax wraps it in a dump of the whole TensorStore spec), else the first line."""
+    texts = _error_texts(e)
+    line = next((t for t in texts if re.match(r"[A-Z_]+: ", t)), texts[-1] or type(e).__name__)
+    lines = line.split("See full TensorStore details")[0].strip().splitlines()
+    line = lines[0] if lines else type(e).__name__
+    return line if len(line) <= 300 else line[:297] + "..."
+
+
 class Checkpointer:
     """Saves and restores training states in ``directory``, one sub-directory per step.
 
@@ -441,7 +680,9 @@ class Checkpointer:
         (``None`` keeps all).
 
     Raises:
-      CheckpointError: for ``max_to_keep < 1``.
+      CheckpointError: for ``max_to_keep < 1``, or a ``directory`` holding folders named
+        like steps (``1/``, ``2/``) that are not pdjax checkpoints (the retention would
+        delete them). Other files there are left alone.
 
     The first :meth:`save` also deletes the unfinished temporary directories that crashed
     saves left; reading never does, so an evaluator may watch a running trainer's
@@ -460,6 +701,8 @@ class Checkpointer:
         self._multi = jax.process_count() > 1
         if self._multi and not _collective_transfers():
             check_cpu_transfers("a checkpoint across processes (gathered on process 0)")
+        self._manager = None
+        self._from_0(lambda: _check_folder(self.directory))
         self._manager = self._new_manager()
 
     def _new_manager(self) -> ocp.CheckpointManager | None:
@@ -548,22 +791,7 @@ class Checkpointer:
                 "steps must increase; save with a larger step, or delete the newer steps "
                 "(or use another directory) to branch off an older one"
             )
-        arrays: dict[str, Any] = {}
-        manifest: dict[str, dict[str, Any]] = {}
-        for name, leaf in _array_leaves(state, cls).items():
-            if isinstance(leaf, jax.Array) and leaf.is_deleted():
-                raise CheckpointError(
-                    f"{name} has been deleted: the state was donated to a later step "
-                    "(DataParallel donates by default); save the newest state, before "
-                    "passing it on, or build the runner with donate=False"
-                )
-            entry: dict[str, Any] = {}
-            if _is_key(leaf):
-                entry["key_impl"] = str(jax.random.key_impl(leaf))
-                leaf = jax.random.key_data(leaf)
-            entry.update(shape=list(np.shape(leaf)), dtype=str(leaf.dtype))
-            arrays[name] = leaf
-            manifest[name] = entry
+        arrays, manifest = _manifest(state, cls)
         if not self._multi:  # a tied parameter's copies (equal bits) are stored once
             for name, first in _same_values(arrays).items():
                 manifest[name]["same_as"] = first
@@ -583,6 +811,7 @@ class Checkpointer:
 
         def write() -> None:
             assert self._manager is not None
+            _add_checksums(manifest, arrays)
             if not self._writing:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 self._manager.close()
@@ -634,20 +863,11 @@ class Checkpointer:
 
         Raises:
           CheckpointError: if the directory holds no checkpoint, ``step`` is not there,
-            or the checkpoint does not match the template (names the first array that
-            differs, with both shapes).
+            the checkpoint does not match the template (names the first array that
+            differs, with both shapes), or the step is damaged (see :meth:`verify`).
         """
         cls = _state_type(template, "template")
-        steps = self.all_steps()
-        if not steps:
-            where = "" if self.directory.is_dir() else " (the directory does not exist)"
-            raise CheckpointError(f"no checkpoint in {self.directory}{where}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(
-                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
-            )
+        step = self._pick_step(step)
         meta = self._from_0(lambda: self._read_meta(step))
         ints = meta["ints"]
         wanted = _array_leaves(template, cls)
@@ -684,6 +904,83 @@ class Checkpointer:
                 array = jnp.asarray(np.asarray(array))
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
         return _assemble(cls, template, leaves, ints), meta["extra"]
+
+    def verify(self, step: int | None = None) -> None:
+        """Checks that checkpoint ``step`` (default: the newest) is intact, without building
+        a state: its metadata is complete, and every array reads back with the checksum
+        it was saved with. Steps saved by pdjax before checksums (format versions 1 and 2)
+        are only checked to read. Reads the whole step into host memory.
+
+        :meth:`restore` runs the same checks on the arrays it reads, so a training loop
+        needs this only to find the newest good step before it restores.
+
+        Raises:
+          CheckpointError: if the directory holds no checkpoint or ``step`` is not there;
+            or, for a damaged step, naming the step, the array (or metadata field) at
+            fault, and the other steps there that verify, to restore one of them instead.
+        """
+        step = self._pick_step(step)
+        self._from_0(lambda: self._verify_local(step, explain=True))
+
+    def _pick_step(self, step: int | None) -> int:
+        """``step``, or the newest for None; raises when there is none."""
+        steps = self.all_steps()
+        if not steps:
+            where = "" if self.directory.is_dir() else " (the directory does not exist)"
+            raise CheckpointError(f"no checkpoint in {self.directory}{where}")
+        if step is None:
+            return steps[-1]
+        if step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; available steps: {steps}"
+            )
+        return step
+
+    def _verify_local(self, step: int, *, explain: bool) -> None:
+        """Process 0: reads step ``step``'s metadata and every stored array, checked."""
+        meta = self._read_meta(step, explain=explain)
+        saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
+        stored = {
+            n: np.empty(e["shape"], np.dtype(e["dtype"]))
+            for n, e in saved.items()
+            if "same_as" not in e
+        }
+        self._read_arrays(step, stored, saved, explain=explain)
+
+    def _damage_error(self, step: int, damage: _Damage) -> CheckpointError:
+        """The error for a damaged step: what is wrong, and the steps to restore instead
+        (process 0; verifies the others, newest first, up to ``_GOOD_STEPS_LISTED``)."""
+        assert self._manager is not None
+        self._manager.reload()
+        good: list[int] = []
+        others = sorted((s for s in self._manager.all_steps() if s != step), reverse=True)
+        checked = 0
+        for other in others:
+            if len(good) == _GOOD_STEPS_LISTED:
+                break
+            checked += 1
+            try:
+                self._verify_local(other, explain=False)
+            except (_Damage, CheckpointError):
+                continue
+            good.append(other)
+        where = f"step {step} in {self.directory}"
+        if good:
+            more = " (older ones not checked)" if checked < len(others) else ""
+            way_out = (
+                f"the steps there that verify, newest first: {good}{more}; resume from one "
+                f"with restore(..., step={good[0]}) in Python, or --resume-step {good[0]} "
+                f"on the command line, and move the damaged {self.directory / str(step)} out "
+                "of the folder"
+            )
+        else:
+            held = (
+                f"its other steps {sorted(others)} are damaged too"
+                if others
+                else ("it holds no other step")
+            )
+            way_out = f"{held}, so start the run afresh in a new folder"
+        return CheckpointError(f"{where} is damaged: {damage}; {way_out}")
 
     def _restore_replanned(
         self, template: PipelineState, step: int, meta: Mapping[str, Any], pipeline: Any
@@ -754,27 +1051,50 @@ class Checkpointer:
         return _assemble(PipelineState, template, leaves, ints), meta["extra"]
 
     def _read_arrays(
-        self, step: int, abstract: Mapping[str, Any], saved: Mapping[str, Any] | None = None
+        self,
+        step: int,
+        abstract: Mapping[str, Any],
+        saved: Mapping[str, Any] | None = None,
+        *,
+        explain: bool = True,
     ) -> dict[str, Any]:
-        """Reads ``abstract``'s arrays; one stored once for several names (``same_as`` in
-        the ``saved`` manifest) is read once and copied to each (a buffer of its own)."""
+        """Reads ``abstract``'s arrays and checks them against the ``saved`` manifest's
+        checksums; one stored once for several names (``same_as``) is read once and copied
+        to each (a buffer of its own). A damaged step raises :class:`CheckpointError`
+        (``explain``) or :class:`_Damage`."""
         assert self._manager is not None
-        aliases = {
-            n: e["same_as"] for n, e in (saved or {}).items() if "same_as" in e and n in abstract
-        }
+        saved = saved or {}
+        aliases = {n: e["same_as"] for n, e in saved.items() if "same_as" in e and n in abstract}
         stored = {n: a for n, a in abstract.items() if n not in aliases}
         for src in set(aliases.values()) - set(stored):
-            e = (saved or {})[src]
+            e = saved[src]
             stored[src] = np.empty(e["shape"], np.dtype(e["dtype"]))
         try:
-            out = self._manager.restore(
-                step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(stored))
-            )["arrays"]
-        except Exception as e:
-            raise CheckpointError(
-                f"could not read the arrays of step {step} in {self.directory}: "
-                f"{type(e).__name__}: {e}"
-            ) from e
+            failed = None
+            with _quiet_abandoned_reads():
+                try:
+                    out = self._manager.restore(
+                        step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(stored))
+                    )["arrays"]
+                except Exception as e:  # TensorStore's errors carry no type to tell apart
+                    name = _failed_array(e, list(stored))
+                    what = f"array {name}" if name else "its arrays"
+                    failed = f"{what} cannot be read ({_reason(e)})"
+                if failed is not None:
+                    gc.collect()
+            if failed is not None:  # raised here: the error no longer holds orbax's reads
+                raise _Damage(failed)
+            for name in stored:
+                want = saved.get(name, {}).get("checksum")
+                if want is not None and _checksum(out[name]) != want:
+                    raise _Damage(
+                        f"array {name} does not match its checksum (its bytes on disk "
+                        "changed after the save)"
+                    )
+        except _Damage as damage:
+            if not explain:
+                raise
+            raise self._damage_error(step, damage) from damage
         for name, src in aliases.items():
             value = np.asarray(out[src])
             sharding = getattr(abstract[name], "sharding", None)
@@ -843,27 +1163,23 @@ class Checkpointer:
             raise CheckpointError(got["error"] + " (on process 0, which reads and writes)")
         return value if self._process == 0 else got["value"]
 
-    def _read_meta(self, step: int) -> dict[str, Any]:
+    def _read_meta(self, step: int, *, explain: bool = True) -> dict[str, Any]:
+        """Step ``step``'s metadata, checked to hold every field a restore uses. A damaged
+        one raises :class:`CheckpointError` (``explain``) or :class:`_Damage`."""
         assert self._manager is not None
+        file = self.directory / str(step) / Path(*_META_FILE)
         try:
-            meta = self._manager.restore(
-                step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
-            )["meta"]
-        except Exception as e:
-            raise CheckpointError(
-                f"step {step} in {self.directory} has no readable pdjax metadata "
-                f"({type(e).__name__}: {e}); was it written by pdjax.pipeline.Checkpointer?"
-            ) from e
-        if not isinstance(meta, Mapping) or meta.get("format") != _FORMAT:
-            raise CheckpointError(
-                f"step {step} in {self.directory} was not written by "
-                "pdjax.pipeline.Checkpointer (no format tag in its metadata)"
-            )
-        if meta.get("version") not in _READABLE_VERSIONS:
-            raise CheckpointError(
-                f"step {step} in {self.directory} has checkpoint format version "
-                f"{meta.get('version')}; this pdjax reads version {_FORMAT_VERSION}"
-            )
+            try:
+                meta = self._manager.restore(
+                    step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+                )["meta"]
+            except Exception as e:  # a missing file, or not JSON
+                raise _Damage(f"its metadata {file} cannot be read ({_reason(e)})") from e
+            _check_meta(meta, file)
+        except _Damage as damage:
+            if not explain:
+                raise
+            raise self._damage_error(step, damage) from damage
         return dict(meta)
 
     def _check_match(
