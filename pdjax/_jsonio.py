@@ -1,24 +1,103 @@
-"""JSON files for pdjax's plain-data boxes (profiles, plans): atomic writes, clear errors."""
+"""Files for pdjax's plain-data boxes (profiles, plans): atomic writes, text reads, and
+typed field access that turns a bad value into a clear error (file, field path, what to do)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from pdjax.errors import PdjaxError
 
-__all__ = ["parse_json", "write_atomic"]
+__all__ = ["FieldReader", "parse_json", "read_text", "write_atomic"]
+
+# Integers past 2**63 overflow the int64 and float64 arrays the planner builds from them;
+# no byte count or layer index of a real model comes near.
+MAX_INT = 2**63 - 1
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Writes ``text`` to ``path`` through a temporary file and a rename, so a crash never
-    leaves a half-written file where a good one was."""
+def write_atomic(
+    path: str | Path, text: str, *, what: str = "file", error: type[PdjaxError] = PdjaxError
+) -> None:
+    """Writes ``text`` to ``path`` through a private temporary file, fsync and a rename, so a
+    crash never leaves a half-written file where a good one was.
+
+    The temporary file is made by :func:`tempfile.mkstemp` in the target's directory (a
+    rename is only atomic within one file system): a fixed name such as ``<path>.tmp`` could
+    be a symlink someone planted there (``/tmp`` is shared), which ``open`` would follow.
+
+    Raises:
+      error: the path cannot be written (a directory, a read-only or uncreatable directory,
+        a full disk); the message names the path. No temporary file is left behind.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    if path.is_dir():
+        raise error(f"cannot write {what} {path}: it is a directory; give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise error(
+            f"cannot write {what} {path}: cannot create the directory {path.parent}: "
+            f"{e.strerror or e}"
+        ) from e
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
+    except OSError as e:
+        raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+    try:
+        # mkstemp makes the file 0600; give it the mode a plain open() would have.
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            fd = -1  # the file object owns it now
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+        raise
+
+
+def _umask() -> int:
+    # The only portable way to read the umask is to set it and put it back.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def read_text(
+    path: str | Path,
+    what: str,
+    error: type[PdjaxError],
+    *,
+    decode_error: type[PdjaxError] | None = None,
+) -> str:
+    """The UTF-8 text of ``path``; ``error`` naming ``what`` and the path (and for bytes that
+    are not UTF-8, the line; ``decode_error`` then, if given) instead of a raw OSError or
+    UnicodeDecodeError."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise (decode_error or error)(
+            f"{path}:{line}: {what} is not UTF-8 text (byte 0x{data[e.start]:02x}); "
+            "is this the right file?"
+        ) from e
 
 
 def parse_json(text: str, what: str, error: type[PdjaxError]) -> Any:
@@ -27,3 +106,118 @@ def parse_json(text: str, what: str, error: type[PdjaxError]) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise error(f"{what} is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise error(f"{what}: JSON nested too deeply to read") from e
+
+
+_MISSING: Any = object()
+
+
+def _kind(value: Any) -> str:
+    """A short description of a JSON value for messages: its type and a bounded repr."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int) and len(str(abs(value))) > 30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    names = {str: "string", list: "list", dict: "object"}
+    return f"{names.get(type(value), type(value).__name__)} {text}"
+
+
+class FieldReader:
+    """Typed access to parsed JSON that raises ``error`` with the file and the field path
+    (``layers[3].forward_seconds``) and what to do, instead of the TypeError or
+    OverflowError a wrongly typed value would raise later (or the wrong result it would
+    give silently: a negative time, a NaN size).
+
+    Args:
+      what: the file, e.g. ``"profile p.json"``.
+      error: the error class to raise.
+      advice: what to do, appended to every message (e.g. "re-create it with pdjax profile").
+    """
+
+    def __init__(self, what: str, error: type[PdjaxError], advice: str) -> None:
+        self.what, self.error, self.advice = what, error, advice
+
+    def fail(self, path: str, problem: str) -> NoReturn:
+        raise self.error(f"{self.what}: {path}: {problem}; {self.advice}")
+
+    def field(self, obj: Mapping[str, Any], key: str, path: str, default: Any = _MISSING) -> Any:
+        """``obj[key]`` (``obj`` already checked to be a mapping), or ``default``."""
+        if key in obj:
+            return obj[key]
+        if default is _MISSING:
+            # "KeyError" keeps the wording of the messages older pdjax gave for this case.
+            full = f"{path}.{key}" if path else key
+            raise self.error(f"{self.what}: KeyError: missing field {full!r}; {self.advice}")
+        return default
+
+    def mapping(self, value: Any, path: str) -> Mapping[str, Any]:
+        if not isinstance(value, Mapping):
+            self.fail(path, f"expected an object, got {_kind(value)}")
+        return value
+
+    def array(self, value: Any, path: str, length: int | None = None) -> list[Any]:
+        if not isinstance(value, list | tuple):
+            self.fail(path, f"expected a list, got {_kind(value)}")
+        if length is not None and len(value) != length:
+            self.fail(path, f"expected {length} entries, got {len(value)}")
+        return list(value)
+
+    def string(self, value: Any, path: str) -> str:
+        if not isinstance(value, str):
+            self.fail(path, f"expected a string, got {_kind(value)}")
+        return value
+
+    def integer(self, value: Any, path: str, *, minimum: int | None = None) -> int:
+        """An integer (a float with an integral value counts), at least ``minimum``."""
+        if isinstance(value, float) and math.isfinite(value) and value == int(value):
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"expected an integer, got {_kind(value)}")
+        if abs(value) > MAX_INT:
+            self.fail(path, f"an integer of {len(str(abs(value)))} digits is too large")
+        if minimum is not None and value < minimum:
+            self.fail(path, f"must be at least {minimum}, got {value}")
+        return value
+
+    def number(self, value: Any, path: str, *, minimum: float | None = 0.0) -> float | int:
+        """A finite number (int or float, returned as given so round trips stay exact), at
+        least ``minimum`` (None: any sign)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            self.fail(path, f"expected a number, got {_kind(value)}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an int too large for a float
+            finite = False
+        if not finite:
+            self.fail(path, f"expected a finite number, got {_kind(value)}")
+        if minimum is not None and value < minimum:
+            self.fail(path, f"must be at least {minimum:g}, got {value!r}")
+        return value
+
+    def optional_number(self, value: Any, path: str, *, minimum: float | None = 0.0) -> Any:
+        return None if value is None else self.number(value, path, minimum=minimum)
+
+    def plain(self, value: Any, path: str) -> Any:
+        """Free-form JSON (a profile's ``meta``, a plan's ``options``): anything, as long as
+        it writes back as strict JSON: no NaN or infinity, which ``json.loads`` accepts but
+        the files' writers refuse."""
+        if isinstance(value, float) and not math.isfinite(value):
+            self.fail(path, f"expected a finite number, got {_kind(value)}")
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                self.plain(v, f"{path}.{k}")
+        elif isinstance(value, list | tuple):
+            for i, v in enumerate(value):
+                self.plain(v, f"{path}[{i}]")
+        return value
+
+    def unknown_keys(self, obj: Mapping[str, Any], known: set[str], path: str) -> None:
+        unknown = sorted(str(k) for k in set(obj) - known)
+        if unknown:
+            self.fail(path or "top level", f"unknown fields {unknown}")

@@ -215,7 +215,7 @@ def evaluate_partition(
         allreduce_seconds=allreduce_seconds,
     )
     options = calibrated_options(stage_seconds, allreduce_seconds)
-    return build_plan(
+    plan = build_plan(
         profile,
         topology,
         arrays,
@@ -240,6 +240,9 @@ def evaluate_partition(
         microbatch_size=microbatch_size,
         replication=modes,
     )
+    # Record which profile priced the plan, so a later use with another model's profile of
+    # the same layer count is refused (Plan.check_profile).
+    return plan.with_profile_hash(profile)
 
 
 def _straight(

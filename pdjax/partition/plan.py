@@ -18,11 +18,14 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pdjax._jsonio import parse_json, write_atomic
+from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError
-from pdjax.partition.topology import Topology
+from pdjax.partition.topology import Level, Topology
+
+if TYPE_CHECKING:
+    from pdjax.profile.profile import Profile
 
 __all__ = ["Plan", "StagePlan"]
 
@@ -122,6 +125,9 @@ class Plan:
       options: the planner's other options (``straight``, ``fewer_machines``,
         ``optimizer_state_factor``, ...).
       profile_source: where the profile came from (file name, model), for the record.
+      profile_hash: :meth:`Profile.content_hash` of the profile the plan was made from, or
+        None (plans written before it was recorded): :meth:`check_profile` compares it with
+        the profile a plan is used with.
     """
 
     stages: tuple[StagePlan, ...]
@@ -139,6 +145,7 @@ class Plan:
     memory_limit: float | None = None
     options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     profile_source: str = ""
+    profile_hash: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -220,6 +227,42 @@ class Plan:
                 return s
         raise PlanError(f"layer {layer} is outside 0..{self.num_layers - 1}")
 
+    def with_profile_hash(self, profile: Profile) -> Plan:
+        """A copy that records ``profile``'s :meth:`~Profile.content_hash`: the profile the
+        plan was made from (planners call this; :meth:`check_profile` reads it)."""
+        return dataclasses.replace(self, profile_hash=profile.content_hash())
+
+    def check_profile(
+        self, profile: Profile, *, plan_file: str | None = None, profile_file: str | None = None
+    ) -> None:
+        """Raises PlanError if ``profile`` is not the one the plan was made from: another
+        layer count, or (for plans that record it) another :meth:`Profile.content_hash`. Two
+        models with the same layer count would otherwise pass, and the plan's stages would
+        be priced with costs it was not made for.
+
+        Args:
+          profile: the profile the plan is about to be used with.
+          plan_file, profile_file: their files, for the message.
+        """
+        plan_name = f"the plan {plan_file}" if plan_file else "the plan"
+        prof_name = f"the profile {profile_file}" if profile_file else "the profile"
+        redo = (
+            f"pass the profile the plan was made from, or re-plan: pdjax plan --profile "
+            f"{profile_file or 'PROFILE'} ... --out {plan_file or 'PLAN'}"
+        )
+        if self.num_layers != len(profile.layers):
+            raise PlanError(
+                f"{plan_name} covers {self.num_layers} layers but {prof_name} has "
+                f"{len(profile.layers)}; {redo}"
+            )
+        if self.profile_hash is not None and self.profile_hash != profile.content_hash():
+            raise PlanError(
+                f"{plan_name} was made from another profile (content hash "
+                f"{self.profile_hash[:12]}, from {self.profile_source or 'unknown source'!r}) "
+                f"than {prof_name} (hash {profile.content_hash()[:12]}): same layer count, "
+                f"other costs; {redo}"
+            )
+
     def describe(self) -> str:
         """A readable rendering, e.g.
         ``"15-1: stage 0 = layers 0-30 x15, stage 1 = layers 31-40 x1"`` and the predictions.
@@ -268,6 +311,7 @@ class Plan:
             "memory_limit": self.memory_limit,
             "options": dict(self.options),
             "profile_source": self.profile_source,
+            "profile_hash": self.profile_hash,
             "topology": self.topology.to_dict(),
             "stages": [
                 {
@@ -285,44 +329,60 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+    def from_dict(cls, data: Any, what: str = "plan JSON") -> Plan:
+        """Inverse of :meth:`to_dict`. Every field is checked (types, finite non-negative
+        numbers, at least one microbatch and replica, stages that cover the layers in
+        order on distinct devices of the topology); ``what`` (e.g. ``"plan p.json"``) and
+        the field's path (``stages[1].in_flight``) name a bad one.
+
+        Raises:
+          PlanError: data that is not a pdjax plan, or a field that is missing or wrong.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(
+                f'{what}: expected a JSON object with "format": {_FORMAT!r}, got '
+                f"{type(data).__name__ if data is not None else 'null'}"
+            )
         if data.get("format") != _FORMAT:
             raise PlanError(
-                f"not a pdjax plan (format {data.get('format')!r}, expected {_FORMAT!r})"
+                f"{what}: not a pdjax plan (format {data.get('format')!r}, expected {_FORMAT!r})"
             )
+        r = FieldReader(
+            f"{what}: malformed pdjax plan",
+            PlanError,
+            "fix that field, or make the plan again (pdjax plan ... --out FILE)",
+        )
+        topology = _topology_from_dict(r, r.field(data, "topology", ""))
+        raw_stages = r.array(r.field(data, "stages", ""), "stages")
+        stages = tuple(_stage_from_dict(r, st, f"stages[{i}]") for i, st in enumerate(raw_stages))
+        _check_devices(r, stages, topology)
+        options = r.plain(r.mapping(r.field(data, "options", "", {}), "options"), "options")
+        if "optimizer_state_factor" in options:  # read as a number by the simulator
+            r.number(options["optimizer_state_factor"], "options.optimizer_state_factor")
+        limit = r.optional_number(r.field(data, "memory_limit", "", None), "memory_limit")
+        if limit is not None and limit <= 0:
+            r.fail("memory_limit", f"must be positive bytes or null, got {limit!r}")
+        digest = r.field(data, "profile_hash", "", None)  # None: a plan from before hashes
+        fields = dict(
+            num_layers=_int(r, data, "num_layers", 1),
+            cost_model=r.string(r.field(data, "cost_model", ""), "cost_model"),
+            schedule=r.string(r.field(data, "schedule", ""), "schedule"),
+            partitioner=r.string(r.field(data, "partitioner", ""), "partitioner"),
+            num_microbatches=_int(r, data, "num_microbatches", 1),
+            microbatch_size=_int(r, data, "microbatch_size", 1),
+            time_per_microbatch=_float(r, data, "time_per_microbatch"),
+            single_device_time=_float(r, data, "single_device_time"),
+            data_parallel_time=_float(r, data, "data_parallel_time"),
+            noam=_int(r, data, "noam", 1),
+            profile_source=r.string(r.field(data, "profile_source", "", ""), "profile_source"),
+            profile_hash=None if digest is None else r.string(digest, "profile_hash"),
+        )
         try:
-            stages = tuple(
-                StagePlan(
-                    first_layer=int(st["first_layer"]),
-                    last_layer=int(st["last_layer"]),
-                    devices=tuple(st["devices"]),
-                    in_flight=int(st["in_flight"]),
-                    compute_seconds=float(st["compute_seconds"]),
-                    memory_bytes=float(st["memory_bytes"]),
-                    # Plans written before round-robin replication split every stage.
-                    replication=st.get("replication", "split"),
-                )
-                for st in data["stages"]
-            )
             return cls(
-                stages=stages,
-                num_layers=int(data["num_layers"]),
-                topology=Topology.from_dict(data["topology"]),
-                cost_model=data["cost_model"],
-                schedule=data["schedule"],
-                partitioner=data["partitioner"],
-                num_microbatches=int(data["num_microbatches"]),
-                microbatch_size=int(data["microbatch_size"]),
-                time_per_microbatch=float(data["time_per_microbatch"]),
-                single_device_time=float(data["single_device_time"]),
-                data_parallel_time=float(data["data_parallel_time"]),
-                noam=int(data["noam"]),
-                memory_limit=data.get("memory_limit"),
-                options=data.get("options", {}),
-                profile_source=data.get("profile_source", ""),
+                stages=stages, topology=topology, memory_limit=limit, options=options, **fields
             )
-        except KeyError as e:
-            raise PlanError(f"the plan JSON lacks the field {e.args[0]!r}") from e
+        except PlanError as e:  # the constructor's own checks: coverage, shared devices
+            raise PlanError(f"{what}: stages: {e}; {r.advice}") from e
 
     def to_json(self) -> str:
         """Exact JSON (floats round-trip through ``repr``)."""
@@ -335,20 +395,25 @@ class Plan:
         Raises:
           PlanError: for text that is not JSON or not a pdjax plan.
         """
-        return cls.from_dict(parse_json(text, what, PlanError))
+        return cls.from_dict(parse_json(text, what, PlanError), what)
 
     def save(self, path: str | Path) -> None:
-        """Writes the JSON to ``path`` atomically (a temporary file, then a rename)."""
-        write_atomic(path, self.to_json())
+        """Writes the JSON to ``path`` atomically (a temporary file, then a rename).
+
+        Raises:
+          PlanError: the path cannot be written (the message names it).
+        """
+        write_atomic(path, self.to_json(), what="plan", error=PlanError)
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
+        """Reads a plan JSON (:meth:`save`).
+
+        Raises:
+          PlanError: an unreadable file, not JSON, or not a valid pdjax plan.
+        """
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise PlanError(f"cannot read plan {path}: {e.strerror}") from e
-        return cls.from_json(text, f"plan {path}")
+        return cls.from_json(read_text(path, "plan", PlanError), f"plan {path}")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -359,3 +424,97 @@ def _ratio(a: float, b: float) -> float:
 
 def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None
+
+
+# -- reading plan files -----------------------------------------------------------------
+
+
+def _int(r: FieldReader, data: Mapping[str, Any], key: str, minimum: int) -> int:
+    return r.integer(r.field(data, key, ""), key, minimum=minimum)
+
+
+def _float(r: FieldReader, data: Mapping[str, Any], key: str) -> float:
+    return float(r.number(r.field(data, key, ""), key))
+
+
+def _stage_from_dict(r: FieldReader, raw: Any, path: str) -> StagePlan:
+    """One stage record: layer indices, distinct device ids, at least one microbatch in
+    flight, and seconds and bytes that are finite and not negative."""
+    raw = r.mapping(raw, path)
+    devices = [
+        r.integer(d, f"{path}.devices[{k}]", minimum=0)
+        for k, d in enumerate(r.array(r.field(raw, "devices", path), f"{path}.devices"))
+    ]
+    if not devices:
+        r.fail(f"{path}.devices", "a stage needs at least one device")
+    if len(set(devices)) != len(devices):
+        r.fail(f"{path}.devices", f"a device is listed twice in {devices}")
+    if "replicas" in raw:  # derived, for readers; an edit that disagrees is a mistake
+        replicas = r.integer(raw["replicas"], f"{path}.replicas", minimum=1)
+        if replicas != len(devices):
+            r.fail(f"{path}.replicas", f"{replicas}, but {len(devices)} devices are listed")
+    first = r.integer(r.field(raw, "first_layer", path), f"{path}.first_layer", minimum=0)
+    last = r.integer(r.field(raw, "last_layer", path), f"{path}.last_layer", minimum=0)
+    if last < first:
+        r.fail(path, f"last_layer {last} is before first_layer {first}")
+    values = dict(
+        in_flight=r.integer(r.field(raw, "in_flight", path), f"{path}.in_flight", minimum=1),
+        compute_seconds=float(
+            r.number(r.field(raw, "compute_seconds", path), f"{path}.compute_seconds")
+        ),
+        memory_bytes=float(r.number(r.field(raw, "memory_bytes", path), f"{path}.memory_bytes")),
+        # Plans written before round-robin replication split every stage.
+        replication=r.string(raw.get("replication", "split"), f"{path}.replication"),
+    )
+    try:
+        return StagePlan(first_layer=first, last_layer=last, devices=tuple(devices), **values)
+    except PlanError as e:  # its own checks: the replication mode
+        r.fail(path, str(e))
+
+
+def _topology_from_dict(r: FieldReader, raw: Any) -> Topology:
+    """The plan's topology record, checked field by field (``topology.levels[0].workers``)
+    before :class:`Topology` checks the values."""
+    raw = r.mapping(raw, "topology")
+    if raw.get("format") != "pdjax.topology/1":
+        r.fail("topology.format", f"expected 'pdjax.topology/1', got {raw.get('format')!r}")
+    levels = []
+    for k, lvl in enumerate(r.array(r.field(raw, "levels", "topology"), "topology.levels")):
+        path = f"topology.levels[{k}]"
+        lvl = r.mapping(lvl, path)
+        r.unknown_keys(lvl, {f.name for f in dataclasses.fields(Level)}, path)
+        bandwidth = r.number(r.field(lvl, "bandwidth", path), f"{path}.bandwidth")
+        if bandwidth <= 0:
+            r.fail(f"{path}.bandwidth", f"must be positive bytes/s, got {bandwidth!r}")
+        levels.append(
+            Level(
+                workers=r.integer(r.field(lvl, "workers", path), f"{path}.workers", minimum=1),
+                bandwidth=bandwidth,
+                name=r.string(lvl.get("name", ""), f"{path}.name"),
+                latency=r.number(lvl.get("latency", 0.0), f"{path}.latency"),
+            )
+        )
+    memory = r.optional_number(raw.get("memory_per_device"), "topology.memory_per_device")
+    ids = raw.get("device_ids")
+    if ids is not None:
+        ids = tuple(
+            r.integer(d, f"topology.device_ids[{k}]", minimum=0)
+            for k, d in enumerate(r.array(ids, "topology.device_ids"))
+        )
+    name = r.string(raw.get("name", ""), "topology.name")
+    try:
+        return Topology(levels=tuple(levels), memory_per_device=memory, name=name, device_ids=ids)
+    except PlanError as e:  # its own checks: a zero memory limit, device_ids of another length
+        r.fail("topology", str(e))
+
+
+def _check_devices(r: FieldReader, stages: tuple[StagePlan, ...], topology: Topology) -> None:
+    """Every stage's devices must be devices of the plan's topology."""
+    known = topology.device_ids
+    for s, stage in enumerate(stages):
+        for d in stage.devices:
+            if (d not in known) if known is not None else (d >= topology.num_devices):
+                r.fail(
+                    f"stages[{s}].devices",
+                    f"device {d} is not one of the topology's {topology.num_devices} devices",
+                )

@@ -37,9 +37,11 @@ takes, in this order (``meta["batch_size_from"]`` says which):
 from __future__ import annotations
 
 import heapq
+import math
 import re
 from pathlib import Path
 
+from pdjax._jsonio import read_text
 from pdjax.errors import GraphFormatError
 from pdjax.profile.profile import LayerProfile, Profile
 
@@ -73,7 +75,9 @@ def _node_number(node_id: str) -> int:
     return int(node_id[len("node") :])
 
 
-def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0) -> Profile:
+def parse_graph_txt(
+    text: str, *, source: str = "<string>", batch_size: int = 0, require_connected: bool = False
+) -> Profile:
     """Parses the text of a ``graph.txt`` into a :class:`Profile`.
 
     Args:
@@ -81,6 +85,10 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
       source: the file name, used in error messages and ``meta["source"]``.
       batch_size: samples per minibatch behind the profile; 0 infers it (from an image
         input node, else a recurrent layer's state, else 1: see the module doc).
+      require_connected: refuse a graph that is not one connected network (a file cut
+        short at a line boundary loses its edges). The file readers (:func:`read_graph_txt`,
+        :meth:`Profile.load`) ask for it; a text fragment (a few nodes, for a test) need
+        not be whole.
 
     Returns:
       A profile whose seconds are PipeDream's milliseconds / 1000, ``time_source``
@@ -90,8 +98,10 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
       free sources.
 
     Raises:
-      GraphFormatError: a malformed line (with file and line number), a duplicate node,
-        an edge to an unknown node, a cycle, or no nodes at all.
+      GraphFormatError: a malformed line, a negative or non-finite number (with file and
+        line number), a duplicate node, an edge to an unknown node, a cycle, with
+        ``require_connected``, a node not connected to the rest (a file cut short), or no
+        nodes at all.
     """
     nodes: dict[str, tuple[str, float, float, float, float]] = {}
     outputs: dict[str, tuple[float, ...]] = {}  # per node, its outputs' sizes
@@ -110,6 +120,11 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
                 raise GraphFormatError(f"{source}:{lineno}: bad number: {e}") from e
             if any(v < 0 for v in (*values, *sizes)):
                 raise GraphFormatError(f"{source}:{lineno}: negative time or size")
+            if not all(math.isfinite(v) for v in (*values, *sizes)):
+                # "1e999" parses as inf, and would price a stage at infinity (or NaN).
+                raise GraphFormatError(
+                    f"{source}:{lineno}: a time or size is too large to be finite: {line[:80]!r}"
+                )
             nodes[m["id"]] = (m["desc"].strip(), *values)
             outputs[m["id"]] = sizes
             continue
@@ -148,6 +163,8 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
     if len(order) != len(nodes):
         stuck = sorted((n for n in nodes if n not in set(order)), key=_node_number)
         raise GraphFormatError(f"{source}: the graph has a cycle through {stuck[:6]}")
+    if require_connected:
+        _check_connected(nodes, edges, source)
 
     index = {n: i for i, n in enumerate(order)}
     layers = []
@@ -186,6 +203,38 @@ def parse_graph_txt(text: str, *, source: str = "<string>", batch_size: int = 0)
         time_source="graph.txt",
         meta={"source": source, "format": "pipedream graph.txt", "batch_size_from": batch_from},
     )
+
+
+def _check_connected(
+    nodes: dict[str, tuple[str, float, float, float, float]],
+    edges: list[tuple[str, str, int]],
+    source: str,
+) -> None:
+    """Raises GraphFormatError unless every node is linked (ignoring direction) to the first
+    input node: one network. A file cut short at a line boundary parses line by line, but
+    loses edges (every one, when cut among the node lines) and so leaves nodes that
+    nothing feeds and that feed nothing; planning them would price a different network.
+    A network may have several inputs and outputs (GNMT, Inception's auxiliary head), so
+    this asks only for one connected piece."""
+    neighbours: dict[str, list[str]] = {n: [] for n in nodes}
+    for a, b, _ in edges:
+        neighbours[a].append(b)
+        neighbours[b].append(a)
+    inputs = [n for n in nodes if nodes[n][0].startswith("Input")]
+    start = min(inputs or nodes, key=_node_number)
+    seen, todo = {start}, [start]
+    while todo:
+        for m in neighbours[todo.pop()]:
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    if len(seen) != len(nodes):
+        cut = sorted((n for n in nodes if n not in seen), key=_node_number)
+        raise GraphFormatError(
+            f"{source}: node {cut[0]} ({nodes[cut[0]][0][:40]}) is not connected to "
+            f"{start} ({len(cut)} of {len(nodes)} nodes are cut off): the file may be cut "
+            "short (a graph.txt lists every node, then every edge); use the complete file"
+        )
 
 
 def _with_input(layer: LayerProfile, input_bytes: int) -> LayerProfile:
@@ -257,12 +306,8 @@ def _recurrent_batch(desc: str, sizes: tuple[float, ...]) -> int | None:
 
 def read_graph_txt(path: str | Path, *, batch_size: int = 0) -> Profile:
     """Reads a PipeDream ``graph.txt`` file. See :func:`parse_graph_txt`."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise GraphFormatError(f"cannot read {path}: {e.strerror}") from e
-    return parse_graph_txt(text, source=str(path), batch_size=batch_size)
+    text = read_text(path, "graph.txt", GraphFormatError)
+    return parse_graph_txt(text, source=str(path), batch_size=batch_size, require_connected=True)
 
 
 def published_profile(name: str, *, batch_size: int = 0) -> Profile:

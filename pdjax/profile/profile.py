@@ -11,6 +11,7 @@ All sizes are bytes for the whole profiled batch; all times are seconds for that
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -18,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from pdjax._jsonio import parse_json, write_atomic
+from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
-from pdjax.errors import ProfileError
+from pdjax.errors import GraphFormatError, ProfileError
 
 __all__ = ["LayerProfile", "Profile"]
 
@@ -321,36 +322,84 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Profile:
-        """Inverse of :meth:`to_dict`.
+    def from_dict(cls, data: Any, what: str = "profile JSON") -> Profile:
+        """Inverse of :meth:`to_dict`. Every field is checked: types, finite non-negative
+        sizes, times and counts, edges inside the layers; ``what`` (e.g. ``"profile
+        p.json"``) and the field's path (``layers[3].forward_seconds``) name a bad one.
 
         Raises:
-          ProfileError: for data that is not a pdjax profile, or lacks a field.
+          ProfileError: for data that is not a pdjax profile, or a field that is missing or
+            wrong.
         """
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            data = data if isinstance(data, Mapping) else {}
+        if not isinstance(data, Mapping):
             raise ProfileError(
-                f"not a pdjax profile (format {data.get('format')!r}, expected {_FORMAT!r}); "
-                "for PipeDream's graph.txt use pdjax.profile.read_graph_txt"
+                f'{what}: expected a JSON object with "format": {_FORMAT!r}, got '
+                f"{_json_kind(data)}; for PipeDream's graph.txt use pdjax.profile.read_graph_txt"
             )
-        fields = {f.name for f in dataclasses.fields(LayerProfile)}
-        try:
-            layers = []
-            for i, raw in enumerate(data["layers"]):
-                unknown = set(raw) - fields
-                if unknown:
-                    raise ProfileError(f"layer {i} has unknown fields {sorted(unknown)}")
-                layers.append(LayerProfile(**raw))
-            return cls(
-                layers=tuple(layers),
-                edges=tuple(tuple(e) for e in data["edges"]),
-                batch_size=int(data["batch_size"]),
-                time_source=data.get("time_source", "none"),
-                dtype=data.get("dtype", "float32"),
-                meta=data.get("meta", {}),
+        if data.get("format") != _FORMAT:
+            raise ProfileError(
+                f"{what}: not a pdjax profile (format {data.get('format')!r}, expected "
+                f"{_FORMAT!r}); for PipeDream's graph.txt use pdjax.profile.read_graph_txt"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise ProfileError(f"malformed pdjax profile: {type(e).__name__}: {e}") from e
+        r = FieldReader(
+            f"{what}: malformed pdjax profile",
+            ProfileError,
+            "fix that field, or profile the model again (pdjax profile --out FILE)",
+        )
+        layers = tuple(
+            _layer_from_dict(r, raw, f"layers[{i}]")
+            for i, raw in enumerate(r.array(r.field(data, "layers", ""), "layers"))
+        )
+        if not layers:
+            r.fail("layers", "a profile needs at least one layer")
+        edges = []
+        for i, raw in enumerate(r.array(r.field(data, "edges", ""), "edges")):
+            pair = r.array(raw, f"edges[{i}]", length=2)
+            a, b = (r.integer(v, f"edges[{i}][{k}]", minimum=0) for k, v in enumerate(pair))
+            if max(a, b) >= len(layers):
+                r.fail(f"edges[{i}]", f"({a}, {b}) names a layer outside 0..{len(layers) - 1}")
+            if a >= b:
+                r.fail(
+                    f"edges[{i}]",
+                    f"({a}, {b}) goes backwards: layers must be in a topological order",
+                )
+            edges.append((a, b))
+        return cls(
+            layers=layers,
+            edges=tuple(edges),
+            batch_size=r.integer(r.field(data, "batch_size", ""), "batch_size", minimum=1),
+            time_source=r.string(r.field(data, "time_source", "", "none"), "time_source"),
+            dtype=r.string(r.field(data, "dtype", "", "float32"), "dtype"),
+            meta=r.plain(r.mapping(r.field(data, "meta", "", {}), "meta"), "meta"),
+        )
+
+    def content_hash(self) -> str:
+        """SHA-256 (hex) of what a plan depends on: the layers, their costs, the edges, the
+        batch size and the dtype, in a canonical JSON. ``meta`` and ``time_source`` (labels:
+        the same profile read from another path has another ``meta["source"]``) are left
+        out, and every number is hashed as a float, so a profile and its JSON round trip
+        hash alike. A :class:`~pdjax.partition.Plan` records it as ``profile_hash``."""
+        cached = self.__dict__.get("_content_hash")
+        if cached is None:
+
+            def canon(v: Any) -> Any:
+                return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+            body = {
+                "batch_size": self.batch_size,
+                "dtype": self.dtype,
+                "edges": [list(e) for e in self.edges],
+                "layers": [
+                    {k: canon(v) for k, v in dataclasses.asdict(layer).items()}
+                    for layer in self.layers
+                ],
+            }
+            text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+            cached = hashlib.sha256(text.encode()).hexdigest()
+            # A frozen dataclass: cache past __setattr__. Fields never change, and
+            # dataclasses.replace builds a new instance without this entry.
+            self.__dict__["_content_hash"] = cached
+        return cached
 
     def to_json(self) -> str:
         """Exact JSON (floats round-trip through ``repr``)."""
@@ -363,27 +412,91 @@ class Profile:
         Raises:
           ProfileError: for text that is not JSON or not a pdjax profile.
         """
-        return cls.from_dict(parse_json(text, what, ProfileError))
+        return cls.from_dict(parse_json(text, what, ProfileError), what)
 
     def save(self, path: str | Path) -> None:
-        """Writes the JSON to ``path`` atomically (a temporary file, then a rename)."""
-        write_atomic(path, self.to_json())
+        """Writes the JSON to ``path`` atomically (a temporary file, then a rename).
+
+        Raises:
+          ProfileError: the path cannot be written (the message names it).
+        """
+        write_atomic(path, self.to_json(), what="profile", error=ProfileError)
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
         """Reads a pdjax profile JSON, a PipeDream ``graph.txt`` (by content), or
-        ``"pipedream:NAME"``: one of PipeDream's published profiles shipped with pdjax."""
+        ``"pipedream:NAME"``: one of PipeDream's published profiles shipped with pdjax.
+
+        Raises:
+          ProfileError: an unreadable, empty or malformed file, or JSON that is not a pdjax
+            profile (``GraphFormatError``, a subclass, for a bad ``graph.txt``).
+        """
         if isinstance(path, str) and path.startswith("pipedream:"):
             from pdjax.profile.graph_txt import published_profile
 
             return published_profile(path.split(":", 1)[1])
         path = Path(path)
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise ProfileError(f"cannot read profile {path}: {e.strerror}") from e
-        if text.lstrip().startswith("{"):
-            return cls.from_json(text, f"profile {path}")
+        # Bytes that are not UTF-8 are most likely a damaged graph.txt (JSON would be too).
+        text = read_text(path, "profile", ProfileError, decode_error=GraphFormatError)
+        what = f"profile {path}"
+        body = text.strip()
+        if not body:
+            raise ProfileError(
+                f"{what} is empty; give a pdjax profile JSON (pdjax profile --out FILE) or a "
+                "PipeDream graph.txt"
+            )
+        # A graph.txt starts with a node line; anything else that parses as JSON is meant
+        # as a profile JSON, and must then be one (an empty file, `null` or `[1, 2]` once
+        # fell through to the graph.txt reader and came back as a profile of nothing).
+        if not body.startswith("node"):
+            try:
+                data = json.loads(text)
+            except (json.JSONDecodeError, RecursionError):
+                if body[0] in '{["':
+                    parse_json(text, what, ProfileError)  # raises, naming the position
+            else:
+                return cls.from_dict(data, what)
         from pdjax.profile.graph_txt import parse_graph_txt
 
-        return parse_graph_txt(text, source=str(path))
+        return parse_graph_txt(text, source=str(path), require_connected=True)
+
+
+_OPTIONAL_NUMBERS = (
+    "forward_flops",
+    "backward_flops",
+    "forward_bytes_accessed",
+    "backward_bytes_accessed",
+    "forward_seconds",
+    "backward_seconds",
+    "input_grad_flops",
+    "weight_grad_flops",
+    "input_grad_seconds",
+    "weight_grad_seconds",
+)
+_BYTES = ("param_bytes", "state_bytes", "input_bytes", "output_bytes", "residual_bytes")
+_STRINGS = ("name", "kind", "output_shape")
+
+
+def _layer_from_dict(r: FieldReader, raw: Any, path: str) -> LayerProfile:
+    """One layer record, every field checked: strings, and counts, sizes and times that are
+    finite and not negative (a negative time once came out as a plan of "t = -300 ms")."""
+    raw = r.mapping(raw, path)
+    r.unknown_keys(raw, {f.name for f in dataclasses.fields(LayerProfile)}, path)
+    values: dict[str, Any] = {"name": r.string(r.field(raw, "name", path), f"{path}.name")}
+    for key in _STRINGS[1:]:
+        if key in raw:
+            values[key] = r.string(raw[key], f"{path}.{key}")
+    for key in _OPTIONAL_NUMBERS:
+        if key in raw:
+            values[key] = r.optional_number(raw[key], f"{path}.{key}")
+    for key in _BYTES:
+        if key in raw:
+            values[key] = r.integer(raw[key], f"{path}.{key}", minimum=0)
+    if raw.get("peak_bytes") is not None:
+        values["peak_bytes"] = r.integer(raw["peak_bytes"], f"{path}.peak_bytes", minimum=0)
+    return LayerProfile(**values)
+
+
+def _json_kind(value: Any) -> str:
+    names = {type(None): "null", bool: "a boolean", str: "a string", list: "a list"}
+    return names.get(type(value), f"a {type(value).__name__}")
