@@ -388,7 +388,9 @@ class Calibration:
             raise CalibrationError(f"{what} is malformed: {e}") from e
 
     def save(self, path: str | Path) -> Path:
-        write_atomic(path, json.dumps(self.to_json(), indent=1))
+        write_atomic(
+            path, json.dumps(self.to_json(), indent=1), what="calibration", error=CalibrationError
+        )
         return Path(path)
 
     @classmethod

@@ -1249,4 +1249,5 @@ def build_plan(
         memory_limit=memory_limit,
         options={**options, "optimizer_state_factor": optimizer_state_factor},
         profile_source=str(source),
+        profile_hash=profile.content_hash() if hasattr(profile, "content_hash") else None,
     )
