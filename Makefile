@@ -14,7 +14,9 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# the main job starts afresh each time (pdjax train refuses an --out holding another run)
 run: $(STAMP)
+	rm -rf out/main
 	$(BIN)/python -m pdjax train --model cnn --dataset digits --schedule pipedream --devices 4 \
 		--plan auto --straight --epochs 10 --target-accuracy 0.95 --compare dp --out out/main
 

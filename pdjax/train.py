@@ -17,7 +17,14 @@ Models and data of your own. ``model`` may be ``package.module:factory``
 them) and ``dataset`` a path to an ``.npz`` file (:func:`pdjax.data.load_npz`), checked
 against the model's sample batch before anything runs (:func:`build`, :func:`check`).
 A model without an accuracy function is trained and evaluated on its loss alone (its
-accuracy reads NaN).
+accuracy reads NaN, null in the metrics file).
+
+Checkpoints and faults. An epoch is checkpointed only when its weights and evaluation are
+finite, and its metrics line is written once the checkpoint is committed; a diverged run
+names the last step saved. A run saves its plan beside its checkpoints (:data:`PLAN_FILE`)
+and a resumed run follows it rather than planning again (``resume_step`` picks an older
+step). A fresh run never drops another run's metrics: it refuses a metrics file holding
+lines of its own run.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ import numpy as np
 import optax
 
 from pdjax import data as data_lib
+from pdjax._jsonio import write_atomic
 from pdjax.baselines import DataParallel
-from pdjax.errors import PdjaxError, PipelineError
+from pdjax.errors import CheckpointError, PdjaxError, PipelineError
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
 from pdjax.pipeline.schedule import stage_groups
@@ -55,8 +63,10 @@ __all__ = [
     "auto_plan",
     "build",
     "check",
+    "check_outputs",
     "evaluate",
     "model_spec",
+    "plan_of",
     "require_tensorboard",
     "run_folder",
     "train",
@@ -79,7 +89,8 @@ DATASETS = ("digits", "text")
 
 
 class TrainingDiverged(PdjaxError):
-    """The training loss became NaN or infinite; the last good checkpoint is kept."""
+    """A loss, the test accuracy or a weight became NaN or infinite; that epoch is not
+    saved, and the checkpoints saved before it are kept."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +374,20 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
     return spec, data_lib.fit_to_sample(ds, sample, num_classes=spec.num_classes)
 
 
+def _check_devices(cfg: TrainConfig) -> None:
+    devices = jax.devices()
+    if cfg.devices > len(devices):
+        kind = devices[0].platform
+        raise PipelineError(
+            f"{cfg.devices} devices requested, {len(devices)} {kind} device"
+            f"{'s' if len(devices) > 1 else ''} visible: pass --devices {len(devices)} (or "
+            f"fewer), or run where {cfg.devices} are visible. Without an accelerator, "
+            f"`pdjax train --devices {cfg.devices}` makes {cfg.devices} CPU devices itself; "
+            "from Python, set XLA_FLAGS=--xla_force_host_platform_device_count="
+            f"{cfg.devices} before JAX starts"
+        )
+
+
 def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
     """Checks what would fail later without compiling or running anything: sizes against
     the dataset and the devices, the schedule against the model's layers, a plan file,
@@ -377,13 +402,7 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
             "training samples"
         )
-    visible = len(jax.devices())
-    if cfg.devices > visible:
-        raise PipelineError(
-            f"{cfg.devices} devices requested, {visible} visible; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={cfg.devices} (the pdjax "
-            "CLI does this for you with --devices)"
-        )
+    _check_devices(cfg)
     if cfg.target_accuracy is not None and not spec.has_accuracy:
         raise PipelineError(
             f"--target-accuracy needs an accuracy, and {spec.name} has none: give the model "
@@ -450,20 +469,53 @@ def auto_plan(
     """Profiles ``spec`` on one microbatch (measured on ``devices[0]``) and plans it over
     ``devices`` with PipeDream's optimizer (``pdjax`` cost model). ``replication``:
     ``"split"``, or ``"round-robin"`` / ``"auto"`` (``pipedream`` only: PipeDream's own
-    replication, or the planner's pick)."""
+    replication, or the planner's pick).
+
+    The runtime splits each microbatch evenly over a split stage's devices, which the
+    optimizer does not know. When its plan replicates a split stage over a count that does
+    not divide the microbatch, this returns the fastest plan that runs: the optimizer's over
+    the first ``n`` devices for each smaller ``n``, and its straight pipeline (one device
+    per stage, leaving devices idle where that is faster)."""
+    from pdjax.errors import PlanError
     from pdjax.partition import Topology, plan_pipedream
     from pdjax.profile import profile
 
     prof = profile(spec.layers, sample, measure=True, device=devices[0], repeats=5)
-    topology = Topology.from_devices(devices)
-    return plan_pipedream(
-        prof,
-        topology,
-        schedule=schedule if schedule != "dp" else "1f1b",
-        num_microbatches=microbatches,
-        straight=straight,
-        replication=replication if schedule == "pipedream" else "split",
-    )
+
+    def plan(devs: Sequence[jax.Device], pure: bool, fewer: bool = False) -> Any:
+        return plan_pipedream(
+            prof,
+            Topology.from_devices(devs),
+            schedule=schedule if schedule != "dp" else "1f1b",
+            num_microbatches=microbatches,
+            straight=pure,
+            fewer_machines=fewer,
+            replication=replication if schedule == "pipedream" else "split",
+        )
+
+    best = plan(devices, straight)
+    if _splits_evenly(best):
+        return best
+    runnable = []
+    for n in range(len(devices) - 1, 0, -1):
+        with contextlib.suppress(PlanError):
+            runnable.append(plan(devices[:n], False))
+    with contextlib.suppress(PlanError):
+        runnable.append(plan(devices, True, fewer=True))
+    runnable = [p for p in runnable if _splits_evenly(p)]
+    if not runnable:
+        raise PipelineError(
+            f"the plan for {len(devices)} devices replicates a stage over a device count "
+            f"that does not divide microbatches of {best.microbatch_size} samples, and no "
+            "plan on fewer devices runs: pick --batch-size and --microbatches so that "
+            "batch_size / microbatches is a multiple of the replica counts, or pass --straight"
+        )
+    return min(runnable, key=lambda p: p.time_per_microbatch)
+
+
+def _splits_evenly(plan: Any) -> bool:
+    """Whether every split stage of ``plan`` has a device count dividing its microbatch."""
+    return all(st.round_robin or plan.microbatch_size % st.replicas == 0 for st in plan.stages)
 
 
 def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> TrainConfig:
@@ -509,19 +561,30 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
     os.close(handle)  # the runner reads the plan from a file
     plan.save(path)
+    return _auto_choice(cfg, plan, path)
+
+
+def _auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
+    """``cfg`` (``schedule="auto"``) as ``plan_auto``'s ``plan`` (saved as ``path``) chose."""
+    chosen = plan.options.get("auto")
+    if not isinstance(chosen, dict):
+        raise PipelineError(
+            f"the plan {path} was not made by --schedule auto (it records no choice of "
+            "schedule): resume with the settings the run was started with"
+        )
     return dataclasses.replace(
         cfg,
         schedule=chosen["schedule"],
         microbatches=chosen["microbatches"],
         extra_in_flight=chosen["extra_in_flight"],
-        plan=path,
+        plan=str(path),
         allow_stale=False,
     )
 
 
-def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
-    """The plan's stages for a pipeline run, and their description."""
-    devices = jax.devices()[: cfg.devices]
+def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) -> tuple[Any, str]:
+    """The plan's stages for a pipeline run, and their description (``plan``: the
+    :class:`~pdjax.partition.Plan` to run, else :func:`plan_of`'s)."""
     L = len(spec.layers)
     if cfg.schedule == "interleaved":
         P = cfg.devices  # sizes checked by check()
@@ -539,41 +602,48 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
             StageSpec(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
         )
         return stages, f"zb-v: {len(stages)} chunks of {L} layers in a V over {P} devices"
+    if plan is None:
+        plan = plan_of(cfg, spec, sample)
+    if plan is None:
+        stages = even_stages(L, min(L, cfg.devices))
+        return stages, f"even: {len(stages)} stages of {L} layers, one device each"
+    return plan, plan.describe().splitlines()[0]
+
+
+def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
+    """The :class:`~pdjax.partition.Plan` a pipeline run of ``cfg`` follows: made now
+    (:func:`auto_plan`) for ``plan="auto"``, read from ``cfg.plan``'s file; None where the
+    stages follow from the settings alone (``"even"``, ``interleaved``, ``zb-v``, ``dp``)."""
+    if cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+        return None
     if cfg.plan == "auto":
-        plan = auto_plan(
+        return auto_plan(
             spec,
             sample,
-            devices,
+            jax.devices()[: cfg.devices],
             cfg.schedule,
             cfg.microbatches,
             cfg.straight,
             "round-robin" if cfg.replication == "round-robin" else "split",
         )
-        return plan, plan.describe().splitlines()[0]
-    if cfg.plan == "even":
-        stages = even_stages(L, min(L, cfg.devices))
-        return stages, f"even: {len(stages)} stages of {L} layers, one device each"
     from pdjax.partition import Plan
 
-    plan = Plan.load(cfg.plan)
-    return plan, plan.describe().splitlines()[0]
+    return Plan.load(cfg.plan)
 
 
-def make_runner(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> tuple[Any, str]:
-    """A :class:`Pipeline` or :class:`DataParallel` for ``cfg``, and its plan's text."""
+def make_runner(
+    cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None
+) -> tuple[Any, str]:
+    """A :class:`Pipeline` or :class:`DataParallel` for ``cfg``, and its plan's text
+    (``plan``: the :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s)."""
+    _check_devices(cfg)
     devices = jax.devices()
-    if cfg.devices > len(devices):
-        raise PipelineError(
-            f"{cfg.devices} devices requested, {len(devices)} visible; on CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={cfg.devices} (the pdjax "
-            "CLI does this for you with --devices)"
-        )
     if cfg.schedule == "dp":
         runner = DataParallel(
             spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices]
         )
         return runner, f"data parallel on {cfg.devices} devices"
-    stages, text = _stages(cfg, spec, sample)
+    stages, text = _stages(cfg, spec, sample, plan)
     runner = Pipeline(
         spec.layers,
         stages,
@@ -705,6 +775,10 @@ def _eval_fn(spec: ModelSpec) -> Callable[..., Any]:
     return _EVAL_FNS[id(spec)][1]
 
 
+#: The file in a run's checkpoint directory that holds the plan it runs (:func:`train`).
+PLAN_FILE = "plan.json"
+
+
 def train(
     cfg: TrainConfig,
     *,
@@ -717,18 +791,24 @@ def train(
     on_resume: Callable[[int, int], None] | None = None,
     on_start: Callable[[str], None] | None = None,
     tensorboard_dir: str | Path | None = None,
+    resume_step: int | None = None,
 ) -> TrainResult:
     """Trains ``cfg.model`` on ``cfg.dataset``; see the module docstring.
 
     Args:
       cfg: the run.
-      checkpoint_dir: save after every epoch (orbax); if it already holds a checkpoint of
-        this run, resume from it.
-      metrics_path: append one JSON line per epoch (``{"run": label, **record}``; NaN
-        as null). With ``checkpoint_dir`` the file follows the checkpoint: a resumed run
-        keeps its lines of the epochs the checkpoint holds (and writes those that are
-        missing), drops its lines of later epochs, and appends the new ones; a fresh run
-        drops its old lines. Other runs' lines are kept.
+      checkpoint_dir: save after every epoch (orbax, step ``e`` after epoch ``e``) when
+        the weights and the evaluation are finite; if it already holds a checkpoint of
+        this run, resume from its newest step. The plan a run follows (``plan="auto"``,
+        a plan file, ``schedule="auto"``) is saved there as :data:`PLAN_FILE` when it
+        starts, and a resumed run follows that plan instead of planning again.
+      metrics_path: append one JSON line per epoch (``{"run": label, **record}``, strict
+        JSON: a NaN or infinite number is written as null), once the epoch's checkpoint
+        is committed. With ``checkpoint_dir`` the file follows the checkpoint: a resumed
+        run keeps its lines of the epochs the checkpoint holds (and writes those that are
+        missing), drops its lines of later epochs, and appends the new ones. A fresh run
+        (nothing to resume) refuses a file that already holds lines of its run. Other
+        runs' lines are kept.
       on_epoch: called with each epoch's record (for progress displays).
       on_progress: called with ``(microbatches dispatched, microbatches in the epoch)``.
       warmup: compile every function first, on a throwaway copy of the state, so that
@@ -742,60 +822,51 @@ def train(
         (:func:`run_folder` of the label; needs ``tensorboardX``): per epoch (the step),
         ``train/loss``, ``test/loss``, ``test/accuracy``, ``train/samples_per_second``,
         ``train/epoch_seconds``, and the config as text.
+      resume_step: resume from this step of ``checkpoint_dir`` instead of the newest. The
+        steps after it are moved into a ``set-aside-after-<step>-*`` folder there (kept,
+        no longer listed), as the run goes on from the step it resumed.
 
     Returns:
       The :class:`TrainResult`.
 
     Raises:
-      TrainingDiverged: if a training loss is NaN or infinite (the previous epoch's
-        checkpoint, if any, is kept).
+      TrainingDiverged: if a training or test loss, the test accuracy, or a weight is NaN
+        or infinite (that epoch is not saved; the message names the last step saved).
+      CheckpointError: a ``resume_step`` that is not in ``checkpoint_dir``, or a
+        checkpoint that cannot be restored (no older step is tried instead).
       PipelineError: for inconsistent settings, before any training.
       DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
     """
     spec, ds = built if built is not None else build(cfg)
     requested = cfg  # what a checkpoint of this run is compared with
-    if cfg.schedule == "auto":
-        cfg = resolve_auto(cfg, spec, ds)
-    check(cfg, spec, ds)
-    if tensorboard_dir is not None:
-        require_tensorboard()
-    b = cfg.microbatch_size
-    sample = ds.train_x[:b]
-    runner, plan_text = make_runner(cfg, spec, sample)
-    rng = jax.random.key(cfg.seed)
-    state = runner.init(rng, sample)
-    history: list[EpochRecord] = []
-    start_epoch = 0
     with contextlib.ExitStack() as stack:  # closes the checkpointer on any exit
-        ckpt = None
-        if checkpoint_dir is not None:
-            from pdjax.pipeline.checkpoint import Checkpointer
-
-            ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
-            if ckpt.latest_step() is not None:
-                # a re-planned run (--schedule auto) may cut the stages elsewhere
-                state, extra = ckpt.restore(
-                    state, pipeline=runner if isinstance(runner, Pipeline) else None
-                )
-                saved, ours = (
-                    _resumable(extra.get("config", {})),
-                    _resumable(dataclasses.asdict(requested)),
-                )
-                if saved != ours:
-                    changed = sorted(k for k in ours if saved.get(k) != ours[k])
-                    raise PipelineError(
-                        f"{checkpoint_dir} holds a checkpoint of a different run (it differs in "
-                        f"{changed}); use another --checkpoint-dir, or the same settings"
-                    )
-                history = [EpochRecord(**r) for r in extra["history"]]
-                start_epoch = len(history)
-                if on_resume is not None:
-                    on_resume(start_epoch, history[-1].updates if history else 0)
-            if metrics_path is not None:
-                _sync_metrics(Path(metrics_path), cfg.label, history)
+        ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+        saved = _saved_plan(checkpoint_dir) if step is not None else None
+        cfg, plan, plan_given = _settle(requested, spec, ds, saved, checkpoint_dir)
+        check(cfg, spec, ds)
+        if tensorboard_dir is not None:
+            require_tensorboard()
+        if metrics_path is not None and step is None:
+            _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+        sample = ds.train_x[: cfg.microbatch_size]
+        if plan is None:
+            plan = plan_of(cfg, spec, sample)
+        runner, plan_text = make_runner(cfg, spec, sample, plan)
+        state = runner.init(jax.random.key(cfg.seed), sample)
+        history: list[EpochRecord] = []
+        if step is not None:
+            state, history = _resume(
+                ckpt, step, state, runner, requested, plan_given, resume_step is not None
+            )
+            if on_resume is not None:
+                on_resume(len(history), history[-1].updates if history else 0)
+        if checkpoint_dir is not None and saved is None and plan is not None:
+            _save_plan(Path(checkpoint_dir), plan)
+        if metrics_path is not None and ckpt is not None:
+            _sync_metrics(Path(metrics_path), cfg.label, history)
         if on_start is not None:
             on_start(plan_text)
-
+        start_epoch = len(history)
         if warmup and start_epoch < cfg.epochs:
             _warm_up(runner, state, ds, cfg, on_progress is not None)
         result = TrainResult(
@@ -804,68 +875,31 @@ def train(
             history,
             "epochs",
             state=state,
-            resumed_epoch=start_epoch if ckpt is not None and history else None,
+            resumed_epoch=start_epoch if step is not None and history else None,
         )
         board = None
         _mark_target(result)
         if result.target_epoch is not None:
             result.stopped = "target"
             return result
-        elapsed = history[-1].elapsed if history else 0.0
-        is_dp = cfg.schedule == "dp"
         for epoch in range(start_epoch, cfg.epochs):
-            batches = list(
-                ds.train_batches(b if not is_dp else cfg.batch_size, seed=cfg.seed, epoch=epoch)
-            )
-            if not is_dp and cfg.schedule not in ("pipedream",):
-                batches = batches[: len(batches) - len(batches) % cfg.microbatches]
-            if not batches:
-                raise PipelineError(
-                    f"the {ds.name} training split has {ds.num_train} samples, too few for one "
-                    f"step of {cfg.batch_size}"
-                )
-            t0 = time.perf_counter()
-            if is_dp:
-                losses = []
-                for i, batch in enumerate(batches):
-                    state, metrics = runner.step(state, batch)
-                    losses.extend(metrics.losses)
-                    if on_progress is not None:
-                        on_progress(i + 1, len(batches))
-            else:
-                callback = None
-                if on_progress is not None:
-
-                    def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
-                        on_progress(k + 1, n)
-
-                state, metrics = runner.run(state, batches, on_loss=callback)
-                losses = metrics.losses
-            jax.block_until_ready(state)
-            seconds = time.perf_counter() - t0
-            train_loss = float(np.mean([float(x) for x in losses]))
-            if not math.isfinite(train_loss):
-                raise TrainingDiverged(
-                    f"training loss became {train_loss} in epoch {epoch + 1} ({cfg.label}, "
-                    f"lr {cfg.learning_rate}); lower --lr"
-                    + (f"; the last good checkpoint stays in {checkpoint_dir}" if ckpt else "")
-                )
-            elapsed += seconds
-            test_loss, test_acc = evaluate_runner(spec, runner, state, ds)
-            samples = len(batches) * (cfg.batch_size if is_dp else b)
-            updates = state.step if is_dp else state.updates[0]
-            record = EpochRecord(
-                epoch=epoch + 1,
-                train_loss=train_loss,
-                test_loss=test_loss,
-                test_accuracy=test_acc,
-                seconds=seconds,
-                elapsed=elapsed,
-                samples_per_second=samples / seconds,
-                updates=int(updates),
+            elapsed = history[-1].elapsed if history else 0.0
+            state, record = _train_epoch(
+                cfg, spec, runner, state, ds, epoch, elapsed, ckpt, on_progress
             )
             history.append(record)
             result.state = state
+            if ckpt is not None:
+                ckpt.save(
+                    record.epoch,
+                    state,
+                    {
+                        "config": dataclasses.asdict(requested),
+                        "history": [dataclasses.asdict(r) for r in history],
+                    },
+                )
+            # after the commit, so no line names an epoch no checkpoint holds; a crash in
+            # between leaves the line to the resume (_sync_metrics writes missing ones)
             if metrics_path is not None:
                 _append_metrics(Path(metrics_path), cfg.label, [record])
             if tensorboard_dir is not None:
@@ -873,15 +907,6 @@ def train(
                     folder = Path(tensorboard_dir) / run_folder(cfg.label)
                     board = stack.enter_context(contextlib.closing(_TensorBoard(folder, cfg)))
                 board.write(record)
-            if ckpt is not None:
-                ckpt.save(
-                    epoch + 1,
-                    state,
-                    {
-                        "config": dataclasses.asdict(requested),
-                        "history": [dataclasses.asdict(r) for r in history],
-                    },
-                )
             if on_epoch is not None:
                 on_epoch(record)
             _mark_target(result)
@@ -889,6 +914,281 @@ def train(
                 result.stopped = "target"
                 break
         return result
+
+
+def check_outputs(
+    cfg: TrainConfig,
+    checkpoint_dir: str | Path | None = None,
+    metrics_path: str | Path | None = None,
+    resume_step: int | None = None,
+) -> None:
+    """Refuses, before anything trains, what :func:`train` would refuse about its outputs:
+    a ``resume_step`` that is not a step of ``checkpoint_dir``, and a fresh run (nothing
+    to resume) of a run that ``metrics_path`` already holds lines of.
+
+    Raises:
+      CheckpointError: for the step (the message lists the steps there).
+      PipelineError: for the metrics (the message says what to do).
+    """
+    with contextlib.ExitStack() as stack:
+        _, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+    if metrics_path is not None and step is None:
+        _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+
+
+def _open_checkpoints(
+    stack: contextlib.ExitStack, checkpoint_dir: str | Path | None, resume_step: int | None
+) -> tuple[Any, int | None]:
+    """The checkpointer of ``checkpoint_dir`` (or None) and the step to resume from (None
+    for a fresh run)."""
+    if checkpoint_dir is None:
+        if resume_step is not None:
+            raise PipelineError(
+                f"--resume-step {resume_step} picks a checkpoint to resume from: give the "
+                "run's --checkpoint-dir too"
+            )
+        return None, None
+    from pdjax.pipeline.checkpoint import Checkpointer
+
+    ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
+    steps = ckpt.all_steps()
+    if resume_step is None:
+        return ckpt, steps[-1] if steps else None
+    if resume_step not in steps:
+        held = (
+            f"the steps {steps} (step e after epoch e): pick one of them"
+            if steps
+            else "no checkpoint: drop --resume-step to start the run"
+        )
+        raise CheckpointError(f"--resume-step {resume_step}: {ckpt.directory} holds {held}")
+    return ckpt, resume_step
+
+
+def _saved_plan(checkpoint_dir: str | Path) -> Any:
+    """The plan saved in ``checkpoint_dir`` (:data:`PLAN_FILE`), or None; process 0 reads
+    it (the others need not share the directory) and every process gets it."""
+    from pdjax.distributed import broadcast_json
+    from pdjax.errors import PlanError
+    from pdjax.partition import Plan
+
+    path = Path(checkpoint_dir) / PLAN_FILE
+    got: dict[str, Any] = {}
+    if jax.process_index() == 0 and path.is_file():
+        try:
+            got = {"plan": Plan.load(path).to_dict()}
+        except PlanError as e:
+            got = {"error": str(e)}
+    got = broadcast_json(got)
+    if "error" in got:
+        raise PlanError(
+            f"{got['error']}: the plan this run was started with is unreadable; restore "
+            f"{path}, or delete it to resume with a plan made again"
+        )
+    return Plan.from_dict(got["plan"]) if "plan" in got else None
+
+
+def _save_plan(directory: Path, plan: Any) -> None:
+    if jax.process_index() == 0:  # process 0 alone writes the checkpoint directory
+        directory.mkdir(parents=True, exist_ok=True)
+        plan.save(directory / PLAN_FILE)
+
+
+def _settle(
+    requested: TrainConfig,
+    spec: ModelSpec,
+    ds: data_lib.Dataset,
+    saved: Any,
+    checkpoint_dir: str | Path | None,
+) -> tuple[TrainConfig, Any, bool]:
+    """The settings of the run (``schedule="auto"`` resolved), the saved plan it follows
+    (None: it makes its own), and whether a plan file was given that matches the saved one.
+    A resumed run follows its saved plan: measured profiles are noisy, so planning again
+    may cut the model elsewhere."""
+    cfg = requested
+    if cfg.schedule == "auto":
+        if saved is not None and cfg.plan in ("auto", "even"):
+            return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE), saved, False
+        return resolve_auto(cfg, spec, ds), None, False
+    if saved is None or cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+        return cfg, None, False
+    if cfg.plan == "auto":
+        return cfg, saved, False
+    if not Path(cfg.plan).is_file():
+        return cfg, None, False  # check() says so
+    from pdjax.partition import Plan
+
+    if Plan.load(cfg.plan).to_dict() != saved.to_dict():
+        path = Path(str(checkpoint_dir)) / PLAN_FILE
+        raise PipelineError(
+            f"the plan {cfg.plan} differs from {path}, the plan this run was started with: "
+            f"resume with that plan (--plan {path}), or start a run with this one in "
+            "another --checkpoint-dir"
+        )
+    return cfg, saved, True
+
+
+def _resume(
+    ckpt: Any,
+    step: int,
+    state: Any,
+    runner: Any,
+    requested: TrainConfig,
+    plan_given: bool,
+    chosen: bool,
+) -> tuple[Any, list[EpochRecord]]:
+    """``state`` and the history restored from ``step``, checked to be of the same run;
+    the steps after it are set aside."""
+    try:
+        # a run with another plan (a re-planned one) may cut the stages elsewhere
+        state, extra = ckpt.restore(
+            state, step=step, pipeline=runner if isinstance(runner, Pipeline) else None
+        )
+    except CheckpointError as e:
+        if chosen:
+            raise
+        earlier = [s for s in ckpt.all_steps() if s < step]
+        hint = (
+            f"if step {step} is damaged, resume from an earlier one with --resume-step "
+            f"(steps there: {earlier})"
+            if earlier
+            else "no earlier step is there to resume from instead"
+        )
+        e.args = (f"{e}; {hint}", *e.args[1:])  # keeps the error's own class
+        raise
+    saved = _resumable(extra.get("config", {}))
+    ours = _resumable(dataclasses.asdict(requested))
+    if plan_given:  # the same plan under another file name (checked by _settle)
+        saved.pop("plan", None)
+        ours.pop("plan", None)
+    if saved != ours:
+        changed = sorted(k for k in ours if saved.get(k) != ours[k])
+        raise PipelineError(
+            f"{ckpt.directory} holds a checkpoint of a different run (it differs in "
+            f"{changed}); use another --checkpoint-dir, or the same settings"
+        )
+    history = [
+        EpochRecord(**{k: math.nan if v is None else v for k, v in r.items()})
+        for r in extra["history"]
+    ]
+    _set_aside_after(ckpt, step)
+    return state, history
+
+
+def _set_aside_after(ckpt: Any, step: int) -> None:
+    """Moves the steps after ``step`` into a folder beside them: the run goes on from
+    ``step``, and a checkpointer saves only steps above its newest."""
+    later = [s for s in ckpt.all_steps() if s > step]
+    if not later or jax.process_index() != 0:
+        return
+    folder = Path(tempfile.mkdtemp(prefix=f"set-aside-after-{step}-", dir=ckpt.directory))
+    for s in later:
+        os.replace(ckpt.directory / str(s), folder / str(s))
+
+
+def _train_epoch(
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    runner: Any,
+    state: Any,
+    ds: data_lib.Dataset,
+    epoch: int,
+    elapsed: float,
+    ckpt: Any,
+    on_progress: Callable[[int, int], None] | None,
+) -> tuple[Any, EpochRecord]:
+    """Trains and evaluates epoch ``epoch`` (0-based).
+
+    Raises:
+      TrainingDiverged: for a non-finite loss, accuracy or weight.
+    """
+    is_dp = cfg.schedule == "dp"
+    b = cfg.microbatch_size
+    batches = list(ds.train_batches(b if not is_dp else cfg.batch_size, seed=cfg.seed, epoch=epoch))
+    if not is_dp and cfg.schedule not in ("pipedream",):
+        batches = batches[: len(batches) - len(batches) % cfg.microbatches]
+    if not batches:
+        raise PipelineError(
+            f"the {ds.name} training split has {ds.num_train} samples, too few for one "
+            f"step of {cfg.batch_size}"
+        )
+    t0 = time.perf_counter()
+    if is_dp:
+        losses = []
+        for i, batch in enumerate(batches):
+            state, metrics = runner.step(state, batch)
+            losses.extend(metrics.losses)
+            if on_progress is not None:
+                on_progress(i + 1, len(batches))
+    else:
+        callback = None
+        if on_progress is not None:
+
+            def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
+                on_progress(k + 1, n)
+
+        state, metrics = runner.run(state, batches, on_loss=callback)
+        losses = metrics.losses
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - t0
+    train_loss = float(np.mean([float(x) for x in losses]))
+    if not math.isfinite(train_loss):
+        raise _diverged(cfg, epoch + 1, f"the training loss became {train_loss}", ckpt)
+    test_loss, test_acc = evaluate_runner(spec, runner, state, ds)
+    if not math.isfinite(test_loss):
+        raise _diverged(cfg, epoch + 1, f"the test loss became {test_loss}", ckpt)
+    if spec.has_accuracy and not math.isfinite(test_acc):
+        raise _diverged(cfg, epoch + 1, f"the test accuracy became {test_acc}", ckpt)
+    if not _finite_weights(runner, state):
+        raise _diverged(cfg, epoch + 1, "the weights hold NaN or infinite values", ckpt)
+    samples = len(batches) * (cfg.batch_size if is_dp else b)
+    updates = state.step if is_dp else state.updates[0]
+    return state, EpochRecord(
+        epoch=epoch + 1,
+        train_loss=train_loss,
+        test_loss=test_loss,
+        test_accuracy=test_acc,
+        seconds=seconds,
+        elapsed=elapsed + seconds,
+        samples_per_second=samples / seconds,
+        updates=int(updates),
+    )
+
+
+def _finite_weights(runner: Any, state: Any) -> bool:
+    """Whether every floating value of the weights and model state is finite."""
+    if isinstance(runner, Pipeline) and runner.multiprocess:
+        tree = runner.variables(state)  # collective: each process gets every stage
+    else:
+        tree = (state.params, state.model_state)
+    checks = [
+        jnp.isfinite(x).all()
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return all(bool(c) for c in checks)
+
+
+def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiverged:
+    if ckpt is None:
+        kept = "no checkpoint was saved (no checkpoint directory)"
+    else:
+        last = ckpt.latest_step()
+        kept = (
+            f"the last good checkpoint is step {last} (after epoch {last}), "
+            f"{ckpt.directory / str(last)}"
+            if last is not None
+            else f"no checkpoint was saved in {ckpt.directory}"
+        )
+    return TrainingDiverged(
+        f"training diverged in epoch {epoch} ({cfg.label}, lr {cfg.learning_rate}): {what}; "
+        f"epoch {epoch} is not saved, and {kept}. Lower --lr"
+        + (
+            " and train in another --checkpoint-dir (a run resumes only with the settings "
+            "it was saved with)"
+            if ckpt is not None
+            else ""
+        )
+    )
 
 
 def _warm_up(
@@ -909,36 +1209,79 @@ def _warm_up(
         jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
 
 
+def _json_number(value: Any) -> Any:
+    """``value`` for strict JSON: a NaN or infinite number becomes None (null)."""
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
 def _metrics_line(label: str, record: EpochRecord) -> str:
-    values = {
-        k: None if isinstance(v, float) and not math.isfinite(v) else v
-        for k, v in dataclasses.asdict(record).items()
-    }
-    return json.dumps({"run": label, **values})
+    values = {k: _json_number(v) for k, v in dataclasses.asdict(record).items()}
+    return json.dumps({"run": label, **values}, allow_nan=False)
 
 
 def _append_metrics(path: Path, label: str, records: Sequence[EpochRecord]) -> None:
     if not records:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for record in records:
-            f.write(_metrics_line(label, record) + "\n")
+    text = "".join(_metrics_line(label, r) + "\n" for r in records)
+    with path.open("a+b") as f:  # appends, wherever it seeks to read
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":  # a write that a crash cut off: start a line of our own
+                text = "\n" + text
+        f.write(text.encode())
+
+
+def _metrics_runs(path: Path) -> set[str]:
+    """The runs with lines in the metrics file ``path``."""
+    runs = set()
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            entry = json.loads(line)
+            if isinstance(entry, dict) and isinstance(entry.get("run"), str):
+                runs.add(entry["run"])
+    return runs
+
+
+def _refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) -> None:
+    """Refuses a fresh run of ``label`` into a metrics file holding lines of such a run."""
+    if label not in _metrics_runs(path):
+        return
+    where = (
+        f"{checkpoint_dir} holds no checkpoint to resume it from"
+        if checkpoint_dir is not None
+        else "there is no --checkpoint-dir to resume it from"
+    )
+    raise PipelineError(
+        f"{path} already holds metrics of a {label!r} run, and {where}: a new run would mix "
+        f"its epochs with the old ones. Choose another --out (or move {path.name} away); to "
+        "go on with the earlier run instead, pass the --checkpoint-dir it saved to"
+    )
 
 
 def _sync_metrics(path: Path, label: str, history: Sequence[EpochRecord]) -> None:
     """Makes ``label``'s lines in the metrics file those of ``history`` (a checkpoint's):
     keeps its lines of those epochs, drops its others (later epochs, duplicates), appends
-    the missing ones. Other lines stay as they are; the file is rewritten only to drop."""
-    lines = path.read_text().splitlines() if path.is_file() else []
+    the missing ones. Other lines stay as they are, but for a last line cut off by a crash.
+    The file is rewritten only to drop, atomically (a crash leaves the old file or the new)."""
+    text = path.read_text() if path.is_file() else ""
+    lines = text.splitlines()
     keep: list[str] = []
     seen: set[int] = set()
     dropped = False
-    for line in lines:
+    for i, line in enumerate(lines):
         try:
             entry = json.loads(line)
         except ValueError:
-            keep.append(line)
+            if i == len(lines) - 1 and not text.endswith("\n"):
+                dropped = True  # a write that a crash cut off
+            else:
+                keep.append(line)
             continue
         if not isinstance(entry, dict) or entry.get("run") != label:
             keep.append(line)
@@ -950,7 +1293,9 @@ def _sync_metrics(path: Path, label: str, history: Sequence[EpochRecord]) -> Non
         else:
             dropped = True
     if dropped:
-        path.write_text("".join(line + "\n" for line in keep))
+        write_atomic(
+            path, "".join(line + "\n" for line in keep), what="metrics file", error=PipelineError
+        )
     _append_metrics(path, label, [r for r in history if r.epoch not in seen])
 
 

@@ -1,0 +1,303 @@
+"""Faults of ``pdjax train`` and what survives them: divergence and the checkpoints it
+keeps, metrics that survive restarts and stay strict JSON, the plan a resumed run keeps,
+automatic plans that run, the devices hint, and resuming from a chosen step."""
+
+import dataclasses
+import json
+import math
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from pdjax import data
+from pdjax.cli import main
+from pdjax.errors import CheckpointError, PipelineError
+from pdjax.partition import Plan
+from pdjax.pipeline.checkpoint import Checkpointer
+from pdjax.train import (
+    PLAN_FILE,
+    TrainConfig,
+    TrainingDiverged,
+    auto_plan,
+    build,
+    check,
+    make_runner,
+    train,
+)
+
+MODEL_PY = """
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+
+def _loss(out, y):
+    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
+
+
+def build(config="tiny", seq_len=None):
+    return {
+        "layers": [nn.Dense(32), nn.relu, nn.Dense(10)],
+        "loss": _loss,
+        "sample_batch": (np.zeros((2, 64), np.float32), np.zeros((2,), np.int32)),
+        "accuracy": lambda out, y: jnp.mean(jnp.argmax(out, -1) == y),
+        "num_classes": 10,
+    }
+
+
+def no_accuracy():
+    model = build()
+    del model["accuracy"]
+    return model
+"""
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """A small model (``mymodel.py``) and ``digits.npz`` (320 + 100 flat digits) in the
+    current directory."""
+    (tmp_path / "mymodel.py").write_text(MODEL_PY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
+    ds = data.digits(flatten=True)
+    np.savez(
+        tmp_path / "digits.npz",
+        x_train=ds.train_x[:320],
+        y_train=ds.train_y[:320],
+        x_test=ds.test_x[:100],
+        y_test=ds.test_y[:100],
+    )
+    yield tmp_path
+    sys.modules.pop("mymodel", None)
+
+
+def _cfg(**kw):
+    base = dict(
+        model="mymodel:build",
+        dataset="digits.npz",
+        schedule="pipedream",
+        devices=2,
+        plan="even",
+        epochs=2,
+        batch_size=32,
+        microbatches=2,
+        learning_rate=1e-2,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def _argv(out, *extra):
+    return [
+        "train", "--model", "mymodel:build", "--dataset", "digits.npz", "--devices", "2",
+        "--plan", "even", "--batch-size", "32", "--microbatches", "2", "--epochs", "1",
+        "--out", str(out), "--no-plots", "--progress", "lines", *extra,
+    ]  # fmt: skip
+
+
+def _strict(line):
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _epochs(path, run="pipedream"):
+    return [e["epoch"] for e in map(_strict, path.read_text().splitlines()) if e["run"] == run]
+
+
+def _all_finite(tree):
+    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
+
+
+# -- divergence ----------------------------------------------------------------------------------
+
+
+def test_a_huge_learning_rate_saves_nothing_and_says_so(tmp_path):
+    cfg = TrainConfig(
+        model="mlp", devices=2, plan="even", epochs=3, batch_size=32, microbatches=2,
+        optimizer="sgd", learning_rate=1e3,
+    )  # fmt: skip
+    with pytest.raises(TrainingDiverged) as info:
+        train(cfg, checkpoint_dir=tmp_path / "ckpt", warmup=False)
+    message = str(info.value)
+    assert "epoch 1" in message and "no checkpoint was saved" in message
+    assert "--lr" in message
+    assert Checkpointer(tmp_path / "ckpt").all_steps() == []
+
+
+def test_the_epoch_whose_weights_blow_up_is_not_saved(here, monkeypatch):
+    """The last batch of epoch 2 is scaled so far that its update leaves the weights
+    unusable, while every loss measured during the epoch (before each update) is finite:
+    that epoch must not become the checkpoint a resume starts from."""
+    good = data.Dataset.train_batches
+
+    def blown(self, batch_size, *, seed, epoch, start=0):
+        batches = list(good(self, batch_size, seed=seed, epoch=epoch, start=start))
+        for i, (x, y) in enumerate(batches):
+            yield (x * 1e30 if epoch == 1 and i == len(batches) - 1 else x), y
+
+    monkeypatch.setattr(data.Dataset, "train_batches", blown)
+    ckpt = here / "ckpt"
+
+    def sgd(**kw):  # plain SGD: the step grows with the gradient (Adam's would not)
+        return _cfg(optimizer="sgd", **kw)
+
+    with pytest.raises(TrainingDiverged) as info:
+        train(sgd(epochs=3), checkpoint_dir=ckpt, metrics_path=here / "m.jsonl", warmup=False)
+    message = str(info.value)
+    assert "epoch 2" in message
+    assert Checkpointer(ckpt).all_steps() == [1]
+    assert f"step 1 (after epoch 1), {ckpt / '1'}" in message and (ckpt / "1").is_dir()
+    assert _epochs(here / "m.jsonl") == [1]
+    # the kept step is a good one: resuming from it finds finite weights and metrics
+    resumed = train(sgd(epochs=1), checkpoint_dir=ckpt, warmup=False)
+    assert resumed.resumed_epoch == 1 and math.isfinite(resumed.history[0].test_loss)
+    assert _all_finite(resumed.state.params)
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+
+def test_a_fresh_run_refuses_an_out_folder_holding_metrics(here, capsys):
+    out = here / "out"
+    assert main(_argv(out)) == 0
+    before = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    for extra in ([], ["--checkpoint-dir", str(here / "fresh")]):
+        assert main(_argv(out, *extra)) == 2
+        err = capsys.readouterr().err
+        assert "already holds metrics" in err and "another --out" in err, err
+        assert (out / "metrics.jsonl").read_text() == before
+    assert not (here / "fresh").exists()
+
+
+def test_metrics_follow_commits_and_resumes_write_each_epoch_once(here, monkeypatch):
+    path, ckpt = here / "m.jsonl", here / "ckpt"
+    save = Checkpointer.save
+
+    def crash_at_2(self, step, state, extra=None):
+        if step == 2:
+            raise OSError("disk full")
+        save(self, step, state, extra)
+
+    monkeypatch.setattr(Checkpointer, "save", crash_at_2)
+    with pytest.raises(OSError):
+        train(_cfg(epochs=2), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
+    assert _epochs(path) == [1]  # no line for the epoch that was never checkpointed
+    monkeypatch.setattr(Checkpointer, "save", save)
+    train(_cfg(epochs=2), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
+    assert _epochs(path) == [1, 2]
+    # a crash after a commit, before (or while) writing its line
+    lines = path.read_text().splitlines()
+    path.write_text(lines[0] + "\n" + lines[1][:20])
+    train(_cfg(epochs=3), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
+    assert _epochs(path) == [1, 2, 3]
+
+
+def test_metrics_and_summary_are_strict_json(here):
+    out = here / "out"
+    assert main([*_argv(out), "--model", "mymodel:no_accuracy", "--compare", "dp"]) == 0
+    lines = [_strict(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["run"] for x in lines] == ["pipedream", "dp"]
+    assert all(x["test_accuracy"] is None for x in lines)
+    summary = json.loads(
+        (out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(c)
+    )
+    assert summary[0]["history"][0]["test_accuracy"] is None
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+
+def test_a_resume_follows_the_plan_the_run_started_with(here, monkeypatch):
+    ckpt = here / "ckpt"
+    first = train(_cfg(plan="auto", epochs=1), checkpoint_dir=ckpt, warmup=False)
+    saved = Plan.load(ckpt / PLAN_FILE)
+    assert first.plan == saved.describe().splitlines()[0]
+
+    def replan(*args, **kwargs):
+        raise AssertionError("a resumed run planned again")
+
+    monkeypatch.setattr("pdjax.train.auto_plan", replan)
+    resumed = train(_cfg(plan="auto", epochs=2), checkpoint_dir=ckpt, warmup=False)
+    assert resumed.plan == first.plan and [r.epoch for r in resumed.history] == [1, 2]
+    # an explicit plan file: the saved plan's copy resumes, another plan is refused
+    copy = here / "copy.json"
+    shutil.copy(ckpt / PLAN_FILE, copy)
+    again = train(_cfg(plan=str(copy), epochs=3), checkpoint_dir=ckpt, warmup=False)
+    assert [r.epoch for r in again.history] == [1, 2, 3]
+    other = here / "other.json"
+    changed = saved.to_dict()
+    changed["time_per_microbatch"] *= 2
+    Plan.from_dict(changed).save(other)
+    with pytest.raises(PipelineError, match=r"differs from .*plan\.json"):
+        train(_cfg(plan=str(other), epochs=4), checkpoint_dir=ckpt, warmup=False)
+
+
+def test_a_resumed_schedule_auto_run_keeps_its_choice(here, monkeypatch):
+    ckpt = here / "ckpt"
+    cfg = _cfg(schedule="auto", plan="auto", batch_size=64, microbatches=1, epochs=1)
+    first = train(cfg, checkpoint_dir=ckpt, warmup=False)
+    assert (ckpt / PLAN_FILE).is_file()
+
+    def replan(*args, **kwargs):
+        raise AssertionError("a resumed run planned again")
+
+    monkeypatch.setattr("pdjax.partition.plan_auto", replan)
+    resumed = train(dataclasses.replace(cfg, epochs=2), checkpoint_dir=ckpt, warmup=False)
+    assert resumed.plan == first.plan
+    for key in ("schedule", "microbatches", "extra_in_flight"):
+        assert getattr(resumed.config, key) == getattr(first.config, key)
+
+
+@pytest.mark.parametrize("devices", [3, 5, 6])
+def test_plan_auto_runs_on_device_counts_not_dividing_the_microbatch(devices):
+    cfg = TrainConfig(model="cnn", devices=devices, plan="auto")  # microbatches of 16
+    spec, ds = build(cfg)
+    sample = ds.train_x[: cfg.microbatch_size]
+    plan = auto_plan(spec, sample, jax.devices()[:devices], "pipedream", cfg.microbatches)
+    assert all(cfg.microbatch_size % st.replicas == 0 for st in plan.stages), plan.describe()
+    runner, _ = make_runner(cfg, spec, sample, plan)
+    assert runner.num_stages == plan.num_stages
+
+
+def test_too_few_devices_names_the_devices_option(here):
+    cfg = _cfg(devices=len(jax.devices()) + 8)
+    with pytest.raises(PipelineError, match=f"pass --devices {len(jax.devices())} "):
+        check(cfg, *build(cfg))
+
+
+# -- resuming from a chosen step -----------------------------------------------------------------
+
+
+def test_resume_step_goes_on_from_the_step_asked_for(here):
+    ckpt, path = here / "ckpt", here / "m.jsonl"
+    whole = train(_cfg(epochs=3), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
+    assert Checkpointer(ckpt).all_steps() == [1, 2, 3]
+    with pytest.raises(CheckpointError, match=r"--resume-step 7: .* \[1, 2, 3\]"):
+        train(_cfg(epochs=3), checkpoint_dir=ckpt, resume_step=7)
+    again = train(_cfg(epochs=3), checkpoint_dir=ckpt, metrics_path=path, resume_step=1)
+    assert again.resumed_epoch == 1
+    assert [r.test_loss for r in again.history] == [r.test_loss for r in whole.history]
+    assert Checkpointer(ckpt).all_steps() == [1, 2, 3]
+    kept = sorted(p.name for p in ckpt.glob("set-aside-after-1-*/*"))
+    assert kept == ["2", "3"]  # the later steps it replaced are kept aside
+    assert _epochs(path) == [1, 2, 3]
+
+
+def test_a_damaged_newest_step_is_not_skipped_silently(here, capsys):
+    ckpt = here / "ckpt"
+    train(_cfg(epochs=2), checkpoint_dir=ckpt, warmup=False)
+    shutil.rmtree(ckpt / "2" / "meta")  # the newest step is unreadable
+    with pytest.raises(CheckpointError, match=r"--resume-step \(steps there: \[1\]\)"):
+        train(_cfg(epochs=3), checkpoint_dir=ckpt, warmup=False)
+    assert Checkpointer(ckpt).all_steps() == [1, 2]  # nothing trained or saved meanwhile
+    resumed = train(_cfg(epochs=2), checkpoint_dir=ckpt, resume_step=1, warmup=False)
+    assert [r.epoch for r in resumed.history] == [1, 2]
+    assert main(_argv(here / "out", "--resume-step", "1")) == 2
+    assert "--checkpoint-dir" in capsys.readouterr().err
