@@ -59,6 +59,8 @@ def _flush_schedules() -> list[Schedule]:
     for P, v, times, steps in itertools.product((1, 2, 3, 4), (2, 3), (1, 2), (1, 2)):
         out.append(generate("interleaved", P, P * times, chunks=v, steps=steps))
     out.append(generate("interleaved", 3, 5, chunks=1))
+    for name, P, M, steps in itertools.product(("zb-h2", "zb-v"), (1, 2, 3), (1, 2, 5), (1, 2)):
+        out.append(generate(name, P, M, steps=steps))
     return out
 
 
@@ -299,3 +301,32 @@ def test_interleaved_with_fewer_microbatches_than_ranks() -> None:
     schedule = read_text(text, name="interleaved")
     assert schedule.in_flight_bound == (2, 2)
     assert simulate(schedule, unit_costs(4)).makespan == 12.0  # 4 F then 4 B, one chain
+
+
+def test_hand_written_zbv_two_ranks_with_communication() -> None:
+    # torch's ZBV layout: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2 (a V); the turn
+    # (1 -> 2) stays on rank 1, so only 0 <-> 1 and 2 <-> 3 cross ranks
+    text = (
+        "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_F0,3F0,3I0,3W0,0RECV_F1,3F1,3I1,3SEND_B0,3W1,"
+        "3SEND_B1,0RECV_B0,0I0,0W0,0RECV_B1,0I1,0W1\n"
+        "1RECV_F0,1F0,1RECV_F1,1F1,2F0,2F1,2SEND_F0,2SEND_F1,2RECV_B0,2I0,2W0,2RECV_B1,"
+        "2I1,2W1,1I0,1SEND_B0,1I1,1SEND_B1,1W0,1W1\n"
+    )
+    schedule = read_text(text, name="zb-v")
+    validate(schedule)
+    assert schedule.stage_device == (0, 1, 1, 0)
+    assert [a for a in schedule.actions[1] if a.kind == "U"] == [
+        Action("U", 1, 0, 0),
+        Action("U", 2, 0, 0),
+    ]
+    # written back, the compute cells are the file's, in order
+    assert compute(schedule) == [
+        "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1".split(),
+        "1F0 1F1 2F0 2F1 2I0 2W0 2I1 2W1 1I0 1I1 1W0 1W1".split(),
+    ]
+    with pytest.raises(ScheduleError, match="name='zb-v'"):
+        read_text(text, name="zb-h1")
+    with pytest.raises(ScheduleError, match=r"stage 2 runs on rank 0, but zb-v places .* = 1"):
+        read_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n", name="zb-v")
+    with pytest.raises(ScheduleError, match="expected 4"):
+        read_text("0F0,0B0\n1F0,1B0\n", name="zb-v")

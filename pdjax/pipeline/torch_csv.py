@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import IO, NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedule import Action, Schedule, generate, validate
+from pdjax.pipeline.schedule import Action, Schedule, generate, stage_groups, validate
 
 __all__ = ["COMMUNICATION_TYPES", "COMPUTE_TYPES", "read_torch_csv", "write_torch_csv"]
 
@@ -62,7 +62,7 @@ COMMUNICATION_TYPES = (
 )
 """torch's other action types: :func:`read_torch_csv` skips them (pdjax implies them)."""
 
-_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1")
+_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 _TYPES = "|".join(sorted(COMPUTE_TYPES + COMMUNICATION_TYPES, key=len, reverse=True))
 _ACTION_RE = re.compile(rf"(\d+)({_TYPES})(\d*)")
 _OVERLAP_RE = re.compile(r"\(([^()]*)\)OVERLAP_F_B")
@@ -108,7 +108,9 @@ def write_torch_csv(schedule: Schedule, path_or_file: PathOrFile, *, aligned: bo
     microbatches: read it back with ``microbatches_per_step`` to restore the steps.
 
     Args:
-        schedule: a flush schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``).
+        schedule: a flush schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
+            ``zb-h2``, ``zb-v``: each row holds the stages of its device group, ``zb-v``'s
+            two in a V as torch's ZBV layout has them).
         path_or_file: a path, or a text file opened with ``newline=""``.
         aligned: put each action in the cell of its unit-time tick (:meth:`Schedule.clock`
             without the updates), idle ticks as empty cells, as torch's own lockstep
@@ -186,8 +188,10 @@ def read_torch_csv(
     Args:
         path_or_file: a path, or a text file (opened with ``newline=""``).
         name: the flush semantics the schedule is validated under: ``gpipe``, ``1f1b``,
-            ``interleaved`` or ``zb-h1`` (they differ in the microbatches in flight they
-            allow per rank; ``gpipe`` allows all of a step's).
+            ``interleaved``, ``zb-h1``, ``zb-h2`` or ``zb-v`` (they differ in the
+            microbatches in flight they allow per rank, ``gpipe`` all of a step's, and
+            ``zb-v`` in its layout: ``2P`` stages in a V, stage ``s`` on rank
+            ``min(s, 2P - 1 - s)``, as torch's ZBV schedule places them).
         microbatches_per_step: ``M``; default all ``N`` microbatches (one torch step).
             Give it to read a multi-step pdjax schedule back (``N`` a multiple of ``M``).
         replicas: devices per rank (default 1 each).
@@ -201,10 +205,11 @@ def read_torch_csv(
             stage on two ranks, missing or repeated work (a microbatch without its
             forward, a backward without or before its forward, ``B`` and also ``I``/``W``
             for one microbatch, a ``W`` without or before its ``I``, no backward), a layout
-            pdjax does not run (a stage ``s`` off rank ``s % P``, several stages per rank
-            but not ``interleaved``), a step that starts before the previous one ended, or
-            whatever :func:`~pdjax.pipeline.validate` finds (more in flight than ``name``
-            allows, a deadlock), with its positions translated to CSV cells.
+            pdjax does not run (a stage ``s`` off rank ``s % P``, or off the V for
+            ``zb-v``; several stages per rank but not ``interleaved`` or ``zb-v``), a step
+            that starts before the previous one ended, or whatever
+            :func:`~pdjax.pipeline.validate` finds (more in flight than ``name`` allows, a
+            deadlock), with its positions translated to CSV cells.
 
     >>> import io
     >>> text = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\\n"
@@ -249,7 +254,8 @@ def _from_rows(
             f"microbatches_per_step={per_step}; give a divisor of {num_mb}, or leave it out "
             "(one step)"
         )
-    actions, origins = _with_updates(cells, num_ranks, num_stages, per_step)
+    layout = _layout(name, num_ranks, num_stages)
+    actions, origins = _with_updates(cells, layout, per_step)
     chunks = num_stages // num_ranks
     in_flight, versions = _bounds(name, num_ranks, chunks, per_step, replicas)
     schedule = Schedule(
@@ -258,7 +264,7 @@ def _from_rows(
         num_microbatches=num_mb,
         microbatches_per_step=per_step,
         actions=actions,
-        stage_device=tuple(s % num_ranks for s in range(num_stages)),
+        stage_device=layout,
         replicas=tuple(replicas) if replicas is not None else (1,) * num_ranks,
         in_flight_bound=in_flight,
         version_bound=versions,
@@ -477,12 +483,23 @@ def _check_layout(
             f"name={name!r}: a torch CSV is one flush step (an update after all "
             f"microbatches); read it as one of {', '.join(_FLUSH)}"
         )
+    if name == "zb-v" and num_stages != 2 * num_ranks:
+        raise ScheduleError(
+            f"name='zb-v' places 2 stages per rank in a V; the file has {num_stages} stages "
+            f"over {num_ranks} ranks (expected {2 * num_ranks})"
+        )
+    layout = _layout(name, num_ranks, num_stages)
     for s in range(num_stages):
-        if where[s].row != s % num_ranks:
+        if where[s].row != layout[s]:
             raise ScheduleError(
-                f"{_where(where[s])}: stage {s} runs on rank {where[s].row}, but pdjax places "
-                f"stage s on rank s % P = {s % num_ranks} (torch's 'loop' layout; V-shaped "
-                "layouts such as ZBV or DualPipeV are not supported yet)"
+                f"{_where(where[s])}: stage {s} runs on rank {where[s].row}, but "
+                + (
+                    f"zb-v places stage s on rank min(s, 2P - 1 - s) = {layout[s]} (a V)"
+                    if name == "zb-v"
+                    else f"pdjax places stage s on rank s % P = {layout[s]} (torch's 'loop' "
+                    "layout); a V-shaped layout (torch's ZBV) reads with name='zb-v', "
+                    "DualPipeV's is not supported"
+                )
             )
     if num_stages % num_ranks:
         r = num_stages % num_ranks
@@ -491,7 +508,7 @@ def _check_layout(
             "stages than rank 0; every rank holds the same number of stages"
         )
     chunks = num_stages // num_ranks
-    if chunks > 1 and name != "interleaved":
+    if chunks > 1 and name not in ("interleaved", "zb-v"):
         held = ", ".join(str(s) for s in range(0, num_stages, num_ranks))
         raise ScheduleError(
             f"rank 0 (row 1) holds stages {held} ({chunks} per rank): only interleaved runs "
@@ -499,15 +516,22 @@ def _check_layout(
         )
 
 
+def _layout(name: str, num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """The rank of each stage under ``name``: the V of ``zb-v``, else ``s % P``."""
+    if name == "zb-v":
+        return stage_groups("zb-v", num_ranks, 2)
+    return tuple(s % num_ranks for s in range(num_stages))
+
+
 def _with_updates(
-    cells: list[list[_Cell]], num_ranks: int, num_stages: int, per_step: int
+    cells: list[list[_Cell]], layout: Sequence[int], per_step: int
 ) -> tuple[tuple[tuple[Action, ...], ...], list[list[_Cell | None]]]:
     """Each row's actions with the updates after each step, and each action's cell."""
     actions: list[tuple[Action, ...]] = []
     origins: list[list[_Cell | None]] = []
     steps = 1 + max(c.mb for row in cells for c in row) // per_step
     for r, row in enumerate(cells):
-        held = range(r, num_stages, num_ranks)
+        held = [s for s, rank in enumerate(layout) if rank == r]
         last = [max(i for i, c in enumerate(row) if c.mb // per_step == t) for t in range(steps)]
         for t in range(steps - 1):
             late = next((c for c in row[: last[t]] if c.mb // per_step > t), None)
@@ -546,6 +570,10 @@ def _bounds(
         flight = [M] * P
     elif name == "zb-h1":
         flight = [min(P, M)] * P
+    elif name == "zb-h2":
+        flight = [min(2 * P - 1, M)] * P
+    elif name == "zb-v":
+        flight = [min(2 * P, 2 * M)] * P
     elif name == "interleaved" and v > 1:
         flight = [min(2 * (P - d - 1) + (v - 1) * P + 1, M * v) for d in range(P)]
     else:
