@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from pdjax import __version__
-from pdjax.commands import HelpFormatter, register_all
+from pdjax.commands import HelpFormatter, OptionError, register_all
 from pdjax.errors import PdjaxError
 
 __all__ = ["build_parser", "main"]
@@ -41,8 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the CLI; returns the exit status (2 for a pdjax error, with its message)."""
-    args = build_parser().parse_args(argv)
+    """Runs the CLI; returns the exit status (2 for a pdjax error, with its message: an
+    option out of its bounds, found while parsing, is one too). argparse's own errors
+    (an unknown option, a missing value) exit 2 through SystemExit, after its usage line."""
+    try:
+        args = build_parser().parse_args(argv)
+    except OptionError as e:
+        print(f"{e.command}: error: {e}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except PdjaxError as e:

@@ -218,5 +218,5 @@ def test_cli_main_reports_errors(capsys):
     from pdjax.cli import main
 
     assert main(["plan", "--profile", "pipedream:vgg16", "--workers", "0"]) == 2
-    assert "workers must be at least 1" in capsys.readouterr().err
+    assert "--workers must be >= 1" in capsys.readouterr().err
     assert issubclass(PlanError, PdjaxError)

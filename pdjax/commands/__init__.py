@@ -1,19 +1,39 @@
 """The CLI's subcommands; each module has ``register(subparsers)`` and ``run(args)``.
 
 Helpers they share: :class:`HelpFormatter` (every parser's), the ``--model`` / ``--config``
-options (:func:`add_model_arguments`) and comma-separated lists (:func:`split_list`).
+options (:func:`add_model_arguments`), comma-separated lists (:func:`split_list`,
+:func:`positive_floats`), and bounded numeric options: argparse ``action=`` classes
+(:func:`int_range`, :func:`positive_int`, :func:`float_range`, :func:`positive_float`,
+:data:`seed_int`) raising :class:`OptionError` with the option, the bound and why, and
+:func:`check_bound` for bounds that depend on several options.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+from typing import Any
+
+from pdjax.errors import PdjaxError
 
 __all__ = [
     "COMMANDS",
+    "MAX_DEVICES",
+    "MAX_PROFILE_BATCH",
+    "MAX_SEED",
+    "MAX_SIM_PASSES",
     "HelpFormatter",
+    "OptionError",
     "add_model_arguments",
+    "check_bound",
+    "float_range",
+    "int_range",
+    "positive_float",
+    "positive_floats",
+    "positive_int",
     "register_all",
+    "seed_int",
     "split_list",
 ]
 
@@ -71,6 +91,188 @@ def split_list(text: str) -> list[str]:
     """``"a, b,,c"`` -> ``["a", "b", "c"]``: a comma-separated option (as ``train
     --compare`` reads it)."""
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+# -- numeric options ----------------------------------------------------------------------
+# argparse ``action=`` classes: a bad value raises :class:`OptionError` out of parse_args,
+# and ``pdjax.cli.main`` prints one line naming the option, the bound and why (exit 2)
+# instead of a traceback or a run that cannot finish.
+
+#: The most devices a command simulates on CPU (``jax_num_cpu_devices``) or plans for.
+MAX_DEVICES = 512
+#: The most microbatch-stage passes (``M x steps x P x v``) a schedule may simulate: the
+#: simulator plays a few thousand per second, so this many take about half a minute.
+MAX_SIM_PASSES = 100_000
+#: The most samples in a batch profiled now (``--batch-size``, ``--microbatch-size``): the
+#: sample batch and every layer's activations are allocated at once.
+MAX_PROFILE_BATCH = 4096
+#: The largest seed: numpy's and JAX's generators take unsigned 32-bit seeds.
+MAX_SEED = 2**32 - 1
+
+
+class OptionError(PdjaxError):
+    """A command-line option's value is out of its bounds (raised while parsing;
+    ``command`` is the parser's ``prog``, e.g. ``pdjax plan``)."""
+
+    def __init__(self, message: str, command: str = "pdjax") -> None:
+        super().__init__(message)
+        self.command = command
+
+
+class _BoundedAction(argparse.Action):
+    """Stores an int or a finite float within bounds (set by :func:`_bounded`)."""
+
+    kind: type = int
+    lo: float | None = None
+    hi: float | None = None
+    lo_open = False
+    why = ""
+    error: type[OptionError] = OptionError
+
+    @classmethod
+    def bound(cls) -> str:
+        what = "an integer" if cls.kind is int else "a finite number"
+        parts = []
+        for op, x in ((">" if cls.lo_open else ">=", cls.lo), ("<=", cls.hi)):
+            if x is not None:
+                parts.append(f"{op} {x if cls.kind is int else format(x, 'g')}")
+        return f"{' and '.join(parts)} ({what}" if parts else f"{what} ("
+
+    @classmethod
+    def parse(cls, text: str) -> int | float | None:
+        """The value, or None if it is not one of ``kind`` within the bounds."""
+        try:
+            value = cls.kind(text.strip())
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if not math.isfinite(value):
+            return None
+        if cls.lo is not None and not (value > cls.lo if cls.lo_open else value >= cls.lo):
+            return None
+        if cls.hi is not None and value > cls.hi:
+            return None
+        return value
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        text = str(values)
+        value = self.parse(text)
+        if value is None:
+            shown = text if len(text) <= 40 else text[:37] + "..."
+            why = f"; {self.why})" if self.why else ")"
+            option = option_string or self.dest
+            message = f"{option} must be {self.bound()}{why}, got {shown!r}"
+            raise self.error(message, parser.prog)
+        setattr(namespace, self.dest, value)
+
+
+def _bounded(
+    kind: type,
+    lo: float | None,
+    hi: float | None,
+    *,
+    lo_open: bool = False,
+    why: str = "",
+    error: type[PdjaxError] | None = None,
+) -> type[argparse.Action]:
+    attrs = {"kind": kind, "lo": lo, "hi": hi, "lo_open": lo_open, "why": why}
+    if error is not None:  # raised as an OptionError that is also the command's error
+        attrs["error"] = type(error.__name__, (OptionError, error), {})
+    return type("BoundedAction", (_BoundedAction,), attrs)
+
+
+def int_range(
+    lo: int, hi: int | None = None, why: str = "", error: type[PdjaxError] | None = None
+) -> type[argparse.Action]:
+    """An argparse ``action=``: an integer in ``lo..hi`` (``why``: the reason for ``hi``;
+    ``error``: a PdjaxError subclass the OptionError is also an instance of)."""
+    return _bounded(int, lo, hi, why=why, error=error)
+
+
+def positive_int(
+    hi: int | None = None, why: str = "", error: type[PdjaxError] | None = None
+) -> type[argparse.Action]:
+    """An argparse ``action=``: an integer ``>= 1`` (and ``<= hi``)."""
+    return _bounded(int, 1, hi, why=why, error=error)
+
+
+def float_range(
+    lo: float | None = None,
+    hi: float | None = None,
+    *,
+    lo_open: bool = False,
+    why: str = "",
+    error: type[PdjaxError] | None = None,
+) -> type[argparse.Action]:
+    """An argparse ``action=``: a finite float in ``[lo, hi]`` (``(lo, hi]`` with
+    ``lo_open``); NaN and infinities are refused."""
+    return _bounded(float, lo, hi, lo_open=lo_open, why=why, error=error)
+
+
+def positive_float(
+    hi: float | None = None, why: str = "", error: type[PdjaxError] | None = None
+) -> type[argparse.Action]:
+    """An argparse ``action=``: a finite float ``> 0`` (and ``<= hi``)."""
+    return _bounded(float, 0.0, hi, lo_open=True, why=why, error=error)
+
+
+#: ``--seed``: an unsigned 32-bit integer.
+seed_int = int_range(0, MAX_SEED, "seeds are unsigned 32-bit integers")
+
+
+def positive_floats(
+    option: str,
+    text: str,
+    *,
+    unit: str,
+    noun: str = "value",
+    error: type[PdjaxError] = PdjaxError,
+    count: int | None = None,
+) -> list[float]:
+    """A comma-separated option of finite numbers > 0 (``--bandwidths``, ``--rates``);
+    empty parts are skipped.
+
+    Raises:
+      error: a part is not a number, or not finite and > 0, or (with ``count``) there are
+        not ``count`` of them.
+    """
+    parts = split_list(text)
+    values: list[float] = []
+    for part in parts:
+        try:
+            value = float(part)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise error(
+                f"{option} {text!r}: each {noun} must be a positive finite number, got "
+                f"{part!r}; give {unit}, comma-separated (e.g. 1e10,1.25e9)"
+            )
+        values.append(value)
+    if not values:
+        raise error(f"{option} {text!r}: give at least one number ({unit}), comma-separated")
+    if count is not None and len(values) != count:
+        raise error(f"{option} gives {len(values)} values for {count} level(s); give one each")
+    return values
+
+
+def check_bound(
+    option: str, value: float, bound: float, why: str, error: type[PdjaxError] = PdjaxError
+) -> None:
+    """Raises ``error`` naming ``option``, ``value``, ``bound`` and ``why`` if ``value``
+    exceeds ``bound``."""
+    if value > bound:
+
+        def show(x: float) -> str:
+            whole = isinstance(x, int) or (float(x).is_integer() and x < 1e15)
+            return f"{x:,}" if whole else f"{x:.4g}"
+
+        raise error(f"{option}: {show(value)} is above the bound of {show(bound)}: {why}")
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

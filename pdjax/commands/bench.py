@@ -12,8 +12,27 @@ import argparse
 import json
 import sys
 
-from pdjax.commands import HelpFormatter, add_model_arguments, split_list
-from pdjax.commands.train import set_cpu_devices
+from pdjax.commands import (
+    HelpFormatter,
+    add_model_arguments,
+    positive_float,
+    positive_floats,
+    seed_int,
+    split_list,
+)
+from pdjax.commands.train import (
+    BATCH,
+    CHUNKS,
+    DEVICES,
+    MICROBATCHES,
+    REPEATS,
+    STEPS,
+    set_cpu_devices,
+)
+from pdjax.errors import PdjaxError
+
+#: ``--rates``, ``--fast-rate``: Mbit/s, at most 10 Tbit/s (faster than any link emulated).
+MAX_RATE = 1e7
 
 __all__ = ["register", "run"]
 
@@ -32,9 +51,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_arguments(p, default="cnn")
-    p.add_argument("--devices", type=int, default=4, help="devices to use (CPU: simulated)")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
-    p.add_argument("--microbatches", type=int, default=4, help="M: microbatches per step")
+    p.add_argument("--devices", action=DEVICES, default=4, help="devices to use (CPU: simulated)")
+    p.add_argument("--batch-size", action=BATCH, default=64, help="samples per optimizer step")
+    p.add_argument(
+        "--microbatches", action=MICROBATCHES, default=4, help="M: microbatches per step"
+    )
     p.add_argument(
         "--plan",
         default="auto",
@@ -44,15 +65,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
     )
-    p.add_argument("--chunks", type=int, default=2, help="v for interleaved")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps timed per repeat")
-    p.add_argument("--repeats", type=int, default=3, help="round-robin repeats (medians)")
+    p.add_argument("--chunks", action=CHUNKS, default=2, help="v for interleaved")
+    p.add_argument("--steps", action=STEPS, default=10, help="optimizer steps timed per repeat")
+    p.add_argument("--repeats", action=REPEATS, default=3, help="round-robin repeats (medians)")
     p.add_argument(
         "--schedules",
         default=",".join((*BENCH_SCHEDULES, "dp")),
         help="comma-separated runners, in order ('dp' is data parallelism)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the synthetic batch and weights")
+    p.add_argument(
+        "--seed", action=seed_int, default=0, help="seeds the synthetic batch and weights"
+    )
     c = p.add_argument_group(
         "a cluster on one machine",
         "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
@@ -67,15 +90,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="link rates in Mbit/s for every model (comma-separated; default: "
         "pdjax.cluster.RATES, 1 and 10 Gbit/s for mlp-512, 100 Mbit/s and 1 Gbit/s for vgg-fc)",
     )
-    c.add_argument("--fast-rate", type=float, default=10000.0, help="Mbit/s for experiment (a)")
+    c.add_argument(
+        "--fast-rate",
+        action=positive_float(MAX_RATE, _WHY_RATE),
+        default=10000.0,
+        help="Mbit/s for experiment (a)",
+    )
     c.add_argument("--loopback", action="store_true", help="no link emulation, even as root")
     c.add_argument("--out", default="out/cluster", help="folder for cluster.json/.md/.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
 
+_WHY_RATE = "10 Tbit/s, faster than any link emulated"
+
+
+def _rates(text: str) -> list[float]:
+    """``--rates``: Mbit/s, comma-separated, each finite, > 0 and at most :data:`MAX_RATE`."""
+    if not text.strip():
+        return []
+    rates = positive_floats("--rates", text, unit="Mbit/s", noun="rate")
+    if max(rates) > MAX_RATE:
+        raise PdjaxError(f"--rates {text!r}: each must be <= {MAX_RATE:g} Mbit/s ({_WHY_RATE})")
+    return rates
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark and prints the table (or JSON)."""
+    _rates(args.rates)  # checked up front, with or without --cluster
     if args.cluster:
         return _run_cluster(args)
     from pdjax.models import check_model_name
@@ -123,11 +165,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
     from pdjax.cluster import MICROBATCH, format_markdown, run_cluster, write_results
 
     err = Console(file=sys.stderr)
-    try:
-        rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    except ValueError:
-        err.print(f"--rates takes Mbit/s numbers separated by commas, got {args.rates!r}")
-        return 2
+    rates = _rates(args.rates)
     result = run_cluster(
         rates_mbit={m: rates for m in MICROBATCH} if rates else None,
         fast_mbit=args.fast_rate,

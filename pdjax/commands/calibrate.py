@@ -19,10 +19,26 @@ import argparse
 import sys
 from typing import Any
 
-from pdjax.commands import HelpFormatter, add_model_arguments
+from pdjax.commands import (
+    MAX_DEVICES,
+    MAX_PROFILE_BATCH,
+    MAX_SIM_PASSES,
+    HelpFormatter,
+    add_model_arguments,
+    positive_float,
+    positive_int,
+    seed_int,
+)
+from pdjax.commands.profile import _WHY_BATCH, MAX_REPEATS
 from pdjax.errors import CalibrationError
 
 __all__ = ["register", "run"]
+
+
+_WHY_DEVICES = (
+    "on CPU pdjax simulates that many devices (jax_num_cpu_devices), each compiling its "
+    "own programs"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,25 +51,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_arguments(p, required=True)
-    p.add_argument("--microbatch-size", type=int, required=True, help="samples per microbatch")
+    p.add_argument(
+        "--microbatch-size",
+        action=positive_int(MAX_PROFILE_BATCH, _WHY_BATCH),
+        required=True,
+        help="samples per microbatch",
+    )
     p.add_argument(
         "--optimizer",
         default="adam",
         choices=("adam", "sgd", "momentum"),
         help="the optimizer whose update is timed with each stage",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate (the update is timed)")
-    p.add_argument("--devices", type=int, help="devices to use (CPU: simulated); default all")
+    p.add_argument(
+        "--lr", action=positive_float(), default=1e-3, help="learning rate (the update is timed)"
+    )
+    p.add_argument(
+        "--devices",
+        action=positive_int(MAX_DEVICES, _WHY_DEVICES),
+        help="devices to use (CPU: simulated); default all",
+    )
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--plan", help="calibrate this plan's stages (plan JSON)")
     what.add_argument("--refine", action="store_true", help="plan, calibrate the best few, re-rank")
     p.add_argument("--neighbours", action="store_true", help="with --plan: also moved cuts")
     p.add_argument("--profile", help="with --refine: the per-layer profile to plan from")
     p.add_argument("--schedule", default="pipedream", help="with --refine: the schedule")
-    p.add_argument("--microbatches", type=int, help="with --refine: microbatches per step")
+    p.add_argument(
+        "--microbatches",
+        action=positive_int(MAX_SIM_PASSES, "the plans are simulated per microbatch"),
+        help="with --refine: microbatches per step",
+    )
     p.add_argument("--calibration", help="an earlier calibration to extend")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (median)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the sample batch and weights")
+    p.add_argument(
+        "--repeats",
+        action=positive_int(MAX_REPEATS),
+        default=5,
+        help="timed runs per measurement (median)",
+    )
+    p.add_argument("--seed", action=seed_int, default=0, help="seeds the sample batch and weights")
     p.add_argument("--out", required=True, help="write the calibration JSON here")
     p.add_argument("--plan-out", help="with --refine: write the best plan here")
     p.set_defaults(func=run)

@@ -21,9 +21,21 @@ model on one device (from the same profile and cost model) is printed with a war
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
-from pdjax.commands import HelpFormatter, add_model_arguments
+from pdjax.commands import (
+    MAX_DEVICES,
+    MAX_PROFILE_BATCH,
+    MAX_SIM_PASSES,
+    HelpFormatter,
+    add_model_arguments,
+    check_bound,
+    float_range,
+    positive_float,
+    positive_floats,
+    positive_int,
+)
 from pdjax.errors import PlanError
 from pdjax.partition import (
     COST_MODELS,
@@ -46,6 +58,18 @@ __all__ = ["register", "render_plan", "run"]
 _PARTITIONERS = ("pipedream", "uniform", "balanced-time", "balanced-params")
 _DEFAULT_BANDWIDTH = 1.25e9
 _MODEL_BATCH = 32
+#: The planner's dynamic program is O(L^2 W^2) for L layers on W devices: this bound on
+#: L^2 W^2 keeps it within about a minute (densenet121's 429 layers on 128 devices).
+MAX_PLAN_WORK = 4e9
+#: ``--schedule auto`` runs that program and the simulator for every schedule, microbatch
+#: count and chunking: tens of seconds at 16 devices already.
+MAX_AUTO_DEVICES = 32
+#: ``--batch-size`` (auto): plan_auto tries the divisors of the batch, found by trial.
+MAX_AUTO_BATCH = 1_000_000
+_WHY_DEVICES = (
+    f"the planner's dynamic program is O(L^2 W^2) for L layers on W devices; beyond "
+    f"{MAX_DEVICES} devices it runs for many minutes"
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -68,7 +92,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "instead of measuring on this machine's first device",
     )
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--workers", type=int, help="one level of this many devices")
+    where.add_argument(
+        "--workers",
+        action=positive_int(MAX_DEVICES, _WHY_DEVICES, PlanError),
+        help=f"one level of this many devices (at most {MAX_DEVICES})",
+    )
     where.add_argument("--levels", help="workers per level, innermost first, e.g. 4x4")
     where.add_argument("--preset", choices=sorted(PRESETS), help="one of the papers' clusters")
     p.add_argument(
@@ -98,7 +126,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        action=positive_int(
+            MAX_AUTO_BATCH, "plan_auto tries every divisor of the batch", PlanError
+        ),
         help="--schedule auto: samples per optimizer step (default: the profile's batch "
         "size times the devices)",
     )
@@ -108,7 +138,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         choices=_PARTITIONERS,
         help="PipeDream's optimizer, or a simpler partitioner (needs --stages)",
     )
-    p.add_argument("--stages", type=int, help="stages for the simpler partitioners")
+    p.add_argument(
+        "--stages",
+        action=positive_int(MAX_DEVICES, "a stage needs a device", PlanError),
+        help="stages for the simpler partitioners",
+    )
     p.add_argument(
         "--replication",
         default="auto",
@@ -120,16 +154,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--straight", action="store_true", help="no replication")
     p.add_argument("--fewer-machines", action="store_true", help="may leave devices idle")
-    p.add_argument("--memory-limit", type=float, help="bytes per device")
-    p.add_argument("--microbatches", type=int, help="microbatches per step (default: devices)")
+    p.add_argument(
+        "--memory-limit", action=positive_float(error=PlanError), help="bytes per device"
+    )
+    p.add_argument(
+        "--microbatches",
+        action=positive_int(MAX_SIM_PASSES, "the schedules are priced per microbatch", PlanError),
+        help="microbatches per step (default: devices)",
+    )
     p.add_argument(
         "--microbatch-size",
-        type=int,
+        action=positive_int(error=PlanError),
         help=f"samples per microbatch (default: the profile's batch; with --model {_MODEL_BATCH})",
     )
     p.add_argument(
         "--optimizer-state-factor",
-        type=float,
+        action=float_range(
+            0.0, 1000.0, why="optimizers keep a few copies of the weights", error=PlanError
+        ),
         default=2.0,
         help="optimizer state bytes per parameter byte (Adam 2, SGD 0)",
     )
@@ -146,15 +188,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _bandwidths(text: str | None, levels: int) -> list[float]:
     if text is None:
         return [_DEFAULT_BANDWIDTH] * levels
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise PlanError(
-            f"--bandwidths {text!r}: expected bytes/s per level, comma-separated (e.g. 1e10,1.25e9)"
-        ) from None
-    if len(values) != levels:
-        raise PlanError(f"--bandwidths gives {len(values)} values for {levels} level(s)")
-    return values
+    return positive_floats(
+        "--bandwidths", text, unit="bytes/s per level", noun="bandwidth", error=PlanError,
+        count=levels,
+    )  # fmt: skip
 
 
 def topology_from_args(args: argparse.Namespace) -> Topology:
@@ -164,6 +201,7 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
             raise PlanError("--preset fixes the bandwidths; drop --bandwidths")
         return Topology.preset(args.preset, memory_per_device=args.memory_limit)
     workers = (args.workers,) if args.workers is not None else parse_levels(args.levels)
+    check_bound("--levels", math.prod(workers), MAX_DEVICES, _WHY_DEVICES, PlanError)
     return Topology.from_levels(
         workers,
         _bandwidths(args.bandwidths, len(workers)),
@@ -171,15 +209,55 @@ def topology_from_args(args: argparse.Namespace) -> Topology:
     )
 
 
+def check_size(args: argparse.Namespace, topology: Topology, layers: int | None = None) -> None:
+    """Refuses a search that cannot finish in about a minute (the bounds say why); with
+    ``layers`` (the profile's), also the dynamic program's ``L^2 W^2``.
+
+    Raises:
+      PlanError: naming the option, the bound and why.
+    """
+    devices = topology.num_devices
+    if args.stages is not None and layers is not None:
+        why = f"each stage needs a layer, and the profile has {layers}"
+        check_bound("--stages", args.stages, layers, why, PlanError)
+    option = "--workers" if args.workers is not None else "--levels"
+    if args.preset:
+        option = "--preset"
+    if args.schedule == "auto":
+        why = (
+            "--schedule auto runs the planner and the simulator for every schedule, "
+            "microbatch count and chunking; plan bigger clusters with a fixed --schedule"
+        )
+        check_bound(f"{option} (devices)", devices, MAX_AUTO_DEVICES, why, PlanError)
+        if args.microbatches:
+            why = "plan_auto simulates every microbatch on every device"
+            check_bound("--microbatches x devices", args.microbatches * devices,
+                        MAX_SIM_PASSES, why, PlanError)  # fmt: skip
+    if args.model is not None:
+        why = "the model is profiled now, on a sample batch of this many samples"
+        size = args.microbatch_size or _MODEL_BATCH
+        check_bound("--microbatch-size", size, MAX_PROFILE_BATCH, why, PlanError)
+    if layers is not None:
+        why = (
+            f"the planner's dynamic program is O(L^2 W^2) and {layers} layers on {devices} "
+            f"devices would run for many minutes (L^2 W^2 at most {MAX_PLAN_WORK:.0e}); plan "
+            "for fewer devices"
+        )
+        check_bound(f"{option} (L^2 W^2)", float(layers) ** 2 * devices**2, MAX_PLAN_WORK,
+                    why, PlanError)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     """Plans and prints (or writes) the result. Raises PdjaxError on bad input."""
     topology = topology_from_args(args)  # validate the cheap arguments first
+    check_size(args, topology)
     if args.model is not None:
         profile = _profile_model(args)
     else:
         if args.device_model:
             raise PlanError("--device-model prices a model profiled now: give --model")
         profile = Profile.load(args.profile)
+    check_size(args, topology, len(profile.layers))
     common = dict(
         cost_model=args.cost_model,
         schedule=args.schedule,
@@ -236,6 +314,9 @@ def run(args: argparse.Namespace) -> int:
             "balanced-params": plan_balanced_params,
         }[args.partitioner]
         plan = make(profile, topology, args.stages, **common)
+    # Record the profile in the file (plan_pipedream and plan_auto do not yet), so that
+    # `pdjax simulate` refuses this plan with another model's profile of equal layer count.
+    plan = plan.with_profile_hash(profile)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -11,11 +11,23 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
-from pdjax.commands import HelpFormatter, add_model_arguments
+from pdjax.commands import (
+    MAX_PROFILE_BATCH,
+    HelpFormatter,
+    add_model_arguments,
+    float_range,
+    positive_int,
+    seed_int,
+)
 from pdjax.errors import ProfileError
 from pdjax.profile import DEVICE_MODELS, Profile, profile
 
 __all__ = ["register", "render_profile", "run"]
+
+
+_WHY_BATCH = "the sample batch and every layer's activations are allocated at once"
+#: ``--repeats``: timed runs per measurement.
+MAX_REPEATS = 1000
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -28,7 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=HelpFormatter,
     )
     add_model_arguments(p, required=True)
-    p.add_argument("--batch-size", type=int, default=32, help="samples in the profiled batch")
+    p.add_argument(
+        "--batch-size",
+        action=positive_int(MAX_PROFILE_BATCH, _WHY_BATCH),
+        default=32,
+        help="samples in the profiled batch",
+    )
     p.add_argument("--measure", action="store_true", help="time forward/backward on a device")
     p.add_argument(
         "--device-model",
@@ -36,11 +53,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="estimate seconds with this device's roofline (or 'measured' = --measure)",
     )
     p.add_argument(
-        "--efficiency", type=float, default=1.0, help="fraction of the device's peaks (0-1]"
+        "--efficiency",
+        action=float_range(0.0, 1.0, lo_open=True),
+        default=1.0,
+        help="fraction of the device's peaks (0-1]",
     )
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per layer (median)")
+    p.add_argument(
+        "--repeats",
+        action=positive_int(MAX_REPEATS),
+        default=5,
+        help="timed runs per layer (median)",
+    )
     p.add_argument("--eval", action="store_true", help="profile eval mode instead of train")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for initialisation")
+    p.add_argument("--seed", action=seed_int, default=0, help="PRNG seed for initialisation")
     p.add_argument("--out", help="write the profile JSON here")
     p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")
     p.set_defaults(func=run)

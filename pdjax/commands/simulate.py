@@ -24,7 +24,14 @@ import sys
 from collections.abc import Sequence
 
 from pdjax._units import fmt_bytes, fmt_seconds
-from pdjax.commands import HelpFormatter, split_list
+from pdjax.commands import (
+    MAX_DEVICES,
+    MAX_SIM_PASSES,
+    HelpFormatter,
+    check_bound,
+    positive_int,
+    split_list,
+)
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.plan import Plan
 from pdjax.pipeline import costs as _costs
@@ -75,6 +82,8 @@ def _load(plan_path: str, profile_path: str) -> tuple[Plan, Profile]:
             f"the plan {plan_path} covers {plan.num_layers} layers but the profile "
             f"{profile_path} has {len(profile.layers)}; pass the profile the plan was made from"
         )
+    # Same layer count is not enough: another model's profile would price the stages wrongly.
+    plan.check_profile(profile, plan_file=plan_path, profile_file=profile_path)
     return plan, profile
 
 
@@ -95,7 +104,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="seconds of forward, input-grad and weight-grad per stage (backward = I + W), "
         "free transfers; replaces the plan (needs --stages)",
     )
-    p.add_argument("--stages", type=int, help="P, stages (device groups) for --unit-costs")
+    p.add_argument(
+        "--stages",
+        action=positive_int(MAX_DEVICES, "a stage is a device group, and the simulator's "
+                            "per-group accounting grows with stages x passes", ScheduleError),
+        help="P, stages (device groups) for --unit-costs",
+    )  # fmt: skip
     p.add_argument(
         "--schedule",
         default="1f1b",
@@ -120,18 +134,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="write the (one) generated schedule in torch.distributed.pipelining's CSV format",
     )
-    p.add_argument("--microbatches", type=int, default=8, help="M, microbatches per step")
+    p.add_argument("--microbatches", action=_count, default=8, help="M, microbatches per step")
     p.add_argument(
         "--steps",
-        type=int,
+        action=_count,
         default=1,
         help="optimizer steps of the flush schedules to lay out one after the other "
         "(zb-h2 and zb-v gain across steps: the next step starts behind the last)",
     )
-    p.add_argument("--chunks", type=int, default=2, help="v, model chunks per group (interleaved)")
+    p.add_argument(
+        "--chunks",
+        action=positive_int(
+            256, "the simulator's work grows with the square of P x v", ScheduleError
+        ),
+        default=2,
+        help="v, model chunks per group (interleaved)",
+    )
     p.add_argument(
         "--stream",
-        type=int,
+        action=_count,
         help="N, microbatches streamed by pipedream and 2bw (default: a multiple of M, "
         "at least 4 M and 2 P)",
     )
@@ -169,16 +190,52 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+#: ``--stages``, ``--microbatches``, ``--steps``, ``--chunks``, ``--stream``: each at most
+#: :data:`MAX_SIM_PASSES`; their product is checked by :func:`check_size`.
+_count = positive_int(
+    MAX_SIM_PASSES, "the simulator plays every microbatch on every stage", ScheduleError
+)
+#: ``--unit-costs``: seconds per pass, at most this (a step's sums stay finite).
+_MAX_UNIT_COST = 1e9
+
+
 def _parse_unit_costs(text: str) -> tuple[float, float, float]:
     try:
         values = tuple(float(x) for x in text.split(","))
     except ValueError:
         values = ()
-    if len(values) != 3 or any(not v >= 0 for v in values):
+    if len(values) != 3 or any(not 0 <= v <= _MAX_UNIT_COST for v in values):
         raise ScheduleError(
-            f"--unit-costs takes three numbers >= 0, 'F,I,W' (e.g. 1,1,1); got {text!r}"
+            f"--unit-costs takes three numbers >= 0, 'F,I,W', finite seconds up to "
+            f"{_MAX_UNIT_COST:g} each (e.g. 1,1,1); got {text!r}"
         )
     return values  # type: ignore[return-value]
+
+
+def check_size(
+    args: argparse.Namespace, name: str, stages: int, stream: int, played: int = 0
+) -> int:
+    """The microbatch-stage passes of schedule ``name`` (``M x steps x P x v``; ``N x P``
+    for the stream ``N`` of pipedream and 2bw); refuses more than :data:`MAX_SIM_PASSES`
+    together with the ``played`` passes of the schedules simulated before it.
+
+    Raises:
+      ScheduleError: naming the options, the bound and why.
+    """
+    if name in ("pipedream", "2bw"):
+        option, passes = "--stream (default 4 x --microbatches) x --stages", stream * stages
+    else:
+        v = args.chunks if name == "interleaved" else 2 if name == "zb-v" else 1
+        option = "--microbatches x --steps x --stages" + (" x --chunks" if v > 1 else "")
+        passes = args.microbatches * args.steps * stages * v
+    why = (
+        f"{name} would play {passes:,} microbatch-stage passes"
+        + (f" after {played:,} by the schedules before it" if played else "")
+        + f"; the simulator plays a few thousand a second, so more than {MAX_SIM_PASSES:,} "
+        "in all would not finish in about a minute"
+    )
+    check_bound(option, played + passes, MAX_SIM_PASSES, why, ScheduleError)
+    return passes
 
 
 def _default_stream(stages: int, microbatches: int) -> int:
@@ -275,6 +332,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             "--unit-costs F,I,W --stages P"
         )
     results: list[tuple[str, Simulation | str]] = []
+    played = 0  # microbatch-stage passes simulated so far (check_size bounds them)
     for label, name, vsync, stashing in requested:
         vertical_sync = args.vertical_sync if vsync is None else vsync
         weight_stashing = args.weight_stashing if stashing is None else stashing
@@ -290,6 +348,8 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             if from_csv is not None:
                 schedule = from_csv
             else:
+                # one too big is a row among several
+                played += check_size(args, name, stages, stream, played)
                 schedule = generate(
                     name,
                     stages,

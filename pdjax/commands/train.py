@@ -7,7 +7,10 @@ dataset (``digits``, ``text`` or an ``.npz`` file, checked against the model's s
 batch), sizes, devices and plan files; the output folder is made by the first epoch's
 metrics. On a terminal a progress bar shows the batches; elsewhere (a log file, CI) one
 line per epoch. ``metrics.jsonl`` follows the checkpoints: a resumed run keeps its earlier
-lines and appends; ``--tensorboard DIR`` writes event files per run.
+lines and appends, each line once it is checkpointed; a run that has nothing to resume
+refuses an ``--out`` whose metrics hold lines of it rather than drop them. Metrics and
+``summary.json`` are strict JSON (NaN and infinities as null). ``--tensorboard DIR``
+writes event files per run.
 """
 
 from __future__ import annotations
@@ -21,9 +24,32 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdjax.commands import HelpFormatter, add_model_arguments, split_list
+from pdjax.commands import (
+    MAX_DEVICES,
+    HelpFormatter,
+    add_model_arguments,
+    float_range,
+    int_range,
+    positive_float,
+    positive_int,
+    seed_int,
+    split_list,
+)
 
 __all__ = ["epoch_line", "register", "run", "set_cpu_devices"]
+
+#: Bounds of train's and bench's numeric options (each refused up front, by name).
+DEVICES = positive_int(
+    MAX_DEVICES,
+    "on CPU pdjax simulates that many devices (jax_num_cpu_devices), each compiling its own "
+    "programs; beyond this a run does not start in reasonable time",
+)
+#: A step's batch is allocated at once.
+BATCH = positive_int(2**20, "a step's batch is allocated at once")
+MICROBATCHES = positive_int(2**20, "a microbatch needs a sample")
+CHUNKS = positive_int(1024, "each chunk is a compiled stage of at least one layer")
+STEPS = positive_int(100_000, "each step is timed; more would not finish")
+REPEATS = positive_int(1000, "each repeat times every schedule")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,35 +85,51 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="--schedule auto: the search may choose pipedream or 2bw (stale weights)",
     )
-    p.add_argument("--devices", type=int, default=4, help="devices to use (CPU: simulated)")
+    p.add_argument("--devices", action=DEVICES, default=4, help="devices to use (CPU: simulated)")
     p.add_argument(
         "--plan", default="auto", help="'auto' (profile + plan now), 'even', or plan.json"
     )
     p.add_argument(
         "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
     )
-    p.add_argument("--epochs", type=int, default=10, help="epochs at most")
-    p.add_argument("--batch-size", type=int, default=64, help="samples per optimizer step")
-    p.add_argument("--microbatches", type=int, default=4, help="M: microbatches per step")
-    p.add_argument("--chunks", type=int, default=2, help="v: model chunks per device (interleaved)")
+    p.add_argument(
+        "--epochs",
+        action=positive_int(100_000, "each epoch trains on the whole dataset"),
+        default=10,
+        help="epochs at most",
+    )
+    p.add_argument("--batch-size", action=BATCH, default=64, help="samples per optimizer step")
+    p.add_argument(
+        "--microbatches", action=MICROBATCHES, default=4, help="M: microbatches per step"
+    )
+    p.add_argument(
+        "--chunks", action=CHUNKS, default=2, help="v: model chunks per device (interleaved)"
+    )
     p.add_argument(
         "--optimizer",
         default="adam",
         choices=("adam", "sgd", "momentum"),
         help="adam, sgd, or sgd with momentum 0.9",
     )
-    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--lr", action=positive_float(), default=1e-3, help="learning rate")
     p.add_argument(
-        "--seed", type=int, default=0, help="seeds initialisation, dropout, data order and split"
+        "--seed",
+        action=seed_int,
+        default=0,
+        help="seeds initialisation, dropout, data order and split",
     )
-    p.add_argument("--target-accuracy", type=float, help="stop at this test accuracy (0-1)")
+    p.add_argument(
+        "--target-accuracy",
+        action=float_range(0.0, 1.0, lo_open=True),
+        help="stop at this test accuracy (0-1]",
+    )
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument(
         "--no-weight-stashing", action="store_true", help="pipedream without weight stashing"
     )
     p.add_argument(
         "--extra-in-flight",
-        type=int,
+        action=int_range(0, 1024, "each is one more stashed version and activation per stage"),
         default=0,
         metavar="E",
         help="pipedream: E more microbatches in flight per stage (hides transfer latency; "
@@ -103,7 +145,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--seq-len",
-        type=int,
+        action=positive_int(2**16, "a window's activations are allocated at once"),
         default=16,
         help="tokens per window (text); passed to a factory that takes seq_len",
     )
@@ -115,8 +157,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--checkpoint-dir",
-        help="save every epoch here (a folder per run); resume a run found there, appending "
-        "to its metrics",
+        help="save every epoch here (a folder per run, with the plan it runs); resume a run "
+        "found there from its newest step, with its saved plan, appending to its metrics",
+    )
+    p.add_argument(
+        "--resume-step",
+        type=int,
+        metavar="N",
+        help="with --checkpoint-dir: resume from step N (saved after epoch N) instead of "
+        "the newest; the steps after N are moved into a set-aside-after-N-* folder there",
     )
     p.add_argument(
         "--out", default="out/train", help="folder for metrics.jsonl, summary.json and plots"
@@ -142,7 +191,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "process, or set PDJAX_COORDINATOR/PDJAX_NUM_PROCESSES/PDJAX_PROCESS_ID (or JAX_*); "
         "--devices counts the devices of all processes",
     )
-    g.add_argument("--num-processes", type=int, help="processes in the run")
+    g.add_argument(
+        "--num-processes",
+        action=positive_int(MAX_DEVICES, "a process has at least one device"),
+        help="processes in the run",
+    )
     g.add_argument(
         "--transport",
         default="auto",
@@ -150,11 +203,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="how activations cross processes (auto: device_put up to 2 processes on CPU, "
         "collectives beyond)",
     )
-    g.add_argument("--process-id", type=int, help="this process, 0..N-1")
+    g.add_argument(
+        "--process-id",
+        action=int_range(0, MAX_DEVICES - 1, "a process has at least one device"),
+        help="this process, 0..N-1",
+    )
     g.add_argument("--coordinator", help="HOST:PORT of process 0 (the coordination service)")
     g.add_argument(
         "--local-processes",
-        type=int,
+        action=positive_int(64, "each is a Python process with JAX on this machine"),
         metavar="N",
         help="try it here: start N processes of this command on 127.0.0.1, --devices/N "
         "CPU devices each",
@@ -205,7 +262,14 @@ def run(args: argparse.Namespace) -> int:
         set_cpu_devices(args.devices)
     from rich.console import Console
 
-    from pdjax.train import TrainConfig, build, check, require_tensorboard, run_folder
+    from pdjax.train import (
+        TrainConfig,
+        build,
+        check,
+        check_outputs,
+        require_tensorboard,
+        run_folder,
+    )
 
     common = dict(
         model=args.model,
@@ -235,22 +299,29 @@ def run(args: argparse.Namespace) -> int:
     for cfg in configs:
         check(cfg, *built)
 
-    bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
-    console = Console(width=None if sys.stdout.isatty() else 140)
     out = Path(args.out)
     metrics_path = out / "metrics.jsonl"
-    if not args.checkpoint_dir and metrics_path.exists():
-        metrics_path.unlink()  # fresh runs; with checkpoints, each run keeps its lines
+    folders = [
+        os.path.join(args.checkpoint_dir, run_folder(cfg.label)) if args.checkpoint_dir else None
+        for cfg in configs
+    ]
+    for cfg, ckpt in zip(configs, folders, strict=True):  # earlier outputs are never dropped
+        check_outputs(cfg, ckpt, metrics_path, args.resume_step)
+
+    bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
+    console = Console(width=None if sys.stdout.isatty() else 140)
     results = []
-    for cfg in configs:
-        ckpt = None
-        if args.checkpoint_dir:
-            ckpt = os.path.join(args.checkpoint_dir, run_folder(cfg.label))
-        results.append(_train_one(cfg, console, ckpt, metrics_path, built, bar, args.tensorboard))
+    for cfg, ckpt in zip(configs, folders, strict=True):
+        results.append(
+            _train_one(
+                cfg, console, ckpt, metrics_path, built, bar, args.tensorboard, args.resume_step
+            )
+        )
     _summary(console, results)
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
-    summary_path.write_text(json.dumps([_result_dict(r) for r in results], indent=1))
+    summary = [_result_dict(r) for r in results]
+    summary_path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
     console.print(f"metrics: {metrics_path}  summary: {summary_path}", highlight=False)
     if args.tensorboard:
         console.print(f"tensorboard: tensorboard --logdir {args.tensorboard}", highlight=False)
@@ -331,6 +402,7 @@ def _train_one(
     built: Any,
     bar: bool,
     tensorboard: str | None,
+    resume_step: int | None = None,
 ) -> Any:
     """Trains one variant; a progress bar (``bar``) or one line per epoch on stdout."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -399,10 +471,23 @@ def _train_one(
             on_resume=on_resume,
             on_start=on_start,
             tensorboard_dir=tensorboard,
+            resume_step=resume_step,
         )
     finally:
         if progress is not None:
             progress.stop()
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinite number as None (null), so that the JSON is
+    strict (a model without accuracy has NaN accuracies)."""
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_strict_json(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def _result_dict(result: Any) -> dict[str, Any]:
