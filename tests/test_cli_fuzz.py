@@ -273,3 +273,27 @@ def test_sizes_below_the_bounds_still_run(capsys):
     assert rc == 0, err
     rc, err = run_cli([*PLAN[:3], "--levels", "4x4", "--bandwidths", "1e10,1.25e9"], capsys)
     assert rc == 0, err
+
+
+def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
+    from pdjax.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    unit = ["simulate", "--unit-costs", "1,1,1", "--stages", "2", "--schedule", "1f1b"]
+    for argv, option in [
+        ([*unit, "--trace", str(tmp_path)], "--trace"),
+        ([*unit, "--png", str(blocker / "g.png")], "--png"),
+        ([*unit, "--write-csv", str(blocker / "x" / "s.csv")], "--write-csv"),
+        (
+            ["plan", "--profile", "pipedream:vgg16", "--workers", "2", "--out", str(tmp_path)],
+            "--out",
+        ),
+    ]:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert option in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    # a folder that does not exist yet is made
+    trace = tmp_path / "new" / "deeper" / "t.json"
+    assert main([*unit, "--trace", str(trace)]) == 0
+    assert trace.is_file()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 from pdjax.errors import PdjaxError
@@ -273,6 +275,24 @@ def check_bound(
             return f"{x:,}" if whole else f"{x:.4g}"
 
         raise error(f"{option}: {show(value)} is above the bound of {show(bound)}: {why}")
+
+
+def check_writable(option: str, path: str | None, error: type[PdjaxError] = OptionError) -> None:
+    """Raises ``error`` (before any work) if the file ``path`` given with ``option`` could
+    not be written: it is a folder, or its nearest existing folder is a file or not
+    writable. Missing folders are fine: the writers create them."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise error(f"{option} {path}: that is a folder; give a file name")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise error(f"{option} {path}: {parent} is not a folder; give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise error(f"{option} {path}: cannot write in {parent}; give another path")
 
 
 def register_all(subparsers: argparse._SubParsersAction) -> None:

@@ -25,6 +25,7 @@ from pdjax.commands import (
     MAX_SIM_PASSES,
     HelpFormatter,
     add_model_arguments,
+    check_writable,
     positive_float,
     positive_int,
     seed_int,
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     """Measures and writes the calibration. Raises PdjaxError on bad input."""
     if args.microbatch_size < 1:
         raise CalibrationError("--microbatch-size must be >= 1")
+    check_writable("--out", args.out, CalibrationError)
+    check_writable("--plan-out", args.plan_out, CalibrationError)
     if args.refine and not args.profile:
         raise CalibrationError("--refine plans from a profile: give --profile (pdjax profile)")
     from pdjax.commands.train import set_cpu_devices

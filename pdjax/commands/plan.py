@@ -31,6 +31,7 @@ from pdjax.commands import (
     HelpFormatter,
     add_model_arguments,
     check_bound,
+    check_writable,
     float_range,
     positive_float,
     positive_floats,
@@ -249,6 +250,7 @@ def check_size(args: argparse.Namespace, topology: Topology, layers: int | None 
 
 def run(args: argparse.Namespace) -> int:
     """Plans and prints (or writes) the result. Raises PdjaxError on bad input."""
+    check_writable("--out", args.out, PlanError)
     topology = topology_from_args(args)  # validate the cheap arguments first
     check_size(args, topology)
     if args.model is not None:

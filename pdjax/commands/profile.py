@@ -15,6 +15,7 @@ from pdjax.commands import (
     MAX_PROFILE_BATCH,
     HelpFormatter,
     add_model_arguments,
+    check_writable,
     float_range,
     positive_int,
     seed_int,
@@ -78,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.batch_size < 1:
         raise ProfileError(f"--batch-size must be >= 1, got {args.batch_size}")
+    check_writable("--out", args.out, ProfileError)
     spec = get_model(args.model, args.config)
     rng = jax.random.key(args.seed)
     sample = spec.sample_input(args.batch_size)

@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from pdjax._units import fmt_bytes, fmt_seconds
 from pdjax.commands import (
@@ -29,6 +30,7 @@ from pdjax.commands import (
     MAX_SIM_PASSES,
     HelpFormatter,
     check_bound,
+    check_writable,
     positive_int,
     split_list,
 )
@@ -365,6 +367,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             if args.write_csv:
                 from pdjax.pipeline.torch_csv import write_torch_csv
 
+                Path(args.write_csv).parent.mkdir(parents=True, exist_ok=True)
                 write_torch_csv(schedule, args.write_csv)
             results.append((label, simulate(schedule, costs_for(schedule.chunks))))
         except ScheduleError as e:
@@ -408,11 +411,15 @@ def _note(sim: Simulation) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Simulates the requested schedules; prints a table (or JSON) and writes pictures."""
+    for option, path in [("--trace", args.trace), ("--png", args.png)]:
+        check_writable(option, path, ScheduleError)
+    check_writable("--write-csv", args.write_csv, ScheduleError)
     results = _simulations(args)
     sims = [r for _, r in results if isinstance(r, Simulation)]
     if args.trace and sims:
         from pdjax.pipeline.trace import write_chrome_trace
 
+        Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
         write_chrome_trace([s.timeline for s in sims], args.trace)
     if args.png and sims:
         from pdjax.pipeline.trace import plot_gantt
@@ -422,6 +429,7 @@ def run(args: argparse.Namespace) -> int:
             f"bubble {s.bubble_fraction:.1%} ({_note(s)})"
             for s in sims
         ]
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         plot_gantt([s.timeline for s in sims], args.png, titles=titles)
     if args.json:
         rows = [
