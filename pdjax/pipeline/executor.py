@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -255,11 +256,12 @@ class Pipeline:
     ``optimizer_scope="model"``.
 
     Raises:
-      PipelineError: before any device work, for a plan that does not cover the model,
-        too few devices, a device id not among ``devices``, an unknown schedule, or tied
-        copies on several stages with ``pipedream`` or ``2bw`` (whose stages update at
-        their own times, so the copies cannot stay one parameter), across processes, or
-        with ``optimizer_scope="stage"``.
+      PipelineError: before any device work, for ``microbatches`` or ``chunks`` that is
+        not an integer >= 1 (``extra_in_flight``: >= 0), a plan that does not cover the
+        model, too few devices, a device id not among ``devices``, an unknown schedule,
+        or tied copies on several stages with ``pipedream`` or ``2bw`` (whose stages
+        update at their own times, so the copies cannot stay one parameter), across
+        processes, or with ``optimizer_scope="stage"``.
     """
 
     def __init__(
@@ -284,12 +286,11 @@ class Pipeline:
     ) -> None:
         if schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-        if microbatches < 1:
-            raise PipelineError(f"microbatches must be >= 1, got {microbatches}")
+        microbatches = _integer("microbatches", microbatches, 1)
         if chunks is None:
             chunks = 2 if schedule == "zb-v" else 1
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise PipelineError(f"chunks must be an integer >= 1, got {chunks!r}")
+        chunks = _integer("chunks", chunks, 1)
+        extra_in_flight = _integer("extra_in_flight", extra_in_flight, 0)
         if schedule != "pipedream" and (vertical_sync or not weight_stashing):
             raise PipelineError(
                 "vertical_sync and weight_stashing=False are options of the pipedream "
@@ -299,8 +300,6 @@ class Pipeline:
             raise PipelineError(
                 f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
             )
-        if not isinstance(extra_in_flight, int) or extra_in_flight < 0:
-            raise PipelineError(f"extra_in_flight must be an integer >= 0, got {extra_in_flight!r}")
         self.extra_in_flight = extra_in_flight
         if grad_allreduce not in ("update", "backward"):
             raise PipelineError(
@@ -447,6 +446,14 @@ class Pipeline:
         self._rng_cache: tuple[jax.Array, dict[str, jax.Array]] | None = None
         self._on_loss: Callable[[int, jax.Array], None] | None = None
         self._splitters: dict[Any, Any] = {}
+        # What the API checks once and then trusts (_check_state, _check_items): the
+        # layouts of the states this pipeline made, the last one first; the shapes of the
+        # sample init saw (for messages); per layout of an item (or of a call's items)
+        # found to fit the weights of the state layout _fits_layout, its rows.
+        self._state_layouts: list[Any] = []
+        self._init_shapes: str | None = None
+        self._fits: dict[Any, Any] = {}
+        self._fits_layout: Any = None
         if self.multiprocess and transport == "device_put":
             check_cpu_transfers("a pipeline across processes")
 
@@ -639,8 +646,10 @@ class Pipeline:
 
     # -- state ------------------------------------------------------------------------------
 
-    def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> None:
-        """Traces the model stage by stage on ``sample`` (shapes only, no FLOPs).
+    def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> Any:
+        """Traces the model stage by stage on ``sample`` (shapes only, no FLOPs), with
+        ``variables`` (per layer; default: those init would make for ``sample``), and
+        returns the shapes of the model's output.
 
         Raises:
           PipelineError: naming the stage, the layer and the input shapes that fail.
@@ -663,13 +672,14 @@ class Pipeline:
                 except PdjaxError:
                     raise
                 except Exception as e:
-                    shapes = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(x)]
+                    what = "the inputs" if i == 0 else "the output of the layer before it"
                     raise PipelineError(
-                        f"stage {s}, layer {i} ({layer.name}) cannot take the output of the "
-                        f"layer before it, shapes {shapes}: {type(e).__name__}: {e}"
+                        f"stage {s}, layer {i} ({layer.name}) cannot take {what}, shapes "
+                        f"[{_shapes_text(x)}]: {type(e).__name__}: {e}"
                     ) from e
         if self.tied_stages:
             self.layers.check_tied(variables)
+        return x
 
     def init(self, rng: jax.Array, sample: PyTree) -> PipelineState:
         """Initialises every layer from ``rng`` on a sample microbatch and places the stages.
@@ -677,6 +687,7 @@ class Pipeline:
         ``rng`` also seeds dropout (through ``fold_in(rng, 1)``).
         """
         self.check_shapes(sample)
+        self._init_shapes = _shapes_text(sample)
         key = jax.random.fold_in(rng, 0)
         if self.multiprocess:  # every process builds the whole model (same key, same values)
             variables = jax.jit(self.layers.init)(key, sample)
@@ -741,7 +752,7 @@ class Pipeline:
             # an optimizer state that holds the parameters' own buffers (cocob, dog,
             # schedule-free keep the initial parameters) would be donated with them
             opt_state.append(_unaliased(o, p) if self.local[s] else o)
-        return PipelineState(
+        state = PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
             opt_state=tuple(opt_state),
@@ -749,6 +760,8 @@ class Pipeline:
             microbatches=0,
             rng=rng,
         )
+        self._accept_layout(_state_layout(state))
+        return state
 
     def _analyse_optimizer(self, stage_params: Sequence[PyTree]) -> None:
         """Decides, once, how the optimizer runs per stage (:mod:`pdjax.pipeline.optim`):
@@ -860,16 +873,195 @@ class Pipeline:
             self._schedules[key] = sched
         return self._schedules[key]
 
+    # -- checks of what a call is given -------------------------------------------------------
+
+    def _accept_layout(self, layout: Any) -> None:
+        """Trusts states of ``layout`` from now on (the newest is compared first)."""
+        if layout not in self._state_layouts:
+            self._state_layouts.insert(0, layout)
+
+    def _check_state(self, state: Any, x: PyTree) -> None:
+        """Refuses, before any device work, a state this pipeline cannot run: not a
+        :class:`PipelineState`, consumed, or laid out otherwise than the states this
+        pipeline makes (another plan, model or optimizer). Once per call: lengths, then
+        the state's tree structures and shapes against the layouts already trusted;
+        ``x`` (an input microbatch) serves only a pipeline that has made no state yet."""
+        if not isinstance(state, PipelineState):
+            raise PipelineError(
+                f"state must be the PipelineState that this pipeline's init (or step, run) "
+                f"returned, got a {type(state).__name__}"
+            )
+        if any(
+            isinstance(leaf, jax.Array) and leaf.is_deleted()
+            for leaf in jax.tree.leaves((state.params, state.opt_state))
+        ):
+            raise PipelineError(
+                "this state was consumed by an earlier step/run (the optimizer state is "
+                "updated in place); pass the state that call returned"
+            )
+        problem = self._count_problem(state)
+        layout = None if problem else _state_layout(state)
+        if problem is None and layout not in self._state_layouts:
+            if not self._state_layouts:
+                # nothing made here to compare with (a state of an equal pipeline): the
+                # inputs must fit its weights, then it must be what init would make for them
+                self._check_inputs(state, x, "the first microbatch")
+                self._state_layouts.append(self._expected_layout(x))
+            problem = self._layout_problem(state, layout, self._state_layouts[0])
+        if problem is not None:
+            raise PipelineError(
+                f"{problem}: the state was made by another Pipeline (another plan, model or "
+                "optimizer). Make it with this pipeline's init (or state_from_variables), "
+                "or restore the checkpoint into a template made by this pipeline's init"
+            )
+        if layout != self._fits_layout:  # items were checked against other weights' shapes
+            self._fits.clear()
+            self._fits_layout = layout
+
+    def _count_problem(self, state: PipelineState) -> str | None:
+        """What in ``state``'s counts of stages and layers differs from this pipeline's."""
+        S = self.num_stages
+        for field in ("params", "model_state", "opt_state", "updates"):
+            got = len(getattr(state, field))
+            if got != S:
+                return f"the state has {got} stages ({field}), this pipeline has {S} stages"
+        for s, spec in enumerate(self.stage_specs):
+            want = spec.last_layer - spec.first_layer + 1
+            for field in ("params", "model_state"):
+                tree = getattr(state, field)[s]
+                got = len(tree) if isinstance(tree, (list, tuple)) else None
+                if got != want:
+                    return (
+                        f"the state's stage {s} holds {got} layers ({field}), this pipeline's "
+                        f"stage {s} holds {want} layers ({spec.first_layer}-{spec.last_layer})"
+                    )
+        return None
+
+    def _layout_problem(self, state: PipelineState, got: Any, want: Any) -> str | None:
+        """The first difference between the layout ``got`` of ``state`` and ``want``."""
+        names = {
+            "params": "parameters",
+            "model_state": "model state",
+            "opt_state": "optimizer state",
+        }
+        for f, (field, name) in enumerate(names.items()):
+            for s, ((gdef, gshapes), (wdef, wshapes)) in enumerate(
+                zip(got[f], want[f], strict=True)
+            ):
+                if field == "opt_state" and gdef != wdef:
+                    return (
+                        f"stage {s}'s optimizer state is {_brief(gdef)}, but this pipeline's "
+                        f"optimizer makes {_brief(wdef)}"
+                    )
+                if gdef != wdef:
+                    return (
+                        f"stage {s}'s {name} is {_brief(gdef)}, this "
+                        f"pipeline's model makes {_brief(wdef)} there"
+                    )
+                if gshapes != wshapes:
+                    i = next(
+                        i for i, (a, b) in enumerate(zip(gshapes, wshapes, strict=True)) if a != b
+                    )
+                    path = jax.tree_util.tree_flatten_with_path(getattr(state, field)[s])[0][i][0]
+                    if field != "opt_state":  # per layer: name the model's layer
+                        layer = self.stage_specs[s].first_layer + path[0].idx
+                        name, path = f"{name} of layer {layer}", path[1:]
+                    return (
+                        f"stage {s}'s {name}, leaf {jax.tree_util.keystr(path)}, has shape "
+                        f"{list(gshapes[i])}, this pipeline makes {list(wshapes[i])}"
+                    )
+        return None
+
+    def _expected_layout(self, x: PyTree) -> Any:
+        """The layout of the state init would make on a sample like ``x`` (shapes only;
+        it settles the ties and the optimizer as :meth:`state_from_variables` does)."""
+        variables = jax.eval_shape(
+            partial(_init_layers, self.layers.layers, 0), jax.random.key(0), _abstract(x)
+        )[0]
+        layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_specs]
+        params = [[v.get("params", {}) for v in vs] for vs in layers]
+        model_state = [[{k: a for k, a in v.items() if k != "params"} for v in vs] for vs in layers]
+        self._settle_ties(params)
+        views = [
+            st.ties.view(p) if st.ties else p for st, p in zip(self.stages, params, strict=True)
+        ]
+        self._analyse_optimizer(views)
+        assert self.stage_optimizer is not None
+        opt_state = [jax.eval_shape(self.stage_optimizer.init, v) for v in views]
+        return _state_layout(PipelineState(params, model_state, opt_state, (), 0, None))
+
+    def _state_variables(self, state: PipelineState) -> list[Variables]:
+        """The per-layer variables of ``state``, as shapes."""
+        return [
+            {**ms, "params": p}
+            for ps, mss in zip(state.params, state.model_state, strict=True)
+            for p, ms in zip(ps, mss, strict=True)
+        ]
+
+    def _check_inputs(self, state: PipelineState, x: PyTree, where: str) -> Any:
+        """Traces the model on ``x`` with ``state``'s weights (shapes only); returns the
+        shapes of its output, or raises naming the layer and the shapes that fail."""
+        try:
+            return self.check_shapes(x, _abstract(self._state_variables(state)))
+        except PipelineError as e:
+            seen = self._init_shapes
+            raise PipelineError(
+                f"{where}'s inputs do not fit the model's weights: {str(e).rstrip('.')}. "
+                + (f"This pipeline's init saw inputs [{seen}]; give " if seen else "Give ")
+                + "inputs of those shapes past the batch dimension (any number of rows), "
+                "or a state made for these inputs"
+            ) from e
+
+    def _check_items(
+        self, state: PipelineState, items: Sequence[Any], what: str, with_targets: bool
+    ) -> list[int]:
+        """Per item (an ``(inputs, targets)`` pair, or inputs), its rows, after checking
+        once per layout that every leaf has those rows, that the model takes the inputs
+        with ``state``'s weights and the loss function the targets. Cheap once the call's
+        layout is known: one flatten of all the items (the loop over thousands of actions
+        that follows must not wait on checks)."""
+        whole = _layout_key(items)
+        rows = self._fits.get(whole)
+        if rows is not None:
+            return rows
+        rows = []
+        for k, item in enumerate(items):
+            key = _layout_key(item)
+            n = self._fits.get(key)
+            if n is None:
+                where = f"{what} {k}"
+                if with_targets:
+                    parts = (("inputs", item[0]), ("targets", item[1]))
+                else:
+                    parts = (("inputs", item),)
+                n = _rows(parts, f"{where}: ")
+                y = self._check_inputs(state, parts[0][1], where)
+                if with_targets:
+                    _check_loss(self.loss_fn, y, item[1], where)
+                self._fits[key] = n
+            rows.append(n)
+        if len(self._fits) > 256:  # calls of ever new lengths or shapes: keep it bounded
+            self._fits.clear()
+        self._fits[whole] = rows
+        return rows
+
     # -- running ----------------------------------------------------------------------------
 
     def split_batch(self, batch: tuple[PyTree, PyTree]) -> list[tuple[PyTree, PyTree]]:
         """Splits ``(inputs, targets)`` into ``M`` equal microbatches along axis 0.
 
         Raises:
-          PipelineError: if the batch is not divisible by ``M`` times every stage's replicas.
+          PipelineError: if a leaf of the inputs or targets has other rows (leading
+          dimension) than the others, or the rows are not divisible by ``M`` times every
+          stage's replicas.
         """
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise PipelineError(
+                f"split_batch takes one (inputs, targets) pair, got a {type(batch).__name__}"
+                + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+            )
         inputs, targets = batch
-        n = jax.tree.leaves(inputs)[0].shape[0]
+        n = _rows((("inputs", inputs), ("targets", targets)), "")
         M = self.microbatches
         need = [M * r for r in self.replicas]
         for s, k in enumerate(need):
@@ -929,22 +1121,24 @@ class Pipeline:
         has drained in all of them. ``collectives=True`` counts the all-reduces in the
         compiled program of every operation run (:attr:`RunMetrics.all_reduces`; a
         diagnostic: each distinct program is lowered and compiled once more).
+
+        Raises:
+          PipelineError: before any device work, for a state that is consumed or was
+          made by another pipeline (another plan, model or optimizer), an item that is
+          not an ``(inputs, targets)`` pair, leaves of a microbatch with other rows than
+          its first input leaf, inputs the model cannot take with the state's weights,
+          targets the loss function cannot take, or a loss that is not a scalar (each
+          layout checked once, on shapes).
         """
         microbatches = list(microbatches)
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
-        if any(
-            isinstance(leaf, jax.Array) and leaf.is_deleted()
-            for leaf in jax.tree.leaves(state.opt_state)
-        ):
-            raise PipelineError(
-                "this state was consumed by an earlier step/run (the optimizer state is "
-                "updated in place); pass the state that call returned"
-            )
+        _check_pairs(microbatches, "run", "microbatches")
+        self._check_state(state, microbatches[0][0])
+        rows = self._check_items(state, microbatches, "microbatch", with_targets=True)
         self._settle_replication(state)
         split = tuple(st.num_replicas for st in self.stages if not st.round_robin)
-        for k, (x, _) in enumerate(microbatches):
-            n = jax.tree.leaves(x)[0].shape[0]
+        for k, n in enumerate(rows):
             bad = [r for r in split if n < 1 or n % r]
             if bad:
                 raise PipelineError(
@@ -988,15 +1182,18 @@ class Pipeline:
 
         Raises:
           PipelineError: for no batches, or a pipeline spanning processes (not supported
-          yet: evaluate on :meth:`variables` there).
+          yet: evaluate on :meth:`variables` there); and as :meth:`run` does for a state
+          or batches that do not fit.
         """
         batches = list(batches)
         if not batches:
             raise PipelineError("evaluate needs at least one (inputs, targets) batch")
+        _check_pairs(batches, "evaluate", "batches")
+        self._check_forward(state, batches[0][0])
+        sizes = np.array(self._check_items(state, batches, "batch", True), np.float64)
         outs = self._forward_stream(
             state, [b[0] for b in batches], [b[1] for b in batches], metrics
         )
-        sizes = np.array([jax.tree.leaves(b[0])[0].shape[0] for b in batches], np.float64)
         weights = sizes / sizes.sum()
         values = jax.device_get(outs)
         extra: dict[str, Any] = {}
@@ -1030,15 +1227,26 @@ class Pipeline:
         stages (see :meth:`evaluate`), in batches of ``batch_size`` rows (default: all
         at once), concatenated: arrays on the last stage's devices. ``state`` is not
         consumed."""
-        n = jax.tree.leaves(inputs)[0].shape[0]
-        size = n if batch_size is None else batch_size
-        if size < 1:
-            raise PipelineError(f"batch_size must be >= 1, got {batch_size}")
+        n = _rows((("inputs", inputs),), "")
+        if n < 1:
+            raise PipelineError("predict needs inputs of at least one row, got 0 rows")
+        size = n if batch_size is None else _integer("batch_size", batch_size, 1)
         chunks = [jax.tree.map(lambda a, k=k: a[k : k + size], inputs) for k in range(0, n, size)]
+        self._check_forward(state, chunks[0])
+        self._check_items(state, chunks, "batch", with_targets=False)
         outs = self._forward_stream(state, chunks, None)
         if len(outs) == 1:
             return outs[0]
         return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
+    def _check_forward(self, state: Any, x: PyTree) -> None:
+        """What :meth:`evaluate` and :meth:`predict` refuse before any device work."""
+        if self.multiprocess:
+            raise PipelineError(
+                "evaluate and predict run in one process; across processes gather the "
+                "weights with pipe.variables(state) and evaluate them on one device"
+            )
+        self._check_state(state, x)
 
     def _forward_stream(
         self,
@@ -1050,15 +1258,6 @@ class Pipeline:
         """Eval-mode forwards of a stream through the stages, dispatched as a wavefront
         (stage ``s`` takes item ``k`` at tick ``k + s``): the last stage's outputs, or
         with ``targets`` its losses (and aux)."""
-        if self.multiprocess:
-            raise PipelineError(
-                "evaluate and predict run in one process; across processes gather the "
-                "weights with pipe.variables(state) and evaluate them on one device"
-            )
-        if any(isinstance(a, jax.Array) and a.is_deleted() for a in jax.tree.leaves(state.params)):
-            raise PipelineError(
-                "this state was consumed by an earlier step/run; pass the state it returned"
-            )
         S, N = self.num_stages, len(inputs)
         with_loss = targets is not None
         progs = [
@@ -1409,6 +1608,114 @@ class Pipeline:
         if source.process_index == self.process_index:
             tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)
+
+
+def _state_layout(state: PipelineState) -> Any:
+    """Per field (params, model state, optimizer state), per stage, the tree structure
+    and the leaf shapes: what a state must share with the states a pipeline makes (not
+    the dtypes, which a caller may change, as a cast to bfloat16 does)."""
+
+    def per_stage(trees: Sequence[PyTree]) -> tuple[Any, ...]:
+        out = []
+        for tree in trees:
+            leaves, treedef = jax.tree.flatten(tree)
+            out.append((treedef, tuple(np.shape(a) for a in leaves)))
+        return tuple(out)
+
+    return per_stage(state.params), per_stage(state.model_state), per_stage(state.opt_state)
+
+
+def _layout_key(tree: PyTree) -> Any:
+    """A hashable key of ``tree``'s structure, leaf shapes and dtypes (cheap: one flatten)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple([(np.shape(a), getattr(a, "dtype", None)) for a in leaves])
+
+
+def _rows(parts: Sequence[tuple[str, PyTree]], where: str) -> int:
+    """The rows (leading dimension) that every leaf of the named trees ``parts`` (e.g.
+    ``(("inputs", x), ("targets", t))``) shares. Targets with other rows than their
+    inputs would be cut at other samples (trained on the wrong targets) or fail deep in
+    XLA, so they are refused here, naming the leaf."""
+    named = [
+        (name + jax.tree_util.keystr(path), np.shape(a))
+        for name, tree in parts
+        for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]
+    ]
+    if not named:
+        raise PipelineError(f"{where}{' and '.join(n for n, _ in parts)} hold no arrays")
+    for leaf, shape in named:
+        if not shape:
+            raise PipelineError(
+                f"{where}{leaf} is a scalar, with no leading (batch) dimension: every leaf "
+                "of the inputs and targets needs one row per sample"
+            )
+    first, (n, *_) = named[0]
+    for leaf, shape in named:
+        if shape[0] != n:
+            raise PipelineError(
+                f"{where}{leaf} has {shape[0]} rows but {first} has {n}: every leaf of the "
+                "inputs and targets needs one row per sample (the same leading dimension); "
+                "pass the targets that belong to these inputs"
+            )
+    return n
+
+
+def _check_loss(loss_fn: LossFn, y: Any, t: PyTree, where: str) -> None:
+    """Traces ``loss_fn`` on the model's output shapes ``y`` and targets ``t``: a loss
+    that is not a scalar raises :func:`split_loss`'s error, targets it cannot take raise
+    one naming both shapes (rather than an XLA error from inside a stage program)."""
+    try:
+        jax.eval_shape(lambda y, t: split_loss(loss_fn(y, t)), y, _abstract(t))
+    except PdjaxError:
+        raise
+    except Exception as e:
+        raise PipelineError(
+            f"{where}: loss_fn cannot take the model's outputs [{_shapes_text(y)}] and the "
+            f"targets [{_shapes_text(t)}]: {type(e).__name__}: {str(e).rstrip('.')}. Give "
+            "targets that fit "
+            "the model's outputs, one row per input row"
+        ) from e
+
+
+def _shapes_text(tree: PyTree) -> str:
+    """``float32[4, 8], int32[4]``: the leaves' dtypes and shapes."""
+    return ", ".join(f"{jnp.result_type(a)}{list(np.shape(a))}" for a in jax.tree.leaves(tree))
+
+
+def _brief(treedef: Any, limit: int = 160) -> str:
+    """A tree structure as text, cut to ``limit`` characters (an optimizer's can be long)."""
+    text = str(treedef).removeprefix("PyTreeDef(").removesuffix(")")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _check_pairs(items: Sequence[Any], call: str, what: str) -> None:
+    """Refuses an item of ``items`` that is not an ``(inputs, targets)`` pair: the whole
+    batch passed where its microbatches belong would unpack as inputs and targets."""
+    for k, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            shape = f" of shape {list(np.shape(item))}" if hasattr(item, "shape") else ""
+            raise PipelineError(
+                f"{call} takes a sequence of {what}, each an (inputs, targets) pair; item "
+                f"{k} is a {type(item).__name__}{shape}. For one whole batch use "
+                + (
+                    "run(state, pipe.split_batch((inputs, targets))) or step(state, "
+                    "(inputs, targets))"
+                    if call == "run"
+                    else f"{call}(state, [(inputs, targets)])"
+                )
+            )
+
+
+def _integer(name: str, value: Any, least: int) -> int:
+    """``value`` of the constructor argument ``name`` as an ``int`` >= ``least``. Bools,
+    floats and strings are refused rather than rounded: ``microbatches=2.5`` or ``"2"``
+    is a mistake that would otherwise surface as a raw error deep in the schedule."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise PipelineError(
+            f"{name} must be an integer >= {least}, got {value!r}"
+            f" ({type(value).__name__}); pass a whole number such as {max(least, 1)}"
+        )
+    return int(value)
 
 
 def _tied_stages(
