@@ -5,8 +5,9 @@ a quiet machine). For each model (default: the cluster benchmark's ``mlp-512`` a
 ``vgg-fc``) on ``--devices`` in-process CPU devices and ``--batch-size`` samples per step:
 
 1. the model is profiled (measured) at the microbatch size ``B / devices``; the driver's
-   host seconds per action are measured on a model with next to no compute, and the
-   devices' shared thread pool's concurrency with :func:`pdjax.bench.pool_concurrency`;
+   host seconds per action are measured on a model with next to no compute
+   (:func:`pdjax.bench.driver_seconds_per_action`), and the devices' shared thread pool's
+   concurrency with :func:`pdjax.bench.pool_concurrency`;
 2. ``plan_auto`` searches the schedules the runtime runs exactly as planned (``gpipe``,
    ``1f1b``, ``zb-h1``, ``zb-h2``; with ``--stale`` also ``pipedream`` and ``2bw``):
    stages and ``M`` (straight pipelines; ``--replicate`` allows replication); and
@@ -71,38 +72,6 @@ def _runner(spec: Any, plan: Any, x: Any, y: Any, steps: int, seed: int) -> dict
         return time.perf_counter() - t0
 
     return {"call": call, "samples": samples}
-
-
-def host_seconds_per_action(devices: int, seed: int) -> float:
-    """The driver's host seconds per action on a model with next to no compute (the
-    cluster benchmark's ``mlp-narrow``, one layer range per device, M = 16): the median of
-    ``RunMetrics.host_seconds / actions`` over 5 calls after a warm-up."""
-    import jax
-    import numpy as np
-    import optax
-
-    from pdjax import Pipeline
-    from pdjax.pipeline import even_stages
-
-    spec = _model("mlp-narrow")
-    x, y = jax.tree.map(np.asarray, spec.sample_batch(64, seed))
-    pipe = Pipeline(
-        spec.layers,
-        even_stages(len(spec.layers), devices),
-        spec.loss,
-        optax.adam(1e-3),
-        schedule="1f1b",
-        microbatches=16,
-    )
-    batch = pipe.split_batch((x, y))
-    state = pipe.init(jax.random.key(seed), batch[0][0])
-    out = []
-    for k in range(6):
-        state, metrics = pipe.run(state, batch)
-        jax.block_until_ready(state)
-        if k:
-            out.append(metrics.host_seconds / metrics.actions)
-    return statistics.median(out)
 
 
 def _best_plans(
@@ -308,7 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True)
 
-    spa = host_seconds_per_action(args.devices, args.seed)
+    from pdjax.bench import driver_seconds_per_action
+
+    spa = driver_seconds_per_action(jax.devices()[: args.devices])
     log(f"driver: {spa * 1e6:.0f} us per action")
     results = [measure_model(m, args, spa, log) for m in args.models.split(",")]
     print(markdown(results))

@@ -53,7 +53,16 @@ from pdjax.pipeline.schedule import generate
 from pdjax.pipeline.simulate import PipelineCosts, simulate
 from pdjax.profile import Profile, profile
 
-__all__ = ["BENCH_SCHEDULES", "BenchResult", "BenchRow", "bench", "format_table"]
+__all__ = [
+    "BENCH_SCHEDULES",
+    "BenchResult",
+    "BenchRow",
+    "bench",
+    "driver_seconds_per_action",
+    "format_table",
+    "host_costs",
+    "pool_concurrency",
+]
 
 #: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
 BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
@@ -570,6 +579,54 @@ def pool_concurrency(
     together = statistics.median(timed([0, 1] * rounds) for _ in range(5))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
     return min(max(serial / together, 1.0), float(cores))
+
+
+def driver_seconds_per_action(devices: Sequence[jax.Device], seed: int = 0) -> float:
+    """The driver's host seconds per dispatched action where compute is next to nothing:
+    8 dense layers of width 16 as one stage per device (at most 8), ``1f1b`` with
+    ``M = 16``; the median of ``RunMetrics.host_seconds / actions`` over 5 calls after a
+    warm-up."""
+    import flax.linen as nn
+
+    from pdjax.layers import sequential
+
+    width, n = 16, max(1, min(8, len(devices)))
+    layers = sequential([nn.Dense(width) for _ in range(8)])
+    x = np.zeros((64, width), np.float32)
+
+    def loss(out: Any, y: Any) -> Any:
+        return ((out - y) ** 2).mean()
+
+    pipe = Pipeline(
+        layers,
+        tuple(
+            StageSpec(st.first_layer, st.last_layer, (i,)) for i, st in enumerate(even_stages(8, n))
+        ),
+        loss,
+        optax.sgd(1e-3),
+        schedule="1f1b",
+        microbatches=16,
+        devices=list(devices),
+    )
+    batch = pipe.split_batch((x, x))
+    state = pipe.init(jax.random.key(seed), batch[0][0])
+    out = []
+    for k in range(6):
+        state, metrics = pipe.run(state, batch)
+        jax.block_until_ready(state)
+        if k:
+            out.append(metrics.host_seconds / metrics.actions)
+    return statistics.median(out)
+
+
+def host_costs(spec: ModelSpec, sample: tuple[Any, Any], devices: Sequence[jax.Device]) -> Any:
+    """:class:`pdjax.partition.HostCosts` measured on ``devices``: the driver's seconds per
+    action, and for in-process CPU devices the shared pool's concurrency on ``spec``'s
+    forward-backward over ``sample`` (:func:`pool_concurrency`)."""
+    from pdjax.partition import HostCosts
+
+    concurrency = pool_concurrency(spec, sample, devices) if _shared_pool(devices) else None
+    return HostCosts(driver_seconds_per_action(devices), concurrency)
 
 
 def _dp_runner(

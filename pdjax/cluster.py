@@ -290,7 +290,8 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     x, y = jax.tree.map(np.asarray, spec.sample_batch(b * units, seed))
     mbs = [jax.tree.map(lambda a, k=k: a[k * b : (k + 1) * b], (x, y)) for k in range(units)]
     state = pipe.init(jax.random.key(seed), mbs[0][0])
-    calls = [mbs] if name == "pipedream" else [mbs[k : k + M] for k in range(0, units, M)]
+    streaming = name in ("pipedream", "2bw")  # one stream; flush schedules: steps of M
+    calls = [mbs] if streaming else [mbs[k : k + M] for k in range(0, units, M)]
 
     def call() -> float:
         nonlocal state

@@ -527,12 +527,18 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     schedules whose planned stages the runner takes as they are (``gpipe``, ``1f1b``,
     ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the runner
     places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation is not
-    chosen without a memory limit (CPU devices have none).
+    chosen without a memory limit (CPU devices have none); where chosen, the runner
+    recomputes on the stages the plan names (``plan.options["auto"]["remat"]``).
+    Candidates are ranked no faster than the driver and, on in-process CPU devices, their
+    shared thread pool allow (:func:`pdjax.bench.host_costs`, measured here first): the
+    simulator alone would pick many small microbatches whose dispatch and shared cores it
+    does not see.
 
     Raises:
       PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
         cannot run.
     """
+    from pdjax.bench import host_costs
     from pdjax.partition import Topology, plan_auto
     from pdjax.profile import profile
 
@@ -541,6 +547,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     devices = jax.devices()[: cfg.devices]
     size = max(1, cfg.batch_size // cfg.devices)
     prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
+    host = host_costs(spec, (ds.train_x[:size], ds.train_y[:size]), devices)
     # the schedules whose planned stages the runner takes as they are (interleaved and
     # zb-v run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
     names = [n for n in ("gpipe", "1f1b", "zb-h1", "zb-h2") if n in SCHEDULE_CHOICES]
@@ -551,13 +558,8 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
         schedules=names + (["pipedream", "2bw"] if cfg.allow_stale else []),
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
+        host=host,
     )
-    chosen = plan.options["auto"]
-    if any(chosen["remat"]):
-        raise PipelineError(
-            f"plan_auto chose per-stage recomputation ({chosen['remat']}), which the "
-            "training loop does not run yet: use more devices or a smaller --batch-size"
-        )
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
     os.close(handle)  # the runner reads the plan from a file
     plan.save(path)
@@ -658,6 +660,8 @@ def make_runner(
         extra_in_flight=cfg.extra_in_flight,
         transport=cfg.transport,
         replication=None if cfg.replication == "plan" else cfg.replication,
+        # plan_auto's per-stage recomputation, where it chose some to fit a memory limit
+        remat=tuple(getattr(stages, "options", {}).get("auto", {}).get("remat", ())) or False,
     )
     for s, r in enumerate(runner.replicas):
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:

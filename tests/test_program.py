@@ -116,6 +116,22 @@ def test_remat_keeps_what_recomputing_needs():
     )
 
 
+def test_remat_per_stage_recomputes_only_where_asked():
+    schedule = generate("1f1b", 3, 3)
+    prog = lower(schedule, _local(3), remat=(False, True, False))
+    kinds = {(op.stage, op.kind, "recompute" in op.flags) for op in prog.ops[0]}
+    assert (0, "F", False) in kinds and (0, "B", False) in kinds  # stage 0 keeps residuals
+    assert not any(s != 1 and r for s, _, r in kinds)
+    assert (1, "F", True) in kinds and (1, "B", True) in kinds  # stage 1 recomputes
+    # the same stage as with remat everywhere
+    every = lower(schedule, _local(3), remat=True)
+    assert [str(op) for op in prog.ops[0] if op.stage == 1] == [
+        str(op) for op in every.ops[0] if op.stage == 1
+    ]
+    with pytest.raises(PipelineError, match="3 flags for 2 stages"):
+        lower(generate("1f1b", 2, 2), _local(2), remat=(True, False, True))
+
+
 def test_pipedream_without_stashing_recomputes_at_the_newest_weights():
     prog = lower(generate("pipedream", 2, 3, weight_stashing=False), _local(2))
     ops = [op for op in prog.ops[0] if op.stage == 0 and op.kind in ("F", "BU")]

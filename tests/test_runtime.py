@@ -244,6 +244,13 @@ def test_remat_through_the_pipeline(schedule):
         [float(v) for v in m_again.losses], [float(v) for v in m_kept.losses], rtol=1e-5
     )
     assert any("recompute" in name for st in pipe.stages for name in st.trace_counts)
+    # per stage: only the flagged stage recomputes, and the result is the same
+    pipe, one, _ = train((True, False))
+    _close(list(one.params), list(kept.params), rtol=1e-4, atol=1e-5)
+    assert any("recompute" in name for name in pipe.stages[0].trace_counts)
+    assert not any("recompute" in name for name in pipe.stages[1].trace_counts)
+    with pytest.raises(PipelineError, match="one bool per stage"):
+        train((1, 0))
 
 
 @pytest.mark.parametrize("schedule", ["pipedream", "2bw"])

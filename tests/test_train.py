@@ -341,5 +341,10 @@ def test_schedule_auto_profiles_plans_and_trains(tmp_path):
     assert resolved.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2")
     assert 64 % resolved.microbatches == 0 and resolved.plan.endswith(".json")
     assert math.isfinite(result.history[-1].train_loss)
+    # ranked with the driver's and the shared CPU pool's costs, measured before planning
+    from pdjax.partition import Plan
+
+    host = Plan.load(resolved.plan).options["auto"]["host"]
+    assert host["seconds_per_action"] > 0 and host["concurrency"] >= 1.0
     with pytest.raises(PipelineError, match="option of --schedule auto"):
         TrainConfig(model="mlp", schedule="1f1b", allow_stale=True)

@@ -163,10 +163,14 @@ def evaluate_candidate(
     extra_in_flight: int = 0,
     batch_size: int | None = None,
     host: HostCosts | None = None,
+    calibration: Any = None,
 ) -> tuple[float, tuple[float, ...]]:
     """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
     with ``schedule`` and the given recomputation per plan stage; with ``host``, no less
-    than what the driver and a shared pool need (:class:`HostCosts`).
+    than what the driver and a shared pool need (:class:`HostCosts`). With a
+    ``calibration`` (:class:`pdjax.calibrate.Calibration`), the stages, links and
+    all-reduces it measured replace the profile's (stages it lacks are priced from the
+    profile times its profile ratio); ``interleaved`` cannot be calibrated.
 
     Raises:
       ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
@@ -176,10 +180,13 @@ def evaluate_candidate(
 
     P = plan.num_stages
     v = _schedule_stages(schedule, chunks)
+    measured: dict[str, Any] = (
+        {} if calibration is None else {"calibration": calibration, "partial": True}
+    )
     if schedule == "zb-v":  # each plan stage cut into two halves placed in a V
-        costs = costs_from_plan(plan, profile).v_shape()
+        costs = costs_from_plan(plan, profile, **measured).v_shape()
     else:
-        costs = costs_from_plan(plan, profile, chunks=v)
+        costs = costs_from_plan(plan, profile, chunks=v, **measured)
     flags = tuple(remat) if remat is not None else (False,) * P
     if any(flags):
         costs = _with_remat(costs, flags, schedule, plan.replicas)
@@ -251,6 +258,7 @@ def plan_auto(
     exhaustive: int = 256,
     refine_top: int = 3,
     host: HostCosts | None = None,
+    calibration: Any = None,
 ) -> Plan:
     """The fastest configuration the simulator finds that fits the memory limit.
 
@@ -277,6 +285,10 @@ def plan_auto(
         moving one stage boundary at a time while the simulator finds them faster.
       host: rank candidates no faster than their driver and shared pool allow
         (:class:`HostCosts`; e.g. in-process CPU devices). Default: the simulator alone.
+      calibration: price candidates from measured stages, links and all-reduces
+        (:class:`pdjax.calibrate.Calibration` for this model, microbatch size and devices;
+        give ``microbatches`` so the microbatch size is the calibrated one). The dynamic
+        program still prunes on the profile.
       exhaustive: with ``straight``, search every partition of the layers into one stage
         per device when there are at most this many (``C(L - 1, P - 1)``): small cases are
         then exact; beyond it, the dynamic program's partitions and ``refine``.
@@ -335,6 +347,7 @@ def plan_auto(
             best[c.schedule] = c
 
     plans: dict[tuple[str, int, int, int], Plan] = {}
+    extra: dict[str, Any] = {"host": host, "calibration": calibration}
     for name in names:
         for M in counts:
             try:
@@ -356,9 +369,7 @@ def plan_auto(
             for v in chunks if name == "interleaved" else (1,):
                 for e in extra_in_flight if name == "pipedream" else (0,):
                     for plan in partitions:
-                        c = _evaluate(
-                            plan, profile, name, v, e, limit, remat, B, reasons, host=host
-                        )
+                        c = _evaluate(plan, profile, name, v, e, limit, remat, B, reasons, **extra)
                         if c is None:
                             continue
                         consider(c)
@@ -392,7 +403,7 @@ def plan_auto(
                     cost_model,
                     optimizer_state_factor,
                     reasons,
-                    host=host,
+                    **extra,
                 )
                 consider(c)
                 if c.fits and c.time_per_sample < plan.options["_candidate"].time_per_sample:
@@ -416,6 +427,7 @@ def plan_auto(
     options["auto"] = winner.to_dict()
     if host is not None:
         options["auto"]["host"] = dataclasses.asdict(host)
+    options["auto"]["calibrated"] = calibration is not None
     options["alternatives"] = {
         name: (best[name].to_dict() if name in best else {"none": reasons.get(name, "no fit")})
         for name in names
@@ -516,6 +528,7 @@ def _evaluate(
     reasons: dict[str, str],
     *,
     host: HostCosts | None = None,
+    calibration: Any = None,
 ) -> Candidate | None:
     """The candidate of ``plan`` with the least recomputation that fits (or none)."""
     P = plan.num_stages
@@ -533,7 +546,15 @@ def _evaluate(
         return None
     try:
         seconds, peaks = evaluate_candidate(
-            plan, profile, name, chunks=v, remat=flags, extra_in_flight=e, batch_size=B, host=host
+            plan,
+            profile,
+            name,
+            chunks=v,
+            remat=flags,
+            extra_in_flight=e,
+            batch_size=B,
+            host=host,
+            calibration=calibration,
         )
         if limit is not None and remat:
             over = [d for d, b in enumerate(peaks) if b > limit]
@@ -549,6 +570,7 @@ def _evaluate(
                     extra_in_flight=e,
                     batch_size=B,
                     host=host,
+                    calibration=calibration,
                 )
     except (PlanError, ScheduleError) as err:
         reasons.setdefault(name, str(err))
@@ -583,6 +605,7 @@ def _refine(
     reasons: dict[str, str],
     *,
     host: HostCosts | None = None,
+    calibration: Any = None,
 ) -> tuple[Candidate, Plan]:
     """Moves one stage boundary by one layer at a time while the simulator finds the
     result faster (or, not fitting yet, smaller)."""
@@ -619,7 +642,19 @@ def _refine(
                     )
                 except (PlanError, ScheduleError):
                     continue
-                d = _evaluate(other, profile, name, v, e, limit, remat, B, reasons, host=host)
+                d = _evaluate(
+                    other,
+                    profile,
+                    name,
+                    v,
+                    e,
+                    limit,
+                    remat,
+                    B,
+                    reasons,
+                    host=host,
+                    calibration=calibration,
+                )
                 if d is not None and key(d) < key(c):
                     c, plan, improved = d, other, True
                     break

@@ -210,7 +210,9 @@ class Pipeline:
         means 2 for ``zb-v`` and 1 otherwise).
       vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
       weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
-      remat: recompute each stage's forward in its backward instead of keeping residuals.
+      remat: recompute each stage's forward in its backward instead of keeping residuals:
+        every stage (``True``), or per stage, one flag each (as
+        :func:`~pdjax.partition.plan_auto` chooses them, ``plan.options["auto"]["remat"]``).
       devices: the devices the plan's ids refer to (default ``jax.devices()``): indexed
         by position, or searched by ``jax.Device.id`` for a plan with ``device_ids``.
       transport: how values cross processes (``pdjax.pipeline.transport``):
@@ -276,7 +278,7 @@ class Pipeline:
         chunks: int | None = None,
         vertical_sync: bool = False,
         weight_stashing: bool = True,
-        remat: bool = False,
+        remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
         optimizer_scope: str = "model",
@@ -326,6 +328,7 @@ class Pipeline:
         specs = tuple(getattr(plan, "stages", plan))
         self.stage_specs = specs
         self._check_cover(specs, len(layers))
+        remat = _remat_flags(remat, len(specs))
         if len(specs) % self.chunks:
             if schedule == "zb-v":
                 raise PipelineError(
@@ -389,7 +392,7 @@ class Pipeline:
                     stage_devices[s],
                     optimizer,
                     loss_fn if s == len(specs) - 1 else None,
-                    remat=remat,
+                    remat=remat[s],
                     scale=_scale(schedule, microbatches, len(spec.devices), round_robin[g]),
                     round_robin=round_robin[g],
                 )
@@ -1716,6 +1719,20 @@ def _integer(name: str, value: Any, least: int) -> int:
             f" ({type(value).__name__}); pass a whole number such as {max(least, 1)}"
         )
     return int(value)
+
+
+def _remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
+    """``remat`` as one flag per stage (a bool for all, or a sequence of bools)."""
+    if isinstance(remat, (bool, np.bool_)):
+        return (bool(remat),) * num_stages
+    flags = tuple(remat) if isinstance(remat, (list, tuple)) else None
+    if flags is None or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        raise PipelineError(f"remat must be a bool or one bool per stage, got {remat!r}")
+    if len(flags) != num_stages:
+        raise PipelineError(
+            f"remat gives {len(flags)} flags for {num_stages} stages; give one per stage"
+        )
+    return tuple(bool(f) for f in flags)
 
 
 def _tied_stages(

@@ -222,7 +222,7 @@ def lower(
     schedule: Schedule,
     placement: Placement,
     *,
-    remat: bool = False,
+    remat: bool | Sequence[bool] = False,
     fuse: bool = True,
     coupled: bool = False,
     run_ahead: int | None = None,
@@ -236,7 +236,8 @@ def lower(
     Args:
       schedule: a schedule that passed :func:`~pdjax.pipeline.schedule.validate`.
       placement: where each stage lives; ``placement.stages[s]`` for stage ``s``.
-      remat: every stage recomputes its forward in its backward (keeps no residuals).
+      remat: every stage recomputes its forward in its backward (keeps no residuals), or
+        per stage, one flag each.
       fuse: fuse a backward with the update that follows it, and on the last stage a
         forward with its backward (one program each).
       coupled: the optimizer couples stages through the gradients' global norm: each
@@ -276,7 +277,10 @@ def lower(
             f"tied parameters across stages need every stage to update once per step; "
             f"{schedule.name} does not"
         )
-    ops = _global_ops(schedule, placement, remat, fuse, coupled, run_ahead, on_loss, holders)
+    flags = (bool(remat),) * S if isinstance(remat, bool) else tuple(bool(r) for r in remat)
+    if len(flags) != S:
+        raise PipelineError(f"remat gives {len(flags)} flags for {S} stages; give one per stage")
+    ops = _global_ops(schedule, placement, flags, fuse, coupled, run_ahead, on_loss, holders)
     ops = _in_dependency_order(ops, _caller_slots(schedule))
     if one_at_a_time is not None:
         ops = _one_at_a_time(ops, one_at_a_time)
@@ -357,7 +361,7 @@ def _caller_slots(schedule: Schedule) -> list[str]:
 def _global_ops(
     schedule: Schedule,
     placement: Placement,
-    remat: bool,
+    remat: Sequence[bool],
     fuse: bool,
     coupled: bool,
     run_ahead: int | None,
@@ -530,7 +534,7 @@ def _global_ops(
                 if s > 0:
                     ops += sent_back(s, k)
                 continue
-            recompute = remat or backward_version[(s, k)] != v
+            recompute = remat[s] or backward_version[(s, k)] != v
             out = loss_slot(s, k) if s == last else name("y", s, k)
             tgt = (target(s, k),) if s == last else ()
             res = () if recompute else (f"r{s}.{k}",)
@@ -554,7 +558,7 @@ def _global_ops(
                 for j in covered(s, k):
                     ops += moved(f"y{s}.{j}", f"x{s + 1}.{j}", s, s + 1, j)
         elif a.kind in ("B", "I", "W"):
-            recompute = remat or forward_version[(s, k)] != v
+            recompute = remat[s] or forward_version[(s, k)] != v
             flags = {"recompute"} if recompute else set()
             x = name("x", s, k)
             R = residual_args(s, k, recompute)
