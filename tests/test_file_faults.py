@@ -399,5 +399,5 @@ def test_the_cli_reports_an_unwritable_output(tmp_path, capsys):
     argv = ["plan", "--profile", "pipedream:vgg16", "--workers", "2", "--out", str(tmp_path)]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert f"cannot write plan {tmp_path}: it is a directory" in err
+    assert f"--out {tmp_path}: that is a folder" in err  # refused before planning
     assert "Traceback" not in err
