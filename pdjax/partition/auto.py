@@ -544,8 +544,9 @@ def _evaluate(
             f"microbatches of {plan.microbatch_size} samples do not split over {uneven[0]} devices",
         )
         return None
-    try:
-        seconds, peaks = evaluate_candidate(
+
+    def run() -> tuple[float, tuple[float, ...]]:
+        return evaluate_candidate(
             plan,
             profile,
             name,
@@ -556,22 +557,15 @@ def _evaluate(
             host=host,
             calibration=calibration,
         )
+
+    try:
+        seconds, peaks = run()
         if limit is not None and remat:
             over = [d for d, b in enumerate(peaks) if b > limit]
-            if over:
+            if over:  # recompute only on the device groups over the limit
                 for d in over:
                     flags[d] = True
-                seconds, peaks = evaluate_candidate(
-                    plan,
-                    profile,
-                    name,
-                    chunks=v,
-                    remat=flags,
-                    extra_in_flight=e,
-                    batch_size=B,
-                    host=host,
-                    calibration=calibration,
-                )
+                seconds, peaks = run()
     except (PlanError, ScheduleError) as err:
         reasons.setdefault(name, str(err))
         return None
