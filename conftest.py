@@ -13,6 +13,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_threefry_partitionable", False)
 
 sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the tests' reference module
+pytest_plugins = ["user_model"]  # shared fixtures (tests/user_model.py)
 
 # CI lands a change only on a passing run: there the property tests draw the same examples
 # every time (a failure they can find is found on every run, not by chance).

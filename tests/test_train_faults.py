@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import shutil
-import sys
 
 import jax
 import numpy as np
@@ -28,52 +27,11 @@ from pdjax.train import (
     train,
 )
 
-MODEL_PY = """
-import flax.linen as nn
-import jax.numpy as jnp
-import numpy as np
-import optax
-
-
-def _loss(out, y):
-    return optax.softmax_cross_entropy_with_integer_labels(out, y).mean()
-
-
-def build(config="tiny", seq_len=None):
-    return {
-        "layers": [nn.Dense(32), nn.relu, nn.Dense(10)],
-        "loss": _loss,
-        "sample_batch": (np.zeros((2, 64), np.float32), np.zeros((2,), np.int32)),
-        "accuracy": lambda out, y: jnp.mean(jnp.argmax(out, -1) == y),
-        "num_classes": 10,
-    }
-
-
-def no_accuracy():
-    model = build()
-    del model["accuracy"]
-    return model
-"""
-
 
 @pytest.fixture
-def here(tmp_path, monkeypatch):
-    """A small model (``mymodel.py``) and ``digits.npz`` (320 + 100 flat digits) in the
-    current directory."""
-    (tmp_path / "mymodel.py").write_text(MODEL_PY)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
-    monkeypatch.delitem(sys.modules, "mymodel", raising=False)
-    ds = data.digits(flatten=True)
-    np.savez(
-        tmp_path / "digits.npz",
-        x_train=ds.train_x[:320],
-        y_train=ds.train_y[:320],
-        x_test=ds.test_x[:100],
-        y_test=ds.test_y[:100],
-    )
-    yield tmp_path
-    sys.modules.pop("mymodel", None)
+def here(mine):
+    """``mymodel.py`` and ``digits.npz`` in the current directory (tests/user_model.py)."""
+    return mine
 
 
 def _cfg(**kw):
