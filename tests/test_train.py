@@ -11,6 +11,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from user_model import mine_config as _mine
 
 from pdjax import data
 from pdjax.cli import main
@@ -117,10 +118,6 @@ def test_cli_trains_compares_and_writes_metrics_and_plots(tmp_path, capsys):
 
 
 # -- models and datasets of your own -----------------------------------------------------------
-
-
-def _mine(**kw):
-    return _cfg(model="mymodel:build", dataset="digits.npz", learning_rate=1e-2, **kw)
 
 
 def test_a_model_of_your_own_trains_on_an_npz_dataset(mine):

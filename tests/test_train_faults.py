@@ -10,6 +10,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
+from user_model import mine_config as _cfg
 
 from pdjax import data
 from pdjax.cli import main
@@ -32,21 +33,6 @@ from pdjax.train import (
 def here(mine):
     """``mymodel.py`` and ``digits.npz`` in the current directory (tests/user_model.py)."""
     return mine
-
-
-def _cfg(**kw):
-    base = dict(
-        model="mymodel:build",
-        dataset="digits.npz",
-        schedule="pipedream",
-        devices=2,
-        plan="even",
-        epochs=2,
-        batch_size=32,
-        microbatches=2,
-        learning_rate=1e-2,
-    )
-    return TrainConfig(**{**base, **kw})
 
 
 def _argv(out, *extra):

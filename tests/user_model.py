@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pdjax import data
+from pdjax.train import TrainConfig
 
 MODEL_PY = """
 import flax.linen as nn
@@ -62,3 +63,20 @@ def mine(tmp_path, monkeypatch):
     )
     yield tmp_path
     sys.modules.pop("mymodel", None)
+
+
+def mine_config(**kw):
+    """A short pipedream run of ``mymodel:build`` on ``digits.npz`` (the ``mine`` fixture's
+    files), with ``kw`` replacing any field."""
+    base = dict(
+        model="mymodel:build",
+        dataset="digits.npz",
+        schedule="pipedream",
+        devices=2,
+        plan="even",
+        epochs=2,
+        batch_size=32,
+        microbatches=2,
+        learning_rate=1e-2,
+    )
+    return TrainConfig(**{**base, **kw})
