@@ -626,6 +626,8 @@ def _quiet_abandoned_reads() -> Iterator[None]:
     def hook(unraisable: Any) -> None:
         if getattr(unraisable.object, "__qualname__", "") == _ABANDONED_READ:
             return
+        if _late_wakeup(unraisable):
+            return
         previous(unraisable)
 
     sys.unraisablehook = hook
@@ -633,6 +635,38 @@ def _quiet_abandoned_reads() -> Iterator[None]:
         yield
     finally:
         sys.unraisablehook = previous
+
+
+def _late_wakeup(unraisable: Any) -> bool:
+    """Whether ``unraisable`` is an abandoned read's TensorStore future finishing after
+    orbax closed its event loop: TensorStore's own thread calls the dead loop's
+    ``call_soon_threadsafe``, straight from native code (no Python caller), which raises
+    "Event loop is closed". It can come at any time after the failed restore returned."""
+    e = unraisable.exc_value
+    if not isinstance(e, RuntimeError) or str(e) != "Event loop is closed":
+        return False
+    tb = e.__traceback__
+    return tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
+
+
+def _drop_late_wakeups() -> None:
+    """Once a restore has abandoned reads, silences their late wake-ups (see
+    :func:`_late_wakeup`) for the rest of the process: installed once, on top of the
+    hook in place then; every other unraisable error still reaches it."""
+    global _late_wakeups_dropped
+    if _late_wakeups_dropped:
+        return
+    _late_wakeups_dropped = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _late_wakeup(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+_late_wakeups_dropped = False
 
 
 # The orbax coroutine (one array chunk's read) whose abandoned instances are silenced.
@@ -1083,6 +1117,7 @@ class Checkpointer:
                 if failed is not None:
                     gc.collect()
             if failed is not None:  # raised here: the error no longer holds orbax's reads
+                _drop_late_wakeups()
                 raise _Damage(failed)
             for name in stored:
                 want = saved.get(name, {}).get("checksum")
