@@ -101,6 +101,16 @@ CLUSTER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "hidden": 2048,
         },
     ),
+    # time to accuracy on real data (pdjax.cluster_tta): vgg-fc's shape for 8x8 digits
+    # (2 convolution blocks, then 2048-wide fully connected layers: 19 MB of weights), and
+    # the tiny GPT on characters of Python's docs (0.4 MB of weights)
+    "vgg-digits": (
+        "vgg16",
+        {"image_size": 8, "in_channels": 1, "stages": ((32,), (64, 64)), "hidden": 2048},
+    ),
+    "gpt-text": ("gpt", {}),
+    # a small one for the tests of time to accuracy (flattened digits)
+    "mlp-digits": ("mlp", {"in_features": 64, "hidden": (64, 64)}),
 }
 
 
@@ -121,10 +131,11 @@ def cluster_model(name: str) -> Any:
 # -- inside a worker ----------------------------------------------------------------------------
 
 
-def _optimizer() -> Any:
-    import optax
+def _optimizer(name: str = "sgd", learning_rate: float = 1e-3) -> Any:
+    """The benchmark's optimizer (SGD); time to accuracy profiles with its runs' own."""
+    from pdjax.train import make_optimizer
 
-    return optax.sgd(1e-3)
+    return make_optimizer(name, learning_rate)
 
 
 def _profile_job(job: Mapping[str, Any]) -> None:
@@ -138,7 +149,7 @@ def _profile_job(job: Mapping[str, Any]) -> None:
     b = job["microbatch"]
     x, _ = jax.tree.map(np.asarray, spec.sample_batch(b, job["seed"]))
     prof = profile(spec.layers, x, measure=True, repeats=job.get("repeats", 7))
-    opt = _optimizer()
+    opt = _optimizer(job.get("optimizer", "sgd"), job.get("learning_rate", 1e-3))
     variables = jax.jit(spec.layers.init)(jax.random.key(0), x)
     updates = []
     for v in variables:
@@ -467,15 +478,22 @@ def _run_processes(
 
 
 def _profile(
-    model: str, microbatch: int, seed: int, workdir: Path, stages: Sequence[tuple[int, ...]] = ()
+    model: str,
+    microbatch: int,
+    seed: int,
+    workdir: Path,
+    stages: Sequence[tuple[int, ...]] = (),
+    optimizer: tuple[str, float] = ("sgd", 1e-3),
 ) -> tuple[Any, list[float], list[dict[str, Any]]]:
     """One pinned worker: the per-layer profile, per-layer update seconds, and the
-    calibrated ``stages`` (``(first, last, replicas, replication)``)."""
+    calibrated ``stages`` (``(first, last, replicas, replication)``), updates timed with
+    ``optimizer`` (a :func:`pdjax.train.make_optimizer` name and learning rate)."""
     from pdjax.profile import Profile
 
     out = workdir / f"profile-{model}.json"
     job = {"model": model, "microbatch": microbatch, "seed": seed, "out": str(out),
-           "stages": [list(st) for st in stages]}  # fmt: skip
+           "stages": [list(st) for st in stages], "optimizer": optimizer[0],
+           "learning_rate": optimizer[1]}  # fmt: skip
     _run_processes(
         [["taskset", "-c", "0", sys.executable, "-m", "pdjax.cluster", "profile", json.dumps(job)]],
         [_python_env({})],
@@ -487,17 +505,27 @@ def _profile(
 
 
 def _launch(
-    job: dict[str, Any], workers: int, rate_mbit: float | None, emulate: bool, workdir: Path
+    job: dict[str, Any],
+    workers: int,
+    rate_mbit: float | None,
+    emulate: bool,
+    workdir: Path,
+    *,
+    module: str = "pdjax.cluster",
+    timeout: float | None = None,
 ) -> dict[str, Any]:
-    """One launch: ``workers`` pinned processes (on an emulated network when ``emulate``)."""
+    """One launch: ``workers`` pinned processes (on an emulated network when ``emulate``),
+    each running ``python -m module worker JOB``; returns the JSON process 0 writes to
+    ``job["out"]``. ``timeout``: seconds (default: by the number of runners)."""
     from pdjax.distributed import free_port
     from pdjax.netem import EmulatedNetwork
 
     out = workdir / f"run-{time.monotonic_ns()}.json"
     job = {**job, "out": str(out)}
-    argv = [sys.executable, "-m", "pdjax.cluster", "worker", json.dumps(job)]
+    argv = [sys.executable, "-m", module, "worker", json.dumps(job)]
     cores = os.cpu_count() or 1
-    timeout = LAUNCH_TIMEOUT + 30.0 * len(job["runners"])
+    if timeout is None:
+        timeout = LAUNCH_TIMEOUT + 30.0 * len(job["runners"])
 
     def pinned(i: int) -> list[str]:
         return ["taskset", "-c", str(i % cores), *argv]
@@ -618,7 +646,7 @@ def _predict(
 
 def _calibration(
     prof: Any, model: str, microbatch: int, stages: Sequence[Mapping[str, Any]],
-    links: Mapping[str, Any] | None,
+    links: Mapping[str, Any] | None, optimizer: str = "sgd",
 ) -> Any:  # fmt: skip
     """The :class:`~pdjax.calibrate.Calibration` of one model (and one launch's links);
     device ids are the workers' positions (0, 1)."""
@@ -647,7 +675,7 @@ def _calibration(
         )
     cal = Calibration(
         model=model_fingerprint(spec.layers, x), microbatch_size=microbatch, devices=(0, 1),
-        platform="cpu", optimizer="sgd", stages=tuple(measured), links=link_list,
+        platform="cpu", optimizer=optimizer, stages=tuple(measured), links=link_list,
         allreduces=ars,
     )  # fmt: skip
     return cal.with_profile_ratio(prof)

@@ -684,7 +684,7 @@ def evaluate(
     A model with its own loss (or accuracy) is evaluated with it, batch by batch, each
     batch's mean weighted by its rows; its accuracy is NaN if it has none."""
     device = jax.local_devices()[0]  # this process's (several processes: each has its own)
-    variables = jax.device_put(variables, device)
+    variables = jax.device_put(jax.tree.map(_local_copy, variables), device)
     fn = _eval_fn(spec)
     if _own_metrics(spec):
         total_loss = total_acc = 0.0
@@ -701,6 +701,19 @@ def evaluate(
         total_acc += float(acc)
         count += float(mask.sum())
     return total_loss / count, total_acc / count
+
+
+def _local_copy(leaf: Any) -> Any:
+    """This process's copy of a value replicated over several processes (data
+    parallelism's weights): ``device_put`` takes only what this process holds."""
+    if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+        return leaf
+    if not leaf.sharding.is_fully_replicated:
+        raise PipelineError(
+            f"cannot evaluate a weight of shape {leaf.shape} sharded over several processes "
+            "on one device; gather it first"
+        )
+    return leaf.addressable_data(0)
 
 
 def evaluate_runner(

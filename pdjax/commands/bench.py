@@ -11,12 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pdjax.commands import (
     HelpFormatter,
     add_model_arguments,
+    check_writable,
     positive_float,
     positive_floats,
+    positive_int,
     seed_int,
     split_list,
 )
@@ -33,6 +36,9 @@ from pdjax.errors import PdjaxError
 
 #: ``--rates``, ``--fast-rate``: Mbit/s, at most 10 Tbit/s (faster than any link emulated).
 MAX_RATE = 1e7
+
+#: ``--seeds``: each seed is a whole set of runs.
+seed_count = positive_int(16, "each seed is a whole set of training runs (tens of minutes)")
 
 __all__ = ["register", "run"]
 
@@ -97,7 +103,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="Mbit/s for experiment (a)",
     )
     c.add_argument("--loopback", action="store_true", help="no link emulation, even as root")
-    c.add_argument("--out", default="out/cluster", help="folder for cluster.json/.md/.png")
+    c.add_argument(
+        "--tta",
+        action="store_true",
+        help="with --cluster: time to accuracy instead (pdjax.cluster_tta): one worker, DP x2 "
+        "and the planner's pipedream, 1f1b and 2bw pipelines train VGG on digits and a GPT "
+        "on text to a target accuracy, per link (--rates, default 100, 1000 and 10000 "
+        "Mbit/s) and seed; resumes from the runs already in --out",
+    )
+    c.add_argument(
+        "--seeds",
+        action=seed_count,
+        default=2,
+        help="with --tta: runs per configuration, seeds --seed, --seed + 1, ...",
+    )
+    c.add_argument(
+        "--studies",
+        default="",
+        help="with --tta: comma-separated, of pdjax.cluster_tta.STUDIES (default: all)",
+    )
+    c.add_argument(
+        "--out",
+        default=None,
+        help="folder for cluster.json/.md/.png (default out/cluster), or for --tta its runs "
+        "and tta.md/.json/*.png (default out/cluster-tta)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
@@ -118,6 +148,10 @@ def _rates(text: str) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark and prints the table (or JSON)."""
     _rates(args.rates)  # checked up front, with or without --cluster
+    if args.tta and not args.cluster:
+        raise PdjaxError("--tta is an option of --cluster: pdjax bench --cluster --tta")
+    if args.cluster and args.tta:
+        return _run_tta(args)
     if args.cluster:
         return _run_cluster(args)
     from pdjax.models import check_model_name
@@ -159,6 +193,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_tta(args: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+
+    from pdjax.cluster_tta import LINKS, STUDIES, report, run_tta
+
+    studies = split_list(args.studies) or list(STUDIES)
+    unknown = [s for s in studies if s not in STUDIES]
+    if unknown:
+        raise PdjaxError(f"--studies: unknown {unknown}; choose from {list(STUDIES)}")
+    out = args.out or "out/cluster-tta"
+    check_writable("--out", str(Path(out) / "tta.md"))
+    err = Console(file=sys.stderr)
+    t0 = time.monotonic()
+    run_tta(
+        out,
+        studies=studies,
+        rates_mbit=_rates(args.rates) or LINKS,
+        seeds=range(args.seed, args.seed + args.seeds),
+        emulate=False if args.loopback else None,
+        log=lambda line: err.print(f"[{time.monotonic() - t0:5.0f} s] {line}"),
+    )
+    paths = report(out, seconds=time.monotonic() - t0)
+    if args.json:
+        print(paths[1].read_text())
+    else:
+        print(paths[0].read_text())
+        err.print("wrote " + "  ".join(str(p) for p in paths))
+    return 0
+
+
 def _run_cluster(args: argparse.Namespace) -> int:
     from rich.console import Console
 
@@ -174,7 +240,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
         emulate=False if args.loopback else None,
         log=lambda line: err.print(line),
     )
-    paths = write_results(result, args.out)
+    paths = write_results(result, args.out or "out/cluster")
     if args.json:
         print(result.to_json())
     else:

@@ -329,6 +329,17 @@ PRESETS: dict[str, tuple[tuple[int, ...], tuple[float, ...], str]] = {
         (5e9,),
         "SOSP'19 Cluster-C: 4 servers x 1 Titan X, 40 Gbit/s between servers",
     ),
+    # Part of Cluster-A, as the SOSP'19 paper's Table 1 runs GNMT and AWD-LM on it.
+    "1x4-v100-10gbps": (
+        (4,),
+        (1e10,),
+        "SOSP'19 Cluster-A, one server: 4 V100 (PCIe), no link between servers",
+    ),
+    "3x4-v100-10gbps": (
+        (4, 3),
+        (1e10, 1.25e9),
+        "SOSP'19 Cluster-A, three servers: 3 servers x 4 V100 (PCIe), 10 Gbit/s between servers",
+    ),
 }
 PRESETS["cluster-a"] = PRESETS["4x4-v100-10gbps"]
 PRESETS["cluster-b"] = PRESETS["2x8-v100-25gbps"]

@@ -1,0 +1,118 @@
+"""Time to accuracy on the cluster (pdjax.cluster_tta): real training runs in 2 worker
+processes (loopback here: link emulation needs root and is exercised by the benchmark),
+resumed from the results already saved, and the report's arithmetic."""
+
+import json
+import math
+
+import pytest
+
+from pdjax import cluster_tta
+from pdjax.cluster import ClusterError
+from pdjax.cluster_tta import TTAStudy, markdown, report, run_tta, summarize
+
+# a small model on flattened digits; one epoch, so the runs are short
+STUDY = TTAStudy(
+    name="mlp-digits",
+    dataset="digits",
+    batch_size=64,
+    learning_rate=3e-3,
+    epochs=1,
+    target=0.99,
+    why="out of reach in one epoch",
+)
+
+
+def test_runs_train_in_two_processes_and_a_rerun_resumes(tmp_path, monkeypatch):
+    """One worker, data parallelism over 2 processes and a 2-process 1f1b pipeline train
+    the same sequential recurrence from the same weights and data order, so they end at
+    the same test accuracy; every result is saved; a rerun launches nothing."""
+    out = tmp_path / "tta"
+    results = run_tta(
+        out, studies=[STUDY], seeds=(0,), runners=("single", "dp", "1f1b"), emulate=False
+    )
+    by_runner = {r["runner"]: r for r in results}
+    assert set(by_runner) == {"single", "dp", "1f1b"}
+    for r in results:
+        assert not r.get("error"), r.get("error")
+        assert r["stopped"] == "epochs" and r["time_to_target"] is None
+        assert len(r["history"]) == 1 and r["history"][0]["samples_per_second"] > 0
+        assert r["predicted_seconds_per_sample"] > 0
+    acc = {name: r["history"][0]["test_accuracy"] for name, r in by_runner.items()}
+    assert acc["single"] > 0.5, acc  # it learned
+    # the same recurrence (DP's all-reduced mean differs only in rounding): at most one
+    # of the 359 test images may flip
+    assert abs(acc["dp"] - acc["single"]) <= 1 / 359 + 1e-9, acc
+    assert abs(acc["1f1b"] - acc["single"]) <= 1 / 359 + 1e-9, acc
+    assert by_runner["1f1b"]["stages"].count("/") == 1  # a 2-stage pipeline
+    assert (out / "mlp-digits" / "none" / "plan-1f1b.json").is_file()
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rerun launched workers again")
+
+    monkeypatch.setattr("pdjax.cluster._launch", no_launch)
+    monkeypatch.setattr("pdjax.cluster._profile", no_launch)
+    again = run_tta(
+        out, studies=[STUDY], seeds=(0,), runners=("single", "dp", "1f1b"), emulate=False
+    )
+    assert again == results
+    paths = report(out)
+    text = (out / "tta.md").read_text()
+    assert "| (none) | single | 1 worker |" in text and "| loopback | 1f1b |" in text
+    assert json.loads((out / "tta.json").read_text())[0]["study"] == "mlp-digits"
+    assert len(paths) >= 2
+
+
+def test_unknown_studies_and_runners_are_refused_before_any_work(tmp_path):
+    with pytest.raises(ClusterError, match=r"unknown \['nope', 'gpipe'\]"):
+        run_tta(tmp_path / "x", studies=["nope"], runners=("gpipe",), emulate=False)
+    assert not (tmp_path / "x").exists()
+
+
+def _result(runner, seed, tta, sps, link=100.0, pred=1.0, acc=0.96, error=None):
+    epochs = [
+        {"epoch": 1, "test_accuracy": acc, "seconds": 10.0, "samples_per_second": sps,
+         "elapsed": 10.0}
+    ]  # fmt: skip
+    return {
+        "study": "s",
+        "settings": {"name": "s", "dataset": "digits", "batch_size": 128,
+                     "learning_rate": 1e-3, "epochs": 5, "target": 0.95, "why": "w"},
+        "runner": runner,
+        "link_mbit": None if runner == "single" else link,
+        "seed": seed,
+        "stages": "1 worker" if runner == "single" else "0-3 / 4-7",
+        "time_to_target": tta,
+        "target_epoch": None if tta is None else 1,
+        "history": [] if error else epochs,
+        "predicted_seconds_per_sample": pred,
+        "error": error,
+    }  # fmt: skip
+
+
+def test_the_summary_divides_what_it_says():
+    results = [
+        _result("single", 0, 20.0, 100.0, pred=2.0),
+        _result("dp", 0, 40.0, 50.0, pred=4.0),
+        _result("pipedream", 0, 10.0, 200.0, pred=1.0),
+        _result("2bw", 0, None, 150.0, acc=0.9),
+        _result("1f1b", 0, None, math.nan, error="worker 1 failed (exit 1):\nValueError: x"),
+    ]
+    rows = {r["runner"]: r for r in summarize(results)}
+    assert list(rows) == ["single", "dp", "pipedream", "1f1b", "2bw"]
+    p = rows["pipedream"]
+    assert p["speedup_vs_dp"] == [4.0] and p["speedup_vs_single"] == [2.0]
+    assert p["throughput_vs_dp"] == [4.0]
+    assert p["predicted_throughput_vs_dp"] == 4.0 and p["predicted_throughput_vs_single"] == 2.0
+    assert rows["2bw"]["speedup_vs_dp"] == [None] and rows["2bw"]["accuracy_at_stop"] == [0.9]
+    assert rows["single"]["speedup_vs_dp"] == [2.0]
+    text = markdown(list(rows.values()))
+    assert "| 100 Mbit/s | pipedream | 0-3 / 4-7 | 10.0 | 1 | 200 | **4.00** | 2.00 |" in text
+    assert "| 100 Mbit/s | 2bw | 0-3 / 4-7 | - | - | 150 | **-** |" in text
+    assert "* 1f1b at 100 Mbit/s: ValueError: x" in text  # a failed run says why
+
+
+def test_link_names():
+    assert [cluster_tta.link_key(r) for r in (100.0, 1000.0, 10000.0, 2500.0, None)] == [
+        "100M", "1G", "10G", "2500M", "none"
+    ]  # fmt: skip
