@@ -1,9 +1,6 @@
 """Test set-up for tests/ and the doctests in pdjax/: 8 simulated CPU devices, strict
 numerics, set before any JAX operation."""
 
-import sys
-from pathlib import Path
-
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -12,7 +9,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # (seconds per model on CPU); the tests need fixed streams, not that layout property.
 jax.config.update("jax_threefry_partitionable", False)
 
-sys.path.insert(0, str(Path(__file__).parent / "tests"))  # the tests' reference module
+# tests/ is on the path through pytest's `pythonpath` (pyproject.toml): reference.py, and
 pytest_plugins = ["user_model"]  # shared fixtures (tests/user_model.py)
 
 # CI lands a change only on a passing run: there the property tests draw the same examples

@@ -62,7 +62,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdjax.errors import PdjaxError
+from pdjax.errors import ClusterError, PdjaxError
 
 __all__ = [
     "CLUSTER_MODELS",
@@ -112,10 +112,6 @@ CLUSTER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     # a small one for the tests of time to accuracy (flattened digits)
     "mlp-digits": ("mlp", {"in_features": 64, "hidden": (64, 64)}),
 }
-
-
-class ClusterError(PdjaxError):
-    """The cluster benchmark could not run (a worker failed or ran out of time)."""
 
 
 def cluster_model(name: str) -> Any:

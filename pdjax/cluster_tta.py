@@ -10,6 +10,10 @@ way; loopback without root), through :func:`pdjax.train.train` itself. Per study
 link rate and seed, the runners are:
 
 - ``single``: one worker alone (one jitted step per batch; no link);
+- ``single-mb``: one worker alone, updating after every microbatch (a batch of one
+  microbatch): the control for ``pipedream``, which updates that often too, so that its
+  epochs to target show what stale weights cost apart from what more, smaller updates
+  gain;
 - ``dp``: data parallelism on both workers (each half of every batch, then an all-reduce
   of the gradients over the link);
 - ``pipedream``, ``1f1b``, ``2bw``: 2-stage pipelines, one stage per worker, cut where
@@ -50,6 +54,7 @@ from pdjax.cluster import ClusterError, cluster_model
 from pdjax.errors import PdjaxError
 
 __all__ = [
+    "ALONE",
     "LINKS",
     "PIPELINES",
     "RUNNERS",
@@ -64,8 +69,10 @@ __all__ = [
 LINKS: tuple[float, ...] = (100.0, 1000.0, 10000.0)
 #: The pipelines' schedules (``pipedream`` and ``2bw`` train on stale weights).
 PIPELINES: tuple[str, ...] = ("pipedream", "1f1b", "2bw")
+#: The runners on one worker (no link).
+ALONE: tuple[str, ...] = ("single", "single-mb")
 #: Every runner, in table order.
-RUNNERS: tuple[str, ...] = ("single", "dp", *PIPELINES)
+RUNNERS: tuple[str, ...] = (*ALONE, "dp", *PIPELINES)
 #: Microbatches per batch (per optimizer step of ``dp``, ``1f1b`` and ``2bw``).
 M = 4
 #: Seconds one launch may take at most (a run that long is cut and reported as such).
@@ -111,16 +118,17 @@ class TTAStudy:
         from pdjax.train import TrainConfig
 
         pipeline = runner in PIPELINES
+        per_mb = runner == "single-mb"
         return TrainConfig(
             model=f"{__name__}:cluster_spec",
             config=self.name,
             dataset=self.dataset,
             schedule=runner if pipeline else "dp",
-            devices=1 if runner == "single" else 2,
+            devices=1 if runner in ALONE else 2,
             plan=plan if pipeline else "even",
             epochs=self.epochs,
-            batch_size=self.batch_size,
-            microbatches=M,
+            batch_size=self.microbatch if per_mb else self.batch_size,
+            microbatches=1 if per_mb else M,
             optimizer="adam",
             learning_rate=self.learning_rate,
             seed=seed,
@@ -220,7 +228,7 @@ class _Folder:
         return self.root / study / link_key(rate) / f"plan-{schedule}.json"
 
     def run(self, study: str, runner: str, rate: float | None, seed: int) -> Path:
-        link = "none" if runner == "single" else link_key(rate)
+        link = "none" if runner in ALONE else link_key(rate)
         return self.root / study / "runs" / f"{runner}-{link}-seed{seed}.json"
 
     @staticmethod
@@ -286,9 +294,9 @@ def _predictions(
     prof = Profile.from_json(prof_data["profile"])
     cal = _calibration(prof, study.name, study.microbatch, prof_data["stages"], links, "adam")
     out: dict[str, dict[str, Any]] = {}
-    for runner in ("single", "dp"):
-        out[runner] = {"plan": None, "stages": "1 worker" if runner == "single" else "DP x2",
-                       "predicted": _predict_whole(runner, study, prof_data, links)}  # fmt: skip
+    for runner, stages in (("single", "1 worker"), ("single-mb", "1 worker"), ("dp", "DP x2")):
+        predicted = _predict_whole(runner, study, prof_data, links)
+        out[runner] = {"plan": None, "stages": stages, "predicted": predicted}
     topo = _topology(cal, 2, rate)
     for schedule in PIPELINES:
         path = folder.plan(study.name, rate, schedule)
@@ -333,6 +341,8 @@ def _predict_whole(
     )  # fmt: skip
     per_mb = whole["forward"] + whole["backward"]
     mbs = study.batch_size // study.microbatch
+    if runner == "single-mb":
+        return (per_mb + whole["update"]) / study.microbatch
     if runner == "single":
         step = mbs * per_mb + whole["update"]
     else:
@@ -354,7 +364,7 @@ def _run_one(
 
     cfg = study.config(runner, seed, plan=pred.get("plan") or "even", extra=pred.get("extra", 0))
     job = {"model": study.name, "runners": [runner], "config": dataclasses.asdict(cfg)}
-    workers = 1 if runner == "single" else 2
+    workers = 1 if runner in ALONE else 2
     t0 = time.monotonic()
     try:
         got = _launch(
@@ -372,7 +382,7 @@ def _run_one(
         "study": study.name,
         "settings": dataclasses.asdict(study),
         "runner": runner,
-        "link_mbit": rate,
+        "link_mbit": None if runner in ALONE else rate,
         "seed": seed,
         "config": dataclasses.asdict(cfg),
         "stages": pred["stages"],
@@ -447,7 +457,11 @@ def run_tta(
 
 def load_results(out: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Every run result under ``out``."""
-    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("*/runs/*.json"))]
+    results = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*/runs/*.json"))]
+    for r in results:
+        if r["runner"] in ALONE:  # one worker runs on no link (the first saves said the loop's)
+            r["link_mbit"] = None
+    return results
 
 
 def _one_line(res: Mapping[str, Any]) -> str:
@@ -480,7 +494,7 @@ def _over(a: float | None, b: float | None) -> float | None:
 
 
 def _links_of(results: Sequence[Mapping[str, Any]]) -> list[float | None]:
-    links = {r["link_mbit"] for r in results if r["runner"] != "single"}
+    links = {r["link_mbit"] for r in results if r["runner"] not in ALONE}
     return sorted(links, key=lambda x: -1.0 if x is None else x)
 
 
@@ -491,13 +505,15 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     them the measured and the predicted throughput over data parallelism's."""
     runs = {(r["study"], r["link_mbit"], r["runner"], r["seed"]): r for r in results}
     rows = []
-    for study in dict.fromkeys(r["study"] for r in results):
+    order = {name: i for i, name in enumerate(STUDIES)}
+    studies = sorted(dict.fromkeys(r["study"] for r in results), key=lambda s: order.get(s, 99))
+    for study in studies:
         mine = [r for r in results if r["study"] == study]
         seeds = sorted({r["seed"] for r in mine})
         for rate in _links_of(mine):
             for runner in RUNNERS:
-                got = [runs.get((study, None if runner == "single" else rate, runner, s))
-                       for s in seeds]  # fmt: skip
+                link = None if runner in ALONE else rate
+                got = [runs.get((study, link, runner, s)) for s in seeds]
                 present = [r for r in got if r is not None]
                 if not present:
                     continue
@@ -523,7 +539,7 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                             r["history"][-1]["test_accuracy"] if r and r.get("history") else None
                             for r in got
                         ],
-                        "errors": [r.get("error") if r else "not run" for r in got],
+                        "errors": [r.get("error") if r else "not run (yet)" for r in got],
                         "speedup_vs_dp": [
                             _over(d.get("time_to_target") if d else None, t)
                             for d, t in zip(dps, tta, strict=True)
@@ -563,7 +579,9 @@ def markdown(
             f"Target: {s.why}; budget {s.epochs} epochs; batch {s.batch_size} ({M} "
             f"microbatches of {s.microbatch}), Adam at {s.learning_rate:g}. Seeds: "
             f"{', '.join(map(str, first['seeds']))} (a cell reads `seed a / seed b`; `-`: "
-            "the target was not reached).",
+            "the target was not reached). One worker alone (`single`, and `single-mb`: an "
+            "update per microbatch, like `pipedream`) uses no link: its rows repeat under "
+            "each link, against that link's DP.",
             "",
             "| link | runner | stages | time to target (s) | epochs to target | samples/s | "
             "**TTA speedup vs DP** | TTA speedup vs 1 worker | samples/s vs DP | predicted "
@@ -572,9 +590,9 @@ def markdown(
         ]
         for r in (r for r in rows if r["study"] == study):
             cells = [
-                _link_text(r["link_mbit"]) if r["runner"] != "single" else "(none)",
+                _link_text(r["link_mbit"]),
                 r["runner"],
-                r["stages"],
+                r["stages"] + (", no link" if r["runner"] in ALONE else ""),
                 _cell(r["time_to_target"], ".1f"),
                 _cell(r["epochs_to_target"], "d"),
                 _cell(r["samples_per_second"], ".0f"),
@@ -617,7 +635,7 @@ def plot(
             FigureCanvasAgg(fig)
             ax = fig.add_subplot()
             for r in theirs:
-                if r["link_mbit"] == rate or r["runner"] == "single":
+                if r["link_mbit"] == rate or r["runner"] in ALONE:
                     xs = [h["elapsed"] for h in r["history"]]
                     ys = [h["test_accuracy"] for h in r["history"]]
                     ax.plot(xs, ys, marker="o", label=r["runner"])

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from pdjax.errors import PdjaxError
+from pdjax.errors import DistributedError, LaunchInterrupted
 
 __all__ = [
     "DistributedConfig",
@@ -57,10 +57,6 @@ __all__ = [
     "initialize",
     "launch_local",
 ]
-
-
-class DistributedError(PdjaxError):
-    """A multi-process run could not start, or one of its processes failed."""
 
 
 @dataclass(frozen=True)
@@ -389,17 +385,6 @@ def free_port() -> int:
 
 
 # -- launching: the launcher ends its workers however it ends -----------------------------------
-
-
-class LaunchInterrupted(DistributedError):
-    """A launcher got SIGTERM, SIGINT or SIGHUP and ended the processes it started."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(
-            f"got {signal.Signals(signum).name}: ended the processes this launcher started "
-            "(SIGTERM, then SIGKILL after a grace period)"
-        )
 
 
 #: What a launcher handles: ``kill``, Ctrl-C, and its terminal closing.

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import signal
+
 __all__ = [
     "CalibrationError",
     "CheckpointError",
+    "ClusterError",
     "DataError",
+    "DistributedError",
     "GraphFormatError",
+    "LaunchInterrupted",
     "LayerError",
+    "NetworkError",
     "PdjaxError",
     "PipelineError",
     "PlanError",
     "ProfileError",
     "ScheduleError",
+    "TrainingDiverged",
 ]
 
 
@@ -55,3 +62,31 @@ class CheckpointError(PdjaxError):
 class CalibrationError(PdjaxError):
     """A calibration could not be measured, or does not fit the model, plan or devices it is
     used with (the message says what differs)."""
+
+
+class TrainingDiverged(PdjaxError):
+    """A loss, the test accuracy or a weight became NaN or infinite; that epoch is not
+    saved, and the checkpoints saved before it are kept."""
+
+
+class DistributedError(PdjaxError):
+    """A multi-process run could not start, or one of its processes failed."""
+
+
+class LaunchInterrupted(DistributedError):
+    """A launcher got SIGTERM, SIGINT or SIGHUP and ended the processes it started."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(
+            f"got {signal.Signals(signum).name}: ended the processes this launcher started "
+            "(SIGTERM, then SIGKILL after a grace period)"
+        )
+
+
+class NetworkError(PdjaxError):
+    """The emulated network could not be set up, used or torn down."""
+
+
+class ClusterError(PdjaxError):
+    """The cluster benchmark could not run (a worker failed or ran out of time)."""

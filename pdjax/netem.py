@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from pdjax.errors import PdjaxError
+from pdjax.errors import NetworkError
 
 __all__ = [
     "EmulatedNetwork",
@@ -77,10 +77,6 @@ _BURST_TIME = 1e-3  # seconds of the rate the bucket holds, when that is more
 _QUEUE_TIME = 50e-3  # seconds of the rate the queue holds besides the bucket
 _MTU = 1500  # veth default; sizes netem's queue, which counts packets
 _instances = itertools.count()
-
-
-class NetworkError(PdjaxError):
-    """The emulated network could not be set up, used or torn down."""
 
 
 def _run(argv: Sequence[str], timeout: float = COMMAND_TIMEOUT) -> str:

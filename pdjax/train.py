@@ -49,7 +49,7 @@ import optax
 from pdjax import data as data_lib
 from pdjax._jsonio import write_atomic
 from pdjax.baselines import DataParallel
-from pdjax.errors import CheckpointError, PdjaxError, PipelineError
+from pdjax.errors import CheckpointError, PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
 from pdjax.pipeline.schedule import stage_groups
@@ -86,11 +86,6 @@ SCHEDULE_CHOICES = (
 )
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text")
-
-
-class TrainingDiverged(PdjaxError):
-    """A loss, the test accuracy or a weight became NaN or infinite; that epoch is not
-    saved, and the checkpoints saved before it are kept."""
 
 
 @dataclasses.dataclass(frozen=True)

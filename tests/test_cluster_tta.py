@@ -58,7 +58,7 @@ def test_runs_train_in_two_processes_and_a_rerun_resumes(tmp_path, monkeypatch):
     assert again == results
     paths = report(out)
     text = (out / "tta.md").read_text()
-    assert "| (none) | single | 1 worker |" in text and "| loopback | 1f1b |" in text
+    assert "| loopback | single | 1 worker, no link |" in text and "| loopback | 1f1b |" in text
     assert json.loads((out / "tta.json").read_text())[0]["study"] == "mlp-digits"
     assert len(paths) >= 2
 
@@ -79,9 +79,9 @@ def _result(runner, seed, tta, sps, link=100.0, pred=1.0, acc=0.96, error=None):
         "settings": {"name": "s", "dataset": "digits", "batch_size": 128,
                      "learning_rate": 1e-3, "epochs": 5, "target": 0.95, "why": "w"},
         "runner": runner,
-        "link_mbit": None if runner == "single" else link,
+        "link_mbit": None if runner in ("single", "single-mb") else link,
         "seed": seed,
-        "stages": "1 worker" if runner == "single" else "0-3 / 4-7",
+        "stages": "1 worker" if runner.startswith("single") else "0-3 / 4-7",
         "time_to_target": tta,
         "target_epoch": None if tta is None else 1,
         "history": [] if error else epochs,
@@ -93,19 +93,22 @@ def _result(runner, seed, tta, sps, link=100.0, pred=1.0, acc=0.96, error=None):
 def test_the_summary_divides_what_it_says():
     results = [
         _result("single", 0, 20.0, 100.0, pred=2.0),
+        _result("single-mb", 0, 5.0, 80.0, pred=2.5),
         _result("dp", 0, 40.0, 50.0, pred=4.0),
         _result("pipedream", 0, 10.0, 200.0, pred=1.0),
         _result("2bw", 0, None, 150.0, acc=0.9),
         _result("1f1b", 0, None, math.nan, error="worker 1 failed (exit 1):\nValueError: x"),
     ]
     rows = {r["runner"]: r for r in summarize(results)}
-    assert list(rows) == ["single", "dp", "pipedream", "1f1b", "2bw"]
+    assert list(rows) == ["single", "single-mb", "dp", "pipedream", "1f1b", "2bw"]
     p = rows["pipedream"]
     assert p["speedup_vs_dp"] == [4.0] and p["speedup_vs_single"] == [2.0]
     assert p["throughput_vs_dp"] == [4.0]
     assert p["predicted_throughput_vs_dp"] == 4.0 and p["predicted_throughput_vs_single"] == 2.0
     assert rows["2bw"]["speedup_vs_dp"] == [None] and rows["2bw"]["accuracy_at_stop"] == [0.9]
     assert rows["single"]["speedup_vs_dp"] == [2.0]
+    assert rows["single-mb"]["speedup_vs_single"] == [4.0]  # one worker, per-microbatch updates
+    assert "| 100 Mbit/s | single-mb | 1 worker, no link | 5.0 |" in markdown(list(rows.values()))
     text = markdown(list(rows.values()))
     assert "| 100 Mbit/s | pipedream | 0-3 / 4-7 | 10.0 | 1 | 200 | **4.00** | 2.00 |" in text
     assert "| 100 Mbit/s | 2bw | 0-3 / 4-7 | - | - | 150 | **-** |" in text

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -33,11 +32,9 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line}
 
 
-def test_network_support_answers_quickly() -> None:
-    start = time.monotonic()
+def test_network_support_answers_in_one_line() -> None:
     reason = network_support()
     assert reason is None or (isinstance(reason, str) and reason and "\n" not in reason)
-    assert time.monotonic() - start < 20
 
 
 def test_command_names_and_addresses_without_setting_up() -> None:
