@@ -434,7 +434,7 @@ def _run_processes(
     """Runs the processes together, bounded by ``timeout`` seconds; ends them all (their
     process groups: SIGTERM, then SIGKILL) when one fails, at the timeout, or when this
     launcher gets SIGTERM, SIGINT or SIGHUP; raises :class:`ClusterError` with the failing
-    one's output (:class:`~pdjax.distributed.LaunchInterrupted` on a signal)."""
+    one's output (:class:`~pdjax.errors.LaunchInterrupted` on a signal)."""
     from pdjax.distributed import describe_exit, end_process_groups, ending_on_signals
 
     logs = [tempfile.TemporaryFile() for _ in commands]
@@ -796,7 +796,7 @@ def run_cluster(
 
     Raises:
       ClusterError: a worker failed, or ``emulate=True`` where it cannot be.
-      pdjax.distributed.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP, after ending the
+      pdjax.errors.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP, after ending the
         workers and deleting the emulated network.
     """
     from pdjax.distributed import ending_on_signals

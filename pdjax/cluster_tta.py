@@ -417,7 +417,7 @@ def run_tta(
     Raises:
       ClusterError: unknown studies or runners, ``emulate=True`` where it cannot be, or a
         profile or link measurement failed (a failed *run* is recorded as failed instead).
-      pdjax.distributed.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP (the runs done are
+      pdjax.errors.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP (the runs done are
         kept).
     """
     from pdjax.distributed import ending_on_signals

@@ -243,7 +243,7 @@ def test_a_coordinator_that_never_starts_is_named():
     done = _run_launcher(code, env)
     assert done.returncode == 1  # the DistributedError's traceback, not an abort
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("pdjax.distributed.DistributedError: process 1 of 2: the "), last
+    assert last.startswith("pdjax.errors.DistributedError: process 1 of 2: the "), last
     assert "coordinator (process 0) at 127.0.0.1:" in last
     assert "did not answer within 2 s" in last
 

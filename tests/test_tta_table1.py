@@ -98,8 +98,19 @@ def test_table_without_the_measurements(tta):
         tta.Table1Result(awd, "not modelled: no GPU profile", None, 0),
     ]
     absent = "\n".join(tta.table1_section(results, None))
-    assert "| 1.50x | - (run benchmarks/cluster/tta.py) | - |" in absent
-    assert "| 1.00x | 1 (the plan is DP) | **1.00x** |" in absent
+    assert "| 1.50x | - (run benchmarks/cluster/tta.py) | - | **-** |" in absent
+    assert "| 1.00x | 1 (the plan is DP) | 1.00x | **1.00x** |" in absent
     assert "| AWD-LM | 1x4 (A) | straight | 4.25x (not verified) | not modelled" in absent
     measured = "\n".join(tta.table1_section(results, ROWS))
-    assert f"| 1.50x | {(4 / 5 + 1 + 2 / 4) / 3:.2f} | **" in measured
+    x = (4 / 5 + 1 + 2 / 4) / 3
+    assert f"| 1.50x | {x:.2f} / - | {1.5 * x:.2f}x | **-** |" in measured  # no single-mb
+    with_control = ROWS + [
+        {"study": st, "link_mbit": None, "runner": "single-mb", "seeds": [0, 1],
+         "epochs_to_target": [2, 2]}
+        for st in dict.fromkeys(r["study"] for r in ROWS)
+    ]  # fmt: skip
+    stale = tta.statistical_efficiency(with_control, "pipedream", baseline="single-mb")
+    assert stale.pairs == 4 and stale.value == pytest.approx((2 / 5 + 2 / 6 + 2 / 4 + 2 / 3) / 4)
+    both = "\n".join(tta.table1_section(results, with_control))
+    assert f"| 1.50x | {x:.2f} / {stale.value:.2f} | {1.5 * x:.2f}x | " in both
+    assert f"**{1.5 * stale.value:.2f}x** |" in both
