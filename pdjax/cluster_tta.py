@@ -169,9 +169,9 @@ def link_key(rate_mbit: float | None) -> str:
 
 
 def _link_text(rate_mbit: float | None) -> str:
-    if rate_mbit is None:
-        return "loopback"
-    return f"{rate_mbit / 1000:g} Gbit/s" if rate_mbit >= 1000 else f"{rate_mbit:g} Mbit/s"
+    from pdjax.cluster import _link
+
+    return "loopback" if rate_mbit is None else _link(rate_mbit)
 
 
 # -- inside a worker ----------------------------------------------------------------------
@@ -314,7 +314,7 @@ def _predictions(
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             plan.save(path)
-        plan = Plan.load(path)
+        plan = _two_stages(Plan.load(path), f"{study.name} on {_link_text(rate)}, {schedule}")
         auto = plan.options["auto"]
         out[schedule] = {
             "plan": str(path),
@@ -326,6 +326,19 @@ def _predictions(
     return out
 
 
+def _two_stages(plan: Any, where: str) -> Any:
+    """``plan`` if it is a 2-stage pipeline over both workers; else a ClusterError (a
+    pipeline runner on fewer stages or workers would be reported as what it is not)."""
+    if plan.num_stages != 2 or plan.num_devices != 2:
+        raise ClusterError(
+            f"{where}: the planner's plan is {plan.config!r} ({plan.num_stages} stages on "
+            f"{plan.num_devices} workers), not a 2-stage pipeline over the 2 workers; this "
+            "benchmark compares 2-stage pipelines, so it stops here (delete the plan file to "
+            "plan again, or leave this schedule out with runners=...)"
+        )
+    return plan
+
+
 def _predict_whole(
     runner: str, study: TTAStudy, prof_data: Mapping[str, Any], links: Mapping[str, Any]
 ) -> float:
@@ -334,11 +347,12 @@ def _predict_whole(
     taken to scale with the rows) and the all-reduce of its gradients measured on the link:
     a step of ``B`` samples is ``B / b`` microbatches of compute (half that per worker for
     data parallelism, which then all-reduces once) and one update."""
+    last = max(st["last"] for st in prof_data["stages"])
     whole = next(
-        st for st in prof_data["stages"]
-        if st["first"] == 0 and st["replicas"] == 1 and st["last"] == max(
-            s["last"] for s in prof_data["stages"])
-    )  # fmt: skip
+        st
+        for st in prof_data["stages"]
+        if (st["first"], st["last"], st["replicas"]) == (0, last, 1)
+    )
     per_mb = whole["forward"] + whole["backward"]
     mbs = study.batch_size // study.microbatch
     if runner == "single-mb":

@@ -119,3 +119,25 @@ def test_link_names():
     assert [cluster_tta.link_key(r) for r in (100.0, 1000.0, 10000.0, 2500.0, None)] == [
         "100M", "1G", "10G", "2500M", "none"
     ]  # fmt: skip
+
+
+def test_a_pipeline_plan_that_is_not_two_stages_on_two_workers_is_refused():
+    """A pipeline runner on a plan of one stage (or one worker) would be reported as a
+    2-stage pipeline: the benchmark refuses it, naming where."""
+    from pdjax.partition import Topology
+    from pdjax.partition.partitioners import evaluate_partition
+    from pdjax.profile import LayerProfile, Profile
+
+    layers = [LayerProfile(f"l{i}", forward_seconds=1e-3, backward_seconds=2e-3,
+                           output_bytes=10) for i in range(4)]  # fmt: skip
+    prof = Profile.chain(layers, batch_size=8)
+
+    def plan(stages):
+        return evaluate_partition(prof, Topology.flat(2, 1e9), stages, schedule="1f1b",
+                                  num_microbatches=4, partitioner="manual")  # fmt: skip
+
+    two = plan([(0, 1, 1), (2, 3, 1)])
+    assert cluster_tta._two_stages(two, "here") is two
+    for stages in ([(0, 3, 1)], [(0, 3, 2)]):
+        with pytest.raises(ClusterError, match=r"^s on 100 Mbit/s, 1f1b: the planner's plan"):
+            cluster_tta._two_stages(plan(stages), "s on 100 Mbit/s, 1f1b")
