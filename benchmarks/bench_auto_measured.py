@@ -6,8 +6,8 @@ a quiet machine). For each model (default: the cluster benchmark's ``mlp-512`` a
 
 1. the model is profiled (measured) at the microbatch size ``B / devices``; the driver's
    host seconds per action are measured on a model with next to no compute
-   (:func:`pdjax.bench.driver_seconds_per_action`), and the devices' shared thread pool's
-   concurrency with :func:`pdjax.bench.pool_concurrency`;
+   (:func:`pdjax.apps.bench.driver_seconds_per_action`), and the devices' shared thread pool's
+   concurrency with :func:`pdjax.apps.bench.pool_concurrency`;
 2. ``plan_auto`` searches the schedules the runtime runs exactly as planned (``gpipe``,
    ``1f1b``, ``zb-h1``, ``zb-h2``; with ``--stale`` also ``pipedream`` and ``2bw``):
    stages and ``M`` (straight pipelines; ``--replicate`` allows replication); and
@@ -104,8 +104,8 @@ def measure_model(model: str, args: argparse.Namespace, spa: float, log: Any) ->
     import jax
     import numpy as np
 
-    from pdjax.bench import pool_concurrency
-    from pdjax.cluster import MICROBATCH
+    from pdjax.apps.bench import pool_concurrency
+    from pdjax.apps.cluster import MICROBATCH
     from pdjax.errors import PdjaxError
     from pdjax.partition import HostCosts, Topology, plan_auto
     from pdjax.profile import profile
@@ -197,7 +197,7 @@ def _row(
 
 def _model(name: str) -> Any:
     """A bundled model (tiny), or one of the cluster benchmark's (``mlp-512``, ``vgg-fc``)."""
-    from pdjax.cluster import CLUSTER_MODELS
+    from pdjax.apps.cluster import CLUSTER_MODELS
     from pdjax.models import get_model
 
     if name in CLUSTER_MODELS:
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(line: str) -> None:
         print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True)
 
-    from pdjax.bench import driver_seconds_per_action
+    from pdjax.apps.bench import driver_seconds_per_action
 
     spa = driver_seconds_per_action(jax.devices()[: args.devices])
     log(f"driver: {spa * 1e6:.0f} us per action")

@@ -1,6 +1,6 @@
 """Replicated stages on 4 in-process CPU devices: a 3-1 hybrid plan, side by side.
 
-One ``pdjax bench`` run (:func:`pdjax.bench.bench`, rounds interleaved so the machine's
+One ``pdjax bench`` run (:func:`pdjax.apps.bench.bench`, rounds interleaved so the machine's
 noise falls on every runner alike) of the same model and 3-1 plan (stage 0 on devices
 0-2, stage 1 on device 3) three ways per schedule:
 
@@ -31,7 +31,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 
 import numpy as np  # noqa: E402
 
-from pdjax.bench import bench, format_table  # noqa: E402
+from pdjax.apps.bench import bench, format_table  # noqa: E402
 from pdjax.models import get_model  # noqa: E402
 from pdjax.partition import Topology, evaluate_partition  # noqa: E402
 from pdjax.profile import profile  # noqa: E402

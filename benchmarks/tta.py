@@ -44,14 +44,14 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 4)
 
+from pdjax.apps.plots import plot_training  # noqa: E402
+from pdjax.apps.train import TrainConfig, TrainResult, train  # noqa: E402
 from pdjax.errors import PlanError  # noqa: E402
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream  # noqa: E402
 from pdjax.pipeline.costs import costs_from_plan  # noqa: E402
 from pdjax.pipeline.schedule import generate  # noqa: E402
 from pdjax.pipeline.simulate import simulate, stream_length  # noqa: E402
-from pdjax.plots import plot_training  # noqa: E402
 from pdjax.profile import Profile  # noqa: E402
-from pdjax.train import TrainConfig, TrainResult, train  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -11,7 +11,7 @@ The three steps of bringing a model and a dataset to pdjax, in one file:
    shapes. pdjax calls it with ``config=`` (the ``--config`` value) because it takes it.
 3. **Train**: ``pdjax train --model examples.custom_dataset:build --dataset data.npz``
    runs it as a PipeDream pipeline over simulated CPU devices, here through
-   ``pdjax.cli.main([...])``, exactly as the shell command would.
+   ``pdjax.apps.cli.main([...])``, exactly as the shell command would.
 
 Run it from the repository root::
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     pdjax_args = command(data, out, tiny=args.tiny)
     print("$ pdjax " + shlex.join(pdjax_args), flush=True)
 
-    from pdjax.cli import main as pdjax_main
+    from pdjax.apps.cli import main as pdjax_main
 
     status = pdjax_main(pdjax_args)
     if status == 0:

@@ -2,6 +2,6 @@
 
 import sys
 
-from pdjax.cli import main
+from pdjax.apps.cli import main
 
 sys.exit(main())

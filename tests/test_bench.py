@@ -7,8 +7,8 @@ import os
 import pytest
 from rich.console import Console
 
-from pdjax.bench import BENCH_SCHEDULES, bench, format_table
-from pdjax.cli import main
+from pdjax.apps.bench import BENCH_SCHEDULES, bench, format_table
+from pdjax.apps.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_shared_pool_prediction_is_the_work_over_the_pool_concurrency():
     seconds over the measured concurrency of their shared pool; elsewhere the makespan."""
     import jax
 
-    from pdjax.bench import _predicted, pool_concurrency
+    from pdjax.apps.bench import _predicted, pool_concurrency
     from pdjax.models import get_model
     from pdjax.pipeline import generate, simulate, unit_costs
 

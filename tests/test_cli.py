@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import pdjax
-from pdjax.cli import build_parser, main
+from pdjax.apps.cli import build_parser, main
 from pdjax.models import MODELS
 from pdjax.pipeline.schedule import SCHEDULES
 from pdjax.profile import Profile

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pdjax.cli import main
+from pdjax.apps.cli import main
 
 #: Seconds one fuzzed run may take (the bounds keep a valid run well below it).
 TIMEOUT = 60
@@ -276,7 +276,7 @@ def test_sizes_below_the_bounds_still_run(capsys):
 
 
 def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
-    from pdjax.cli import main
+    from pdjax.apps.cli import main
 
     blocker = tmp_path / "a-file"
     blocker.write_text("x")

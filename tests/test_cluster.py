@@ -1,4 +1,4 @@
-"""pdjax.cluster: predictions against hand-computed costs, the report, and one small
+"""pdjax.apps.cluster: predictions against hand-computed costs, the report, and one small
 launch of real pinned workers (on an emulated 100 Mbit/s network where this machine
 allows it, else on loopback)."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pdjax.cluster import (
+from pdjax.apps.cluster import (
     PAYLOAD,
     ClusterError,
     ClusterResult,
@@ -21,7 +21,7 @@ from pdjax.cluster import (
     plot_cluster,
     plot_ranking,
 )
-from pdjax.netem import network_support
+from pdjax.apps.netem import network_support
 from pdjax.profile import LayerProfile, Profile
 
 F, B, U = 1e-3, 2e-3, 5e-4  # per layer: forward, backward, update seconds
@@ -88,7 +88,7 @@ def _calibrated(L=4):
 
 
 def test_calibrated_predictions():
-    from pdjax.cluster import _predict_calibrated
+    from pdjax.apps.cluster import _predict_calibrated
 
     cal = _calibrated()
     planner, sim = _predict_calibrated(_profile(), cal, None, "single", [], 10, 8, 4)
@@ -106,7 +106,7 @@ def test_calibrated_predictions():
 
 
 def test_kendall_tau():
-    from pdjax.cluster import kendall_tau
+    from pdjax.apps.cluster import kendall_tau
 
     assert kendall_tau([1, 2, 3, 4], [2, 4, 6, 8]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
@@ -183,7 +183,7 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     for ln in cal["links"]:
         assert ln["bandwidth"] > 0 and ln["latency"] >= 0 and ln["send_seconds"] > 0
         if reason is None:  # 100 Mbit/s: no faster than the rate, less one token bucket
-            from pdjax.netem import _burst_bytes
+            from pdjax.apps.netem import _burst_bytes
 
             assert ln["seconds"][-1] >= (262144 - _burst_bytes(100.0)) / (100e6 / 8)
     assert cal["allreduce_model"] > 0

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from pdjax.cli import main
-from pdjax.commands import simulate as simulate_command
+from pdjax.apps.cli import main
+from pdjax.apps.commands import simulate as simulate_command
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Plan, StagePlan, Topology, plan_pipedream
 from pdjax.pipeline import costs_from_plan, generate, simulate, weight_grad_fraction

@@ -5,7 +5,7 @@ import collections
 import numpy as np
 import pytest
 
-from pdjax import data
+from pdjax.apps import data
 from pdjax.errors import DataError
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from pdjax import data
+from pdjax.apps import data
 from pdjax.baselines import DataParallel
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential

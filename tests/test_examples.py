@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdjax import data
+from pdjax.apps import data
 from pdjax.errors import LayerError
 from pdjax.models import load_model
 

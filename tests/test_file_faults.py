@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdjax.commands import simulate as simulate_command
+from pdjax.apps.commands import simulate as simulate_command
 from pdjax.errors import GraphFormatError, PlanError, ProfileError
 from pdjax.partition import Plan, Topology, plan_pipedream, plan_uniform
 from pdjax.profile import LayerProfile, Profile
@@ -312,7 +312,7 @@ def test_plans_without_a_hash_still_load_and_check(plan, prof):
 
 
 def test_plan_command_records_the_profile_hash(tmp_path):
-    from pdjax.cli import main
+    from pdjax.apps.cli import main
 
     out = tmp_path / "plan.json"
     assert main(["plan", "--profile", "pipedream:vgg16", "--workers", "2", "--out", str(out)]) == 0
@@ -394,7 +394,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temp_file(plan, monkeyp
 
 
 def test_the_cli_reports_an_unwritable_output(tmp_path, capsys):
-    from pdjax.cli import main
+    from pdjax.apps.cli import main
 
     argv = ["plan", "--profile", "pipedream:vgg16", "--workers", "2", "--out", str(tmp_path)]
     assert main(argv) == 2

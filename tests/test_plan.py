@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pdjax.commands import plan as plan_command
+from pdjax.apps.commands import plan as plan_command
 from pdjax.errors import GraphFormatError, PdjaxError, PlanError
 from pdjax.partition import Plan, StagePlan, Topology, plan_pipedream, plan_uniform
 from pdjax.profile import Profile
@@ -215,7 +215,7 @@ def test_cli_malformed_graph_txt_names_file_and_line(tmp_path):
 
 
 def test_cli_main_reports_errors(capsys):
-    from pdjax.cli import main
+    from pdjax.apps.cli import main
 
     assert main(["plan", "--profile", "pipedream:vgg16", "--workers", "0"]) == 2
     assert "--workers must be >= 1" in capsys.readouterr().err

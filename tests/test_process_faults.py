@@ -148,7 +148,7 @@ launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600)
 """,
     "cluster": """
 import os, sys
-from pdjax.cluster import _run_processes
+from pdjax.apps.cluster import _run_processes
 cmd = [sys.executable, "-c", sys.argv[2], sys.argv[1]]
 envs = [{**os.environ, "PDJAX_PROCESS_ID": str(i)} for i in range(2)]
 _run_processes([cmd, cmd], envs, "sleepers", timeout=600)
@@ -261,7 +261,7 @@ def test_the_launcher_explains_an_abort():
 def test_a_teardown_cut_short_is_finished_later(monkeypatch):
     """A launcher's signal can land in the middle of deleting the namespaces; the next
     close (or the one at exit) deletes the rest, the one it was deleting included."""
-    from pdjax import netem
+    from pdjax.apps import netem
 
     if (reason := netem.network_support()) is not None:
         pytest.skip(reason)

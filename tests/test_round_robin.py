@@ -306,7 +306,7 @@ def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
 
 
 def test_train_config_replication():
-    from pdjax.train import TrainConfig
+    from pdjax.apps.train import TrainConfig
 
     assert TrainConfig(replication="round-robin").label == "pipedream (round-robin)"
     with pytest.raises(PipelineError, match="plan, split or round-robin"):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdjax.cli import main
+from pdjax.apps.cli import main
 from pdjax.errors import PlanError
 from pdjax.partition import Plan, StagePlan, Topology, cost, evaluate_partition, plan_pipedream
 from pdjax.pipeline import PipelineCosts, StageCosts, simulate

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from pdjax.commands import simulate as simulate_command
+from pdjax.apps.commands import simulate as simulate_command
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.pipeline import (
     PipelineCosts,

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from user_model import mine_config as _mine
 
-from pdjax import data
-from pdjax.cli import main
+from pdjax.apps import data
+from pdjax.apps.cli import main
+from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, _sync_metrics, build, train
 from pdjax.errors import DataError, LayerError, PipelineError
-from pdjax.train import EpochRecord, TrainConfig, TrainingDiverged, _sync_metrics, build, train
 
 
 def _cfg(**kw):

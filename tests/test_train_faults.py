@@ -12,12 +12,9 @@ import numpy as np
 import pytest
 from user_model import mine_config as _cfg
 
-from pdjax import data
-from pdjax.cli import main
-from pdjax.errors import CheckpointError, PipelineError
-from pdjax.partition import Plan
-from pdjax.pipeline.checkpoint import Checkpointer
-from pdjax.train import (
+from pdjax.apps import data
+from pdjax.apps.cli import main
+from pdjax.apps.train import (
     PLAN_FILE,
     TrainConfig,
     TrainingDiverged,
@@ -27,6 +24,9 @@ from pdjax.train import (
     make_runner,
     train,
 )
+from pdjax.errors import CheckpointError, PipelineError
+from pdjax.partition import Plan
+from pdjax.pipeline.checkpoint import Checkpointer
 
 
 @pytest.fixture
@@ -167,7 +167,7 @@ def test_a_resume_follows_the_plan_the_run_started_with(here, monkeypatch):
     def replan(*args, **kwargs):
         raise AssertionError("a resumed run planned again")
 
-    monkeypatch.setattr("pdjax.train.auto_plan", replan)
+    monkeypatch.setattr("pdjax.apps.train.auto_plan", replan)
     resumed = train(_cfg(plan="auto", epochs=2), checkpoint_dir=ckpt, warmup=False)
     assert resumed.plan == first.plan and [r.epoch for r in resumed.history] == [1, 2]
     # an explicit plan file: the saved plan's copy resumes, another plan is refused

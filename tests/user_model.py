@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from pdjax import data
-from pdjax.train import TrainConfig
+from pdjax.apps import data
+from pdjax.apps.train import TrainConfig
 
 MODEL_PY = """
 import flax.linen as nn

@@ -2,8 +2,8 @@
 
     python benchmarks/cluster/auto.py      # as root: emulated links; else loopback
 
-Per model and link (the cluster benchmark's, :data:`pdjax.cluster.RATES`), on 2 pinned
-single-core workers joined by ``jax.distributed`` (see :mod:`pdjax.cluster`):
+Per model and link (the cluster benchmark's, :data:`pdjax.apps.cluster.RATES`), on 2 pinned
+single-core workers joined by ``jax.distributed`` (see :mod:`pdjax.apps.cluster`):
 
 1. one pinned worker profiles the model and times every stage a 2-stage cut can make, as
    the runtime's own programs (the cluster benchmark's calibration);
@@ -69,7 +69,7 @@ def _runner(name: str, plan: Any, units: int) -> dict[str, Any]:
 
 
 def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) -> list[dict]:
-    from pdjax.cluster import (
+    from pdjax.apps.cluster import (
         MICROBATCH,
         RATES,
         _calibration,
@@ -78,8 +78,8 @@ def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) 
         _topology,
         cluster_model,
     )
+    from pdjax.apps.netem import network_support
     from pdjax.distributed import ending_on_signals
-    from pdjax.netem import network_support
 
     emulate = network_support() is None
     out = []

@@ -2,7 +2,7 @@
 
     python benchmarks/cluster/run.py          # as root: emulated links; else loopback
 
-Writes benchmarks/results/cluster.{json,md,png}; see pdjax/cluster.py for what is measured
+Writes benchmarks/results/cluster.{json,md,png}; see pdjax/apps/cluster.py for what is measured
 and what is predicted. About 15 minutes on 2 cores (run it on a quiet machine).
 """
 
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdjax.cluster import format_markdown, run_cluster, write_results
+from pdjax.apps.cluster import format_markdown, run_cluster, write_results
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 

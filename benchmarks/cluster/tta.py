@@ -2,10 +2,10 @@
 
     python benchmarks/cluster/tta.py          # as root: emulated links; else loopback
 
-Trains each study of :data:`pdjax.cluster_tta.STUDIES` (VGG on digits, the tiny GPT on
+Trains each study of :data:`pdjax.apps.cluster_tta.STUDIES` (VGG on digits, the tiny GPT on
 Python's docs) to its target with one worker, data parallelism on 2 workers and the
 planner's 2-stage ``pipedream``, ``1f1b`` and ``2bw`` pipelines, at 100 Mbit/s, 1 Gbit/s
-and 10 Gbit/s, seeds 0 and 1 (see pdjax/cluster_tta.py). Every run's result is kept in
+and 10 Gbit/s, seeds 0 and 1 (see pdjax/apps/cluster_tta.py). Every run's result is kept in
 ``benchmarks/results/cluster-tta/``: killed and rerun, it continues with the runs not
 done yet. Writes ``benchmarks/results/cluster-tta/tta.{md,json}`` and one plot per study
 and link. Run it on a quiet machine: about an hour on 2 cores.
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from pdjax.cluster_tta import report, run_tta
+from pdjax.apps.cluster_tta import report, run_tta
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "cluster-tta"
 

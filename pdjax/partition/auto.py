@@ -119,7 +119,7 @@ class HostCosts:
         ``RunMetrics.host_seconds / RunMetrics.actions`` on a model with negligible compute;
         ``pdjax bench`` reports it).
       concurrency: how many programs the devices' shared pool runs at once
-        (:func:`pdjax.bench.pool_concurrency`); None where every device computes apart.
+        (:func:`pdjax.apps.bench.pool_concurrency`); None where every device computes apart.
     """
 
     seconds_per_action: float = 0.0

@@ -95,7 +95,7 @@ seconds of one all-reduce (what replaces ``2 (m-1) * lat + 2 (m-1)/m * W / B``);
 falls back to the formulas.
 
 Data parallelism (``data_parallel_time``, the baseline of ``speedup_over_data_parallel``)
-under ``pdjax`` is what :class:`pdjax.baselines.DataParallel` and ``pdjax.cluster`` run:
+under ``pdjax`` is what :class:`pdjax.baselines.DataParallel` and ``pdjax.apps.cluster`` run:
 each of the ``N`` devices takes one microbatch per step, then one all-reduce per step (a
 hierarchical ring, each level's ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``), whatever
 the schedule: ``(C + sum_k allreduce_k) / N`` per microbatch.
@@ -808,7 +808,7 @@ def data_parallel_time(
     replicates the whole model (PipeDream's data-parallel model, under ``model``).
 
     ``pdjax`` (whatever ``per_round`` says): data parallelism as
-    :class:`pdjax.baselines.DataParallel` and ``pdjax.cluster`` run it, a step of ``N``
+    :class:`pdjax.baselines.DataParallel` and ``pdjax.apps.cluster`` run it, a step of ``N``
     microbatches, one per device, then one hierarchical all-reduce (each level's ring,
     ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``): ``(C + sum_k allreduce_k) / N``.
     With calibration, ``stage_seconds(0, L-1, N, "round-robin")`` replaces ``C / N`` and

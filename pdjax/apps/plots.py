@@ -17,7 +17,7 @@ def plot_training(results: Sequence[Any], out: str | Path, prefix: str = "") -> 
     """Writes ``accuracy-vs-epochs.png`` and ``accuracy-vs-seconds.png`` into ``out``.
 
     Args:
-      results: :class:`pdjax.train.TrainResult` objects (one line each).
+      results: :class:`pdjax.apps.train.TrainResult` objects (one line each).
       out: the folder.
       prefix: prepended to the file names.
 

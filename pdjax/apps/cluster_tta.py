@@ -4,8 +4,8 @@ PipeDream's claim is time to accuracy (TTA): hardware efficiency (samples per se
 times statistical efficiency (epochs to the target). :func:`run_tta` measures the product:
 each run trains a real model on real data to a target test accuracy in 2 single-core
 worker processes joined by ``jax.distributed`` on an emulated link (as
-:mod:`pdjax.cluster`: each worker in a network namespace of its own, a token bucket each
-way; loopback without root), through :func:`pdjax.train.train` itself. Per study
+:mod:`pdjax.apps.cluster`: each worker in a network namespace of its own, a token bucket each
+way; loopback without root), through :func:`pdjax.apps.train.train` itself. Per study
 (:data:`STUDIES`: a parameter-heavy VGG on digits, the tiny GPT on Python's docs), per
 link rate and seed, the runners are:
 
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from pdjax._jsonio import write_atomic
-from pdjax.cluster import ClusterError, cluster_model
+from pdjax.apps.cluster import ClusterError, cluster_model
 from pdjax.errors import PdjaxError
 
 __all__ = [
@@ -80,8 +80,8 @@ RUN_TIMEOUT = 1200.0
 
 
 def cluster_spec(config: str) -> Any:
-    """A :data:`pdjax.cluster.CLUSTER_MODELS` model as a model factory, named by
-    ``config``: e.g. ``pdjax train --model pdjax.cluster_tta:cluster_spec --config
+    """A :data:`pdjax.apps.cluster.CLUSTER_MODELS` model as a model factory, named by
+    ``config``: e.g. ``pdjax train --model pdjax.apps.cluster_tta:cluster_spec --config
     vgg-digits`` (what the runs train)."""
     return cluster_model(config)
 
@@ -91,7 +91,7 @@ class TTAStudy:
     """One model on one dataset: its training settings and target.
 
     Attributes:
-      name: the study's model, a :data:`pdjax.cluster.CLUSTER_MODELS` key (what is
+      name: the study's model, a :data:`pdjax.apps.cluster.CLUSTER_MODELS` key (what is
         profiled, and what the runs train through :func:`cluster_spec`).
       dataset: ``digits`` or ``text``.
       batch_size: samples per step (``M`` microbatches).
@@ -114,8 +114,8 @@ class TTAStudy:
         return self.batch_size // M
 
     def config(self, runner: str, seed: int, plan: str = "even", extra: int = 0) -> Any:
-        """The :class:`~pdjax.train.TrainConfig` of ``runner`` (``plan``: a plan file)."""
-        from pdjax.train import TrainConfig
+        """The :class:`~pdjax.apps.train.TrainConfig` of ``runner`` (``plan``: a plan file)."""
+        from pdjax.apps.train import TrainConfig
 
         pipeline = runner in PIPELINES
         per_mb = runner == "single-mb"
@@ -169,7 +169,7 @@ def link_key(rate_mbit: float | None) -> str:
 
 
 def _link_text(rate_mbit: float | None) -> str:
-    from pdjax.cluster import _link
+    from pdjax.apps.cluster import _link
 
     return "loopback" if rate_mbit is None else _link(rate_mbit)
 
@@ -178,7 +178,7 @@ def _link_text(rate_mbit: float | None) -> str:
 
 
 def _tta_job(job: Mapping[str, Any]) -> None:
-    """Every process of a run: trains (:func:`pdjax.train.train`); process 0 writes the
+    """Every process of a run: trains (:func:`pdjax.apps.train.train`); process 0 writes the
     result to ``job["out"]``."""
     from pdjax.distributed import config_from_env, initialize
 
@@ -187,7 +187,7 @@ def _tta_job(job: Mapping[str, Any]) -> None:
         initialize(config)
     import jax
 
-    from pdjax.train import TrainConfig, train
+    from pdjax.apps.train import TrainConfig, train
 
     cfg = TrainConfig(**job["config"])
     t0 = time.perf_counter()
@@ -247,7 +247,7 @@ def _cuts(L: int) -> list[tuple[int, int, int, str]]:
 
 def _profiled(study: TTAStudy, folder: _Folder, work: Path, log: Callable[[str], None]) -> Any:
     """The study's profile and calibrated stages (measured once, then read back)."""
-    from pdjax.cluster import _profile
+    from pdjax.apps.cluster import _profile
 
     path = folder.profile(study.name)
     if not path.is_file():
@@ -269,7 +269,7 @@ def _linked(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The link and the all-reduce measured on the emulated link (once, then read back)."""
-    from pdjax.cluster import _launch
+    from pdjax.apps.cluster import _launch
 
     path = folder.links(study.name, rate)
     if not path.is_file():
@@ -287,7 +287,7 @@ def _predictions(
     """Per runner: the plan (pipelines: :func:`~pdjax.partition.plan_auto`'s for that
     schedule, saved as a plan file) and the predicted seconds per sample, from calibrated
     costs (see :func:`_predict_whole` for one worker and data parallelism)."""
-    from pdjax.cluster import _calibration, _topology
+    from pdjax.apps.cluster import _calibration, _topology
     from pdjax.partition import Plan, plan_auto
     from pdjax.profile import Profile
 
@@ -374,7 +374,7 @@ def _run_one(
     work: Path,
 ) -> dict[str, Any]:
     """One training run in its own launch; its result."""
-    from pdjax.cluster import _launch
+    from pdjax.apps.cluster import _launch
 
     cfg = study.config(runner, seed, plan=pred.get("plan") or "even", extra=pred.get("extra", 0))
     job = {"model": study.name, "runners": [runner], "config": dataclasses.asdict(cfg)}
@@ -421,11 +421,11 @@ def run_tta(
     Args:
       out: the folder of results (created; reused to resume).
       studies: :data:`STUDIES` keys, or studies of your own (on
-        :data:`pdjax.cluster.CLUSTER_MODELS`'s models).
+        :data:`pdjax.apps.cluster.CLUSTER_MODELS`'s models).
       rates_mbit: link rates (Mbit/s each way); with ``emulate=False`` only loopback runs.
       seeds: one run per seed (weights, data order and split).
       runners: which of :data:`RUNNERS`.
-      emulate: emulated links (None: where :func:`~pdjax.netem.network_support` allows).
+      emulate: emulated links (None: where :func:`~pdjax.apps.netem.network_support` allows).
       log: progress lines.
 
     Raises:
@@ -434,8 +434,8 @@ def run_tta(
       pdjax.errors.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP (the runs done are
         kept).
     """
+    from pdjax.apps.netem import network_support
     from pdjax.distributed import ending_on_signals
-    from pdjax.netem import network_support
 
     bad = [s for s in studies if isinstance(s, str) and s not in STUDIES]
     bad += [r for r in runners if r not in RUNNERS]
@@ -690,15 +690,15 @@ def report(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdjax.cluster_tta worker JOB_JSON`` (the driver starts these)."""
+    """``python -m pdjax.apps.cluster_tta worker JOB_JSON`` (the driver starts these)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] != "worker":
-        print("usage: python -m pdjax.cluster_tta worker JOB_JSON", file=sys.stderr)
+        print("usage: python -m pdjax.apps.cluster_tta worker JOB_JSON", file=sys.stderr)
         return 2
     try:
         _tta_job(json.loads(argv[1]))
     except PdjaxError as e:  # one line, which the driver's ClusterError quotes
-        print(f"pdjax.cluster_tta: error: {e}", file=sys.stderr)
+        print(f"pdjax.apps.cluster_tta: error: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import Any
 
-from pdjax.commands import (
+from pdjax.apps.commands import (
     MAX_DEVICES,
     MAX_PROFILE_BATCH,
     MAX_SIM_PASSES,
@@ -30,7 +30,7 @@ from pdjax.commands import (
     positive_int,
     seed_int,
 )
-from pdjax.commands.profile import _WHY_BATCH, MAX_REPEATS
+from pdjax.apps.commands.profile import _WHY_BATCH, MAX_REPEATS
 from pdjax.errors import CalibrationError
 
 __all__ = ["register", "run"]
@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     check_writable("--plan-out", args.plan_out, CalibrationError)
     if args.refine and not args.profile:
         raise CalibrationError("--refine plans from a profile: give --profile (pdjax profile)")
-    from pdjax.commands.train import set_cpu_devices
+    from pdjax.apps.commands.train import set_cpu_devices
 
     if args.devices:
         set_cpu_devices(args.devices)
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         raise CalibrationError(f"--devices {args.devices}: only {len(devices)} are visible")
     spec = get_model(args.model, args.config)
     sample = spec.sample_batch(args.microbatch_size, args.seed)
-    from pdjax.train import make_optimizer
+    from pdjax.apps.train import make_optimizer
 
     opt = make_optimizer(args.optimizer, args.lr)
     earlier = cal_lib.Calibration.load(args.calibration) if args.calibration else None

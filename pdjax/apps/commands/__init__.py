@@ -97,7 +97,7 @@ def split_list(text: str) -> list[str]:
 
 # -- numeric options ----------------------------------------------------------------------
 # argparse ``action=`` classes: a bad value raises :class:`OptionError` out of parse_args,
-# and ``pdjax.cli.main`` prints one line naming the option, the bound and why (exit 2)
+# and ``pdjax.apps.cli.main`` prints one line naming the option, the bound and why (exit 2)
 # instead of a traceback or a run that cannot finish.
 
 #: The most devices a command simulates on CPU (``jax_num_cpu_devices``) or plans for.
@@ -298,4 +298,4 @@ def check_writable(option: str, path: str | None, error: type[PdjaxError] = Opti
 def register_all(subparsers: argparse._SubParsersAction) -> None:
     """Adds every subcommand to ``subparsers``."""
     for name in COMMANDS:
-        importlib.import_module(f"pdjax.commands.{name}").register(subparsers)
+        importlib.import_module(f"pdjax.apps.commands.{name}").register(subparsers)

@@ -14,7 +14,7 @@ loop evaluates and checkpoints (a drain-then-save checkpoint).
 
 Models and data of your own. ``model`` may be ``package.module:factory``
 (:func:`pdjax.models.load_model`; the factory gets ``config`` and ``seq_len`` if it takes
-them) and ``dataset`` a path to an ``.npz`` file (:func:`pdjax.data.load_npz`), checked
+them) and ``dataset`` a path to an ``.npz`` file (:func:`pdjax.apps.data.load_npz`), checked
 against the model's sample batch before anything runs (:func:`build`, :func:`check`).
 A model without an accuracy function is trained and evaluated on its loss alone (its
 accuracy reads NaN, null in the metrics file).
@@ -46,8 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pdjax import data as data_lib
 from pdjax._jsonio import write_atomic
+from pdjax.apps import data as data_lib
 from pdjax.baselines import DataParallel
 from pdjax.errors import CheckpointError, PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
@@ -98,7 +98,7 @@ class TrainConfig:
       config: ``"tiny"`` or ``"paper"`` (a factory that takes ``config`` gets it as is).
       dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs), or
         the path of an ``.npz`` file with ``x_train``, ``y_train``, ``x_test``,
-        ``y_test`` (:func:`pdjax.data.load_npz`).
+        ``y_test`` (:func:`pdjax.apps.data.load_npz`).
       schedule: a pipeline schedule, or ``"dp"`` for the data-parallel baseline.
       devices: how many of ``jax.devices()`` to use.
       plan: ``"auto"`` (profile and plan now), ``"even"`` (equal layer counts, one device
@@ -315,7 +315,7 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
     """The model and dataset of ``cfg``, made to fit each other.
 
     A dataset must fit the model's sample batch: the shapes of its rows, and dtypes that
-    convert without loss of meaning (:func:`pdjax.data.fit_to_sample`). ``digits`` comes
+    convert without loss of meaning (:func:`pdjax.apps.data.fit_to_sample`). ``digits`` comes
     as 8x8x1 images or, for a model taking 64 features, flattened.
 
     Args:
@@ -525,7 +525,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     chosen without a memory limit (CPU devices have none); where chosen, the runner
     recomputes on the stages the plan names (``plan.options["auto"]["remat"]``).
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
-    shared thread pool allow (:func:`pdjax.bench.host_costs`, measured here first): the
+    shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
     simulator alone would pick many small microbatches whose dispatch and shared cores it
     does not see.
 
@@ -533,7 +533,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
       PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
         cannot run.
     """
-    from pdjax.bench import host_costs
+    from pdjax.apps.bench import host_costs
     from pdjax.partition import Topology, plan_auto
     from pdjax.profile import profile
 

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdjax.commands import (
+from pdjax.apps.commands import (
     MAX_DEVICES,
     HelpFormatter,
     add_model_arguments,
@@ -54,7 +54,7 @@ REPEATS = positive_int(1000, "each repeat times every schedule")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``train`` subcommand."""
-    from pdjax.train import SCHEDULE_CHOICES
+    from pdjax.apps.train import SCHEDULE_CHOICES
 
     p = subparsers.add_parser(
         "train",
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
         set_cpu_devices(args.devices)
     from rich.console import Console
 
-    from pdjax.train import (
+    from pdjax.apps.train import (
         TrainConfig,
         build,
         check,
@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"tensorboard: tensorboard --logdir {args.tensorboard}", highlight=False)
     if not args.no_plots:
         if any(math.isfinite(h.test_accuracy) for r in results for h in r.history):
-            from pdjax.plots import plot_training
+            from pdjax.apps.plots import plot_training
 
             paths = plot_training(results, out)
             console.print("plots: " + "  ".join(str(p) for p in paths), highlight=False)
@@ -407,7 +407,7 @@ def _train_one(
     """Trains one variant; a progress bar (``bar``) or one line per epoch on stdout."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from pdjax.train import train
+    from pdjax.apps.train import train
 
     title = f"{cfg.label}: {cfg.model} ({cfg.config}) on {cfg.dataset}"
     if bar:

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from pdjax.commands import (
+from pdjax.apps.commands import (
     HelpFormatter,
     add_model_arguments,
     check_writable,
@@ -23,7 +23,7 @@ from pdjax.commands import (
     seed_int,
     split_list,
 )
-from pdjax.commands.train import (
+from pdjax.apps.commands.train import (
     BATCH,
     CHUNKS,
     DEVICES,
@@ -45,7 +45,7 @@ __all__ = ["register", "run"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds the ``bench`` subcommand."""
-    from pdjax.bench import BENCH_SCHEDULES
+    from pdjax.apps.bench import BENCH_SCHEDULES
 
     p = subparsers.add_parser(
         "bench",
@@ -87,14 +87,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
         "and tc, as root; else loopback): PipeDream, 1F1B and data parallelism against one "
         "worker, measured next to the planner's and the simulator's predictions "
-        "(pdjax.cluster). Of the options above only --repeats, --seed and --json apply.",
+        "(pdjax.apps.cluster). Of the options above only --repeats, --seed and --json apply.",
     )
     c.add_argument("--cluster", action="store_true", help="run the cluster benchmark")
     c.add_argument(
         "--rates",
         default="",
         help="link rates in Mbit/s for every model (comma-separated; default: "
-        "pdjax.cluster.RATES, 1 and 10 Gbit/s for mlp-512, 100 Mbit/s and 1 Gbit/s for vgg-fc)",
+        "pdjax.apps.cluster.RATES, 1 and 10 Gbit/s for mlp-512, 100 Mbit/s and 1 Gbit/s "
+        "for vgg-fc)",
     )
     c.add_argument(
         "--fast-rate",
@@ -106,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--tta",
         action="store_true",
-        help="with --cluster: time to accuracy instead (pdjax.cluster_tta): one worker, DP x2 "
+        help="with --cluster: time to accuracy instead (pdjax.apps.cluster_tta): one worker, DP x2 "
         "and the planner's pipedream, 1f1b and 2bw pipelines train VGG on digits and a GPT "
         "on text to a target accuracy, per link (--rates, default 100, 1000 and 10000 "
         "Mbit/s) and seed; resumes from the runs already in --out",
@@ -120,7 +121,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--studies",
         default="",
-        help="with --tta: comma-separated, of pdjax.cluster_tta.STUDIES (default: all)",
+        help="with --tta: comma-separated, of pdjax.apps.cluster_tta.STUDIES (default: all)",
     )
     c.add_argument(
         "--out",
@@ -160,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     set_cpu_devices(args.devices)
     from rich.console import Console
 
-    from pdjax.bench import bench, format_table
+    from pdjax.apps.bench import bench, format_table
 
     err = Console(file=sys.stderr)
     schedules = split_list(args.schedules)
@@ -198,7 +199,7 @@ def _run_tta(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from pdjax.cluster_tta import LINKS, STUDIES, report, run_tta
+    from pdjax.apps.cluster_tta import LINKS, STUDIES, report, run_tta
 
     studies = split_list(args.studies) or list(STUDIES)
     unknown = [s for s in studies if s not in STUDIES]
@@ -228,7 +229,7 @@ def _run_tta(args: argparse.Namespace) -> int:
 def _run_cluster(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from pdjax.cluster import MICROBATCH, format_markdown, run_cluster, write_results
+    from pdjax.apps.cluster import MICROBATCH, format_markdown, run_cluster, write_results
 
     err = Console(file=sys.stderr)
     rates = _rates(args.rates)

@@ -6,7 +6,7 @@ Workers join with ``jax.distributed``: pipeline activations and gradients cross 
 them with ``jax.device_put`` (:class:`~pdjax.pipeline.Pipeline`), the data-parallel
 gradient all-reduce with JAX's CPU collectives (gloo over TCP). With root and ``tc``, every
 worker runs in a network namespace of its own on a link of known bandwidth
-(:class:`~pdjax.netem.EmulatedNetwork`: veth pairs through a bridge, a token bucket each
+(:class:`~pdjax.apps.netem.EmulatedNetwork`: veth pairs through a bridge, a token bucket each
 way), so those transfers cross that link; without, the workers share loopback and the
 report says so.
 
@@ -101,7 +101,7 @@ CLUSTER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "hidden": 2048,
         },
     ),
-    # time to accuracy on real data (pdjax.cluster_tta): vgg-fc's shape for 8x8 digits
+    # time to accuracy on real data (pdjax.apps.cluster_tta): vgg-fc's shape for 8x8 digits
     # (2 convolution blocks, then 2048-wide fully connected layers: 19 MB of weights), and
     # the tiny GPT on characters of Python's docs (0.4 MB of weights)
     "vgg-digits": (
@@ -129,7 +129,7 @@ def cluster_model(name: str) -> Any:
 
 def _optimizer(name: str = "sgd", learning_rate: float = 1e-3) -> Any:
     """The benchmark's optimizer (SGD); time to accuracy profiles with its runs' own."""
-    from pdjax.train import make_optimizer
+    from pdjax.apps.train import make_optimizer
 
     return make_optimizer(name, learning_rate)
 
@@ -483,7 +483,7 @@ def _profile(
 ) -> tuple[Any, list[float], list[dict[str, Any]]]:
     """One pinned worker: the per-layer profile, per-layer update seconds, and the
     calibrated ``stages`` (``(first, last, replicas, replication)``), updates timed with
-    ``optimizer`` (a :func:`pdjax.train.make_optimizer` name and learning rate)."""
+    ``optimizer`` (a :func:`pdjax.apps.train.make_optimizer` name and learning rate)."""
     from pdjax.profile import Profile
 
     out = workdir / f"profile-{model}.json"
@@ -491,7 +491,18 @@ def _profile(
            "stages": [list(st) for st in stages], "optimizer": optimizer[0],
            "learning_rate": optimizer[1]}  # fmt: skip
     _run_processes(
-        [["taskset", "-c", "0", sys.executable, "-m", "pdjax.cluster", "profile", json.dumps(job)]],
+        [
+            [
+                "taskset",
+                "-c",
+                "0",
+                sys.executable,
+                "-m",
+                "pdjax.apps.cluster",
+                "profile",
+                json.dumps(job),
+            ]
+        ],
         [_python_env({})],
         f"profiling {model}",
         timeout=LAUNCH_TIMEOUT + 10 * len(stages),
@@ -507,14 +518,14 @@ def _launch(
     emulate: bool,
     workdir: Path,
     *,
-    module: str = "pdjax.cluster",
+    module: str = "pdjax.apps.cluster",
     timeout: float | None = None,
 ) -> dict[str, Any]:
     """One launch: ``workers`` pinned processes (on an emulated network when ``emulate``),
     each running ``python -m module worker JOB``; returns the JSON process 0 writes to
     ``job["out"]``. ``timeout``: seconds (default: by the number of runners)."""
+    from pdjax.apps.netem import EmulatedNetwork
     from pdjax.distributed import free_port
-    from pdjax.netem import EmulatedNetwork
 
     out = workdir / f"run-{time.monotonic_ns()}.json"
     job = {**job, "out": str(out)}
@@ -786,7 +797,7 @@ def run_cluster(
         slow links); default: 8 below 1 Gbit/s.
       repeats: timed rounds per launch (medians).
       seed: synthetic data and initialisation.
-      emulate: use an emulated network (None: when :func:`~pdjax.netem.network_support`
+      emulate: use an emulated network (None: when :func:`~pdjax.apps.netem.network_support`
         allows; False: loopback, one rate only).
       every_cut: run a 2-stage ``pipedream`` at every cut point (the ranking, (e)); else
         only at the planner's straight cut.
@@ -799,8 +810,8 @@ def run_cluster(
       pdjax.errors.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP, after ending the
         workers and deleting the emulated network.
     """
+    from pdjax.apps.netem import network_support
     from pdjax.distributed import ending_on_signals
-    from pdjax.netem import network_support
     from pdjax.partition import Topology, plan_pipedream
 
     t_start = time.monotonic()
@@ -1194,10 +1205,10 @@ def plot_cluster(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdjax.cluster (worker|profile) JOB_JSON`` (the driver starts these)."""
+    """``python -m pdjax.apps.cluster (worker|profile) JOB_JSON`` (the driver starts these)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] not in ("worker", "profile"):
-        print("usage: python -m pdjax.cluster (worker|profile) JOB_JSON", file=sys.stderr)
+        print("usage: python -m pdjax.apps.cluster (worker|profile) JOB_JSON", file=sys.stderr)
         return 2
     job = json.loads(argv[1])
     try:
@@ -1209,7 +1220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _worker_job(job)
     except PdjaxError as e:  # one line, which the driver's ClusterError quotes
-        print(f"pdjax.cluster {argv[0]}: error: {e}", file=sys.stderr)
+        print(f"pdjax.apps.cluster {argv[0]}: error: {e}", file=sys.stderr)
         return 2
     return 0
 

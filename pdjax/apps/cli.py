@@ -1,6 +1,6 @@
 """``pdjax`` command line: ``pdjax profile | calibrate | plan | simulate | train | bench``.
 
-The logic lives in the library; each subcommand in :mod:`pdjax.commands` only parses
+The logic lives in the library; each subcommand in :mod:`pdjax.apps.commands` only parses
 arguments, calls it and prints.
 """
 
@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from pdjax import __version__
-from pdjax.commands import HelpFormatter, OptionError, register_all
+from pdjax.apps.commands import HelpFormatter, OptionError, register_all
 from pdjax.errors import PdjaxError
 
 __all__ = ["build_parser", "main"]

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
-from pdjax.commands import (
+from pdjax.apps.commands import (
     MAX_PROFILE_BATCH,
     HelpFormatter,
     add_model_arguments,

@@ -24,7 +24,7 @@ import argparse
 import math
 import sys
 
-from pdjax.commands import (
+from pdjax.apps.commands import (
     MAX_DEVICES,
     MAX_PROFILE_BATCH,
     MAX_SIM_PASSES,

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdjax._units import fmt_bytes, fmt_seconds
-from pdjax.commands import (
+from pdjax.apps.commands import (
     MAX_DEVICES,
     MAX_SIM_PASSES,
     HelpFormatter,
