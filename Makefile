@@ -23,6 +23,7 @@ run: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check pdjax tests benchmarks
 	$(BIN)/ruff format --check pdjax tests benchmarks
+	$(BIN)/mypy
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 pdjax tests

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Topology, plan_auto, plan_pipedream
-from pdjax.partition.auto import FLUSH_SCHEDULES, evaluate_candidate
-from pdjax.pipeline.schedule import SCHEDULES
+from pdjax.partition.auto import evaluate_candidate
+from pdjax.pipeline.schedules import FLUSHING, SCHEDULES
 from pdjax.profile import Profile
 
 MODELS = ("vgg16", "resnet50", "gnmt", "alexnet")
@@ -78,7 +78,7 @@ def main() -> None:
     args = parser.parse_args()
     models = MODELS[:1] if args.quick else MODELS
     clusters = CLUSTERS[:1] if args.quick else CLUSTERS
-    fixed = [s for s in FLUSH_SCHEDULES if s in SCHEDULES]
+    fixed = [s for s in FLUSHING if s in SCHEDULES]
     if args.stale:
         fixed += ["pipedream", "2bw"]
     rows = []

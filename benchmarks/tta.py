@@ -49,7 +49,7 @@ from pdjax.apps.train import TrainConfig, TrainResult, train  # noqa: E402
 from pdjax.errors import PlanError  # noqa: E402
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream  # noqa: E402
 from pdjax.pipeline.costs import costs_from_plan  # noqa: E402
-from pdjax.pipeline.schedule import generate  # noqa: E402
+from pdjax.pipeline.schedules import generate  # noqa: E402
 from pdjax.pipeline.simulate import simulate, stream_length  # noqa: E402
 from pdjax.profile import Profile  # noqa: E402
 
@@ -819,7 +819,7 @@ def _why_slower(rr: SimRow, flush: SimRow, flat: dict[str, tuple[str, float]]) -
         "(2) the planner's hierarchical program replicates whole servers across servers "
         "(12 devices, then the fourth server's own pipeline): it cannot express 15-1, "
         "which spans four servers; (3) the schedule keeps enough groups in flight for "
-        "its slowest stage's rate (`pdjax.pipeline.schedule.round_robin_in_flight`; one "
+        "its slowest stage's rate (`pdjax.pipeline.schedules.round_robin_in_flight`; one "
         f"group more, `extra_in_flight=1`, gives {flat['extra'][1]:.2f}x at "
         f"{flat['extra'][0]} per device), so the gap is the plan's own: the planner "
         f"prices `{rr.config}` under `pipedream` at {rr.planned * 1e3:.2f} ms per "

@@ -34,7 +34,7 @@ from pdjax.layers import Fn, LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
-from pdjax.pipeline.schedule import Schedule, generate, validate
+from pdjax.pipeline.schedules import Schedule, generate, validate
 from pdjax.pipeline.simulate import simulate
 from pdjax.profile import Profile, profile
 

@@ -124,7 +124,7 @@ def _kind(value: Any) -> str:
     text = repr(value)
     if len(text) > 40:
         text = text[:37] + "..."
-    names = {str: "string", list: "list", dict: "object"}
+    names: dict[type, str] = {str: "string", list: "list", dict: "object"}
     return f"{names.get(type(value), type(value).__name__)} {text}"
 
 

@@ -21,11 +21,13 @@ def place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
         return jax.device_put(tree, sharding)
 
     def one(leaf: Any) -> jax.Array:
-        if jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
+        if jnp.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key):
             impl = jax.random.key_impl(leaf)
-            return jax.random.wrap_key_data(one(jax.random.key_data(leaf)), impl=impl)
+            key: jax.Array = jax.random.wrap_key_data(one(jax.random.key_data(leaf)), impl=impl)
+            return key
         if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-            return jax.device_put(leaf, sharding)  # already global: reshard
+            moved: jax.Array = jax.device_put(leaf, sharding)  # already global: reshard
+            return moved
         whole = np.asarray(leaf)
         return jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
 

@@ -43,10 +43,12 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pdjax._jsonio import parse_json, write_atomic
 from pdjax.errors import CalibrationError, PlanError
+
+_T = TypeVar("_T")
 
 __all__ = [
     "AllReduceMeasure",
@@ -528,10 +530,10 @@ def measure_stages(
         variables = jax.jit(layers.init)(jax.random.key(seed), x)
         acts = [jax.device_put(x, device)]
         for i, layer in enumerate(layers.layers):
-            out, _ = jax.jit(lambda v, a, layer=layer: layer.apply(v, a, train=False))(
+            act, _ = jax.jit(lambda v, a, layer=layer: layer.apply(v, a, train=False))(
                 variables[i], acts[-1]
             )
-            acts.append(out)
+            acts.append(act)
     key = jax.device_put(jax.random.key(seed + 1), device)
     out: list[StageMeasure] = []
     for first, last, r, mode in stages:
@@ -602,7 +604,7 @@ def measure_stages(
 # -- links ------------------------------------------------------------------------------------
 
 
-def _with_timeout(what: str, timeout: float, fn: Callable[[], Any]) -> Any:
+def _with_timeout(what: str, timeout: float, fn: Callable[[], _T]) -> _T:
     """Runs ``fn`` in a thread; raises CalibrationError naming ``what`` after ``timeout``
     seconds (the thread is left behind: a transfer blocked in JAX cannot be cancelled)."""
     box: dict[str, Any] = {}
@@ -623,7 +625,8 @@ def _with_timeout(what: str, timeout: float, fn: Callable[[], Any]) -> Any:
         )
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    value: _T = box["value"]
+    return value
 
 
 def measure_link(
@@ -662,7 +665,9 @@ def measure_link(
             secs = _with_timeout(
                 what,
                 timeout,
-                lambda a=a, to=to: _median_seconds(lambda: jax.device_put(a, to), warmup, repeats),
+                functools.partial(
+                    _median_seconds, functools.partial(jax.device_put, a, to), warmup, repeats
+                ),
             )
             points.append(secs)
         lat, bw = fit_latency_bandwidth(sizes, points)
@@ -768,16 +773,18 @@ def measure_allreduce(
     what = f"all-reduce over devices {[d.id for d in devices]}"
     points = []
     for n in sizes:
-        call = _allreduce_fn(devices, jax.ShapeDtypeStruct((max(1, n // 4),), "float32"))
+        part = jax.ShapeDtypeStruct((max(1, n // 4),), "float32")
+        call = _allreduce_fn(devices, part)
         points.append(
-            _with_timeout(what, timeout, lambda c=call: _median_seconds(c, warmup, repeats))
+            _with_timeout(what, timeout, functools.partial(_median_seconds, call, warmup, repeats))
         )
     lat, bw = fit_latency_bandwidth(sizes, points)
     exact = {}
     for k, tree in (trees or {}).items():
         call = _allreduce_fn(devices, tree)
         exact[k] = round(
-            _with_timeout(what, timeout, lambda c=call: _median_seconds(c, warmup, repeats)), 9
+            _with_timeout(what, timeout, functools.partial(_median_seconds, call, warmup, repeats)),
+            9,
         )
     fit = AllReduceMeasure(
         tuple(int(d.id) for d in devices), lat, bw, tuple(sizes),
@@ -917,12 +924,14 @@ def candidate_plans(
     """
     from pdjax.partition import evaluate_partition, plan_pipedream
 
-    common = {"schedule": schedule, "num_microbatches": num_microbatches,
-              "microbatch_size": microbatch_size}  # fmt: skip
+    common: dict[str, Any] = {"schedule": schedule, "num_microbatches": num_microbatches,
+                              "microbatch_size": microbatch_size}  # fmt: skip
     seeds = []
-    for kw in ({}, {"straight": True}, {"fewer_machines": True}):
+    for straight, fewer in ((False, False), (True, False), (False, True)):
         try:
-            seeds.append(plan_pipedream(profile, topology, **common, **kw))
+            seeds.append(
+                plan_pipedream(profile, topology, straight=straight, fewer_machines=fewer, **common)
+            )
         except PlanError:  # a variant may have no plan (memory): skip it
             continue
     if not seeds:
@@ -978,7 +987,7 @@ def rank_plans(
     """
     from pdjax.partition import evaluate_partition
     from pdjax.pipeline.costs import costs_from_plan
-    from pdjax.pipeline.schedule import generate
+    from pdjax.pipeline.schedules import generate
     from pdjax.pipeline.simulate import simulate, stream_length
 
     out = []

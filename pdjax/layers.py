@@ -91,7 +91,10 @@ class Layer(Protocol):
     """What pdjax needs of one layer. Implemented by :class:`LinenLayer`, :class:`NnxLayer`
     and :class:`FnLayer`."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The layer's name (read-only here, so frozen dataclasses implement it too)."""
+        ...
 
     def init(self, rng: jax.Array, x: PyTree) -> Variables:
         """Creates the layer's variables for input ``x``."""
@@ -148,7 +151,9 @@ class LinenLayer:
     module: nn.Module
     name: str
 
-    def _kwargs(self, train: bool) -> dict[str, bool]:
+    def _kwargs(self, train: bool) -> dict[str, Any]:
+        # Any, not bool: spread into Module.init/apply, whose own keyword parameters
+        # (method, mutable, ...) mypy would match a bool against
         mode = _mode_kwarg(type(self.module).__call__)
         if mode is None:
             return {}
@@ -341,16 +346,19 @@ class NnxLayer:
         self.kind = type(template).__name__
         self._graphdef, state = nnx.split(template)
         self._template = state
-        self._instance = module if self._factory is None else None
         #: variables that may also be reachable from another layer (by ``id``, with path)
-        self._owned = _owned_variables(module) if self._factory is None else captured
-        self._streams = sorted(
+        if isinstance(module, nnx.Module):  # (no factory)
+            self._instance: nnx.Module | None = module
+            self._owned = _owned_variables(module)
+        else:
+            self._instance = None
+            self._owned = captured
+        self._streams: list[str] = sorted(
             {
-                getattr(v, "tag", None)
+                v.tag  # a str: RngStream's tag is required
                 for _, v in nnx.iter_graph(template)
                 if isinstance(v, nnx.RngStream)
             }
-            - {None}
         )
         call = type(template).__call__
         self._mode = _mode_kwarg(call)
@@ -362,7 +370,7 @@ class NnxLayer:
     def __repr__(self) -> str:
         return f"NnxLayer(name={self.name!r})"
 
-    def _to_collections(self, state: nnx.State) -> Variables:
+    def _to_collections(self, state: nnx.State[Any, Any]) -> Variables:
         out: dict[str, dict[Any, Any]] = {}
         flat = nnx.to_flat_state(state)
         for path, var in flat:
@@ -373,7 +381,7 @@ class NnxLayer:
             result[coll] = _unflatten(items)
         return result
 
-    def _to_state(self, variables: Variables) -> nnx.State:
+    def _to_state(self, variables: Variables) -> nnx.State[Any, Any]:
         flat_values: dict[tuple[Any, ...], Any] = {}
         for _coll, tree in variables.items():
             for path, leaf in _flatten(tree):
@@ -417,11 +425,10 @@ class NnxLayer:
             arg, inverted = self._mode
             kwargs[arg] = (not train) if inverted else train
         if rng is not None and self._streams:
-            nnx.reseed(
-                module,
-                policy="match_shape",
-                **{s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)},
-            )
+            keys: dict[str, Any] = {
+                s: jax.random.fold_in(rng, i) for i, s in enumerate(self._streams)
+            }
+            nnx.reseed(module, policy="match_shape", **keys)
         elif rng is not None and train and self._takes_rngs:
             kwargs["rngs"] = nnx.Rngs(rng)
         try:
@@ -551,7 +558,8 @@ def _in_dtypes_of(new: Variables, old: Variables) -> Variables:
 
     out = dict(new)
     for coll, tree in new.items():
-        if coll in old and jax.tree.structure(tree) == jax.tree.structure(old[coll]):
+        # jaxlib ships no stub for PyTreeDef, whose == mypy then cannot see
+        if coll in old and jax.tree.structure(tree) == jax.tree.structure(old[coll]):  # type: ignore[operator]
             out[coll] = jax.tree.map(back, tree, old[coll])
     return out
 

@@ -29,6 +29,8 @@ True
 
 from __future__ import annotations
 
+from typing import TypeAlias
+
 import jax.numpy as jnp
 import jmp
 import numpy as np
@@ -38,7 +40,7 @@ from pdjax.errors import LayerError
 __all__ = ["Policy", "get_policy"]
 
 #: A mixed precision policy: ``jmp.Policy(param_dtype, compute_dtype, output_dtype)``.
-Policy = jmp.Policy
+Policy: TypeAlias = jmp.Policy  # Any to mypy: jmp ships no type information
 
 _FORMS = (
     "write 'bf16' (parameters and output float32, compute bfloat16) or "
@@ -80,7 +82,7 @@ def get_policy(spec: Policy | str) -> Policy:
                 policy = Policy(jnp.float32, compute, jnp.float32)
         except (ValueError, KeyError) as e:
             raise LayerError(f"precision {spec!r} is not a policy ({e}); {_FORMS}") from None
-    elif isinstance(spec, Policy):
+    elif isinstance(spec, jmp.Policy):
         policy = spec
     else:
         raise LayerError(

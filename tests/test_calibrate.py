@@ -133,7 +133,7 @@ def test_unmeasured_stage_is_refused_or_priced_from_the_profile():
 
 def test_simulator_plays_the_calibrated_costs():
     """One worker: the stage's forward + backward + update per microbatch, exactly."""
-    from pdjax.pipeline.schedule import generate
+    from pdjax.pipeline.schedules import generate
     from pdjax.pipeline.simulate import simulate
 
     plan = evaluate_partition(_profile(), Topology.flat(1, 1e6), [(0, 3, 1)],

@@ -11,7 +11,7 @@ import pytest
 import pdjax
 from pdjax.apps.cli import build_parser, main
 from pdjax.models import MODELS
-from pdjax.pipeline.schedule import SCHEDULES
+from pdjax.pipeline.schedules import SCHEDULES
 from pdjax.profile import Profile
 
 

@@ -144,7 +144,9 @@ SIMULATE_OPTIONS = ["--stages", "--microbatches", "--steps", "--chunks", "--stre
 @given(value=values, schedule=st.sampled_from(["1f1b", "interleaved", "pipedream", "all"]))
 def test_simulate_numeric_options(option, value, schedule, capsys):
     with fresh_dir() as d:
-        out = d / "trace.json"  # (a missing folder is another matter: see the report)
+        # in a folder that exists: this test is about the numbers; a trace into folders
+        # not made yet is test_output_paths_are_checked_before_any_work's
+        out = d / "trace.json"
         argv = [*SIMULATE, "--schedule", schedule, option, value, "--trace", str(out)]
         rc, err = run_cli(argv, capsys)
         check_outcome(rc, err, option)

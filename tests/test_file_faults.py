@@ -318,8 +318,13 @@ def test_plan_command_records_the_profile_hash(tmp_path):
     assert main(["plan", "--profile", "pipedream:vgg16", "--workers", "2", "--out", str(out)]) == 0
     vgg = Profile.load("pipedream:vgg16")
     assert Plan.load(out).profile_hash == vgg.content_hash()
-    # plan_pipedream itself leaves it unset; the command stamps it
-    assert plan_pipedream(vgg, Topology.flat(2, 1e9)).with_profile_hash(vgg).profile_hash
+    # the planner records it too (build_plan), not only the command; with_profile_hash
+    # stamps a copy with another profile's
+    planned = plan_pipedream(vgg, Topology.flat(2, 1e9))
+    assert planned.profile_hash == vgg.content_hash()
+    other = Profile.load("pipedream:alexnet")
+    assert planned.with_profile_hash(other).profile_hash == other.content_hash()
+    assert planned.profile_hash == vgg.content_hash()  # a copy: the plan is unchanged
 
 
 # -- C: output paths --------------------------------------------------------------------

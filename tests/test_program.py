@@ -5,7 +5,7 @@ import pytest
 
 from pdjax.errors import PipelineError
 from pdjax.pipeline.program import Placement, StagePlace, lower
-from pdjax.pipeline.schedule import SCHEDULES, generate
+from pdjax.pipeline.schedules import SCHEDULES, generate
 
 
 def _local(P, chunks=1):

@@ -21,7 +21,7 @@ from pdjax.errors import PlanError
 from pdjax.partition import Plan, StagePlan, Topology, cost, evaluate_partition, plan_pipedream
 from pdjax.pipeline import PipelineCosts, StageCosts, simulate
 from pdjax.pipeline.costs import costs_from_plan
-from pdjax.pipeline.schedule import generate, pipedream
+from pdjax.pipeline.schedules import generate, pipedream
 from pdjax.pipeline.simulate import stream_length
 from pdjax.profile import LayerProfile, Profile
 

@@ -30,7 +30,7 @@ from pdjax.pipeline import (
     validate,
     zb_h1,
 )
-from pdjax.pipeline.schedule import _live_versions, zb_h2, zb_v
+from pdjax.pipeline.schedules import live_versions, zb_h2, zb_v
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)
@@ -374,9 +374,9 @@ def test_pipedream_versions_match_the_table():
             if a.kind == "B":  # the newest weights: updates 0 .. k-1 have run
                 assert a.version == a.mb
     # Stage 0 keeps P versions (stashed for its P in-flight microbatches), the last stage 1.
-    assert [max(_live_versions(s.actions[g], g)) for g in range(P)] == [4, 3, 2, 1]
-    assert [max(_live_versions(vs.actions[g], g)) for g in range(P)] == [4, 4, 4, 4]
-    assert [max(_live_versions(stale.actions[g], g)) for g in range(P)] == [1, 1, 1, 1]
+    assert [max(live_versions(s.actions[g], g)) for g in range(P)] == [4, 3, 2, 1]
+    assert [max(live_versions(vs.actions[g], g)) for g in range(P)] == [4, 4, 4, 4]
+    assert [max(live_versions(stale.actions[g], g)) for g in range(P)] == [1, 1, 1, 1]
 
 
 def test_2bw_and_flush_versions():
@@ -386,7 +386,7 @@ def test_2bw_and_flush_versions():
         for a in group:
             expected = a.mb if a.kind == "U" else max(0, a.mb // M - 1)
             assert a.version == expected
-    assert [max(_live_versions(s.actions[g], g)) for g in range(P)] == [2, 2, 2]
+    assert [max(live_versions(s.actions[g], g)) for g in range(P)] == [2, 2, 2]
     assert format_actions(s.actions).count("U") == P * 4
     flush = one_f_one_b(P, M, steps=3)
     assert all(
@@ -820,15 +820,16 @@ def test_round_robin_refusals_and_validator():
 
 
 def _unit_rate_played(units, q):
-    """The reference for ``schedule._unit_rate``: the same orders as a :class:`Schedule`,
-    played by the general simulator ``schedule._play``."""
-    from pdjax.pipeline.schedule import Action, Schedule, _group_order, _play, _unit_stream
+    """The reference for ``inflight.unit_rate``: the same orders as a :class:`Schedule`,
+    played by the general simulator ``play.play``."""
+    from pdjax.pipeline.schedules import Action, Schedule, play
+    from pdjax.pipeline.schedules.inflight import group_order, unit_stream
 
     P = len(units)
-    N = _unit_stream(units, q)
-    assert all(N % n == 0 for n in units)  # _play needs whole groups
+    N = unit_stream(units, q)
+    assert all(N % n == 0 for n in units)  # play needs whole groups
     actions = tuple(
-        tuple(Action(kind, st, g * n) for kind, g in _group_order(N // n, q[st] - 1))
+        tuple(Action(kind, st, g * n) for kind, g in group_order(N // n, q[st] - 1))
         for st, n in enumerate(units)
     )
     sched = Schedule(
@@ -843,7 +844,7 @@ def _unit_rate_played(units, q):
         version_bound=(0,) * P,
         replication=tuple("round-robin" if n > 1 else "split" for n in units),
     )
-    _, ends, _ = _play(sched, lambda a: (1 if a.kind == "F" else 2) * units[a.stage], None)
+    _, ends, _ = play(sched, lambda a: (1 if a.kind == "F" else 2) * units[a.stage], None)
     done = [e for a, e in zip(actions[0], ends[0], strict=True) if a.kind == "B"]
     lo, hi = int(len(done) * 0.4), int(len(done) * 0.6)
     return (done[hi] - done[lo]) / ((hi - lo) * units[0])
@@ -851,32 +852,34 @@ def _unit_rate_played(units, q):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_unit_rate_equals_the_general_simulator(seed):
-    """The planner's fast in-flight search plays the same game as ``_play``: equal rates
+    """The planner's fast in-flight search plays the same game as ``play``: equal rates
     for random groups and in-flight counts, at, below and above the searched counts."""
-    from pdjax.pipeline.schedule import _unit_rate, _unstuck, round_robin_in_flight
+    from pdjax.pipeline.schedules import round_robin_in_flight
+    from pdjax.pipeline.schedules.inflight import unit_rate, unstuck
 
     rng = np.random.default_rng(seed)
     for _ in range(6):
         units = tuple(int(x) for x in rng.integers(1, 6, size=int(rng.integers(2, 6))))
         searched = round_robin_in_flight(units)
-        for q in (searched, _unstuck(units, [1] * len(units)),
+        for q in (searched, unstuck(units, [1] * len(units)),
                   tuple(x + int(rng.integers(0, 3)) for x in searched)):  # fmt: skip
-            q = _unstuck(units, list(q))
-            assert _unit_rate(units, q) == pytest.approx(_unit_rate_played(units, q)), (units, q)
+            q = unstuck(units, list(q))
+            assert unit_rate(units, q) == pytest.approx(_unit_rate_played(units, q)), (units, q)
 
 
 def test_unit_rate_with_groups_cut_short_reads_the_same_steady_state():
     """Where a multiple of every group size would be a long stream, the stages' last groups
     are cut short: the middle of the stream reads the same rate as a whole-group stream
     (exactly 3 at full rate, within a percent below it)."""
-    from pdjax.pipeline.schedule import _unit_rate, _unit_stream, _unstuck, round_robin_in_flight
+    from pdjax.pipeline.schedules import round_robin_in_flight
+    from pdjax.pipeline.schedules.inflight import unit_rate, unit_stream, unstuck
 
     for units in [(5, 7, 3), (4, 9, 5, 1), (7, 1, 6, 1, 5)]:
         period = math.lcm(*units)
-        for q in (round_robin_in_flight(units), _unstuck(units, [1] * len(units))):
-            N = _unit_stream(units, q)
+        for q in (round_robin_in_flight(units), unstuck(units, [1] * len(units))):
+            N = unit_stream(units, q)
             whole = period * -(-max(N, 12 * period) // period)
-            cut = _unit_rate(units, q, length=whole + 1)  # every stage's last group short
-            assert cut == pytest.approx(_unit_rate(units, q, length=whole), rel=0.01)
-            if _unit_rate(units, q, length=whole) == 3.0:
+            cut = unit_rate(units, q, length=whole + 1)  # every stage's last group short
+            assert cut == pytest.approx(unit_rate(units, q, length=whole), rel=0.01)
+            if unit_rate(units, q, length=whole) == 3.0:
                 assert cut == 3.0

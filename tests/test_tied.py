@@ -14,7 +14,7 @@ from pdjax.errors import LayerError, PipelineError
 from pdjax.layers import sequential
 from pdjax.pipeline import Checkpointer, Pipeline, StageSpec
 from pdjax.pipeline.program import Placement, lower
-from pdjax.pipeline.schedule import generate
+from pdjax.pipeline.schedules import generate
 
 V, D = 16, 8  # vocabulary, width
 WTE = ["00_Embed/embedding", "04_Head/embedding"]

@@ -3,6 +3,7 @@ keeps, metrics that survive restarts and stay strict JSON, the plan a resumed ru
 automatic plans that run, the devices hint, and resuming from a chosen step."""
 
 import dataclasses
+import importlib
 import json
 import math
 import shutil
@@ -25,8 +26,9 @@ from pdjax.apps.train import (
     train,
 )
 from pdjax.errors import CheckpointError, PipelineError
-from pdjax.partition import Plan
+from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline.checkpoint import Checkpointer
+from pdjax.profile import LayerProfile, Profile
 
 
 @pytest.fixture
@@ -183,6 +185,26 @@ def test_a_resume_follows_the_plan_the_run_started_with(here, monkeypatch):
         train(_cfg(plan=str(other), epochs=4), checkpoint_dir=ckpt, warmup=False)
 
 
+def test_the_plan_is_written_beside_the_metrics_and_runs_again(here, monkeypatch):
+    """Without --checkpoint-dir too: a fresh --plan auto run measures and may plan other
+    stages, so its plan file is how it is repeated."""
+    out = here / "out"
+    assert main(_argv(out, "--plan", "auto")) == 0
+    written = out / "pipedream" / PLAN_FILE
+    plan = Plan.load(written)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary[0]["plan"] == plan.describe().splitlines()[0]
+
+    def replan(*args, **kwargs):
+        raise AssertionError("a run given a plan file planned")
+
+    monkeypatch.setattr("pdjax.apps.train.auto_plan", replan)
+    again = here / "again"
+    assert main(_argv(again, "--plan", str(written))) == 0
+    assert json.loads((again / "summary.json").read_text())[0]["plan"] == summary[0]["plan"]
+    assert Plan.load(again / "pipedream" / PLAN_FILE).to_dict() == plan.to_dict()
+
+
 def test_a_resumed_schedule_auto_run_keeps_its_choice(here, monkeypatch):
     ckpt = here / "ckpt"
     cfg = _cfg(schedule="auto", plan="auto", batch_size=64, microbatches=1, epochs=1)
@@ -199,12 +221,42 @@ def test_a_resumed_schedule_auto_run_keeps_its_choice(here, monkeypatch):
         assert getattr(resumed.config, key) == getattr(first.config, key)
 
 
+def _replicating(num_layers, batch):
+    """A measured profile whose optimal plan is data parallelism over all the devices:
+    costly layers with few parameters, and activations too big to cross a cut."""
+    layers = [
+        LayerProfile(
+            f"layer{i}",
+            forward_flops=1e8,
+            backward_flops=2e8,
+            forward_bytes_accessed=1e6,
+            backward_bytes_accessed=2e6,
+            param_bytes=1000,
+            input_bytes=10**8,
+            output_bytes=10**8,
+            forward_seconds=1e-3,
+            backward_seconds=2e-3,
+        )
+        for i in range(num_layers)
+    ]
+    return Profile.chain(layers, batch_size=batch, time_source="measured:cpu")
+
+
 @pytest.mark.parametrize("devices", [3, 5, 6])
-def test_plan_auto_runs_on_device_counts_not_dividing_the_microbatch(devices):
+def test_plan_auto_runs_on_device_counts_not_dividing_the_microbatch(devices, monkeypatch):
     cfg = TrainConfig(model="cnn", devices=devices, plan="auto")  # microbatches of 16
     spec, ds = build(cfg)
     sample = ds.train_x[: cfg.microbatch_size]
-    plan = auto_plan(spec, sample, jax.devices()[:devices], "pipedream", cfg.microbatches)
+    prof = _replicating(len(spec.layers), cfg.microbatch_size)
+    monkeypatch.setattr(importlib.import_module("pdjax.profile"), "profile", lambda *a, **k: prof)
+    devs = jax.devices()[:devices]
+    optimal = plan_pipedream(
+        prof, Topology.from_devices(devs), num_microbatches=cfg.microbatches, replication="split"
+    )
+    assert [st.replicas for st in optimal.stages] == [devices]  # 16 samples over 3, 5, 6
+    plan = auto_plan(spec, sample, devs, "pipedream", cfg.microbatches)
+    # the fallback: not the optimizer's plan, but one whose replica counts divide 16
+    assert plan.stages != optimal.stages
     assert all(cfg.microbatch_size % st.replicas == 0 for st in plan.stages), plan.describe()
     runner, _ = make_runner(cfg, spec, sample, plan)
     assert runner.num_stages == plan.num_stages

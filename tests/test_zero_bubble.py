@@ -26,7 +26,7 @@ import pdjax
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.pipeline import chrome_trace, plot_gantt
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
-from pdjax.pipeline.schedule import (
+from pdjax.pipeline.schedules import (
     Schedule,
     generate,
     interleaved,
@@ -137,7 +137,7 @@ def test_flush_semantics_every_action_of_step_t_uses_version_t():
 
 
 def test_generate_and_the_schedule_list():
-    from pdjax.pipeline.schedule import SCHEDULES
+    from pdjax.pipeline.schedules import SCHEDULES
 
     assert {"zb-h2", "zb-v"} <= set(SCHEDULES)
     assert generate("zb-h2", 3, 6, steps=2) == zb_h2(3, 6, steps=2)

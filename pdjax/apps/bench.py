@@ -49,8 +49,8 @@ from pdjax.models import ModelSpec, get_model
 from pdjax.partition import Plan, Topology, evaluate_partition, plan_pipedream
 from pdjax.pipeline.costs import costs_from_plan
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
-from pdjax.pipeline.schedule import generate
-from pdjax.pipeline.simulate import PipelineCosts, simulate
+from pdjax.pipeline.schedules import STREAMING, generate
+from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate
 from pdjax.profile import Profile, profile
 
 __all__ = [
@@ -70,7 +70,6 @@ BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
 #: all-reducing in every backward (``backward``, the runtime before per-device gradient
 #: sums) or replicated round-robin (``rr``, PipeDream's replication).
 VARIANTS = ("backward", "rr")
-_STREAMING = ("pipedream", "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,9 +366,15 @@ def _plan(
     straight: bool,
 ) -> Plan:
     """The plan every schedule runs: planned, even, or loaded (at this microbatch size)."""
-    common = dict(num_microbatches=microbatches, microbatch_size=microbatch_size)
     if plan == "auto":
-        return plan_pipedream(prof, topology, schedule="1f1b", straight=straight, **common)
+        return plan_pipedream(
+            prof,
+            topology,
+            schedule="1f1b",
+            straight=straight,
+            num_microbatches=microbatches,
+            microbatch_size=microbatch_size,
+        )
     if plan == "even":
         stages = even_stages(num_layers, min(num_layers, devices))
         return evaluate_partition(
@@ -378,7 +383,8 @@ def _plan(
             [(s.first_layer, s.last_layer, 1) for s in stages],
             schedule="1f1b",
             partitioner="uniform",
-            **common,
+            num_microbatches=microbatches,
+            microbatch_size=microbatch_size,
         )
     if not Path(plan).is_file():
         raise PipelineError(f"--plan takes 'auto', 'even' or a plan JSON file; got {plan!r}")
@@ -479,7 +485,7 @@ def _pipeline_runner(
         how = {"rr": "round-robin replication", "backward": "all-reduce in every backward"}
         note = "; ".join(filter(None, [note, how[variant]]))
     batch = pipe.split_batch((x, y))
-    if name in _STREAMING:
+    if name in STREAMING:
         calls, stream = 1, batch * steps
         note = note or f"one stream of {len(stream)}"
     else:
@@ -539,7 +545,7 @@ def _shared_pool(devices: Sequence[jax.Device]) -> bool:
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
 
-def _predicted(sim: Any, devices: Sequence[jax.Device], concurrency: float) -> float:
+def _predicted(sim: Simulation, devices: Sequence[jax.Device], concurrency: float) -> float:
     """Seconds the simulation predicts for one call: its makespan, or on in-process CPU
     devices (one shared thread pool, whose every program the profile timed with the whole
     pool) the larger of that and the devices' summed busy seconds over the pool's measured

@@ -155,7 +155,7 @@ def _profile_job(job: Mapping[str, Any]) -> None:
             continue
         state = opt.init(params)
 
-        def step(p, s, g):
+        def step(p: Any, s: Any, g: Any) -> tuple[Any, Any]:
             import optax
 
             u, s = opt.update(g, s, p)
@@ -258,6 +258,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     from pdjax._sharding import held
     from pdjax.baselines import DataParallel
     from pdjax.pipeline.executor import Pipeline, StageSpec
+    from pdjax.pipeline.schedules import STREAMING
 
     spec = cluster_model(job["model"])
     b, seed, name = job["microbatch"], job["seed"], r["name"]
@@ -270,17 +271,17 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         steps = units // len(devices)
         x, y = jax.tree.map(np.asarray, spec.sample_batch(n, seed))
         dp = DataParallel(spec.layers, spec.loss, opt, devices=devices)
-        state = dp.init(jax.random.key(seed), x)
+        dp_state = dp.init(jax.random.key(seed), x)
 
-        def call() -> float:
-            nonlocal state
+        def dp_call() -> float:
+            nonlocal dp_state
             t0 = time.perf_counter()
             for _ in range(steps):
-                state, _ = dp.step(state, (x, y))
-            jax.block_until_ready(state)
+                dp_state, _ = dp.step(dp_state, (x, y))
+            jax.block_until_ready(dp_state)
             return time.perf_counter() - t0
 
-        return label, call
+        return label, dp_call
     M = r.get("microbatches", 1)
     stages = [StageSpec(f, last, (i,)) for i, (f, last) in enumerate(r["stages"])]
     pipe = Pipeline(
@@ -297,7 +298,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     x, y = jax.tree.map(np.asarray, spec.sample_batch(b * units, seed))
     mbs = [jax.tree.map(lambda a, k=k: a[k * b : (k + 1) * b], (x, y)) for k in range(units)]
     state = pipe.init(jax.random.key(seed), mbs[0][0])
-    streaming = name in ("pipedream", "2bw")  # one stream; flush schedules: steps of M
+    streaming = name in STREAMING  # one stream; flush schedules: steps of M
     calls = [mbs] if streaming else [mbs[k : k + M] for k in range(0, units, M)]
 
     def call() -> float:
@@ -315,6 +316,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         spans = []
         for chunk in calls:
             state, metrics = pipe.run(state, chunk, timeline=True)
+            assert metrics.timeline is not None  # recorded when asked for
             spans += [(sp.group, sp.start, sp.end, sp.action.kind, sp.action.stage,
                        sp.action.mb) for sp in metrics.timeline.spans]  # fmt: skip
         return spans
@@ -478,7 +480,7 @@ def _profile(
     microbatch: int,
     seed: int,
     workdir: Path,
-    stages: Sequence[tuple[int, ...]] = (),
+    stages: Sequence[tuple[int, int, int, str]] = (),
     optimizer: tuple[str, float] = ("sgd", 1e-3),
 ) -> tuple[Any, list[float], list[dict[str, Any]]]:
     """One pinned worker: the per-layer profile, per-layer update seconds, and the
@@ -539,7 +541,8 @@ def _launch(
 
     if workers == 1:
         _run_processes([pinned(0)], [_python_env({})], f"{job['model']} alone", timeout=timeout)
-        return json.loads(out.read_text())
+        alone: dict[str, Any] = json.loads(out.read_text())
+        return alone
     what = f"{job['model']} on {workers} workers"
     if emulate:
         with EmulatedNetwork(workers, rate_mbit) as net:
@@ -570,7 +573,8 @@ def _launch(
             for i in range(workers)
         ]
         _run_processes([pinned(i) for i in range(workers)], envs, what, timeout=timeout)
-    return json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 def _bandwidth(rate_mbit: float | None) -> float:
@@ -593,7 +597,7 @@ def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
 
 def _schedule(runner: str, num_stages: int, units: int, microbatches: int, extra: int = 0) -> Any:
     """The schedule a runner plays: ``units`` microbatches (see :func:`_make_runner`)."""
-    from pdjax.pipeline.schedule import generate
+    from pdjax.pipeline.schedules import generate
 
     if runner == "single":
         return generate("1f1b", 1, 1, steps=units)
@@ -627,7 +631,7 @@ def _predict(
     """``(planner, simulator)`` seconds per microbatch of one run from the per-layer profile
     alone (no calibration; ``extra``: pipedream's extra microbatches in flight)."""
     from pdjax.partition import Topology, evaluate_partition
-    from pdjax.pipeline.schedule import generate
+    from pdjax.pipeline.schedules import generate
     from pdjax.pipeline.simulate import simulate
 
     L = len(prof.layers)
@@ -845,15 +849,15 @@ def run_cluster(
         for model in models:
             experiment = "a" if model == "mlp-512" else "b"
             links: list[float | None] = list(wanted_rates[model]) if emulate else [None]
-            microbatch = sizes[model]
+            mb_size = sizes[model]
             L = len(cluster_model(model).layers)
             cuts = [((0, c), (c + 1, L - 1)) for c in range(L - 1)]
             wanted = [(0, L - 1, 1, "split"), (0, L - 1, 2, "round-robin")]
             wanted += [(f, last, 1, "split") for cut in cuts for f, last in cut]
             log(f"({experiment}) {model}: profiling and calibrating {len(wanted)} stages on "
                 "one pinned worker")  # fmt: skip
-            prof, updates, measured_stages = _profile(model, microbatch, seed, work, wanted)
-            base = {"model": model, "microbatch": microbatch, "seed": seed, "repeats": repeats}
+            prof, updates, measured_stages = _profile(model, mb_size, seed, work, wanted)
+            base = {"model": model, "microbatch": mb_size, "seed": seed, "repeats": repeats}
             log(f"({experiment}) {model}: one worker alone")
             one = [  # one jitted step, and a one-stage pipeline: the faster is the baseline
                 {"name": "single", "units": units},
@@ -863,11 +867,11 @@ def run_cluster(
             alone = _launch({**base, "runners": one}, 1, None, False, work)
             times = {k: statistics.median(v) / units for k, v in alone.items()}
             single = min(times.values())
-            cal0 = _calibration(prof, model, microbatch, measured_stages, None)
+            cal0 = _calibration(prof, model, mb_size, measured_stages, None)
             p_single, s_single = _predict_calibrated(
-                prof, cal0, None, "single", [], units, microbatch, M
+                prof, cal0, None, "single", [], units, mb_size, M
             )
-            _, s_prof = _predict(prof, updates, None, "single", [], units, microbatch, M)
+            _, s_prof = _predict(prof, updates, None, "single", [], units, mb_size, M)
             for k, how in [("single", "1 worker, one jit"), ("single-pipe", "1 worker, 1 stage")]:
                 rows.append(
                     Row(experiment, model, None, k, how, times[k], p_single, s_single,
@@ -876,9 +880,10 @@ def run_cluster(
                 )  # fmt: skip
             for rate in links:
                 topo = Topology.flat(2, _bandwidth(rate))
-                straight = plan_pipedream(prof, topo, straight=True, microbatch_size=microbatch)
+                straight = plan_pipedream(prof, topo, straight=True, microbatch_size=mb_size)
                 split = [(s.first_layer, s.last_layer) for s in straight.stages]
-                dpu = dp_units.get(rate, 8 if rate is not None and rate < 1000 else units)
+                dpu = 8 if rate is not None and rate < 1000 else units
+                dpu = dpu if rate is None else dp_units.get(rate, dpu)
                 chosen_cuts = cuts if every_cut else [tuple(split)]
                 runners: list[dict[str, Any]] = [
                     {"name": "pipedream", "label": f"pipedream@{a[1]}", "units": units,
@@ -900,7 +905,7 @@ def run_cluster(
                 got = _launch({**base, "runners": runners, "calibrate": True}, 2, rate,
                               emulate, work)  # fmt: skip
                 meas = got.pop("_calibration")
-                cal = _calibration(prof, model, microbatch, measured_stages, meas)
+                cal = _calibration(prof, model, mb_size, measured_stages, meas)
                 # everything the predictions came from, to predict again offline
                 links_seen.append({"model": model, "link_mbit": rate, "links": meas["links"],
                                    "allreduce": meas["allreduce"],
@@ -915,18 +920,20 @@ def run_cluster(
                     label = r.get("label", r["name"])
                     t = statistics.median(got[label]) / n
                     measured[label] = t
-                    args = (rate, r["name"], r.get("stages", []), n, microbatch, M,
+                    args = (rate, r["name"], r.get("stages", []), n, mb_size, M,
                             r.get("extra", 0))  # fmt: skip
                     p, sim = _predict_calibrated(prof, cal, *args)
                     _, s_old = _predict(prof, updates, *args)
                     st = r.get("stages", [])
                     layout = "DP x2" if r["name"] == "dp" else " / ".join(
                         f"{f}-{last}" for f, last in st)  # fmt: skip
+                    allreduce, allreduce_predicted = (
+                        (cal.stage(0, L - 1, 2, "round-robin").allreduce, ring)
+                        if r["name"] == "dp" else (math.nan, math.nan))  # fmt: skip
                     rows.append(
                         Row(experiment, model, rate, label, layout, t, p, sim, single / t,
                             s_single / sim, tuple(x / n for x in got[label]),
-                            *((cal.stage(0, L - 1, 2, "round-robin").allreduce, ring)
-                              if r["name"] == "dp" else ()),
+                            allreduce=allreduce, allreduce_predicted=allreduce_predicted,
                             simulated_profile=s_old)
                     )  # fmt: skip
                     if r["name"] == "dp" or (r["name"] == "pipedream" and not r.get("extra")
@@ -939,7 +946,7 @@ def run_cluster(
                 # the planner's choice, from calibrated costs, among all it may pick
                 ctopo = _topology(cal, 2, rate)
                 chosen = plan_pipedream(
-                    prof, ctopo, fewer_machines=True, microbatch_size=microbatch,
+                    prof, ctopo, fewer_machines=True, microbatch_size=mb_size,
                     replication="round-robin", stage_seconds=cal.stage_seconds("pipedream", 1),
                     allreduce_seconds=cal.allreduce_function(),
                 )  # fmt: skip
@@ -975,11 +982,11 @@ def run_cluster(
             curve: dict[str, list[tuple[float, float, float]]] = {"pipedream": [], "dp": []}
             for mbit in grid:
                 topo = Topology.flat(2, _bandwidth(mbit))
-                straight = plan_pipedream(prof, topo, straight=True, microbatch_size=microbatch)
+                straight = plan_pipedream(prof, topo, straight=True, microbatch_size=mb_size)
                 split = [(s.first_layer, s.last_layer) for s in straight.stages]
                 for name in curve:
                     p, sim = _predict_calibrated(prof, cal0, mbit, name, split, units,
-                                                 microbatch, M)  # fmt: skip
+                                                 mb_size, M)  # fmt: skip
                     curve[name].append((mbit, s_single / sim, p_single / p))
             curves[model] = curve
     return ClusterResult(

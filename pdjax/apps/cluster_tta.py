@@ -278,7 +278,8 @@ def _linked(
                "runners": [], "calibrate": True, "repeats": 1}  # fmt: skip
         got = _launch(job, 2, rate, emulate, work)
         folder.write(path, got["_calibration"])
-    return json.loads(path.read_text())
+    links: dict[str, Any] = json.loads(path.read_text())
+    return links
 
 
 def _predictions(
@@ -353,14 +354,15 @@ def _predict_whole(
         for st in prof_data["stages"]
         if (st["first"], st["last"], st["replicas"]) == (0, last, 1)
     )
-    per_mb = whole["forward"] + whole["backward"]
+    per_mb = float(whole["forward"] + whole["backward"])
+    update = float(whole["update"])
     mbs = study.batch_size // study.microbatch
     if runner == "single-mb":
-        return (per_mb + whole["update"]) / study.microbatch
+        return (per_mb + update) / study.microbatch
     if runner == "single":
-        step = mbs * per_mb + whole["update"]
+        step = mbs * per_mb + update
     else:
-        step = mbs / 2 * per_mb + float(links["allreduce_model"]) + whole["update"]
+        step = mbs / 2 * per_mb + float(links["allreduce_model"]) + update
     return step / study.batch_size
 
 
@@ -497,7 +499,7 @@ def _samples_per_second(res: Mapping[str, Any] | None) -> float | None:
     if not hist:
         return None
     samples = sum(h["samples_per_second"] * h["seconds"] for h in hist)
-    return samples / sum(h["seconds"] for h in hist)
+    return float(samples / sum(h["seconds"] for h in hist))
 
 
 def _over(a: float | None, b: float | None) -> float | None:

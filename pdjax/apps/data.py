@@ -277,7 +277,7 @@ def text(
         index = (blocks[:, None, None] * block + starts[None, :, None] + offsets).reshape(
             -1, seq_len + 1
         )
-        return tokens[index]
+        return np.asarray(tokens[index])  # integer indexing is typed Any in numpy
 
     train_blocks = np.setdiff1d(np.arange(_TEXT_BLOCKS), test_blocks)
     train, test = windows(train_blocks), windows(test_blocks)
@@ -383,12 +383,12 @@ def load_npz(path: str | os.PathLike[str]) -> Dataset:
             )
         if len(x) == 0:
             raise DataError(f"dataset file {str(path)!r}: x_{split} and y_{split} are empty")
-    for a in ("x", "y"):
-        train, test = arrays[f"{a}_train"], arrays[f"{a}_test"]
+    for part in ("x", "y"):
+        train, test = arrays[f"{part}_train"], arrays[f"{part}_test"]
         if train.shape[1:] != test.shape[1:]:
             raise DataError(
-                f"dataset file {str(path)!r}: {a}_train has rows of shape {train.shape[1:]} "
-                f"but {a}_test {test.shape[1:]}; both splits need the same row shape"
+                f"dataset file {str(path)!r}: {part}_train has rows of shape {train.shape[1:]} "
+                f"but {part}_test {test.shape[1:]}; both splits need the same row shape"
             )
     num_classes = _class_count(arrays, path)
     return Dataset(
@@ -494,7 +494,13 @@ def fit_to_sample(dataset: Dataset, sample: Any, *, num_classes: int = 0) -> Dat
                 cast[f"{split}_{part}"] = have.astype(want_a.dtype)
     result = dataset
     if cast:
-        result = dataclasses.replace(dataset, **cast)
+        result = dataclasses.replace(
+            dataset,
+            train_x=cast.get("train_x", dataset.train_x),
+            train_y=cast.get("train_y", dataset.train_y),
+            test_x=cast.get("test_x", dataset.test_x),
+            test_y=cast.get("test_y", dataset.test_y),
+        )
     if num_classes > 0:
         for split in ("train", "test"):
             y = getattr(result, f"{split}_y")

@@ -475,14 +475,18 @@ def _client_server(
     each printed after that (the server's port aside). Both are ended in all cases."""
     deadline = time.monotonic() + timeout
     addr = net.addresses[dst]
-    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    pipe = subprocess.PIPE
     srv = subprocess.Popen(
-        net.command(dst, [sys.executable, "-c", server[0], addr, *server[1]]), **pipes
+        net.command(dst, [sys.executable, "-c", server[0], addr, *server[1]]),
+        stdout=pipe,
+        stderr=pipe,
     )
     try:
         port = _readline(srv, deadline, f"the server on host {dst}")
         cli = subprocess.Popen(
-            net.command(src, [sys.executable, "-c", client[0], addr, port, *client[1]]), **pipes
+            net.command(src, [sys.executable, "-c", client[0], addr, port, *client[1]]),
+            stdout=pipe,
+            stderr=pipe,
         )
         try:
             out, err = cli.communicate(timeout=max(0.0, deadline - time.monotonic()))

@@ -22,9 +22,9 @@ accuracy reads NaN, null in the metrics file).
 Checkpoints and faults. An epoch is checkpointed only when its weights and evaluation are
 finite, and its metrics line is written once the checkpoint is committed; a diverged run
 names the last step saved. A run saves its plan beside its checkpoints (:data:`PLAN_FILE`)
-and a resumed run follows it rather than planning again (``resume_step`` picks an older
-step). A fresh run never drops another run's metrics: it refuses a metrics file holding
-lines of its own run.
+and beside its metrics, and a resumed run follows it rather than planning again
+(``resume_step`` picks an older step). A fresh run never drops another run's metrics: it
+refuses a metrics file holding lines of its own run.
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ from pdjax.baselines import DataParallel
 from pdjax.errors import CheckpointError, PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
 from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
-from pdjax.pipeline.schedule import stage_groups
+from pdjax.pipeline.schedules import STALE, stage_groups
 
 __all__ = [
     "DATASETS",
+    "PLAN_TOLERANCE",
     "EpochRecord",
     "TrainConfig",
     "TrainResult",
@@ -452,6 +453,13 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             )
 
 
+#: How much slower, predicted on the measured profile, than the measured optimum the plan
+#: made from counted costs may be and still be chosen by :func:`auto_plan`. Measured layer
+#: times move by a few % from run to run, which swaps plans predicted within that of each
+#: other; the counted plan does not move with them.
+PLAN_TOLERANCE = 0.05
+
+
 def auto_plan(
     spec: ModelSpec,
     sample: Any,
@@ -468,14 +476,50 @@ def auto_plan(
 
     The runtime splits each microbatch evenly over a split stage's devices, which the
     optimizer does not know. When its plan replicates a split stage over a count that does
-    not divide the microbatch, this returns the fastest plan that runs: the optimizer's over
+    not divide the microbatch, this takes the fastest plan that runs: the optimizer's over
     the first ``n`` devices for each smaller ``n``, and its straight pipeline (one device
-    per stage, leaving devices idle where that is faster)."""
+    per stage, leaving devices idle where that is faster).
+
+    Measured times are noisy, and plans predicted within a few % of each other swap places
+    from run to run. So the same is planned on the profile's counted costs (XLA's FLOPs and
+    bytes, fitted to the measured seconds: :func:`_counted_profile`), and that plan, whose
+    stages do not follow the noise, is returned when it is predicted on the measured
+    profile within :data:`PLAN_TOLERANCE` of the measured plan (recorded as
+    ``plan.options["stable"]``); else the measured plan. A run that must repeat a plan
+    exactly reads it from a file (``pdjax train`` writes the plan it ran)."""
     from pdjax.errors import PlanError
-    from pdjax.partition import Topology, plan_pipedream
     from pdjax.profile import profile
 
     prof = profile(spec.layers, sample, measure=True, device=devices[0], repeats=5)
+    args = (devices, schedule, microbatches, straight, replication)
+    measured = _runnable_plan(prof, *args)
+    counted = _counted_profile(prof)
+    if counted is None:
+        return measured
+    try:
+        reference = _measured_as(_runnable_plan(counted, *args), prof)
+    except (PlanError, PipelineError):
+        return measured
+    if reference is None:
+        return measured
+    if reference.time_per_microbatch > (1 + PLAN_TOLERANCE) * measured.time_per_microbatch:
+        return measured
+    stable = {"tolerance": PLAN_TOLERANCE, "measured_optimum": measured.time_per_microbatch}
+    return dataclasses.replace(reference, options={**reference.options, "stable": stable})
+
+
+def _runnable_plan(
+    prof: Any,
+    devices: Sequence[jax.Device],
+    schedule: str,
+    microbatches: int,
+    straight: bool,
+    replication: str,
+) -> Any:
+    """The optimizer's plan of ``prof`` over ``devices``, or where the runtime cannot split
+    its microbatches so, the fastest that it can (:func:`auto_plan`)."""
+    from pdjax.errors import PlanError
+    from pdjax.partition import Topology, plan_pipedream
 
     def plan(devs: Sequence[jax.Device], pure: bool, fewer: bool = False) -> Any:
         return plan_pipedream(
@@ -506,6 +550,90 @@ def auto_plan(
             "batch_size / microbatches is a multiple of the replica counts, or pass --straight"
         )
     return min(runnable, key=lambda p: p.time_per_microbatch)
+
+
+def _counted_profile(prof: Any) -> Any:
+    """``prof`` with every layer's seconds made from its counted work: ``a * flops + b *
+    bytes accessed``, with ``a, b >= 0`` fitted (least squares) to the measured forward and
+    backward seconds of all the layers, the backward's split into input and weight
+    gradients by their FLOPs. Two numbers fitted to every layer move little with the
+    noise of each; None where a layer has no counts or the fit has nothing to go on."""
+    rows, seconds = [], []
+    for layer in prof.layers:
+        for flops, moved, secs in (
+            (layer.forward_flops, layer.forward_bytes_accessed, layer.forward_seconds),
+            (layer.backward_flops, layer.backward_bytes_accessed, layer.backward_seconds),
+        ):
+            if flops is None or moved is None or secs is None:
+                return None
+            rows.append((flops, moved))
+            seconds.append(secs)
+    coef = _nonnegative_fit(np.asarray(rows, dtype=np.float64), np.asarray(seconds))
+    if coef is None:
+        return None
+    layers = []
+    for layer in prof.layers:
+        fwd = float(coef @ (layer.forward_flops, layer.forward_bytes_accessed))
+        bwd = float(coef @ (layer.backward_flops, layer.backward_bytes_accessed))
+        igr, wgr = layer.input_grad_seconds, layer.weight_grad_seconds
+        if igr is not None and wgr is not None:
+            i_flops, w_flops = layer.input_grad_flops or 0.0, layer.weight_grad_flops or 0.0
+            if i_flops + w_flops > 0:
+                igr, wgr = bwd * i_flops / (i_flops + w_flops), bwd * w_flops / (i_flops + w_flops)
+            else:  # no work counted in either: the backward is the input gradient's
+                igr, wgr = bwd, 0.0
+        layers.append(
+            dataclasses.replace(
+                layer,
+                forward_seconds=fwd,
+                backward_seconds=bwd,
+                input_grad_seconds=igr,
+                weight_grad_seconds=wgr,
+            )
+        )
+    return dataclasses.replace(prof, layers=tuple(layers), time_source="counted")
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """``c >= 0`` minimising ``|x c - y|`` for two columns (the better one alone where the
+    pair would take a negative coefficient), or None where no column has a positive fit."""
+    scale = np.linalg.norm(x, axis=0)
+    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)) or not np.any(scale > 0):
+        return None
+    z = x / np.where(scale > 0, scale, 1.0)  # FLOPs and bytes are orders of magnitude apart
+    both = np.linalg.lstsq(z, y, rcond=None)[0]
+    if np.all(both >= 0) and np.all(scale > 0):
+        return np.asarray(both / scale)  # numpy types the quotient Any
+    best, residual = None, math.inf
+    for j in np.flatnonzero(scale > 0):
+        c = float(z[:, j] @ y)  # a unit column: its least-squares coefficient
+        r = float(np.sum((y - c * z[:, j]) ** 2))
+        if c > 0 and r < residual:
+            best, residual = np.where(np.arange(2) == j, c / scale[j], 0.0), r
+    return best
+
+
+def _measured_as(plan: Any, prof: Any) -> Any:
+    """``plan``'s stages priced on ``prof`` (:func:`~pdjax.partition.evaluate_partition`),
+    or None where the evaluation would place them on other devices."""
+    from pdjax.partition import evaluate_partition
+
+    got = evaluate_partition(
+        prof,
+        plan.topology,
+        [(st.first_layer, st.last_layer, st.replicas) for st in plan.stages],
+        cost_model=plan.cost_model,
+        schedule=plan.schedule,
+        num_microbatches=plan.num_microbatches,
+        microbatch_size=plan.microbatch_size,
+        optimizer_state_factor=float(plan.options.get("optimizer_state_factor", 2.0)),
+        memory_limit=plan.memory_limit,
+        partitioner=plan.partitioner,
+        replication=[st.replication for st in plan.stages],
+    )
+    if [st.devices for st in got.stages] != [st.devices for st in plan.stages]:
+        return None
+    return dataclasses.replace(got, options={**plan.options, **got.options})
 
 
 def _splits_evenly(plan: Any) -> bool:
@@ -550,7 +678,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
         prof,
         Topology.from_devices(devices),
         batch_size=cfg.batch_size,
-        schedules=names + (["pipedream", "2bw"] if cfg.allow_stale else []),
+        schedules=names + (list(STALE) if cfg.allow_stale else []),
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
         host=host,
@@ -636,10 +764,8 @@ def make_runner(
     _check_devices(cfg)
     devices = jax.devices()
     if cfg.schedule == "dp":
-        runner = DataParallel(
-            spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices]
-        )
-        return runner, f"data parallel on {cfg.devices} devices"
+        dp = DataParallel(spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices])
+        return dp, f"data parallel on {cfg.devices} devices"
     stages, text = _stages(cfg, spec, sample, plan)
     runner = Pipeline(
         spec.layers,
@@ -820,7 +946,10 @@ def train(
         run keeps its lines of the epochs the checkpoint holds (and writes those that are
         missing), drops its lines of later epochs, and appends the new ones. A fresh run
         (nothing to resume) refuses a file that already holds lines of its run. Other
-        runs' lines are kept.
+        runs' lines are kept. The plan the run follows (where it has one) is written
+        beside the file when the run starts, as ``<run>/``:data:`PLAN_FILE` (``<run>``:
+        :func:`run_folder` of the label), with or without ``checkpoint_dir``: ``plan=``
+        that file runs the same stages again.
       on_epoch: called with each epoch's record (for progress displays).
       on_progress: called with ``(microbatches dispatched, microbatches in the epoch)``.
       warmup: compile every function first, on a throwaway copy of the state, so that
@@ -853,7 +982,9 @@ def train(
     requested = cfg  # what a checkpoint of this run is compared with
     with contextlib.ExitStack() as stack:  # closes the checkpointer on any exit
         ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
-        saved = _saved_plan(checkpoint_dir) if step is not None else None
+        saved = None
+        if step is not None and checkpoint_dir is not None:  # a step implies a dir
+            saved = _saved_plan(checkpoint_dir)
         cfg, plan, plan_given = _settle(requested, spec, ds, saved, checkpoint_dir)
         check(cfg, spec, ds)
         if tensorboard_dir is not None:
@@ -874,6 +1005,10 @@ def train(
                 on_resume(len(history), history[-1].updates if history else 0)
         if checkpoint_dir is not None and saved is None and plan is not None:
             _save_plan(Path(checkpoint_dir), plan)
+        if metrics_path is not None and plan is not None:
+            # with or without checkpoints: a fresh plan="auto" run measures and may plan
+            # other stages, so this file is how a run is repeated on the same ones
+            _save_plan(Path(metrics_path).parent / run_folder(cfg.label), plan)
         if metrics_path is not None and ckpt is not None:
             _sync_metrics(Path(metrics_path), cfg.label, history)
         if on_start is not None:
@@ -1078,10 +1213,10 @@ def _resume(
             f"{ckpt.directory} holds a checkpoint of a different run (it differs in "
             f"{changed}); use another --checkpoint-dir, or the same settings"
         )
-    history = [
-        EpochRecord(**{k: math.nan if v is None else v for k, v in r.items()})
-        for r in extra["history"]
-    ]
+    history: list[EpochRecord] = []
+    for r in extra["history"]:
+        fields: dict[str, Any] = {k: math.nan if v is None else v for k, v in r.items()}
+        history.append(EpochRecord(**fields))
     _set_aside_after(ckpt, step)
     return state, history
 
@@ -1168,6 +1303,7 @@ def _train_epoch(
 
 def _finite_weights(runner: Any, state: Any) -> bool:
     """Whether every floating value of the weights and model state is finite."""
+    tree: list[dict[str, Any]] | tuple[Any, Any]  # per-layer variables, or (params, state)
     if isinstance(runner, Pipeline) and runner.multiprocess:
         tree = runner.variables(state)  # collective: each process gets every stage
     else:

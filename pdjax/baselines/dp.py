@@ -218,11 +218,11 @@ class DataParallel:
             of :attr:`num_devices`.
         """
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
-        if len(sizes) != 1 or None in sizes:
+        n = next(iter(sizes)) if len(sizes) == 1 else None
+        if n is None:
             raise PipelineError(
                 f"every input and target needs the same leading batch axis; got sizes {sizes}"
             )
-        (n,) = sizes
         if n % self.num_devices:
             raise PipelineError(
                 f"a batch of {n} samples cannot be sharded evenly over {self.num_devices} "
@@ -290,7 +290,7 @@ class DataParallel:
     ) -> tuple[list[PyTree], list[Variables], optax.OptState, jax.Array]:
         key = jax.random.fold_in(rng, step)
 
-        def objective(p: list[PyTree]) -> tuple[jax.Array, list[Variables]]:
+        def objective(p: list[PyTree]) -> tuple[jax.Array, tuple[list[Variables], PyTree]]:
             variables = [{**s, "params": q} for q, s in zip(p, model_state, strict=True)]
             outputs, new_state = self.layers.apply(variables, inputs, train=True, rng=key)
             loss, aux = split_loss(self.loss_fn(outputs, targets))

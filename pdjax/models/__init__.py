@@ -299,8 +299,7 @@ def _import_file(path: Path, ref: str) -> Any:
 
 def _where(e: BaseException) -> str:
     """`` at file:line`` of the innermost frame of ``e``'s traceback, if any."""
-    frames = traceback.extract_tb(e.__traceback__)
-    frames = [f for f in frames if "importlib" not in f.filename]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename]
     if not frames:
         return ""
     return f", at {frames[-1].filename}:{frames[-1].lineno}"

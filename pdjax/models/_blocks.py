@@ -74,7 +74,8 @@ class MaxPool(nn.Module):
         """Pools ``x``; ``train`` is ignored."""
         del train
         w, s = self.window, self.stride
-        return nn.max_pool(x, (w, w), strides=(s, s))
+        x = nn.max_pool(x, (w, w), strides=(s, s))
+        return x
 
 
 class FullyConnected(nn.Module):
@@ -100,4 +101,5 @@ class FullyConnected(nn.Module):
         x = nn.Dense(self.features, name="dense")(x)
         if self.relu:
             x = nn.relu(x)
-        return nn.Dropout(self.dropout)(x, deterministic=not train)
+        x = nn.Dropout(self.dropout)(x, deterministic=not train)
+        return x

@@ -30,6 +30,7 @@ LSTMs with 1150 hidden units (the last with 400), BPTT length 70.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -130,8 +131,9 @@ class AWDEmbedding(nn.Module):
             keep = 1.0 - self.dropout_e
             rows = jax.random.bernoulli(self.make_rng("dropout"), keep, (self.vocab_size, 1))
             table = jnp.where(rows, table / keep, 0.0)
-        x = jnp.take(table, tokens, axis=0)
-        return nn.Dropout(self.dropout_i, broadcast_dims=(1,))(x, deterministic=not train)
+        x: jax.Array = jnp.take(table, tokens, axis=0)
+        x = nn.Dropout(self.dropout_i, broadcast_dims=(1,))(x, deterministic=not train)
+        return x
 
 
 class LockedLSTM(nn.Module):
@@ -148,8 +150,10 @@ class LockedLSTM(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         """Runs the LSTM from a zero state over the time axis 1."""
-        y = nn.RNN(nn.OptimizedLSTMCell(self.features), name="rnn")(x)
-        return nn.Dropout(self.dropout, broadcast_dims=(1,))(y, deterministic=not train)
+        rnn = nn.RNN(nn.OptimizedLSTMCell(self.features), name="rnn")
+        x = cast(jax.Array, rnn(x))  # return_carry is off: the outputs alone
+        x = nn.Dropout(self.dropout, broadcast_dims=(1,))(x, deterministic=not train)
+        return x
 
 
 def _lstm(config: AWDLMConfig, i: int, name: str | None = None) -> LockedLSTM:

@@ -35,6 +35,7 @@ vocabulary 32, source length 7 and target length 5.
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import flax.linen as nn
 import jax
@@ -163,11 +164,12 @@ class EncoderLayer(nn.Module):
         """Encodes the source states ``x[0]``."""
         enc, tgt = x
         h = nn.Dropout(self.dropout)(enc, deterministic=not train)
+        lstm: nn.Bidirectional | nn.RNN
         if self.bidirectional:
             lstm = nn.Bidirectional(_lstm(self.features), _lstm(self.features), name="lstm")
         else:
             lstm = _lstm(self.features, name="lstm")
-        y = lstm(h)
+        y = cast(jax.Array, lstm(h))  # return_carry is off: the outputs alone
         if self.residual:
             y = y + enc
         return y, tgt
@@ -216,7 +218,7 @@ class AttentionDecoderLayer(nn.Module):
         """Runs the LSTM over the target and attends over the encoder states."""
         enc, tgt = x
         h = nn.Dropout(self.dropout)(tgt, deterministic=not train)
-        dec = _lstm(self.features, name="lstm")(h)
+        dec = cast(jax.Array, _lstm(self.features, name="lstm")(h))  # no carry: outputs alone
         context = BahdanauAttention(self.features, name="attention")(dec, enc)
         return dec, context
 
@@ -241,7 +243,7 @@ class DecoderLayer(nn.Module):
         h = nn.Dropout(self.dropout)(
             jnp.concatenate([dec, context], axis=-1), deterministic=not train
         )
-        y = _lstm(self.features, name="lstm")(h)
+        y = cast(jax.Array, _lstm(self.features, name="lstm")(h))  # no carry: outputs alone
         if self.residual:
             y = y + dec
         return y, context

@@ -152,8 +152,9 @@ class GPTEmbedding(nn.Module):
             raise LayerError(f"sequence length {t} exceeds the model's context {self.context}")
         wte = nn.Embed(self.vocab_size, self.d_model, embedding_init=_normal(0.02), name="wte")
         wpe = self.param("wpe", _normal(0.01), (self.context, self.d_model))
-        x = wte(tokens) + wpe[:t].reshape(1, t, self.d_model)
-        return nn.Dropout(self.dropout)(x, deterministic=not train)
+        x: jax.Array = wte(tokens) + wpe[:t].reshape(1, t, self.d_model)
+        x = nn.Dropout(self.dropout)(x, deterministic=not train)
+        return x
 
 
 class CausalSelfAttention(nn.Module):
@@ -179,11 +180,13 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]  # each (B, T, H, D/H)
         scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // h)
         causal = jnp.tril(jnp.ones((t, t), bool)).reshape(1, 1, t, t)
-        scores = jnp.where(causal, scores, jnp.finfo(scores.dtype).min)
+        lowest = jnp.finfo(scores.dtype).min
+        scores = jnp.where(causal, scores, lowest)
         probs = nn.Dropout(self.dropout)(nn.softmax(scores, axis=-1), deterministic=not train)
-        y = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
+        y: jax.Array = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, d)
         y = nn.Dense(d, kernel_init=_normal(self.out_init_std), name="proj")(y)
-        return nn.Dropout(self.dropout)(y, deterministic=not train)
+        y = nn.Dropout(self.dropout)(y, deterministic=not train)
+        return y
 
 
 class GPTBlock(nn.Module):
@@ -213,7 +216,8 @@ class GPTBlock(nn.Module):
         y = nn.LayerNorm(self.layer_norm_eps, name="ln2")(x)
         y = nn.gelu(nn.Dense(self.mlp_ratio * d, kernel_init=_normal(0.02), name="fc")(y))
         y = nn.Dense(d, kernel_init=_normal(out_std), name="proj")(y)
-        return x + nn.Dropout(self.dropout)(y, deterministic=not train)
+        x = x + nn.Dropout(self.dropout)(y, deterministic=not train)
+        return x
 
 
 class GPTHead(nn.Module):

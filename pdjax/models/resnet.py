@@ -111,7 +111,8 @@ class Stem(nn.Module):
             name="conv",
         )(x)
         x = nn.relu(_batch_norm(self.bn_momentum, train, "bn")(x))
-        return nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        return x
 
 
 class Bottleneck(nn.Module):

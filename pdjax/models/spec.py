@@ -155,7 +155,8 @@ class ModelSpec:
           LayerError: for a custom model without an accuracy function.
         """
         if self.accuracy_fn is not None:
-            return self.accuracy_fn(outputs, targets)
+            custom: jax.Array = self.accuracy_fn(outputs, targets)
+            return custom
         if self.task == "custom":
             raise LayerError(
                 f"model {self.name!r} has no accuracy function; give one as "
@@ -166,7 +167,8 @@ class ModelSpec:
     def abstract_variables(self, batch_size: int = 1) -> list[Variables]:
         """Per-layer variables as ``jax.ShapeDtypeStruct`` trees, with no FLOPs or allocation."""
         x = self.sample_input(batch_size)
-        return jax.eval_shape(self.layers.init, jax.random.key(0), x)
+        shapes: list[Variables] = jax.eval_shape(self.layers.init, jax.random.key(0), x)
+        return shapes
 
     def num_params(self) -> int:
         """Number of parameters (the ``"params"`` collections), computed abstractly."""
@@ -288,7 +290,8 @@ class FixedSampler:
 
     def __call__(self, batch_size: int, key: jax.Array) -> tuple[PyTree, PyTree]:
         idx = np.arange(batch_size) % self.rows
-        return jax.tree.map(lambda a: a[idx], (self.x, self.y))
+        x, y = jax.tree.map(lambda a: a[idx], (self.x, self.y))
+        return x, y
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -305,7 +308,7 @@ class _CallableSampler:
                 f"sample_batch({batch_size}) returned a {type(out).__name__}; it must return "
                 "one batch (x, y)"
             )
-        return tuple(out)  # type: ignore[return-value]
+        return tuple(out)
 
 
 _FIELDS: dict[str, tuple[str, ...]] = {

@@ -7,9 +7,12 @@ step, :func:`plan_auto` searches
   other flush schedules pdjax generates; ``pipedream`` and ``2bw`` (stale weights) only
   when the caller allows them;
 * the **microbatches** per step ``M`` (divisors of ``B``; the microbatch size is ``B / M``);
-* the **stages and replication**, by PipeDream's dynamic program for each (schedule, M),
-  with and without the memory limit, each partition then improved by moving one stage
-  boundary at a time while the simulator says it is faster;
+* the **stages and replication**: every configuration on all the devices when there are
+  few (``exhaustive``: contiguous layers, replica counts summing to the devices); else
+  PipeDream's dynamic program for each (schedule, M), with and without the memory limit,
+  each partition then improved by moving one stage boundary at a time while the simulator
+  says it is faster (the program prices stages apart, the simulator the whole schedule:
+  its optimum may not be the simulator's, chiefly in how many replicas a stage gets);
 * per-stage **recomputation** (remat): a stage recomputes its forward in its backward
   only if its device group would not fit the memory limit otherwise;
 * for ``pipedream``, the **in-flight depth** (``extra_in_flight``);
@@ -21,9 +24,12 @@ asynchronous schedules), among those whose simulated peak memory fits. The dynam
 prunes; the simulator decides.
 
 The returned :class:`~pdjax.partition.Plan` records the choice in ``plan.options["auto"]``
-(schedule, M, chunks, remat per stage, in-flight depth, predicted time per sample and peak
-memory) and, under ``"alternatives"``, the best candidate of every other schedule (or why
-none fits), so a user sees why.
+(schedule, M, chunks, remat per stage, in-flight depth, predicted time per sample, peak
+memory overall and per device group, peak microbatches in flight per stage, the memory
+limit held to: the simulator's figures; the plan's own per-stage ``in_flight`` and
+``memory_bytes`` are the dynamic program's, priced for another schedule) and, under
+``"alternatives"``, the best candidate of every other schedule (or why none fits), so a
+user sees why.
 
 Recomputation in the costs: the stage's backward also runs its forward again (added to the
 input-gradient part, which the previous stage waits for), and a microbatch in flight keeps
@@ -46,18 +52,12 @@ from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
 
 __all__ = [
-    "FLUSH_SCHEDULES",
-    "STALE_SCHEDULES",
     "Candidate",
     "HostCosts",
     "evaluate_candidate",
     "plan_auto",
 ]
 
-#: Schedules whose updates equal sequential training (searched by default).
-FLUSH_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
-#: Schedules with stale weights (searched with ``allow_stale=True``).
-STALE_SCHEDULES = ("pipedream", "2bw")
 _NO_LIMIT = 1e30  # bytes: "no memory limit" for the dynamic program
 
 
@@ -75,6 +75,10 @@ class Candidate:
       time_per_sample: simulated seconds per sample.
       peak_memory: simulated bytes on the fullest device.
       fits: whether every device fits the memory limit.
+      group_peak_memory: simulated bytes on one device of each plan stage's group.
+      in_flight: simulated peak microbatches in flight per (virtual) stage: one per plan
+        stage, ``P v`` under ``interleaved`` (virtual stage ``k`` on group ``k mod P``),
+        ``2 P`` under ``zb-v`` (the V's halves; ``k`` and ``2 P - 1 - k`` share a group).
     """
 
     schedule: str
@@ -86,11 +90,15 @@ class Candidate:
     time_per_sample: float
     peak_memory: float
     fits: bool
+    group_peak_memory: tuple[float, ...] = ()
+    in_flight: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["remat"] = list(self.remat)
         out["stages"] = [list(s) for s in self.stages]
+        out["group_peak_memory"] = list(self.group_peak_memory)
+        out["in_flight"] = list(self.in_flight)
         return out
 
     @property
@@ -175,7 +183,36 @@ def evaluate_candidate(
     Raises:
       ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
     """
+    seconds, peaks, _ = _price(
+        plan,
+        profile,
+        schedule,
+        chunks=chunks,
+        remat=remat,
+        extra_in_flight=extra_in_flight,
+        batch_size=batch_size,
+        host=host,
+        calibration=calibration,
+    )
+    return seconds, peaks
+
+
+def _price(
+    plan: Plan,
+    profile: Profile,
+    schedule: str,
+    *,
+    chunks: int = 1,
+    remat: Sequence[bool] | None = None,
+    extra_in_flight: int = 0,
+    batch_size: int | None = None,
+    host: HostCosts | None = None,
+    calibration: Any = None,
+) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """:func:`evaluate_candidate`'s figures and the simulated peak microbatches in flight
+    per (virtual) stage."""
     from pdjax.pipeline import costs_from_plan, generate, simulate
+    from pdjax.pipeline.schedules import ROUND_ROBIN, STALE
     from pdjax.pipeline.simulate import stream_length
 
     P = plan.num_stages
@@ -192,7 +229,7 @@ def evaluate_candidate(
         costs = _with_remat(costs, flags, schedule, plan.replicas)
     M = plan.num_microbatches
     kwargs: dict[str, Any] = {"replicas": plan.replicas}
-    if schedule in ("gpipe", "1f1b", "pipedream", "2bw"):
+    if schedule in ROUND_ROBIN:
         kwargs["replication"] = plan.replication
     if schedule == "pipedream":
         n = stream_length("pipedream", P, replicas=plan.replicas, replication=plan.replication)
@@ -206,14 +243,14 @@ def evaluate_candidate(
         )
     sim = simulate(sched, costs)
     samples = batch_size if batch_size is not None else M * plan.microbatch_size
-    if schedule in STALE_SCHEDULES:
+    if schedule in STALE:
         seconds = sim.time_per_microbatch / plan.microbatch_size
     else:
         seconds = sim.step_time / samples
     if host is not None:  # the whole run's bound over the samples the run covers
         covered = sim.schedule.num_microbatches * plan.microbatch_size
         seconds = max(seconds, host.bound(sim) / covered)
-    return seconds, tuple(float(b) for b in sim.peak_memory)
+    return seconds, tuple(float(b) for b in sim.peak_memory), tuple(sim.peak_in_flight)
 
 
 def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequence[int]) -> Any:
@@ -289,9 +326,11 @@ def plan_auto(
         (:class:`pdjax.calibrate.Calibration` for this model, microbatch size and devices;
         give ``microbatches`` so the microbatch size is the calibrated one). The dynamic
         program still prunes on the profile.
-      exhaustive: with ``straight``, search every partition of the layers into one stage
-        per device when there are at most this many (``C(L - 1, P - 1)``): small cases are
-        then exact; beyond it, the dynamic program's partitions and ``refine``.
+      exhaustive: search every configuration of stages and replicas on all ``P`` devices
+        (contiguous layers, replica counts summing to ``P``; with ``straight``, one stage
+        per device) when there are at most this many (``sum_k C(L - 1, k - 1) C(P - 1,
+        k - 1)`` with ``k`` stages; ``C(L - 1, P - 1)`` straight): small cases are then
+        exact; beyond it, the dynamic program's partitions and ``refine``.
 
     Returns:
       The plan of the best candidate (its ``schedule`` and ``num_microbatches`` set),
@@ -303,22 +342,23 @@ def plan_auto(
       PlanError: for bad options, or a memory limit no candidate fits (the message gives
         the smallest peak memory any candidate reached, and which).
     """
-    from pdjax.pipeline.schedule import SCHEDULES
+    from pdjax.pipeline.schedules import SCHEDULES, STALE
 
     devices = topology.num_devices
     B = batch_size if batch_size is not None else profile.batch_size * devices
     if B < 1:
         raise PlanError(f"batch_size must be >= 1, got {batch_size}")
     if schedules is None:
-        names = [s for s in FLUSH_SCHEDULES if s in SCHEDULES]
+        # updates equal to sequential training by default, stale weights on request
+        names = [s for s in SCHEDULES if s not in STALE]
         if allow_stale:
-            names += list(STALE_SCHEDULES)
+            names += list(STALE)
     else:
         names = list(schedules)
         unknown = [s for s in names if s not in SCHEDULES]
         if unknown:
             raise PlanError(f"unknown schedules {unknown}; choose from {SCHEDULES}")
-        stale = [s for s in names if s in STALE_SCHEDULES]
+        stale = [s for s in names if s in STALE]
         if stale and not allow_stale:
             raise PlanError(
                 f"{stale} update with stale weights (not sequential training); pass "
@@ -428,6 +468,7 @@ def plan_auto(
     if host is not None:
         options["auto"]["host"] = dataclasses.asdict(host)
     options["auto"]["calibrated"] = calibration is not None
+    options["auto"]["memory_limit"] = limit  # the limit every candidate was held to
     options["alternatives"] = {
         name: (best[name].to_dict() if name in best else {"none": reasons.get(name, "no fit")})
         for name in names
@@ -437,16 +478,16 @@ def plan_auto(
 
 
 def _better(c: Candidate, plan: Plan) -> bool:
-    old = plan.options["_candidate"]
+    old: Candidate = plan.options["_candidate"]
     return c.time_per_sample < old.time_per_sample
 
 
 def _dp_schedule(name: str) -> str:
     """The schedule the dynamic program prices for ``name`` (the newer zero-bubble
     schedules keep 1F1B's or more in flight: price them as ``zb-h1``)."""
-    return (
-        name if name in ("gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw") else "zb-h1"
-    )
+    from pdjax.pipeline.schedules import SPLIT_BACKWARD
+
+    return "zb-h1" if name in SPLIT_BACKWARD else name
 
 
 def _partitions(
@@ -462,41 +503,37 @@ def _partitions(
     exhaustive: int = 0,
 ) -> tuple[list[Plan], bool]:
     """The dynamic program's plans for (schedule, M): under the memory limit, and without
-    it (recomputation may make it fit), replicated and straight; with ``straight`` and at
-    most ``exhaustive`` partitions into one stage per device, every one of them (then the
-    second value is True: the list is complete)."""
-    L, P = len(profile.layers), topology.num_devices
-    if straight and 1 < P <= L and math.comb(L - 1, P - 1) <= exhaustive:
-        plans = []
-        for cuts in itertools.combinations(range(1, L), P - 1):
-            bounds = (0, *cuts, L)
-            stages = [(bounds[i], bounds[i + 1] - 1, 1) for i in range(P)]
-            plans.append(
-                evaluate_partition(
-                    profile,
-                    topology,
-                    stages,
-                    cost_model=cost_model,
-                    schedule=_dp_schedule(name),
-                    num_microbatches=M,
-                    microbatch_size=size,
-                    optimizer_state_factor=factor,
-                    memory_limit=limit,
-                    partitioner="auto",
-                    replication="split",
-                )
+    it (recomputation may make it fit), replicated and straight; with at most
+    ``exhaustive`` configurations on every device (:func:`_configurations`), every one of
+    them instead (then the second value is True: the list is complete)."""
+    L = len(profile.layers)
+    mode = "auto" if name == "pipedream" else "split"
+    configs = _configurations(L, topology.num_devices, straight, exhaustive)
+    plans = []
+    for stages in configs or ():
+        try:
+            plan = evaluate_partition(
+                profile,
+                topology,
+                stages,
+                cost_model=cost_model,
+                schedule=_dp_schedule(name),
+                num_microbatches=M,
+                microbatch_size=size,
+                optimizer_state_factor=factor,
+                memory_limit=limit,
+                partitioner="auto",
+                replication=mode,
             )
+        except (PlanError, ScheduleError):  # a form the schedule has not: the others
+            continue
+        # the runtime splits each microbatch evenly over a split stage's devices
+        if all(st.replication != "split" or size % st.replicas == 0 for st in plan.stages):
+            plans.append(plan)
+    if plans:
         return plans, True
-    out = []
-    kwargs = dict(
-        cost_model=cost_model,
-        schedule=_dp_schedule(name),
-        straight=straight,
-        num_microbatches=M,
-        microbatch_size=size,
-        optimizer_state_factor=factor,
-        replication="auto" if name == "pipedream" else "split",
-    )
+    out: list[Plan] = []
+    replication = "auto" if name == "pipedream" else "split"
     error: Exception | None = None
     # the straight pipeline too (one device per stage): a replicated stage's devices must
     # divide the microbatch, and the program prices neither that nor recomputation
@@ -504,7 +541,16 @@ def _partitions(
         for pure in (True,) if straight else (False, True):
             try:
                 plan = plan_pipedream(
-                    profile, topology, memory_limit=mem, **{**kwargs, "straight": pure}
+                    profile,
+                    topology,
+                    memory_limit=mem,
+                    cost_model=cost_model,
+                    schedule=_dp_schedule(name),
+                    straight=pure,
+                    num_microbatches=M,
+                    microbatch_size=size,
+                    optimizer_state_factor=factor,
+                    replication=replication,
                 )
             except PlanError as e:
                 error = e
@@ -514,6 +560,30 @@ def _partitions(
     if not out and error is not None:
         raise error
     return out, False
+
+
+def _configurations(
+    L: int, P: int, straight: bool, limit: int
+) -> list[list[tuple[int, int, int]]] | None:
+    """Every ``(first_layer, last_layer, replicas)`` stage list of ``L`` layers that uses
+    the ``P`` devices (``straight``: one stage per device), or None when there are more
+    than ``limit``: ``C(L - 1, k - 1) C(P - 1, k - 1)`` with ``k`` stages (contiguous
+    layers, replica counts summing to ``P``)."""
+    ks = [P] if straight else list(range(1, min(L, P) + 1))
+    if straight and (P < 2 or P > L):
+        return None
+    if sum(math.comb(L - 1, k - 1) * math.comb(P - 1, k - 1) for k in ks) > limit:
+        return None
+    out = []
+    for k in ks:
+        for cuts in itertools.combinations(range(1, L), k - 1):
+            bounds = (0, *cuts, L)
+            for splits in itertools.combinations(range(1, P), k - 1):
+                devices = (0, *splits, P)
+                out.append(
+                    [(bounds[i], bounds[i + 1] - 1, devices[i + 1] - devices[i]) for i in range(k)]
+                )
+    return out
 
 
 def _evaluate(
@@ -545,8 +615,8 @@ def _evaluate(
         )
         return None
 
-    def run() -> tuple[float, tuple[float, ...]]:
-        return evaluate_candidate(
+    def run() -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+        return _price(
             plan,
             profile,
             name,
@@ -559,13 +629,13 @@ def _evaluate(
         )
 
     try:
-        seconds, peaks = run()
+        seconds, peaks, in_flight = run()
         if limit is not None and remat:
             over = [d for d, b in enumerate(peaks) if b > limit]
             if over:  # recompute only on the device groups over the limit
                 for d in over:
                     flags[d] = True
-                seconds, peaks = run()
+                seconds, peaks, in_flight = run()
     except (PlanError, ScheduleError) as err:
         reasons.setdefault(name, str(err))
         return None
@@ -580,6 +650,8 @@ def _evaluate(
         time_per_sample=seconds,
         peak_memory=peak,
         fits=limit is None or peak <= limit,
+        group_peak_memory=peaks,
+        in_flight=in_flight,
     )
 
 

@@ -159,9 +159,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
+import numpy.typing as npt
 
 from pdjax.errors import PlanError, ProfileError
 from pdjax.partition.topology import Topology
@@ -183,8 +185,23 @@ REPLICATION_OPTIONS: tuple[str, ...] = ("auto", "split", "round-robin")
 """The planner's ``replication`` option: ``"auto"`` (the cheaper mode), ``"split"`` or
 ``"round-robin"`` for every replicated stage."""
 
-#: Schedules with a round-robin form (``pdjax.pipeline.generate(..., replication=...)``).
-ROUND_ROBIN_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "pipedream", "2bw")
+#: Calibration hook ``stage_seconds(first_layer, last_layer, replicas, replication)``:
+#: measured seconds per microbatch of that stage, or None for the profile's estimate.
+StageSeconds = Callable[[int, int, int, str], float | None]
+
+#: Calibration hook ``allreduce_seconds(param_bytes, devices)``: measured seconds of one
+#: all-reduce over those device positions (or, in the search, that many replicas), or None
+#: for the ring formula.
+AllreduceSeconds = Callable[[float, tuple[int, ...] | int], float | None]
+
+
+def _round_robin_schedules() -> tuple[str, ...]:
+    """Schedules with a round-robin form (``pdjax.pipeline.generate(..., replication=...)``),
+    from the schedules' semantics table (imported here: :mod:`pdjax.pipeline` imports this
+    package)."""
+    from pdjax.pipeline.schedules import ROUND_ROBIN
+
+    return ROUND_ROBIN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,29 +274,29 @@ def versions_kept(schedule: str, in_flight_count: int) -> int:
 
 def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
-    schedule generators keep them (:func:`pdjax.pipeline.schedule.round_robin_in_flight`,
+    schedule generators keep them (:func:`pdjax.pipeline.schedules.round_robin_in_flight`,
     without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
 
     >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
     ((2, 1), (3, 2, 1), (30, 1))
     """
-    from pdjax.pipeline.schedule import round_robin_in_flight
+    from pdjax.pipeline.schedules import round_robin_in_flight
 
     return round_robin_in_flight(units)
 
 
-def stage_units(replicas: tuple[int, ...] | list[int], replication: tuple[str, ...]) -> list[int]:
+def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int]:
     """``n_s``: a round-robin stage's replicas, 1 for a split one
-    (:func:`pdjax.pipeline.schedule.group_sizes`)."""
-    from pdjax.pipeline.schedule import group_sizes
+    (:func:`pdjax.pipeline.schedules.group_sizes`)."""
+    from pdjax.pipeline.schedules import group_sizes
 
     return list(group_sizes(replicas, replication))
 
 
 def exact_in_flight(
     schedule: str,
-    replicas: tuple[int, ...] | list[int],
-    replication: tuple[str, ...],
+    replicas: Sequence[int],
+    replication: Sequence[str],
     num_microbatches: int,
 ) -> list[tuple[int, int]]:
     """Per stage ``(in_flight, versions)``: microbatches in flight over the stage's devices
@@ -298,9 +315,9 @@ def exact_in_flight(
             count = in_flight(schedule, P, s, num_microbatches)
             out.append((count, versions_kept(schedule, count)))
         return out
-    if schedule not in ROUND_ROBIN_SCHEDULES:
+    if schedule not in _round_robin_schedules():
         raise PlanError(
-            f"round-robin replication runs with {', '.join(ROUND_ROBIN_SCHEDULES)}, not "
+            f"round-robin replication runs with {', '.join(_round_robin_schedules())}, not "
             f"{schedule}; use replication='split'"
         )
     units = stage_units(replicas, replication)
@@ -340,9 +357,9 @@ def check_replication(
             raise PlanError(
                 f"replication must be one of {', '.join(REPLICATION_OPTIONS)}; got {mode!r}"
             )
-    if "round-robin" in modes and schedule not in ROUND_ROBIN_SCHEDULES:
+    if "round-robin" in modes and schedule not in _round_robin_schedules():
         raise PlanError(
-            f"round-robin replication runs with {', '.join(ROUND_ROBIN_SCHEDULES)}, not "
+            f"round-robin replication runs with {', '.join(_round_robin_schedules())}, not "
             f"{schedule}; use replication='split' (or 'auto')"
         )
 
@@ -406,7 +423,9 @@ class ModelArrays:
 
     def range_sum(self, values: np.ndarray) -> np.ndarray:
         """``(L, L)`` array of ``sum(values[i..j])`` at ``[i, j]`` (meaningless for i > j)."""
-        prefix = np.concatenate([[0.0], np.cumsum(values, dtype=np.float64)])
+        prefix: npt.NDArray[np.float64] = np.concatenate(
+            [[0.0], np.cumsum(values, dtype=np.float64)]
+        )
         return prefix[None, 1:] - prefix[:-1, None]
 
 
@@ -469,7 +488,7 @@ def model_arrays(profile: Profile, microbatch_size: int | None = None) -> ModelA
     act = outputs * scale
     # Bytes crossing a cut after s: each producer's output counts for s in [a, last use).
     diff = np.zeros(n + 1)
-    last_use = {}
+    last_use: dict[int, int] = {}
     for a, b in profile.edges:
         if dropped_sink[b]:
             continue
@@ -523,7 +542,8 @@ def stage_time(
             allreduce = ring_allreduce(weights, m, bandwidth, latency)
         return inner / m + np.asarray(allreduce, dtype=np.float64) * updates_per_microbatch
     if model == "paper":
-        return np.maximum(inner, 2.0 * (m - 1) * weights / bandwidth) / m
+        paper: np.ndarray = np.maximum(inner, 2.0 * (m - 1) * weights / bandwidth) / m
+        return paper
     allreduce = 4.0 * (m - 1) * weights / (bandwidth * m)
     if first:
         allreduce = allreduce / inner_units
@@ -540,13 +560,14 @@ def ring_allreduce(
     18.0
     """
     weights = np.asarray(weights, dtype=np.float64)
-    return (2.0 * (m - 1) / m) * weights / bandwidth + 2.0 * (m - 1) * latency
+    seconds: np.ndarray = (2.0 * (m - 1) / m) * weights / bandwidth + 2.0 * (m - 1) * latency
+    return seconds
 
 
 def cut_time(
     model: str,
-    cut_before: np.ndarray,
-    cut_after: np.ndarray,
+    cut_before: np.ndarray | float,
+    cut_after: np.ndarray | float,
     m: int,
     bandwidth: float,
     latency: float = 0.0,
@@ -565,11 +586,14 @@ def cut_time(
     before, after = np.broadcast_arrays(
         np.asarray(cut_before, dtype=np.float64), np.asarray(cut_after, dtype=np.float64)
     )
+    seconds: np.ndarray
     if model == "pipedream-code":
-        return 2.0 * np.maximum(before, after) / (bandwidth * m)
-    if model == "pdjax":
-        return before / bandwidth + latency
-    return 2.0 * before / bandwidth
+        seconds = 2.0 * np.maximum(before, after) / (bandwidth * m)
+    elif model == "pdjax":
+        seconds = before / bandwidth + latency
+    else:
+        seconds = 2.0 * before / bandwidth
+    return seconds
 
 
 def stage_memory(
@@ -601,16 +625,19 @@ def stage_memory(
         transient (``pdjax``; :func:`update_copies`).
     """
     weights = np.asarray(weights, dtype=np.float64)
+    bytes_per_device: np.ndarray
     if model == "pdjax":
-        return (
+        bytes_per_device = (
             weights * (np.asarray(versions) + optimizer_state_factor + update_copies)
             + np.asarray(stash) * np.asarray(in_flight_count) / replicas
         )
-    if model == "paper":
+    elif model == "paper":
         q = -(-np.asarray(in_flight_count) // replicas)
-        return weights * (q + optimizer_state_factor) + np.asarray(stash) * q
-    q = -(-np.asarray(units_after) // replicas)
-    return q * (np.asarray(act) + weights)
+        bytes_per_device = weights * (q + optimizer_state_factor) + np.asarray(stash) * q
+    else:
+        q = -(-np.asarray(units_after) // replicas)
+        bytes_per_device = q * (np.asarray(act) + weights)
+    return bytes_per_device
 
 
 def update_copies(schedule: str, optimizer_state_factor: float) -> float:
@@ -649,7 +676,7 @@ def calibrated(value: object, what: str) -> float | None:
     return value
 
 
-def check_calibration(stage_seconds, allreduce_seconds, cost_model: str) -> None:
+def check_calibration(stage_seconds: object, allreduce_seconds: object, cost_model: str) -> None:
     """Raises PlanError for calibration hooks that are not callables, or under a cost model
     other than ``pdjax`` (``paper`` and ``pipedream-code`` are published formulas)."""
     for name, fn in (("stage_seconds", stage_seconds), ("allreduce_seconds", allreduce_seconds)):
@@ -673,8 +700,8 @@ def partition_terms(
     model: str,
     schedule: str,
     num_microbatches: int,
-    stage_seconds=None,
-    allreduce_seconds=None,
+    stage_seconds: StageSeconds | None = None,
+    allreduce_seconds: AllreduceSeconds | None = None,
 ) -> tuple[list[float], list[float]]:
     """``(stage terms, cut terms)`` of a pipeline: per stage its time per microbatch, and
     (``pdjax``, ``paper``) per cut between stages ``t`` and ``t + 1`` its transfer time, or
@@ -691,7 +718,7 @@ def partition_terms(
     u = updates_per_microbatch(schedule, num_microbatches)
     levels = topology.levels
 
-    def level_of(positions) -> int:
+    def level_of(positions: Sequence[int]) -> int:
         return topology.link_level(min(positions), max(positions))
 
     stage_terms: list[float] = []
@@ -744,7 +771,7 @@ def partition_terms(
     return stage_terms, cut_terms
 
 
-def hierarchical_allreduce(topology: Topology, positions, weights: float) -> float:
+def hierarchical_allreduce(topology: Topology, positions: Iterable[int], weights: float) -> float:
     """Seconds of the all-reduce of ``weights`` bytes over the devices at ``positions``:
     at each level ``k`` up to the innermost one whose group holds them all, a ring over
     the level-``k`` units they occupy in one group of level ``k + 1`` (the most in any).
@@ -801,8 +828,8 @@ def data_parallel_time(
     updates_per_microbatch: float,
     *,
     per_round: bool = False,
-    stage_seconds=None,
-    allreduce_seconds=None,
+    stage_seconds: StageSeconds | None = None,
+    allreduce_seconds: AllreduceSeconds | None = None,
 ) -> float:
     """Seconds per microbatch of data parallelism over the whole topology: every level
     replicates the whole model (PipeDream's data-parallel model, under ``model``).

@@ -23,6 +23,7 @@ round-robin stage on ``r`` devices all-reduces once per group of ``r`` microbatc
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -64,7 +65,9 @@ def uniform_split(num_layers: int, num_stages: int) -> tuple[tuple[int, int], ..
     return tuple(out)
 
 
-def balanced_split(weights: Sequence[float], num_stages: int) -> tuple[tuple[int, int], ...]:
+def balanced_split(
+    weights: Sequence[float] | np.ndarray, num_stages: int
+) -> tuple[tuple[int, int], ...]:
     """The contiguous split of ``weights`` into ``num_stages`` nonempty ranges that
     minimises the largest range sum (exact; ties go to the earliest cuts).
 
@@ -118,8 +121,8 @@ def evaluate_partition(
     memory_limit: float | None = None,
     partitioner: str = "manual",
     replication: str | Sequence[str] = "auto",
-    stage_seconds: Callable[[int, int, int, str], float | None] | None = None,
-    allreduce_seconds: Callable[[float, tuple[int, ...] | int], float | None] | None = None,
+    stage_seconds: cost.StageSeconds | None = None,
+    allreduce_seconds: cost.AllreduceSeconds | None = None,
 ) -> Plan:
     """A plan for the given stages, with the cost model's predictions.
 
@@ -250,9 +253,9 @@ def _straight(
     topology: Topology,
     num_stages: int | None,
     replicas: int,
-    split,
+    split: Callable[[cost.ModelArrays, int], tuple[tuple[int, int], ...]],
     name: str,
-    kwargs: dict,
+    kwargs: dict[str, Any],
 ) -> Plan:
     if replicas < 1:
         raise PlanError(f"replicas must be at least 1, got {replicas}")
@@ -284,7 +287,7 @@ def plan_uniform(
     num_stages: int | None = None,
     *,
     replicas: int = 1,
-    **kwargs,
+    **kwargs: Any,
 ) -> Plan:
     """Equal layer counts per stage.
 
@@ -315,7 +318,7 @@ def plan_balanced_time(
     num_stages: int | None = None,
     *,
     replicas: int = 1,
-    **kwargs,
+    **kwargs: Any,
 ) -> Plan:
     """The contiguous split minimising the slowest stage's compute (exact). Arguments as
     for :func:`plan_uniform`."""
@@ -336,7 +339,7 @@ def plan_balanced_params(
     num_stages: int | None = None,
     *,
     replicas: int = 1,
-    **kwargs,
+    **kwargs: Any,
 ) -> Plan:
     """The contiguous split minimising the largest stage's parameter bytes (exact).
     Arguments as for :func:`plan_uniform`."""

@@ -180,8 +180,8 @@ class _Search:
         objective: str = "time",
         round_robin: bool = False,
         memory_mode: str = "bound",
-        stage_seconds=None,
-        allreduce_seconds=None,
+        stage_seconds: cost.StageSeconds | None = None,
+        allreduce_seconds: cost.AllreduceSeconds | None = None,
     ) -> None:
         self.arrays = arrays
         self.schedule = schedule
@@ -259,7 +259,8 @@ class _Search:
         one group of ``m G`` microbatches (``G``: devices per unit), then the all-reduces."""
         level = self.topology.levels[k]
         ar = cost.ring_allreduce(weights, m, level.bandwidth, level.latency)
-        return (num + ar) / (m * self.topology.group_size(k))
+        seconds: np.ndarray = (num + ar) / (m * self.topology.group_size(k))
+        return seconds
 
     # -- per-level terms ------------------------------------------------------------------
 
@@ -436,7 +437,8 @@ class _Search:
                 whole = self._whole_time(k, mp, self._whole_shift[k], weights_s)
                 out = np.minimum(out, whole, out=out)
             cut = cut_s / mp if self.model == "pipedream-code" else cut_s
-            return np.maximum(out, cut, out=out)
+            slowest: np.ndarray = np.maximum(out, cut, out=out)
+            return slowest
         stage = self.stage_value(k, inner, mp, n - m, first=False)
         out = np.full((self.L, self.L), np.inf)
         out[:-1] = stage[1:]
@@ -603,6 +605,7 @@ class _Search:
                 still = np.ones((L, L), dtype=bool)
                 for ua in range(0, N - r + 1):
                     mem = self.own_memory(0, r, ua)
+                    assert mem is not None  # level 0 always has a memory check
                     still &= np.broadcast_to(mem <= self.limit, (L, L))
                     ua_max[still] = ua
             self._rt_ua[r] = ua_max
@@ -722,8 +725,8 @@ def plan_pipedream(
     microbatch_size: int | None = None,
     optimizer_state_factor: float = 2.0,
     replication: str = "auto",
-    stage_seconds: Callable[[int, int, int, str], float | None] | None = None,
-    allreduce_seconds: Callable[[float, tuple[int, ...] | int], float | None] | None = None,
+    stage_seconds: cost.StageSeconds | None = None,
+    allreduce_seconds: cost.AllreduceSeconds | None = None,
 ) -> Plan:
     """The optimal pipeline configuration by PipeDream's dynamic program.
 
@@ -792,7 +795,7 @@ def plan_pipedream(
     cost.check_replication(replication, schedule, cost_model)
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
     mode = cost.resolve_replication(replication, schedule, cost_model)
-    common = dict(
+    common: dict[str, Any] = dict(  # forwarded to solve
         cost_model=cost_model,
         schedule=schedule,
         straight=straight,
@@ -813,7 +816,7 @@ def plan_pipedream(
     options.update(calibrated_options(stage_seconds, allreduce_seconds))
     if replication == "auto" and mode == "round-robin" and limit is not None:
         # Round-robin all-reduces less but may stash more per device: try both.
-        candidates = ("round-robin", "split")
+        candidates: tuple[str, ...] = ("round-robin", "split")
     else:
         candidates = (mode,)
     found, errors = [], []
@@ -828,7 +831,11 @@ def plan_pipedream(
 
 
 def _plan_mode(
-    profile: Profile, topology: Topology, mode: str, options: dict, common: dict
+    profile: Profile,
+    topology: Topology,
+    mode: str,
+    options: dict[str, Any],
+    common: dict[str, Any],
 ) -> Plan:
     """The plan for one replication mode: under ``pdjax`` with a memory limit, the program
     with the optimistic memory check first, kept if its plan fits (then optimal among all
@@ -865,8 +872,8 @@ def pipeline_time(
     cost_model: str,
     schedule: str,
     num_microbatches: int,
-    stage_seconds=None,
-    allreduce_seconds=None,
+    stage_seconds: cost.StageSeconds | None = None,
+    allreduce_seconds: cost.AllreduceSeconds | None = None,
 ) -> tuple[float, float]:
     """``(slowest term, round-trip bound)`` of the stages ``(first, last, positions)``
     with their replication modes (:func:`pdjax.partition.cost.partition_terms`,
@@ -903,7 +910,11 @@ def calibrated_options(stage_seconds: Any, allreduce_seconds: Any) -> dict[str, 
 
 
 def _finish(
-    search: _Search, tables: list[_Table], profile: Profile, topology: Topology, options: dict
+    search: _Search,
+    tables: list[_Table],
+    profile: Profile,
+    topology: Topology,
+    options: dict[str, Any],
 ) -> Plan:
     """The plan of a solved program: its configuration, with the round trip (``pdjax``)
     optimised on one level, evaluated on more (see the module doc)."""
@@ -911,10 +922,10 @@ def _finish(
     time = search.best(tables)
     rr = search.rr
 
-    def modes_of(stages) -> list[str]:
+    def modes_of(stages: list[tuple[int, int, list[int]]]) -> list[str]:
         return ["round-robin" if rr and len(pos) > 1 else "split" for _, _, pos in stages]
 
-    def terms(stages) -> tuple[float, float]:
+    def terms(stages: list[tuple[int, int, list[int]]]) -> tuple[float, float]:
         """``(slowest term, round trip)`` of ``stages`` (:func:`pipeline_time`)."""
         return pipeline_time(
             search.arrays,
@@ -928,7 +939,7 @@ def _finish(
             allreduce_seconds=search.allreduce_seconds,
         )
 
-    def exact(stages) -> float:
+    def exact(stages: list[tuple[int, int, list[int]]]) -> float:
         return max(terms(stages))
 
     if cost.has_round_trip(search.schedule, search.model):
@@ -1045,24 +1056,6 @@ def _round_trip_search(
         else:
             lo = mid
     return best_flat, best
-    top = hi
-    for _ in range(200):
-        if exact_probe:
-            top = min(top, best)
-            below = top * (1 - eps)
-            if below <= lo:
-                break
-            if not probe(below):
-                break
-            top = min(top, best)
-        if top - lo <= eps * top:
-            break
-        mid = 0.5 * (lo + top)
-        if probe(mid):
-            top = min(mid, best) if exact_probe else mid
-        else:
-            lo = mid
-    return best_flat, best
 
 
 def solve(
@@ -1079,8 +1072,8 @@ def solve(
     optimizer_state_factor: float = 2.0,
     replication: str = "split",
     memory_mode: str = "bound",
-    stage_seconds=None,
-    allreduce_seconds=None,
+    stage_seconds: cost.StageSeconds | None = None,
+    allreduce_seconds: cost.AllreduceSeconds | None = None,
 ) -> tuple[_Search, list[_Table]]:
     """Validates, checks the memory limit, and runs the program (see :func:`plan_pipedream`).
 
@@ -1116,7 +1109,7 @@ def solve(
             "an input layer); pass fewer_machines=True (--fewer-machines), allow replication, "
             "or use fewer devices"
         )
-    common = dict(
+    common: dict[str, Any] = dict(  # forwarded to both searches
         straight=straight,
         fewer=fewer_machines,
         num_microbatches=M,
@@ -1171,7 +1164,7 @@ def build_plan(
     data_parallel_time: float,
     memory_limit: float | None,
     optimizer_state_factor: float,
-    options: dict,
+    options: dict[str, Any],
     microbatch_size: int | None,
     replication: list[str] | tuple[str, ...] | None = None,
 ) -> Plan:

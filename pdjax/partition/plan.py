@@ -282,7 +282,7 @@ class Plan:
             f"in flight {list(self.in_flight)} (NOAM {self.noam}); "
             f"peak memory {max(self.memory_per_device) / 1e9:.3g} GB per device"
         )
-        if not self.fits_memory:
+        if not self.fits_memory and self.memory_limit is not None:
             tail += f" -- EXCEEDS the {self.memory_limit / 1e9:.3g} GB limit"
         return f"{head}\n{tail}"
 
@@ -363,7 +363,7 @@ class Plan:
         if limit is not None and limit <= 0:
             r.fail("memory_limit", f"must be positive bytes or null, got {limit!r}")
         digest = r.field(data, "profile_hash", "", None)  # None: a plan from before hashes
-        fields = dict(
+        fields: dict[str, Any] = dict(  # each value already checked by its reader
             num_layers=_int(r, data, "num_layers", 1),
             cost_model=r.string(r.field(data, "cost_model", ""), "cost_model"),
             schedule=r.string(r.field(data, "schedule", ""), "schedule"),
@@ -457,7 +457,7 @@ def _stage_from_dict(r: FieldReader, raw: Any, path: str) -> StagePlan:
     last = r.integer(r.field(raw, "last_layer", path), f"{path}.last_layer", minimum=0)
     if last < first:
         r.fail(path, f"last_layer {last} is before first_layer {first}")
-    values = dict(
+    values: dict[str, Any] = dict(  # each value already checked by its reader
         in_flight=r.integer(r.field(raw, "in_flight", path), f"{path}.in_flight", minimum=1),
         compute_seconds=float(
             r.number(r.field(raw, "compute_seconds", path), f"{path}.compute_seconds")

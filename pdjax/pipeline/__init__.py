@@ -11,7 +11,7 @@ them on devices (:class:`Pipeline`).
 from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.costs import costs_from_plan, weight_grad_fraction
 from pdjax.pipeline.executor import Pipeline, PipelineState, RunMetrics, StageSpec, even_stages
-from pdjax.pipeline.schedule import (
+from pdjax.pipeline.schedules import (
     KINDS,
     SCHEDULES,
     Action,

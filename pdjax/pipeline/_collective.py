@@ -49,13 +49,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
 
 __all__ = ["CollectiveLink"]
 
@@ -66,6 +67,9 @@ _MIXED_PACK = 256 * 1024  # below: leaves of mixed item sizes share one byte buf
 
 _Key = tuple[tuple[tuple[int, ...], np.dtype], ...]
 """A message layout: (shape, dtype) per leaf."""
+
+# jax leaves PartitionSpec.__init__ unannotated
+_REPLICATED = P()
 
 _WORD = {w: np.dtype(f"uint{8 * w}") for w in (1, 2, 4, 8)}  # unsigned word per item size
 
@@ -115,6 +119,13 @@ def _from_words(v: jax.Array, shape: tuple[int, ...], dtype: np.dtype) -> jax.Ar
     return jax.lax.bitcast_convert_type(v, dtype)
 
 
+def _ppermute(x: jax.Array) -> jax.Array:
+    """``x`` moved from position 0 of the link's mesh to position 1."""
+    # jax leaves ppermute unannotated
+    moved: jax.Array = jax.lax.ppermute(x, _AXIS, perm=_PERM)
+    return moved
+
+
 def _pack(leaves: Sequence[jax.Array], group: _Group) -> jax.Array:
     parts = [_to_words(leaves[i], group.word) for i in group.leaves]
     if sum(group.lengths) == 0:  # only empty leaves: move one word, as the receiver does
@@ -127,6 +138,13 @@ def _unpack(moved: jax.Array, group: _Group, key: _Key) -> list[tuple[int, jax.A
         (i, _from_words(moved[o : o + n], *key[i]))
         for i, o, n in zip(group.leaves, group.offsets, group.lengths, strict=True)
     ]
+
+
+def _spec(
+    shape: tuple[int, ...], dtype: DTypeLike, sharding: NamedSharding | None = None
+) -> jax.ShapeDtypeStruct:
+    # jax leaves ShapeDtypeStruct.__init__ unannotated
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
 
 def _ballast(buf: jax.Array) -> jax.Array:
@@ -144,7 +162,8 @@ try:  # the hot path: wrapping a leaf costs ~5 us this way, ~9 us through the pu
     def _global(aval: Any, sharding: NamedSharding, x: jax.Array) -> jax.Array:
         """``x`` (on this process's device of ``sharding``) as the global array that the
         program takes; JAX still checks the device."""
-        return _ArrayImpl(aval, sharding, [x], committed=True)
+        # a committed single-device jax.Array is an ArrayImpl at run time
+        return _ArrayImpl(aval, sharding, [cast(_ArrayImpl, x)], committed=True)
 
 except (ImportError, AttributeError):  # a JAX without them: the public, slower way
 
@@ -178,7 +197,7 @@ class CollectiveLink:
         # gives (and reads) only its own device's buffer, and the two halves are different
         # programs anyway, so the global view is nominal. Replication needs no reshape to
         # a leading axis (a dispatch per leaf) and covers scalars.
-        self._sharding = NamedSharding(self._mesh, P())
+        self._sharding = NamedSharding(self._mesh, _REPLICATED)
         me = jax.process_index()
         self._role = "src" if me == src.process_index else "dst" if me == dst.process_index else ""
         self._ballast: jax.Array | None = None
@@ -198,10 +217,11 @@ class CollectiveLink:
         stage); after it, a transfer waits for its peer up to XLA's collective timeout
         (30 min).
         """
-        spec = jax.ShapeDtypeStruct((1,), jnp.uint8)
+        spec = _spec((1,), jnp.uint8)
         if self._role == "src":
-            jax.block_until_ready(self.send(jax.device_put(np.zeros((1,), np.uint8), self.src)))
+            self.send(jax.device_put(np.zeros((1,), np.uint8), self.src)).block_until_ready()
         elif self._role == "dst":
+            # jax leaves block_until_ready unannotated
             jax.block_until_ready(self.recv(spec))
 
     # -- sender --------------------------------------------------------------------------
@@ -220,9 +240,10 @@ class CollectiveLink:
             entry = self._senders[key] = self._compile_send(key)
         program, avals = entry
         sharding = self._sharding
-        return program(
+        done: jax.Array = program(
             self._ballast, *[_global(a, sharding, x) for a, x in zip(avals, leaves, strict=True)]
         )
+        return done
 
     def _compile_send(self, key: _Key) -> Any:
         self._check("src")
@@ -231,12 +252,12 @@ class CollectiveLink:
         def half(ballast: jax.Array, *leaves: jax.Array) -> jax.Array:
             out = _ballast(ballast)
             for g in groups:
-                moved = jax.lax.ppermute(_pack(leaves, g), _AXIS, perm=_PERM)
+                moved = _ppermute(_pack(leaves, g))
                 # the sender's own result is zeros; one word of it keeps the collective
                 out = out + moved[0].astype(jnp.uint32)
             return out
 
-        args = [jax.ShapeDtypeStruct(s, d, sharding=self._sharding) for s, d in key]
+        args = [_spec(s, d, self._sharding) for s, d in key]
         return self._compile(half, args), [_aval(s, d, self._sharding) for s, d in key]
 
     # -- receiver ------------------------------------------------------------------------
@@ -255,29 +276,32 @@ class CollectiveLink:
         return jax.tree.unflatten(treedef, [a.addressable_data(0) for a in out[1:]])
 
     def _compile_recv(self, key: _Key) -> tuple[Any, list[jax.Array]]:
-        self._check("dst")
+        ballast = self._check("dst")
         groups = _plan(key)
 
         def half(ballast: jax.Array, *zeros: jax.Array) -> tuple[jax.Array, ...]:
             leaves: list[Any] = [None] * len(key)
             for g, z in zip(groups, zeros, strict=True):
-                for i, leaf in _unpack(jax.lax.ppermute(z, _AXIS, perm=_PERM), g, key):
+                for i, leaf in _unpack(_ppermute(z), g, key):
                     leaves[i] = leaf
             return (_ballast(ballast), *leaves)
 
         shapes = [((g.size,), _WORD[g.word]) for g in groups]
-        args = [jax.ShapeDtypeStruct(s, d, sharding=self._sharding) for s, d in shapes]
+        args = [_spec(s, d, self._sharding) for s, d in shapes]
         zeros = [self._on_device(np.zeros(s, d)) for s, d in shapes]
-        return self._compile(half, args), [self._ballast, *zeros]
+        return self._compile(half, args), [ballast, *zeros]
 
     # -- both ----------------------------------------------------------------------------
 
-    def _check(self, role: str) -> None:
+    def _check(self, role: str) -> jax.Array:
+        """This end's ballast buffer, made on first use; raises if this process is not
+        ``role``'s."""
         if self._role != role:
             what = "send" if role == "src" else "recv"
             raise RuntimeError(f"{self}: {what} is for the process of {getattr(self, role)}")
         if self._ballast is None:
             self._ballast = self._on_device(np.ones((_BALLAST,), np.uint8))
+        return self._ballast
 
     def _on_device(self, value: np.ndarray) -> jax.Array:
         """``value`` on this process's end of the link, as a (nominally replicated) global
@@ -292,6 +316,8 @@ class CollectiveLink:
         ``check_vma=False``: results are declared replicated too (see ``__init__``), which
         JAX's check refuses for a ``ppermute`` result (it differs per device).
         """
-        mapped = jax.shard_map(half, mesh=self._mesh, in_specs=P(), out_specs=P(), check_vma=False)
-        ballast = jax.ShapeDtypeStruct((_BALLAST,), jnp.uint8, sharding=self._sharding)
+        mapped = jax.shard_map(
+            half, mesh=self._mesh, in_specs=_REPLICATED, out_specs=_REPLICATED, check_vma=False
+        )
+        ballast = _spec((_BALLAST,), jnp.uint8, self._sharding)
         return jax.jit(mapped).lower(ballast, *args).compile()

@@ -108,10 +108,11 @@ _STEP_NAME = re.compile(r"0|[1-9]\d*")
 _GOOD_STEPS_LISTED = 3
 
 _State = TypeVar("_State", PipelineState, DPState)
+_StateType = type[PipelineState] | type[DPState]
 
 # Per state type, its fields that are Python ints (saved as JSON, restored exactly).
 # Every other field is a pytree of arrays.
-_INT_FIELDS: dict[type, tuple[str, ...]] = {
+_INT_FIELDS: dict[_StateType, tuple[str, ...]] = {
     PipelineState: ("updates", "microbatches"),
     DPState: ("step",),
 }
@@ -120,7 +121,7 @@ _ITEMS = ("arrays", "meta")
 _STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt"})
 
 
-def _state_type(state: Any, what: str) -> type:
+def _state_type(state: Any, what: str) -> _StateType:
     for cls in _INT_FIELDS:
         if isinstance(state, cls):
             return cls
@@ -146,7 +147,7 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _array_leaves(state: Any, cls: type) -> dict[str, Any]:
+def _array_leaves(state: Any, cls: _StateType) -> dict[str, Any]:
     """The state's array leaves (or the template's abstract ones), keyed by path, in
     tree order; raises for a leaf that is not an array."""
     out: dict[str, Any] = {}
@@ -250,16 +251,19 @@ def replan_names(
         # an optimizer coupled through the global norm sees (parameters, phantom scalar)
         phantom = bool(getattr(stage.optimizer, "needs_exchange", False))
         view_def = jax.tree.structure((view, 0) if phantom else view)
-        shaped = lambda t, d=view_def: jax.tree.structure(t) == d  # noqa: E731
+
+        def shaped(t: Any, d: Any = view_def) -> bool:
+            same: bool = jax.tree.structure(t) == d
+            return same
+
         tops = jax.tree_util.tree_flatten_with_path(opt, is_leaf=shaped)[0]
         for prefix, sub in tops:
             here = (GetAttrKey("opt_state"), SequenceKey(s), *prefix)
             if not shaped(sub):  # not per parameter: the same in every saved stage
-                rest = prefix
                 put(
                     _path_name(here),
                     [
-                        _path_name((GetAttrKey("opt_state"), SequenceKey(o), *rest))
+                        _path_name((GetAttrKey("opt_state"), SequenceKey(o), *prefix))
                         for o in range(len(saved_layers))
                     ],
                 )
@@ -272,7 +276,7 @@ def replan_names(
                 old = (GetAttrKey("opt_state"), SequenceKey(o), *prefix, *inner)
                 put(_path_name((*here, *inner)), [_path_name(old)])
                 sub_paths = [p[1:] for p in sub_paths]
-                prefix_in = (SequenceKey(0),)
+                prefix_in: tuple[Any, ...] = (SequenceKey(0),)
             else:
                 prefix_in = ()
             if len(sub_paths) != len(visible):
@@ -308,7 +312,7 @@ def _key_text(key: Any) -> str:
     return str(key)
 
 
-def _assemble(cls: type, template: Any, leaves: list[Any], ints: Mapping[str, Any]) -> Any:
+def _assemble(cls: _StateType, template: Any, leaves: list[Any], ints: Mapping[str, Any]) -> Any:
     """A state of ``cls`` from its array leaves (in ``template``'s tree order) and ints."""
     it = iter(leaves)
     fields: dict[str, Any] = {}
@@ -317,13 +321,13 @@ def _assemble(cls: type, template: Any, leaves: list[Any], ints: Mapping[str, An
             value = ints[field]
             fields[field] = tuple(value) if isinstance(value, list) else value
         else:
-            treedef = jax.tree.structure(getattr(template, field))
-            values = [next(it) for _ in range(treedef.num_leaves)]
+            template_leaves, treedef = jax.tree.flatten(getattr(template, field))
+            values = [next(it) for _ in template_leaves]
             fields[field] = jax.tree.unflatten(treedef, values)
     return cls(**fields)
 
 
-def _manifest(state: Any, cls: type) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def _manifest(state: Any, cls: _StateType) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The arrays to save (a PRNG key as its key data) and their manifest entries (shape,
     dtype, key implementation), keyed by path."""
     arrays: dict[str, Any] = {}
@@ -371,7 +375,8 @@ def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
         seen: dict[bytes, str] = {}
         for name in names:
             data = np.ascontiguousarray(np.asarray(arrays[name]))
-            digest = hashlib.sha256(data.view(np.uint8).reshape(-1)).digest()
+            # numpy declares ndarray a Buffer (__buffer__) only for Python >= 3.12
+            digest = hashlib.sha256(data.view(np.uint8).reshape(-1)).digest()  # type: ignore[arg-type]
             first = seen.setdefault(digest, name)
             if first != name and np.array_equal(np.asarray(arrays[first]), data):
                 out[name] = first
@@ -379,7 +384,7 @@ def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
 
 
 def _is_key(leaf: Any) -> bool:
-    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+    return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
 def _jsonable(value: Any, where: str) -> Any:
@@ -433,9 +438,9 @@ def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
         _LINKS = _LINKS or Collective()
         a, b = first_device(src), first_device(dst)
         if jax.process_index() == src:
-            jax.block_until_ready(
-                _LINKS._single(jax.device_put(value, a), a, b, spec.shape, spec.dtype, send=True)
-            )
+            _LINKS._single(
+                jax.device_put(value, a), a, b, spec.shape, spec.dtype, send=True
+            ).block_until_ready()
             return None
         return np.asarray(_LINKS._single(None, a, b, spec.shape, spec.dtype, send=False))
     from_, to = (
@@ -443,7 +448,7 @@ def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
         jax.sharding.SingleDeviceSharding(first_device(dst)),
     )
     if jax.process_index() == src:
-        jax.block_until_ready(jax.device_put(jax.device_put(value, from_), to))
+        jax.device_put(jax.device_put(value, from_), to).block_until_ready()
         return None
     remote = jax.make_array_from_single_device_arrays(spec.shape, from_, [], dtype=spec.dtype)
     return np.asarray(jax.device_put(remote, to))
@@ -453,7 +458,10 @@ _LINKS: Any = None  # the collective links of checkpoint transfers (made on firs
 
 
 def _collective_transfers() -> bool:
-    return jax.process_count() > 2 and jax.devices()[0].platform == "cpu"
+    if jax.process_count() <= 2:
+        return False
+    platform: str = jax.devices()[0].platform
+    return platform == "cpu"
 
 
 def _gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
@@ -498,7 +506,8 @@ def _checksum(array: Any) -> str:
     any flipped bit or burst of up to 32 changes it, and it runs at memory speed."""
     data = np.ascontiguousarray(np.asarray(array))
     crc = zlib.crc32(f"{data.dtype.str}{list(data.shape)}".encode())
-    crc = zlib.crc32(data.reshape(-1).view(np.uint8), crc)
+    # numpy declares ndarray a Buffer (__buffer__) only for Python >= 3.12
+    crc = zlib.crc32(data.reshape(-1).view(np.uint8), crc)  # type: ignore[arg-type]
     return f"crc32:{crc:08x}"
 
 
@@ -594,6 +603,7 @@ def _entry_problem(
         return "dtype", f"is {entry.get('dtype')!r}, not a dtype"
     impl = entry.get("key_impl")
     if impl is not None:
+        # jax leaves ShapeDtypeStruct.__init__ unannotated
         data = jax.ShapeDtypeStruct(tuple(shape), dtype)
         try:  # abstract: checks the name, and the key data's shape for it, allocating nothing
             jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=str(impl)), data)
@@ -689,7 +699,7 @@ def _failed_array(e: BaseException, names: Sequence[str]) -> str | None:
     the OCDBT database, ``"<name>/<chunk>"``), if it is one of ``names``."""
     for text in _error_texts(e):
         for found in re.findall(r"Error reading \"([^\"]+)/[^/\"]*\"|'path': '([^']+)/'", text):
-            name = found[0] or found[1]
+            name: str = found[0] or found[1]
             if name in names:
                 return name
     return None
@@ -781,7 +791,8 @@ class Checkpointer:
             self._manager.reload()
             return sorted(int(step) for step in self._manager.all_steps())
 
-        return self._from_0(read)
+        steps: list[int] = self._from_0(read)
+        return steps
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None`` if there is none."""
@@ -907,7 +918,7 @@ class Checkpointer:
         wanted = _array_leaves(template, cls)
         saved_layers = meta.get("stage_layers")
         if (
-            cls is PipelineState
+            isinstance(template, PipelineState)  # cls is PipelineState, template narrowed
             and saved_layers is not None
             and saved_layers != [len(p) for p in template.params]
         ):
@@ -922,6 +933,7 @@ class Checkpointer:
                     "(e.g. pipe.init(...)) or jax.ShapeDtypeStruct leaves with sharding=..."
                 )
             data = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+            # jax leaves ShapeDtypeStruct.__init__ unannotated
             abstract[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         restored = (
             self._read_arrays_multi(step, abstract, meta["arrays"])
@@ -1167,9 +1179,7 @@ class Checkpointer:
                     whole = whole if me == 0 else got
             if table[me, j]:
                 assert whole is not None
-                out[name] = jax.make_array_from_callback(
-                    a.shape, a.sharding, lambda index, whole=whole: whole[index]
-                )
+                out[name] = jax.make_array_from_callback(a.shape, a.sharding, whole.__getitem__)
             else:  # another process's array: shapes only here
                 out[name] = jax.make_array_from_single_device_arrays(
                     a.shape, a.sharding, [], dtype=a.dtype
@@ -1218,7 +1228,7 @@ class Checkpointer:
         return dict(meta)
 
     def _check_match(
-        self, step: int, cls: type, meta: Mapping[str, Any], wanted: Mapping[str, Any]
+        self, step: int, cls: _StateType, meta: Mapping[str, Any], wanted: Mapping[str, Any]
     ) -> None:
         where = f"step {step} in {self.directory}"
         if meta["state"] != cls.__name__:

@@ -31,7 +31,7 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +45,22 @@ from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Op, Placement, Program, StagePlace, lower
-from pdjax.pipeline.schedule import SCHEDULES, Schedule, generate, stage_groups, validate
+from pdjax.pipeline.schedules import (
+    FLUSHING,
+    ROUND_ROBIN,
+    SCHEDULES,
+    STALE,
+    STREAMING,
+    Schedule,
+    generate,
+    stage_groups,
+    validate,
+)
 from pdjax.pipeline.stage import LossFn, Stage, StageTies, split_loss, with_aux
 from pdjax.pipeline.timeline import Span, Timeline
 from pdjax.pipeline.transport import make_transport
 
 __all__ = ["Pipeline", "PipelineState", "RunMetrics", "StageSpec", "even_stages"]
-
-_ASYNC = ("pipedream", "2bw")
-_ROUND_ROBIN = ("gpipe", "1f1b", "pipedream", "2bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,12 +228,12 @@ class Pipeline:
       extra_in_flight: ``pipedream`` option: microbatches in flight per stage beyond
         ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
         each costs one more stashed weight version and activation per stage and one more
-        update of staleness (:func:`pdjax.pipeline.schedule.pipedream`).
+        update of staleness (:func:`pdjax.pipeline.schedules.pipedream`).
       replication: how a replicated stage's devices share its work: ``"split"`` (each
         microbatch split across them) or ``"round-robin"`` (PipeDream's: each device
         takes whole microbatches, ``r`` consecutive ones at once, the gradients
         all-reduced once per group; under ``pipedream`` the stage updates once per group
-        of ``r`` with their mean gradient; :func:`~pdjax.pipeline.schedule.pipedream`);
+        of ``r`` with their mean gradient; :func:`~pdjax.pipeline.schedules.pipedream`);
         one word for every stage, or one per stage; ``None``: each plan stage's
         ``replication`` attribute, else ``"split"``. Round-robin runs with ``gpipe``,
         ``1f1b``, ``pipedream`` and ``2bw``, in one process, on layers without model
@@ -281,7 +288,7 @@ class Pipeline:
         remat: bool | Sequence[bool] = False,
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
-        optimizer_scope: str = "model",
+        optimizer_scope: Literal["model", "stage"] = "model",
         extra_in_flight: int = 0,
         grad_allreduce: str = "update",
         replication: str | Sequence[str] | None = None,
@@ -348,7 +355,7 @@ class Pipeline:
         # run; for flush schedules and 2bw the two compute the same
         self._replication_asked = replication is not None
         self.replication_notes: list[str] = []
-        if not self._replication_asked and schedule not in _ROUND_ROBIN:
+        if not self._replication_asked and schedule not in ROUND_ROBIN:
             if "round-robin" in self.replication:
                 self.replication_notes.append(
                     f"the plan's round-robin stages run split: {schedule} has no round-robin form"
@@ -359,9 +366,9 @@ class Pipeline:
             for mode, spec in zip(self.replication, specs, strict=False)
         ]
         if any(round_robin):
-            if schedule not in _ROUND_ROBIN:
+            if schedule not in ROUND_ROBIN:
                 raise PipelineError(
-                    f"round-robin replication runs with gpipe, 1f1b, pipedream and 2bw, not "
+                    f"round-robin replication runs with {', '.join(ROUND_ROBIN)}, not "
                     f"{schedule}; use replication='split'"
                 )
             for s, rr in enumerate(round_robin):
@@ -472,12 +479,12 @@ class Pipeline:
             return
         name, h = across[0]
         what = f"the tied parameter {name!r} has copies on stages {list(h)}"
-        if self.schedule_name in _ASYNC:
+        if self.schedule_name in STALE:
             raise PipelineError(
                 f"{what}, but under {self.schedule_name} each stage updates at its own time "
                 "and keeps its own weight versions, so the copies would drift apart; tied "
-                "parameters across stages train with the flush schedules (gpipe, 1f1b, "
-                "interleaved, zb-h1, zb-h2, zb-v), or put all copies on one stage (any schedule)"
+                f"parameters across stages train with the flush schedules ({', '.join(FLUSHING)}), "
+                "or put all copies on one stage (any schedule)"
             )
         if self.optimizer_scope == "stage":
             raise PipelineError(
@@ -657,9 +664,7 @@ class Pipeline:
         Raises:
           PipelineError: naming the stage, the layer and the input shapes that fail.
         """
-        specs = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), sample
-        )
+        specs = _abstract(sample)
         if variables is None:
             variables, _ = jax.eval_shape(
                 partial(_init_layers, self.layers.layers, 0), jax.random.key(0), specs
@@ -748,7 +753,9 @@ class Pipeline:
                 p = _unaliased(p, [])  # tied copies here: one buffer each (donated apart)
             params.append(p)
             model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
-            init = optimizer.init if self.local[s] else partial(jax.eval_shape, optimizer.init)
+            init: Callable[[PyTree], optax.OptState] = (
+                optimizer.init if self.local[s] else partial(jax.eval_shape, optimizer.init)
+            )
             if stage.ties is not None:
                 init = _compose(init, stage.ties.view)
             o = place(init(p))
@@ -796,6 +803,7 @@ class Pipeline:
         must call it, and each gets all the variables, another process's stages copied to
         its own first device."""
         out: list[Variables] = []
+        pairs: Iterable[tuple[list[PyTree], list[Variables]]]
         pairs = zip(state.params, state.model_state, strict=True)
         if self.multiprocess:
             pairs = (
@@ -924,6 +932,7 @@ class Pipeline:
     def _count_problem(self, state: PipelineState) -> str | None:
         """What in ``state``'s counts of stages and layers differs from this pipeline's."""
         S = self.num_stages
+        got: int | None
         for field in ("params", "model_state", "opt_state", "updates"):
             got = len(getattr(state, field))
             if got != S:
@@ -991,7 +1000,7 @@ class Pipeline:
         self._analyse_optimizer(views)
         assert self.stage_optimizer is not None
         opt_state = [jax.eval_shape(self.stage_optimizer.init, v) for v in views]
-        return _state_layout(PipelineState(params, model_state, opt_state, (), 0, None))
+        return _layout(params, model_state, opt_state)
 
     def _state_variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables of ``state``, as shapes."""
@@ -1024,15 +1033,16 @@ class Pipeline:
         layout is known: one flatten of all the items (the loop over thousands of actions
         that follows must not wait on checks)."""
         whole = _layout_key(items)
-        rows = self._fits.get(whole)
-        if rows is not None:
-            return rows
+        known: list[int] | None = self._fits.get(whole)
+        if known is not None:
+            return known
         rows = []
         for k, item in enumerate(items):
             key = _layout_key(item)
             n = self._fits.get(key)
             if n is None:
                 where = f"{what} {k}"
+                parts: tuple[tuple[str, PyTree], ...]
                 if with_targets:
                     parts = (("inputs", item[0]), ("targets", item[1]))
                 else:
@@ -1093,7 +1103,7 @@ class Pipeline:
         The batch is split into ``M`` microbatches. The state passed in is consumed (its
         optimizer state is updated in place): keep the one returned.
         """
-        if self.schedule_name in _ASYNC:
+        if self.schedule_name in STREAMING:
             raise PipelineError(
                 f"{self.schedule_name} is asynchronous: its updates lag behind the stream, "
                 "so one step at a time would drain after every step (2bw would then use "
@@ -1283,7 +1293,9 @@ class Pipeline:
 
     # -- lowering and the interpreter -------------------------------------------------------
 
-    def program(self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False):
+    def program(
+        self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False
+    ) -> Program:
         """The lowered :class:`~pdjax.pipeline.program.Program` of a call over
         ``num_microbatches`` microbatches (cached). ``timeline``: unfused, one operation
         per schedule action (what a timeline records)."""
@@ -1358,6 +1370,7 @@ class Pipeline:
                     raise PipelineError("tied parameters across processes are not supported")
                 return self.transport.link(src, dst, None, replicated=True)
             if scalar:
+                # jax leaves ShapeDtypeStruct.__init__ unannotated
                 spec = jax.ShapeDtypeStruct((), jnp.float32)
             elif specs is None:
                 spec = None
@@ -1373,7 +1386,7 @@ class Pipeline:
                 return lambda: (link(None),)
             return lambda v: (link(v),)
         if kind == "LOSS":  # this call's callback (bound programs outlive a call)
-            return lambda loss, k=op.mb: (self._on_loss(k, _loss_of(loss)), ())[1]
+            return partial(self._report_loss, op.mb)
         if kind in ("WAIT", "SYNC"):
             return _wait
         prog_fn = self.stages[op.stage].program(kind, op.flags)
@@ -1381,6 +1394,13 @@ class Pipeline:
             n = prog.num_microbatches
             return lambda rng, offset: prog_fn(rng, offset, n)
         return prog_fn
+
+    def _report_loss(self, k: int, loss: Any) -> tuple[()]:
+        """A ``LOSS`` operation: hands microbatch ``k``'s loss to this call's callback."""
+        on_loss = self._on_loss
+        assert on_loss is not None  # LOSS operations are lowered only for calls with one
+        on_loss(k, _loss_of(loss))
+        return ()
 
     def _execute(
         self,
@@ -1458,6 +1478,7 @@ class Pipeline:
             # been taken). A process that went on at once could enter an XLA collective
             # (data parallelism, a replicated stage) while a transfer its peer still needs
             # waits behind it.
+            # jax leaves block_until_ready unannotated
             jax.block_until_ready(
                 [a for a in jax.tree.leaves((new_state, metrics.losses)) if held(a)]
             )
@@ -1511,8 +1532,10 @@ class Pipeline:
         """Host microbatches (numpy) go over as one array per leaf and are split on the
         devices by one cached program: two dispatches, not one transfer per microbatch."""
         leaves = jax.tree.leaves(trees)
+        placed: list[PyTree]
         if self.multiprocess or not all(isinstance(a, np.ndarray) for a in leaves):
-            return stage.place_batch(trees)
+            placed = stage.place_batch(trees)
+            return placed
         treedef = jax.tree.structure(trees[0])
         rows = [[np.shape(a)[0] for a in jax.tree.leaves(t)] for t in trees]
         key = (id(stage), treedef, len(trees), tuple(map(tuple, rows)))
@@ -1520,7 +1543,8 @@ class Pipeline:
         if split is None:
             bounds = np.cumsum([0, *(r[0] for r in rows)])
             if any(len(set(r)) != 1 for r in rows):
-                return stage.place_batch(trees)
+                placed = stage.place_batch(trees)
+                return placed
 
             def cut(whole: PyTree) -> list[PyTree]:
                 return [
@@ -1530,7 +1554,8 @@ class Pipeline:
 
             split = self._splitters[key] = jax.jit(cut, out_shardings=stage.batch_sharding)
         whole = jax.tree.map(lambda *a: np.concatenate(a), *trees)
-        return split(jax.device_put(whole, stage.batch_sharding))
+        placed = split(jax.device_put(whole, stage.batch_sharding))
+        return placed
 
     def _interpret_recording(
         self, prog: Program, code: list[Any], reg: list[Any]
@@ -1617,6 +1642,13 @@ def _state_layout(state: PipelineState) -> Any:
     """Per field (params, model state, optimizer state), per stage, the tree structure
     and the leaf shapes: what a state must share with the states a pipeline makes (not
     the dtypes, which a caller may change, as a cast to bfloat16 does)."""
+    return _layout(state.params, state.model_state, state.opt_state)
+
+
+def _layout(
+    params: Sequence[PyTree], model_state: Sequence[PyTree], opt_state: Sequence[PyTree]
+) -> Any:
+    """:func:`_state_layout` of a state's three per-stage fields."""
 
     def per_stage(trees: Sequence[PyTree]) -> tuple[Any, ...]:
         out = []
@@ -1625,7 +1657,7 @@ def _state_layout(state: PipelineState) -> Any:
             out.append((treedef, tuple(np.shape(a) for a in leaves)))
         return tuple(out)
 
-    return per_stage(state.params), per_stage(state.model_state), per_stage(state.opt_state)
+    return per_stage(params), per_stage(model_state), per_stage(opt_state)
 
 
 def _layout_key(tree: PyTree) -> Any:
@@ -1639,7 +1671,7 @@ def _rows(parts: Sequence[tuple[str, PyTree]], where: str) -> int:
     ``(("inputs", x), ("targets", t))``) shares. Targets with other rows than their
     inputs would be cut at other samples (trained on the wrong targets) or fail deep in
     XLA, so they are refused here, naming the leaf."""
-    named = [
+    named: list[tuple[str, tuple[int, ...]]] = [
         (name + jax.tree_util.keystr(path), np.shape(a))
         for name, tree in parts
         for path, a in jax.tree_util.tree_flatten_with_path(tree)[0]
@@ -1955,7 +1987,8 @@ def _plain(a: np.ndarray) -> Any:
 
 def _loss_of(value: Any) -> jax.Array:
     """The loss in a ``loss`` slot's value (the loss, or ``(loss, aux)``)."""
-    return value[0] if isinstance(value, tuple) else value
+    loss: jax.Array = value[0] if isinstance(value, tuple) else value
+    return loss
 
 
 def _wait(*values: Any) -> tuple[()]:
@@ -1975,9 +2008,14 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
 
 def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
     """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
-    return next(sh.data for sh in array.addressable_shards if sh.device == device)
+    data: jax.Array = next(sh.data for sh in array.addressable_shards if sh.device == device)
+    return data
 
 
 def _abstract(tree: PyTree) -> PyTree:
     """``tree`` with every leaf replaced by its ``jax.ShapeDtypeStruct``."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+    # jax leaves ShapeDtypeStruct.__init__ unannotated
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)),
+        tree,
+    )

@@ -128,7 +128,11 @@ class _Tag:
 
 def _abstract(tree: PyTree) -> PyTree:
     """``tree`` with ``jax.ShapeDtypeStruct`` leaves (arrays are accepted too)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+    # jax leaves ShapeDtypeStruct.__init__ unannotated
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)),
+        tree,
+    )
 
 
 def _split(tree: PyTree, s: int) -> PyTree:
@@ -447,8 +451,8 @@ def _names(srcs: Iterable[Source]) -> str:
     for kind, t in sorted(srcs):
         stages_of.setdefault(kind, []).append(t)
     kinds_of: dict[tuple[int, ...], list[str]] = {}
-    for kind, ts in stages_of.items():
-        kinds_of.setdefault(tuple(ts), []).append(kind)
+    for kind, of_kind in stages_of.items():
+        kinds_of.setdefault(tuple(of_kind), []).append(kind)
     parts = []
     for ts, kinds in kinds_of.items():
         word = "stage" if len(ts) == 1 else "stages"
@@ -552,8 +556,9 @@ def _analyse(traces: _Traces, stages: list[PyTree]) -> Coupling:
 
     # -- does the state split per stage into the per-stage optimizer's layout? -----------
     if not (
-        jax.tree.structure(upd_shape) == jax.tree.structure(full)
-        and jax.tree.structure(new_shape) == jax.tree.structure(state)
+        # jaxlib ships no type stub for PyTreeDef (its == is unknown to mypy)
+        jax.tree.structure(upd_shape) == jax.tree.structure(full)  # type: ignore[operator]
+        and jax.tree.structure(new_shape) == jax.tree.structure(state)  # type: ignore[operator]
         and len(jax.tree.leaves(state)) == n_state
     ):
         return Coupling(
@@ -570,7 +575,7 @@ def _analyse(traces: _Traces, stages: list[PyTree]) -> Coupling:
     for s in range(n):
         own = traces.stage_states[s]
         expected = _split(state, s)
-        same = jax.tree.structure(own) == jax.tree.structure(expected) and all(
+        same = jax.tree.structure(own) == jax.tree.structure(expected) and all(  # type: ignore[operator]
             (a.shape, a.dtype) == (b.shape, b.dtype)
             for a, b in zip(jax.tree.leaves(own), jax.tree.leaves(expected), strict=True)
         )
@@ -595,9 +600,9 @@ def _analyse(traces: _Traces, stages: list[PyTree]) -> Coupling:
         masks[(PARAMS, t)] = masks.get((PARAMS, t), 0) | 1 << (n_params + n_state + k)
         init_masks[(PARAMS, t)] = init_masks.get((PARAMS, t), 0) | 1 << k
     for k in range(n_state):
-        t = layout.stage_of(k)
-        if t is not None:
-            masks[(STATE, t)] = masks.get((STATE, t), 0) | 1 << (n_params + k)
+        owner = layout.stage_of(k)
+        if owner is not None:
+            masks[(STATE, owner)] = masks.get((STATE, owner), 0) | 1 << (n_params + k)
     shared_bit = [1 << (n_params + k) for k in layout.shared]
 
     def shared_used(bits: int) -> list[int]:
@@ -750,6 +755,7 @@ def _structurally_equal(
 def _accumulator_dtype(tree: PyTree) -> Any:
     """float32, or float64 when a leaf is (the phantom must not lose the model's precision)."""
     dtypes = [jnp.result_type(x) for x in jax.tree.leaves(tree)]
+    # jax leaves finfo unannotated
     wide = any(jnp.finfo(d).bits >= 64 for d in dtypes if jnp.issubdtype(d, jnp.inexact))
     return jnp.float64 if wide else jnp.float32
 
@@ -839,8 +845,9 @@ def _excess(mine: jax.Array, full: jax.Array) -> tuple[jax.Array, jax.Array]:
     if not jnp.issubdtype(dtype, jnp.inexact):
         bad = jnp.any(mine != full)
         return bad.astype(jnp.float32), bad.astype(jnp.float32)
-    rtol = max(1e-4, 64 * float(jnp.finfo(dtype).eps))
-    wide = jnp.promote_types(jnp.finfo(dtype).dtype, jnp.float32)
+    info = jnp.finfo(dtype)
+    rtol = max(1e-4, 64 * float(info.eps))
+    wide = jnp.promote_types(info.dtype, jnp.float32)
     x, y = jnp.asarray(mine).astype(wide), jnp.asarray(full).astype(wide)
     nan_x, nan_y = jnp.isnan(x), jnp.isnan(y)
     ax, ay = jnp.abs(jnp.where(nan_x, 0, x)), jnp.abs(jnp.where(nan_y, 0, y))
@@ -912,12 +919,12 @@ def exchange_mismatch(
             f"plus the phantom leaf): {type(err).__name__}: {err}"
         )
     paths = [[_keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]] for s in stages]
-    for step, (norm, per_stage) in enumerate(zip(_CHECK_NORMS, reports, strict=True)):
+    for k, (norm, per_stage) in enumerate(zip(_CHECK_NORMS, reports, strict=True)):
         for s, leaves in enumerate(per_stage):
             for i, (violation, rel) in enumerate(leaves):
                 if not violation <= 0:
                     return (
-                        f"at step {step} (gradients of global norm {norm:g}) stage {s}'s update "
+                        f"at step {k} (gradients of global norm {norm:g}) stage {s}'s update "
                         f"of {paths[s][i]} differs from the whole model's by {float(rel):.2g} "
                         "relative"
                     )
@@ -1043,7 +1050,8 @@ class StageOptimizer:
         update. ``others_sq`` (required when :attr:`needs_exchange`) is the sum of the other
         stages' :meth:`sum_squares`."""
         if self._exchange is None:
-            return self.optimizer.update(grads, opt_state, params)
+            out: tuple[PyTree, optax.OptState] = self.optimizer.update(grads, opt_state, params)
+            return out
         if others_sq is None:
             raise PipelineError(
                 "this optimizer is coupled through the gradients' global norm: pass "

@@ -40,7 +40,7 @@ slot                    value
 ======================  =============================================================
 
 A round-robin stage (PipeDream's replication; see
-:func:`~pdjax.pipeline.schedule.pipedream`) computes ``r`` microbatches in one operation:
+:func:`~pdjax.pipeline.schedules.pipedream`) computes ``r`` microbatches in one operation:
 ``GATHER`` assembles the pieces that arrived on its devices into the group value (no
 copy), ``PART`` hands the group's outputs back as one piece per microbatch (no copy), and
 each piece moves to or from its own device (``MOVE`` with ``part``).
@@ -93,7 +93,7 @@ import heapq
 from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.schedule import Action, Schedule
+from pdjax.pipeline.schedules import STREAMING, Action, Schedule
 
 __all__ = ["Op", "Placement", "Program", "StagePlace", "lower"]
 
@@ -234,7 +234,7 @@ def lower(
     """Lowers a validated ``schedule`` over ``placement`` into per-process programs.
 
     Args:
-      schedule: a schedule that passed :func:`~pdjax.pipeline.schedule.validate`.
+      schedule: a schedule that passed :func:`~pdjax.pipeline.schedules.validate`.
       placement: where each stage lives; ``placement.stages[s]`` for stage ``s``.
       remat: every stage recomputes its forward in its backward (keeps no residuals), or
         per stage, one flag each.
@@ -336,7 +336,7 @@ def _check_transport(placement: Placement) -> None:
 def _updates_in_lockstep(schedule: Schedule) -> bool:
     """Whether the stages update together, once per step each (flush schedules): update
     ``u`` of one stage then goes with update ``u`` of every other."""
-    if schedule.name in ("pipedream", "2bw"):
+    if schedule.name in STREAMING:
         return False
     counts = {
         sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
@@ -415,8 +415,8 @@ def _global_ops(
     def moved(
         slot_from: str, slot_to: str, src: int, dst: int, mb: int, part: bool = True
     ) -> list[Op]:
-        ends = tuple(mb % n_of[t] if part and rr[t] else -1 for t in (src, dst))
-        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=ends)]
+        sp, dp = (mb % n_of[t] if part and rr[t] else -1 for t in (src, dst))
+        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=(sp, dp))]
 
     def gathered(prefix: str, s: int, k: int) -> list[Op]:
         """A round-robin stage's group value from the pieces on its devices."""
@@ -516,7 +516,7 @@ def _global_ops(
                         )
                     )
                 else:
-                    acc[s] = f"g{s}.{k}"
+                    acc[s] = gsum = f"g{s}.{k}"
                     ops.append(
                         Op(
                             "FB",
@@ -525,7 +525,7 @@ def _global_ops(
                             v,
                             frozenset(flags),
                             (w, state[s], x, key, target(s, k), *g_in),
-                            (loss_slot(s, k), new_state, acc[s], *e),
+                            (loss_slot(s, k), new_state, gsum, *e),
                             actions=(a, nxt),
                         )
                     )
@@ -584,7 +584,7 @@ def _global_ops(
                 if acc[s]:
                     flags.add("acc")
                 if a.kind == "W":
-                    acc[s] = f"g{s}.{k}"
+                    acc[s] = gsum = f"g{s}.{k}"
                     ops.append(
                         Op(
                             "W",
@@ -593,7 +593,7 @@ def _global_ops(
                             v,
                             frozenset(flags),
                             (w, x, *R, f"c{s}.{k}", *g_in),
-                            (acc[s],),
+                            (gsum,),
                             actions=(a,),
                         )
                     )
@@ -621,7 +621,7 @@ def _global_ops(
                         )
                     )
                 else:
-                    acc[s] = f"g{s}.{k}"
+                    acc[s] = gsum = f"g{s}.{k}"
                     ops.append(
                         Op(
                             "B",
@@ -630,7 +630,7 @@ def _global_ops(
                             v,
                             frozenset(flags),
                             (w, x, *R, *d, *g_in),
-                            (acc[s], *e),
+                            (gsum, *e),
                             actions=(a,),
                         )
                     )
@@ -641,9 +641,9 @@ def _global_ops(
                 raise PipelineError(
                     f"{a.describe()} expects version {v}, stage {s} is at {latest[s]}"
                 )
-            if acc[s] is None:
-                raise PipelineError(f"{a.describe()} has no gradient to apply")
             grads = acc[s]
+            if grads is None:
+                raise PipelineError(f"{a.describe()} has no gradient to apply")
             n = latest[s]
             u = updates[s]
             if owners[s]:  # this stage's tied gradients, to each owner of a group it holds

@@ -94,13 +94,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedule import (
+from pdjax.pipeline.schedules import (
+    SEMANTICS,
+    STREAMING,
     Action,
     Schedule,
-    _live_versions,
-    _play,
     group_sizes,
+    live_versions,
+    play,
     round_robin_in_flight,
+    semantics,
     validate,
 )
 from pdjax.pipeline.timeline import Span, Timeline, Transfer
@@ -292,8 +295,9 @@ class PipelineCosts:
         >>> costs.allreduce(0, 2), costs.allreduce(1, 2)
         (10.0, 3.0)
         """
-        if self.allreduce_seconds is not None and self.allreduce_seconds[stage] is not None:
-            return float(self.allreduce_seconds[stage])
+        measured = None if self.allreduce_seconds is None else self.allreduce_seconds[stage]
+        if measured is not None:
+            return float(measured)
         r = replicas
         return 2 * (r - 1) / r * self.stages[stage].param_bytes / self.allreduce_bandwidth[stage]
 
@@ -424,7 +428,7 @@ class PipelineCosts:
 
     def v_shape(self) -> PipelineCosts:
         """Costs of ``zb-v``'s ``2P`` stages: each stage cut into two equal chunks placed
-        in a V (:func:`~pdjax.pipeline.schedule.stage_groups`).
+        in a V (:func:`~pdjax.pipeline.schedules.stage_groups`).
 
         Stage ``s`` of the V runs on group ``g = min(s, 2P - 1 - s)`` and gets half of
         stage ``g``'s compute, weights, optimizer state, stash, cotangents and measured
@@ -501,7 +505,7 @@ class PipelineCosts:
             allreduce_seconds=(
                 None
                 if measured is None
-                else tuple(None if measured[g] is None else measured[g] / 2 for g in groups)
+                else tuple(None if (m := measured[g]) is None else m / 2 for g in groups)
             ),
             memory_model=self.memory_model,
             posted_receives=self.posted_receives,
@@ -562,7 +566,7 @@ def stream_length(
     (as the generators require). Without round-robin stages it is ``M`` times
     ``max(4, ceil(2 P / M))`` (``M = 1`` for ``pipedream``); with them, long enough to hold
     the fill and the drain (the microbatches the stages keep in flight,
-    :func:`~pdjax.pipeline.schedule.round_robin_in_flight`, twice over, and
+    :func:`~pdjax.pipeline.schedules.round_robin_in_flight`, twice over, and
     ``4 (n_0 + ... + n_{P-1})``) and four periods of ``lcm(M, n_0, ..., n_{P-1})``
     microbatches between them.
 
@@ -578,7 +582,9 @@ def stream_length(
     >>> stream_length("pipedream", 2, replicas=(15, 1), replication="round-robin")
     195
     """
-    M = microbatches_per_step if name == "2bw" else 1
+    row = SEMANTICS.get(name)
+    streams_steps = row is not None and row.streams and not row.updates_per_microbatch
+    M = microbatches_per_step if streams_steps else 1
     reps = tuple(replicas) if replicas is not None else (1,) * num_stages
     modes = (replication,) * len(reps) if isinstance(replication, str) else replication
     modes = tuple(modes or ("split",) * len(reps))
@@ -654,7 +660,7 @@ def _check_match(schedule: Schedule, costs: PipelineCosts) -> None:
         hint = ""
         if schedule.chunks > 1 and len(costs.stages) == schedule.num_groups:
             hint = f"; use costs.interleave({schedule.chunks}) for an interleaved schedule"
-            if schedule.name == "zb-v":
+            if semantics(schedule.name).v_shaped:
                 hint = "; use costs.v_shape() for zb-v (its 2P stages in a V)"
         raise ScheduleError(
             f"the costs describe {len(costs.stages)} stages but the {schedule.name} schedule "
@@ -706,7 +712,7 @@ def _memory(
         r = schedule.replicas[g]
         for s in schedule.stages_of(g):
             st = costs.stages[s]
-            versions = _live_versions(acts, s)
+            versions = live_versions(acts, s)
             if runtime:
                 versions = _with_call_weights(acts, s, versions)
             in_flight = 0
@@ -829,7 +835,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         ScheduleError: if the schedule is invalid or the costs describe a different number
             of stages.
 
-    >>> from pdjax.pipeline.schedule import one_f_one_b
+    >>> from pdjax.pipeline.schedules import one_f_one_b
     >>> sim = simulate(one_f_one_b(4, 8), unit_costs(4))
     >>> sim.step_time, round(sim.bubble_fraction, 4)  # 3 (M + P - 1); (P - 1) / (M + P - 1)
     (33.0, 0.2727)
@@ -847,7 +853,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         seconds = costs.stages[cut].activation_bytes / costs.bandwidth(cut, backward=backward)
         return seconds + costs.latency(cut)
 
-    starts, ends, moves = _play(schedule, duration, transfer, costs.posted_receives)
+    starts, ends, moves = play(schedule, duration, transfer, costs.posted_receives)
     spans = tuple(
         Span(g, start, end, a)
         for g, acts in enumerate(schedule.actions)
@@ -861,7 +867,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     )
     makespan = timeline.makespan
     G, M = schedule.num_groups, schedule.microbatches_per_step
-    window = _steady_window(schedule, ends) if schedule.name in ("pipedream", "2bw") else None
+    window = _steady_window(schedule, ends) if schedule.name in STREAMING else None
     if window is None:
         step_time = makespan / schedule.num_steps
         lo, hi = 0.0, makespan

@@ -83,6 +83,10 @@ class _ResidualLayout:
 
 _Pullbacks = list[Callable[..., Any]]
 
+# jax leaves PartitionSpec.__init__ unannotated
+_BATCH = P("data")
+_WHOLE = P()
+
 
 @dataclasses.dataclass(frozen=True)
 class StageTies:
@@ -249,8 +253,8 @@ class Stage:
         self.remat = remat
         self.scale = scale
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
-        self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.replicated = NamedSharding(self.mesh, _WHOLE)
+        self.batch_sharding = NamedSharding(self.mesh, _BATCH)
         self.trace_counts: dict[str, int] = {}
         # per-device gradient sums (see the module docstring); decided by check_parts
         self.per_device = False
@@ -354,6 +358,9 @@ class Stage:
                 res = args[2 : 2 + nres]
                 i = 2 + nres
                 pbs = pullbacks(w, x, res)
+                # None: I (no weight gradients)
+                g: list[PyTree] | None
+                out_g: list[PyTree] | None
                 if kind == "W":
                     cts = args[i]
                     i += 1
@@ -372,6 +379,7 @@ class Stage:
                     return (*e_out, cts)
                 if not upd:
                     return (out_g, *e_out)
+                assert out_g is not None  # BU's chain computes both: the weight gradients
                 new_w, new_o, _ = self._fused_update(out_g, w, args[i:], newest)
                 return (new_w, new_o, *e_out)
 
@@ -385,6 +393,7 @@ class Stage:
             def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
                 y, new_st, pbs, _ = self._forward_vjp(w, st, x, key, t)
                 g, e, _ = self._chain(pbs, None, "both", first)
+                assert g is not None  # "both": the weight gradients are there
                 i = 0
                 if acc:
                     g = jax.tree.map(jnp.add, rest[0], g)
@@ -478,13 +487,16 @@ class Stage:
         return pv, x
 
     def _pin(self, a: jax.Array) -> jax.Array:
-        return jax.lax.with_sharding_constraint(a, self.batch_sharding)
+        # jax leaves with_sharding_constraint unannotated
+        pinned: jax.Array = jax.lax.with_sharding_constraint(a, self.batch_sharding)
+        return pinned
 
     def _reduce(self, g: list[PyTree]) -> list[PyTree]:
         """The weight gradient from the per-device partial sums (the one all-reduce)."""
         if self.parts == 1:
             return g
-        return jax.tree.map(lambda a: jnp.sum(a, axis=0), g)
+        summed: list[PyTree] = jax.tree.map(lambda a: jnp.sum(a, axis=0), g)
+        return summed
 
     def check_parts(
         self, params: list[PyTree], state: list[Variables], x: PyTree, rtol: float = 1e-5
@@ -543,13 +555,14 @@ class Stage:
             (whole, split, whole_state, part_states)
         )  # PRNG keys (nnx RNG streams in the model state) compare by their bits
         a_leaves, b_leaves = jax.tree.leaves(whole), jax.tree.leaves(split)
-        same = jax.tree.structure(whole) == jax.tree.structure(split) and all(
+        # jaxlib ships no type stub for PyTreeDef (its == is unknown to mypy)
+        same = jax.tree.structure(whole) == jax.tree.structure(split) and all(  # type: ignore[operator]
             np.shape(a) == np.shape(b)
             and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
             for a, b in zip(a_leaves, b_leaves, strict=True)
         )
         same = same and all(
-            jax.tree.structure(ps) == jax.tree.structure(whole_state)
+            jax.tree.structure(ps) == jax.tree.structure(whole_state)  # type: ignore[operator]
             and all(
                 np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
                 for a, b in zip(jax.tree.leaves(whole_state), jax.tree.leaves(ps), strict=True)
@@ -586,7 +599,7 @@ class Stage:
         # microbatches, each drawing from its own key. The model state is the same on every
         # device (check_parts, or none: round-robin)
         rr = self.round_robin
-        data, same = P("data"), P()
+        data, same = _BATCH, _WHOLE
 
         def body(p: PyTree, st: Variables, x: PyTree, k: jax.Array) -> Any:
             mine = jax.tree.map(lambda a: a[0], p)
@@ -668,7 +681,9 @@ class Stage:
 
         def losses(y: PyTree) -> tuple[jax.Array, PyTree]:
             out = jax.vmap(lambda a, b: split_loss(loss_fn(a, b)))(_split(y, r, self._pin), t)
-            return jax.tree.map(self._pin, out)  # microbatch d's on device d (even constants)
+            # microbatch d's on device d (even constants)
+            pinned: tuple[jax.Array, PyTree] = jax.tree.map(self._pin, out)
+            return pinned
 
         return losses
 
@@ -695,7 +710,8 @@ class Stage:
         layout = self._layout[self._key(params, x, residuals)]
         flat = jax.tree.leaves((params, x))
         leaves = [flat[s] if s >= 0 else residuals[-1 - s] for s in layout.sources]
-        return jax.tree.unflatten(layout.treedef, leaves)
+        pbs: _Pullbacks = jax.tree.unflatten(layout.treedef, leaves)
+        return pbs
 
     def _chain(
         self, pbs: _Pullbacks, ct: PyTree | None, want: str, first: bool
@@ -724,7 +740,8 @@ class Stage:
         if self.scale == 1.0:
             return g
         s = jnp.float32(self.scale)
-        return jax.tree.map(lambda a: a * s.astype(a.dtype), g)
+        scaled: list[PyTree] = jax.tree.map(lambda a: a * s.astype(a.dtype), g)
+        return scaled
 
     def _fused_update(
         self, g: list[PyTree], w: list[PyTree], tail: Sequence[Any], newest: bool
@@ -816,9 +833,7 @@ def _key_data(tree: PyTree) -> PyTree:
     """``tree`` with every typed PRNG key leaf as its ``key_data``."""
     return jax.tree.map(
         lambda a: (
-            jax.random.key_data(a)
-            if jax.dtypes.issubdtype(jnp.result_type(a), jax.dtypes.prng_key)
-            else a
+            jax.random.key_data(a) if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
         ),
         tree,
     )

@@ -11,7 +11,7 @@ import json
 from typing import NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedule import Action
+from pdjax.pipeline.schedules.actions import Action
 
 __all__ = ["Span", "Timeline", "Transfer"]
 

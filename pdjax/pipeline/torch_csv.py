@@ -44,7 +44,16 @@ from collections.abc import Sequence
 from typing import IO, NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedule import Action, Schedule, generate, stage_groups, validate
+from pdjax.pipeline.schedules import (
+    CHUNKED,
+    FLUSHING,
+    Action,
+    Schedule,
+    Shape,
+    semantics,
+    stage_groups,
+    validate,
+)
 
 __all__ = ["COMMUNICATION_TYPES", "COMPUTE_TYPES", "read_torch_csv", "write_torch_csv"]
 
@@ -62,7 +71,6 @@ COMMUNICATION_TYPES = (
 )
 """torch's other action types: :func:`read_torch_csv` skips them (pdjax implies them)."""
 
-_FLUSH = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2", "zb-v")
 _TYPES = "|".join(sorted(COMPUTE_TYPES + COMMUNICATION_TYPES, key=len, reverse=True))
 _ACTION_RE = re.compile(rf"(\d+)({_TYPES})(\d*)")
 _OVERLAP_RE = re.compile(r"\(([^()]*)\)OVERLAP_F_B")
@@ -129,11 +137,11 @@ def write_torch_csv(schedule: Schedule, path_or_file: PathOrFile, *, aligned: bo
     0F0,0F1,0I0,0W0,0I1,0W1
     1F0,1I0,1F1,1I1,1W0,1W1
     """
-    if schedule.name not in _FLUSH:
+    if schedule.name not in FLUSHING:
         raise ScheduleError(
             f"torch's CSV holds one flush step (an update after all microbatches); "
             f"{schedule.name} updates inside its stream and has no torch form. Write one of "
-            f"{', '.join(_FLUSH)}"
+            f"{', '.join(FLUSHING)}"
         )
     if any(r == "round-robin" for r in schedule.replication):
         raise ScheduleError(
@@ -257,7 +265,7 @@ def _from_rows(
     layout = _layout(name, num_ranks, num_stages)
     actions, origins = _with_updates(cells, layout, per_step)
     chunks = num_stages // num_ranks
-    in_flight, versions = _bounds(name, num_ranks, chunks, per_step, replicas)
+    in_flight, versions = _bounds(name, num_ranks, chunks, per_step)
     schedule = Schedule(
         name=name,
         num_stages=num_stages,
@@ -478,12 +486,12 @@ def _check_layout(
     num_ranks: int,
     num_stages: int,
 ) -> None:
-    if name not in _FLUSH:
+    if name not in FLUSHING:
         raise ScheduleError(
             f"name={name!r}: a torch CSV is one flush step (an update after all "
-            f"microbatches); read it as one of {', '.join(_FLUSH)}"
+            f"microbatches); read it as one of {', '.join(FLUSHING)}"
         )
-    if name == "zb-v" and num_stages != 2 * num_ranks:
+    if semantics(name).v_shaped and num_stages != 2 * num_ranks:
         raise ScheduleError(
             f"name='zb-v' places 2 stages per rank in a V; the file has {num_stages} stages "
             f"over {num_ranks} ranks (expected {2 * num_ranks})"
@@ -495,7 +503,7 @@ def _check_layout(
                 f"{_where(where[s])}: stage {s} runs on rank {where[s].row}, but "
                 + (
                     f"zb-v places stage s on rank min(s, 2P - 1 - s) = {layout[s]} (a V)"
-                    if name == "zb-v"
+                    if semantics(name).v_shaped
                     else f"pdjax places stage s on rank s % P = {layout[s]} (torch's 'loop' "
                     "layout); a V-shaped layout (torch's ZBV) reads with name='zb-v', "
                     "DualPipeV's is not supported"
@@ -508,7 +516,7 @@ def _check_layout(
             "stages than rank 0; every rank holds the same number of stages"
         )
     chunks = num_stages // num_ranks
-    if chunks > 1 and name not in ("interleaved", "zb-v"):
+    if chunks > 1 and name not in CHUNKED:
         held = ", ".join(str(s) for s in range(0, num_stages, num_ranks))
         raise ScheduleError(
             f"rank 0 (row 1) holds stages {held} ({chunks} per rank): only interleaved runs "
@@ -518,8 +526,8 @@ def _check_layout(
 
 def _layout(name: str, num_ranks: int, num_stages: int) -> tuple[int, ...]:
     """The rank of each stage under ``name``: the V of ``zb-v``, else ``s % P``."""
-    if name == "zb-v":
-        return stage_groups("zb-v", num_ranks, 2)
+    if semantics(name).v_shaped:
+        return stage_groups(name, num_ranks, 2)
     return tuple(s % num_ranks for s in range(num_stages))
 
 
@@ -557,28 +565,13 @@ def _with_updates(
 
 
 def _bounds(
-    name: str, groups: int, chunks: int, per_step: int, replicas: Sequence[int] | None
+    name: str, groups: int, chunks: int, per_step: int
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """In-flight and version bounds ``name`` declares (the generator's, where it builds)."""
-    try:
-        model = generate(name, groups, per_step, chunks=chunks, replicas=replicas)
-        return model.in_flight_bound, model.version_bound
-    except ScheduleError:
-        pass  # e.g. interleaved with M not a multiple of P: the documented formulas
-    P, M, v = groups, per_step, chunks
-    if name == "gpipe":
-        flight = [M] * P
-    elif name == "zb-h1":
-        flight = [min(P, M)] * P
-    elif name == "zb-h2":
-        flight = [min(2 * P - 1, M)] * P
-    elif name == "zb-v":
-        flight = [min(2 * P, 2 * M)] * P
-    elif name == "interleaved" and v > 1:
-        flight = [min(2 * (P - d - 1) + (v - 1) * P + 1, M * v) for d in range(P)]
-    else:
-        flight = [min(P - d, M) for d in range(P)]
-    return tuple(flight), (1,) * (P * v)
+    """In-flight and version bounds ``name`` declares (the semantics table's, one step)."""
+    row = semantics(name)
+    shape = Shape(groups, per_step, per_step, chunks)
+    in_flight = tuple(row.in_flight(shape, d) for d in range(groups))
+    return in_flight, tuple(row.versions(shape, s) for s in range(groups * chunks))
 
 
 def _translate(message: str, origins: list[list[_Cell | None]], schedule: Schedule) -> str:

@@ -52,7 +52,7 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict[str, Any]:
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
 
-    >>> from pdjax.pipeline.schedule import one_f_one_b
+    >>> from pdjax.pipeline.schedules import one_f_one_b
     >>> from pdjax.pipeline.simulate import simulate, unit_costs
     >>> trace = chrome_trace(simulate(one_f_one_b(2, 2), unit_costs(2)).timeline)
     >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"][:3]

@@ -22,7 +22,7 @@ as a single-device array, then the destination parts are assembled.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from pdjax._sharding import first_device
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
 from pdjax.pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from pdjax.pipeline._collective import CollectiveLink
 
 __all__ = ["Collective", "DevicePut", "Transport", "make_transport"]
 
@@ -125,6 +128,7 @@ class Transport:
                 continue
             dst = first_device(q)
             if self.me == owner:
+                # jax leaves block_until_ready unannotated
                 jax.block_until_ready(
                     [
                         self._single(leaf, source, dst, shape, dtype, send=True)
@@ -141,6 +145,7 @@ class Transport:
     def drain(self) -> None:
         """Waits until every value this process sent has left (the sender must outlive
         the transfer), and forgets them."""
+        # jax leaves block_until_ready unannotated
         jax.block_until_ready(self._sent)
         self._sent.clear()
 
@@ -215,11 +220,13 @@ class DevicePut(Transport):
     ) -> jax.Array:
         to = jax.sharding.SingleDeviceSharding(dst)
         if send:
-            return jax.device_put(piece, to)
+            sent: jax.Array = jax.device_put(piece, to)
+            return sent
         remote = jax.make_array_from_single_device_arrays(
             shape, jax.sharding.SingleDeviceSharding(src), [], dtype=dtype
         )
-        return jax.device_put(remote, to)
+        got: jax.Array = jax.device_put(remote, to)
+        return got
 
 
 class Collective(Transport):
@@ -230,7 +237,7 @@ class Collective(Transport):
 
     def __init__(self) -> None:
         super().__init__()
-        self._links: dict[tuple[int, int], Any] = {}
+        self._links: dict[tuple[int, int], CollectiveLink] = {}
 
     def connect(self, src: Stage, dst: Stage, replicated: bool = False) -> None:
         """Sets up every gloo communicator these transfers use before the first one: it
@@ -239,7 +246,7 @@ class Collective(Transport):
         for e, d in self._pairs(src, dst, replicated):
             self._link(e, d)
 
-    def _link(self, src: jax.Device, dst: jax.Device) -> Any:
+    def _link(self, src: jax.Device, dst: jax.Device) -> CollectiveLink:
         from pdjax.pipeline._collective import CollectiveLink
 
         key = (src.id, dst.id)
@@ -262,7 +269,10 @@ class Collective(Transport):
         link = self._link(src, dst)
         if send:
             return link.send(piece)
-        return link.recv(jax.ShapeDtypeStruct(shape, dtype))
+        # jax leaves ShapeDtypeStruct.__init__ unannotated
+        spec = jax.ShapeDtypeStruct(shape, dtype)
+        got: jax.Array = link.recv(spec)  # a message of one leaf: that array
+        return got
 
 
 def make_transport(name: str) -> Transport:
@@ -309,9 +319,12 @@ def _overlaps(
     return out
 
 
-def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
+def _shard_on(array: jax.Array | None, device: jax.Device) -> jax.Array:
     """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
-    return next(sh.data for sh in array.addressable_shards if sh.device == device)
+    if array is None:
+        raise PipelineError(f"this process holds {device}, the source, but was given no value")
+    data: jax.Array = next(sh.data for sh in array.addressable_shards if sh.device == device)
+    return data
 
 
 def devices_of(stages: Sequence[Stage]) -> set[jax.Device]:

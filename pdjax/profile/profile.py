@@ -277,7 +277,7 @@ class Profile:
         """
         n = len(self.layers)
         out = np.zeros(n, dtype=np.float64)
-        last_use = {}
+        last_use: dict[int, int] = {}
         for a, b in self.edges:
             last_use[a] = max(last_use.get(a, a), b)
         sizes = self.output_bytes()

@@ -226,12 +226,12 @@ def _reuse_key(layer: Layer, train: bool, input_grad: bool, args: PyTree) -> Any
     its graph definition (classes, static attributes and variable metadata: ``nnx.jit``'s
     cache key), a function through its identity. Module fields that do not compare (an
     array) make keys that never match, so such layers are compiled each."""
-    kind = type(layer)
-    if kind is LinenLayer:
+    # exact classes: a subclass may change what the module computes
+    if type(layer) is LinenLayer:
         module: Any = ("linen", type(layer.module), layer.module)
-    elif kind is NnxLayer:
+    elif type(layer) is NnxLayer:
         module = ("nnx", layer._graphdef, layer._mode, tuple(layer._streams), layer._takes_rngs)
-    elif kind is FnLayer:
+    elif type(layer) is FnLayer:
         module = ("fn", _Same(layer.fn))
     else:
         return None
@@ -446,7 +446,7 @@ def profile(
         variables = jax.device_put(variables, device)
 
     results = []
-    dtypes = set()
+    dtypes: set[str] = set()
     # each layer's parameters, state, input: which layers will share programs is known
     # before any compiles
     steps = []

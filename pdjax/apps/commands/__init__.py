@@ -124,7 +124,7 @@ class OptionError(PdjaxError):
 class _BoundedAction(argparse.Action):
     """Stores an int or a finite float within bounds (set by :func:`_bounded`)."""
 
-    kind: type = int
+    kind: type[int] | type[float] = int
     lo: float | None = None
     hi: float | None = None
     lo_open = False
@@ -174,7 +174,7 @@ class _BoundedAction(argparse.Action):
 
 
 def _bounded(
-    kind: type,
+    kind: type[int] | type[float],
     lo: float | None,
     hi: float | None,
     *,
@@ -295,7 +295,7 @@ def check_writable(option: str, path: str | None, error: type[PdjaxError] = Opti
         raise error(f"{option} {path}: cannot write in {parent}; give another path")
 
 
-def register_all(subparsers: argparse._SubParsersAction) -> None:
+def register_all(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds every subcommand to ``subparsers``."""
     for name in COMMANDS:
         importlib.import_module(f"pdjax.apps.commands.{name}").register(subparsers)

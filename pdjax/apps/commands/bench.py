@@ -43,7 +43,7 @@ seed_count = positive_int(16, "each seed is a whole set of training runs (tens o
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``bench`` subcommand."""
     from pdjax.apps.bench import BENCH_SCHEDULES
 

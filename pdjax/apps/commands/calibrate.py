@@ -42,7 +42,7 @@ _WHY_DEVICES = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``calibrate`` subcommand."""
     p = subparsers.add_parser(
         "calibrate",

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import IO, Any
 
 from pdjax.apps.commands import (
     MAX_DEVICES,
@@ -54,7 +55,7 @@ from pdjax.partition import (
 )
 from pdjax.profile import DEVICE_MODELS, Profile
 
-__all__ = ["register", "render_plan", "run"]
+__all__ = ["auto_summary", "register", "render_plan", "run"]
 
 _PARTITIONERS = ("pipedream", "uniform", "balanced-time", "balanced-params")
 _DEFAULT_BANDWIDTH = 1.25e9
@@ -73,7 +74,7 @@ _WHY_DEVICES = (
 )
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``plan`` subcommand."""
     p = subparsers.add_parser(
         "plan",
@@ -268,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state_factor=args.optimizer_state_factor,
         replication=args.replication,
     )
+    cal: Any = None  # a Calibration
     if args.calibration:
         if args.partitioner != "pipedream":
             raise PlanError(
@@ -284,20 +286,22 @@ def run(args: argparse.Namespace) -> int:
     if args.schedule != "auto" and (args.allow_stale or args.batch_size is not None):
         raise PlanError("--allow-stale and --batch-size are options of --schedule auto")
     if args.schedule == "auto":
-        if args.partitioner != "pipedream" or args.calibration:
-            raise PlanError(
-                "--schedule auto runs its own search: without --partitioner or --calibration"
-            )
+        if args.partitioner != "pipedream":
+            raise PlanError("--schedule auto searches the stages itself: drop --partitioner")
+        batch, counts = args.batch_size, [args.microbatches] if args.microbatches else None
+        if cal is not None:  # its stages were measured at one microbatch size: keep it
+            batch, counts = _calibrated_batch(args, cal.microbatch_size, topology.num_devices)
         plan = plan_auto(
             profile,
             topology,
-            batch_size=args.batch_size,
+            batch_size=batch,
             allow_stale=args.allow_stale,
-            microbatches=[args.microbatches] if args.microbatches else None,
+            microbatches=counts,
             memory_limit=args.memory_limit,
             straight=args.straight,
             cost_model=args.cost_model,
             optimizer_state_factor=args.optimizer_state_factor,
+            calibration=cal,
         )
     elif args.partitioner == "pipedream":
         if args.stages is not None:
@@ -335,6 +339,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrated_batch(args: argparse.Namespace, size: int, devices: int) -> tuple[int, list[int]]:
+    """``--schedule auto --calibration``: the batch and the one microbatch count whose
+    microbatches have the calibrated ``size`` (``--batch-size``, else ``--microbatches`` or
+    one microbatch per device, of ``size`` samples each).
+
+    Raises:
+      PlanError: a batch that is not a whole number of calibrated microbatches, or a
+        ``--microbatches`` that does not split it into them.
+    """
+    if args.batch_size is None:
+        M = args.microbatches or devices
+        return M * size, [M]
+    if args.batch_size % size:
+        raise PlanError(
+            f"--calibration measured microbatches of {size} samples: --batch-size "
+            f"{args.batch_size} must be a multiple of {size} (or calibrate at another size)"
+        )
+    M = args.batch_size // size
+    if args.microbatches and args.microbatches != M:
+        raise PlanError(
+            f"--calibration measured microbatches of {size} samples: --batch-size "
+            f"{args.batch_size} makes {M} of them, not --microbatches {args.microbatches}"
+        )
+    return args.batch_size, [M]
+
+
 def _profile_model(args: argparse.Namespace) -> Profile:
     """``--model``: the model profiled at ``--microbatch-size`` samples."""
     from pdjax.models import get_model
@@ -355,7 +385,7 @@ def _profile_model(args: argparse.Namespace) -> Profile:
     )
 
 
-def render_auto(plan: Plan, file: object = None) -> None:
+def render_auto(plan: Plan, file: IO[str] | None = None) -> None:
     """What ``plan_auto`` chose, and the best candidate of every other schedule."""
     from rich.console import Console
     from rich.table import Table
@@ -390,6 +420,11 @@ def slower_than_one_device(plan: Plan) -> str | None:
     """A warning if ``plan`` is predicted slower per microbatch (so per sample) than the
     whole model on one device, from the same profile and cost model; else None."""
     one, ours = plan.single_device_time, plan.time_per_microbatch
+    auto = plan.options.get("auto")
+    if isinstance(auto, dict) and "time_per_sample" in auto:
+        # plan_auto's choice: its simulated time (fill and drain included), not the dynamic
+        # program's pricing, which may be another schedule's
+        ours = float(auto["time_per_sample"]) * plan.microbatch_size
     if not (one > 0 and ours > one * (1 + 1e-9)):
         return None
     from pdjax._units import fmt_seconds
@@ -404,18 +439,21 @@ def slower_than_one_device(plan: Plan) -> str | None:
     )
 
 
-def render_plan(plan: Plan, file: object = None) -> None:
-    """Prints a plan as a table of stages and a summary (rich)."""
+def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
+    """Prints a plan as a table of stages and a summary (rich). A ``plan_auto`` plan's
+    in-flight counts and memory are its chosen configuration's, simulated (the stages'
+    own figures are the dynamic program's, which prunes on another pricing)."""
     from rich.console import Console
     from rich.table import Table
 
     from pdjax._units import fmt_bytes, fmt_seconds
 
+    auto = plan.options.get("auto")
     table = Table(
         title=f"{plan.config} ({plan.partitioner}, {plan.cost_model} cost model, "
         f"{plan.schedule} schedule)"
     )
-    for header, justify in (
+    columns = [
         ("stage", "right"),
         ("layers", "left"),
         ("replicas", "right"),
@@ -424,23 +462,77 @@ def render_plan(plan: Plan, file: object = None) -> None:
         ("compute / device", "right"),
         ("in flight", "right"),
         ("memory / device", "right"),
-    ):
+    ]
+    if auto is not None:
+        columns[-2:] = [
+            ("remat", "left"),
+            ("in flight (simulated)", "right"),
+            ("peak memory / device (simulated)", "right"),
+        ]
+        in_flight = _group_in_flight(auto, plan.num_stages)
+    for header, justify in columns:
         table.add_column(header, justify=justify)  # type: ignore[arg-type]
     for s, st in enumerate(plan.stages):
         devices = ",".join(str(d) for d in st.devices)
         if len(devices) > 30:
             devices = devices[:27] + "..."
-        table.add_row(
+        row = [
             str(s),
             f"{st.first_layer}-{st.last_layer}",
             str(st.replicas),
             st.replication if st.replicas > 1 else "-",
             devices,
             fmt_seconds(st.compute_seconds),
-            str(st.in_flight),
-            fmt_bytes(st.memory_bytes),
-        )
+        ]
+        if auto is None:
+            row += [str(st.in_flight), fmt_bytes(st.memory_bytes)]
+        else:
+            row += [
+                "yes" if auto["remat"][s] else "no",
+                in_flight[s],
+                fmt_bytes(auto["group_peak_memory"][s]),
+            ]
+        table.add_row(*row)
     console = Console(file=file or sys.stdout, width=140)
     console.print(table)
     console.print(f"topology: {plan.topology.describe()}", highlight=False)
-    console.print(plan.describe(), highlight=False)
+    if auto is None:
+        console.print(plan.describe(), highlight=False)
+        return
+    console.print(plan.describe().split("\n")[0], highlight=False)
+    console.print(auto_summary(plan), highlight=False)
+
+
+def _group_in_flight(auto: dict[str, Any], P: int) -> list[str]:
+    """Per plan stage, the simulated peak microbatches in flight of its (virtual) stages,
+    ``+``-joined where a device group holds several (``interleaved``, ``zb-v``)."""
+    counts = auto["in_flight"]
+    if len(counts) == P:
+        return [str(n) for n in counts]
+    if auto["schedule"] == "zb-v":  # the V: stage k and 2P - 1 - k on group k
+        return [f"{counts[k]}+{counts[2 * P - 1 - k]}" for k in range(P)]
+    return ["+".join(str(n) for n in counts[k::P]) for k in range(P)]
+
+
+def auto_summary(plan: Plan) -> str:
+    """The chosen configuration of a ``plan_auto`` plan, as the simulator priced it: time
+    per sample, in flight, peak memory per device (and per device group) and the limit."""
+    from pdjax._units import fmt_bytes, fmt_seconds
+
+    a = plan.options["auto"]
+    name = a["schedule"] + (f" v={a['chunks']}" if a["chunks"] > 1 else "")
+    name += f" +{a['extra_in_flight']}" if a["extra_in_flight"] else ""
+    remat = [s for s, r in enumerate(a["remat"]) if r]
+    groups = ", ".join(fmt_bytes(b) for b in a["group_peak_memory"])
+    text = (
+        f"{name}, {a['microbatches']} microbatches of {plan.microbatch_size} samples, "
+        f"recomputation on {'stages ' + str(remat) if remat else 'no stage'} (simulated): "
+        f"{fmt_seconds(a['time_per_sample'])} per sample; in flight "
+        f"[{', '.join(_group_in_flight(a, plan.num_stages))}]; peak memory "
+        f"{fmt_bytes(a['peak_memory'])} per device ({a['peak_memory']:.4g} bytes; per stage "
+        f"{groups})"
+    )
+    limit = a.get("memory_limit")
+    if limit is not None:
+        text += f"; fits the limit of {limit:.4g} bytes"
+    return text

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import IO
 
 import jax
 from rich.console import Console
@@ -31,7 +32,7 @@ _WHY_BATCH = "the sample batch and every layer's activations are allocated at on
 MAX_REPEATS = 1000
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``profile`` subcommand."""
     p = subparsers.add_parser(
         "profile",
@@ -117,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def render_profile(prof: Profile, title: str = "", file: object = None) -> None:
+def render_profile(prof: Profile, title: str = "", file: IO[str] | None = None) -> None:
     """Prints a per-layer table of ``prof`` with totals (rich)."""
     from rich.console import Console
     from rich.table import Table

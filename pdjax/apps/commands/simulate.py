@@ -23,6 +23,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 from pdjax._units import fmt_bytes, fmt_seconds
 from pdjax.apps.commands import (
@@ -37,7 +38,7 @@ from pdjax.apps.commands import (
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.plan import Plan
 from pdjax.pipeline import costs as _costs
-from pdjax.pipeline.schedule import SCHEDULES, generate
+from pdjax.pipeline.schedules import SCHEDULES, STREAMING, generate
 from pdjax.pipeline.simulate import (
     PipelineCosts,
     Simulation,
@@ -89,7 +90,7 @@ def _load(plan_path: str, profile_path: str) -> tuple[Plan, Profile]:
     return plan, profile
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``simulate`` subcommand."""
     p = subparsers.add_parser(
         "simulate",
@@ -211,7 +212,7 @@ def _parse_unit_costs(text: str) -> tuple[float, float, float]:
             f"--unit-costs takes three numbers >= 0, 'F,I,W', finite seconds up to "
             f"{_MAX_UNIT_COST:g} each (e.g. 1,1,1); got {text!r}"
         )
-    return values  # type: ignore[return-value]
+    return values  # narrowed to three floats by the length check
 
 
 def check_size(
@@ -224,7 +225,7 @@ def check_size(
     Raises:
       ScheduleError: naming the options, the bound and why.
     """
-    if name in ("pipedream", "2bw"):
+    if name in STREAMING:
         option, passes = "--stream (default 4 x --microbatches) x --stages", stream * stages
     else:
         v = args.chunks if name == "interleaved" else 2 if name == "zb-v" else 1
@@ -403,7 +404,7 @@ def _label(sim: Simulation) -> str:
 
 def _note(sim: Simulation) -> str:
     s = sim.schedule
-    if s.name in ("pipedream", "2bw"):
+    if s.name in STREAMING:
         where = "steady state" if sim.steady_state else "whole run (stream too short)"
         return f"{where}, stream N={s.num_microbatches}"
     return f"M={s.microbatches_per_step}, {s.num_steps} step(s)"
@@ -469,7 +470,9 @@ def _runs(cells: Sequence[str]) -> str:
     return ", ".join(out)
 
 
-def _print_table(results: Sequence[tuple[str, Simulation | str]], file: object = None) -> None:
+def _print_table(
+    results: Sequence[tuple[str, Simulation | str]], file: IO[str] | None = None
+) -> None:
     from rich.console import Console
     from rich.table import Table
 

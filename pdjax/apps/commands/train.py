@@ -52,7 +52,7 @@ STEPS = positive_int(100_000, "each step is timed; more would not finish")
 REPEATS = positive_int(1000, "each repeat times every schedule")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``train`` subcommand."""
     from pdjax.apps.train import SCHEDULE_CHOICES
 
@@ -227,7 +227,8 @@ def set_cpu_devices(n: int) -> None:
     import jax
 
     try:
-        if jax.config.jax_num_cpu_devices < n:
+        # jax sets its options as attributes at run time and leaves update() unannotated
+        if jax.config.jax_num_cpu_devices < n:  # type: ignore[attr-defined]
             jax.config.update("jax_num_cpu_devices", n)
     except RuntimeError:  # backends already initialised: keep what is there
         pass
@@ -340,6 +341,7 @@ def _join(args: argparse.Namespace) -> bool:
     """Joins a multi-process run given by flags or environment; False for a single one."""
     from pdjax.distributed import DistributedConfig, config_from_env, initialize
 
+    config: DistributedConfig | None
     if getattr(args, "coordinator", None):
         n = args.num_processes or 1
         config = DistributedConfig(args.coordinator, n, args.process_id or 0)

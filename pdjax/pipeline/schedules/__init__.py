@@ -1,0 +1,120 @@
+"""Pipeline schedules as data: actions, generators, a validator, and text forms.
+
+A :class:`Schedule` lists, for each device group, the ordered actions it runs:
+
+- ``F(stage, mb)``: forward of microbatch ``mb`` through ``stage``;
+- ``B(stage, mb)``: its whole backward (input gradient and weight gradient);
+- ``I(stage, mb)`` / ``W(stage, mb)``: the backward split into the input gradient (what the
+  previous stage waits for) and the weight gradient (which can be deferred);
+- ``U(stage, step)``: the optimizer update of ``stage`` with the gradients of update ``step``.
+
+Every action carries the weight *version* it must use (the number of optimizer updates the
+stage's weights have received; for ``U`` the version it reads, producing ``version + 1``).
+Transfers are not listed: activations flow ``F(s, k) -> F(s + 1, k)`` and gradients
+``B/I(s + 1, k) -> B/I(s, k)`` whenever the two stages live on different device groups.
+
+The modules:
+
+- :mod:`~pdjax.pipeline.schedules.actions`: :class:`Action`, :class:`Schedule`, their
+  text, grid and JSON forms;
+- :mod:`~pdjax.pipeline.schedules.semantics`: the table of what each schedule computes
+  (:data:`SEMANTICS`), the one place that says which schedules stream, flush, are stale,
+  chunked, round-robin or split the backward, with their in-flight and versions formulas;
+- :mod:`~pdjax.pipeline.schedules.inflight`: groups in flight under round-robin
+  replication;
+- :mod:`~pdjax.pipeline.schedules.flush`, :mod:`~pdjax.pipeline.schedules.zero_bubble`,
+  :mod:`~pdjax.pipeline.schedules.streaming`: the generators; :func:`generate` picks one
+  by name;
+- :mod:`~pdjax.pipeline.schedules.validate`: the validator, with its own recomputation of
+  the bounds and versions;
+- :mod:`~pdjax.pipeline.schedules.play`: the event player (the unit clock, the deadlock
+  check, the simulator's engine).
+
+Compact strings name one action as ``<stage><kind><mb>[v<version>]``, the version shown only
+when it is not 0: ``"2F0"`` is the forward of microbatch 0 at stage 2 with version 0,
+``"1B7v3"`` the backward of microbatch 7 at stage 1 with version 3, ``"0U2v2"`` the third
+update of stage 0. :meth:`Schedule.grid` prints the unit-time clock (every action one tick,
+each as early as its dependencies allow) with one column per device group; :func:`parse_grid`
+reads it back.
+
+>>> s = one_f_one_b(2, 2)
+>>> print(s.grid())
+t  g0   g1
+0  0F0  .
+1  0F1  1F0
+2  .    1B0
+3  0B0  1F1
+4  .    1B1
+5  0B1  1U0
+6  0U0  .
+>>> parse_grid(s.grid()) == s.actions
+True
+>>> validate(s)
+"""
+
+from pdjax.pipeline.schedules.actions import (
+    KINDS,
+    Action,
+    Schedule,
+    format_actions,
+    parse_actions,
+    parse_grid,
+)
+from pdjax.pipeline.schedules.arguments import REPLICATION
+from pdjax.pipeline.schedules.flush import gpipe, interleaved, one_f_one_b
+from pdjax.pipeline.schedules.generate import generate
+from pdjax.pipeline.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.pipeline.schedules.play import live_versions, play
+from pdjax.pipeline.schedules.semantics import (
+    CHUNKED,
+    FLUSHING,
+    ROUND_ROBIN,
+    SCHEDULES,
+    SEMANTICS,
+    SPLIT_BACKWARD,
+    STALE,
+    STREAMING,
+    ScheduleSemantics,
+    Shape,
+    semantics,
+    stage_groups,
+)
+from pdjax.pipeline.schedules.streaming import pipedream, pipedream_2bw
+from pdjax.pipeline.schedules.validate import validate
+from pdjax.pipeline.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+
+__all__ = [
+    "CHUNKED",
+    "FLUSHING",
+    "KINDS",
+    "REPLICATION",
+    "ROUND_ROBIN",
+    "SCHEDULES",
+    "SEMANTICS",
+    "SPLIT_BACKWARD",
+    "STALE",
+    "STREAMING",
+    "Action",
+    "Schedule",
+    "ScheduleSemantics",
+    "Shape",
+    "format_actions",
+    "generate",
+    "gpipe",
+    "group_sizes",
+    "interleaved",
+    "live_versions",
+    "one_f_one_b",
+    "parse_actions",
+    "parse_grid",
+    "pipedream",
+    "pipedream_2bw",
+    "play",
+    "round_robin_in_flight",
+    "semantics",
+    "stage_groups",
+    "validate",
+    "zb_h1",
+    "zb_h2",
+    "zb_v",
+]

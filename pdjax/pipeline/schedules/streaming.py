@@ -1,0 +1,254 @@
+"""The streaming schedules: PipeDream (asynchronous 1F1B with weight stashing, an update
+after every microbatch) and PipeDream-2BW (1F1B without a flush, one update per ``M``
+microbatches, two weight versions). Both run one stream of ``N`` microbatches."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdjax.errors import ScheduleError
+from pdjax.pipeline.schedules.actions import Action, Schedule
+from pdjax.pipeline.schedules.arguments import (
+    check_multiple,
+    positive,
+    replicas_of,
+    replication_of,
+)
+from pdjax.pipeline.schedules.flush import one_f_one_b_order
+from pdjax.pipeline.schedules.inflight import group_order, group_sizes, round_robin_in_flight
+from pdjax.pipeline.schedules.semantics import Shape, semantics
+
+__all__ = ["pipedream", "pipedream_2bw"]
+
+
+def _bounds(name: str, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The table's in-flight and versions-kept bounds of ``shape`` under ``name``."""
+    row = semantics(name)
+    P = shape.groups
+    return (
+        tuple(row.in_flight(shape, d) for d in range(P)),
+        tuple(row.versions(shape, s) for s in range(P)),
+    )
+
+
+def pipedream(
+    num_stages: int,
+    num_microbatches: int,
+    *,
+    vertical_sync: bool = False,
+    weight_stashing: bool = True,
+    replicas: Sequence[int] | None = None,
+    extra_in_flight: int = 0,
+    replication: Sequence[str] | str | None = None,
+) -> Schedule:
+    """PipeDream: asynchronous 1F1B over a stream, an update after every backward.
+
+    Stage ``s`` warms up with ``P - s - 1`` forwards, then runs ``F``, ``B``, ``U`` for each
+    microbatch, no flush. ``U(s, k)`` applies microbatch ``k``'s gradient and makes version
+    ``k + 1``.
+
+    Versions, for microbatch ``k`` at stage ``s``:
+
+    - default (weight stashing): ``F`` and ``B`` use ``max(0, k - (P - s) + 1)``;
+      versions kept: ``P - s``;
+    - ``vertical_sync=True``: ``F`` and ``B`` use ``max(0, k - P + 1)``, the version stage 0
+      used; versions kept: up to ``P``;
+    - ``weight_stashing=False``: ``F`` as above; ``B`` uses the newest weights, which at
+      stage ``s`` is version ``k`` (updates ``0 .. k - 1`` have run), written out in the
+      action; versions kept: 1 (``P`` with vertical sync).
+
+    In flight at stage ``s``: at most ``min(P - s, N)``.
+
+    ``extra_in_flight = e`` (latency hiding): every stage but the last warms up with ``e``
+    more forwards, so ``P - s + e`` microbatches are in flight there and a delay of up to
+    ``e`` periods on the activation/gradient round trip no longer stalls the stage (the
+    last stage has no round trip to hide). Each extra microbatch costs one more stashed
+    version and one more stashed activation per stage, and one more update of staleness:
+    ``P - s`` becomes ``P - s + e`` for ``s < P - 1`` in every formula above (``P`` becomes
+    ``P + e`` with vertical sync).
+
+    Round-robin replication (PipeDream's own, ``replication``): a stage ``s`` on ``r``
+    devices takes groups of ``n_s = r`` consecutive microbatches, one per device, and
+    updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
+    microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
+    has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s = ceil(W_s / n_s) + e``
+    groups in flight (``e`` not at the last stage), ``W_s = n_s + ... + n_{P-1}`` (the
+    microbatch slots from ``s`` on; PipeDream's NOAM at stage 0). Microbatch ``k``, in group
+    ``g = k // n_s``, runs ``F`` and ``B`` at version ``max(0, g - q_s + 1)``: the updates
+    of the groups ``0 .. g - q_s``, whose backwards ran before its forward. Versions kept:
+    ``q_s``; in flight: ``q_s n_s`` microbatches. With every ``n_s = 1`` this is the formula
+    above (``q_s = P - s + e``). ``N`` must be a multiple of every ``n_s``; vertical sync and
+    ``weight_stashing=False`` are not defined with round-robin stages.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        num_microbatches: ``N``, the stream length.
+        vertical_sync: every stage uses stage 0's version for each microbatch.
+        weight_stashing: the backward reuses the forward's version.
+        replicas: devices per stage (default 1 each).
+        extra_in_flight: ``e >= 0``, microbatches in flight beyond 1F1B's ``P - s``.
+        replication: per stage ``"split"`` or ``"round-robin"`` (or one word for all).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+    """
+    P = positive("num_stages (P)", num_stages)
+    N = positive("num_microbatches (N, the stream length)", num_microbatches)
+    e = positive("extra_in_flight", extra_in_flight, minimum=0)
+    reps = replicas_of(replicas, P)
+    mode = replication_of(replication, reps, "pipedream")
+    if mode:
+        return _pipedream_round_robin(P, N, e, reps, mode, vertical_sync, weight_stashing)
+    shape = Shape(P, 1, N, extra_in_flight=e, vertical_sync=vertical_sync,
+                  weight_stashing=weight_stashing)  # fmt: skip
+    in_flight, versions = _bounds("pipedream", shape)
+    return Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=_pipedream_actions(P, N, e, vertical_sync, weight_stashing),
+        stage_device=tuple(range(P)),
+        replicas=reps,
+        vertical_sync=vertical_sync,
+        weight_stashing=weight_stashing,
+        extra_in_flight=e,
+        in_flight_bound=in_flight,
+        version_bound=versions,
+    )
+
+
+def _pipedream_actions(
+    P: int, N: int, e: int, vertical_sync: bool, weight_stashing: bool
+) -> tuple[tuple[Action, ...], ...]:
+    """Each stage's 1F1B order over the stream with an update after every backward, at
+    the versions in :func:`pipedream`'s docstring (no round-robin stage)."""
+    actions = []
+    for s in range(P):
+        es = e if s < P - 1 else 0
+        lag = P + e if vertical_sync else P - s + es
+        acts = []
+        for kind, k in one_f_one_b_order(P, N, s, es):
+            forward_version = max(0, k - lag + 1)
+            if kind == "F":
+                acts.append(Action("F", s, k, forward_version))
+            else:
+                acts.append(Action("B", s, k, forward_version if weight_stashing else k))
+                acts.append(Action("U", s, k, k))
+        actions.append(tuple(acts))
+    return tuple(actions)
+
+
+def _pipedream_round_robin(
+    P: int,
+    N: int,
+    e: int,
+    replicas: tuple[int, ...],
+    replication: tuple[str, ...],
+    vertical_sync: bool,
+    weight_stashing: bool,
+) -> Schedule:
+    """:func:`pipedream` with round-robin stages (the formulas in its docstring)."""
+    if vertical_sync or not weight_stashing:
+        raise ScheduleError(
+            "pipedream with round-robin replication is defined with weight stashing and "
+            "without vertical sync; use replication='split' for those options"
+        )
+    units = group_sizes(replicas, replication)
+    check_multiple("num_microbatches (N, the stream length)", N, units)
+    qs = round_robin_in_flight(units, e)
+    actions = []
+    for s in range(P):
+        n, q = units[s], qs[s]
+        acts = []
+        for kind, g in group_order(N // n, q - 1):
+            version = max(0, g - q + 1)
+            acts.append(Action(kind, s, g * n, version))
+            if kind == "B":
+                acts.append(Action("U", s, g, g))
+        actions.append(tuple(acts))
+    in_flight, versions = _bounds("pipedream", Shape(P, 1, N, units=units, extra_in_flight=e))
+    return Schedule(
+        name="pipedream",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=1,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=replicas,
+        extra_in_flight=e,
+        replication=replication,
+        in_flight_bound=in_flight,
+        version_bound=versions,
+    )
+
+
+def pipedream_2bw(
+    num_stages: int,
+    microbatches_per_step: int,
+    num_microbatches: int,
+    *,
+    replicas: Sequence[int] | None = None,
+    replication: Sequence[str] | str | None = None,
+) -> Schedule:
+    """PipeDream-2BW: 1F1B without flush, one update per ``M`` microbatches, two versions.
+
+    Stage ``s`` runs the 1F1B order over the whole stream and ``U(s, t)`` right after the
+    backward of step ``t``'s last microbatch: ``W(t + 1) = W(t) - lr * g(W(t - 1))``.
+
+    Versions: every ``F`` and ``B`` of step ``t`` (microbatches ``t M .. t M + M - 1``), at
+    every stage, uses ``W(t - 1)``, version ``max(0, t - 1)`` (``W(-1) = W(0)``); ``U(s, t)``
+    reads version ``t``. Versions kept: 2. In flight at stage ``s``: ``min(P - s, N)``.
+
+    Args:
+        num_stages: ``P``, stages (one device group each).
+        microbatches_per_step: ``M >= P``, microbatches per update.
+        num_microbatches: ``N``, the stream length, a multiple of ``M``.
+        replicas: devices per stage (default 1 each).
+
+    Raises:
+        ScheduleError: for a parameter out of range, ``M < P``, or ``N`` not a multiple of
+            ``M``.
+    """
+    P = positive("num_stages (P)", num_stages)
+    M = positive("microbatches_per_step (M)", microbatches_per_step)
+    N = positive("num_microbatches (N, the stream length)", num_microbatches)
+    if M < P:
+        raise ScheduleError(
+            f"2bw needs microbatches_per_step (M) >= num_stages (P) so that step t can use "
+            f"W(t-1) at every stage; got M={M}, P={P}. Accepted: M in [{P}, inf)"
+        )
+    if N % M:
+        raise ScheduleError(
+            f"2bw needs num_microbatches (N, the stream length) a multiple of "
+            f"microbatches_per_step (M={M}); got N={N}. Accepted: N in {{{M}, {2 * M}, ...}}"
+        )
+    reps = replicas_of(replicas, P)
+    mode = replication_of(replication, reps, "2bw")
+    units = group_sizes(reps, mode)
+    check_multiple("microbatches_per_step (M)", M, units)
+    qs = round_robin_in_flight(units)
+    actions = []
+    for s in range(P):
+        n = units[s]
+        acts = []
+        for kind, g in group_order(N // n, qs[s] - 1):
+            k = g * n
+            t = k // M
+            acts.append(Action(kind, s, k, max(0, t - 1)))
+            if kind == "B" and (k + n) % M == 0:
+                acts.append(Action("U", s, t, t))
+        actions.append(tuple(acts))
+    in_flight, versions = _bounds("2bw", Shape(P, M, N, units=units))
+    return Schedule(
+        name="2bw",
+        num_stages=P,
+        num_microbatches=N,
+        microbatches_per_step=M,
+        actions=tuple(actions),
+        stage_device=tuple(range(P)),
+        replicas=reps,
+        replication=mode,
+        in_flight_bound=in_flight,
+        version_bound=versions,
+    )
