@@ -57,7 +57,8 @@ from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.models import ModelSpec, get_model
 from pdjax.models.gpt import GPTConfig, make_spec
-from pdjax.pipeline import Pipeline, PipelineState, RunMetrics, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline, PipelineState, RunMetrics
 from pdjax.profile import DEVICE_MODELS, Profile, get_device_model
 
 Batch = tuple[PyTree, jax.Array]
@@ -210,20 +211,20 @@ def write_outputs(out: Path, results: dict[str, Any]) -> str:
 # -- placement --------------------------------------------------------------------------
 
 
-def shared_plan(num_layers: int, num_stages: int) -> tuple[StageSpec, ...]:
+def shared_plan(num_layers: int, num_stages: int) -> tuple[StagePlan, ...]:
     """``even_stages`` layer ranges, every stage on device 0: the pipeline's own work
     with nothing to overlap, so its slowdown against one jit is pure machinery."""
     return tuple(
-        StageSpec(s.first_layer, s.last_layer, (0,))
+        StagePlan(s.first_layer, s.last_layer, (0,))
         for s in pdjax.even_stages(num_layers, num_stages)
     )
 
 
-def spread_plan(num_layers: int, num_stages: int, num_devices: int) -> tuple[StageSpec, ...]:
+def spread_plan(num_layers: int, num_stages: int, num_devices: int) -> tuple[StagePlan, ...]:
     """The fallback if a runtime refuses stages sharing a device: stage ``s`` on device
     ``s % num_devices`` (still all on device 0 when only one is visible)."""
     return tuple(
-        StageSpec(s.first_layer, s.last_layer, (i % num_devices,))
+        StagePlan(s.first_layer, s.last_layer, (i % num_devices,))
         for i, s in enumerate(pdjax.even_stages(num_layers, num_stages))
     )
 
@@ -241,7 +242,7 @@ def make_pipeline(
     :func:`spread_plan` and says why in the note (the results carry it).
     """
 
-    def build(plan: tuple[StageSpec, ...]) -> Pipeline:
+    def build(plan: tuple[StagePlan, ...]) -> Pipeline:
         return pipeline_cls(
             spec.layers,
             plan,
@@ -664,7 +665,7 @@ def summarise_throughput(
 
 
 def compare_profiles(
-    measured: Profile, predicted: Profile, plan: Sequence[StageSpec]
+    measured: Profile, predicted: Profile, plan: Sequence[StagePlan]
 ) -> dict[str, Any]:
     """Per layer, per stage and in total: measured vs predicted forward + backward ms.
 

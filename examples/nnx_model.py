@@ -27,7 +27,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import pdjax  # noqa: E402
-from pdjax.pipeline import StageSpec  # noqa: E402
+from pdjax.partition import StagePlan  # noqa: E402
 
 VOCAB, WIDTH, TOKENS, HEADS = 16, 32, 12, 4
 
@@ -116,9 +116,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         tied={"wte": ["embedding/tok/embedding", "head/embed/embedding"]},
     )
     if args.tiny:  # 2 stages: fewer programs to compile
-        plan = [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,))]
+        plan = [StagePlan(0, 1, (0,)), StagePlan(2, 2, (1,))]
     else:  # 3 stages, the blocks' stage replicated on 2 devices
-        plan = [StageSpec(0, 0, (0,)), StageSpec(1, 2, (1, 2)), StageSpec(3, 3, (3,))]
+        plan = [StagePlan(0, 0, (0,)), StagePlan(1, 2, (1, 2)), StagePlan(3, 3, (3,))]
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
     pipe = pdjax.Pipeline(layers, plan, loss_fn, optimizer, schedule="1f1b", microbatches=4)
     train, test = batches(steps, 32, seed=0), batches(4, 32, seed=1)

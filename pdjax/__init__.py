@@ -17,7 +17,6 @@ True
 (1, 1, 1)
 """
 
-from pdjax.baselines import DataParallel
 from pdjax.errors import (
     CheckpointError,
     DataError,
@@ -32,11 +31,11 @@ from pdjax.errors import (
 from pdjax.export import linen_variables, update_nnx
 from pdjax.layers import Fn, LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
-from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
 from pdjax.pipeline.schedules import Schedule, generate, validate
 from pdjax.pipeline.simulate import simulate
 from pdjax.profile import Profile, profile
+from pdjax.runners import Checkpointer, DataParallel, Runner, RunnerState
 
 __version__ = "0.1.0"
 
@@ -57,6 +56,8 @@ __all__ = [
     "PlanError",
     "Profile",
     "ProfileError",
+    "Runner",
+    "RunnerState",
     "Schedule",
     "ScheduleError",
     "Topology",

@@ -11,7 +11,11 @@ import pytest
 
 import pdjax
 from pdjax.errors import PipelineError
-from pdjax.pipeline import Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline
+
+# the same programs compile again in every run: tests/xla_cache.py
+pytestmark = pytest.mark.usefixtures("xla_cache")
 
 
 def layers():
@@ -133,12 +137,12 @@ SCHEDULES = {
     "interleaved": dict(
         schedule="interleaved",
         chunks=2,
-        plan=[StageSpec(i, i, (i % 2,)) for i in range(4)],
+        plan=[StagePlan(i, i, (i % 2,)) for i in range(4)],
     ),
-    "zb-v": dict(schedule="zb-v", plan=[StageSpec(i, i, (min(i, 3 - i),)) for i in range(4)]),
+    "zb-v": dict(schedule="zb-v", plan=[StagePlan(i, i, (min(i, 3 - i),)) for i in range(4)]),
     "round-robin": dict(
         schedule="gpipe",
-        plan=[StageSpec(0, 1, (0,)), StageSpec(2, 3, (1, 2))],
+        plan=[StagePlan(0, 1, (0,)), StagePlan(2, 3, (1, 2))],
         replication="round-robin",
     ),
 }
@@ -179,7 +183,7 @@ def test_run_refuses_a_state_of_a_plan_with_other_stage_count():
 
 
 def test_run_refuses_a_state_of_a_plan_with_other_stage_bounds():
-    _, state = started(plan=[StageSpec(0, 0, (0,)), StageSpec(1, 3, (1,))])
+    _, state = started(plan=[StagePlan(0, 0, (0,)), StagePlan(1, 3, (1,))])
     pipe, _ = started()
     x, t = data(8)
     with pytest.raises(PipelineError, match=r"stage 0.*1 layers.*2 layers.*another Pipeline"):

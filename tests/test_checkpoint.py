@@ -16,11 +16,12 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pdjax.baselines import DataParallel
 from pdjax.errors import CheckpointError
 from pdjax.layers import sequential
 from pdjax.models import get_model
-from pdjax.pipeline import Checkpointer, Pipeline, StageSpec, even_stages
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline, even_stages
+from pdjax.runners import Checkpointer, DataParallel
 
 K = 3  # steps before the save; the resumed run trains K more
 
@@ -77,7 +78,7 @@ def _batches(n, size, seed=0):
 
 
 def test_pipeline_round_trip_with_replication_and_adam(tmp_path):
-    spec, pipe = _mlp_pipeline([StageSpec(0, 1, (0, 1)), StageSpec(2, 3, (2,))])
+    spec, pipe = _mlp_pipeline([StagePlan(0, 1, (0, 1)), StagePlan(2, 3, (2,))])
     x, y = spec.sample_batch(8)
     state = pipe.init(jax.random.key(0), x[:4])
     state, metrics = pipe.step(state, (x, y))
@@ -206,7 +207,8 @@ _KILLED_SAVE = textwrap.dedent(
     import jax.numpy as jnp
     from orbax.checkpoint import type_handlers
     from orbax.checkpoint._src.path import async_path
-    from pdjax.pipeline import Checkpointer, PipelineState
+    from pdjax.pipeline import PipelineState
+    from pdjax.runners import Checkpointer
 
     directory, where = sys.argv[1], sys.argv[2]
 
@@ -335,7 +337,7 @@ def test_a_template_of_another_model_or_plan_names_the_first_mismatch(tmp_path, 
 
         # The same model split 1 + 3 instead of 2 + 2: another plan, which restores only
         # with the pipeline given (tests/test_user_models.py moves one between plans)
-        _, resplit = _mlp_pipeline([StageSpec(0, 0, (0,)), StageSpec(1, 3, (1,))])
+        _, resplit = _mlp_pipeline([StagePlan(0, 0, (0,)), StagePlan(1, 3, (1,))])
         with pytest.raises(
             CheckpointError,
             match=r"saved under another plan \(layers per stage \[2, 2\]; the template's "

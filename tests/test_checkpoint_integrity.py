@@ -23,7 +23,9 @@ import pytest
 
 from pdjax.errors import CheckpointError
 from pdjax.models import get_model
-from pdjax.pipeline import Checkpointer, Pipeline, PipelineState, StageSpec, checkpoint, even_stages
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline, PipelineState, even_stages
+from pdjax.runners import Checkpointer, checkpoint
 
 
 def _state(seed: int) -> PipelineState:
@@ -213,7 +215,7 @@ def test_a_damaged_step_fails_a_restore_into_another_plan(tmp_path):
     x, _ = spec.sample_batch(4)
     pipe = Pipeline(spec.layers, even_stages(4, 2), spec.loss, optax.adam(1e-2))
     resplit = Pipeline(
-        spec.layers, [StageSpec(0, 0, (0,)), StageSpec(1, 3, (1,))], spec.loss, optax.adam(1e-2)
+        spec.layers, [StagePlan(0, 0, (0,)), StagePlan(1, 3, (1,))], spec.loss, optax.adam(1e-2)
     )
     state = pipe.init(jax.random.key(0), x)
     with Checkpointer(tmp_path) as ckpt:

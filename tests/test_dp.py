@@ -7,11 +7,11 @@ import optax
 import pytest
 
 from pdjax.apps import data
-from pdjax.baselines import DataParallel
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.runners import DataParallel
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):

@@ -8,9 +8,10 @@ import optax
 import pytest
 
 import pdjax
-from pdjax.baselines import DataParallel
 from pdjax.errors import PipelineError
-from pdjax.pipeline import Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline
+from pdjax.runners import DataParallel
 
 
 class Net(nn.Module):
@@ -38,15 +39,15 @@ def data(n, seed=0):
 
 PLANS = {
     "1f1b": dict(plan=pdjax.even_stages(5, 2), schedule="1f1b"),
-    "replicated": dict(plan=[StageSpec(0, 1, (0, 1)), StageSpec(2, 4, (2,))], schedule="gpipe"),
+    "replicated": dict(plan=[StagePlan(0, 1, (0, 1)), StagePlan(2, 4, (2,))], schedule="gpipe"),
     "round-robin": dict(
-        plan=[StageSpec(0, 2, (0,)), StageSpec(3, 4, (1, 2))],
+        plan=[StagePlan(0, 2, (0,)), StagePlan(3, 4, (1, 2))],
         schedule="gpipe",
         replication="round-robin",
     ),
     "pipedream": dict(plan=pdjax.even_stages(5, 3), schedule="pipedream"),
     "interleaved": dict(
-        plan=[StageSpec(i, i, (i % 2,)) for i in range(4)] + [StageSpec(4, 4, (1,))],
+        plan=[StagePlan(i, i, (i % 2,)) for i in range(4)] + [StagePlan(4, 4, (1,))],
         schedule="interleaved",
         chunks=2,
     ),
@@ -57,8 +58,8 @@ def _pipe(case, loss_fn=loss_with_aux, **kw):
     cfg = dict(PLANS[case])
     plan = cfg.pop("plan")
     if case == "interleaved":  # chunks=2 needs an even number of stages
-        plan = [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1,)), StageSpec(2, 3, (0,))]
-        plan.append(StageSpec(4, 4, (1,)))
+        plan = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1,)), StagePlan(2, 3, (0,))]
+        plan.append(StagePlan(4, 4, (1,)))
     return Pipeline(layers(), plan, loss_fn, optax.sgd(0.1), microbatches=2, **cfg, **kw)
 
 

@@ -30,13 +30,14 @@ def _setup(schedule: str, span: bool = False, three: bool = False, transport: st
     ``span``: stage 1 replicated on devices 1 and 2, one in each process; ``three``: 3
     stages on devices 0, 1, 2."""
     from pdjax.models import get_model
-    from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+    from pdjax.partition import StagePlan
+    from pdjax.pipeline.executor import Pipeline, even_stages
 
     spec = get_model("mlp", "tiny")
     if span:
-        stages = [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1, 2)), StageSpec(2, 3, (3,))]
+        stages = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1, 2)), StagePlan(2, 3, (3,))]
     elif three:
-        stages = [StageSpec(0, 0, (0,)), StageSpec(1, 1, (1,)), StageSpec(2, 3, (2,))]
+        stages = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1,)), StagePlan(2, 3, (2,))]
     else:
         stages = even_stages(len(spec.layers), 4)
     pipe = Pipeline(
@@ -88,7 +89,7 @@ def _all_params(pipe, state) -> dict[str, np.ndarray]:
 def _checkpoint_worker(out_dir: str) -> None:
     """Trains half, saves (collectively), trains on; restores the save into a new
     pipeline and trains the same second half; writes both results."""
-    from pdjax.pipeline.checkpoint import Checkpointer
+    from pdjax.runners import Checkpointer
 
     half = STEPS * M // 2
     pipe, state, mbs = _setup("pipedream")
@@ -110,8 +111,8 @@ def _checkpoint_worker(out_dir: str) -> None:
 
 def _dp_train():
     """Data parallelism over every device (2 processes x 2 devices, or 1 x 4): params."""
-    from pdjax.baselines import DataParallel
     from pdjax.models import get_model
+    from pdjax.runners import DataParallel
 
     spec = get_model("mlp", "tiny")
     x, y = spec.sample_batch(16, jax.random.key(0))
@@ -268,7 +269,7 @@ def test_checkpoint_across_processes(tmp_path):
     """2 processes save one checkpoint together (each stage from its own process); it
     restores there into a new pipeline, and in one process on 4 devices, and both go on
     training exactly as the run that never stopped."""
-    from pdjax.pipeline.checkpoint import Checkpointer
+    from pdjax.runners import Checkpointer
 
     _all_succeeded(_launch(tmp_path, "checkpoint"))
     half = STEPS * M // 2
@@ -328,7 +329,7 @@ def test_checkpoint_across_four_processes(tmp_path):
     """4 processes save one checkpoint (each stage's arrays reach process 0 through a
     collective), restore it among themselves, and it restores in one process; every
     resumed run goes on exactly as the run that never stopped."""
-    from pdjax.pipeline.checkpoint import Checkpointer
+    from pdjax.runners import Checkpointer
 
     _all_succeeded(_launch(tmp_path, "checkpoint", procs=4, devices=1, budget=150))
     half = STEPS * M // 2

@@ -1,5 +1,7 @@
 """Transparency: flush schedules train exactly like gradient accumulation on one device."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,8 @@ from reference import flush_training
 
 from pdjax.errors import PipelineError
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline, even_stages
 
 
 def _data(spec, n, seed=0):
@@ -22,7 +25,7 @@ def _stages(num_layers, P, replicas, chunks=1):
         return even_stages(num_layers, P, replicas)
     specs = even_stages(num_layers, P * chunks, 1)
     return tuple(
-        StageSpec(
+        StagePlan(
             s.first_layer,
             s.last_layer,
             tuple(range((i % P) * replicas, (i % P + 1) * replicas)),
@@ -138,9 +141,9 @@ def test_bad_plans_and_batches_fail_before_device_work():
     L = len(spec.layers)
     loss, opt = spec.loss, optax.sgd(0.1)
     with pytest.raises(PipelineError, match="cover layers"):
-        Pipeline(spec.layers, [StageSpec(0, L - 2, (0,))], loss, opt)
+        Pipeline(spec.layers, [StagePlan(0, L - 2, (0,))], loss, opt)
     with pytest.raises(PipelineError, match="expected it to start at layer 2"):
-        Pipeline(spec.layers, [StageSpec(0, 1, (0,)), StageSpec(3, L - 1, (1,))], loss, opt)
+        Pipeline(spec.layers, [StagePlan(0, 1, (0,)), StagePlan(3, L - 1, (1,))], loss, opt)
     with pytest.raises(PipelineError, match="jax_num_cpu_devices"):
         Pipeline(spec.layers, even_stages(L, 2, replicas=8), loss, opt)
     pipe = Pipeline(spec.layers, even_stages(L, 2, replicas=2), loss, opt, microbatches=3)
@@ -152,14 +155,30 @@ def test_bad_plans_and_batches_fail_before_device_work():
         pipe.check_shapes(jnp.ones((2, 50)), variables=good)
 
 
+def test_a_plan_of_other_stages_is_refused_saying_what_to_pass():
+    """Pipeline takes a Plan or StagePlans (one stage type): tuples, look-alike objects
+    (the former StageSpec's fields) and non-sequences are refused before device work."""
+    spec = get_model("mlp", "tiny")
+    L = len(spec.layers)
+    LookAlike = collections.namedtuple("LookAlike", "first_layer last_layer devices")
+    loss, opt = spec.loss, optax.sgd(0.1)
+    what = r"Plan or a sequence of pdjax\.partition\.StagePlan"
+    for plan in ([(0, L - 1, (0,))], [LookAlike(0, L - 1, (0,))], 3, "0-3"):
+        with pytest.raises(PipelineError, match=what):
+            Pipeline(spec.layers, plan, loss, opt)
+    mixed = [StagePlan(0, 0, (0,)), LookAlike(1, L - 1, (1,))]
+    with pytest.raises(PipelineError, match=r"plan stage 1 is a LookAlike.*even_stages"):
+        Pipeline(spec.layers, mixed, loss, opt)
+
+
 def test_more_bad_input_is_caught_with_a_hint():
     spec = get_model("mlp", "tiny")
     L = len(spec.layers)
     loss, opt = spec.loss, optax.adam(1e-3)
     with pytest.raises(PipelineError, match="distinct and >= 0"):
-        Pipeline(spec.layers, [StageSpec(0, L - 1, (0, 0))], loss, opt)
+        Pipeline(spec.layers, [StagePlan(0, L - 1, (0, 0))], loss, opt)
     with pytest.raises(PipelineError, match="distinct and >= 0"):
-        Pipeline(spec.layers, [StageSpec(0, L - 1, (-1,))], loss, opt)
+        Pipeline(spec.layers, [StagePlan(0, L - 1, (-1,))], loss, opt)
     with pytest.raises(PipelineError, match="options of the pipedream schedule"):
         Pipeline(spec.layers, even_stages(L, 2), loss, opt, vertical_sync=True)
     with pytest.raises(PipelineError, match="option of interleaved"):

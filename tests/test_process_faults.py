@@ -109,16 +109,13 @@ LOOPBACK = {
 }
 
 
-def test_the_coordinator_listens_on_loopback_only(joined):
+def test_the_coordinator_listens_on_loopback_only_and_ends_on_sigterm(joined):
+    """One joined process (one JAX start-up) for both: where it listens, then SIGTERM."""
     proc, port = joined
     sockets = _listening(proc.pid)
     assert port in [p for _, p in sockets], f"nothing listens on the coordinator port: {sockets}"
     everywhere = [(host, p) for host, p in sockets if host not in LOOPBACK]
     assert not everywhere, f"listening beyond loopback: {everywhere}"
-
-
-def test_a_joined_process_ends_on_sigterm(joined):
-    proc, _ = joined
     proc.send_signal(signal.SIGTERM)
     try:
         code = proc.wait(timeout=30)

@@ -12,7 +12,8 @@ from reference import flush_training
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -61,7 +62,7 @@ class Dense32(nn.Module):
 
 
 def _pipe(layers, schedule="1f1b", M=4, plan=None, **kwargs):
-    plan = plan or (StageSpec(0, 1, (0, 1, 2)), StageSpec(2, len(layers) - 1, (3,)))
+    plan = plan or (StagePlan(0, 1, (0, 1, 2)), StagePlan(2, len(layers) - 1, (3,)))
     return Pipeline(
         layers,
         plan,
@@ -109,7 +110,7 @@ def test_per_device_sums_equal_sequential_training(schedule):
     plan = None
     kwargs = {}
     if schedule == "interleaved":
-        plan = tuple(StageSpec(i, i, (0, 1) if i % 2 == 0 else (2,)) for i in range(4))
+        plan = tuple(StagePlan(i, i, (0, 1) if i % 2 == 0 else (2,)) for i in range(4))
         kwargs["chunks"] = 2
     pipe = _pipe(layers, schedule, M, plan=plan, opt=opt, **kwargs)
     stream = _stream(M * steps, 6)
@@ -146,7 +147,7 @@ def test_stages_that_mix_rows_stay_whole_and_exact(layer, why):
 
     pipe, two, m2 = train(None)
     assert why in pipe.grad_allreduce_at[0] and pipe.grad_allreduce_at[1] == "-"
-    _, one, m1 = train((StageSpec(0, 1, (0,)), StageSpec(2, 3, (3,))))
+    _, one, m1 = train((StagePlan(0, 1, (0,)), StagePlan(2, 3, (3,))))
     np.testing.assert_allclose(
         [float(v) for v in m2.losses], [float(v) for v in m1.losses], rtol=1e-5
     )
@@ -159,7 +160,7 @@ def test_check_parts_on_real_model():
     for name, expect in (("mlp", True), ("gpt", False)):
         spec = get_model(name, "tiny")
         L = len(spec.layers)
-        pipe = Pipeline(spec.layers, (StageSpec(0, L - 1, (0, 1)),), spec.loss, optax.sgd(0.1))
+        pipe = Pipeline(spec.layers, (StagePlan(0, L - 1, (0, 1)),), spec.loss, optax.sgd(0.1))
         x = spec.sample_input(4, jax.random.key(0))
         state = pipe.init(jax.random.key(1), x)
         state, _ = pipe.run(state, [(x, spec.sample_target(4, jax.random.key(0)))])
@@ -169,7 +170,7 @@ def test_check_parts_on_real_model():
 def test_bad_grad_allreduce_option():
     layers = sequential(Dense32(), nn.Dense(10))
     with pytest.raises(PipelineError, match="grad_allreduce must be"):
-        Pipeline(layers, (StageSpec(0, 1, (0, 1)),), xent, optax.sgd(0.1), grad_allreduce="x")
+        Pipeline(layers, (StagePlan(0, 1, (0, 1)),), xent, optax.sgd(0.1), grad_allreduce="x")
 
 
 def test_each_device_keeps_its_own_rows_gradient():

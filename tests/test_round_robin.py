@@ -14,7 +14,8 @@ from reference import delayed_training, flush_training
 
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
-from pdjax.pipeline.executor import Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline
 
 
 class Dense32(nn.Module):
@@ -55,7 +56,7 @@ def _plan(bounds, replicas):
     for r in replicas:
         devices.append(tuple(range(first, first + r)))
         first += r
-    return tuple(StageSpec(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
+    return tuple(StagePlan(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -213,7 +214,7 @@ def test_gather_and_part_do_not_copy():
     """The group a round-robin stage computes on is assembled from the microbatches where
     they arrived (each device's shard is the piece's own buffer), and its outputs leave as
     the shards themselves."""
-    from pdjax.pipeline.executor import _gather, _part
+    from pdjax.pipeline.executor.interpreter import _gather, _part
     from pdjax.pipeline.stage import Stage
 
     stage = Stage(0, [], 0, jax.devices()[:2], optax.sgd(0.1), round_robin=True)

@@ -327,7 +327,7 @@ def test_updates_reuse_the_gradient_buffers():
 
 def test_xla_cpu_workarounds_have_one_home():
     from pdjax import _xla_cpu
-    from pdjax.baselines.dp import DataParallel
+    from pdjax.runners import DataParallel
 
     spec = get_model("mlp", "tiny")
     L = len(spec.layers)

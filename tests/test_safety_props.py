@@ -18,7 +18,8 @@ from pdjax.apps import cluster, netem
 from pdjax.apps.data import load_npz
 from pdjax.distributed import launch_local
 from pdjax.models import get_model
-from pdjax.pipeline import Checkpointer, Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
+from pdjax.runners import Checkpointer
 
 SOURCES = sorted(Path(pdjax.__file__).parent.rglob("*.py"))
 

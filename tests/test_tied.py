@@ -12,9 +12,11 @@ from flax import nnx
 
 from pdjax.errors import LayerError, PipelineError
 from pdjax.layers import sequential
-from pdjax.pipeline import Checkpointer, Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline
 from pdjax.pipeline.program import Placement, lower
 from pdjax.pipeline.schedules import generate
+from pdjax.runners import Checkpointer
 
 V, D = 16, 8  # vocabulary, width
 WTE = ["00_Embed/embedding", "04_Head/embedding"]
@@ -152,13 +154,13 @@ def _merged(pipe, variables):
     return pipe.layers.merge(variables)["params"]
 
 
-P2 = [StageSpec(0, 2, (0,)), StageSpec(3, 4, (1,))]
-P3 = [StageSpec(0, 1, (0,)), StageSpec(2, 3, (1,)), StageSpec(4, 4, (2,))]
+P2 = [StagePlan(0, 2, (0,)), StagePlan(3, 4, (1,))]
+P3 = [StagePlan(0, 1, (0,)), StagePlan(2, 3, (1,)), StagePlan(4, 4, (2,))]
 # interleaved: 2 device groups x 2 chunks; the embedding on stage 0, the head on stage 3
-I4 = [StageSpec(0, 0, (0,)), StageSpec(1, 2, (1,)), StageSpec(3, 3, (0,)), StageSpec(4, 4, (1,))]
-R2 = [StageSpec(0, 2, (0, 1)), StageSpec(3, 4, (2,))]  # the embedding's stage on 2 devices
-SAME = [StageSpec(0, 3, (0,)), StageSpec(4, 4, (1,))]  # both Dense layers on stage 0
-ONE = [StageSpec(0, 4, (0,))]
+I4 = [StagePlan(0, 0, (0,)), StagePlan(1, 2, (1,)), StagePlan(3, 3, (0,)), StagePlan(4, 4, (1,))]
+R2 = [StagePlan(0, 2, (0, 1)), StagePlan(3, 4, (2,))]  # the embedding's stage on 2 devices
+SAME = [StagePlan(0, 3, (0,)), StagePlan(4, 4, (1,))]  # both Dense layers on stage 0
+ONE = [StagePlan(0, 4, (0,))]
 
 CASES = {
     "1f1b-P2-M2": (P2, "1f1b", 2, {}),
@@ -306,7 +308,7 @@ def test_an_nnx_variable_shared_by_two_layers_trains_as_one_when_declared():
         names=["e", "l", "h"],
         tied={"wte": ["e/embedding", "h/embed/embedding"]},
     )
-    stages = [StageSpec(0, 1, (0,)), StageSpec(2, 2, (1,))]
+    stages = [StagePlan(0, 1, (0,)), StagePlan(2, 2, (1,))]
     batches = _batches(3, 8)
     _, _, variables, losses, history = _train(layers, stages, optax.adam(1e-2), "1f1b", 2, batches)
 
@@ -389,7 +391,7 @@ def test_lowering_exchanges_tied_gradients_and_values():
 
 def test_data_parallel_refuses_tied_parameters():
     """DataParallel would train each copy apart: it refuses, naming what does tie them."""
-    from pdjax.baselines import DataParallel
+    from pdjax.runners import DataParallel
 
     with pytest.raises(PipelineError, match=r"tied parameters.*Pipeline with one stage"):
         DataParallel(_layers(), _loss, optax.sgd(0.1))

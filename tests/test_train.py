@@ -18,6 +18,9 @@ from pdjax.apps.cli import main
 from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, _sync_metrics, build, train
 from pdjax.errors import DataError, LayerError, PipelineError
 
+# the same programs compile again in every run: tests/xla_cache.py
+pytestmark = pytest.mark.usefixtures("xla_cache")
+
 
 def _cfg(**kw):
     base = dict(
@@ -60,7 +63,7 @@ def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, m
     monkeypatch.setattr(data.Dataset, "train_batches", poisoned)
     with pytest.raises(TrainingDiverged, match=r"epoch 2.*last good checkpoint"):
         train(_cfg(epochs=3), checkpoint_dir=tmp_path)
-    from pdjax.pipeline.checkpoint import Checkpointer
+    from pdjax.runners import Checkpointer
 
     assert Checkpointer(tmp_path).latest_step() == 1
 

@@ -27,8 +27,11 @@ from pdjax.apps.train import (
 )
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.partition import Plan, Topology, plan_pipedream
-from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.profile import LayerProfile, Profile
+from pdjax.runners import Checkpointer
+
+# the same programs compile again in every run: tests/xla_cache.py
+pytestmark = pytest.mark.usefixtures("xla_cache")
 
 
 @pytest.fixture

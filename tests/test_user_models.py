@@ -24,7 +24,9 @@ from reference import delayed_training, flush_training
 
 import pdjax
 from pdjax.errors import PipelineError
-from pdjax.pipeline import Checkpointer, Pipeline, StageSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline import Pipeline
+from pdjax.runners import Checkpointer
 
 V, D, T, HEADS = 32, 16, 8, 2  # vocabulary, width, tokens, attention heads
 DROP = 0.1  # dropout rate
@@ -172,7 +174,7 @@ def test_nnx_transformer_1f1b_equals_the_users_own_training_loop():
     model = Transformer(nnx.Rngs(0))
     reference_model = nnx.clone(model)
     layers = transformer_layers(model)
-    stages = [StageSpec(0, 0, (0,)), StageSpec(1, 2, (1, 2)), StageSpec(3, 3, (3,))]
+    stages = [StagePlan(0, 0, (0,)), StagePlan(1, 2, (1, 2)), StagePlan(3, 3, (3,))]
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
     M = 2
     pipe = Pipeline(layers, stages, lm_loss, opt, schedule="1f1b", microbatches=M)
@@ -279,8 +281,8 @@ def test_checkpoint_from_four_stages_resumes_under_two(tmp_path):
     as a 2-stage run of the same model that was never interrupted."""
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
     batches = token_batches(4, 8)
-    four = [StageSpec(i, i, (i,)) for i in range(4)]
-    two = [StageSpec(0, 1, (4, 5)), StageSpec(2, 3, (6,))]
+    four = [StagePlan(i, i, (i,)) for i in range(4)]
+    two = [StagePlan(0, 1, (4, 5)), StagePlan(2, 3, (6,))]
 
     def pipeline(stages):
         model = Transformer(nnx.Rngs(0))
@@ -377,7 +379,7 @@ def test_linen_cnn_1f1b_equals_sequential_training_and_comes_back_as_the_users_t
     M = 2
     pipe = Pipeline(
         layers,
-        [StageSpec(0, 1, (0, 1)), StageSpec(2, 2, (2,))],
+        [StagePlan(0, 1, (0, 1)), StagePlan(2, 2, (2,))],
         cnn_loss,
         optax.adam(1e-2),
         schedule="1f1b",

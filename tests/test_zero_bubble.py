@@ -24,8 +24,9 @@ from reference import flush_training
 
 import pdjax
 from pdjax.errors import PipelineError, ScheduleError
+from pdjax.partition import StagePlan
 from pdjax.pipeline import chrome_trace, plot_gantt
-from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.pipeline.executor import Pipeline, even_stages
 from pdjax.pipeline.schedules import (
     Schedule,
     generate,
@@ -413,7 +414,7 @@ def _plan(schedule, layers, P, replicas=1, chunks=None):
     chunks = chunks or (2 if schedule == "zb-v" else 1)
     where = stage_groups(schedule, P, chunks)
     return tuple(
-        StageSpec(
+        StagePlan(
             s.first_layer,
             s.last_layer,
             tuple(range(where[i] * replicas, (where[i] + 1) * replicas)),
@@ -515,10 +516,10 @@ def test_tied_embedding_on_both_ends_of_the_v():
     from test_tied import _check_against_reference, _layers
 
     v4 = [
-        StageSpec(0, 0, (0,)),
-        StageSpec(1, 2, (1,)),
-        StageSpec(3, 3, (1,)),
-        StageSpec(4, 4, (0,)),
+        StagePlan(0, 0, (0,)),
+        StagePlan(1, 2, (1,)),
+        StagePlan(3, 3, (1,)),
+        StagePlan(4, 4, (0,)),
     ]
     pipe = _check_against_reference(_layers(), v4, lambda: optax.adam(1e-2), "zb-v", 3)
     assert dict(pipe.tied_stages)["wte"] == (0, 3)

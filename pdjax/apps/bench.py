@@ -46,12 +46,13 @@ import optax
 
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model
-from pdjax.partition import Plan, Topology, evaluate_partition, plan_pipedream
+from pdjax.partition import Plan, StagePlan, Topology, evaluate_partition, plan_pipedream
 from pdjax.pipeline.costs import costs_from_plan
-from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.pipeline.executor import Pipeline, even_stages
 from pdjax.pipeline.schedules import STREAMING, generate
 from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate
 from pdjax.profile import Profile, profile
+from pdjax.runners import DataParallel, Runner
 
 __all__ = [
     "BENCH_SCHEDULES",
@@ -412,6 +413,30 @@ class _Runner:
     count: Callable[[], float] | None = None
 
 
+@dataclasses.dataclass
+class _Calls:
+    """What a row times, for any :class:`~pdjax.runners.Runner`: ``calls`` calls of
+    ``runner.run`` over ``stream``, from ``state`` (updated by each)."""
+
+    runner: Runner[Any]
+    state: Any
+    stream: list[Any]
+    calls: int
+
+    def __call__(self) -> tuple[float, float]:
+        """Runs the calls: ``(seconds until the state is computed, host seconds per
+        action)``."""
+        host = 0.0
+        actions = 0
+        t0 = time.perf_counter()
+        for _ in range(self.calls):
+            self.state, metrics = self.runner.run(self.state, self.stream)
+            host += metrics.host_seconds
+            actions += metrics.actions
+        jax.block_until_ready(self.state)
+        return time.perf_counter() - t0, host / actions
+
+
 def _known_runner(name: str) -> bool:
     base, _, variant = name.partition("/")
     if base == "dp":
@@ -459,7 +484,7 @@ def _pipeline_runner(
             return tuple(index[d] for d in devs) if ids else devs
 
         specs: Any = tuple(
-            StageSpec(s.first_layer, s.last_layer, where(plan.stages[k % G].devices))
+            StagePlan(s.first_layer, s.last_layer, where(plan.stages[k % G].devices))
             for k, s in enumerate(even_stages(L, K))
         )
         costs = _virtual_costs(prof, plan, specs, microbatches)
@@ -493,27 +518,14 @@ def _pipeline_runner(
     sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
     used = list(dict.fromkeys(d for st in pipe.stages for d in st.devices))
     predicted = _predicted(simulate(sched, costs), used, concurrency) * calls
-    state = pipe.init(jax.random.key(seed), batch[0][0])
+    call = _Calls(pipe, pipe.init(jax.random.key(seed), batch[0][0]), stream, calls)
     # the runtime runs a replicated stage's programs one at a time on CPU (pdjax._xla_cpu)
     if any(pipe.workarounds.one_at_a_time):
         note = "; ".join(filter(None, [note, "synchronous (replicated stage, CPU)"]))
 
-    def call() -> tuple[float, float]:
-        nonlocal state
-        host = 0.0
-        actions = 0
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            state, metrics = pipe.run(state, stream)
-            host += metrics.host_seconds
-            actions += metrics.actions
-        jax.block_until_ready(state)
-        return time.perf_counter() - t0, host / actions
-
     def count() -> float:
         """All-reduces per optimizer step (M microbatches), from the runtime's counters."""
-        nonlocal state
-        state, metrics = pipe.run(state, stream, collectives=True)
+        call.state, metrics = pipe.run(call.state, stream, collectives=True)
         return sum((metrics.all_reduces or {}).values()) * microbatches / len(stream)
 
     samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // microbatches)
@@ -522,7 +534,7 @@ def _pipeline_runner(
 
 
 def _virtual_costs(
-    prof: Profile, plan: Plan, specs: Sequence[StageSpec], microbatches: int
+    prof: Profile, plan: Plan, specs: Sequence[StagePlan], microbatches: int
 ) -> PipelineCosts:
     """Simulator costs of interleaved virtual stages: each priced as a stage of its own on
     its group's replica count, every link at the plan's slowest bandwidth."""
@@ -606,7 +618,7 @@ def driver_seconds_per_action(devices: Sequence[jax.Device], seed: int = 0) -> f
     pipe = Pipeline(
         layers,
         tuple(
-            StageSpec(st.first_layer, st.last_layer, (i,)) for i, st in enumerate(even_stages(8, n))
+            StagePlan(st.first_layer, st.last_layer, (i,)) for i, st in enumerate(even_stages(8, n))
         ),
         loss,
         optax.sgd(1e-3),
@@ -647,8 +659,6 @@ def _dp_runner(
     steps: int,
     concurrency: float,
 ) -> _Runner:
-    from pdjax.baselines import DataParallel
-
     n = len(devs)
     batch_size = len(jax.tree.leaves(x)[0])
     if batch_size % n:
@@ -669,18 +679,7 @@ def _dp_runner(
     sched = generate("1f1b", 1, 1, replicas=(n,))
     predicted = _predicted(simulate(sched, costs_from_plan(plan, prof)), devs, concurrency) * steps
     dp = DataParallel(spec.layers, spec.loss, optimizer, devices=devs)
-    state = dp.init(jax.random.key(seed), x)
-
-    def call() -> tuple[float, float]:
-        nonlocal state
-        host = 0.0
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            state, metrics = dp.step(state, (x, y))
-            host += metrics.host_seconds
-        jax.block_until_ready(state)
-        return time.perf_counter() - t0, host / steps
-
+    call = _Calls(dp, dp.init(jax.random.key(seed), x), [(x, y)] * steps, 1)  # a step a batch
     return _Runner("dp", f"1 stage x{n}", steps * batch_size, steps, predicted, "", call)
 
 

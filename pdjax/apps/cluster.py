@@ -256,48 +256,37 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     import numpy as np
 
     from pdjax._sharding import held
-    from pdjax.baselines import DataParallel
-    from pdjax.pipeline.executor import Pipeline, StageSpec
+    from pdjax.partition import StagePlan
+    from pdjax.pipeline.executor import Pipeline
     from pdjax.pipeline.schedules import STREAMING
+    from pdjax.runners import DataParallel, Runner
 
     spec = cluster_model(job["model"])
     b, seed, name = job["microbatch"], job["seed"], r["name"]
     label = r.get("label", name)
     units = r["units"]
     opt = _optimizer()
-    if name in ("single", "dp"):
+    runner: Runner[Any]
+    if name in ("single", "dp"):  # every device a whole microbatch: its batch is theirs
         devices = jax.devices()[:1] if name == "single" else jax.devices()
-        n = b * len(devices)
-        steps = units // len(devices)
-        x, y = jax.tree.map(np.asarray, spec.sample_batch(n, seed))
-        dp = DataParallel(spec.layers, spec.loss, opt, devices=devices)
-        dp_state = dp.init(jax.random.key(seed), x)
-
-        def dp_call() -> float:
-            nonlocal dp_state
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                dp_state, _ = dp.step(dp_state, (x, y))
-            jax.block_until_ready(dp_state)
-            return time.perf_counter() - t0
-
-        return label, dp_call
-    M = r.get("microbatches", 1)
-    stages = [StageSpec(f, last, (i,)) for i, (f, last) in enumerate(r["stages"])]
-    pipe = Pipeline(
-        spec.layers,
-        stages,
-        spec.loss,
-        opt,
-        schedule=name,
-        microbatches=M,
-        devices=jax.devices(),
-        extra_in_flight=r.get("extra", 0),
-        transport=r.get("transport", "auto"),
-    )
+        runner = DataParallel(spec.layers, spec.loss, opt, devices=devices)
+        b, units = b * len(devices), units // len(devices)
+    else:
+        runner = Pipeline(
+            spec.layers,
+            [StagePlan(f, last, (i,)) for i, (f, last) in enumerate(r["stages"])],
+            spec.loss,
+            opt,
+            schedule=name,
+            microbatches=r.get("microbatches", 1),
+            devices=jax.devices(),
+            extra_in_flight=r.get("extra", 0),
+            transport=r.get("transport", "auto"),
+        )
+    M = runner.microbatches
     x, y = jax.tree.map(np.asarray, spec.sample_batch(b * units, seed))
     mbs = [jax.tree.map(lambda a, k=k: a[k * b : (k + 1) * b], (x, y)) for k in range(units)]
-    state = pipe.init(jax.random.key(seed), mbs[0][0])
+    state: Any = runner.init(jax.random.key(seed), mbs[0][0])
     streaming = name in STREAMING  # one stream; flush schedules: steps of M
     calls = [mbs] if streaming else [mbs[k : k + M] for k in range(0, units, M)]
 
@@ -305,17 +294,19 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
         nonlocal state
         t0 = time.perf_counter()
         for chunk in calls:
-            state, _ = pipe.run(state, chunk)
+            state, _ = runner.run(state, chunk)
         jax.block_until_ready([a for a in jax.tree.leaves(state) if held(a)])
         return time.perf_counter() - t0
 
     def timeline() -> list[tuple[int, float, float, str, int, int]]:
         """One call with every action waited for and timed: ``(group, start, end, kind,
-        stage, microbatch)`` for the actions this process ran."""
+        stage, microbatch)`` for the actions this process ran (a pipeline's diagnostic)."""
         nonlocal state
+        if not isinstance(runner, Pipeline):
+            raise ClusterError(f"{label} is no pipeline: it has no timeline of actions")
         spans = []
         for chunk in calls:
-            state, metrics = pipe.run(state, chunk, timeline=True)
+            state, metrics = runner.run(state, chunk, timeline=True)
             assert metrics.timeline is not None  # recorded when asked for
             spans += [(sp.group, sp.start, sp.end, sp.action.kind, sp.action.stage,
                        sp.action.mb) for sp in metrics.timeline.spans]  # fmt: skip

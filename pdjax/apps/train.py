@@ -48,11 +48,12 @@ import optax
 
 from pdjax._jsonio import write_atomic
 from pdjax.apps import data as data_lib
-from pdjax.baselines import DataParallel
 from pdjax.errors import CheckpointError, PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec, check_model_name, get_model, is_model_ref, load_model
-from pdjax.pipeline.executor import Pipeline, StageSpec, even_stages
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline, even_stages
 from pdjax.pipeline.schedules import STALE, stage_groups
+from pdjax.runners import DataParallel, Runner
 
 __all__ = [
     "DATASETS",
@@ -715,7 +716,7 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
         P = cfg.devices  # sizes checked by check()
         virtual = even_stages(L, P * cfg.chunks)
         stages = tuple(
-            StageSpec(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
+            StagePlan(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
         )
         text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
         return stages, text
@@ -724,7 +725,7 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
         groups = stage_groups("zb-v", P, 2)
         virtual = even_stages(L, 2 * P)
         stages = tuple(
-            StageSpec(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
+            StagePlan(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
         )
         return stages, f"zb-v: {len(stages)} chunks of {L} layers in a V over {P} devices"
     if plan is None:
@@ -758,12 +759,14 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
 
 def make_runner(
     cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None
-) -> tuple[Any, str]:
-    """A :class:`Pipeline` or :class:`DataParallel` for ``cfg``, and its plan's text
-    (``plan``: the :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s)."""
+) -> tuple[Runner[Any], str]:
+    """The :class:`~pdjax.runners.Runner` for ``cfg`` (a :class:`DataParallel` for
+    ``schedule="dp"``, else a :class:`Pipeline`), and its plan's text (``plan``: the
+    :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s). The rest of the
+    training loop is written against the protocol alone."""
     _check_devices(cfg)
     devices = jax.devices()
-    if cfg.schedule == "dp":
+    if cfg.schedule == "dp":  # the one place that picks the runner
         dp = DataParallel(spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices])
         return dp, f"data parallel on {cfg.devices} devices"
     stages, text = _stages(cfg, spec, sample, plan)
@@ -1095,7 +1098,7 @@ def _open_checkpoints(
                 "run's --checkpoint-dir too"
             )
         return None, None
-    from pdjax.pipeline.checkpoint import Checkpointer
+    from pdjax.runners import Checkpointer
 
     ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
     steps = ckpt.all_steps()
@@ -1248,33 +1251,22 @@ def _train_epoch(
     Raises:
       TrainingDiverged: for a non-finite loss, accuracy or weight.
     """
-    is_dp = cfg.schedule == "dp"
-    b = cfg.microbatch_size
-    batches = list(ds.train_batches(b if not is_dp else cfg.batch_size, seed=cfg.seed, epoch=epoch))
-    if not is_dp and cfg.schedule not in ("pipedream",):
-        batches = batches[: len(batches) - len(batches) % cfg.microbatches]
+    batches = _epoch_batches(cfg, runner, ds, epoch)
+    b = cfg.batch_size // runner.microbatches
     if not batches:
         raise PipelineError(
             f"the {ds.name} training split has {ds.num_train} samples, too few for one "
             f"step of {cfg.batch_size}"
         )
     t0 = time.perf_counter()
-    if is_dp:
-        losses = []
-        for i, batch in enumerate(batches):
-            state, metrics = runner.step(state, batch)
-            losses.extend(metrics.losses)
-            if on_progress is not None:
-                on_progress(i + 1, len(batches))
-    else:
-        callback = None
-        if on_progress is not None:
+    callback = None
+    if on_progress is not None:
 
-            def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
-                on_progress(k + 1, n)
+        def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
+            on_progress(k + 1, n)
 
-        state, metrics = runner.run(state, batches, on_loss=callback)
-        losses = metrics.losses
+    state, metrics = runner.run(state, batches, on_loss=callback)
+    losses = metrics.losses
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     train_loss = float(np.mean([float(x) for x in losses]))
@@ -1287,8 +1279,8 @@ def _train_epoch(
         raise _diverged(cfg, epoch + 1, f"the test accuracy became {test_acc}", ckpt)
     if not _finite_weights(runner, state):
         raise _diverged(cfg, epoch + 1, "the weights hold NaN or infinite values", ckpt)
-    samples = len(batches) * (cfg.batch_size if is_dp else b)
-    updates = state.step if is_dp else state.updates[0]
+    samples = len(batches) * b
+    updates = state.updates[0]
     return state, EpochRecord(
         epoch=epoch + 1,
         train_loss=train_loss,
@@ -1339,22 +1331,29 @@ def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiv
     )
 
 
+def _epoch_batches(
+    cfg: TrainConfig, runner: Runner[Any], ds: data_lib.Dataset, epoch: int
+) -> list[Any]:
+    """Epoch ``epoch``'s stream of microbatches for ``runner`` (``runner.microbatches``
+    to an update): whole updates of them, except for ``pipedream``, which updates per
+    microbatch."""
+    size = cfg.batch_size // runner.microbatches
+    batches = list(ds.train_batches(size, seed=cfg.seed, epoch=epoch))
+    if cfg.schedule != "pipedream":
+        batches = batches[: len(batches) - len(batches) % runner.microbatches]
+    return batches
+
+
 def _warm_up(
-    runner: Any, state: Any, ds: data_lib.Dataset, cfg: TrainConfig, progress: bool
+    runner: Runner[Any], state: Any, ds: data_lib.Dataset, cfg: TrainConfig, progress: bool
 ) -> None:
     """Compiles what an epoch runs, on a copy of the state: a pipeline's program is lowered
     and bound per number of microbatches in a call (and per progress callback), so the
-    warm-up runs one epoch's worth (of the first epoch's length)."""
+    warm-up runs the first epoch's call (every runner alike)."""
     copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
-    if cfg.schedule == "dp":
-        x, y = ds.train_x[: cfg.batch_size], ds.train_y[: cfg.batch_size]
-        jax.block_until_ready(runner.step(copy, (x, y)))
-    else:
-        batches = list(ds.train_batches(cfg.microbatch_size, seed=cfg.seed, epoch=0))
-        if cfg.schedule != "pipedream":
-            batches = batches[: len(batches) - len(batches) % cfg.microbatches]
-        on_loss = (lambda k, loss: None) if progress else None
-        jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
+    batches = _epoch_batches(cfg, runner, ds, 0)
+    on_loss = (lambda k, loss: None) if progress else None
+    jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
 
 
 def _json_number(value: Any) -> Any:

@@ -6,14 +6,14 @@
 16
 """
 
+# The schedules' semantics table first: the planner reads it, and pdjax.pipeline (which
+# importing it starts) imports modules of this package; they then find it loaded.
+import pdjax.pipeline.schedules.semantics  # noqa: F401
+
+# isort: split
+
 from pdjax.partition.auto import HostCosts, plan_auto
-from pdjax.partition.cost import (
-    COST_MODELS,
-    REPLICATION_OPTIONS,
-    SCHEDULES,
-    CostModel,
-    ScheduleTraits,
-)
+from pdjax.partition.cost import COST_MODELS, CostModel
 from pdjax.partition.partitioners import (
     balanced_split,
     evaluate_partition,
@@ -25,6 +25,7 @@ from pdjax.partition.partitioners import (
 from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
+from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULES, ScheduleTraits
 
 __all__ = [
     "COST_MODELS",

@@ -95,7 +95,7 @@ seconds of one all-reduce (what replaces ``2 (m-1) * lat + 2 (m-1)/m * W / B``);
 falls back to the formulas.
 
 Data parallelism (``data_parallel_time``, the baseline of ``speedup_over_data_parallel``)
-under ``pdjax`` is what :class:`pdjax.baselines.DataParallel` and ``pdjax.apps.cluster`` run:
+under ``pdjax`` is what :class:`pdjax.runners.DataParallel` and ``pdjax.apps.cluster`` run:
 each of the ``N`` devices takes one microbatch per step, then one all-reduce per step (a
 hierarchical ring, each level's ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``), whatever
 the schedule: ``(C + sum_k allreduce_k) / N`` per microbatch.
@@ -157,33 +157,76 @@ other two.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 import numpy as np
-import numpy.typing as npt
 
-from pdjax.errors import PlanError, ProfileError
+from pdjax.errors import PlanError
+from pdjax.partition.arrays import ModelArrays, check_profile, model_arrays
 from pdjax.partition.topology import Topology
-from pdjax.profile.profile import Profile
+from pdjax.partition.traits import (
+    REPLICATION_OPTIONS,
+    SCHEDULES,
+    ScheduleTraits,
+    allreduces_per_microbatch,
+    check_replication,
+    exact_in_flight,
+    groups_in_flight,
+    has_round_trip,
+    in_flight,
+    resolve_replication,
+    schedule_traits,
+    stage_units,
+    update_copies,
+    updates_per_microbatch,
+    versions_kept,
+)
 
+# The schedules' traits (pdjax.partition.traits) and the profile's arrays
+# (pdjax.partition.arrays) are re-exported: the cost terms are read as ``cost.<name>``.
 __all__ = [
     "COST_MODELS",
+    "REPLICATION_OPTIONS",
     "SCHEDULES",
+    "AllreduceSeconds",
     "CostModel",
+    "ModelArrays",
     "ScheduleTraits",
+    "StageSeconds",
+    "allreduces_per_microbatch",
+    "calibrated",
+    "ceil_div",
+    "check_calibration",
+    "check_cost_model",
+    "check_profile",
+    "check_replication",
+    "cut_time",
+    "data_parallel_time",
+    "exact_in_flight",
+    "groups_in_flight",
+    "has_round_trip",
+    "hierarchical_allreduce",
     "in_flight",
+    "model_arrays",
+    "partition_terms",
+    "resolve_replication",
+    "ring_allreduce",
+    "round_trip_time",
+    "schedule_traits",
+    "single_device_time",
+    "stage_memory",
+    "stage_time",
+    "stage_units",
+    "update_copies",
+    "updates_per_microbatch",
     "versions_kept",
 ]
 
 CostModel = Literal["pdjax", "paper", "pipedream-code"]
 COST_MODELS: tuple[str, ...] = ("pdjax", "paper", "pipedream-code")
 
-REPLICATION_OPTIONS: tuple[str, ...] = ("auto", "split", "round-robin")
-"""The planner's ``replication`` option: ``"auto"`` (the cheaper mode), ``"split"`` or
-``"round-robin"`` for every replicated stage."""
 
 #: Calibration hook ``stage_seconds(first_layer, last_layer, replicas, replication)``:
 #: measured seconds per microbatch of that stage, or None for the profile's estimate.
@@ -195,313 +238,10 @@ StageSeconds = Callable[[int, int, int, str], float | None]
 AllreduceSeconds = Callable[[float, tuple[int, ...] | int], float | None]
 
 
-def _round_robin_schedules() -> tuple[str, ...]:
-    """Schedules with a round-robin form (``pdjax.pipeline.generate(..., replication=...)``),
-    from the schedules' semantics table (imported here: :mod:`pdjax.pipeline` imports this
-    package)."""
-    from pdjax.pipeline.schedules import ROUND_ROBIN
-
-    return ROUND_ROBIN
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleTraits:
-    """What the planner needs to know of a schedule.
-
-    Attributes:
-      name: the schedule's name.
-      pipelined_in_flight: True if stage ``s`` holds ``P - s`` microbatches in flight
-        (1F1B-style), False if it holds all ``M`` of a step (GPipe).
-      versions: weight versions kept per stage: ``"in_flight"`` (PipeDream's weight
-        stashing), or a number.
-      update_per_microbatch: True if every microbatch ends in an optimizer update (and an
-        all-reduce of a replicated stage), False for one update per step of ``M``.
-      flush: True if the pipeline drains every ``M`` microbatches.
-    """
-
-    name: str
-    pipelined_in_flight: bool
-    versions: str | int
-    update_per_microbatch: bool
-    flush: bool
-
-
-SCHEDULES: dict[str, ScheduleTraits] = {
-    "pipedream": ScheduleTraits("pipedream", True, "in_flight", True, False),
-    "1f1b": ScheduleTraits("1f1b", True, 1, False, True),
-    "gpipe": ScheduleTraits("gpipe", False, 1, False, True),
-    "2bw": ScheduleTraits("2bw", True, 2, False, False),
-    "interleaved": ScheduleTraits("interleaved", True, 1, False, True),
-    "zb-h1": ScheduleTraits("zb-h1", True, 1, False, True),
-    "zb-h2": ScheduleTraits("zb-h2", True, 1, False, True),
-    "zb-v": ScheduleTraits("zb-v", True, 1, False, True),
-}
-
-
-def schedule_traits(name: str) -> ScheduleTraits:
-    """The traits of schedule ``name``. Raises PlanError for an unknown name."""
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[name]
-
-
-def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
-    """Microbatches stage ``stage`` holds between forward and backward, at most.
-
-    ``P - s`` for 1F1B-style schedules (capped at ``M`` when the schedule flushes every
-    ``M`` microbatches), ``M`` for GPipe, ``min(2P - 1, M)`` at every stage for ``zb-h2``
-    and ``min(P, M)`` per device group for ``zb-v``.
-
-    >>> in_flight("pipedream", 4, 0, 8), in_flight("1f1b", 4, 0, 2), in_flight("gpipe", 4, 3, 8)
-    (4, 2, 8)
-    """
-    traits = schedule_traits(schedule)
-    if not traits.pipelined_in_flight:
-        return num_microbatches
-    if schedule == "zb-h2":  # 2(P - s) - 1 warm-up forwards, W deferred: 2P - 1 everywhere
-        return min(2 * num_stages - 1, num_microbatches)
-    if schedule == "zb-v":  # P stage-microbatches (2P half-stage chunks) on every group
-        return min(num_stages, num_microbatches)
-    n = num_stages - stage
-    return min(n, num_microbatches) if traits.flush else n
-
-
-def versions_kept(schedule: str, in_flight_count: int) -> int:
-    """Weight versions a stage keeps: the in-flight count with weight stashing, else 1 or 2."""
-    v = schedule_traits(schedule).versions
-    return in_flight_count if v == "in_flight" else int(v)
-
-
-def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
-    """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
-    schedule generators keep them (:func:`pdjax.pipeline.schedules.round_robin_in_flight`,
-    without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
-
-    >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
-    ((2, 1), (3, 2, 1), (30, 1))
-    """
-    from pdjax.pipeline.schedules import round_robin_in_flight
-
-    return round_robin_in_flight(units)
-
-
-def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int]:
-    """``n_s``: a round-robin stage's replicas, 1 for a split one
-    (:func:`pdjax.pipeline.schedules.group_sizes`)."""
-    from pdjax.pipeline.schedules import group_sizes
-
-    return list(group_sizes(replicas, replication))
-
-
-def exact_in_flight(
-    schedule: str,
-    replicas: Sequence[int],
-    replication: Sequence[str],
-    num_microbatches: int,
-) -> list[tuple[int, int]]:
-    """Per stage ``(in_flight, versions)``: microbatches in flight over the stage's devices
-    and weight versions kept, as the schedule ``schedule`` with these replication modes
-    holds them (a ``pipedream`` stream of at least ``in_flight`` microbatches).
-
-    >>> exact_in_flight("pipedream", [15, 1], ("round-robin", "split"), 16)
-    [(30, 2), (1, 1)]
-    >>> exact_in_flight("1f1b", [2, 1, 1], ("split",) * 3, 2)
-    [(2, 1), (2, 1), (1, 1)]
-    """
-    P = len(replicas)
-    if "round-robin" not in replication:
-        out = []
-        for s in range(P):
-            count = in_flight(schedule, P, s, num_microbatches)
-            out.append((count, versions_kept(schedule, count)))
-        return out
-    if schedule not in _round_robin_schedules():
-        raise PlanError(
-            f"round-robin replication runs with {', '.join(_round_robin_schedules())}, not "
-            f"{schedule}; use replication='split'"
-        )
-    units = stage_units(replicas, replication)
-    q = groups_in_flight(units)
-    out = []
-    for s in range(P):
-        if schedule == "gpipe":
-            count = num_microbatches
-        elif schedule == "1f1b":
-            count = min(q[s] * units[s], num_microbatches)
-        else:
-            count = q[s] * units[s]
-        if schedule == "pipedream":
-            out.append((count, count // units[s]))
-        else:
-            out.append((count, versions_kept(schedule, count)))
-    return out
-
-
-def allreduces_per_microbatch(
-    schedule: str, num_microbatches: int, replication: str, replicas: int
-) -> float:
-    """``1/u``: all-reduces per microbatch of a stage on ``replicas`` units replicated
-    ``replication`` (``"split"`` or ``"round-robin"``) under ``schedule``."""
-    if schedule_traits(schedule).update_per_microbatch:
-        return 1.0 / replicas if replication == "round-robin" else 1.0
-    return 1.0 / num_microbatches
-
-
-def check_replication(
-    replication: str | tuple[str, ...] | list[str], schedule: str, cost_model: str
-) -> None:
-    """Raises PlanError for a replication option the planner cannot honour."""
-    modes = [replication] if isinstance(replication, str) else list(replication)
-    for mode in modes:
-        if mode not in REPLICATION_OPTIONS:
-            raise PlanError(
-                f"replication must be one of {', '.join(REPLICATION_OPTIONS)}; got {mode!r}"
-            )
-    if "round-robin" in modes and schedule not in _round_robin_schedules():
-        raise PlanError(
-            f"round-robin replication runs with {', '.join(_round_robin_schedules())}, not "
-            f"{schedule}; use replication='split' (or 'auto')"
-        )
-
-
-def resolve_replication(option: str, schedule: str, cost_model: str) -> str:
-    """The mode ``"auto"`` stands for: ``"round-robin"`` where it is cheaper (``pipedream``
-    under the ``pdjax`` cost model: one all-reduce per group instead of per microbatch),
-    else ``"split"`` (the modes cost the same all-reduce under the other schedules, and the
-    ``paper`` and ``pipedream-code`` models price PipeDream's replication whatever pdjax
-    records)."""
-    if option != "auto":
-        return option
-    if cost_model == "pdjax" and schedule_traits(schedule).update_per_microbatch:
-        return "round-robin"
-    return "split"
-
-
 def check_cost_model(name: str) -> str:
     if name not in COST_MODELS:
         raise PlanError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}")
     return name
-
-
-# -- the profile as arrays ------------------------------------------------------------
-
-
-def _is_input(layer_kind: str) -> bool:
-    return layer_kind.startswith("Input")
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelArrays:
-    """Per-layer costs for one microbatch, as the planner uses them (private).
-
-    PipeDream's conventions are applied as its optimizer does: an ``Input`` source layer
-    (data loading) costs nothing and has no activation of its own to send, and no cut may
-    come right after it (it stays with its consumer); ``__getitem__`` sinks (unused outputs
-    of LSTMs in the GNMT profiles) cost nothing and do not hold activations across cuts.
-
-    Attributes:
-      compute: forward + backward seconds per layer, shape ``(L,)``.
-      params: parameter bytes per layer.
-      stash: bytes held per in-flight microbatch (input + residuals).
-      act: output activation bytes per layer (``pipedream-code``'s memory rule).
-      cut: bytes crossing a cut after each layer; ``cut[L-1] = 0``.
-      cut_ok: whether a cut may follow each layer; ``cut_ok[L-1]`` is False.
-      scale: microbatch size / profiled batch size.
-    """
-
-    compute: np.ndarray
-    params: np.ndarray
-    stash: np.ndarray
-    act: np.ndarray
-    cut: np.ndarray
-    cut_ok: np.ndarray
-    scale: float
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.compute)
-
-    def range_sum(self, values: np.ndarray) -> np.ndarray:
-        """``(L, L)`` array of ``sum(values[i..j])`` at ``[i, j]`` (meaningless for i > j)."""
-        prefix: npt.NDArray[np.float64] = np.concatenate(
-            [[0.0], np.cumsum(values, dtype=np.float64)]
-        )
-        return prefix[None, 1:] - prefix[:-1, None]
-
-
-def check_profile(profile: Profile) -> None:
-    """Raises PlanError for a profile the planner cannot use (no layers, a cycle, no times)."""
-    layers = getattr(profile, "layers", ())
-    if len(layers) == 0:
-        raise PlanError("the profile has no layers; profile a model with at least one layer")
-    n = len(layers)
-    for a, b in getattr(profile, "edges", ()):
-        if not (0 <= a < n and 0 <= b < n):
-            raise PlanError(f"the profile's edge ({a}, {b}) names a layer outside 0..{n - 1}")
-        if a >= b:
-            raise PlanError(
-                f"the profile's edge ({a}, {b}) goes backwards: the graph has a cycle or its "
-                "layers are not in a topological order; re-read it with "
-                "pdjax.profile.read_graph_txt, which sorts it"
-            )
-    if getattr(profile, "batch_size", 0) <= 0:
-        raise PlanError(f"the profile's batch_size must be positive, got {profile.batch_size}")
-
-
-def model_arrays(profile: Profile, microbatch_size: int | None = None) -> ModelArrays:
-    """The profile's per-layer costs for one microbatch (see :class:`ModelArrays`).
-
-    Raises:
-      PlanError: a bad profile, missing times, or a non-positive microbatch size.
-    """
-    check_profile(profile)
-    if microbatch_size is None:
-        microbatch_size = profile.batch_size
-    if microbatch_size <= 0:
-        raise PlanError(f"microbatch_size must be positive, got {microbatch_size}")
-    scale = microbatch_size / profile.batch_size
-    try:
-        seconds = profile.forward_seconds() + profile.backward_seconds()
-    except ProfileError as e:
-        raise PlanError(f"cannot plan without per-layer times: {e}") from e
-    layers = profile.layers
-    n = len(layers)
-    has_pred = np.zeros(n, dtype=bool)
-    for _, b in profile.edges:
-        has_pred[b] = True
-    has_succ = np.zeros(n, dtype=bool)
-    for a, _ in profile.edges:
-        has_succ[a] = True
-    is_input = np.array(
-        [_is_input(layer.kind) and not has_pred[i] for i, layer in enumerate(layers)]
-    )
-    dropped_sink = np.array(
-        [layer.kind.startswith("__getitem__") and not has_succ[i] for i, layer in enumerate(layers)]
-    )
-    free = is_input | dropped_sink
-    if not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
-        raise PlanError("the profile has negative or non-finite layer times")
-    compute = np.where(free, 0.0, seconds) * scale
-    params = np.where(free, 0.0, profile.param_bytes())
-    outputs = np.where(free, 0.0, profile.output_bytes())
-    stash = np.where(free, 0.0, [float(layer.stash_bytes) for layer in layers]) * scale
-    act = outputs * scale
-    # Bytes crossing a cut after s: each producer's output counts for s in [a, last use).
-    diff = np.zeros(n + 1)
-    last_use: dict[int, int] = {}
-    for a, b in profile.edges:
-        if dropped_sink[b]:
-            continue
-        last_use[a] = max(last_use.get(a, a), b)
-    for a, last in last_use.items():
-        diff[a] += outputs[a]
-        diff[last] -= outputs[a]
-    cut = np.cumsum(diff[:n]) * scale
-    cut[n - 1] = 0.0
-    cut = np.maximum(cut, 0.0)  # cumulative sums may leave -0.0 or 1e-9 residues
-    cut_ok = ~is_input
-    cut_ok[n - 1] = False
-    return ModelArrays(compute, params, stash, act, cut, cut_ok, scale)
 
 
 # -- cost terms -----------------------------------------------------------------------
@@ -640,29 +380,6 @@ def stage_memory(
     return bytes_per_device
 
 
-def update_copies(schedule: str, optimizer_state_factor: float) -> float:
-    """Parameter-sized buffers a ``pdjax`` stage holds besides its weight versions and
-    optimizer state, at the moment of an update: the gradient accumulator (1 under the
-    flush schedules and ``2bw``, 0 under ``pipedream``) plus the update's transient new
-    weights and new optimizer state (``1 + k``).
-
-    >>> update_copies("pipedream", 2.0), update_copies("1f1b", 2.0), update_copies("2bw", 0.0)
-    (3.0, 4.0, 2.0)
-    """
-    accumulator = 0.0 if schedule_traits(schedule).update_per_microbatch else 1.0
-    return accumulator + 1.0 + float(optimizer_state_factor)
-
-
-def has_round_trip(schedule: str, model: str = "pdjax") -> bool:
-    """Whether the ``model``'s objective has the round-trip bound under ``schedule``
-    (``pdjax`` with ``pipedream``, ``1f1b``, ``2bw`` or ``zb-h1``)."""
-    return (
-        model == "pdjax"
-        and schedule_traits(schedule).pipelined_in_flight
-        and schedule != "interleaved"
-    )
-
-
 def calibrated(value: object, what: str) -> float | None:
     """A calibration callable's answer as seconds, or None. Raises PlanError for anything
     that is not None or a finite number >= 0."""
@@ -714,7 +431,6 @@ def partition_terms(
     its ``r`` devices). A cut transfers at the bandwidth (and latency) of the innermost
     level holding both stages.
     """
-    P = len(stages)
     u = updates_per_microbatch(schedule, num_microbatches)
     levels = topology.levels
 
@@ -722,7 +438,6 @@ def partition_terms(
         return topology.link_level(min(positions), max(positions))
 
     stage_terms: list[float] = []
-    cut_terms: list[float] = []
     for t, (a, b, positions) in enumerate(stages):
         r = len(positions)
         level = levels[level_of(positions)]
@@ -755,6 +470,24 @@ def partition_terms(
                     )
                 )
             )
+    return stage_terms, _cut_terms(arrays, topology, stages, model)
+
+
+def _cut_terms(
+    arrays: ModelArrays,
+    topology: Topology,
+    stages: Sequence[tuple[int, int, Sequence[int]]],
+    model: str,
+) -> list[float]:
+    """:func:`partition_terms`'s transfer terms: per cut (``pdjax``, ``paper``), or every
+    transfer the original charges (``pipedream-code``)."""
+    levels = topology.levels
+
+    def level_of(positions: Sequence[int]) -> int:
+        return topology.link_level(min(positions), max(positions))
+
+    P = len(stages)
+    cut_terms: list[float] = []
     for t in range(P - 1):
         both = list(stages[t][2]) + list(stages[t + 1][2])
         level = levels[level_of(both)]
@@ -767,8 +500,16 @@ def partition_terms(
                 after_level = levels[level_of(list(stages[t + 1][2]) + list(stages[t + 2][2]))]
                 cut_terms.append(2.0 * float(arrays.cut[b_next]) / (after_level.bandwidth * r_next))
         else:
-            cut_terms.append(float(cut_time(model, before, 0.0, 1, level.bandwidth, level.latency)))
-    return stage_terms, cut_terms
+            seconds = cut_time(
+                model,
+                cut_before=before,
+                cut_after=0.0,
+                m=1,
+                bandwidth=level.bandwidth,
+                latency=level.latency,
+            )
+            cut_terms.append(float(seconds))
+    return cut_terms
 
 
 def hierarchical_allreduce(topology: Topology, positions: Iterable[int], weights: float) -> float:
@@ -835,7 +576,7 @@ def data_parallel_time(
     replicates the whole model (PipeDream's data-parallel model, under ``model``).
 
     ``pdjax`` (whatever ``per_round`` says): data parallelism as
-    :class:`pdjax.baselines.DataParallel` and ``pdjax.apps.cluster`` run it, a step of ``N``
+    :class:`pdjax.runners.DataParallel` and ``pdjax.apps.cluster`` run it, a step of ``N``
     microbatches, one per device, then one hierarchical all-reduce (each level's ring,
     ``2 (n_k-1) * lat_k + 2 (n_k-1)/n_k * W / B_k``): ``(C + sum_k allreduce_k) / N``.
     With calibration, ``stage_seconds(0, L-1, N, "round-robin")`` replaces ``C / N`` and
@@ -875,11 +616,6 @@ def data_parallel_time(
             )
         )
     return value
-
-
-def updates_per_microbatch(schedule: str, num_microbatches: int) -> float:
-    """``1/u``: optimizer updates (and all-reduces) per microbatch under ``schedule``."""
-    return 1.0 if schedule_traits(schedule).update_per_microbatch else 1.0 / num_microbatches
 
 
 def single_device_time(arrays: ModelArrays) -> float:

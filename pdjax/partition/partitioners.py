@@ -29,7 +29,7 @@ import numpy as np
 
 from pdjax.errors import PlanError
 from pdjax.partition import cost
-from pdjax.partition.pipedream import (
+from pdjax.partition.evaluate import (
     build_plan,
     calibrated_options,
     check_options,
@@ -145,9 +145,8 @@ def evaluate_partition(
         the stage's device positions.
 
     Returns:
-      The plan; its ``time_per_microbatch`` is the slowest stage or cut term and, under
-      ``pdjax`` for the 1F1B-style schedules, at least the round-trip bound ``max_s RT_s /
-      T_s`` (:mod:`pdjax.partition.cost`).
+      The plan; its ``time_per_microbatch`` is the slowest stage or cut term, and at least
+      the round-trip bound where the model has one (:mod:`pdjax.partition.cost`).
 
     Raises:
       PlanError: stages that do not cover the layers contiguously, fewer than one replica,
@@ -155,57 +154,22 @@ def evaluate_partition(
         schedule has no form for.
     """
     M, limit = check_options(
-        topology, schedule, cost_model, num_microbatches, optimizer_state_factor, memory_limit
+        topology,
+        schedule=schedule,
+        cost_model=cost_model,
+        num_microbatches=num_microbatches,
+        optimizer_state_factor=optimizer_state_factor,
+        memory_limit=memory_limit,
     )
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
-    if isinstance(replication, str):
-        replication = [replication] * len(stages)
-    replication = list(replication)
-    if len(replication) != len(stages):
-        raise PlanError(
-            f"replication has {len(replication)} entries for {len(stages)} stages; give one "
-            "per stage, or one word for all"
-        )
-    cost.check_replication(replication, schedule, cost_model)
-    modes = [
-        "split" if int(r) == 1 else cost.resolve_replication(mode, schedule, cost_model)
-        for mode, (_, _, r) in zip(replication, stages, strict=True)
-    ]
+    modes = _replication_modes(replication, stages, schedule, cost_model)
     arrays = cost.model_arrays(profile, microbatch_size)
-    L = arrays.num_layers
     stages = [(int(a), int(b), int(r)) for a, b, r in stages]
-    if not stages:
-        raise PlanError("no stages given")
-    if len(stages) > topology.num_devices:
-        raise PlanError(
-            f"{len(stages)} stages requested but the topology has only {topology.num_devices} "
-            "devices; use fewer stages or a bigger topology"
-        )
-    expected = 0
-    for a, b, r in stages:
-        if a != expected or b < a:
-            raise PlanError(
-                f"stage {a}-{b} does not continue the partition at layer {expected}: stages "
-                "must cover layers 0..L-1 contiguously, in order"
-            )
-        if r < 1:
-            raise PlanError(f"stage {a}-{b} has {r} replicas; each stage needs at least one")
-        expected = b + 1
-    if expected != L:
-        raise PlanError(f"the stages end at layer {expected - 1}; the profile has {L} layers")
-    total = sum(r for _, _, r in stages)
-    if total > topology.num_devices:
-        raise PlanError(
-            f"the stages need {total} devices but the topology has {topology.num_devices}; "
-            "use fewer replicas or stages"
-        )
-    u = cost.updates_per_microbatch(schedule, M)
-    per_round = cost.schedule_traits(schedule).update_per_microbatch
-    offsets = np.concatenate([[0], np.cumsum([r for _, _, r in stages])]).astype(int)
-    flat = [
-        (a, b, list(range(int(offsets[t]), int(offsets[t + 1]))))
-        for t, (a, b, _) in enumerate(stages)
-    ]
+    _check_stages(stages, arrays.num_layers, topology.num_devices)
+    flat = _placed(stages)
+    calibration: dict[str, Any] = dict(
+        stage_seconds=stage_seconds, allreduce_seconds=allreduce_seconds
+    )
     slowest, trip = pipeline_time(
         arrays,
         topology,
@@ -214,10 +178,8 @@ def evaluate_partition(
         cost_model=cost_model,
         schedule=schedule,
         num_microbatches=M,
-        stage_seconds=stage_seconds,
-        allreduce_seconds=allreduce_seconds,
+        **calibration,
     )
-    options = calibrated_options(stage_seconds, allreduce_seconds)
     plan = build_plan(
         profile,
         topology,
@@ -232,14 +194,13 @@ def evaluate_partition(
             arrays,
             topology,
             cost_model,
-            u,
-            per_round=per_round,
-            stage_seconds=stage_seconds,
-            allreduce_seconds=allreduce_seconds,
+            cost.updates_per_microbatch(schedule, M),
+            per_round=cost.schedule_traits(schedule).update_per_microbatch,
+            **calibration,
         ),
         memory_limit=limit,
         optimizer_state_factor=float(optimizer_state_factor),
-        options=options,
+        options=calibrated_options(stage_seconds, allreduce_seconds),
         microbatch_size=microbatch_size,
         replication=modes,
     )
@@ -248,9 +209,74 @@ def evaluate_partition(
     return plan.with_profile_hash(profile)
 
 
+def _placed(stages: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:
+    """Stage ``t`` on the next ``r_t`` device positions."""
+    offsets = np.concatenate([[0], np.cumsum([r for _, _, r in stages])]).astype(int)
+    return [
+        (a, b, list(range(int(offsets[t]), int(offsets[t + 1]))))
+        for t, (a, b, _) in enumerate(stages)
+    ]
+
+
+def _replication_modes(
+    replication: str | Sequence[str],
+    stages: Sequence[tuple[int, int, int]],
+    schedule: str,
+    cost_model: str,
+) -> list[str]:
+    """Each stage's mode: ``replication`` per stage (or one word for all), ``"auto"``
+    resolved, a one-device stage ``"split"``."""
+    if isinstance(replication, str):
+        replication = [replication] * len(stages)
+    replication = list(replication)
+    if len(replication) != len(stages):
+        raise PlanError(
+            f"replication has {len(replication)} entries for {len(stages)} stages; give one "
+            "per stage, or one word for all"
+        )
+    cost.check_replication(replication, schedule, cost_model)
+    return [
+        "split" if int(r) == 1 else cost.resolve_replication(mode, schedule, cost_model)
+        for mode, (_, _, r) in zip(replication, stages, strict=True)
+    ]
+
+
+def _check_stages(stages: list[tuple[int, int, int]], num_layers: int, devices: int) -> None:
+    """Raises PlanError for stages that do not cover the layers contiguously, with fewer
+    than one replica, or more stages or replicas than ``devices``."""
+    if not stages:
+        raise PlanError("no stages given")
+    if len(stages) > devices:
+        raise PlanError(
+            f"{len(stages)} stages requested but the topology has only {devices} "
+            "devices; use fewer stages or a bigger topology"
+        )
+    expected = 0
+    for a, b, r in stages:
+        if a != expected or b < a:
+            raise PlanError(
+                f"stage {a}-{b} does not continue the partition at layer {expected}: stages "
+                "must cover layers 0..L-1 contiguously, in order"
+            )
+        if r < 1:
+            raise PlanError(f"stage {a}-{b} has {r} replicas; each stage needs at least one")
+        expected = b + 1
+    if expected != num_layers:
+        raise PlanError(
+            f"the stages end at layer {expected - 1}; the profile has {num_layers} layers"
+        )
+    total = sum(r for _, _, r in stages)
+    if total > devices:
+        raise PlanError(
+            f"the stages need {total} devices but the topology has {devices}; "
+            "use fewer replicas or stages"
+        )
+
+
 def _straight(
     profile: Profile,
     topology: Topology,
+    *,
     num_stages: int | None,
     replicas: int,
     split: Callable[[cost.ModelArrays, int], tuple[tuple[int, int], ...]],
@@ -304,11 +330,11 @@ def plan_uniform(
     return _straight(
         profile,
         topology,
-        num_stages,
-        replicas,
-        lambda arrays, p: uniform_split(arrays.num_layers, p),
-        "uniform",
-        kwargs,
+        num_stages=num_stages,
+        replicas=replicas,
+        split=lambda arrays, p: uniform_split(arrays.num_layers, p),
+        name="uniform",
+        kwargs=kwargs,
     )
 
 
@@ -325,11 +351,11 @@ def plan_balanced_time(
     return _straight(
         profile,
         topology,
-        num_stages,
-        replicas,
-        lambda arrays, p: balanced_split(arrays.compute, p),
-        "balanced-time",
-        kwargs,
+        num_stages=num_stages,
+        replicas=replicas,
+        split=lambda arrays, p: balanced_split(arrays.compute, p),
+        name="balanced-time",
+        kwargs=kwargs,
     )
 
 
@@ -346,9 +372,9 @@ def plan_balanced_params(
     return _straight(
         profile,
         topology,
-        num_stages,
-        replicas,
-        lambda arrays, p: balanced_split(arrays.params, p),
-        "balanced-params",
-        kwargs,
+        num_stages=num_stages,
+        replicas=replicas,
+        split=lambda arrays, p: balanced_split(arrays.params, p),
+        name="balanced-params",
+        kwargs=kwargs,
     )

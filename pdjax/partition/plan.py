@@ -54,14 +54,19 @@ class StagePlan:
         split across them; the default) or ``"round-robin"`` (PipeDream's: each device takes
         whole microbatches, ``r`` consecutive ones at once, and the stage all-reduces once
         per such group under ``pipedream``). A one-device stage is ``"split"``.
+
+    The planner fills in the three predictions; a stage written by hand for
+    :class:`~pdjax.pipeline.Pipeline` (``StagePlan(0, 1, (0,))``: layers 0-1 on device 0,
+    or :func:`~pdjax.pipeline.even_stages`) leaves them at their defaults (one microbatch
+    in flight, no seconds, no bytes: nothing predicted).
     """
 
     first_layer: int
     last_layer: int
     devices: tuple[int, ...]
-    in_flight: int
-    compute_seconds: float
-    memory_bytes: float
+    in_flight: int = 1
+    compute_seconds: float = 0.0
+    memory_bytes: float = 0.0
     replication: str = "split"
 
     def __post_init__(self) -> None:

@@ -8,9 +8,8 @@ them on devices (:class:`Pipeline`).
 0.273
 """
 
-from pdjax.pipeline.checkpoint import Checkpointer
 from pdjax.pipeline.costs import costs_from_plan, weight_grad_fraction
-from pdjax.pipeline.executor import Pipeline, PipelineState, RunMetrics, StageSpec, even_stages
+from pdjax.pipeline.executor import Pipeline, PipelineState, RunMetrics, even_stages
 from pdjax.pipeline.schedules import (
     KINDS,
     SCHEDULES,
@@ -41,7 +40,6 @@ __all__ = [
     "KINDS",
     "SCHEDULES",
     "Action",
-    "Checkpointer",
     "Pipeline",
     "PipelineCosts",
     "PipelineState",
@@ -51,7 +49,6 @@ __all__ = [
     "Span",
     "Stage",
     "StageCosts",
-    "StageSpec",
     "Timeline",
     "Transfer",
     "chrome_trace",

@@ -124,16 +124,18 @@ profile's sum).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from pdjax.errors import PlanError, ScheduleError
+from pdjax.errors import CalibrationError, PlanError, ScheduleError
 from pdjax.partition import cost
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
-from pdjax.pipeline.simulate import PipelineCosts, StageCosts
+from pdjax.pipeline.sim_costs import PipelineCosts, StageCosts
 from pdjax.profile.profile import Profile
 
 __all__ = ["costs_from_plan", "weight_grad_fraction"]
@@ -234,15 +236,6 @@ def costs_from_plan(
             f"{len(profile.layers)}; simulate a plan with the profile it was made from"
         )
     arrays = cost.model_arrays(profile, plan.microbatch_size)
-    # The planner's view: free layers (Input, dropped sinks) have compute 0.
-    priced = arrays.compute > 0
-    forward = np.where(priced, profile.forward_seconds(), 0.0) * arrays.scale
-    backward = np.where(priced, profile.backward_seconds(), 0.0) * arrays.scale
-    w_share = weight_grad_fraction(profile)
-    input_grad = backward * (1.0 - w_share)
-    weight_grad = backward * w_share
-    factor = float(plan.options.get("optimizer_state_factor", DEFAULT_OPTIMIZER_STATE_FACTOR))
-
     P, K, topo = plan.num_stages, plan.num_stages * chunks, plan.topology
     groups = [plan.stages[k % P] for k in range(K)]
     positions = [[_position(topo, d) for d in st.devices] for st in groups]
@@ -258,10 +251,37 @@ def costs_from_plan(
             allreduce,
             cost.updates_per_microbatch("interleaved", plan.num_microbatches),
         )
+    replicas = [st.replicas for st in groups]
+    stages = _stage_costs(plan, profile, arrays=arrays, ranges=ranges, replicas=replicas)
+    costs = PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
+    if calibration is None:
+        return costs
+    if chunks != 1:
+        raise PlanError("calibrated costs are per plan stage: simulate interleaving uncalibrated")
+    return _calibrated(plan, profile, costs, calibration, partial)
 
+
+def _stage_costs(
+    plan: Plan,
+    profile: Profile,
+    *,
+    arrays: cost.ModelArrays,
+    ranges: Sequence[tuple[int, int]],
+    replicas: Sequence[int],
+) -> list[StageCosts]:
+    """Per (virtual) stage, layers ``first..last`` of ``ranges`` on ``replicas`` devices:
+    its costs from the profile (see the module doc)."""
+    # The planner's view: free layers (Input, dropped sinks) have compute 0.
+    priced = arrays.compute > 0
+    forward = np.where(priced, profile.forward_seconds(), 0.0) * arrays.scale
+    backward = np.where(priced, profile.backward_seconds(), 0.0) * arrays.scale
+    w_share = weight_grad_fraction(profile)
+    input_grad = backward * (1.0 - w_share)
+    weight_grad = backward * w_share
+    factor = float(plan.options.get("optimizer_state_factor", DEFAULT_OPTIMIZER_STATE_FACTOR))
     stages = []
-    for (first, last), st in zip(ranges, groups, strict=True):
-        sl, r = slice(first, last + 1), st.replicas
+    for (first, last), r in zip(ranges, replicas, strict=True):
+        sl = slice(first, last + 1)
         params = math.fsum(arrays.params[sl])
         stages.append(
             StageCosts(
@@ -274,28 +294,42 @@ def costs_from_plan(
                 optimizer_bytes=round(params * factor),
             )
         )
-    costs = PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
-    if calibration is None:
-        return costs
-    if chunks != 1:
-        raise PlanError("calibrated costs are per plan stage: simulate interleaving uncalibrated")
-    return _calibrated(plan, profile, costs, calibration, partial)
+    return stages
 
 
 def _calibrated(
     plan: Plan, profile: Profile, costs: PipelineCosts, calibration: Any, partial: bool
 ) -> PipelineCosts:
     """``costs`` with what ``calibration`` measured (see "Calibrated costs")."""
-    import dataclasses
-
-    from pdjax.errors import CalibrationError
-
     names = [layer.name for layer in profile.layers]
     calibration.check(layers=names, plan=plan, require_stages=not partial)
+    stages, allreduce_seconds = _calibrated_stages(plan, profile, costs, calibration)
+    latency, forward_bw, back_bw = _calibrated_links(plan, costs, calibration, partial)
+    sends = _send_seconds(plan, calibration)
+    stages = [dataclasses.replace(c, send_seconds=x) for c, x in zip(stages, sends, strict=True)]
+    # across processes on CPU (links with a sender's host time) a receive is posted in
+    # program order: XLA's CPU client runs each program on the thread that dispatches it
+    across = any(x > 0 for x in sends)
+    return dataclasses.replace(
+        costs,
+        posted_receives=calibration.platform == "cpu" and across,
+        stages=tuple(stages),
+        link_bandwidth=tuple(forward_bw),
+        link_bandwidth_back=tuple(back_bw),
+        link_latency=tuple(latency) if latency else 0.0,
+        allreduce_seconds=tuple(allreduce_seconds),
+    )
+
+
+def _calibrated_stages(
+    plan: Plan, profile: Profile, costs: PipelineCosts, calibration: Any
+) -> tuple[list[StageCosts], list[float | None]]:
+    """Per plan stage, its costs with the measured seconds (unmeasured: the profile's times
+    the calibration's profile ratio), and its all-reduce seconds (None: one device)."""
     w_share = weight_grad_fraction(profile)
     backward = profile.backward_seconds()
     ratio = calibration.profile_ratio
-    stages, allreduce_seconds, sends = [], [], []
+    stages, allreduce_seconds = [], []
     for k, st in enumerate(plan.stages):
         c = costs.stages[k]
         m = calibration.stage(st.first_layer, st.last_layer, st.replicas, st.replication)
@@ -333,6 +367,14 @@ def _calibrated(
             else:
                 seconds = calibration.allreduce_seconds(c.param_bytes, st.devices)
         allreduce_seconds.append(seconds)
+    return stages, allreduce_seconds
+
+
+def _calibrated_links(
+    plan: Plan, costs: PipelineCosts, calibration: Any, partial: bool
+) -> tuple[list[float], list[float], list[float]]:
+    """Per cut: latency (mean of both ways) and bandwidth of each direction, measured
+    (with ``partial``, the uncalibrated costs' where a cut was not measured)."""
     latency, forward_bw, back_bw = [], [], []
     for k in range(len(plan.stages) - 1):
         a, b = plan.stages[k].devices[0], plan.stages[k + 1].devices[0]
@@ -350,7 +392,14 @@ def _calibrated(
         latency.append((there.latency + back.latency) / 2)
         forward_bw.append(there.bandwidth)
         back_bw.append(back.bandwidth)
-    for k, st in enumerate(plan.stages):  # host seconds to post each transfer it sends
+    return latency, forward_bw, back_bw
+
+
+def _send_seconds(plan: Plan, calibration: Any) -> list[float]:
+    """Per plan stage, the host seconds to post each transfer it sends (the mean over its
+    measured links to its neighbours)."""
+    sends = []
+    for k, st in enumerate(plan.stages):
         out = [
             calibration.link(st.devices[0], plan.stages[j].devices[0])
             for j in (k - 1, k + 1)
@@ -358,19 +407,7 @@ def _calibrated(
         ]
         posted = [ln.send_seconds for ln in out if ln is not None]
         sends.append(sum(posted) / len(posted) if posted else 0.0)
-    stages = [dataclasses.replace(c, send_seconds=x) for c, x in zip(stages, sends, strict=True)]
-    # across processes on CPU (links with a sender's host time) a receive is posted in
-    # program order: XLA's CPU client runs each program on the thread that dispatches it
-    across = any(x > 0 for x in sends)
-    return dataclasses.replace(
-        costs,
-        posted_receives=calibration.platform == "cpu" and across,
-        stages=tuple(stages),
-        link_bandwidth=tuple(forward_bw),
-        link_bandwidth_back=tuple(back_bw),
-        link_latency=tuple(latency) if latency else 0.0,
-        allreduce_seconds=tuple(allreduce_seconds),
-    )
+    return sends
 
 
 def _position(topology: Topology, device: int) -> int:

@@ -93,129 +93,14 @@ import heapq
 from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.schedules import STREAMING, Action, Schedule
+from pdjax.pipeline.lowering import global_ops
+from pdjax.pipeline.program_types import Op, Placement, Program, StagePlace
+from pdjax.pipeline.schedules import STREAMING, Schedule
 
 __all__ = ["Op", "Placement", "Program", "StagePlace", "lower"]
 
 _COMPUTE = ("F", "B", "I", "W", "U", "BU", "FB", "FBU", "SQ", "TG", "KEYS")
 _TRANSPORTS = ("device_put", "collective")
-
-
-@dataclasses.dataclass(frozen=True)
-class StagePlace:
-    """Where one stage lives: global device ids and the processes that hold them."""
-
-    devices: tuple[int, ...]
-    processes: tuple[int, ...] = (0,)
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where every stage lives and how values cross processes.
-
-    Attributes:
-      stages: per stage, its devices and processes.
-      platform: the devices' platform (``cpu``, ``gpu``, ``tpu``).
-      transport: how values cross processes: ``device_put`` (JAX's cross-host
-        transfers) or ``collective`` (an XLA collective over the two devices).
-      num_processes: processes in the run.
-    """
-
-    stages: tuple[StagePlace, ...]
-    platform: str = "cpu"
-    transport: str = "device_put"
-    num_processes: int = 1
-
-    @classmethod
-    def local(cls, devices: Sequence[Sequence[int]], platform: str = "cpu") -> Placement:
-        """One process: stage ``s`` on device ids ``devices[s]``."""
-        return cls(tuple(StagePlace(tuple(d)) for d in devices), platform)
-
-
-@dataclasses.dataclass(frozen=True)
-class Op:
-    """One operation of a program (see the module's table).
-
-    Attributes:
-      kind: the operation (``F``, ``BU``, ``MOVE``, ...).
-      stage: the stage it runs on (for transfers: the stage the value comes from).
-      mb: the microbatch (for ``U``: the update's number; -1 where none applies).
-      version: the weight version it reads (-1 where none).
-      flags: program variant (``acc``, ``recompute``, ``newest``, ``donate_w``).
-      ins: slots read, in argument order.
-      outs: slots written, in result order.
-      frees: slots dropped after it (their last read in this process).
-      peer: transfers: the stage the value goes to.
-      actions: the schedule actions it carries out (for timelines).
-      part: transfers: ``(source part, destination part)``, the device index within a
-        round-robin stage the piece leaves from or goes to (-1: the stage's whole layout).
-    """
-
-    kind: str
-    stage: int = -1
-    mb: int = -1
-    version: int = -1
-    flags: frozenset[str] = frozenset()
-    ins: tuple[str, ...] = ()
-    outs: tuple[str, ...] = ()
-    frees: tuple[str, ...] = ()
-    peer: int = -1
-    actions: tuple[Action, ...] = ()
-    part: tuple[int, int] = (-1, -1)
-
-    def __str__(self) -> str:
-        head = self.kind + "".join(f"+{f}" for f in sorted(self.flags))
-        where = f"{self.stage}" + (f">{self.peer}" if self.peer >= 0 else "")
-        if self.part != (-1, -1):
-            where += "[{}>{}]".format(*("-" if i < 0 else i for i in self.part))
-        text = f"{head:<10} {where:<4} {' '.join(self.ins)} -> {' '.join(self.outs)}"
-        if self.frees:
-            text += f" | free {' '.join(self.frees)}"
-        return text.rstrip()
-
-
-@dataclasses.dataclass(frozen=True)
-class Program:
-    """What every process runs for one call over ``num_microbatches`` microbatches.
-
-    Attributes:
-      schedule: the schedule's name.
-      num_microbatches: microbatches of the call.
-      ops: per process, its operations in dispatch order.
-      inputs: per process, the slots the caller fills before the first operation.
-      outputs: per process, the slots the call returns (newest weights, optimizer and
-        model state of its stages, losses).
-      peak_versions: per stage, the most weight versions alive at once.
-      actions: schedule actions covered.
-      updates: per stage, the optimizer updates the call makes.
-    """
-
-    schedule: str
-    num_microbatches: int
-    ops: tuple[tuple[Op, ...], ...]
-    inputs: tuple[tuple[str, ...], ...]
-    outputs: tuple[tuple[str, ...], ...]
-    peak_versions: tuple[int, ...]
-    actions: int
-    updates: tuple[int, ...] = ()
-
-    def table(self, process: int = 0) -> str:
-        """One line per operation of ``process``."""
-        return "\n".join(str(op) for op in self.ops[process])
-
-    def kinds(self, process: int = 0) -> str:
-        """The operations' short forms (``1F0 1BU0 MOVE1>0 ...``), for compact tests."""
-        out = []
-        for op in self.ops[process]:
-            if op.kind in ("MOVE", "SEND", "RECV"):
-                out.append(f"{op.kind}{op.stage}>{op.peer}")
-            elif op.kind in ("KEYS", "SYNC"):
-                out.append(f"{op.kind}{op.stage}")
-            elif op.kind in ("LOSS", "WAIT"):
-                out.append(f"{op.kind}{op.mb}")
-            else:
-                out.append(f"{op.stage}{op.kind}{op.mb}")
-        return " ".join(out)
 
 
 def lower(
@@ -258,6 +143,46 @@ def lower(
       PipelineError: for a placement that does not fit the schedule, or a program that
         cannot run (a cross-process link with no transport that supports it).
     """
+    _check_placement(schedule, placement)
+    holders = _tied_holders(schedule, tied)
+    S = schedule.num_stages
+    flags = (bool(remat),) * S if isinstance(remat, bool) else tuple(bool(r) for r in remat)
+    if len(flags) != S:
+        raise PipelineError(f"remat gives {len(flags)} flags for {S} stages; give one per stage")
+    ops = global_ops(
+        schedule,
+        remat=flags,
+        fuse=fuse,
+        coupled=coupled,
+        run_ahead=run_ahead,
+        on_loss=on_loss,
+        tied=holders,
+    )
+    ops = _in_dependency_order(ops, _caller_slots(schedule))
+    if one_at_a_time is not None:
+        ops = _one_at_a_time(ops, one_at_a_time)
+    if donate_weights:
+        ops = _donate_dropped_weights(ops, schedule)
+    per_process, inputs, outputs = _split_by_process(ops, schedule, placement)
+    return Program(
+        schedule=schedule.name,
+        num_microbatches=schedule.num_microbatches,
+        ops=per_process,
+        inputs=inputs,
+        outputs=outputs,
+        peak_versions=_peak_versions(ops, S),
+        actions=sum(len(g) for g in schedule.actions),
+        updates=tuple(
+            sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
+            for s in range(S)
+        ),
+    )
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_placement(schedule: Schedule, placement: Placement) -> None:
     S = schedule.num_stages
     if len(placement.stages) != S:
         raise PipelineError(f"the placement has {len(placement.stages)} stages, the schedule {S}")
@@ -268,6 +193,11 @@ def lower(
             "microbatches from their devices on the host); use replication='split' across "
             "processes"
         )
+
+
+def _tied_holders(schedule: Schedule, tied: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """Each tied group's stages, ascending and checked (the first owns the group)."""
+    S = schedule.num_stages
     holders = tuple(tuple(sorted(set(h))) for h in tied)
     for h in holders:
         if len(h) < 2 or not all(0 <= t < S for t in h):
@@ -277,45 +207,7 @@ def lower(
             f"tied parameters across stages need every stage to update once per step; "
             f"{schedule.name} does not"
         )
-    flags = (bool(remat),) * S if isinstance(remat, bool) else tuple(bool(r) for r in remat)
-    if len(flags) != S:
-        raise PipelineError(f"remat gives {len(flags)} flags for {S} stages; give one per stage")
-    ops = _global_ops(schedule, placement, flags, fuse, coupled, run_ahead, on_loss, holders)
-    ops = _in_dependency_order(ops, _caller_slots(schedule))
-    if one_at_a_time is not None:
-        ops = _one_at_a_time(ops, one_at_a_time)
-    if donate_weights:
-        ops = _donate_dropped_weights(ops, schedule)
-    peak = _peak_versions(ops, S)
-    per_process, inputs, outputs = [], [], []
-    for p in range(placement.num_processes):
-        mine = [op for op in ops if _runs_on(op, p, placement)]
-        mine = [_for_process(op, p, placement) for op in mine]
-        ins = tuple(
-            slot for slot in _caller_slots(schedule) if _holds(slot, p, placement, schedule)
-        )
-        outs = tuple(
-            slot for slot in _final_slots(ops, schedule) if _holds(slot, p, placement, schedule)
-        )
-        per_process.append(tuple(_with_frees(mine, set(outs))))
-        inputs.append(ins)
-        outputs.append(outs)
-    return Program(
-        schedule=schedule.name,
-        num_microbatches=schedule.num_microbatches,
-        ops=tuple(per_process),
-        inputs=tuple(inputs),
-        outputs=tuple(outputs),
-        peak_versions=peak,
-        actions=sum(len(g) for g in schedule.actions),
-        updates=tuple(
-            sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
-            for s in range(S)
-        ),
-    )
-
-
-# ----------------------------------------------------------------------------- the ops
+    return holders
 
 
 def _check_transport(placement: Placement) -> None:
@@ -356,328 +248,6 @@ def _caller_slots(schedule: Schedule) -> list[str]:
     xs = [f"mx0.{k}" for k in range(0, N, first)] if first > 1 else [f"x0.{k}" for k in range(N)]
     ts = [f"mt{S - 1}.{k}" for k in range(0, N, last)] if last > 1 else [f"t{k}" for k in range(N)]
     return slots + xs + ts
-
-
-def _global_ops(
-    schedule: Schedule,
-    placement: Placement,
-    remat: Sequence[bool],
-    fuse: bool,
-    coupled: bool,
-    run_ahead: int | None,
-    on_loss: bool,
-    tied: Sequence[tuple[int, ...]] = (),
-) -> list[Op]:
-    """The operations of every process, in the schedule's unit-time clock order."""
-    S, N = schedule.num_stages, schedule.num_microbatches
-    # tied groups across stages: per stage, the owners it sends gradients to (and gets new
-    # values from), and the holders of the groups it owns (the other way round)
-    owners = [sorted({h[0] for h in tied if s in h[1:]}) for s in range(S)]
-    members = [sorted({r for h in tied if h[0] == s for r in h[1:]}) for s in range(S)]
-    # an update that waits for other stages' values is not fused with a backward
-    unfused = [coupled or bool(owners[s] or members[s]) for s in range(S)]
-    last = S - 1
-    n_of = [schedule.group_size(s) for s in range(S)]
-    rr = [n > 1 for n in n_of]
-    order = sorted(
-        (tick, g, i) for g, ticks in enumerate(schedule.clock()) for i, tick in enumerate(ticks)
-    )
-    backward_version = {
-        (a.stage, a.mb): a.version for g in schedule.actions for a in g if a.kind in "BI"
-    }
-    latest = [0] * S
-    state = [f"st{s}" for s in range(S)]
-    state_before: dict[tuple[int, int], str] = {}
-    forward_version: dict[tuple[int, int], int] = {}
-    acc: list[str | None] = [None] * S
-    updates = [0] * S
-    ops: list[Op] = [
-        Op(
-            "KEYS",
-            s,
-            outs=tuple(f"mkey{s}.{k}" if rr[s] else f"key{s}.{k}" for k in range(0, N, n_of[s])),
-            ins=(f"rng{s}", "offset"),
-        )
-        for s in range(S)
-    ]
-    skip: set[tuple[int, int]] = set()  # (group, index) of actions fused into an earlier op
-
-    def name(prefix: str, s: int, k: int) -> str:
-        """A stage's slot for microbatch ``k`` (a round-robin stage's: the group's)."""
-        return f"m{prefix}{s}.{k}" if rr[s] else f"{prefix}{s}.{k}"
-
-    def target(s: int, k: int) -> str:
-        return f"mt{s}.{k}" if rr[s] else f"t{k}"
-
-    def loss_slot(s: int, k: int) -> str:
-        return f"mloss{s}.{k}" if rr[s] else f"loss{k}"
-
-    def moved(
-        slot_from: str, slot_to: str, src: int, dst: int, mb: int, part: bool = True
-    ) -> list[Op]:
-        sp, dp = (mb % n_of[t] if part and rr[t] else -1 for t in (src, dst))
-        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=(sp, dp))]
-
-    def gathered(prefix: str, s: int, k: int) -> list[Op]:
-        """A round-robin stage's group value from the pieces on its devices."""
-        if not rr[s]:
-            return []
-        pieces = tuple(f"{prefix}{s}.{j}" for j in range(k, k + n_of[s]))
-        return [Op("GATHER", s, k, ins=pieces, outs=(f"m{prefix}{s}.{k}",))]
-
-    def parted(slot: str, s: int, k: int, pieces: list[str]) -> list[Op]:
-        return [Op("PART", s, k, ins=(slot,), outs=tuple(pieces))] if rr[s] else []
-
-    def covered(s: int, k: int) -> range:
-        return range(k, k + n_of[s])
-
-    def sent_back(s: int, k: int) -> list[Op]:
-        """The input gradient of stage ``s > 0`` to stage ``s - 1``, piece by piece."""
-        out = parted(f"me{s}.{k}", s, k, [f"e{s}.{j}" for j in covered(s, k)])
-        for j in covered(s, k):
-            out += moved(f"e{s}.{j}", f"d{s - 1}.{j}", s, s - 1, j)
-        return out
-
-    def losses(s: int, k: int) -> list[Op]:
-        out = parted(f"mloss{s}.{k}", s, k, [f"loss{j}" for j in covered(s, k)])
-        for j in covered(s, k):
-            out += loss_ops(j)
-        return out
-
-    def residual_args(s: int, k: int, recompute: bool) -> tuple[str, ...]:
-        if recompute:
-            extra = (target(s, k),) if s == last else ()
-            return (state_before[(s, k)], name("key", s, k), *extra)
-        return (f"r{s}.{k}",)
-
-    def update_tail(s: int, read_version: int) -> tuple[tuple[str, ...], frozenset[str]]:
-        """(extra inputs, flags) of a fused update after a backward at ``read_version``."""
-        n = latest[s]
-        if read_version == n:
-            return (f"o{s}v{n}",), frozenset({"newest"})
-        return (f"w{s}v{n}", f"o{s}v{n}"), frozenset()
-
-    def after_update(s: int) -> tuple[str, str]:
-        latest[s] += 1
-        updates[s] += 1
-        acc[s] = None
-        return f"w{s}v{latest[s]}", f"o{s}v{latest[s]}"
-
-    def loss_ops(k: int) -> list[Op]:
-        out = []
-        if on_loss:
-            out.append(Op("LOSS", last, k, ins=(f"loss{k}",)))
-        if run_ahead is not None and k - run_ahead >= 0:
-            out.append(Op("WAIT", last, k - run_ahead, ins=(f"loss{k - run_ahead}",)))
-        return out
-
-    for _, g, i in order:
-        if (g, i) in skip:
-            continue
-        acts = schedule.actions[g]
-        a = acts[i]
-        s, k, v = a.stage, a.mb, a.version
-        nxt = acts[i + 1] if i + 1 < len(acts) else None
-        nxt2 = acts[i + 2] if i + 2 < len(acts) else None
-        w = f"w{s}v{v}"
-        if a.kind == "F":
-            forward_version[(s, k)] = v
-            state_before[(s, k)] = state[s]
-            new_state = f"st{s}.{k}"
-            x = name("x", s, k)
-            key = name("key", s, k)
-            if s > 0:
-                ops += gathered("x", s, k)
-            if (
-                s == last
-                and fuse
-                and nxt is not None
-                and nxt.kind == "B"
-                and (nxt.stage, nxt.mb, nxt.version) == (s, k, v)
-            ):
-                skip.add((g, i + 1))
-                g_in = (acc[s],) if acc[s] else ()
-                flags = {"acc"} if acc[s] else set()
-                e = () if s == 0 else (name("e", s, k),)
-                if not unfused[s] and nxt2 is not None and nxt2.kind == "U" and nxt2.stage == s:
-                    skip.add((g, i + 2))
-                    tail, more = update_tail(s, v)
-                    w2, o2 = after_update(s)
-                    ops.append(
-                        Op(
-                            "FBU",
-                            s,
-                            k,
-                            v,
-                            frozenset(flags | more),
-                            (w, state[s], x, key, target(s, k), *g_in, *tail),
-                            (loss_slot(s, k), new_state, w2, o2, *e),
-                            actions=(a, nxt, nxt2),
-                        )
-                    )
-                else:
-                    acc[s] = gsum = f"g{s}.{k}"
-                    ops.append(
-                        Op(
-                            "FB",
-                            s,
-                            k,
-                            v,
-                            frozenset(flags),
-                            (w, state[s], x, key, target(s, k), *g_in),
-                            (loss_slot(s, k), new_state, gsum, *e),
-                            actions=(a, nxt),
-                        )
-                    )
-                state[s] = new_state
-                ops += losses(s, k) if rr[s] else loss_ops(k)
-                if s > 0:
-                    ops += sent_back(s, k)
-                continue
-            recompute = remat[s] or backward_version[(s, k)] != v
-            out = loss_slot(s, k) if s == last else name("y", s, k)
-            tgt = (target(s, k),) if s == last else ()
-            res = () if recompute else (f"r{s}.{k}",)
-            ops.append(
-                Op(
-                    "F",
-                    s,
-                    k,
-                    v,
-                    frozenset({"recompute"}) if recompute else frozenset(),
-                    (w, state[s], x, key, *tgt),
-                    (out, new_state, *res),
-                    actions=(a,),
-                )
-            )
-            state[s] = new_state
-            if s == last:
-                ops += losses(s, k) if rr[s] else loss_ops(k)
-            else:
-                ops += parted(out, s, k, [f"y{s}.{j}" for j in covered(s, k)])
-                for j in covered(s, k):
-                    ops += moved(f"y{s}.{j}", f"x{s + 1}.{j}", s, s + 1, j)
-        elif a.kind in ("B", "I", "W"):
-            recompute = remat[s] or forward_version[(s, k)] != v
-            flags = {"recompute"} if recompute else set()
-            x = name("x", s, k)
-            R = residual_args(s, k, recompute)
-            d = () if s == last else (name("d", s, k),)
-            e = () if s == 0 else (name("e", s, k),)
-            if s < last:
-                ops += gathered("d", s, k)
-            if a.kind == "I":
-                ops.append(
-                    Op(
-                        "I",
-                        s,
-                        k,
-                        v,
-                        frozenset(flags),
-                        (w, x, *R, *d),
-                        (*e, f"c{s}.{k}"),
-                        actions=(a,),
-                    )
-                )
-            else:
-                g_in = (acc[s],) if acc[s] else ()
-                if acc[s]:
-                    flags.add("acc")
-                if a.kind == "W":
-                    acc[s] = gsum = f"g{s}.{k}"
-                    ops.append(
-                        Op(
-                            "W",
-                            s,
-                            k,
-                            v,
-                            frozenset(flags),
-                            (w, x, *R, f"c{s}.{k}", *g_in),
-                            (gsum,),
-                            actions=(a,),
-                        )
-                    )
-                    continue
-                if (
-                    fuse
-                    and not unfused[s]
-                    and nxt is not None
-                    and nxt.kind == "U"
-                    and nxt.stage == s
-                ):
-                    skip.add((g, i + 1))
-                    tail, more = update_tail(s, v)
-                    w2, o2 = after_update(s)
-                    ops.append(
-                        Op(
-                            "BU",
-                            s,
-                            k,
-                            v,
-                            frozenset(flags | more),
-                            (w, x, *R, *d, *g_in, *tail),
-                            (w2, o2, *e),
-                            actions=(a, nxt),
-                        )
-                    )
-                else:
-                    acc[s] = gsum = f"g{s}.{k}"
-                    ops.append(
-                        Op(
-                            "B",
-                            s,
-                            k,
-                            v,
-                            frozenset(flags),
-                            (w, x, *R, *d, *g_in),
-                            (gsum, *e),
-                            actions=(a,),
-                        )
-                    )
-            if a.kind != "W" and s > 0:
-                ops += sent_back(s, k)
-        else:  # U
-            if v != latest[s]:
-                raise PipelineError(
-                    f"{a.describe()} expects version {v}, stage {s} is at {latest[s]}"
-                )
-            grads = acc[s]
-            if grads is None:
-                raise PipelineError(f"{a.describe()} has no gradient to apply")
-            n = latest[s]
-            u = updates[s]
-            if owners[s]:  # this stage's tied gradients, to each owner of a group it holds
-                sums = tuple(f"pg{s}.{u}:{o}" for o in owners[s])
-                ops.append(Op("TG", s, u, ins=(grads,), outs=sums))
-                for o in owners[s]:
-                    ops += moved(f"pg{s}.{u}:{o}", f"pg{s}.{u}@{o}", s, o, u, part=False)
-            tied_in = tuple(f"pg{r}.{u}@{s}" for r in members[s])
-            new_in = tuple(f"nw{o}.{u}:{s}@{s}" for o in owners[s])
-            norms: tuple[str, ...] = ()
-            if coupled:
-                # every stage's sum of squares for this update, on this stage's devices
-                norms = tuple(f"q{r}.{u}@{s}" for r in range(S) if r != s)
-                ops.append(Op("SQ", s, u, ins=(grads, *tied_in), outs=(f"q{s}.{u}",)))
-                for r in range(S):
-                    if r != s:
-                        ops += moved(f"q{s}.{u}", f"q{s}.{u}@{r}", s, r, u, part=False)
-            w2, o2 = after_update(s)
-            sent = tuple(f"nw{s}.{u}:{r}" for r in members[s])
-            ops.append(
-                Op(
-                    "U",
-                    s,
-                    a.mb,
-                    n,
-                    frozenset(),
-                    (grads, f"w{s}v{n}", f"o{s}v{n}", *tied_in, *new_in, *norms),
-                    (w2, o2, *sent),
-                    actions=(a,),
-                )
-            )
-            for r in members[s]:
-                ops += moved(f"nw{s}.{u}:{r}", f"nw{s}.{u}:{r}@{r}", s, r, u, part=False)
-    return ops
 
 
 def _in_dependency_order(ops: list[Op], given: Sequence[str]) -> list[Op]:
@@ -791,6 +361,27 @@ def _final_slots(ops: list[Op], schedule: Schedule) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- processes
+
+
+def _split_by_process(
+    ops: list[Op], schedule: Schedule, placement: Placement
+) -> tuple[tuple[tuple[Op, ...], ...], tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+    """Per process: its operations (with what each frees), the slots the caller fills and
+    the slots the call returns."""
+    per_process, inputs, outputs = [], [], []
+    for p in range(placement.num_processes):
+        mine = [op for op in ops if _runs_on(op, p, placement)]
+        mine = [_for_process(op, p, placement) for op in mine]
+        ins = tuple(
+            slot for slot in _caller_slots(schedule) if _holds(slot, p, placement, schedule)
+        )
+        outs = tuple(
+            slot for slot in _final_slots(ops, schedule) if _holds(slot, p, placement, schedule)
+        )
+        per_process.append(tuple(_with_frees(mine, set(outs))))
+        inputs.append(ins)
+        outputs.append(outs)
+    return tuple(per_process), tuple(inputs), tuple(outputs)
 
 
 def _stage_of(slot: str, schedule: Schedule) -> int:

@@ -69,6 +69,8 @@ from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.optim import StageOptimizer
+from pdjax.pipeline.stage_programs import program_body
+from pdjax.pipeline.stage_ties import StageTies
 
 __all__ = ["LossFn", "Stage", "StageTies", "split_loss", "with_aux"]
 
@@ -86,122 +88,6 @@ _Pullbacks = list[Callable[..., Any]]
 # jax leaves PartitionSpec.__init__ unannotated
 _BATCH = P("data")
 _WHOLE = P()
-
-
-@dataclasses.dataclass(frozen=True)
-class StageTies:
-    """A stage's copies of tied parameters, and what its update exchanges for them.
-
-    Leaves are indices into ``jax.tree.leaves`` of the stage's parameters (its per-layer
-    list). A group's *owner* is the first stage that holds a copy of it (``holders[i][0]``):
-    the only one whose optimizer sees it. Groups and tuples exchanged with a stage are in
-    the model's group order, so both ends agree on them.
-
-    Attributes:
-      stage: this stage's index.
-      names: per tied group with a copy here, its name.
-      copies: per group, its copies' leaf indices, first listed first (the owner's
-        optimizer sees the first).
-      holders: per group, the stages holding a copy, ascending (this one included).
-    """
-
-    stage: int
-    names: tuple[str, ...]
-    copies: tuple[tuple[int, ...], ...]
-    holders: tuple[tuple[int, ...], ...]
-
-    def owned(self, i: int) -> bool:
-        return self.holders[i][0] == self.stage
-
-    @property
-    def members(self) -> tuple[int, ...]:
-        """The other stages holding copies of groups this stage owns: they send it their
-        gradients (``pg``) and get the new values (``nw``) from its update."""
-        return tuple(
-            sorted({r for i, h in enumerate(self.holders) if self.owned(i) for r in h[1:]})
-        )
-
-    @property
-    def owners(self) -> tuple[int, ...]:
-        """The owners of the groups this stage holds but does not own."""
-        return tuple(sorted({h[0] for i, h in enumerate(self.holders) if not self.owned(i)}))
-
-    def _with(self, peer: int, owner: int) -> tuple[int, ...]:
-        """The groups owned by ``owner`` that ``peer`` holds, by position here."""
-        return tuple(i for i, h in enumerate(self.holders) if h[0] == owner and peer in h)
-
-    @property
-    def hidden(self) -> frozenset[int]:
-        """The leaves the optimizer does not see: every copy but an owned group's first."""
-        return frozenset(
-            c
-            for i, copies in enumerate(self.copies)
-            for c in (copies[1:] if self.owned(i) else copies)
-        )
-
-    def view(self, tree: PyTree) -> PyTree:
-        """``tree`` (parameters or gradients) as the optimizer sees it: hidden leaves None."""
-        leaves, treedef = jax.tree.flatten(tree)
-        hidden = self.hidden
-        return jax.tree.unflatten(
-            treedef, [None if k in hidden else a for k, a in enumerate(leaves)]
-        )
-
-    def _local_sum(self, leaves: Sequence[Any], i: int) -> Any:
-        total = leaves[self.copies[i][0]]
-        for c in self.copies[i][1:]:
-            total = total + leaves[c]
-        return total
-
-    def partials(self, grads: PyTree) -> tuple[tuple[jax.Array, ...], ...]:
-        """Per owner (:attr:`owners`), this stage's summed gradients of the groups it
-        holds for that owner."""
-        leaves = jax.tree.leaves(grads)
-        return tuple(
-            tuple(self._local_sum(leaves, i) for i in self._with(self.stage, o))
-            for o in self.owners
-        )
-
-    def grad_view(self, grads: PyTree, incoming: Sequence[Sequence[jax.Array]]) -> PyTree:
-        """The gradients as the optimizer sees them: an owned group's first copy holds the
-        group's whole gradient, the other holders' sums (``incoming``, per
-        :attr:`members`) added to this stage's in stage order; hidden leaves None."""
-        leaves, treedef = jax.tree.flatten(grads)
-        parts: dict[int, dict[int, Any]] = {}
-        for r, values in zip(self.members, incoming, strict=True):
-            for i, v in zip(self._with(r, self.stage), values, strict=True):
-                parts.setdefault(i, {})[r] = v
-        out = list(leaves)
-        for i, copies in enumerate(self.copies):
-            if not self.owned(i):
-                continue
-            got = {**parts.get(i, {}), self.stage: self._local_sum(leaves, i)}
-            total = got[self.holders[i][0]]
-            for r in self.holders[i][1:]:
-                total = total + got[r]
-            out[copies[0]] = total
-        hidden = self.hidden
-        return jax.tree.unflatten(treedef, [None if k in hidden else a for k, a in enumerate(out)])
-
-    def expand(
-        self, new_view: PyTree, treedef: Any, received: Sequence[Sequence[jax.Array]]
-    ) -> tuple[PyTree, tuple[tuple[jax.Array, ...], ...]]:
-        """The stage's new parameters from the optimizer's (``new_view``, hidden leaves
-        None) and the owners' new values (``received``, per :attr:`owners`), and the new
-        values this stage sends (per :attr:`members`)."""
-        leaves = jax.tree.flatten(new_view, is_leaf=lambda a: a is None)[0]
-        value: dict[int, Any] = {}
-        for i, copies in enumerate(self.copies):
-            if self.owned(i):
-                value[i] = leaves[copies[0]]
-        for o, values in zip(self.owners, received, strict=True):
-            for i, v in zip(self._with(self.stage, o), values, strict=True):
-                value[i] = v
-        for i, copies in enumerate(self.copies):
-            for c in copies:
-                leaves[c] = value[i]
-        sent = tuple(tuple(value[i] for i in self._with(r, self.stage)) for r in self.members)
-        return jax.tree.unflatten(treedef, leaves), sent
 
 
 class Stage:
@@ -285,7 +171,7 @@ class Stage:
 
     def _build(self, kind: str, flags: frozenset[str]) -> Callable[..., Any]:
         name = kind + "".join(f"+{f}" for f in sorted(flags))
-        body, donate = self._body(kind, flags)
+        body, donate = program_body(self, kind, flags)
         rep, batch = self.replicated, self.batch_sharding
         kwargs: dict[str, Any] = {"donate_argnums": donate}
         first = self.index == 0
@@ -305,134 +191,6 @@ class Stage:
             loss = batch if self.round_robin else rep  # round-robin: r losses, one per device
             kwargs["out_shardings"] = (loss, rep, rep, rep) + (() if first else (batch,))
         return jax.jit(count_traces(self.trace_counts, name, body), **kwargs)
-
-    def _body(self, kind: str, flags: frozenset[str]) -> tuple[Callable[..., Any], tuple[int, ...]]:
-        """The traced function of a program and the arguments it donates."""
-        last, first = self.is_last, self.index == 0
-        recompute = "recompute" in flags
-        acc = "acc" in flags
-        # residual arguments: the forward's kept residuals, or what recomputing needs
-        nres = (3 if last else 2) if recompute else 1
-        nct = 0 if last else 1
-
-        def pullbacks(w: Any, x: Any, res: Sequence[Any]) -> _Pullbacks:
-            """The per-layer VJPs: rebuilt from kept residuals, or by recomputing."""
-            if recompute:
-                st, key = res[0], res[1]
-                tgt = res[2] if last else None
-                return self._forward_vjp(w, st, x, key, tgt)[2]
-            return self._rebuild(w, x, res[0])
-
-        if kind == "KEYS":
-
-            def keys(rng: jax.Array, offset: jax.Array, count: int) -> tuple[jax.Array, ...]:
-                ks = jax.vmap(lambda k: jax.random.fold_in(rng, k))(
-                    offset + jnp.arange(count, dtype=jnp.int32)
-                )
-                if self.round_robin:  # one stacked [r] key array per group, sharded
-                    r = self.num_replicas
-                    return tuple(ks[i : i + r] for i in range(0, count, r))
-                return tuple(ks[i] for i in range(count))
-
-            return keys, ()
-
-        if kind == "F":
-
-            def forward(w: Any, st: Any, x: Any, key: Any, *tgt: Any) -> tuple[Any, ...]:
-                t = tgt[0] if last else None
-                if recompute:  # keeps nothing: the backward recomputes
-                    y, new_st = self._apply(w, st, x, key, t)
-                    return y, new_st
-                y, new_st, pbs, (wv, xv) = self._forward_vjp(w, st, x, key, t)
-                return y, new_st, self._keep(wv, xv, pbs)
-
-            return forward, ()
-
-        if kind in ("B", "I", "W", "BU"):
-            want = {"B": "both", "BU": "both", "I": "input", "W": "weights"}[kind]
-            upd = kind == "BU"
-            newest = "newest" in flags
-
-            def backward(*args: Any) -> tuple[Any, ...]:
-                w, x = args[0], args[1]
-                res = args[2 : 2 + nres]
-                i = 2 + nres
-                pbs = pullbacks(w, x, res)
-                # None: I (no weight gradients)
-                g: list[PyTree] | None
-                out_g: list[PyTree] | None
-                if kind == "W":
-                    cts = args[i]
-                    i += 1
-                    g = self._weight_grads(pbs, cts)
-                    out_g = g
-                else:
-                    ct = args[i] if nct else None
-                    i += nct
-                    g, e, cts = self._chain(pbs, ct, want, first)
-                    out_g = g
-                if acc:
-                    out_g = jax.tree.map(jnp.add, args[i], out_g)
-                    i += 1
-                e_out = () if first or kind == "W" else (e,)
-                if kind == "I":
-                    return (*e_out, cts)
-                if not upd:
-                    return (out_g, *e_out)
-                assert out_g is not None  # BU's chain computes both: the weight gradients
-                new_w, new_o, _ = self._fused_update(out_g, w, args[i:], newest)
-                return (new_w, new_o, *e_out)
-
-            first_tail = 2 + nres + (1 if kind == "W" else nct)
-            return backward, _donated(first_tail, acc, upd, newest, "donate_w" in flags)
-
-        if kind in ("FB", "FBU"):
-            upd = kind == "FBU"
-            newest = "newest" in flags
-
-            def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
-                y, new_st, pbs, _ = self._forward_vjp(w, st, x, key, t)
-                g, e, _ = self._chain(pbs, None, "both", first)
-                assert g is not None  # "both": the weight gradients are there
-                i = 0
-                if acc:
-                    g = jax.tree.map(jnp.add, rest[0], g)
-                    i = 1
-                e_out = () if first else (e,)
-                if not upd:
-                    return (y, new_st, g, *e_out)
-                new_w, new_o, _ = self._fused_update(g, w, rest[i:], newest)
-                return (y, new_st, new_w, new_o, *e_out)
-
-            return forward_backward, _donated(5, acc, upd, newest, "donate_w" in flags)
-
-        if kind == "U":
-
-            def update(g: Any, w: Any, o: Any, *rest: Any) -> tuple[Any, ...]:
-                new_w, new_o, sent = self._update(g, w, o, rest)
-                return (new_w, new_o, *sent)
-
-            return update, (0, 2)  # the gradient sum takes the new weights' place
-
-        if kind == "SQ":
-
-            def sum_squares(g: Any, *incoming: Any) -> tuple[jax.Array]:
-                g = self._scaled(self._reduce(g))
-                if self.ties is not None:
-                    g = self.ties.grad_view(g, incoming)
-                return (self.optimizer.sum_squares(g),)
-
-            return sum_squares, ()
-
-        if kind == "TG":
-
-            def tied_grads(g: Any) -> tuple[Any, ...]:
-                assert self.ties is not None
-                return self.ties.partials(self._scaled(self._reduce(g)))
-
-            return tied_grads, ()
-
-        raise ValueError(f"no stage program of kind {kind!r}")
 
     def eval_program(self, loss: bool, metrics: Callable[..., Any] | None = None) -> Any:
         """The jitted eval-mode forward (no dropout, BatchNorm running statistics) of the
@@ -799,29 +557,6 @@ class Stage:
         """Puts an activation or gradient on the stage's devices, batch-sharded (from
         the whole value, when the stage spans processes)."""
         return place(tree, self.batch_sharding)
-
-
-def _donated(
-    first_tail: int, acc: bool, update: bool, newest: bool, donate_w: bool
-) -> tuple[int, ...]:
-    """Argument positions a backward program donates: the gradient sum (``acc``, at
-    ``first_tail``), and with a fused update the optimizer state and, when nothing reads
-    them later (``donate_w``), the newest weights (argument 0 when they are the ones read,
-    else passed after the sum)."""
-    donate: list[int] = []
-    pos = first_tail
-    if acc:
-        donate.append(pos)
-        pos += 1
-    if update:
-        if not newest:
-            if donate_w:
-                donate.append(pos)
-            pos += 1
-        elif donate_w:
-            donate.append(0)
-        donate.append(pos)
-    return tuple(donate)
 
 
 def _split(tree: PyTree, parts: int, pin: Callable[[jax.Array], jax.Array]) -> PyTree:

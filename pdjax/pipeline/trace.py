@@ -65,24 +65,7 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict[str, Any]:
             {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}}
         )
         for g in range(tl.num_groups):
-            events.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": g,
-                    "args": {"name": f"group {g}"},
-                }
-            )
-            events.append(
-                {
-                    "name": "thread_sort_index",
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": g,
-                    "args": {"sort_index": g},
-                }
-            )
+            events += _thread(pid, g, f"group {g}")
         for span in sorted(tl.spans, key=lambda s: (s.group, s.start)):
             a = span.action
             events.append(
@@ -100,41 +83,39 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict[str, Any]:
         links = sorted({(t.src, t.dst) for t in tl.transfers})
         for number, (src, dst) in enumerate(links):
             tid = tl.num_groups + number
-            events.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": tid,
-                    "args": {"name": f"link {src}->{dst}"},
-                }
-            )
-            events.append(
-                {
-                    "name": "thread_sort_index",
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": tid,
-                    "args": {"sort_index": tid},
-                }
-            )
+            events += _thread(pid, tid, f"link {src}->{dst}")
             for t in sorted(tl.transfers, key=lambda t: t.start):
-                if (t.src, t.dst) != (src, dst):
-                    continue
-                what = "activation" if t.action.kind == "F" else "gradient"
-                events.append(
-                    {
-                        "name": f"{what} {t.action}",
-                        "cat": "transfer",
-                        "ph": "X",
-                        "pid": pid,
-                        "tid": tid,
-                        "ts": t.start * 1e6,
-                        "dur": (t.end - t.start) * 1e6,
-                        "args": {"from": t.src, "to": t.dst, "mb": t.action.mb},
-                    }
-                )
+                if (t.src, t.dst) == (src, dst):
+                    events.append(_transfer_event(pid, tid, t))
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _thread(pid: int, tid: int, name: str) -> list[dict[str, Any]]:
+    """The metadata events that name a trace thread and keep the threads in ``tid`` order."""
+    return [
+        {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}},
+        {
+            "name": "thread_sort_index",
+            "ph": "M",
+            "pid": pid,
+            "tid": tid,
+            "args": {"sort_index": tid},
+        },
+    ]
+
+
+def _transfer_event(pid: int, tid: int, t: Transfer) -> dict[str, Any]:
+    what = "activation" if t.action.kind == "F" else "gradient"
+    return {
+        "name": f"{what} {t.action}",
+        "cat": "transfer",
+        "ph": "X",
+        "pid": pid,
+        "tid": tid,
+        "ts": t.start * 1e6,
+        "dur": (t.end - t.start) * 1e6,
+        "args": {"from": t.src, "to": t.dst, "mb": t.action.mb},
+    }
 
 
 def write_chrome_trace(
@@ -208,8 +189,6 @@ def plot_gantt(
     """
     try:
         from matplotlib.figure import Figure
-        from matplotlib.lines import Line2D
-        from matplotlib.patches import Patch
     except ImportError as e:
         raise ImportError(
             "plot_gantt needs matplotlib: pip install 'pdjax[plot]' (or pip install matplotlib)"
@@ -229,56 +208,74 @@ def plot_gantt(
     # A bare Figure renders with Agg and touches no pyplot state.
     fig = Figure(figsize=(width_in, total_height), dpi=dpi)
     axes = fig.subplots(len(tls), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
-    fontsize = 7
     for ax, tl, title, (scale, unit) in zip(axes[:, 0], tls, titles, units, strict=True):
-        span_end = (tl.makespan or scale) / scale
-        stages_of: dict[int, list[int]] = {}
-        for s in tl.spans:
-            stages_of.setdefault(s.group, []).append(s.action.stage)
-        chunk_rank = {g: sorted(set(v)) for g, v in stages_of.items()}
-        points_per_unit = width_in * 0.86 * 72 / span_end
-        rows, widths, lefts, colors = [], [], [], []
-        for s in tl.spans:
-            a = s.action
-            ranks = chunk_rank[s.group]
-            chunk = ranks.index(a.stage)
-            shade = 0.55 * chunk / (len(ranks) - 1) if len(ranks) > 1 else 0.0
-            start, width = s.start / scale, (s.end - s.start) / scale
-            rows.append(s.group)
-            widths.append(width)
-            lefts.append(start)
-            colors.append(_tint(KIND_COLORS[a.kind], shade))
-            label = "U" if a.kind == "U" else str(a.mb)
-            if width * points_per_unit >= 0.62 * fontsize * len(label) + 2:
-                ax.text(
-                    start + width / 2,
-                    s.group,
-                    label,
-                    ha="center",
-                    va="center",
-                    fontsize=fontsize,
-                    color="black" if a.kind == "U" or shade else "white",
-                )
-        ax.barh(
-            rows,
-            widths,
-            left=lefts,
-            height=bar_height,
-            color=colors,
-            edgecolor="white",
-            linewidth=0.4,
-        )
-        _draw_transfers(ax, tl, scale, bar_height / 2)
-        ax.set_ylim(tl.num_groups - 0.5, -0.5)
-        ax.set_yticks(range(tl.num_groups))
-        ax.set_yticklabels([f"group {g}" for g in range(tl.num_groups)], fontsize=8)
-        ax.set_xlim(0, span_end)
+        _draw_panel(ax, tl, scale=scale, bar_height=bar_height, width_in=width_in)
         ax.set_title(title, fontsize=9, loc="left")
-        ax.tick_params(axis="x", labelsize=8)
-        ax.grid(axis="x", linewidth=0.3, alpha=0.5)
-        ax.set_axisbelow(True)
         if ax is axes[-1, 0] or len(set(units)) > 1:  # one label where all panels agree
             ax.set_xlabel(f"time ({unit})", fontsize=8)
+    handles = _legend(tls)
+    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / total_height))
+    fig.savefig(path)
+    return fig
+
+
+def _draw_panel(ax: Any, tl: Timeline, *, scale: float, bar_height: float, width_in: float) -> None:
+    """One timeline on ``ax``: a row per device group, its boxes, labels and transfers,
+    times in units of ``scale`` seconds."""
+    fontsize = 7
+    span_end = (tl.makespan or scale) / scale
+    stages_of: dict[int, list[int]] = {}
+    for s in tl.spans:
+        stages_of.setdefault(s.group, []).append(s.action.stage)
+    chunk_rank = {g: sorted(set(v)) for g, v in stages_of.items()}
+    points_per_unit = width_in * 0.86 * 72 / span_end
+    rows, widths, lefts, colors = [], [], [], []
+    for s in tl.spans:
+        a = s.action
+        ranks = chunk_rank[s.group]
+        chunk = ranks.index(a.stage)
+        shade = 0.55 * chunk / (len(ranks) - 1) if len(ranks) > 1 else 0.0
+        start, width = s.start / scale, (s.end - s.start) / scale
+        rows.append(s.group)
+        widths.append(width)
+        lefts.append(start)
+        colors.append(_tint(KIND_COLORS[a.kind], shade))
+        label = "U" if a.kind == "U" else str(a.mb)
+        if width * points_per_unit >= 0.62 * fontsize * len(label) + 2:
+            ax.text(
+                start + width / 2,
+                s.group,
+                label,
+                ha="center",
+                va="center",
+                fontsize=fontsize,
+                color="black" if a.kind == "U" or shade else "white",
+            )
+    ax.barh(
+        rows,
+        widths,
+        left=lefts,
+        height=bar_height,
+        color=colors,
+        edgecolor="white",
+        linewidth=0.4,
+    )
+    _draw_transfers(ax, tl, scale, bar_height / 2)
+    ax.set_ylim(tl.num_groups - 0.5, -0.5)
+    ax.set_yticks(range(tl.num_groups))
+    ax.set_yticklabels([f"group {g}" for g in range(tl.num_groups)], fontsize=8)
+    ax.set_xlim(0, span_end)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(axis="x", linewidth=0.3, alpha=0.5)
+    ax.set_axisbelow(True)
+
+
+def _legend(tls: Sequence[Timeline]) -> list[Any]:
+    """The legend's entries: the action kinds shown, the lighter later chunks, transfers."""
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
     kinds = sorted({s.action.kind for tl in tls for s in tl.spans}, key="FBIWU".index)
     handles: list[Any] = [Patch(color=KIND_COLORS[k], label=_KIND_NAMES[k]) for k in kinds]
     if any(len(set(s.action.stage for s in tl.spans if s.group == 0)) > 1 for tl in tls):
@@ -287,10 +284,7 @@ def plot_gantt(
     for activation in sorted(sent, reverse=True):
         color, what = _transfer_style(activation)
         handles.append(Line2D([], [], color=color, linewidth=1.0, label=f"{what} transfer"))
-    fig.legend(handles=handles, loc="upper right", ncol=len(handles), fontsize=8, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / total_height))
-    fig.savefig(path)
-    return fig
+    return handles
 
 
 def _is_activation(transfer: Transfer) -> bool:

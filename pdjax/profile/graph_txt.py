@@ -62,6 +62,10 @@ _NODE = re.compile(
     r"parameter_size=(?P<param>[-+0-9.eE]+)$"
 )
 _EDGE = re.compile(r"^\s+(?P<a>node\d+) -- (?P<b>node\d+)$")
+#: One node: ``(description, forward ms, backward ms, output bytes, parameter bytes)``.
+_Node = tuple[str, float, float, float, float]
+#: One edge: ``(from node, to node, line number)``.
+_Edge = tuple[str, str, int]
 
 
 def _sizes(text: str) -> tuple[float, ...]:
@@ -103,9 +107,36 @@ def parse_graph_txt(
         ``require_connected``, a node not connected to the rest (a file cut short), or no
         nodes at all.
     """
-    nodes: dict[str, tuple[str, float, float, float, float]] = {}
+    nodes, outputs, edges = _parse_lines(text, source)
+    order = _topological_order(nodes, edges, source)
+    if require_connected:
+        _check_connected(nodes, edges, source)
+    index = {n: i for i, n in enumerate(order)}
+    layers = _layer_profiles(nodes, edges, order, index)
+    if batch_size > 0:
+        batch_from = "given"
+    else:
+        batch_size, batch_from = _infer_batch_size(
+            layers, [(nodes[n][0], outputs[n]) for n in order]
+        )
+    edge_idx = sorted({(index[a], index[b]) for a, b, _ in edges})
+    return Profile(
+        layers=tuple(layers),
+        edges=tuple(edge_idx),
+        batch_size=batch_size,
+        time_source="graph.txt",
+        meta={"source": source, "format": "pipedream graph.txt", "batch_size_from": batch_from},
+    )
+
+
+def _parse_lines(
+    text: str, source: str
+) -> tuple[dict[str, _Node], dict[str, tuple[float, ...]], list[_Edge]]:
+    """The nodes, each node's output sizes, and the edges of a ``graph.txt``'s text, every
+    line checked and every edge's ends known."""
+    nodes: dict[str, _Node] = {}
     outputs: dict[str, tuple[float, ...]] = {}  # per node, its outputs' sizes
-    edges: list[tuple[str, str, int]] = []
+    edges: list[_Edge] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -113,20 +144,7 @@ def parse_graph_txt(
         if m:
             if m["id"] in nodes:
                 raise GraphFormatError(f"{source}:{lineno}: node {m['id']} is defined twice")
-            try:
-                sizes = _sizes(m["act"])
-                values = (float(m["fwd"]), float(m["bwd"]), sum(sizes), float(m["param"]))
-            except ValueError as e:
-                raise GraphFormatError(f"{source}:{lineno}: bad number: {e}") from e
-            if any(v < 0 for v in (*values, *sizes)):
-                raise GraphFormatError(f"{source}:{lineno}: negative time or size")
-            if not all(math.isfinite(v) for v in (*values, *sizes)):
-                # "1e999" parses as inf, and would price a stage at infinity (or NaN).
-                raise GraphFormatError(
-                    f"{source}:{lineno}: a time or size is too large to be finite: {line[:80]!r}"
-                )
-            nodes[m["id"]] = (m["desc"].strip(), *values)
-            outputs[m["id"]] = sizes
+            nodes[m["id"]], outputs[m["id"]] = _parse_node(m, f"{source}:{lineno}", line)
             continue
         m = _EDGE.match(line)
         if m:
@@ -144,7 +162,30 @@ def parse_graph_txt(
         for n in (a, b):
             if n not in nodes:
                 raise GraphFormatError(f"{source}:{lineno}: edge names unknown node {n}")
+    return nodes, outputs, edges
 
+
+def _parse_node(m: re.Match[str], where: str, line: str) -> tuple[_Node, tuple[float, ...]]:
+    """A matched node line's node and output sizes; ``where`` is ``file:line``."""
+    try:
+        sizes = _sizes(m["act"])
+        values = (float(m["fwd"]), float(m["bwd"]), sum(sizes), float(m["param"]))
+    except ValueError as e:
+        raise GraphFormatError(f"{where}: bad number: {e}") from e
+    if any(v < 0 for v in (*values, *sizes)):
+        raise GraphFormatError(f"{where}: negative time or size")
+    if not all(math.isfinite(v) for v in (*values, *sizes)):
+        # "1e999" parses as inf, and would price a stage at infinity (or NaN).
+        raise GraphFormatError(f"{where}: a time or size is too large to be finite: {line[:80]!r}")
+    return (m["desc"].strip(), *values), sizes
+
+
+def _topological_order(nodes: dict[str, _Node], edges: list[_Edge], source: str) -> list[str]:
+    """The nodes in topological order (Kahn's algorithm, ties broken by node number).
+
+    Raises:
+      GraphFormatError: for a cycle.
+    """
     succ: dict[str, list[str]] = {n: [] for n in nodes}
     indeg = dict.fromkeys(nodes, 0)
     for a, b, _ in edges:
@@ -163,10 +204,14 @@ def parse_graph_txt(
     if len(order) != len(nodes):
         stuck = sorted((n for n in nodes if n not in set(order)), key=_node_number)
         raise GraphFormatError(f"{source}: the graph has a cycle through {stuck[:6]}")
-    if require_connected:
-        _check_connected(nodes, edges, source)
+    return order
 
-    index = {n: i for i, n in enumerate(order)}
+
+def _layer_profiles(
+    nodes: dict[str, _Node], edges: list[_Edge], order: list[str], index: dict[str, int]
+) -> list[LayerProfile]:
+    """One layer per node, in ``order`` (``index`` maps a node to its place there), seconds
+    from PipeDream's milliseconds and input bytes from the predecessors' outputs."""
     layers = []
     for n in order:
         desc, fwd, bwd, act, param = nodes[n]
@@ -185,31 +230,13 @@ def parse_graph_txt(
     preds: dict[int, list[int]] = {}
     for a, b, _ in edges:
         preds.setdefault(index[b], []).append(index[a])
-    layers = [
+    return [
         _with_input(layer, sum(layers[p].output_bytes for p in preds.get(i, [])))
         for i, layer in enumerate(layers)
     ]
-    if batch_size > 0:
-        batch_from = "given"
-    else:
-        batch_size, batch_from = _infer_batch_size(
-            layers, [(nodes[n][0], outputs[n]) for n in order]
-        )
-    edge_idx = sorted({(index[a], index[b]) for a, b, _ in edges})
-    return Profile(
-        layers=tuple(layers),
-        edges=tuple(edge_idx),
-        batch_size=batch_size,
-        time_source="graph.txt",
-        meta={"source": source, "format": "pipedream graph.txt", "batch_size_from": batch_from},
-    )
 
 
-def _check_connected(
-    nodes: dict[str, tuple[str, float, float, float, float]],
-    edges: list[tuple[str, str, int]],
-    source: str,
-) -> None:
+def _check_connected(nodes: dict[str, _Node], edges: list[_Edge], source: str) -> None:
     """Raises GraphFormatError unless every node is linked (ignoring direction) to the first
     input node: one network. A file cut short at a line boundary parses line by line, but
     loses edges (every one, when cut among the node lines) and so leaves nodes that

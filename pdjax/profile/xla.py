@@ -44,9 +44,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.errors import ProfileError
-from pdjax.layers import FnLayer, Layer, LayerSequence, LinenLayer, NnxLayer, PyTree, Variables
+from pdjax.layers import Layer, LayerSequence, PyTree, Variables
 from pdjax.profile.devices import DeviceModel, get_device_model
 from pdjax.profile.profile import LayerProfile, Profile
+from pdjax.profile.programs import (
+    _compile,
+    _compile_programs,
+    _find,
+    _LayerFns,
+    _nbytes,
+    _Programs,
+    _recurring,
+    _reuse_key,
+    _trace_vjp,
+    cost_analysis,
+)
 
 __all__ = ["ProgressCallback", "cost_analysis", "profile"]
 
@@ -57,23 +69,6 @@ class ProgressCallback(Protocol):
     and once at the end (``done == total``, ``current`` None)."""
 
     def __call__(self, done: int, total: int, current: str | None) -> None: ...
-
-
-def cost_analysis(compiled: Any) -> dict[str, float]:
-    """``compiled.cost_analysis()`` as a dict (older JAX returns a one-element list)."""
-    ca = compiled.cost_analysis()
-    if isinstance(ca, (list, tuple)):
-        ca = ca[0] if ca else {}
-    return dict(ca or {})
-
-
-def _nbytes(tree: PyTree) -> int:
-    return int(
-        sum(
-            np.prod(leaf.shape, dtype=np.int64) * leaf.dtype.itemsize
-            for leaf in jax.tree.leaves(tree)
-        )
-    )
 
 
 def _spec(tree: PyTree) -> PyTree:
@@ -87,206 +82,6 @@ def _is_float(leaf: Any) -> bool:
 def _render(tree: PyTree) -> str:
     parts = [f"{leaf.dtype}{list(leaf.shape)}" for leaf in jax.tree.leaves(tree)]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-
-
-class _LayerFns:
-    """The jitted functions of one layer, lowered once each for counts and timing."""
-
-    def __init__(self, layer: Layer, train: bool, rng: jax.Array, input_grad: bool) -> None:
-        self.input_grad = input_grad
-
-        def apply(params: PyTree, rest: Variables, x: PyTree) -> PyTree:
-            return layer.apply({**rest, "params": params}, x, train=train, rng=rng)[0]
-
-        def vjp(params: PyTree, rest: Variables, x: PyTree) -> tuple[PyTree, Any]:
-            if input_grad:
-                return jax.vjp(lambda p, x: apply(p, rest, x), params, x)
-            return jax.vjp(lambda p: apply(p, rest, x), params)
-
-        def backward(pullback: Any, ct: PyTree) -> Any:
-            return pullback(ct)
-
-        def input_grad_only(pullback: Any, ct: PyTree) -> PyTree:
-            return pullback(ct)[1]
-
-        def weight_grad_only(pullback: Any, ct: PyTree) -> PyTree:
-            return pullback(ct)[0]
-
-        self.apply = apply
-        self.vjp = vjp
-        self.forward = jax.jit(apply)
-        self.forward_vjp = jax.jit(vjp)
-        self.backward = jax.jit(backward)
-        self.input_grad_only = jax.jit(input_grad_only)
-        self.weight_grad_only = jax.jit(weight_grad_only)
-
-
-def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tuple[Any, int]:
-    """One abstract trace of the VJP: its pullback (shapes) and the bytes of its residuals
-    that are neither a parameter nor the layer's input."""
-    found: list[int] = []
-
-    def probe(params: PyTree, rest: Variables, x: PyTree) -> Any:
-        _, pullback = fns.vjp(params, rest, x)
-        inputs = {id(leaf) for leaf in jax.tree.leaves((params, rest, x))}
-        found.append(
-            sum(
-                _nbytes(leaf)
-                for leaf in jax.tree.leaves(pullback)
-                if id(leaf) not in inputs and hasattr(leaf, "shape")
-            )
-        )
-        return pullback
-
-    pullback_spec = jax.eval_shape(probe, params, rest, x)
-    return pullback_spec, found[0]
-
-
-def _compile(lowered: Any, timed: bool) -> Any:
-    """Compiles ``lowered``, once: the executable returned serves the cost analysis and,
-    where ``timed``, the timing.
-
-    A program that is not timed (only counted, or run once to make inputs for the timed
-    ones) skips the backend's code optimisations on XLA's CPU client: the counts and the
-    memory analysis come from the optimised HLO, which is the same, and compiling a
-    transformer block's forward takes ~0.3 s instead of ~2.7 s."""
-    if timed or jax.default_backend() != "cpu":
-        return lowered.compile()
-    return lowered.compile({"xla_backend_optimization_level": 0})
-
-
-@dataclasses.dataclass(frozen=True)
-class _Programs:
-    """The compiled programs of one layer and what XLA counted in them; identical layers
-    share one.
-
-    Attributes:
-      fwd: the forward.
-      bwd: the whole backward (pullback and output cotangent in).
-      igr: the input gradient alone, or None where the backward is not split.
-      wgr: the weight gradient alone, or None.
-      counts: ``cost_analysis`` of each program by key (``fwd``, ``bwd``, ``igr``, ``wgr``).
-      peak_bytes: the larger footprint of ``fwd`` and ``bwd``, or None.
-      residual_bytes: the residuals' bytes beyond the parameters and the input.
-      bwd_args: measuring, for a layer that recurs, the backward's real inputs (pullback
-        and cotangent), on which the later identical layers' backwards are timed; else
-        None.
-    """
-
-    fwd: Any
-    bwd: Any
-    igr: Any | None
-    wgr: Any | None
-    counts: dict[str, dict[str, float]]
-    peak_bytes: int | None
-    residual_bytes: int
-    bwd_args: tuple[Any, ...] | None = None
-
-
-def _arg_key(tree: PyTree) -> tuple[Any, ...]:
-    """The structure, shapes, dtypes (weak types) and shardings of arguments: what an
-    executable compiled for them checks on a call."""
-    leaves, treedef = jax.tree.flatten(tree)
-    return (
-        treedef,
-        tuple(
-            (
-                tuple(leaf.shape),
-                str(leaf.dtype),
-                bool(getattr(leaf, "weak_type", False)),
-                getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None,
-            )
-            for leaf in leaves
-        ),
-    )
-
-
-class _Same:
-    """Wraps an object compared by identity (a function: equal code is not the same
-    closure)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Same) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-
-def _reuse_key(layer: Layer, train: bool, input_grad: bool, args: PyTree) -> Any:
-    """What makes two layers' programs the same, or None where pdjax cannot tell (a layer
-    class of the user's own: it is always compiled).
-
-    The module decides the program given the arguments' shapes: a linen module through its
-    fields (its dataclass equality, which ``nn.jit`` also trusts), an nnx module through
-    its graph definition (classes, static attributes and variable metadata: ``nnx.jit``'s
-    cache key), a function through its identity. Module fields that do not compare (an
-    array) make keys that never match, so such layers are compiled each."""
-    # exact classes: a subclass may change what the module computes
-    if type(layer) is LinenLayer:
-        module: Any = ("linen", type(layer.module), layer.module)
-    elif type(layer) is NnxLayer:
-        module = ("nnx", layer._graphdef, layer._mode, tuple(layer._streams), layer._takes_rngs)
-    elif type(layer) is FnLayer:
-        module = ("fn", _Same(layer.fn))
-    else:
-        return None
-    return (module, train, input_grad, _arg_key(args))
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two reuse keys are equal: never for None, nor where comparing fails."""
-    if a is None or b is None:
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # a module field that does not compare, e.g. an array
-        return False
-
-
-def _find(cache: list[tuple[Any, _Programs]], key: Any) -> _Programs | None:
-    """The programs compiled under ``key``; None for a new key (or None)."""
-    return next((programs for known, programs in cache if _same(known, key)), None)
-
-
-def _recurring(keys: list[Any]) -> list[bool]:
-    """For each layer's reuse key, whether a later layer has the same."""
-    return [any(_same(key, later) for later in keys[i + 1 :]) for i, key in enumerate(keys)]
-
-
-def _compile_programs(
-    fns: _LayerFns,
-    args: tuple[Any, ...],
-    bwd_args: tuple[Any, ...],
-    split: bool,
-    timed: bool,
-    residual_bytes: int,
-    keep: bool,
-) -> _Programs:
-    """Compiles a layer's forward, backward and (where ``split``) its input- and
-    weight-gradient halves, each once, on ``args`` and ``bwd_args`` (arrays or shapes);
-    ``keep`` keeps ``bwd_args`` for the layers that will share the programs."""
-    fwd = _compile(fns.forward.lower(*args), timed)
-    bwd = _compile(fns.backward.lower(*bwd_args), timed)
-    igr = _compile(fns.input_grad_only.lower(*bwd_args), timed) if split else None
-    wgr = _compile(fns.weight_grad_only.lower(*bwd_args), timed) if split else None
-    counts = {"fwd": cost_analysis(fwd), "bwd": cost_analysis(bwd)}
-    if igr is not None and wgr is not None:
-        counts["igr"], counts["wgr"] = cost_analysis(igr), cost_analysis(wgr)
-    return _Programs(
-        fwd=fwd,
-        bwd=bwd,
-        igr=igr,
-        wgr=wgr,
-        counts=counts,
-        peak_bytes=_peak_bytes(fwd, bwd),
-        residual_bytes=residual_bytes,
-        bwd_args=bwd_args if keep else None,
-    )
 
 
 def _median_seconds(
@@ -412,6 +207,46 @@ def profile(
       ProfileError: for a sample without batch dimension, both ``measure`` and a device
         model preset, bad ``warmup``/``repeats``, or a ``progress`` of another kind.
     """
+    measure, model = _timing(measure, device_model, warmup, repeats)
+    batch_size = _batch_size(sample)
+    report = _reporter(progress, len(layers))
+    rng = jax.random.key(0) if rng is None else rng
+    sample_spec = _spec(sample)
+    if variables is None:
+        variables = jax.eval_shape(layers.init, rng, sample_spec)
+    var_specs = [_spec(v) for v in variables]
+    boundaries = layers.boundary_specs(var_specs, sample_spec)
+    device = device if device is not None else jax.devices()[0]
+    x_real, variables = (
+        _real_inputs(layers, sample, variables, rng, device) if measure else (None, variables)
+    )
+    setup = _Setup(
+        train=train,
+        rng=rng,
+        measure=measure,
+        device=device,
+        model=model,
+        warmup=warmup,
+        repeats=repeats,
+    )
+    steps = _steps(layers, var_specs, boundaries, train)
+    results = _profile_layers(
+        layers, steps, setup=setup, variables=variables, x_real=x_real, report=report
+    )
+    report(len(layers), None)
+    return Profile.chain(
+        results,
+        batch_size=batch_size,
+        time_source=_time_source(setup),
+        dtype=_params_dtype(steps),
+        meta=_provenance(train, model, meta),
+    )
+
+
+def _timing(
+    measure: bool, device_model: str | DeviceModel | None, warmup: int, repeats: int
+) -> tuple[bool, DeviceModel | None]:
+    """``(measure, device model)`` that :func:`profile`'s arguments ask for, checked."""
     if isinstance(device_model, str) and device_model.lower() == "measured":
         measure, device_model = True, None
     if measure and device_model is not None:
@@ -422,168 +257,275 @@ def profile(
     if measure and (warmup < 0 or repeats < 1):
         raise ProfileError(f"need warmup >= 0 and repeats >= 1, got {warmup}, {repeats}")
     model = get_device_model(device_model) if isinstance(device_model, str) else device_model
-    batch_size = _batch_size(sample)
-    report = _reporter(progress, len(layers))
-    rng = jax.random.key(0) if rng is None else rng
-    sample_spec = _spec(sample)
-    if variables is None:
-        variables = jax.eval_shape(layers.init, rng, sample_spec)
-    var_specs = [_spec(v) for v in variables]
-    boundaries = layers.boundary_specs(var_specs, sample_spec)
-    device = device if device is not None else jax.devices()[0]
+    return measure, model
 
-    if measure:
-        x_real = jax.device_put(
-            jax.tree.map(
-                lambda s: np.ones(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s,
-                sample,
-            ),
-            device,
-        )
-        if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(variables)):
-            init = _compile(jax.jit(layers.init).lower(rng, x_real), timed=False)
-            variables = init(rng, x_real)
-        variables = jax.device_put(variables, device)
 
-    results = []
-    dtypes: set[str] = set()
-    # each layer's parameters, state, input: which layers will share programs is known
-    # before any compiles
+def _real_inputs(
+    layers: LayerSequence,
+    sample: PyTree,
+    variables: list[Variables],
+    rng: jax.Array,
+    device: jax.Device,
+) -> tuple[PyTree, list[Variables]]:
+    """The sample and the variables as arrays on ``device``, for measuring: ones where
+    the sample is abstract, the variables initialised where they are."""
+    x_real = jax.device_put(
+        jax.tree.map(
+            lambda s: np.ones(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s,
+            sample,
+        ),
+        device,
+    )
+    if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(variables)):
+        init = _compile(jax.jit(layers.init).lower(rng, x_real), timed=False)
+        variables = init(rng, x_real)
+    return x_real, jax.device_put(variables, device)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """What every layer of one :func:`profile` call is profiled under (its arguments)."""
+
+    train: bool
+    rng: jax.Array
+    measure: bool
+    device: jax.Device
+    model: DeviceModel | None
+    warmup: int
+    repeats: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One layer's arguments as shapes, and its key for sharing programs.
+
+    Attributes:
+      params, rest: its parameters and other collections.
+      x_spec, y_spec: its input and output.
+      input_grad: whether its backward computes the input's gradient.
+      key: its reuse key (:func:`_reuse_key`) on these shapes.
+    """
+
+    params: PyTree
+    rest: Variables
+    x_spec: PyTree
+    y_spec: PyTree
+    input_grad: bool
+    key: Any
+
+    @property
+    def has_params(self) -> bool:
+        return bool(jax.tree.leaves(self.params))
+
+    @property
+    def split(self) -> bool:
+        """Zero bubble's split: programs of their own only where both halves have work."""
+        return self.has_params and self.input_grad
+
+
+def _steps(
+    layers: LayerSequence, var_specs: list[Variables], boundaries: list[PyTree], train: bool
+) -> list[_Step]:
+    """Each layer's parameters, state, input and output: which layers will share programs
+    is known before any compiles."""
     steps = []
     for i, layer in enumerate(layers):
         params = var_specs[i].get("params", {})
         rest = {k: v for k, v in var_specs[i].items() if k != "params"}
         input_grad = i > 0 and any(_is_float(leaf) for leaf in jax.tree.leaves(boundaries[i]))
         key = _reuse_key(layer, train, input_grad, (params, rest, boundaries[i]))
-        steps.append((params, rest, input_grad, key))
-    recurs = _recurring([key for *_, key in steps])
-    cache: list[tuple[Any, _Programs]] = []
-    for i, layer in enumerate(layers):
-        report(i, layer.name)
-        params, rest, input_grad, _ = steps[i]
-        x_spec, y_spec = boundaries[i], boundaries[i + 1]
-        dtypes.update(str(leaf.dtype) for leaf in jax.tree.leaves(params))
-        # zero bubble's split: programs of their own only where both halves have work
-        has_params = bool(jax.tree.leaves(params))
-        split = has_params and input_grad
-
-        if measure:
-            # lower on the real arguments, so that the programs timed are the ones counted
-            v_real = variables[i]
-            p_real = v_real.get("params", {})
-            r_real = {k: v for k, v in v_real.items() if k != "params"}
-            args: tuple[Any, ...] = (p_real, r_real, x_real)
-        else:
-            args = (params, rest, x_spec)
-        key = _reuse_key(layer, train, input_grad, args)
-        programs = _find(cache, key)
-        if programs is not None and measure and programs.bwd_args is None:
-            programs = None  # not foreseen to recur (a weak type?): compile its own
-        bwd_args: tuple[Any, ...]
-        if programs is None:
-            fns = _LayerFns(layer, train, jax.random.fold_in(rng, i), input_grad)
-            pullback_spec, residual_bytes = _trace_vjp(fns, params, rest, x_spec)
-            if measure:
-                # the forward returning the pullback only makes the backward's inputs,
-                # once: it is not timed
-                vjp = _compile(fns.forward_vjp.lower(*args), timed=False)
-                y_real, pullback = vjp(*args)
-                bwd_args = (pullback, _cotangent(y_real, device))
-            else:
-                bwd_args = (pullback_spec, _cotangent_spec(y_spec))
-            programs = _compile_programs(
-                fns, args, bwd_args, split, measure, residual_bytes, keep=measure and recurs[i]
-            )
-            if key is not None:
-                cache.append((key, programs))
-        elif measure:
-            assert programs.bwd_args is not None
-            y_real, bwd_args = programs.fwd(*args), programs.bwd_args
-        counts = programs.counts
-
-        secs: dict[str, float | None] = dict.fromkeys(("fwd", "bwd", "igr", "wgr"))
-        if measure:
-            secs["fwd"] = _median_seconds(programs.fwd, args, warmup, repeats)
-            secs["bwd"] = _median_seconds(programs.bwd, bwd_args, warmup, repeats)
-            if programs.igr is not None and programs.wgr is not None:
-                secs["igr"] = _median_seconds(programs.igr, bwd_args, warmup, repeats)
-                secs["wgr"] = _median_seconds(programs.wgr, bwd_args, warmup, repeats)
-            x_real = y_real
-        elif model is not None:
-            dtype = _compute_dtype(y_spec, x_spec, params)
-            for name, ca in counts.items():
-                secs[name] = model.seconds(
-                    ca.get("flops", 0.0), ca.get("bytes accessed", 0.0), dtype
-                )
-        flops = {name: float(ca.get("flops", 0.0)) for name, ca in counts.items()}
-        if not split:  # one half is the whole backward, the other nothing
-            whole, other = ("wgr", "igr") if has_params else ("igr", "wgr")
-            flops[whole], flops[other] = flops["bwd"], 0.0
-            if secs["bwd"] is not None:
-                secs[whole], secs[other] = secs["bwd"], 0.0
-        fwd_ca, bwd_ca = counts["fwd"], counts["bwd"]
-
-        results.append(
-            LayerProfile(
-                name=layer.name,
-                kind=_kind(layer),
-                forward_flops=float(fwd_ca.get("flops", 0.0)),
-                backward_flops=float(bwd_ca.get("flops", 0.0)),
-                forward_bytes_accessed=float(fwd_ca.get("bytes accessed", 0.0)),
-                backward_bytes_accessed=float(bwd_ca.get("bytes accessed", 0.0)),
-                param_bytes=_nbytes(params),
-                state_bytes=_nbytes(rest),
-                input_bytes=_nbytes(x_spec),
-                output_bytes=_nbytes(y_spec),
-                residual_bytes=programs.residual_bytes,
-                peak_bytes=programs.peak_bytes,
-                forward_seconds=secs["fwd"],
-                backward_seconds=secs["bwd"],
-                output_shape=_render(y_spec),
-                input_grad_flops=flops["igr"],
-                weight_grad_flops=flops["wgr"],
-                input_grad_seconds=secs["igr"],
-                weight_grad_seconds=secs["wgr"],
+        steps.append(
+            _Step(
+                params=params,
+                rest=rest,
+                x_spec=boundaries[i],
+                y_spec=boundaries[i + 1],
+                input_grad=input_grad,
+                key=key,
             )
         )
-    report(len(layers), None)
+    return steps
 
-    if measure:
-        time_source = f"measured:{device.platform}:{device.device_kind}"
-    elif model is not None:
-        time_source = f"model:{model.name}"
+
+def _profile_layers(
+    layers: LayerSequence,
+    steps: list[_Step],
+    *,
+    setup: _Setup,
+    variables: list[Variables],
+    x_real: PyTree,
+    report: Callable[[int, str | None], None],
+) -> list[LayerProfile]:
+    """Every layer's profile in turn; measuring, each layer runs on the previous one's
+    real output (``x_real``: the sample's, for the first)."""
+    recurs = _recurring([step.key for step in steps])
+    cache: list[tuple[Any, _Programs]] = []
+    results = []
+    for i, layer in enumerate(layers):
+        report(i, layer.name)
+        step = steps[i]
+        if setup.measure:
+            # lower on the real arguments, so that the programs timed are the ones counted
+            p_real = variables[i].get("params", {})
+            r_real = {k: v for k, v in variables[i].items() if k != "params"}
+            args: tuple[Any, ...] = (p_real, r_real, x_real)
+        else:
+            args = (step.params, step.rest, step.x_spec)
+        programs, bwd_args, y_real = _layer_programs(
+            layer,
+            i,
+            step=step,
+            setup=setup,
+            args=args,
+            cache=cache,
+            keep=setup.measure and recurs[i],
+        )
+        secs = _layer_seconds(programs, args, bwd_args, setup, step)
+        if setup.measure:
+            x_real = y_real
+        results.append(_layer_profile(layer, step, programs, secs))
+    return results
+
+
+def _layer_programs(
+    layer: Layer,
+    i: int,
+    *,
+    step: _Step,
+    setup: _Setup,
+    args: tuple[Any, ...],
+    cache: list[tuple[Any, _Programs]],
+    keep: bool,
+) -> tuple[_Programs, tuple[Any, ...] | None, PyTree]:
+    """Layer ``i``'s programs, from ``cache`` (an identical earlier layer's) or compiled
+    and added there, with the backward's arguments and, measuring, the real output
+    (``(programs, bwd_args, y_real)``; ``bwd_args`` None when the shared programs are
+    only counted)."""
+    key = _reuse_key(layer, setup.train, step.input_grad, args)
+    programs = _find(cache, key)
+    if programs is not None and setup.measure and programs.bwd_args is None:
+        programs = None  # not foreseen to recur (a weak type?): compile its own
+    if programs is not None:
+        if not setup.measure:
+            return programs, None, None
+        assert programs.bwd_args is not None
+        return programs, programs.bwd_args, programs.fwd(*args)
+    fns = _LayerFns(layer, setup.train, jax.random.fold_in(setup.rng, i), step.input_grad)
+    pullback_spec, residual_bytes = _trace_vjp(fns, step.params, step.rest, step.x_spec)
+    y_real = None
+    bwd_args: tuple[Any, ...]
+    if setup.measure:
+        # the forward returning the pullback only makes the backward's inputs, once: it
+        # is not timed
+        vjp = _compile(fns.forward_vjp.lower(*args), timed=False)
+        y_real, pullback = vjp(*args)
+        bwd_args = (pullback, _cotangent(y_real, setup.device))
     else:
-        time_source = "none"
-    info = {
+        bwd_args = (pullback_spec, _cotangent_spec(step.y_spec))
+    programs = _compile_programs(
+        fns,
+        args,
+        bwd_args,
+        split=step.split,
+        timed=setup.measure,
+        residual_bytes=residual_bytes,
+        keep=keep,
+    )
+    if key is not None:
+        cache.append((key, programs))
+    return programs, bwd_args, y_real
+
+
+def _layer_seconds(
+    programs: _Programs,
+    args: tuple[Any, ...],
+    bwd_args: tuple[Any, ...] | None,
+    setup: _Setup,
+    step: _Step,
+) -> dict[str, float | None]:
+    """Seconds of each program (``fwd``, ``bwd``, ``igr``, ``wgr``): timed when measuring,
+    else from the device model (None without one, and for a program not compiled)."""
+    secs: dict[str, float | None] = dict.fromkeys(("fwd", "bwd", "igr", "wgr"))
+    warmup, repeats = setup.warmup, setup.repeats
+    if setup.measure:
+        assert bwd_args is not None
+        secs["fwd"] = _median_seconds(programs.fwd, args, warmup, repeats)
+        secs["bwd"] = _median_seconds(programs.bwd, bwd_args, warmup, repeats)
+        if programs.igr is not None and programs.wgr is not None:
+            secs["igr"] = _median_seconds(programs.igr, bwd_args, warmup, repeats)
+            secs["wgr"] = _median_seconds(programs.wgr, bwd_args, warmup, repeats)
+    elif setup.model is not None:
+        dtype = _compute_dtype(step.y_spec, step.x_spec, step.params)
+        for name, ca in programs.counts.items():
+            secs[name] = setup.model.seconds(
+                ca.get("flops", 0.0), ca.get("bytes accessed", 0.0), dtype
+            )
+    return secs
+
+
+def _layer_profile(
+    layer: Layer, step: _Step, programs: _Programs, secs: dict[str, float | None]
+) -> LayerProfile:
+    """One layer's :class:`LayerProfile` from its programs' counts and seconds."""
+    counts = programs.counts
+    flops = {name: float(ca.get("flops", 0.0)) for name, ca in counts.items()}
+    secs = dict(secs)
+    if not step.split:  # one half is the whole backward, the other nothing
+        whole, other = ("wgr", "igr") if step.has_params else ("igr", "wgr")
+        flops[whole], flops[other] = flops["bwd"], 0.0
+        if secs["bwd"] is not None:
+            secs[whole], secs[other] = secs["bwd"], 0.0
+    fwd_ca, bwd_ca = counts["fwd"], counts["bwd"]
+    return LayerProfile(
+        name=layer.name,
+        kind=_kind(layer),
+        forward_flops=float(fwd_ca.get("flops", 0.0)),
+        backward_flops=float(bwd_ca.get("flops", 0.0)),
+        forward_bytes_accessed=float(fwd_ca.get("bytes accessed", 0.0)),
+        backward_bytes_accessed=float(bwd_ca.get("bytes accessed", 0.0)),
+        param_bytes=_nbytes(step.params),
+        state_bytes=_nbytes(step.rest),
+        input_bytes=_nbytes(step.x_spec),
+        output_bytes=_nbytes(step.y_spec),
+        residual_bytes=programs.residual_bytes,
+        peak_bytes=programs.peak_bytes,
+        forward_seconds=secs["fwd"],
+        backward_seconds=secs["bwd"],
+        output_shape=_render(step.y_spec),
+        input_grad_flops=flops["igr"],
+        weight_grad_flops=flops["wgr"],
+        input_grad_seconds=secs["igr"],
+        weight_grad_seconds=secs["wgr"],
+    )
+
+
+def _time_source(setup: _Setup) -> str:
+    """Where the profile's seconds come from, for :attr:`Profile.time_source`."""
+    if setup.measure:
+        return f"measured:{setup.device.platform}:{setup.device.device_kind}"
+    if setup.model is not None:
+        return f"model:{setup.model.name}"
+    return "none"
+
+
+def _params_dtype(steps: list[_Step]) -> str:
+    """The parameters' one dtype, ``"mixed"``, or ``"float32"`` where there are none."""
+    dtypes = {str(leaf.dtype) for step in steps for leaf in jax.tree.leaves(step.params)}
+    return sorted(dtypes)[0] if len(dtypes) == 1 else ("mixed" if dtypes else "float32")
+
+
+def _provenance(
+    train: bool, model: DeviceModel | None, meta: Mapping[str, str] | None
+) -> dict[str, str]:
+    """The profile's ``meta``: versions, backend, mode, the device model's efficiency and
+    the caller's ``meta``."""
+    return {
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "train": str(train),
         **({"efficiency": str(model.efficiency)} if model is not None else {}),
         **dict(meta or {}),
     }
-    return Profile.chain(
-        results,
-        batch_size=batch_size,
-        time_source=time_source,
-        dtype=sorted(dtypes)[0] if len(dtypes) == 1 else ("mixed" if dtypes else "float32"),
-        meta=info,
-    )
-
-
-def _peak_bytes(*compiled: Any) -> int | None:
-    """The largest of the compiled functions' footprints (arguments + outputs + temps)."""
-    peaks = []
-    for c in compiled:
-        mem = c.memory_analysis()
-        if mem is None:
-            return None
-        peaks.append(
-            mem.argument_size_in_bytes
-            + mem.output_size_in_bytes
-            + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes
-        )
-    return int(max(peaks))
 
 
 def _kind(layer: Layer) -> str:

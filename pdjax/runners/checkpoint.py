@@ -1,8 +1,10 @@
-"""Checkpoints of a training run: a :class:`PipelineState` or :class:`DPState` plus the
-training loop's own metadata, saved with orbax and restored bit for bit.
+"""Checkpoints of a training run: any runner's state (a
+:class:`~pdjax.runners.RunnerState`: a :class:`PipelineState`, a
+:class:`~pdjax.runners.DPState`...) plus the training loop's own metadata, saved with
+orbax and restored bit for bit.
 
 >>> import tempfile, jax, optax
->>> from pdjax.baselines import DataParallel
+>>> from pdjax.runners import DataParallel
 >>> from pdjax.models import get_model
 >>> spec = get_model("mlp")
 >>> x, y = spec.sample_batch(8)
@@ -20,9 +22,12 @@ On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two 
   by the array's path in the state: ``params.1.0.dense.kernel`` (field, stage, layer in
   the stage, then the layer's own tree), ``opt_state.1.0.mu.0.dense.kernel``,
   ``model_state.0.1.batch_stats.mean``, ``rng``. A typed PRNG key is stored as its
-  ``jax.random.key_data`` (``uint32``). A :class:`DPState` has no stage level.
-- ``meta/metadata``: JSON with the format tag and version, the state's type, its Python
-  ints (``updates`` and ``microbatches``, or ``step``), the shape, dtype and checksum
+  ``jax.random.key_data`` (``uint32``). A ``DPState`` has no stage level. The arrays are
+  those of the state's :data:`~pdjax.runners.protocol.ARRAY_FIELDS`.
+- ``meta/metadata``: JSON with the format tag and version, the state's type name, its
+  other fields, which are Python ints (:func:`~pdjax.runners.protocol.counter_fields`:
+  ``updates`` and ``microbatches`` of a pipeline, ``step`` of data parallelism), the
+  layers per stage of a pipeline state (``stage_layers``), the shape, dtype and checksum
   (CRC-32 of its bytes, dtype and shape) of every array (and the implementation of each
   PRNG key, e.g. ``threefry2x32``), and ``extra``.
 
@@ -79,7 +84,7 @@ import sys
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import jax
 import jax.numpy as jnp
@@ -87,10 +92,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from pdjax._sharding import first_device
-from pdjax.baselines.dp import DPState
 from pdjax.distributed import allgather_json, broadcast_json, check_cpu_transfers
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import Pipeline, PipelineState
+from pdjax.runners.protocol import ARRAY_FIELDS, RunnerState, counter_fields
 
 __all__ = ["Checkpointer"]
 
@@ -107,27 +112,20 @@ _STEP_NAME = re.compile(r"0|[1-9]\d*")
 # many, since verifying a step reads all of it.
 _GOOD_STEPS_LISTED = 3
 
-_State = TypeVar("_State", PipelineState, DPState)
-_StateType = type[PipelineState] | type[DPState]
-
-# Per state type, its fields that are Python ints (saved as JSON, restored exactly).
-# Every other field is a pytree of arrays.
-_INT_FIELDS: dict[_StateType, tuple[str, ...]] = {
-    PipelineState: ("updates", "microbatches"),
-    DPState: ("step",),
-}
+_State = TypeVar("_State", bound=RunnerState)
 _ITEMS = ("arrays", "meta")
 # What a committed step's folder holds: the two items and orbax's own files.
 _STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt"})
 
 
-def _state_type(state: Any, what: str) -> _StateType:
-    for cls in _INT_FIELDS:
-        if isinstance(state, cls):
-            return cls
+def _check_state(state: Any, what: str) -> None:
+    """Refuses what is not a runner's state with its arrays in fields of their own."""
+    if isinstance(state, RunnerState) and set(ARRAY_FIELDS) <= set(state._fields):
+        return
     raise CheckpointError(
         f"{what} must be a PipelineState (from Pipeline.init/run/step) or a DPState (from "
-        f"DataParallel.init/step), got {type(state).__name__}"
+        "DataParallel.init/step), or another runner's state (pdjax.runners.RunnerState: a "
+        f"NamedTuple with the fields {', '.join(ARRAY_FIELDS)}), got {type(state).__name__}"
     )
 
 
@@ -147,12 +145,21 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _array_leaves(state: Any, cls: _StateType) -> dict[str, Any]:
+def _stage_layers(state: RunnerState) -> list[int] | None:
+    """A pipeline state's layers per stage (the shape of its plan), else None."""
+    if not isinstance(state, PipelineState):
+        return None
+    params: tuple[list[Any], ...] = state.params
+    return [len(p) for p in params]
+
+
+def _array_leaves(state: RunnerState) -> dict[str, Any]:
     """The state's array leaves (or the template's abstract ones), keyed by path, in
     tree order; raises for a leaf that is not an array."""
     out: dict[str, Any] = {}
-    for field in cls._fields:
-        if field in _INT_FIELDS[cls]:
+    cls = type(state)
+    for field in state._fields:
+        if field not in ARRAY_FIELDS:
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
             name = _path_name((jax.tree_util.GetAttrKey(field), *path))
@@ -160,7 +167,7 @@ def _array_leaves(state: Any, cls: _StateType) -> dict[str, Any]:
                 raise CheckpointError(
                     f"{name} is a {type(leaf).__name__}, not an array; a {cls.__name__} "
                     "holds arrays outside its int fields "
-                    f"{', '.join(_INT_FIELDS[cls])}"
+                    f"{', '.join(counter_fields(state))}"
                 )
             if name in out:
                 raise CheckpointError(
@@ -312,27 +319,43 @@ def _key_text(key: Any) -> str:
     return str(key)
 
 
-def _assemble(cls: _StateType, template: Any, leaves: list[Any], ints: Mapping[str, Any]) -> Any:
-    """A state of ``cls`` from its array leaves (in ``template``'s tree order) and ints."""
+def _assemble(template: _State, leaves: list[Any], ints: Mapping[str, Any]) -> _State:
+    """A state of ``template``'s type from its array leaves (in ``template``'s tree order)
+    and ints."""
     it = iter(leaves)
     fields: dict[str, Any] = {}
-    for field in cls._fields:
-        if field in _INT_FIELDS[cls]:
+    for field in template._fields:
+        if field not in ARRAY_FIELDS:
             value = ints[field]
             fields[field] = tuple(value) if isinstance(value, list) else value
         else:
             template_leaves, treedef = jax.tree.flatten(getattr(template, field))
             values = [next(it) for _ in template_leaves]
             fields[field] = jax.tree.unflatten(treedef, values)
-    return cls(**fields)
+    return cast(_State, cast(Any, template)._replace(**fields))
 
 
-def _manifest(state: Any, cls: _StateType) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def _counters(state: RunnerState) -> dict[str, Any]:
+    """The state's counters as JSON (an int, or a list of ints); raises for another value."""
+    out = {}
+    for field in counter_fields(state):
+        value = getattr(state, field)
+        values = value if isinstance(value, tuple) else (value,)
+        if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values):
+            raise CheckpointError(
+                f"{field} is a {type(value).__name__}; a {type(state).__name__} holds Python "
+                f"ints (or tuples of them) outside its array fields {', '.join(ARRAY_FIELDS)}"
+            )
+        out[field] = _jsonable(value, field)
+    return out
+
+
+def _manifest(state: RunnerState) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The arrays to save (a PRNG key as its key data) and their manifest entries (shape,
     dtype, key implementation), keyed by path."""
     arrays: dict[str, Any] = {}
     manifest: dict[str, dict[str, Any]] = {}
-    for name, leaf in _array_leaves(state, cls).items():
+    for name, leaf in _array_leaves(state).items():
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise CheckpointError(
                 f"{name} has been deleted: the state was donated to a later step "
@@ -545,9 +568,11 @@ def _is_pdjax_step(entry: Path) -> bool:
     return bool(held) and held <= _STEP_ENTRIES
 
 
-def _check_meta(meta: Any, file: Path) -> None:
+def _check_meta(meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | None) -> None:
     """Raises :class:`_Damage` naming ``file`` and the field, for metadata that a restore
-    could not use (a missing field, a wrong type, an unknown dtype or PRNG key)."""
+    could not use (a missing field, a wrong type, an unknown dtype or PRNG key).
+    ``expect``: the template's state type name and counters, which a step of that type
+    must all hold (without a template, the counters it holds are checked)."""
 
     def bad(field: str, problem: str) -> None:
         raise _Damage(f"its metadata {file} {problem} (field {field!r})")
@@ -563,13 +588,16 @@ def _check_meta(meta: Any, file: Path) -> None:
             f"{', '.join(map(str, _READABLE_VERSIONS))}: restore it with the pdjax that "
             "wrote it (a newer one?)"
         )
-    classes = {c.__name__: c for c in _INT_FIELDS}
-    if meta.get("state") not in classes:
-        bad("state", f"names no state type ({' or '.join(classes)})")
+    state = meta.get("state")
+    if not (isinstance(state, str) and state.isidentifier()):
+        bad("state", "names no state type (such as PipelineState or DPState)")
     ints = meta.get("ints")
     if not isinstance(ints, Mapping):
         bad("ints", "is missing or not an object")
-    for name in _INT_FIELDS[classes[meta["state"]]]:
+    counters = list(ints)
+    if expect is not None and expect[0] == state:
+        counters += [name for name in expect[1] if name not in ints]
+    for name in counters:
         value = ints.get(name)
         values = value if isinstance(value, list) else [value]
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
@@ -804,7 +832,7 @@ class Checkpointer:
     def save(
         self,
         step: int,
-        state: PipelineState | DPState,
+        state: RunnerState,
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Saves ``state`` and ``extra`` as checkpoint ``step``; returns once it is committed.
@@ -812,8 +840,9 @@ class Checkpointer:
         Args:
           step: the checkpoint's number, above every step already in the directory (e.g.
             the optimizer updates so far).
-          state: a :class:`PipelineState` or :class:`DPState`. Its arrays are read, not
-            consumed, so the state can be used (or donated) afterwards.
+          state: a runner's state (:class:`~pdjax.runners.RunnerState`: a
+            :class:`PipelineState`, a ``DPState``). Its arrays are read, not consumed, so
+            the state can be used (or donated) afterwards.
           extra: the training loop's JSON-able metadata (epoch, batch index, metric history,
             data seed, ...): string keys; numpy scalars are stored as Python numbers and
             tuples come back as lists.
@@ -826,7 +855,7 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         step = int(step)
-        cls = _state_type(state, "state")
+        _check_state(state, "state")
 
         extra = _jsonable({} if extra is None else extra, "extra")
         steps = self.all_steps()
@@ -836,7 +865,7 @@ class Checkpointer:
                 "steps must increase; save with a larger step, or delete the newer steps "
                 "(or use another directory) to branch off an older one"
             )
-        arrays, manifest = _manifest(state, cls)
+        arrays, manifest = _manifest(state)
         if not self._multi:  # a tied parameter's copies (equal bits) are stored once
             for name, first in _same_values(arrays).items():
                 manifest[name]["same_as"] = first
@@ -844,13 +873,14 @@ class Checkpointer:
         meta = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
-            "state": cls.__name__,
-            "ints": {f: _jsonable(getattr(state, f), f) for f in _INT_FIELDS[cls]},
+            "state": type(state).__name__,
+            "ints": _counters(state),
             "arrays": manifest,
             "extra": extra,
         }
-        if cls is PipelineState:  # the plan's shape: layers per stage (for restoring into another)
-            meta["stage_layers"] = [len(p) for p in state.params]
+        layers = _stage_layers(state)
+        if layers is not None:  # the plan's shape, to restore into another plan
+            meta["stage_layers"] = layers
         if self._multi:
             arrays = _gather_to_0(arrays)
 
@@ -911,19 +941,19 @@ class Checkpointer:
             the checkpoint does not match the template (names the first array that
             differs, with both shapes), or the step is damaged (see :meth:`verify`).
         """
-        cls = _state_type(template, "template")
+        _check_state(template, "template")
         step = self._pick_step(step)
-        meta = self._from_0(lambda: self._read_meta(step))
+        expect = (type(template).__name__, counter_fields(template))
+        meta = self._from_0(lambda: self._read_meta(step, expect=expect))
         ints = meta["ints"]
-        wanted = _array_leaves(template, cls)
+        wanted = _array_leaves(template)
         saved_layers = meta.get("stage_layers")
-        if (
-            isinstance(template, PipelineState)  # cls is PipelineState, template narrowed
-            and saved_layers is not None
-            and saved_layers != [len(p) for p in template.params]
-        ):
-            return self._restore_replanned(template, step, meta, pipeline)
-        self._check_match(step, cls, meta, wanted)
+        mine = _stage_layers(template)  # None but for a pipeline's (as saved_layers)
+        if saved_layers is not None and mine is not None and saved_layers != mine:
+            assert isinstance(template, PipelineState)  # what _stage_layers took it for
+            replanned = self._restore_replanned(template, step, meta, pipeline)
+            return cast(tuple[_State, dict[str, Any]], replanned)
+        self._check_match(step, type(template).__name__, meta, wanted)
         abstract: dict[str, jax.ShapeDtypeStruct] = {}
         for name, leaf in wanted.items():
             sharding = getattr(leaf, "sharding", None)
@@ -949,7 +979,7 @@ class Checkpointer:
                 # devices; orbax commits what it restores, which jit would then refuse.
                 array = jnp.asarray(np.asarray(array))
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
-        return _assemble(cls, template, leaves, ints), meta["extra"]
+        return _assemble(template, leaves, ints), meta["extra"]
 
     def verify(self, step: int | None = None) -> None:
         """Checks that checkpoint ``step`` (default: the newest) is intact, without building
@@ -1061,7 +1091,7 @@ class Checkpointer:
             )
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
         sources = replan_names(pipeline, template, saved_layers, saved)
-        wanted = _array_leaves(template, PipelineState)
+        wanted = _array_leaves(template)
         host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
             step,
             {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
@@ -1094,7 +1124,7 @@ class Checkpointer:
             impl = entry.get("key_impl")
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
         ints = {**ints, "updates": [updates[0]] * len(template.params)}
-        return _assemble(PipelineState, template, leaves, ints), meta["extra"]
+        return _assemble(template, leaves, ints), meta["extra"]
 
     def _read_arrays(
         self,
@@ -1208,9 +1238,16 @@ class Checkpointer:
             raise CheckpointError(got["error"] + " (on process 0, which reads and writes)")
         return value if self._process == 0 else got["value"]
 
-    def _read_meta(self, step: int, *, explain: bool = True) -> dict[str, Any]:
-        """Step ``step``'s metadata, checked to hold every field a restore uses. A damaged
-        one raises :class:`CheckpointError` (``explain``) or :class:`_Damage`."""
+    def _read_meta(
+        self,
+        step: int,
+        *,
+        explain: bool = True,
+        expect: tuple[str, tuple[str, ...]] | None = None,
+    ) -> dict[str, Any]:
+        """Step ``step``'s metadata, checked to hold every field a restore uses (``expect``:
+        the template's state type and counters, see :func:`_check_meta`). A damaged one
+        raises :class:`CheckpointError` (``explain``) or :class:`_Damage`."""
         assert self._manager is not None
         file = self.directory / str(step) / Path(*_META_FILE)
         try:
@@ -1220,7 +1257,7 @@ class Checkpointer:
                 )["meta"]
             except Exception as e:  # a missing file, or not JSON
                 raise _Damage(f"its metadata {file} cannot be read ({_reason(e)})") from e
-            _check_meta(meta, file)
+            _check_meta(meta, file, expect)
         except _Damage as damage:
             if not explain:
                 raise
@@ -1228,12 +1265,12 @@ class Checkpointer:
         return dict(meta)
 
     def _check_match(
-        self, step: int, cls: _StateType, meta: Mapping[str, Any], wanted: Mapping[str, Any]
+        self, step: int, state: str, meta: Mapping[str, Any], wanted: Mapping[str, Any]
     ) -> None:
         where = f"step {step} in {self.directory}"
-        if meta["state"] != cls.__name__:
+        if meta["state"] != state:
             raise CheckpointError(
-                f"{where} holds a {meta['state']}, the template is a {cls.__name__}; "
+                f"{where} holds a {meta['state']}, the template is a {state}; "
                 "restore it with a template from the same kind of runner"
             )
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]

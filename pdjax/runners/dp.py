@@ -1,4 +1,4 @@
-"""The "pjit DP" baseline: the whole model as one jitted train step, data parallel.
+"""Data parallelism, the "pjit DP" baseline: the whole model as one jitted train step.
 
 The model's parameters and optimizer state are replicated on every device of a one-axis
 ``Mesh`` (``"data"``); each batch is sharded along its first axis over the same axis with
@@ -12,7 +12,8 @@ a DP step is one microbatch (the whole batch) and one optimizer update with its 
 gradient. Per microbatch ``k`` (here the step count over the life of the run, from
 ``state.step``), layer ``i`` draws dropout from ``fold_in(fold_in(state.rng, k), i)``.
 BatchNorm statistics are those of the whole global batch (XLA reduces across devices),
-as on a single device with that batch.
+as on a single device with that batch. As a :class:`~pdjax.runners.Runner`, its
+:meth:`~DataParallel.run` takes a stream of batches and makes one step of each.
 
 >>> import jax, optax
 >>> from pdjax.models import get_model
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -66,6 +67,18 @@ class DPState(NamedTuple):
     step: int
     rng: jax.Array
 
+    # The counters every runner's state has (pdjax.runners.RunnerState): one "stage"
+    # updated once per step, and a step consumes one microbatch (the batch).
+    @property
+    def updates(self) -> tuple[int, ...]:
+        """Optimizer updates so far, as a one-stage pipeline's: ``(step,)``."""
+        return (self.step,)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches consumed so far: the steps (a step's microbatch is its batch)."""
+        return self.step
+
 
 @dataclasses.dataclass
 class DPMetrics:
@@ -76,13 +89,16 @@ class DPMetrics:
         of result as :class:`pdjax.pipeline.executor.RunMetrics` with one microbatch).
       host_seconds: wall time spent dispatching the step (excludes waiting for it).
       workarounds: the XLA CPU workarounds in force (``pdjax._xla_cpu``), one line each.
-      aux: ``[aux]`` for a loss function returning ``(loss, aux)``, else ``None``.
+      aux: per step, the loss function's ``aux`` for one returning ``(loss, aux)``, else
+        ``None``.
+      actions: the steps dispatched (each one action).
     """
 
     losses: list[jax.Array]
     host_seconds: float
     workarounds: tuple[str, ...] = ()
     aux: list[PyTree] | None = None
+    actions: int = 1
 
     @property
     def loss(self) -> float:
@@ -90,8 +106,13 @@ class DPMetrics:
         return float(np.mean([float(x) for x in self.losses]))
 
     def mean_aux(self) -> PyTree:
-        """The loss function's auxiliary outputs of the step (NumPy), or ``None``."""
-        return None if self.aux is None else jax.device_get(self.aux[0])
+        """The mean over the steps of the loss function's auxiliary outputs (NumPy), or
+        ``None``; one step's as they are."""
+        if self.aux is None:
+            return None
+        if len(self.aux) == 1:
+            return jax.device_get(self.aux[0])
+        return jax.tree.map(lambda *a: np.mean(np.stack(a), axis=0), *jax.device_get(self.aux))
 
 
 class DataParallel:
@@ -153,6 +174,11 @@ class DataParallel:
     def num_devices(self) -> int:
         """Devices the batch is sharded over; every batch size must be a multiple."""
         return len(self.devices)
+
+    @property
+    def microbatches(self) -> int:
+        """Microbatches per optimizer update: 1, the whole batch (as ``M`` of a pipeline)."""
+        return 1
 
     # -- state ------------------------------------------------------------------------------
 
@@ -260,6 +286,68 @@ class DataParallel:
         return new_state, DPMetrics(
             [loss], host, self.workarounds.reasons, None if aux is None else [aux]
         )
+
+    def run(
+        self,
+        state: DPState,
+        microbatches: Sequence[tuple[PyTree, PyTree]],
+        *,
+        on_loss: Callable[[int, jax.Array], None] | None = None,
+    ) -> tuple[DPState, DPMetrics]:
+        """One :meth:`step` on each batch of the stream, in order (a step's microbatch is
+        its batch); ``on_loss(k, loss)`` is called once batch ``k``'s step is dispatched.
+
+        Returns:
+          The last state and the steps' metrics together: a loss (and ``aux``) per step,
+          their host seconds summed, one action each.
+
+        Raises:
+          PipelineError: for no batches, or as :meth:`step` does.
+        """
+        if not microbatches:
+            raise PipelineError("run needs at least one (inputs, targets) batch")
+        losses: list[jax.Array] = []
+        aux: list[PyTree] = []
+        host = 0.0
+        metrics = None
+        for k, batch in enumerate(microbatches):
+            state, metrics = self.step(state, batch)
+            losses += metrics.losses
+            aux += metrics.aux or []
+            host += metrics.host_seconds
+            if on_loss is not None:
+                on_loss(k, metrics.losses[0])
+        assert metrics is not None  # at least one batch
+        return state, DPMetrics(
+            losses=losses,
+            host_seconds=host,
+            workarounds=metrics.workarounds,
+            aux=aux if metrics.aux is not None else None,
+            actions=len(losses),
+        )
+
+    def predict(self, state: DPState, inputs: PyTree, *, batch_size: int | None = None) -> PyTree:
+        """The model's outputs for ``inputs`` in eval mode (:meth:`evaluate`), in batches of
+        ``batch_size`` rows (default: all at once), concatenated. ``state`` is not consumed.
+
+        Raises:
+          PipelineError: for no rows, or a batch whose size is not a multiple of
+            :attr:`num_devices`.
+        """
+        n = {np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree.leaves(inputs)}
+        rows = max(n) if n else 0
+        if rows < 1:
+            raise PipelineError("predict needs inputs of at least one row, got 0 rows")
+        if batch_size is not None and batch_size < 1:
+            raise PipelineError(f"batch_size must be an integer >= 1, got {batch_size}")
+        size = rows if batch_size is None else batch_size
+        outs = [
+            self.evaluate(state, jax.tree.map(lambda a, k=k: a[k : k + size], inputs))
+            for k in range(0, rows, size)
+        ]
+        if len(outs) == 1:
+            return outs[0]
+        return jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
     def evaluate(self, state: DPState, inputs: PyTree) -> PyTree:
         """The model's outputs in eval mode (no dropout, BatchNorm running statistics).

@@ -1,0 +1,247 @@
+"""Tied parameters (``sequential(..., tied=...)``): checking, resolving and reading the
+copies of one parameter held by several layers, and refusing objects two layers share
+undeclared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.errors import LayerError
+from pdjax.layers.base import Layer, PyTree, TiedLeaf
+from pdjax.layers.fn_layer import FnLayer
+from pdjax.layers.linen_layer import LinenLayer
+from pdjax.layers.nnx_layer import NnxLayer
+from pdjax.layers.precision_layer import PrecisionLayer
+
+
+def _normalise_tied(tied: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``tied`` (a mapping or pairs) as ``((name, (leaf, ...)), ...)``, types checked."""
+    if tied is None:
+        return ()
+    items = tied.items() if isinstance(tied, Mapping) else tied
+    try:
+        pairs = [(name, leaves) for name, leaves in items]
+    except (TypeError, ValueError):
+        raise LayerError(
+            "tied must map a group name to its leaves, e.g. tied={'wte': "
+            "['00_Embed/embedding', '05_Head/embedding']}"
+        ) from None
+    out = []
+    for name, leaves in pairs:
+        if not isinstance(name, str):
+            raise LayerError(f"tied group names are strings, got {name!r}")
+        if isinstance(leaves, str) or not isinstance(leaves, Iterable):
+            raise LayerError(
+                f"tied[{name!r}] must list the copies as '<layer name>/<path in its params>' "
+                f"strings, got {leaves!r}"
+            )
+        leaves = tuple(leaves)
+        bad = [leaf for leaf in leaves if not isinstance(leaf, str)]
+        if bad:
+            raise LayerError(f"tied[{name!r}] holds {bad[0]!r}; write '<layer>/<path>' strings")
+        out.append((name, leaves))
+    return tuple(out)
+
+
+def _shareable(layer: Layer) -> Iterator[tuple[int, str, str]]:
+    """``(id, what, where)`` of each object of ``layer`` that holds its parameters and could
+    be reachable from another layer too: a linen module instance, or an nnx variable (with
+    its path in the layer's module)."""
+    if isinstance(layer, PrecisionLayer):
+        yield from _shareable(layer.layer)
+    elif isinstance(layer, LinenLayer):
+        yield id(layer.module), f"the {type(layer.module).__name__} module instance", ""
+    elif isinstance(layer, NnxLayer):
+        for key, (path, var) in layer._owned.items():
+            yield key, f"an nnx {type(var).__name__}", path
+
+
+def _check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]) -> None:
+    """Raises if two layers share a linen module instance, or an nnx variable that ``tied``
+    does not declare as one parameter (both paths in the same group)."""
+    group_of = {leaf: name for name, leaves in tied for leaf in leaves}
+    seen: dict[int, tuple[str, str]] = {}
+    for layer in layers:
+        for key, what, where in _shareable(layer):
+            if key not in seen:
+                seen[key] = (layer.name, where)
+                continue
+            first, first_where = seen[key]
+            if first == layer.name:
+                continue
+            a, b = f"{first}/{first_where}", f"{layer.name}/{where}"
+            if where and first_where and group_of.get(a) is not None:
+                if group_of.get(a) == group_of.get(b):
+                    continue
+            if where or first_where:
+                what += f" ({first_where!r} in {first!r}, {where!r} in {layer.name!r})"
+                hint = (
+                    "declare the copies as one parameter, e.g. sequential(..., "
+                    f"tied={{{where.split('/')[-1]!r}: [{a!r}, {b!r}]}}) (parameters only), "
+                    "or build a separate module for each layer"
+                )
+            else:
+                hint = (
+                    "build a separate module for each layer, and declare the parameters "
+                    "that are one with sequential(..., tied={'name': "
+                    f"['{first}/<path in its params>', '{layer.name}/<path in its params>']}})"
+                )
+            raise LayerError(
+                f"layers {first!r} and {layer.name!r} share {what}: sharing objects between "
+                "layers is not supported yet unless declared, since pdjax gives each layer "
+                f"its own copy and would silently train them apart; {hint} (tied= keeps the "
+                "copies one parameter)"
+            )
+
+
+def _key_str(key: Any) -> str:
+    """One key of a pytree path as the text a ``tied=`` path uses."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    """The leaf at ``path`` (keys compared as text) in nested mappings, or None."""
+    node = tree
+    for part in path:
+        if not isinstance(node, Mapping):
+            return None
+        node = next((v for k, v in node.items() if str(k) == part), None)
+        if node is None:
+            return None
+    return None if isinstance(node, Mapping) else node
+
+
+def _replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+    """``tree`` (nested mappings) with the leaf at ``path`` replaced by ``value``."""
+    if not path:
+        return value
+    items = dict(tree.items())
+    key = next(k for k in items if str(k) == path[0])
+    items[key] = _replaced(items[key], path[1:], value)
+    return items if type(tree) is dict else type(tree)(items)
+
+
+def _param_paths(params: Any) -> list[str]:
+    return [
+        "/".join(_key_str(k) for k in path)
+        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    ]
+
+
+def _unwrapped(layer: Layer) -> Layer:
+    """The layer a :class:`PrecisionLayer` wraps, else ``layer``."""
+    return layer.layer if isinstance(layer, PrecisionLayer) else layer
+
+
+def _known_params(layer: Layer) -> PyTree | None:
+    """A layer's params (shapes) where known without a sample input: nnx layers (built at
+    construction) and functions (none); None for linen modules and others."""
+    if isinstance(layer, PrecisionLayer):
+        params = _known_params(layer.layer)
+        if params is None:
+            return None
+        dtype = layer.policy.param_dtype
+        return jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(
+                np.shape(a), dtype if jnp.issubdtype(a.dtype, jnp.floating) else a.dtype
+            ),
+            params,
+        )
+    if isinstance(layer, FnLayer):
+        return {}
+    if isinstance(layer, NnxLayer):
+        return layer._to_collections(layer._template).get("params", {})
+    return None
+
+
+def _resolve_tied(
+    layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]
+) -> tuple[tuple[str, tuple[TiedLeaf, ...]], ...]:
+    """``tied`` with every ``"<layer>/<path>"`` as ``(layer index, path keys)``, checked
+    as far as the layers are known before any input (see :meth:`LayerSequence.check_tied`)."""
+    if not tied:
+        return ()
+    names = [layer.name for layer in layers]
+    where: dict[TiedLeaf, str] = {}
+    out = []
+    for group, leaves in tied:
+        if len(leaves) < 2:
+            raise LayerError(
+                f"tied[{group!r}] lists {len(leaves)} leaf; a tied group names every copy of "
+                "one parameter, at least two"
+            )
+        resolved = []
+        for text in leaves:
+            owners = [n for n in names if text.startswith(n + "/")]
+            if not owners:
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but no layer is called that: write "
+                    f"'<layer name>/<path in its params>' with a layer of {names}"
+                )
+            name = max(owners, key=len)
+            i = names.index(name)
+            path = tuple(text[len(name) + 1 :].split("/"))
+            if not all(path):
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}: the path inside layer {name!r} is empty "
+                    "or has an empty key"
+                )
+            if isinstance(_unwrapped(layers[i]), FnLayer):
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but layer {name!r} is a function "
+                    "without parameters"
+                )
+            leaf = (i, path)
+            if leaf in where:
+                other = where[leaf]
+                again = "twice" if other == group else f"in groups {other!r} and {group!r}"
+                raise LayerError(
+                    f"{text!r} is listed {again} of tied=; a parameter belongs to one group"
+                )
+            where[leaf] = group
+            resolved.append(leaf)
+        out.append((group, tuple(resolved)))
+    result = tuple(out)
+    known = [_known_params(layer) for layer in layers]
+    _check_leaves(layers, result, lambda i: known[i])
+    return result
+
+
+def _check_leaves(
+    layers: Sequence[Layer],
+    groups: Sequence[tuple[str, tuple[TiedLeaf, ...]]],
+    params_of: Callable[[int], Any],
+) -> None:
+    """Every tied leaf exists in its layer's params (where ``params_of(i)`` is known, not
+    None) and has the first leaf's shape and dtype."""
+    for group, leaves in groups:
+        first: tuple[str, Any] | None = None
+        for i, path in leaves:
+            params = params_of(i)
+            if params is None:
+                continue
+            text = f"{layers[i].name}/{'/'.join(path)}"
+            leaf = _lookup(params, path)
+            if leaf is None:
+                raise LayerError(
+                    f"tied[{group!r}] names {text!r}, but layer {layers[i].name!r} has no "
+                    f"parameter at {'/'.join(path)!r}; its parameters are "
+                    f"{_param_paths(params)}"
+                )
+            dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+            sig = (tuple(np.shape(leaf)), str(dtype))
+            if first is None:
+                first = (text, sig)
+            elif sig != first[1]:
+                raise LayerError(
+                    f"tied[{group!r}]: {text!r} is {sig[1]}{list(sig[0])} but {first[0]!r} is "
+                    f"{first[1][1]}{list(first[1][0])}; tied copies need one shape and dtype"
+                )

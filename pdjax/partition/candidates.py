@@ -1,0 +1,236 @@
+"""Pricing a plan by the simulator, as :func:`~pdjax.partition.plan_auto` ranks it: the
+:class:`Candidate` it records, the host costs a run may be bound by (:class:`HostCosts`),
+and :func:`evaluate_candidate` (a plan run with a schedule, chunks, recomputation and
+in-flight depth, simulated).
+
+Recomputation in the costs: the stage's backward also runs its forward again (added to the
+input-gradient part, which the previous stage waits for), and a microbatch in flight keeps
+only the stage's input instead of its saved activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from pdjax.errors import PlanError
+from pdjax.partition.plan import Plan
+from pdjax.pipeline.schedules.semantics import ROUND_ROBIN, STALE
+from pdjax.profile import Profile
+
+__all__ = ["Candidate", "HostCosts", "evaluate_candidate", "price", "stage_specs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One configuration :func:`plan_auto` simulated.
+
+    Attributes:
+      schedule: the schedule's name.
+      microbatches: ``M`` per step (``pipedream``: the microbatch count of a step's batch).
+      chunks: ``v`` (``interleaved``; 1 otherwise).
+      extra_in_flight: ``pipedream``'s extra depth (0 otherwise).
+      remat: per plan stage, whether it recomputes its forward in the backward.
+      stages: per plan stage, ``(first_layer, last_layer, replicas)``.
+      time_per_sample: simulated seconds per sample.
+      peak_memory: simulated bytes on the fullest device.
+      fits: whether every device fits the memory limit.
+      group_peak_memory: simulated bytes on one device of each plan stage's group.
+      in_flight: simulated peak microbatches in flight per (virtual) stage: one per plan
+        stage, ``P v`` under ``interleaved`` (virtual stage ``k`` on group ``k mod P``),
+        ``2 P`` under ``zb-v`` (the V's halves; ``k`` and ``2 P - 1 - k`` share a group).
+    """
+
+    schedule: str
+    microbatches: int
+    chunks: int
+    extra_in_flight: int
+    remat: tuple[bool, ...]
+    stages: tuple[tuple[int, int, int], ...]
+    time_per_sample: float
+    peak_memory: float
+    fits: bool
+    group_peak_memory: tuple[float, ...] = ()
+    in_flight: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["remat"] = list(self.remat)
+        out["stages"] = [list(s) for s in self.stages]
+        out["group_peak_memory"] = list(self.group_peak_memory)
+        out["in_flight"] = list(self.in_flight)
+        return out
+
+    @property
+    def label(self) -> str:
+        extra = f" v={self.chunks}" if self.chunks > 1 else ""
+        extra += f" +{self.extra_in_flight}" if self.extra_in_flight else ""
+        remat = "".join("r" if r else "-" for r in self.remat)
+        config = "-".join(str(r) for _, _, r in self.stages)
+        return f"{self.schedule}{extra} M={self.microbatches} {config} remat={remat}"
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCosts:
+    """What the simulator leaves out and a run may be bound by instead: the driver and
+    devices that share one thread pool.
+
+    The simulator prices each device group's actions and transfers; a single-controller
+    driver also dispatches every action from one host thread, and in-process CPU devices
+    run their programs on one shared pool of cores, the driver's among them. A candidate's
+    seconds are then the largest of the simulated time, the driver's ``actions x
+    seconds_per_action`` and (with ``concurrency``) the devices' summed busy seconds plus
+    the driver's, over ``concurrency``.
+
+    Attributes:
+      seconds_per_action: host seconds the driver spends per dispatched action (measured:
+        ``RunMetrics.host_seconds / RunMetrics.actions`` on a model with negligible compute;
+        ``pdjax bench`` reports it).
+      concurrency: how many programs the devices' shared pool runs at once
+        (:func:`pdjax.apps.bench.pool_concurrency`); None where every device computes apart.
+    """
+
+    seconds_per_action: float = 0.0
+    concurrency: float | None = None
+
+    def __post_init__(self) -> None:
+        spa, conc = self.seconds_per_action, self.concurrency
+        if not (math.isfinite(spa) and spa >= 0):
+            raise PlanError(f"seconds_per_action must be finite and >= 0, got {spa}")
+        if conc is not None and not (math.isfinite(conc) and conc > 0):
+            raise PlanError(f"concurrency must be finite and > 0 (or None), got {conc}")
+
+    def bound(self, sim: Any) -> float:
+        """Seconds the host and the shared pool need for the whole simulated run."""
+        actions = sum(len(group) for group in sim.schedule.actions)
+        driver = actions * self.seconds_per_action
+        if self.concurrency is None:
+            return driver
+        replicas = sim.schedule.replicas
+        work = math.fsum((sp.end - sp.start) * replicas[sp.group] for sp in sim.timeline.spans)
+        # the driver's thread takes its turn on the same cores as the devices' programs
+        return max(driver, (work + driver) / self.concurrency)
+
+
+def stage_specs(plan: Plan) -> tuple[tuple[int, int, int], ...]:
+    """Per plan stage ``(first_layer, last_layer, replicas)``."""
+    return tuple((st.first_layer, st.last_layer, st.replicas) for st in plan.stages)
+
+
+def _schedule_stages(name: str, chunks: int) -> int:
+    """Virtual stages per device group (``interleaved``; ``zb-v`` is priced apart)."""
+    return chunks if name == "interleaved" else 1
+
+
+def evaluate_candidate(
+    plan: Plan,
+    profile: Profile,
+    schedule: str,
+    *,
+    chunks: int = 1,
+    remat: Sequence[bool] | None = None,
+    extra_in_flight: int = 0,
+    batch_size: int | None = None,
+    host: HostCosts | None = None,
+    calibration: Any = None,
+) -> tuple[float, tuple[float, ...]]:
+    """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
+    with ``schedule`` and the given recomputation per plan stage; with ``host``, no less
+    than what the driver and a shared pool need (:class:`HostCosts`). With a
+    ``calibration`` (:class:`pdjax.calibrate.Calibration`), the stages, links and
+    all-reduces it measured replace the profile's (stages it lacks are priced from the
+    profile times its profile ratio); ``interleaved`` cannot be calibrated.
+
+    Raises:
+      ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
+    """
+    seconds, peaks, _ = price(
+        plan,
+        profile,
+        schedule,
+        chunks=chunks,
+        remat=remat,
+        extra_in_flight=extra_in_flight,
+        batch_size=batch_size,
+        host=host,
+        calibration=calibration,
+    )
+    return seconds, peaks
+
+
+def price(
+    plan: Plan,
+    profile: Profile,
+    schedule: str,
+    *,
+    chunks: int = 1,
+    remat: Sequence[bool] | None = None,
+    extra_in_flight: int = 0,
+    batch_size: int | None = None,
+    host: HostCosts | None = None,
+    calibration: Any = None,
+) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
+    """:func:`evaluate_candidate`'s figures and the simulated peak microbatches in flight
+    per (virtual) stage."""
+    # The simulator's modules import this package's (pdjax.pipeline.costs reads the cost
+    # model): imported when first used.
+    from pdjax.pipeline import costs_from_plan, generate, simulate
+    from pdjax.pipeline.simulate import stream_length
+
+    P = plan.num_stages
+    v = _schedule_stages(schedule, chunks)
+    measured: dict[str, Any] = (
+        {} if calibration is None else {"calibration": calibration, "partial": True}
+    )
+    if schedule == "zb-v":  # each plan stage cut into two halves placed in a V
+        costs = costs_from_plan(plan, profile, **measured).v_shape()
+    else:
+        costs = costs_from_plan(plan, profile, chunks=v, **measured)
+    flags = tuple(remat) if remat is not None else (False,) * P
+    if any(flags):
+        costs = _with_remat(costs, flags, schedule, plan.replicas)
+    M = plan.num_microbatches
+    kwargs: dict[str, Any] = {"replicas": plan.replicas}
+    if schedule in ROUND_ROBIN:
+        kwargs["replication"] = plan.replication
+    if schedule == "pipedream":
+        n = stream_length("pipedream", P, replicas=plan.replicas, replication=plan.replication)
+        sched = generate("pipedream", P, n, extra_in_flight=extra_in_flight, **kwargs)
+    elif schedule == "2bw":
+        n = stream_length("2bw", P, M, replicas=plan.replicas, replication=plan.replication)
+        sched = generate("2bw", P, M, stream=n, **kwargs)
+    else:
+        sched = generate(
+            schedule, P, M, chunks=chunks if schedule == "interleaved" else 2, **kwargs
+        )
+    sim = simulate(sched, costs)
+    samples = batch_size if batch_size is not None else M * plan.microbatch_size
+    if schedule in STALE:
+        seconds = sim.time_per_microbatch / plan.microbatch_size
+    else:
+        seconds = sim.step_time / samples
+    if host is not None:  # the whole run's bound over the samples the run covers
+        covered = sim.schedule.num_microbatches * plan.microbatch_size
+        seconds = max(seconds, host.bound(sim) / covered)
+    return seconds, tuple(float(b) for b in sim.peak_memory), tuple(sim.peak_in_flight)
+
+
+def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequence[int]) -> Any:
+    """``costs`` with recomputation at the virtual stages of every plan stage flagged: the
+    backward runs the forward again first, and a microbatch in flight keeps only the
+    stage's input (its share on one device)."""
+    P = len(flags)
+    stages = list(costs.stages)
+    for k, st in enumerate(stages):
+        group = k % P if schedule != "zb-v" else (k if k < P else 2 * P - 1 - k)
+        if not flags[group]:
+            continue
+        kept = stages[k - 1].activation_bytes if k > 0 else 0
+        stages[k] = dataclasses.replace(
+            st,
+            input_grad=st.input_grad + st.forward,
+            stash_bytes=min(st.stash_bytes, round(kept / replicas[group])),
+        )
+    return dataclasses.replace(costs, stages=tuple(stages))

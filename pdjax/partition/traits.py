@@ -1,0 +1,266 @@
+"""The schedules as the planner sees them: each schedule's row of the semantics table and
+the cost model's own knobs, and what the cost terms take from them (microbatches in flight,
+weight versions, all-reduces per microbatch, replication modes).
+
+What a schedule computes (whether it streams or flushes, updates once per microbatch or
+per step, takes round-robin replication, how many weight versions it keeps) is read from
+:data:`pdjax.pipeline.schedules.SEMANTICS`; :class:`ScheduleTraits` adds only how the cost
+model prices it (see :mod:`pdjax.partition.cost`).
+
+>>> SCHEDULES["2bw"].flush, SCHEDULES["2bw"].versions, SCHEDULES["pipedream"].versions
+(False, 2, 'in_flight')
+>>> in_flight("pipedream", 4, 0, 8), in_flight("1f1b", 4, 0, 2), in_flight("gpipe", 4, 3, 8)
+(4, 2, 8)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from pdjax.errors import PlanError
+from pdjax.pipeline.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.pipeline.schedules.semantics import (
+    ROUND_ROBIN,
+    SEMANTICS,
+    ScheduleSemantics,
+    Shape,
+)
+
+__all__ = [
+    "REPLICATION_OPTIONS",
+    "SCHEDULES",
+    "ScheduleTraits",
+    "in_flight",
+    "versions_kept",
+]
+
+REPLICATION_OPTIONS: tuple[str, ...] = ("auto", "split", "round-robin")
+"""The planner's ``replication`` option: ``"auto"`` (the cheaper mode), ``"split"`` or
+``"round-robin"`` for every replicated stage."""
+
+
+def _stages_from(num_stages: int, stage: int) -> int:
+    """1F1B's depth: stage ``s`` of ``P`` holds ``P - s``."""
+    return num_stages - stage
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleTraits:
+    """What the planner knows of a schedule: its row of the semantics table and the cost
+    model's knobs.
+
+    Attributes:
+      semantics: the schedule's row of :data:`~pdjax.pipeline.schedules.SEMANTICS`, read
+        for every fact of what the schedule computes.
+      depth: ``(P, s) -> count``, the microbatches the memory model charges stage ``s`` of
+        ``P`` (at most ``M`` under a flushing schedule), or None for all ``M`` of a step
+        (``gpipe``). ``P - s`` by default, also for ``zb-h1`` (the table counts its
+        microbatches until the deferred ``W``: ``min(P, M)``).
+      round_trip: whether the ``pdjax`` objective has the round-trip bound: not for
+        ``gpipe`` (``M`` in flight, its flush bubble is outside every model) nor for
+        ``interleaved`` (its in-flight count depends on the chunks, which the planner does
+        not know).
+    """
+
+    semantics: ScheduleSemantics
+    depth: Callable[[int, int], int] | None = _stages_from
+    round_trip: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.semantics.name
+
+    @property
+    def pipelined_in_flight(self) -> bool:
+        """Stage ``s`` holds a depth of microbatches (1F1B-style), not all ``M`` (GPipe)."""
+        return self.depth is not None
+
+    @property
+    def flush(self) -> bool:
+        """The pipeline drains every ``M`` microbatches."""
+        return self.semantics.flushes
+
+    @property
+    def update_per_microbatch(self) -> bool:
+        """Every microbatch (group under round-robin) ends in an optimizer update and an
+        all-reduce of a replicated stage; else one per step of ``M``."""
+        return self.semantics.updates_per_microbatch
+
+    @property
+    def versions(self) -> str | int:
+        """Weight versions kept per stage: ``"in_flight"`` with weight stashing (one per
+        microbatch in flight: the table's ``P - s + e``, ``e = 0``), else the table's
+        number."""
+        if "weight_stashing" in self.semantics.options:
+            return "in_flight"
+        return self.semantics.versions(Shape(groups=1, microbatches=1, stream=1), 0)
+
+
+# The cost model's knobs where they are not the defaults, by schedule name.
+_KNOBS: dict[str, dict[str, Any]] = {
+    "gpipe": {"depth": None, "round_trip": False},
+    "interleaved": {"round_trip": False},
+    # 2 (P - s) - 1 warm-up forwards with W deferred: 2P - 1 at every stage
+    "zb-h2": {"depth": lambda P, s: 2 * P - 1},
+    # P stage-microbatches (2P half-stage chunks) on every group
+    "zb-v": {"depth": lambda P, s: P},
+}
+
+SCHEDULES: Mapping[str, ScheduleTraits] = types.MappingProxyType(
+    {name: ScheduleTraits(row, **_KNOBS.get(name, {})) for name, row in SEMANTICS.items()}
+)
+"""Every schedule's :class:`ScheduleTraits`, by name (the table's names)."""
+
+
+def schedule_traits(name: str) -> ScheduleTraits:
+    """The traits of schedule ``name``. Raises PlanError for an unknown name."""
+    if name not in SCHEDULES:
+        raise PlanError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Microbatches stage ``stage`` holds between forward and backward, at most, as the
+    memory model charges them (:attr:`ScheduleTraits.depth`).
+
+    ``P - s`` for 1F1B-style schedules (capped at ``M`` when the schedule flushes every
+    ``M`` microbatches), ``M`` for GPipe, ``min(2P - 1, M)`` at every stage for ``zb-h2``
+    and ``min(P, M)`` per device group for ``zb-v``.
+
+    >>> in_flight("zb-h2", 4, 3, 8), in_flight("2bw", 4, 0, 2)
+    (7, 4)
+    """
+    traits = schedule_traits(schedule)
+    if traits.depth is None:
+        return num_microbatches
+    n = traits.depth(num_stages, stage)
+    return min(n, num_microbatches) if traits.flush else n
+
+
+def versions_kept(schedule: str, in_flight_count: int) -> int:
+    """Weight versions a stage keeps: the in-flight count with weight stashing, else 1 or 2."""
+    v = schedule_traits(schedule).versions
+    return in_flight_count if v == "in_flight" else int(v)
+
+
+def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+    """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
+    schedule generators keep them (:func:`pdjax.pipeline.schedules.round_robin_in_flight`,
+    without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
+
+    >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
+    ((2, 1), (3, 2, 1), (30, 1))
+    """
+    return round_robin_in_flight(units)
+
+
+def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int]:
+    """``n_s``: a round-robin stage's replicas, 1 for a split one
+    (:func:`pdjax.pipeline.schedules.group_sizes`)."""
+    return list(group_sizes(replicas, replication))
+
+
+def exact_in_flight(
+    schedule: str,
+    replicas: Sequence[int],
+    replication: Sequence[str],
+    num_microbatches: int,
+) -> list[tuple[int, int]]:
+    """Per stage ``(in_flight, versions)``: microbatches in flight over the stage's devices
+    and weight versions kept, as the schedule ``schedule`` with these replication modes
+    holds them (a ``pipedream`` stream of at least ``in_flight`` microbatches). With
+    round-robin stages, the semantics table's bounds.
+
+    >>> exact_in_flight("pipedream", [15, 1], ("round-robin", "split"), 16)
+    [(30, 2), (1, 1)]
+    >>> exact_in_flight("1f1b", [2, 1, 1], ("split",) * 3, 2)
+    [(2, 1), (2, 1), (1, 1)]
+    """
+    P = len(replicas)
+    if "round-robin" not in replication:
+        out = []
+        for s in range(P):
+            count = in_flight(schedule, P, s, num_microbatches)
+            out.append((count, versions_kept(schedule, count)))
+        return out
+    _check_round_robin(schedule, "use replication='split'")
+    units = tuple(stage_units(replicas, replication))
+    # a stream long enough for every stage to reach its bound
+    steady = max(q * n for q, n in zip(groups_in_flight(units), units, strict=True))
+    shape = Shape(groups=P, microbatches=num_microbatches, stream=steady, units=units)
+    row = SEMANTICS[schedule]
+    return [(row.in_flight(shape, s), row.versions(shape, s)) for s in range(P)]
+
+
+def updates_per_microbatch(schedule: str, num_microbatches: int) -> float:
+    """``1/u``: optimizer updates (and all-reduces) per microbatch under ``schedule``."""
+    return 1.0 if schedule_traits(schedule).update_per_microbatch else 1.0 / num_microbatches
+
+
+def allreduces_per_microbatch(
+    schedule: str, num_microbatches: int, replication: str, replicas: int
+) -> float:
+    """``1/u``: all-reduces per microbatch of a stage on ``replicas`` units replicated
+    ``replication`` (``"split"`` or ``"round-robin"``) under ``schedule``."""
+    if schedule_traits(schedule).update_per_microbatch:
+        return 1.0 / replicas if replication == "round-robin" else 1.0
+    return 1.0 / num_microbatches
+
+
+def update_copies(schedule: str, optimizer_state_factor: float) -> float:
+    """Parameter-sized buffers a ``pdjax`` stage holds besides its weight versions and
+    optimizer state, at the moment of an update: the gradient accumulator (1 under the
+    schedules that update once per step, 0 under ``pipedream``, whose gradient lives only
+    until its update) plus the update's transient new weights and new optimizer state
+    (``1 + k``).
+
+    >>> update_copies("pipedream", 2.0), update_copies("1f1b", 2.0), update_copies("2bw", 0.0)
+    (3.0, 4.0, 2.0)
+    """
+    accumulator = 0.0 if schedule_traits(schedule).update_per_microbatch else 1.0
+    return accumulator + 1.0 + float(optimizer_state_factor)
+
+
+def has_round_trip(schedule: str, model: str = "pdjax") -> bool:
+    """Whether the ``model``'s objective has the round-trip bound under ``schedule``
+    (:attr:`ScheduleTraits.round_trip`, ``pdjax`` only)."""
+    return model == "pdjax" and schedule_traits(schedule).round_trip
+
+
+def _check_round_robin(schedule: str, hint: str) -> None:
+    """Raises PlanError if ``schedule`` has no round-robin form (the table's
+    :data:`~pdjax.pipeline.schedules.ROUND_ROBIN`)."""
+    if schedule not in ROUND_ROBIN:
+        raise PlanError(
+            f"round-robin replication runs with {', '.join(ROUND_ROBIN)}, not {schedule}; {hint}"
+        )
+
+
+def check_replication(
+    replication: str | tuple[str, ...] | list[str], schedule: str, cost_model: str
+) -> None:
+    """Raises PlanError for a replication option the planner cannot honour."""
+    modes = [replication] if isinstance(replication, str) else list(replication)
+    for mode in modes:
+        if mode not in REPLICATION_OPTIONS:
+            raise PlanError(
+                f"replication must be one of {', '.join(REPLICATION_OPTIONS)}; got {mode!r}"
+            )
+    if "round-robin" in modes:
+        _check_round_robin(schedule, "use replication='split' (or 'auto')")
+
+
+def resolve_replication(option: str, schedule: str, cost_model: str) -> str:
+    """The mode ``"auto"`` stands for: ``"round-robin"`` where it is cheaper (a schedule
+    that updates every microbatch, ``pipedream``, under the ``pdjax`` cost model: one
+    all-reduce per group instead of per microbatch), else ``"split"`` (the modes cost the
+    same all-reduce under the other schedules, and the ``paper`` and ``pipedream-code``
+    models price PipeDream's replication whatever pdjax records)."""
+    if option != "auto":
+        return option
+    if cost_model == "pdjax" and schedule_traits(schedule).update_per_microbatch:
+        return "round-robin"
+    return "split"

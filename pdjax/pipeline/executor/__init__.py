@@ -1,0 +1,36 @@
+"""The runtime: a pipeline of stages on devices, run as lowered programs.
+
+A call (:meth:`Pipeline.step`, :meth:`Pipeline.run`) takes the validated schedule for its
+number of microbatches, lowers it once (:func:`pdjax.pipeline.program.lower`, cached) into
+this process's flat list of operations, binds each operation to a function once (a stage
+program, a transfer of the pipeline's :mod:`~pdjax.pipeline.transport`, a wait), and then
+the interpreter only calls them in order on a register file: every weight version,
+activation, residual and gradient was given its slot, its producer, its readers and the
+point where it is dropped at lowering time. Dispatch is asynchronous, so the device
+groups overlap: the driver runs ahead, and each device works as soon as its inputs are
+ready.
+
+Semantics (``shared/DESIGN.md``, "Schedules and their semantics") come from the schedule:
+every ``F``/``B``/``I``/``W`` reads the weight version its action names, ``U`` applies the
+summed gradients to the newest version and makes the next one. Flush schedules and ``2bw``
+scale the summed gradients of a step by ``1 / M`` (the mean over microbatches);
+``pipedream`` applies each microbatch's gradient alone.
+
+Per microbatch ``k`` (counted over the pipeline's life), layer ``i`` draws dropout from
+``fold_in(fold_in(rng, k), i)``. BatchNorm statistics are updated by each microbatch's
+forward, in the order the stage runs the forwards (microbatch order in every schedule),
+so statistics are microbatch statistics, as in gradient accumulation.
+
+Modules: :mod:`.state` (:class:`PipelineState`, :class:`RunMetrics`), :mod:`.config`
+(the plan's stages, :func:`even_stages`, the constructor's checks), :mod:`.base` (the
+pipeline's fields and its decisions taken once), :mod:`.checks` (what a call is given),
+:mod:`.forward` (evaluation, prediction, the weights read out), :mod:`.interpreter`
+(schedules, lowered programs and their interpreter), :mod:`.pipeline` (:class:`Pipeline`),
+:mod:`.trees` (pytree helpers).
+"""
+
+from pdjax.pipeline.executor.config import even_stages
+from pdjax.pipeline.executor.pipeline import Pipeline
+from pdjax.pipeline.executor.state import PipelineState, RunMetrics
+
+__all__ = ["Pipeline", "PipelineState", "RunMetrics", "even_stages"]

@@ -1,0 +1,247 @@
+"""What :class:`Pipeline <pdjax.pipeline.Pipeline>`'s constructor reads and checks: the
+plan's stages (:func:`even_stages`, :func:`_stages_of`), their devices, and the options
+(integers, remat flags, replication modes, the schedule's options)."""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdjax.errors import PipelineError
+from pdjax.layers import LayerSequence
+from pdjax.partition.plan import Plan, StagePlan
+from pdjax.pipeline.schedules import SCHEDULES
+
+__all__ = ["even_stages"]
+
+
+def even_stages(
+    num_layers: int, num_stages: int, replicas: int = 1, first_device: int = 0
+) -> tuple[StagePlan, ...]:
+    """Splits ``num_layers`` layers into ``num_stages`` near-equal contiguous stages, stage
+    ``s`` on devices ``first_device + s*replicas ..`` (``replicas`` each): a plan for
+    :class:`Pipeline <pdjax.pipeline.Pipeline>`, its devices indices into the pipeline's.
+
+    >>> [(s.first_layer, s.last_layer, s.devices) for s in even_stages(5, 2)]
+    [(0, 2, (0,)), (3, 4, (1,))]
+    """
+    if replicas < 1:
+        raise PipelineError(f"replicas must be >= 1, got {replicas}")
+    if not 1 <= num_stages <= num_layers:
+        raise PipelineError(
+            f"num_stages must be in 1..{num_layers} (one layer at least per stage), "
+            f"got {num_stages}"
+        )
+    bounds = [-(-s * num_layers // num_stages) for s in range(num_stages + 1)]  # ceil
+    return tuple(
+        StagePlan(
+            first_layer=bounds[s],
+            last_layer=bounds[s + 1] - 1,
+            devices=tuple(range(first_device + s * replicas, first_device + (s + 1) * replicas)),
+        )
+        for s in range(num_stages)
+    )
+
+
+def _check_cover(specs: Sequence[StagePlan], num_layers: int) -> None:
+    """Refuses stages that do not cover the model's layers contiguously, in order."""
+    if not specs:
+        raise PipelineError("the plan has no stages")
+    expected = 0
+    for s, spec in enumerate(specs):
+        if spec.first_layer != expected or spec.last_layer < spec.first_layer:
+            raise PipelineError(
+                f"stage {s} holds layers {spec.first_layer}-{spec.last_layer}, expected it "
+                f"to start at layer {expected}: stages must cover layers 0-{num_layers - 1} "
+                "contiguously, in order"
+            )
+        if not spec.devices:
+            raise PipelineError(f"stage {s} has no devices")
+        expected = spec.last_layer + 1
+    if expected != num_layers:
+        raise PipelineError(
+            f"the plan's stages cover layers 0-{expected - 1}, the model has {num_layers} "
+            f"layers (0-{num_layers - 1})"
+        )
+
+
+def _stages_of(plan: Plan | Sequence[StagePlan]) -> tuple[StagePlan, ...]:
+    """The stages of ``plan`` (a :class:`~pdjax.partition.Plan`, or its stages alone);
+    anything else is refused naming what to pass."""
+    if isinstance(plan, Plan):
+        return plan.stages
+    what = "pdjax.partition.Plan or a sequence of pdjax.partition.StagePlan"
+    how = (
+        "e.g. pdjax.even_stages(num_layers, num_stages), or StagePlan(first_layer, "
+        "last_layer, devices) per stage (StagePlan(0, 1, (0,)): layers 0-1 on device 0)"
+    )
+    if isinstance(plan, (str, bytes)) or not isinstance(plan, Sequence):
+        raise PipelineError(f"plan must be a {what}, got a {type(plan).__name__}; {how}")
+    for s, stage in enumerate(plan):
+        if not isinstance(stage, StagePlan):
+            raise PipelineError(
+                f"plan stage {s} is a {type(stage).__name__}, not a StagePlan: pass a {what} "
+                f"({how})"
+            )
+    return tuple(plan)
+
+
+def _check_options(
+    schedule: str,
+    *,
+    chunks: int,
+    vertical_sync: bool,
+    weight_stashing: bool,
+    extra_in_flight: int,
+    grad_allreduce: str,
+    optimizer_scope: str,
+) -> None:
+    """Refuses options that ``schedule`` does not have, or values out of their range."""
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
+    if schedule != "pipedream" and (vertical_sync or not weight_stashing):
+        raise PipelineError(
+            "vertical_sync and weight_stashing=False are options of the pipedream "
+            f"schedule, not of {schedule}"
+        )
+    if extra_in_flight and schedule != "pipedream":
+        raise PipelineError(
+            f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
+        )
+    if grad_allreduce not in ("update", "backward"):
+        raise PipelineError(
+            f"grad_allreduce must be 'update' or 'backward', got {grad_allreduce!r}"
+        )
+    if schedule == "zb-v" and chunks != 2:
+        raise PipelineError(
+            f"zb-v runs two chunks per device group (a V over 2P stages): chunks must be "
+            f"2, got {chunks}"
+        )
+    if schedule not in ("interleaved", "zb-v") and chunks != 1:
+        raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
+    if optimizer_scope not in ("model", "stage"):
+        raise PipelineError(f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}")
+
+
+def _integer(name: str, value: Any, least: int) -> int:
+    """``value`` of the constructor argument ``name`` as an ``int`` >= ``least``. Bools,
+    floats and strings are refused rather than rounded: ``microbatches=2.5`` or ``"2"``
+    is a mistake that would otherwise surface as a raw error deep in the schedule."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise PipelineError(
+            f"{name} must be an integer >= {least}, got {value!r}"
+            f" ({type(value).__name__}); pass a whole number such as {max(least, 1)}"
+        )
+    return int(value)
+
+
+def _remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
+    """``remat`` as one flag per stage (a bool for all, or a sequence of bools)."""
+    if isinstance(remat, (bool, np.bool_)):
+        return (bool(remat),) * num_stages
+    flags = tuple(remat) if isinstance(remat, (list, tuple)) else None
+    if flags is None or not all(isinstance(f, (bool, np.bool_)) for f in flags):
+        raise PipelineError(f"remat must be a bool or one bool per stage, got {remat!r}")
+    if len(flags) != num_stages:
+        raise PipelineError(
+            f"remat gives {len(flags)} flags for {num_stages} stages; give one per stage"
+        )
+    return tuple(bool(f) for f in flags)
+
+
+def _tied_stages(
+    layers: LayerSequence, specs: Sequence[StagePlan]
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """Per tied group of ``layers``, its name and the stages (``specs``) holding copies."""
+    stage_of = {
+        i: s for s, sp in enumerate(specs) for i in range(sp.first_layer, sp.last_layer + 1)
+    }
+    return tuple(
+        (name, tuple(sorted({stage_of[i] for i, _ in leaves})))
+        for name, leaves in layers.tied_leaves
+    )
+
+
+def _replication_of(
+    replication: str | Sequence[str] | None, specs: Sequence[StagePlan], groups: int
+) -> tuple[str, ...]:
+    """Per device group ``"split"`` or ``"round-robin"`` (see :class:`Pipeline`)."""
+    if replication is None:
+        modes = tuple(spec.replication for spec in specs[:groups])
+    elif isinstance(replication, str):
+        modes = (replication,) * groups
+    else:
+        modes = tuple(replication)
+    if len(modes) != groups:
+        raise PipelineError(
+            f"replication has {len(modes)} entries for {groups} stages; give one per stage "
+            "or one word for all"
+        )
+    for mode in modes:
+        if mode not in ("split", "round-robin"):
+            raise PipelineError(f"replication must be 'split' or 'round-robin', got {mode!r}")
+    return modes
+
+
+def _stage_devices(
+    plan: Plan | Sequence[StagePlan],
+    specs: Sequence[StagePlan],
+    devices: Sequence[jax.Device] | None,
+) -> list[list[jax.Device]]:
+    """Per stage, the devices its plan ids name among ``devices`` (default
+    ``jax.devices()``; see :class:`Pipeline`): by ``jax.Device.id`` for a plan whose
+    ``topology.device_ids`` is set (:meth:`pdjax.partition.Topology.from_devices`), else
+    by index into ``devices``."""
+    visible = list(jax.devices() if devices is None else devices)
+    for s, spec in enumerate(specs):
+        ids = tuple(spec.devices)
+        if len(set(ids)) != len(ids) or any(d < 0 for d in ids):
+            raise PipelineError(f"stage {s} lists devices {ids}: ids must be distinct and >= 0")
+    wanted = sorted({int(d) for spec in specs for d in spec.devices})
+    topology_ids = plan.topology.device_ids if isinstance(plan, Plan) else None
+    if topology_ids is not None:  # real jax.Device ids
+        by_id = {int(d.id): d for d in visible}
+        missing = [d for d in wanted if d not in by_id]
+        if missing:
+            raise PipelineError(
+                f"the plan places stages on device ids {_id_list(missing)}, which are not "
+                f"among the visible devices (ids {_id_list(sorted(by_id))}): the plan was made "
+                f"on real devices (its topology's device_ids are {_id_list(topology_ids)}) "
+                "and names them by jax.Device.id. Pass devices= holding those devices (the "
+                "processes that have them must take part), or re-plan on these devices "
+                "(Topology.from_devices(devices))"
+            )
+        return [[by_id[int(d)] for d in spec.devices] for spec in specs]
+    if wanted and wanted[-1] >= len(visible):
+        raise PipelineError(
+            f"the plan uses device ids up to {wanted[-1]} but only {len(visible)} devices are "
+            "visible (its ids are indices into the devices: a hand-written plan or a topology "
+            "without device_ids); on CPU set jax.config.update('jax_num_cpu_devices', N) (or "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N) before using JAX"
+        )
+    return [[visible[int(d)] for d in spec.devices] for spec in specs]
+
+
+def _id_list(ids: Sequence[int]) -> str:
+    """``[0-3, 6]`` for ids 0, 1, 2, 3, 6: runs of consecutive ids as ranges."""
+    parts: list[str] = []
+    ordered = list(ids)
+    start = 0
+    for i in range(1, len(ordered) + 1):
+        if i == len(ordered) or ordered[i] != ordered[i - 1] + 1:
+            a, b = ordered[start], ordered[i - 1]
+            parts.append(str(a) if a == b else f"{a}-{b}")
+            start = i
+    return "[" + ", ".join(parts) + "]"
+
+
+def _scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:
+    """The factor on a stage's summed gradients before its update: the mean over the
+    microbatches one update applies (``M``; a round-robin group under ``pipedream``)."""
+    if schedule == "pipedream":
+        return 1.0 / replicas if round_robin else 1.0
+    return 1.0 / microbatches

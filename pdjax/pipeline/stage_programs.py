@@ -1,0 +1,203 @@
+"""The traced functions of a stage's programs, one builder per operation kind.
+
+:meth:`~pdjax.pipeline.stage.Stage.program` jits what :func:`program_body` returns: the
+function of an operation's kind and flags, over exactly the arguments and results that
+:mod:`pdjax.pipeline.program` tables for that kind, and the argument positions it donates.
+The functions are built from the stage's per-layer forward, VJP chain and update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from pdjax.layers import PyTree
+
+if TYPE_CHECKING:
+    from pdjax.pipeline.stage import Stage
+
+__all__ = ["program_body"]
+
+_Body = tuple[Callable[..., Any], tuple[int, ...]]
+
+
+def program_body(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
+    """The traced function of a program and the arguments it donates.
+
+    Args:
+      stage: the stage the program runs on.
+      kind: the operation's kind (``KEYS``, ``F``, ``B``, ``I``, ``W``, ``BU``, ``FB``,
+        ``FBU``, ``U``, ``SQ``, ``TG``).
+      flags: the operation's flags (``acc``, ``recompute``, ``newest``, ``donate_w``).
+
+    Returns:
+      ``(function, donated argument positions)``.
+
+    Raises:
+      ValueError: for a kind no stage program has.
+    """
+    if kind == "KEYS":
+        return _keys(stage), ()
+    if kind == "F":
+        return _forward(stage, recompute="recompute" in flags), ()
+    if kind in ("B", "I", "W", "BU"):
+        return _backward(stage, kind, flags)
+    if kind in ("FB", "FBU"):
+        return _forward_backward(stage, kind, flags)
+    if kind == "U":
+
+        def update(g: Any, w: Any, o: Any, *rest: Any) -> tuple[Any, ...]:
+            new_w, new_o, sent = stage._update(g, w, o, rest)
+            return (new_w, new_o, *sent)
+
+        return update, (0, 2)  # the gradient sum takes the new weights' place
+    if kind == "SQ":
+
+        def sum_squares(g: Any, *incoming: Any) -> tuple[jax.Array]:
+            g = stage._scaled(stage._reduce(g))
+            if stage.ties is not None:
+                g = stage.ties.grad_view(g, incoming)
+            return (stage.optimizer.sum_squares(g),)
+
+        return sum_squares, ()
+    if kind == "TG":
+
+        def tied_grads(g: Any) -> tuple[Any, ...]:
+            assert stage.ties is not None
+            return stage.ties.partials(stage._scaled(stage._reduce(g)))
+
+        return tied_grads, ()
+    raise ValueError(f"no stage program of kind {kind!r}")
+
+
+def _keys(stage: Stage) -> Callable[..., tuple[jax.Array, ...]]:
+    def keys(rng: jax.Array, offset: jax.Array, count: int) -> tuple[jax.Array, ...]:
+        ks = jax.vmap(lambda k: jax.random.fold_in(rng, k))(
+            offset + jnp.arange(count, dtype=jnp.int32)
+        )
+        if stage.round_robin:  # one stacked [r] key array per group, sharded
+            r = stage.num_replicas
+            return tuple(ks[i : i + r] for i in range(0, count, r))
+        return tuple(ks[i] for i in range(count))
+
+    return keys
+
+
+def _forward(stage: Stage, *, recompute: bool) -> Callable[..., tuple[Any, ...]]:
+    last = stage.is_last
+
+    def forward(w: Any, st: Any, x: Any, key: Any, *tgt: Any) -> tuple[Any, ...]:
+        t = tgt[0] if last else None
+        if recompute:  # keeps nothing: the backward recomputes
+            y, new_st = stage._apply(w, st, x, key, t)
+            return y, new_st
+        y, new_st, pbs, (wv, xv) = stage._forward_vjp(w, st, x, key, t)
+        return y, new_st, stage._keep(wv, xv, pbs)
+
+    return forward
+
+
+def _backward(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
+    """``B``, ``I``, ``W`` or ``BU``: ``(w, x, R, [c], [d], [g], [w_newest] [o])``."""
+    last, first = stage.is_last, stage.index == 0
+    recompute, acc, newest = "recompute" in flags, "acc" in flags, "newest" in flags
+    # residual arguments: the forward's kept residuals, or what recomputing needs
+    nres = (3 if last else 2) if recompute else 1
+    nct = 0 if last else 1
+    want = {"B": "both", "BU": "both", "I": "input", "W": "weights"}[kind]
+    upd = kind == "BU"
+
+    def backward(*args: Any) -> tuple[Any, ...]:
+        w, x = args[0], args[1]
+        res = args[2 : 2 + nres]
+        i = 2 + nres
+        pbs = _pullbacks(stage, w, x, res, recompute=recompute)
+        # None: I (no weight gradients)
+        g: list[PyTree] | None
+        out_g: list[PyTree] | None
+        if kind == "W":
+            cts = args[i]
+            i += 1
+            g = stage._weight_grads(pbs, cts)
+            out_g = g
+        else:
+            ct = args[i] if nct else None
+            i += nct
+            g, e, cts = stage._chain(pbs, ct, want, first)
+            out_g = g
+        if acc:
+            out_g = jax.tree.map(jnp.add, args[i], out_g)
+            i += 1
+        e_out = () if first or kind == "W" else (e,)
+        if kind == "I":
+            return (*e_out, cts)
+        if not upd:
+            return (out_g, *e_out)
+        assert out_g is not None  # BU's chain computes both: the weight gradients
+        new_w, new_o, _ = stage._fused_update(out_g, w, args[i:], newest)
+        return (new_w, new_o, *e_out)
+
+    first_tail = 2 + nres + (1 if kind == "W" else nct)
+    donate = _donated(first_tail, acc=acc, update=upd, newest=newest, donate_w="donate_w" in flags)
+    return backward, donate
+
+
+def _pullbacks(
+    stage: Stage, w: Any, x: Any, res: Sequence[Any], *, recompute: bool
+) -> list[Callable[..., Any]]:
+    """The per-layer VJPs: rebuilt from kept residuals, or by recomputing."""
+    if recompute:
+        st, key = res[0], res[1]
+        tgt = res[2] if stage.is_last else None
+        return stage._forward_vjp(w, st, x, key, tgt)[2]
+    return stage._rebuild(w, x, res[0])
+
+
+def _forward_backward(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
+    """``FB`` or ``FBU`` on the last stage: ``(w, st, x, key, t, [g], [w_newest] [o])``."""
+    first = stage.index == 0
+    acc, newest = "acc" in flags, "newest" in flags
+    upd = kind == "FBU"
+
+    def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
+        y, new_st, pbs, _ = stage._forward_vjp(w, st, x, key, t)
+        g, e, _ = stage._chain(pbs, None, "both", first)
+        assert g is not None  # "both": the weight gradients are there
+        i = 0
+        if acc:
+            g = jax.tree.map(jnp.add, rest[0], g)
+            i = 1
+        e_out = () if first else (e,)
+        if not upd:
+            return (y, new_st, g, *e_out)
+        new_w, new_o, _ = stage._fused_update(g, w, rest[i:], newest)
+        return (y, new_st, new_w, new_o, *e_out)
+
+    donate = _donated(5, acc=acc, update=upd, newest=newest, donate_w="donate_w" in flags)
+    return forward_backward, donate
+
+
+def _donated(
+    first_tail: int, *, acc: bool, update: bool, newest: bool, donate_w: bool
+) -> tuple[int, ...]:
+    """Argument positions a backward program donates: the gradient sum (``acc``, at
+    ``first_tail``), and with a fused update the optimizer state and, when nothing reads
+    them later (``donate_w``), the newest weights (argument 0 when they are the ones read,
+    else passed after the sum)."""
+    donate: list[int] = []
+    pos = first_tail
+    if acc:
+        donate.append(pos)
+        pos += 1
+    if update:
+        if not newest:
+            if donate_w:
+                donate.append(pos)
+            pos += 1
+        elif donate_w:
+            donate.append(0)
+        donate.append(pos)
+    return tuple(donate)
