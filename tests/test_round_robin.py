@@ -278,17 +278,8 @@ def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
     """A plan's round-robin choice is a performance choice: a stage whose layers keep
     model state, or a schedule without a round-robin form, runs split (and says so); the
     caller's explicit choice raises instead (above)."""
-    import dataclasses
-
-    @dataclasses.dataclass(frozen=True)
-    class Stage:
-        first_layer: int
-        last_layer: int
-        devices: tuple
-        replication: str = "round-robin"
-
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
-    plan = (Stage(0, 0, (0, 1)), Stage(1, 2, (2,)))
+    plan = (StagePlan(0, 0, (0, 1), replication="round-robin"), StagePlan(1, 2, (2,)))
     stream = _stream(4)
     pipe = Pipeline(bn, plan, xent, optax.sgd(0.1), schedule="pipedream")
     assert pipe.stages[0].round_robin
