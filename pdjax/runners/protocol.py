@@ -8,8 +8,9 @@ are written against these protocols, so they take either runner (or a new one) w
 asking which it is.
 
 Both runners count the same way: a call of :meth:`Runner.run` takes a stream of
-microbatches, and ``runner.microbatches`` of them make one optimizer update (``M`` for a
-pipeline; 1 for data parallelism, whose microbatch is the whole batch).
+microbatches, and ``runner.microbatches`` of them make one batch (``M`` for a pipeline;
+1 for data parallelism, whose microbatch is the whole batch): one optimizer update per
+batch, except under ``pipedream``, which updates after every microbatch.
 
 >>> import jax, optax
 >>> from pdjax.models import get_model
@@ -143,7 +144,8 @@ class Runner(Protocol[StateT]):
 
     @property
     def microbatches(self) -> int:
-        """Microbatches per optimizer update (the unit of :meth:`run`'s stream)."""
+        """Microbatches per batch (the unit of :meth:`run`'s stream; one update per batch,
+        except under ``pipedream``: one per microbatch)."""
         ...
 
     def init(self, rng: jax.Array, sample: PyTree) -> StateT:
