@@ -10,11 +10,11 @@ import time
 import jax
 import optax
 import pytest
+from fixed_calibration import fixed_calibration
 
 from pdjax.calibrate import (
     AllReduceMeasure,
     Calibration,
-    LinkMeasure,
     StageMeasure,
     _with_timeout,
     calibrate,
@@ -40,24 +40,6 @@ def _profile(n: int = 4) -> Profile:
     return Profile.chain(layers, batch_size=8)
 
 
-def _calibration(**kw) -> Calibration:
-    stages = (
-        StageMeasure(0, 1, 1, "split", forward=0.010, backward=0.020, update=0.004),
-        StageMeasure(2, 3, 1, "split", forward=0.030, backward=0.050, update=0.002),
-        StageMeasure(0, 3, 1, "split", forward=0.040, backward=0.070, update=0.006),
-    )
-    links = (
-        LinkMeasure(0, 1, latency=1e-4, bandwidth=1e6, send_seconds=2e-5),
-        LinkMeasure(1, 0, latency=3e-4, bandwidth=5e5, send_seconds=4e-5),
-    )
-    base = dict(
-        model={"layers": [f"l{i}" for i in range(4)], "param_bytes": [4000] * 4},
-        microbatch_size=8, devices=(0, 1), platform="cpu", device_kind="cpu",
-        stages=stages, links=links, profile_ratio=2.0,
-    )  # fmt: skip
-    return Calibration(**{**base, **kw})
-
-
 def _plan(stages=((0, 1, 1), (2, 3, 1)), workers=2):
     return evaluate_partition(_profile(), Topology.flat(workers, 1e6), list(stages),
                               schedule="pipedream", microbatch_size=8)  # fmt: skip
@@ -73,7 +55,7 @@ def test_fit_recovers_latency_and_bandwidth():
 
 
 def test_json_round_trip_and_bad_files(tmp_path):
-    cal = _calibration(allreduces=(AllReduceMeasure((0, 1), 1e-3, 1e9, (4, 8), (1e-3, 1e-3)),))
+    cal = fixed_calibration(allreduces=(AllReduceMeasure((0, 1), 1e-3, 1e9, (4, 8), (1e-3, 1e-3)),))
     path = cal.save(tmp_path / "cal.json")
     assert Calibration.load(path) == cal
     (tmp_path / "other.json").write_text(json.dumps({"format": "something-else"}))
@@ -87,7 +69,7 @@ def test_json_round_trip_and_bad_files(tmp_path):
 
 
 def test_a_calibration_for_another_model_plan_or_devices_is_refused():
-    cal = _calibration()
+    cal = fixed_calibration()
     cal.check(layers=[f"l{i}" for i in range(4)], microbatch_size=8, plan=_plan())
     with pytest.raises(CalibrationError, match="the model has 3 layers, the calibration 4"):
         cal.check(layers=["l0", "l1", "l2"])
@@ -107,7 +89,7 @@ def test_a_calibration_for_another_model_plan_or_devices_is_refused():
 
 
 def test_calibrated_costs_are_the_measured_ones():
-    plan, cal = _plan(), _calibration()
+    plan, cal = _plan(), fixed_calibration()
     costs = costs_from_plan(plan, _profile(), calibration=cal)
     s0, s1 = costs.stages
     assert (s0.forward, s0.backward, s0.update) == pytest.approx((0.010, 0.020, 0.004))
@@ -121,7 +103,7 @@ def test_calibrated_costs_are_the_measured_ones():
 
 def test_unmeasured_stage_is_refused_or_priced_from_the_profile():
     plan = _plan(((0, 2, 1), (3, 3, 1)))
-    cal = _calibration()
+    cal = fixed_calibration()
     with pytest.raises(CalibrationError, match="were not measured"):
         costs_from_plan(plan, _profile(), calibration=cal)
     costs = costs_from_plan(plan, _profile(), calibration=cal, partial=True)
@@ -138,13 +120,13 @@ def test_simulator_plays_the_calibrated_costs():
 
     plan = evaluate_partition(_profile(), Topology.flat(1, 1e6), [(0, 3, 1)],
                               schedule="pipedream", microbatch_size=8)  # fmt: skip
-    costs = costs_from_plan(plan, _profile(), calibration=_calibration(devices=(0,)))
+    costs = costs_from_plan(plan, _profile(), calibration=fixed_calibration(devices=(0,)))
     sim = simulate(generate("pipedream", 1, 10), costs)
     assert sim.makespan == pytest.approx(10 * (0.040 + 0.070 + 0.006))
 
 
 def test_planner_uses_the_calibrated_stage_seconds():
-    cal = _calibration()
+    cal = fixed_calibration()
     fn = cal.stage_seconds("pipedream")
     assert fn(0, 1, 1, "split") == pytest.approx(0.010 + 0.020 + 0.004)
     assert fn(1, 3, 1, "split") is None
@@ -159,7 +141,7 @@ def test_planner_uses_the_calibrated_stage_seconds():
 def test_rank_plans_puts_the_measured_fastest_first():
     """The profile says 0-1 / 2-3 is balanced; the calibration says stage 2-3 is slow and
     0-2 / 3-3 is balanced: the re-ranking follows the measurement."""
-    base = _calibration()
+    base = fixed_calibration()
     extra = (
         StageMeasure(0, 2, 1, "split", forward=0.02, backward=0.03, update=0.001),
         StageMeasure(3, 3, 1, "split", forward=0.02, backward=0.03, update=0.001),

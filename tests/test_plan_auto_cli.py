@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 
 import pytest
+from fixed_calibration import fixed_calibration
 
 from pdjax.apps.cli import main
-from pdjax.calibrate import Calibration, LinkMeasure, StageMeasure
 from pdjax.partition import Plan
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.profile import LayerProfile, Profile
@@ -69,24 +69,6 @@ def test_the_printed_plan_is_the_chosen_configuration_simulated(tmp_path, capsys
     assert dp_peak > cap
 
 
-def _calibration(**kw):
-    stages = (
-        StageMeasure(0, 1, 1, "split", forward=0.010, backward=0.020, update=0.004),
-        StageMeasure(2, 3, 1, "split", forward=0.030, backward=0.050, update=0.002),
-        StageMeasure(0, 3, 1, "split", forward=0.040, backward=0.070, update=0.006),
-    )
-    links = (
-        LinkMeasure(0, 1, latency=1e-4, bandwidth=1e6, send_seconds=2e-5),
-        LinkMeasure(1, 0, latency=3e-4, bandwidth=5e5, send_seconds=4e-5),
-    )
-    base = dict(
-        model={"layers": [f"l{i}" for i in range(4)], "param_bytes": [4000] * 4},
-        microbatch_size=8, devices=(0, 1), platform="cpu", device_kind="cpu",
-        stages=stages, links=links, profile_ratio=2.0,
-    )  # fmt: skip
-    return Calibration(**{**base, **kw})
-
-
 def test_schedule_auto_prices_its_search_with_a_calibration(tmp_path, capsys):
     layers = [
         LayerProfile(f"l{i}", forward_seconds=1e-3, backward_seconds=2e-3, output_bytes=1000,
@@ -95,7 +77,7 @@ def test_schedule_auto_prices_its_search_with_a_calibration(tmp_path, capsys):
     ]  # fmt: skip
     profile = Profile.chain(layers, batch_size=8)
     profile.save(tmp_path / "p.json")
-    cal = _calibration()
+    cal = fixed_calibration()
     cal.save(tmp_path / "cal.json")
     argv = ["plan", "--profile", str(tmp_path / "p.json"), "--workers", "2", "--schedule",
             "auto", "--straight", "--calibration", str(tmp_path / "cal.json")]  # fmt: skip
