@@ -13,7 +13,9 @@ between, and checks what it received bit for bit.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -120,19 +122,23 @@ def _three() -> None:
     if me in (0, 1):
         peer = 1 - me
         out, into = link(me, peer), link(peer, me)
-        for late in (0.0, 2.0):  # compiles, then times the calls of process 0
+        # process 1 comes late and leaves a mark before its own calls: process 0's calls
+        # must have returned before that mark exists (an order, not a clock)
+        mark = Path(tempfile.gettempdir()) / f"pdjax-late-{os.environ['PDJAX_COORDINATOR']}"
+        mark = mark.with_name(mark.name.replace(":", "-"))
+        for late in (0.0, 2.0):  # compiles, then checks the calls of process 0
             x = jax.block_until_ready(_tree("one", 7.0 + me + late, devs[me]))
-            t0 = time.perf_counter()
             if me == 0:
                 sent, got = out.send(x), into.recv(_spec("one"))
+                if late:
+                    assert not mark.exists(), "send/recv blocked their caller for the peer"
             else:
                 time.sleep(late)  # process 0 is already waiting on this
+                if late:
+                    mark.touch()
                 got, sent = into.recv(_spec("one")), out.send(x)
-            calls = time.perf_counter() - t0
             jax.block_until_ready((sent, got))
             _check(got, _tree("one", 7.0 + peer + late, devs[me]), "alone")
-        if me == 0:
-            assert calls < 1.0, f"send/recv blocked their caller for {calls:.2f} s"
         order = [(0, 1, "odd"), (1, 0, "big"), (0, 1, "big"), (1, 0, "odd"), (0, 1, "small")]
         kept, got = [], []
         for k, (s, d, layout) in enumerate(order):
@@ -143,6 +149,8 @@ def _three() -> None:
         jax.block_until_ready(kept)
         for k, (g, w) in enumerate(got):
             _check(g, w, f"alone {k}")
+        # process 0 sent these after its look at the mark
+        mark.unlink(missing_ok=True)
     broadcast_json("0 and 1 are done", source=1)  # 2 was waiting here all along
 
     # 2. Every link at once, interleaved, no waiting until the end.

@@ -303,10 +303,9 @@ def test_device_put_between_three_processes_is_refused_with_a_reason(tmp_path):
     that sends to two others hangs one of them (or hands it the other's array). Asked for
     device_put transfers anyway, pdjax says so before any transfer."""
     results = _launch(tmp_path, "three-pipedream", procs=3, devices=1)
-    for i, (code, log, seconds) in enumerate(results):
+    for i, (code, log, _) in enumerate(results):
         assert code not in (0, None), f"process {i} did not fail:\n{log[-3000:]}"
         assert "more than 2 processes (3 here)" in log, log[-3000:]
-        assert seconds < 60
 
 
 def test_four_processes_train_like_one(tmp_path):
