@@ -44,6 +44,13 @@ import jax
 import numpy as np
 import optax
 
+from pdjax.apps.bench_host import (
+    _shared_pool,
+    driver_seconds_per_action,
+    host_costs,
+    pool_concurrency,
+)
+from pdjax.apps.bench_report import BenchResult, BenchRow, format_table
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model
 from pdjax.partition import Plan, StagePlan, Topology, evaluate_partition, plan_pipedream
@@ -71,131 +78,6 @@ BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
 #: all-reducing in every backward (``backward``, the runtime before per-device gradient
 #: sums) or replicated round-robin (``rr``, PipeDream's replication).
 VARIANTS = ("backward", "rr")
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchRow:
-    """One runner's measurements and the simulator's prediction.
-
-    Attributes:
-      name: the schedule, or ``"dp"``.
-      stages: where the model ran, e.g. ``"4 stages x1"`` or ``"1 stage x4"``.
-      samples_per_second: median over the repeats of the measured training throughput.
-      predicted_samples_per_second: the simulator's throughput for the same schedule.
-      host_seconds_per_action: median over the repeats of the driver's seconds per
-        dispatched action (data parallelism: per step, its one jitted call).
-      actions: actions dispatched per repeat.
-      samples: training samples per repeat.
-      repeats: the measured samples/s of each repeat, in order.
-      note: how the row was run, when it differs from the others.
-      error: why the row could not run (its numbers are then NaN).
-      all_reduces_per_step: all-reduce operations in the compiled programs one optimizer
-        step of ``M`` microbatches runs (counted by the runtime in one extra, untimed
-        call: :attr:`~pdjax.pipeline.executor.RunMetrics.all_reduces`); NaN for data
-        parallelism.
-    """
-
-    name: str
-    stages: str
-    samples_per_second: float
-    predicted_samples_per_second: float
-    host_seconds_per_action: float
-    actions: int
-    samples: int
-    repeats: tuple[float, ...] = ()
-    note: str = ""
-    error: str | None = None
-    all_reduces_per_step: float = math.nan
-
-    @property
-    def ratio(self) -> float:
-        """Measured over predicted throughput (1.0: as the simulator said)."""
-        if not self.predicted_samples_per_second > 0:
-            return math.nan
-        return self.samples_per_second / self.predicted_samples_per_second
-
-
-@dataclasses.dataclass(frozen=True)
-class BenchResult:
-    """What :func:`bench` returns.
-
-    Attributes:
-      model: the model's registry name.
-      config: ``"tiny"`` or ``"paper"``.
-      devices: devices used.
-      batch_size: samples per optimizer step.
-      microbatches: ``M``.
-      steps: optimizer steps timed per repeat.
-      repeats: timed rounds over all runners.
-      plan: the plan's one-line description.
-      profile_seconds: the profile's forward + backward seconds of one microbatch on one
-        device (what the predictions are built from).
-      cpu_cores: cores this process may run on.
-      platform: the devices' platform (``"cpu"``, ``"gpu"``, ...).
-      rows: one per schedule, then data parallelism.
-      pool_concurrency: on in-process CPU devices, the work their shared thread pool gets
-        through at once (:func:`pool_concurrency`; 1.0 elsewhere).
-    """
-
-    model: str
-    config: str
-    devices: int
-    batch_size: int
-    microbatches: int
-    steps: int
-    repeats: int
-    plan: str
-    profile_seconds: float
-    cpu_cores: int
-    platform: str
-    rows: tuple[BenchRow, ...]
-    pool_concurrency: float = 1.0
-
-    def row(self, name: str) -> BenchRow:
-        """The row called ``name`` (a schedule or ``"dp"``)."""
-        for r in self.rows:
-            if r.name == name:
-                return r
-        raise KeyError(name)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able data (NaN becomes None); rows carry their ratio."""
-
-        def clean(x: Any) -> Any:
-            return None if isinstance(x, float) and not math.isfinite(x) else x
-
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "rows"}
-        out["rows"] = [
-            {
-                k: clean(v) if not isinstance(v, tuple) else [clean(x) for x in v]
-                for k, v in {**dataclasses.asdict(r), "ratio": r.ratio}.items()
-            }
-            for r in self.rows
-        ]
-        return out
-
-    def header(self) -> str:
-        """What the numbers are, and what they cannot show on this machine."""
-        lines = [
-            f"{self.model} ({self.config}), batch {self.batch_size} = {self.microbatches} "
-            f"microbatches of {self.batch_size // self.microbatches}, {self.devices} "
-            f"{self.platform} devices, {self.cpu_cores} CPU cores; {self.steps} steps per "
-            f"repeat, {self.repeats} repeats round-robin, medians",
-            f"plan: {self.plan}",
-            f"profile (device 0): {self.profile_seconds * 1e3:.3g} ms forward + backward per "
-            "microbatch; predictions: the simulator on that profile and plan",
-        ]
-        if self.platform == "cpu":
-            lines.append(
-                "In-process CPU devices share one thread pool: the stages do not run in "
-                "parallel, so no pipeline speedup is expected here (least of all on a "
-                "2-core machine). Predicted: the larger of the simulator's makespan (one "
-                "processor per device) and the devices' summed busy seconds over the "
-                f"pool's measured concurrency ({self.pool_concurrency:.2f}: two devices "
-                "computing together get through that much more than one); "
-                "measured/predicted shows the machinery's overhead beyond the work."
-            )
-        return "\n".join(lines)
 
 
 def bench(
@@ -245,6 +127,136 @@ def bench(
     Raises:
       PipelineError: bad sizes or counts, or more devices than are visible.
     """
+    setup = _setup(
+        model,
+        config,
+        devices=devices,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        plan=plan,
+        straight=straight,
+        chunks=chunks,
+        steps=steps,
+        repeats=repeats,
+        schedules=schedules,
+        learning_rate=learning_rate,
+        seed=seed,
+    )
+    runners, failed = _compile(schedules, setup, on_row)
+    measured = _time_round_robin(runners, repeats)
+    rows = {**failed, **{r.name: _row(r, measured[r.name]) for r in runners}}
+    return _result(setup, tuple(rows[name] for name in schedules))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    """One :func:`bench` call's arguments, checked, and what all its runners share: the
+    model, the synthetic batch ``(x, y)``, the profile (on the first device), the plan and
+    the optimizer."""
+
+    model: str
+    config: str
+    devices: tuple[jax.Device, ...]
+    batch_size: int
+    microbatches: int
+    chunks: int
+    steps: int
+    repeats: int
+    seed: int
+    spec: ModelSpec
+    x: Any
+    y: Any
+    profile: Profile
+    topology: Topology
+    plan: Plan
+    optimizer: optax.GradientTransformation
+    concurrency: float
+
+
+def _setup(
+    model: str,
+    config: str,
+    *,
+    devices: int,
+    batch_size: int,
+    microbatches: int,
+    plan: str,
+    straight: bool,
+    chunks: int,
+    steps: int,
+    repeats: int,
+    schedules: Sequence[str],
+    learning_rate: float,
+    seed: int,
+) -> _Setup:
+    """:func:`bench`'s arguments checked, the synthetic batch made, the model profiled on
+    the first device (and the shared pool's concurrency measured), the plan made."""
+    devs = _check_arguments(
+        devices=devices,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        chunks=chunks,
+        steps=steps,
+        repeats=repeats,
+        schedules=schedules,
+    )
+    spec = get_model(model, config)
+    b = batch_size // microbatches
+    x, y = jax.tree.map(np.asarray, spec.sample_batch(batch_size, seed))
+    prof = profile(
+        spec.layers,
+        jax.tree.map(lambda a: a[:b], x),
+        measure=True,
+        device=devs[0],
+        repeats=5,
+        meta={"model": model, "config": config},
+    )
+    mb = jax.tree.map(lambda a: a[:b], (x, y))
+    concurrency = pool_concurrency(spec, mb, devs)
+    topology = Topology.from_devices(devs)
+    base = _plan(
+        plan,
+        prof,
+        topology,
+        num_layers=len(spec.layers),
+        devices=devices,
+        microbatches=microbatches,
+        microbatch_size=b,
+        straight=straight,
+    )
+    return _Setup(
+        model=model,
+        config=config,
+        devices=tuple(devs),
+        batch_size=batch_size,
+        microbatches=microbatches,
+        chunks=chunks,
+        steps=steps,
+        repeats=repeats,
+        seed=seed,
+        spec=spec,
+        x=x,
+        y=y,
+        profile=prof,
+        topology=topology,
+        plan=base,
+        optimizer=optax.adam(learning_rate),
+        concurrency=concurrency,
+    )
+
+
+def _check_arguments(
+    *,
+    devices: int,
+    batch_size: int,
+    microbatches: int,
+    chunks: int,
+    steps: int,
+    repeats: int,
+    schedules: Sequence[str],
+) -> list[jax.Device]:
+    """The first ``devices`` of ``jax.devices()``, once the counts and schedules are
+    checked (:class:`~pdjax.errors.PipelineError` for the first that is wrong)."""
     for name, value in [
         ("devices", devices),
         ("batch_size", batch_size),
@@ -273,86 +285,87 @@ def bench(
             "jax.config.update('jax_num_cpu_devices', N) before using JAX (pdjax bench "
             "does it for you with --devices)"
         )
-    devs = visible[:devices]
-    spec = get_model(model, config)
-    b = batch_size // microbatches
-    x, y = jax.tree.map(np.asarray, spec.sample_batch(batch_size, seed))
-    prof = profile(
-        spec.layers,
-        jax.tree.map(lambda a: a[:b], x),
-        measure=True,
-        device=devs[0],
-        repeats=5,
-        meta={"model": model, "config": config},
-    )
-    mb = jax.tree.map(lambda a: a[:b], (x, y))
-    concurrency = pool_concurrency(spec, mb, devs)
-    topology = Topology.from_devices(devs)
-    base = _plan(plan, prof, topology, len(spec.layers), devices, microbatches, b, straight)
-    optimizer = optax.adam(learning_rate)
+    return visible[:devices]
+
+
+def _compile(
+    schedules: Sequence[str], setup: _Setup, on_row: Callable[[str], None] | None
+) -> tuple[list[_Runner], dict[str, BenchRow]]:
+    """Every runner made and called once (compilation, the first transfers), in order; one
+    that refuses to run gets a row with its error instead."""
     runners: list[_Runner] = []
-    rows: dict[str, BenchRow] = {}
+    failed: dict[str, BenchRow] = {}
     for name in schedules:
         if on_row is not None:
             on_row(name)
         try:
-            if name == "dp":
-                runner = _dp_runner(
-                    spec, prof, topology, devs, optimizer, x, y, seed, steps, concurrency
-                )
-            else:
-                runner = _pipeline_runner(
-                    name,
-                    spec,
-                    prof,
-                    base,
-                    chunks,
-                    optimizer,
-                    x,
-                    y,
-                    microbatches,
-                    seed,
-                    steps,
-                    concurrency,
-                )
+            runner = _dp_runner(setup) if name == "dp" else _pipeline_runner(name, setup)
             runner.call()  # compile (and the first transfers); refusals come before work
         except PdjaxError as e:
-            rows[name] = BenchRow(name, "-", math.nan, math.nan, math.nan, 0, 0, error=str(e))
+            failed[name] = BenchRow(
+                name=name,
+                stages="-",
+                samples_per_second=math.nan,
+                predicted_samples_per_second=math.nan,
+                host_seconds_per_action=math.nan,
+                actions=0,
+                samples=0,
+                error=str(e),
+            )
             continue
         runners.append(runner)
+    return runners, failed
+
+
+def _time_round_robin(
+    runners: Sequence[_Runner], repeats: int
+) -> dict[str, list[tuple[float, float]]]:
+    """``repeats`` timed calls of every runner, round-robin so that the noise of a shared
+    machine falls on all of them alike: each call's ``(seconds, host seconds per action)``
+    by runner name."""
     measured: dict[str, list[tuple[float, float]]] = {r.name: [] for r in runners}
     for _ in range(repeats):
         for runner in runners:
             measured[runner.name].append(runner.call())
-    for runner in runners:
-        sps = [runner.samples / seconds for seconds, _ in measured[runner.name]]
-        all_reduces = runner.count() if runner.count is not None else math.nan
-        rows[runner.name] = BenchRow(
-            name=runner.name,
-            stages=runner.stages,
-            samples_per_second=statistics.median(sps),
-            predicted_samples_per_second=runner.samples / runner.predicted_seconds,
-            host_seconds_per_action=statistics.median(h for _, h in measured[runner.name]),
-            actions=runner.actions,
-            samples=runner.samples,
-            repeats=tuple(sps),
-            note=runner.note,
-            all_reduces_per_step=all_reduces,
-        )
+    return measured
+
+
+def _row(runner: _Runner, measured: Sequence[tuple[float, float]]) -> BenchRow:
+    """The runner's row: the medians of its timed calls, its prediction, and its
+    all-reduces per step (counted in one more, untimed call)."""
+    sps = [runner.samples / seconds for seconds, _ in measured]
+    all_reduces = runner.count() if runner.count is not None else math.nan
+    return BenchRow(
+        name=runner.name,
+        stages=runner.stages,
+        samples_per_second=statistics.median(sps),
+        predicted_samples_per_second=runner.samples / runner.predicted_seconds,
+        host_seconds_per_action=statistics.median(h for _, h in measured),
+        actions=runner.actions,
+        samples=runner.samples,
+        repeats=tuple(sps),
+        note=runner.note,
+        all_reduces_per_step=all_reduces,
+    )
+
+
+def _result(setup: _Setup, rows: tuple[BenchRow, ...]) -> BenchResult:
+    """The :class:`BenchResult` of ``rows``, with what they were measured on."""
+    prof, plan = setup.profile, setup.plan
     return BenchResult(
-        model=model,
-        config=config,
-        devices=devices,
-        batch_size=batch_size,
-        microbatches=microbatches,
-        steps=steps,
-        repeats=repeats,
-        plan=base.describe().splitlines()[0] + f" ({base.partitioner})",
+        model=setup.model,
+        config=setup.config,
+        devices=len(setup.devices),
+        batch_size=setup.batch_size,
+        microbatches=setup.microbatches,
+        steps=setup.steps,
+        repeats=setup.repeats,
+        plan=plan.describe().splitlines()[0] + f" ({plan.partitioner})",
         profile_seconds=float(np.sum(prof.forward_seconds()) + np.sum(prof.backward_seconds())),
         cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0,
-        platform=str(devs[0].platform),
-        rows=tuple(rows[name] for name in schedules),
-        pool_concurrency=concurrency,
+        platform=str(setup.devices[0].platform),
+        rows=rows,
+        pool_concurrency=setup.concurrency,
     )
 
 
@@ -360,6 +373,7 @@ def _plan(
     plan: str,
     prof: Profile,
     topology: Topology,
+    *,
     num_layers: int,
     devices: int,
     microbatches: int,
@@ -451,20 +465,9 @@ def _describe(replicas: Sequence[int]) -> str:
     return "-".join(str(r) for r in replicas)
 
 
-def _pipeline_runner(
-    name: str,
-    spec: ModelSpec,
-    prof: Profile,
-    plan: Plan,
-    chunks: int,
-    optimizer: optax.GradientTransformation,
-    x: Any,
-    y: Any,
-    microbatches: int,
-    seed: int,
-    steps: int,
-    concurrency: float,
-) -> _Runner:
+def _pipeline_runner(name: str, setup: _Setup) -> _Runner:
+    """The runner of pipeline schedule ``name`` (with its variant, if any) on the plan."""
+    spec, plan, chunks, microbatches = setup.spec, setup.plan, setup.chunks, setup.microbatches
     L = len(spec.layers)
     note = ""
     runner_name, name = name, name.partition("/")[0]
@@ -476,29 +479,19 @@ def _pipeline_runner(
                 f"interleaved needs {G} x {chunks} = {K} virtual stages, {spec.name} has only "
                 f"{L} layers; use --chunks 1 or a plan with fewer stages"
             )
-        # hand-written stages name devices by index into jax.devices(); the plan's are ids
-        index = {int(d.id): i for i, d in enumerate(jax.devices())}
-        ids = plan.topology.device_ids is not None
-
-        def where(devs: tuple[int, ...]) -> tuple[int, ...]:
-            return tuple(index[d] for d in devs) if ids else devs
-
-        specs: Any = tuple(
-            StagePlan(s.first_layer, s.last_layer, where(plan.stages[k % G].devices))
-            for k, s in enumerate(even_stages(L, K))
-        )
-        costs = _virtual_costs(prof, plan, specs, microbatches)
+        specs: Any = _interleaved_stages(plan, L, chunks)
+        costs = _virtual_costs(setup.profile, plan, specs, microbatches)
         stages = f"{_describe(plan.replicas)}, {chunks} chunks each"
         note = f"{K} equal virtual stages"
     else:
         specs = plan  # the plan itself: its device ids are looked up by id
-        costs = costs_from_plan(plan, prof)
+        costs = costs_from_plan(plan, setup.profile)
         stages = _describe(plan.replicas)
     pipe = Pipeline(
         spec.layers,
         specs,
         spec.loss,
-        optimizer,
+        setup.optimizer,
         schedule=name,
         microbatches=microbatches,
         chunks=chunks if name == "interleaved" else 1,
@@ -509,16 +502,16 @@ def _pipeline_runner(
     if variant:
         how = {"rr": "round-robin replication", "backward": "all-reduce in every backward"}
         note = "; ".join(filter(None, [note, how[variant]]))
-    batch = pipe.split_batch((x, y))
+    batch = pipe.split_batch((setup.x, setup.y))
     if name in STREAMING:
-        calls, stream = 1, batch * steps
+        calls, stream = 1, batch * setup.steps
         note = note or f"one stream of {len(stream)}"
     else:
-        calls, stream = steps, batch
+        calls, stream = setup.steps, batch
     sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
     used = list(dict.fromkeys(d for st in pipe.stages for d in st.devices))
-    predicted = _predicted(simulate(sched, costs), used, concurrency) * calls
-    call = _Calls(pipe, pipe.init(jax.random.key(seed), batch[0][0]), stream, calls)
+    predicted = _predicted(simulate(sched, costs), used, setup.concurrency) * calls
+    call = _Calls(pipe, pipe.init(jax.random.key(setup.seed), batch[0][0]), stream, calls)
     # the runtime runs a replicated stage's programs one at a time on CPU (pdjax._xla_cpu)
     if any(pipe.workarounds.one_at_a_time):
         note = "; ".join(filter(None, [note, "synchronous (replicated stage, CPU)"]))
@@ -528,9 +521,35 @@ def _pipeline_runner(
         call.state, metrics = pipe.run(call.state, stream, collectives=True)
         return sum((metrics.all_reduces or {}).values()) * microbatches / len(stream)
 
-    samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // microbatches)
+    samples = calls * len(stream) * (len(jax.tree.leaves(setup.x)[0]) // microbatches)
     actions = calls * sum(len(group) for group in sched.actions)
-    return _Runner(runner_name, stages, samples, actions, predicted, note, call, count)
+    return _Runner(
+        name=runner_name,
+        stages=stages,
+        samples=samples,
+        actions=actions,
+        predicted_seconds=predicted,
+        note=note,
+        call=call,
+        count=count,
+    )
+
+
+def _interleaved_stages(plan: Plan, num_layers: int, chunks: int) -> tuple[StagePlan, ...]:
+    """The model cut into ``P * chunks`` equal virtual stages, virtual stage ``k`` on the
+    devices of the plan's stage ``k % P``."""
+    G, K = plan.num_stages, plan.num_stages * chunks
+    # hand-written stages name devices by index into jax.devices(); the plan's are ids
+    index = {int(d.id): i for i, d in enumerate(jax.devices())}
+    ids = plan.topology.device_ids is not None
+
+    def where(devs: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(index[d] for d in devs) if ids else devs
+
+    return tuple(
+        StagePlan(s.first_layer, s.last_layer, where(plan.stages[k % G].devices))
+        for k, s in enumerate(even_stages(num_layers, K))
+    )
 
 
 def _virtual_costs(
@@ -552,11 +571,6 @@ def _virtual_costs(
     return costs_from_plan(virtual, prof)
 
 
-def _shared_pool(devices: Sequence[jax.Device]) -> bool:
-    """Whether the devices are in-process CPU devices, which share one thread pool."""
-    return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
-
-
 def _predicted(sim: Simulation, devices: Sequence[jax.Device], concurrency: float) -> float:
     """Seconds the simulation predicts for one call: its makespan, or on in-process CPU
     devices (one shared thread pool, whose every program the profile timed with the whole
@@ -569,96 +583,9 @@ def _predicted(sim: Simulation, devices: Sequence[jax.Device], concurrency: floa
     return max(sim.makespan, work / concurrency)
 
 
-def pool_concurrency(
-    spec: ModelSpec, sample: tuple[Any, Any], devices: Sequence[jax.Device], rounds: int = 30
-) -> float:
-    """How much work in-process CPU devices get through at once: the seconds of ``2 n``
-    forward-backward passes of the whole model on one device, over the seconds of ``n`` on
-    each of two devices dispatched together (1.0: programs run one at a time; up to the
-    cores). 1.0 where the devices do not share a pool."""
-    if not _shared_pool(devices):
-        return 1.0
-    x, y = sample
-    params = jax.jit(spec.layers.init)(jax.random.key(0), x)
-
-    def loss(v: Any, x: Any, y: Any) -> Any:
-        return spec.loss(spec.layers.apply(v, x, train=False)[0], y)
-
-    step = jax.jit(jax.grad(loss))
-    args = [jax.device_put((params, x, y), d) for d in devices[:2]]
-
-    def timed(plan: Sequence[int]) -> float:
-        jax.block_until_ready([step(*args[d]) for d in (0, 1)])  # compiled, warm
-        t0 = time.perf_counter()
-        jax.block_until_ready([step(*args[d]) for d in plan])
-        return time.perf_counter() - t0
-
-    serial = statistics.median(timed([0] * (2 * rounds)) for _ in range(5))
-    together = statistics.median(timed([0, 1] * rounds) for _ in range(5))
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-    return min(max(serial / together, 1.0), float(cores))
-
-
-def driver_seconds_per_action(devices: Sequence[jax.Device], seed: int = 0) -> float:
-    """The driver's host seconds per dispatched action where compute is next to nothing:
-    8 dense layers of width 16 as one stage per device (at most 8), ``1f1b`` with
-    ``M = 16``; the median of ``RunMetrics.host_seconds / actions`` over 5 calls after a
-    warm-up."""
-    import flax.linen as nn
-
-    from pdjax.layers import sequential
-
-    width, n = 16, max(1, min(8, len(devices)))
-    layers = sequential([nn.Dense(width) for _ in range(8)])
-    x = np.zeros((64, width), np.float32)
-
-    def loss(out: Any, y: Any) -> Any:
-        return ((out - y) ** 2).mean()
-
-    pipe = Pipeline(
-        layers,
-        tuple(
-            StagePlan(st.first_layer, st.last_layer, (i,)) for i, st in enumerate(even_stages(8, n))
-        ),
-        loss,
-        optax.sgd(1e-3),
-        schedule="1f1b",
-        microbatches=16,
-        devices=list(devices),
-    )
-    batch = pipe.split_batch((x, x))
-    state = pipe.init(jax.random.key(seed), batch[0][0])
-    out = []
-    for k in range(6):
-        state, metrics = pipe.run(state, batch)
-        jax.block_until_ready(state)
-        if k:
-            out.append(metrics.host_seconds / metrics.actions)
-    return statistics.median(out)
-
-
-def host_costs(spec: ModelSpec, sample: tuple[Any, Any], devices: Sequence[jax.Device]) -> Any:
-    """:class:`pdjax.partition.HostCosts` measured on ``devices``: the driver's seconds per
-    action, and for in-process CPU devices the shared pool's concurrency on ``spec``'s
-    forward-backward over ``sample`` (:func:`pool_concurrency`)."""
-    from pdjax.partition import HostCosts
-
-    concurrency = pool_concurrency(spec, sample, devices) if _shared_pool(devices) else None
-    return HostCosts(driver_seconds_per_action(devices), concurrency)
-
-
-def _dp_runner(
-    spec: ModelSpec,
-    prof: Profile,
-    topology: Topology,
-    devs: Sequence[jax.Device],
-    optimizer: optax.GradientTransformation,
-    x: Any,
-    y: Any,
-    seed: int,
-    steps: int,
-    concurrency: float,
-) -> _Runner:
+def _dp_runner(setup: _Setup) -> _Runner:
+    """The data-parallel runner: one stage on every device, a step a batch."""
+    spec, devs, x, y, steps = setup.spec, setup.devices, setup.x, setup.y, setup.steps
     n = len(devs)
     batch_size = len(jax.tree.leaves(x)[0])
     if batch_size % n:
@@ -668,8 +595,8 @@ def _dp_runner(
         )
     # A plan with one stage on every device is data parallelism; its microbatch is the batch.
     plan = evaluate_partition(
-        prof,
-        topology,
+        setup.profile,
+        setup.topology,
         [(0, len(spec.layers) - 1, n)],
         schedule="1f1b",
         num_microbatches=1,
@@ -677,42 +604,16 @@ def _dp_runner(
         partitioner="uniform",
     )
     sched = generate("1f1b", 1, 1, replicas=(n,))
-    predicted = _predicted(simulate(sched, costs_from_plan(plan, prof)), devs, concurrency) * steps
-    dp = DataParallel(spec.layers, spec.loss, optimizer, devices=devs)
-    call = _Calls(dp, dp.init(jax.random.key(seed), x), [(x, y)] * steps, 1)  # a step a batch
-    return _Runner("dp", f"1 stage x{n}", steps * batch_size, steps, predicted, "", call)
-
-
-def format_table(result: BenchResult) -> Any:
-    """The result as a :class:`rich.table.Table` (print it with a rich ``Console``)."""
-    from rich.table import Table
-
-    table = Table(title="measured vs simulated throughput")
-    for header, justify in [
-        ("schedule", "left"),
-        ("stages", "left"),
-        ("measured samples/s", "right"),
-        ("predicted samples/s", "right"),
-        ("measured / predicted", "right"),
-        ("host us / action", "right"),
-        ("all-reduces / step", "right"),
-        ("actions", "right"),
-        ("note", "left"),
-    ]:
-        table.add_column(header, justify=justify)  # type: ignore[arg-type]
-    for r in result.rows:
-        if r.error is not None:
-            table.add_row(r.name, r.stages, "-", "-", "-", "-", "-", "-", f"not run: {r.error}")
-            continue
-        table.add_row(
-            r.name,
-            r.stages,
-            f"{r.samples_per_second:,.0f}",
-            f"{r.predicted_samples_per_second:,.0f}",
-            f"{r.ratio:.2f}",
-            f"{r.host_seconds_per_action * 1e6:,.0f}",
-            "-" if math.isnan(r.all_reduces_per_step) else f"{r.all_reduces_per_step:g}",
-            str(r.actions),
-            r.note,
-        )
-    return table
+    simulation = simulate(sched, costs_from_plan(plan, setup.profile))
+    predicted = _predicted(simulation, devs, setup.concurrency) * steps
+    dp = DataParallel(spec.layers, spec.loss, setup.optimizer, devices=devs)
+    call = _Calls(dp, dp.init(jax.random.key(setup.seed), x), [(x, y)] * steps, 1)  # a step a batch
+    return _Runner(
+        name="dp",
+        stages=f"1 stage x{n}",
+        samples=steps * batch_size,
+        actions=steps,
+        predicted_seconds=predicted,
+        note="",
+        call=call,
+    )

@@ -45,8 +45,6 @@ __all__ = ["register", "run"]
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``bench`` subcommand."""
-    from pdjax.apps.bench import BENCH_SCHEDULES
-
     p = subparsers.add_parser(
         "bench",
         help="measured throughput of every schedule and DP vs the simulator",
@@ -57,6 +55,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=HelpFormatter,
     )
     add_model_arguments(p, default="cnn")
+    _add_run_options(p)
+    _add_cluster_options(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What to run and how long: devices, batch, plan, schedules, steps and repeats."""
+    from pdjax.apps.bench import BENCH_SCHEDULES
+
     p.add_argument("--devices", action=DEVICES, default=4, help="devices to use (CPU: simulated)")
     p.add_argument("--batch-size", action=BATCH, default=64, help="samples per optimizer step")
     p.add_argument(
@@ -82,6 +90,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--seed", action=seed_int, default=0, help="seeds the synthetic batch and weights"
     )
+
+
+def _add_cluster_options(p: argparse.ArgumentParser) -> None:
+    """The group of ``--cluster`` options (and ``--tta``'s within it)."""
     c = p.add_argument_group(
         "a cluster on one machine",
         "--cluster: 2 worker processes, one core each, on emulated links (network namespaces "
@@ -129,8 +141,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="folder for cluster.json/.md/.png (default out/cluster), or for --tta its runs "
         "and tta.md/.json/*.png (default out/cluster-tta)",
     )
-    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
-    p.set_defaults(func=run)
 
 
 _WHY_RATE = "10 Tbit/s, faster than any link emulated"
