@@ -15,7 +15,8 @@ from user_model import mine_config as _mine
 
 from pdjax.apps import data
 from pdjax.apps.cli import main
-from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, _sync_metrics, build, train
+from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, build, train
+from pdjax.apps.train.outputs import _sync_metrics
 from pdjax.errors import DataError, LayerError, PipelineError
 
 # the same programs compile again in every run: tests/xla_cache.py

@@ -172,7 +172,7 @@ def test_a_resume_follows_the_plan_the_run_started_with(here, monkeypatch):
     def replan(*args, **kwargs):
         raise AssertionError("a resumed run planned again")
 
-    monkeypatch.setattr("pdjax.apps.train.auto_plan", replan)
+    monkeypatch.setattr("pdjax.apps.train.planning.auto_plan", replan)
     resumed = train(_cfg(plan="auto", epochs=2), checkpoint_dir=ckpt, warmup=False)
     assert resumed.plan == first.plan and [r.epoch for r in resumed.history] == [1, 2]
     # an explicit plan file: the saved plan's copy resumes, another plan is refused
@@ -201,7 +201,7 @@ def test_the_plan_is_written_beside_the_metrics_and_runs_again(here, monkeypatch
     def replan(*args, **kwargs):
         raise AssertionError("a run given a plan file planned")
 
-    monkeypatch.setattr("pdjax.apps.train.auto_plan", replan)
+    monkeypatch.setattr("pdjax.apps.train.planning.auto_plan", replan)
     again = here / "again"
     assert main(_argv(again, "--plan", str(written))) == 0
     assert json.loads((again / "summary.json").read_text())[0]["plan"] == summary[0]["plan"]

@@ -11,8 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from pdjax.apps import train
-from pdjax.apps.train import PLAN_TOLERANCE, auto_plan
+from pdjax.apps.train import PLAN_TOLERANCE, auto_plan, planning
 from pdjax.partition import Topology, plan_pipedream
 from pdjax.profile import LayerProfile, Profile
 
@@ -118,7 +117,7 @@ def test_the_measured_plan_wins_where_the_counts_are_wrong(monkeypatch, devices)
     assert _stages(plan) == _stages(best) and "stable" not in plan.options
     assert plan.time_per_microbatch == best.time_per_microbatch
     # the counted plan is another, taken only with a far looser tolerance
-    monkeypatch.setattr(train, "PLAN_TOLERANCE", 0.5)
+    monkeypatch.setattr(planning, "PLAN_TOLERANCE", 0.5)
     loose = _auto(monkeypatch, prof, devices)
     assert _stages(loose) != _stages(best)
     assert loose.time_per_microbatch > (1 + PLAN_TOLERANCE) * best.time_per_microbatch

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdjax.apps.commands import (
     MAX_DEVICES,
@@ -35,6 +35,9 @@ from pdjax.apps.commands import (
     seed_int,
     split_list,
 )
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 __all__ = ["epoch_line", "register", "run", "set_cpu_devices"]
 
@@ -54,8 +57,6 @@ REPEATS = positive_int(1000, "each repeat times every schedule")
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Adds the ``train`` subcommand."""
-    from pdjax.apps.train import SCHEDULE_CHOICES
-
     p = subparsers.add_parser(
         "train",
         help="train a model with a pipeline schedule or data parallelism",
@@ -65,6 +66,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         formatter_class=HelpFormatter,
     )
     add_model_arguments(p, default="cnn")
+    _add_run_options(p)
+    _add_step_options(p)
+    _add_pipeline_options(p)
+    p.add_argument(
+        "--seq-len",
+        action=positive_int(2**16, "a window's activations are allocated at once"),
+        default=16,
+        help="tokens per window (text); passed to a factory that takes seq_len",
+    )
+    p.add_argument(
+        "--compare",
+        default="",
+        help="comma-separated schedules to run next to --schedule on the same data, e.g. "
+        "'dp' or 'dp,1f1b,pipedream-nostash,pipedream-vsync'",
+    )
+    _add_output_options(p)
+    _add_process_options(p)
+    p.set_defaults(func=run)
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    """What runs: the dataset, the schedule, the devices and the plan."""
+    from pdjax.apps.train import SCHEDULE_CHOICES
+
     p.add_argument(
         "--dataset",
         default="digits",
@@ -92,6 +117,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
     )
+
+
+def _add_step_options(p: argparse.ArgumentParser) -> None:
+    """How long and how it steps: epochs, batch and microbatches, the optimizer, the seed
+    and the target accuracy."""
     p.add_argument(
         "--epochs",
         action=positive_int(100_000, "each epoch trains on the whole dataset"),
@@ -123,6 +153,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action=float_range(0.0, 1.0, lo_open=True),
         help="stop at this test accuracy (0-1]",
     )
+
+
+def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
+    """Options of the pipeline: PipeDream's (vertical sync, weight stashing, microbatches
+    in flight) and how replicated stages share their work."""
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
     p.add_argument(
         "--no-weight-stashing", action="store_true", help="pipedream without weight stashing"
@@ -143,18 +178,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "round-robin (whole microbatches, one per device, one update per group under "
         "pipedream); plan: as the plan says",
     )
-    p.add_argument(
-        "--seq-len",
-        action=positive_int(2**16, "a window's activations are allocated at once"),
-        default=16,
-        help="tokens per window (text); passed to a factory that takes seq_len",
-    )
-    p.add_argument(
-        "--compare",
-        default="",
-        help="comma-separated schedules to run next to --schedule on the same data, e.g. "
-        "'dp' or 'dp,1f1b,pipedream-nostash,pipedream-vsync'",
-    )
+
+
+def _add_output_options(p: argparse.ArgumentParser) -> None:
+    """What a run writes and shows: checkpoints (and the step to resume from), metrics,
+    plots, TensorBoard files and progress."""
     p.add_argument(
         "--checkpoint-dir",
         help="save every epoch here (a folder per run, with the plan it runs); resume a run "
@@ -185,6 +213,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a progress bar over each epoch's batches (bar), one line per epoch (lines), or "
         "a bar on a terminal and lines elsewhere (auto)",
     )
+
+
+def _add_process_options(p: argparse.ArgumentParser) -> None:
+    """One pipeline across processes (jax.distributed), as an option group of its own."""
     g = p.add_argument_group(
         "several processes",
         "one pipeline across processes (jax.distributed): run the same command in every "
@@ -219,7 +251,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument(
         "--pin-cores", action="store_true", help="with --local-processes: process i on core i"
     )
-    p.set_defaults(func=run)
 
 
 def set_cpu_devices(n: int) -> None:
@@ -263,14 +294,49 @@ def run(args: argparse.Namespace) -> int:
         set_cpu_devices(args.devices)
     from rich.console import Console
 
-    from pdjax.apps.train import (
-        TrainConfig,
-        build,
-        check,
-        check_outputs,
-        require_tensorboard,
-        run_folder,
-    )
+    from pdjax.apps.train import build, check, check_outputs, require_tensorboard, run_folder
+
+    # Every configuration is checked before the first run trains, and before anything is
+    # written: settings, model, dataset, sizes, devices, plan files.
+    configs = _configs(args)
+    if args.tensorboard:
+        require_tensorboard()
+    built = build(configs[0])  # the variants differ only in how they train
+    for cfg in configs:
+        check(cfg, *built)
+
+    out = Path(args.out)
+    metrics_path = out / "metrics.jsonl"
+    folders = [
+        os.path.join(args.checkpoint_dir, run_folder(cfg.label)) if args.checkpoint_dir else None
+        for cfg in configs
+    ]
+    for cfg, ckpt in zip(configs, folders, strict=True):  # earlier outputs are never dropped
+        check_outputs(cfg, ckpt, metrics_path, args.resume_step)
+
+    bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    results = [
+        _train_one(
+            cfg,
+            console,
+            ckpt=ckpt,
+            metrics_path=metrics_path,
+            built=built,
+            bar=bar,
+            tensorboard=args.tensorboard,
+            resume_step=args.resume_step,
+        )
+        for cfg, ckpt in zip(configs, folders, strict=True)
+    ]
+    _summary(console, results)
+    _write_results(console, args, results, metrics_path)
+    return 0
+
+
+def _configs(args: argparse.Namespace) -> list[Any]:
+    """The :class:`~pdjax.apps.train.TrainConfig` of each variant (:func:`_variants`)."""
+    from pdjax.apps.train import TrainConfig
 
     common = dict(
         model=args.model,
@@ -291,34 +357,15 @@ def run(args: argparse.Namespace) -> int:
         transport=args.transport,
         replication=args.replication,
     )
-    # Every configuration is checked before the first run trains, and before anything is
-    # written: settings, model, dataset, sizes, devices, plan files.
-    configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
-    if args.tensorboard:
-        require_tensorboard()
-    built = build(configs[0])  # the variants differ only in how they train
-    for cfg in configs:
-        check(cfg, *built)
+    return [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
 
+
+def _write_results(
+    console: Any, args: argparse.Namespace, results: list[Any], metrics_path: Path
+) -> None:
+    """Writes ``summary.json`` and the plots (unless ``--no-plots``) into ``--out``, and
+    says where they and the metrics are."""
     out = Path(args.out)
-    metrics_path = out / "metrics.jsonl"
-    folders = [
-        os.path.join(args.checkpoint_dir, run_folder(cfg.label)) if args.checkpoint_dir else None
-        for cfg in configs
-    ]
-    for cfg, ckpt in zip(configs, folders, strict=True):  # earlier outputs are never dropped
-        check_outputs(cfg, ckpt, metrics_path, args.resume_step)
-
-    bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
-    console = Console(width=None if sys.stdout.isatty() else 140)
-    results = []
-    for cfg, ckpt in zip(configs, folders, strict=True):
-        results.append(
-            _train_one(
-                cfg, console, ckpt, metrics_path, built, bar, args.tensorboard, args.resume_step
-            )
-        )
-    _summary(console, results)
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = [_result_dict(r) for r in results]
@@ -334,7 +381,6 @@ def run(args: argparse.Namespace) -> int:
             console.print("plots: " + "  ".join(str(p) for p in paths), highlight=False)
         else:
             console.print("plots: none (the model has no accuracy to plot)", highlight=False)
-    return 0
 
 
 def _join(args: argparse.Namespace) -> bool:
@@ -407,8 +453,6 @@ def _train_one(
     resume_step: int | None = None,
 ) -> Any:
     """Trains one variant; a progress bar (``bar``) or one line per epoch on stdout."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-
     from pdjax.apps.train import train
 
     title = f"{cfg.label}: {cfg.model} ({cfg.config}) on {cfg.dataset}"
@@ -416,68 +460,82 @@ def _train_one(
         console.rule(title)
     else:
         print(f"== {title}", flush=True)
-    progress: Progress | None = None
-    task: Any = None
-    epoch = 1  # the epoch running (for the bar)
+    display = _Display(cfg, console, ckpt, bar)
+    try:
+        return train(
+            cfg,
+            checkpoint_dir=ckpt,
+            metrics_path=metrics_path,
+            on_epoch=display.on_epoch,
+            on_progress=display.on_progress if bar else None,
+            built=built,
+            on_resume=display.on_resume,
+            on_start=display.on_start,
+            tensorboard_dir=tensorboard,
+            resume_step=resume_step,
+        )
+    finally:
+        display.stop()
 
-    def on_resume(epochs: int, step: int) -> None:
-        nonlocal epoch
-        epoch = epochs + 1
-        print(f"resuming from checkpoint step {step} (epoch {epochs}): {ckpt}", flush=True)
 
-    def on_start(plan: str) -> None:
-        nonlocal progress, task
+class _Display:
+    """One variant's progress on the console, its methods :func:`~pdjax.apps.train.train`'s
+    callbacks: a progress bar over each epoch's batches (``bar``), started once every
+    setting is checked, or one line per epoch."""
+
+    def __init__(self, cfg: Any, console: Any, ckpt: str | None, bar: bool) -> None:
+        self._cfg, self._console, self._ckpt, self._bar = cfg, console, ckpt, bar
+        self._progress: Progress | None = None
+        self._task: Any = None
+        self._epoch = 1  # the epoch running (for the bar)
+
+    def on_resume(self, epochs: int, step: int) -> None:
+        self._epoch = epochs + 1
+        print(f"resuming from checkpoint step {step} (epoch {epochs}): {self._ckpt}", flush=True)
+
+    def on_start(self, plan: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
         print(f"plan: {plan}", flush=True)
-        if bar:  # every setting is checked by now: no error comes under a bar
-            progress = Progress(
+        if self._bar:  # every setting is checked by now: no error comes under a bar
+            self._progress = Progress(
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[info]}"),
-                console=console,
+                console=self._console,
                 transient=False,
             )
-            progress.start()
-            task = progress.add_task(f"{cfg.label} compiling", total=None, info="")
+            self._progress.start()
+            self._task = self._progress.add_task(
+                f"{self._cfg.label} compiling", total=None, info=""
+            )
 
-    def on_progress(done: int, total: int) -> None:
-        if progress is not None:
-            description = f"{cfg.label} epoch {epoch}/{cfg.epochs}"
-            progress.update(task, completed=done, total=total, description=description)
+    def on_progress(self, done: int, total: int) -> None:
+        if self._progress is not None:
+            description = f"{self._cfg.label} epoch {self._epoch}/{self._cfg.epochs}"
+            self._progress.update(self._task, completed=done, total=total, description=description)
 
-    def on_epoch(record: Any) -> None:
-        nonlocal epoch
-        epoch = record.epoch + 1
+    def on_epoch(self, record: Any) -> None:
+        cfg = self._cfg
+        self._epoch = record.epoch + 1
         line = epoch_line(cfg, record)
-        if progress is None:
+        if self._progress is None:
             print(line, flush=True)
             return
-        progress.console.print(line, highlight=False, markup=False)
+        self._progress.console.print(line, highlight=False, markup=False)
         acc = record.test_accuracy
-        progress.update(
-            task,
+        self._progress.update(
+            self._task,
             description=f"{cfg.label} epoch {record.epoch}/{cfg.epochs} done",
             info=f"loss {record.train_loss:.3f}"
             + (f"  acc {acc:.3f}" if math.isfinite(acc) else "")
             + f"  {record.samples_per_second:,.0f} samples/s",
         )
 
-    try:
-        return train(
-            cfg,
-            checkpoint_dir=ckpt,
-            metrics_path=metrics_path,
-            on_epoch=on_epoch,
-            on_progress=on_progress if bar else None,
-            built=built,
-            on_resume=on_resume,
-            on_start=on_start,
-            tensorboard_dir=tensorboard,
-            resume_step=resume_step,
-        )
-    finally:
-        if progress is not None:
-            progress.stop()
+    def stop(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
 
 
 def _strict_json(value: Any) -> Any:

@@ -1,0 +1,232 @@
+"""What a training run is: its settings (:class:`TrainConfig`), an epoch's measurements
+(:class:`EpochRecord`) and its result (:class:`TrainResult`), and the names made from
+them (the optimizer, the run's folder)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import optax
+
+from pdjax.errors import PipelineError
+from pdjax.models import check_model_name
+
+SCHEDULE_CHOICES = (
+    "pipedream",
+    "2bw",
+    "1f1b",
+    "gpipe",
+    "interleaved",
+    "zb-h1",
+    "zb-h2",
+    "zb-v",
+    "dp",
+    "auto",
+)
+#: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
+DATASETS = ("digits", "text")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Everything a training run depends on (saved next to its metrics).
+
+    Attributes:
+      model: a name from :data:`pdjax.models.MODELS`, or ``package.module:factory``
+        for a model of your own (:func:`pdjax.models.load_model`).
+      config: ``"tiny"`` or ``"paper"`` (a factory that takes ``config`` gets it as is).
+      dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs), or
+        the path of an ``.npz`` file with ``x_train``, ``y_train``, ``x_test``,
+        ``y_test`` (:func:`pdjax.apps.data.load_npz`).
+      schedule: a pipeline schedule, or ``"dp"`` for the data-parallel baseline.
+      devices: how many of ``jax.devices()`` to use.
+      plan: ``"auto"`` (profile and plan now), ``"even"`` (equal layer counts, one device
+        per stage), or a path to a plan JSON.
+      epochs: epochs at most.
+      batch_size: samples per optimizer step (``M`` microbatches for a pipeline).
+      microbatches: ``M``.
+      chunks: ``v`` for ``interleaved``.
+      optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"``.
+      learning_rate: the optimizer's step size.
+      seed: seeds initialisation, dropout and the data order.
+      target_accuracy: stop once the test accuracy reaches this (0-1), or None.
+      vertical_sync: ``pipedream`` option.
+      weight_stashing: ``pipedream`` option.
+      seq_len: tokens per window for ``text`` (a factory that takes ``seq_len`` gets it).
+      extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
+        (latency hiding).
+      transport: how values cross processes (``auto``, ``device_put``, ``collective``).
+      straight: ``plan="auto"`` without replication (a pure pipeline, one stage per
+        device), as PipeDream's optimizer offers.
+      replication: how replicated stages share their work: ``"plan"`` (each plan stage's
+        choice, split when the plan says nothing), ``"split"`` or ``"round-robin"``
+        (:class:`~pdjax.pipeline.Pipeline`).
+      allow_stale: ``schedule="auto"``: the search may choose ``pipedream`` or ``2bw``.
+
+    ``schedule="auto"`` profiles the model (measured) and lets
+    :func:`~pdjax.partition.plan_auto` choose the schedule, the microbatches, the stages
+    and their replication for ``batch_size`` samples per step
+    (:func:`~pdjax.apps.train.resolve_auto`); ``microbatches`` and ``chunks`` are then its
+    choice.
+    """
+
+    model: str = "cnn"
+    config: str = "tiny"
+    dataset: str = "digits"
+    schedule: str = "pipedream"
+    devices: int = 4
+    plan: str = "auto"
+    epochs: int = 10
+    batch_size: int = 64
+    microbatches: int = 4
+    chunks: int = 2
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    target_accuracy: float | None = None
+    vertical_sync: bool = False
+    weight_stashing: bool = True
+    seq_len: int = 16
+    straight: bool = False
+    extra_in_flight: int = 0
+    transport: str = "auto"
+    replication: str = "plan"
+    allow_stale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULE_CHOICES:
+            raise PipelineError(
+                f"unknown schedule {self.schedule!r}; choose one of {SCHEDULE_CHOICES}"
+            )
+        check_model_name(self.model)
+        if self.dataset not in DATASETS and not (
+            self.dataset.endswith(".npz") or Path(self.dataset).is_file()
+        ):
+            raise PipelineError(
+                f"unknown dataset {self.dataset!r}; choose digits or text, or give the path of "
+                "an .npz file with x_train, y_train, x_test and y_test"
+            )
+        if self.optimizer not in ("adam", "sgd", "momentum"):
+            raise PipelineError(f"unknown optimizer {self.optimizer!r}; adam, sgd or momentum")
+        for name in ("devices", "epochs", "batch_size", "microbatches", "chunks"):
+            if getattr(self, name) < 1:
+                raise PipelineError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.microbatches:
+            raise PipelineError(
+                f"batch_size {self.batch_size} is not a multiple of microbatches "
+                f"{self.microbatches}: each microbatch must have the same size"
+            )
+        if not self.learning_rate > 0:
+            raise PipelineError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.schedule != "pipedream" and (self.vertical_sync or not self.weight_stashing):
+            raise PipelineError(
+                "vertical sync and no weight stashing are options of the pipedream schedule"
+            )
+        if self.extra_in_flight and self.schedule != "pipedream":
+            raise PipelineError("extra microbatches in flight are an option of pipedream")
+        if self.extra_in_flight < 0:
+            raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
+        if self.allow_stale and self.schedule != "auto":
+            raise PipelineError("allowing stale weights is an option of --schedule auto")
+        if self.replication not in ("plan", "split", "round-robin"):
+            raise PipelineError(
+                f"unknown replication {self.replication!r}; choose plan, split or round-robin"
+            )
+        if self.transport not in ("auto", "device_put", "collective"):
+            raise PipelineError(
+                f"unknown transport {self.transport!r}; choose auto, device_put or collective"
+            )
+        if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
+            raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    @property
+    def label(self) -> str:
+        """A short name for tables: the schedule and its options."""
+        name = self.schedule
+        if name == "pipedream" and not self.weight_stashing:
+            name += " (no stashing)"
+        if name == "pipedream" and self.vertical_sync:
+            name += " (vertical sync)"
+        if self.extra_in_flight:
+            name += f" (+{self.extra_in_flight} in flight)"
+        if self.replication != "plan":
+            name += f" ({self.replication})"
+        return name
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRecord:
+    """One epoch's measurements.
+
+    Attributes:
+      epoch: 1-based epoch number.
+      train_loss: mean training loss over the epoch's microbatches (steps for DP).
+      test_loss: mean loss on the test split (eval mode).
+      test_accuracy: accuracy on the test split (per token for language models; NaN
+        for a custom model without an accuracy function).
+      seconds: wall time of the epoch's training (evaluation excluded).
+      elapsed: cumulative training seconds up to the end of this epoch.
+      samples_per_second: training samples / seconds.
+      updates: optimizer updates of stage 0 so far.
+    """
+
+    epoch: int
+    train_loss: float
+    test_loss: float
+    test_accuracy: float
+    seconds: float
+    elapsed: float
+    samples_per_second: float
+    updates: int
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`~pdjax.apps.train.train` returns.
+
+    Attributes:
+      config: the run's configuration.
+      plan: a text rendering of the stages (or ``"data parallel on N devices"``).
+      history: one record per epoch run (restored epochs included after a resume).
+      stopped: why the run ended: ``"target"``, ``"epochs"`` or ``"diverged"``.
+      target_epoch: the first epoch that reached the target accuracy, or None.
+      time_to_target: training seconds until then, or None.
+      state: the final runner state.
+      resumed_epoch: the epochs a checkpoint held when the run resumed from it, or None
+        for a fresh run.
+    """
+
+    config: TrainConfig
+    plan: str
+    history: list[EpochRecord]
+    stopped: str
+    target_epoch: int | None = None
+    time_to_target: float | None = None
+    state: Any = None
+    resumed_epoch: int | None = None
+
+    @property
+    def final_accuracy(self) -> float:
+        return self.history[-1].test_accuracy if self.history else float("nan")
+
+
+def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
+    """The optimizer a CLI name means: ``adam``, ``momentum`` (SGD, 0.9) or ``sgd``."""
+    if name == "adam":
+        return optax.adam(learning_rate)
+    if name == "momentum":
+        return optax.sgd(learning_rate, momentum=0.9)
+    return optax.sgd(learning_rate)
+
+
+def run_folder(label: str) -> str:
+    """A run's folder name (checkpoints, TensorBoard): its label with non-word characters
+    as ``_``, e.g. ``"pipedream_no_stashing_"`` -> ``"pipedream_no_stashing"``."""
+    return re.sub(r"\W+", "_", label).strip("_")

@@ -1,0 +1,449 @@
+"""The training loop (:func:`train`): a run set up from its settings and its checkpoints
+(:func:`_set_up`), then epochs trained, evaluated, checked for divergence and committed
+(checkpoint first, then the metrics line) until the last epoch or the target accuracy."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax.apps import data as data_lib
+from pdjax.apps.train.config import EpochRecord, TrainConfig, TrainResult, run_folder
+from pdjax.apps.train.evaluation import evaluate_runner
+from pdjax.apps.train.model_data import build, check
+from pdjax.apps.train.outputs import (
+    _append_metrics,
+    _refuse_mixing,
+    _sync_metrics,
+    _TensorBoard,
+    require_tensorboard,
+)
+from pdjax.apps.train.planning import plan_of
+from pdjax.apps.train.resume import _open_checkpoints, _resume, _save_plan, _saved_plan, _settle
+from pdjax.apps.train.runner import make_runner
+from pdjax.errors import PipelineError, TrainingDiverged
+from pdjax.models import ModelSpec
+from pdjax.pipeline.executor import Pipeline
+from pdjax.runners import Runner
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hooks:
+    """The caller's callbacks (:func:`train`'s arguments of the same names)."""
+
+    on_epoch: Callable[[EpochRecord], None] | None = None
+    on_progress: Callable[[int, int], None] | None = None
+    on_resume: Callable[[int, int], None] | None = None
+    on_start: Callable[[str], None] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outputs:
+    """Where a run writes: its checkpointer (None: no checkpoints) of ``checkpoint_dir``,
+    its metrics file and its TensorBoard folder (None: not written)."""
+
+    ckpt: Any
+    checkpoint_dir: str | Path | None
+    metrics_path: Path | None
+    tensorboard_dir: Path | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """A run ready to train: the settings asked for (``requested``, what its checkpoints
+    are compared with) and those it runs (``cfg``: ``schedule="auto"`` resolved), its model,
+    data, runner and plan's text, and the state and history it starts from (``resumed``:
+    restored from a checkpoint). The loop appends each epoch's record to ``history``."""
+
+    requested: TrainConfig
+    cfg: TrainConfig
+    spec: ModelSpec
+    ds: data_lib.Dataset
+    runner: Runner[Any]
+    plan_text: str
+    state: Any
+    history: list[EpochRecord]
+    resumed: bool
+
+
+def train(
+    cfg: TrainConfig,
+    *,
+    checkpoint_dir: str | Path | None = None,
+    metrics_path: str | Path | None = None,
+    on_epoch: Callable[[EpochRecord], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    warmup: bool = True,
+    built: tuple[ModelSpec, data_lib.Dataset] | None = None,
+    on_resume: Callable[[int, int], None] | None = None,
+    on_start: Callable[[str], None] | None = None,
+    tensorboard_dir: str | Path | None = None,
+    resume_step: int | None = None,
+) -> TrainResult:
+    """Trains ``cfg.model`` on ``cfg.dataset``; see the module docstring.
+
+    Args:
+      cfg: the run.
+      checkpoint_dir: save after every epoch (orbax, step ``e`` after epoch ``e``) when
+        the weights and the evaluation are finite; if it already holds a checkpoint of
+        this run, resume from its newest step. The plan a run follows (``plan="auto"``,
+        a plan file, ``schedule="auto"``) is saved there as :data:`PLAN_FILE` when it
+        starts, and a resumed run follows that plan instead of planning again.
+      metrics_path: append one JSON line per epoch (``{"run": label, **record}``, strict
+        JSON: a NaN or infinite number is written as null), once the epoch's checkpoint
+        is committed. With ``checkpoint_dir`` the file follows the checkpoint: a resumed
+        run keeps its lines of the epochs the checkpoint holds (and writes those that are
+        missing), drops its lines of later epochs, and appends the new ones. A fresh run
+        (nothing to resume) refuses a file that already holds lines of its run. Other
+        runs' lines are kept. The plan the run follows (where it has one) is written
+        beside the file when the run starts, as ``<run>/``:data:`PLAN_FILE` (``<run>``:
+        :func:`run_folder` of the label), with or without ``checkpoint_dir``: ``plan=``
+        that file runs the same stages again.
+      on_epoch: called with each epoch's record (for progress displays).
+      on_progress: called with ``(microbatches dispatched, microbatches in the epoch)``.
+      warmup: compile every function first, on a throwaway copy of the state, so that
+        epoch times (and time to accuracy) measure training, not XLA's compiler.
+      built: the model and dataset from :func:`build`, if already made.
+      on_resume: called with ``(epochs, step)`` when the run resumes from a checkpoint
+        holding that many epochs, ``step`` the optimizer updates (stage 0's) so far.
+      on_start: called with the plan's text once every setting is checked and the state is
+        made, before compiling (where a display starts).
+      tensorboard_dir: write TensorBoard event files under ``tensorboard_dir/<run>``
+        (:func:`run_folder` of the label; needs ``tensorboardX``): per epoch (the step),
+        ``train/loss``, ``test/loss``, ``test/accuracy``, ``train/samples_per_second``,
+        ``train/epoch_seconds``, and the config as text.
+      resume_step: resume from this step of ``checkpoint_dir`` instead of the newest. The
+        steps after it are moved into a ``set-aside-after-<step>-*`` folder there (kept,
+        no longer listed), as the run goes on from the step it resumed.
+
+    Returns:
+      The :class:`TrainResult`.
+
+    Raises:
+      TrainingDiverged: if a training or test loss, the test accuracy, or a weight is NaN
+        or infinite (that epoch is not saved; the message names the last step saved).
+      CheckpointError: a ``resume_step`` that is not in ``checkpoint_dir``, or a
+        checkpoint that cannot be restored (no older step is tried instead).
+      PipelineError: for inconsistent settings, before any training.
+      DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
+    """
+    spec, ds = built if built is not None else build(cfg)
+    hooks = _Hooks(
+        on_epoch=on_epoch, on_progress=on_progress, on_resume=on_resume, on_start=on_start
+    )
+    with contextlib.ExitStack() as stack:  # closes the checkpointer on any exit
+        outputs, step = _open_outputs(
+            stack, checkpoint_dir, metrics_path, tensorboard_dir, resume_step
+        )
+        run = _set_up(
+            requested=cfg,
+            spec=spec,
+            ds=ds,
+            outputs=outputs,
+            step=step,
+            chosen=resume_step is not None,
+            hooks=hooks,
+        )
+        return _run_epochs(run, outputs, hooks, warmup=warmup)
+
+
+def _open_outputs(
+    stack: contextlib.ExitStack,
+    checkpoint_dir: str | Path | None,
+    metrics_path: str | Path | None,
+    tensorboard_dir: str | Path | None,
+    resume_step: int | None,
+) -> tuple[_Outputs, int | None]:
+    """A run's outputs, its checkpointer opened in ``stack``, and the step to resume from
+    (None for a fresh run: :func:`_open_checkpoints`)."""
+    ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+    outputs = _Outputs(
+        ckpt=ckpt,
+        checkpoint_dir=checkpoint_dir,
+        metrics_path=None if metrics_path is None else Path(metrics_path),
+        tensorboard_dir=None if tensorboard_dir is None else Path(tensorboard_dir),
+    )
+    return outputs, step
+
+
+def _set_up(
+    requested: TrainConfig,
+    spec: ModelSpec,
+    ds: data_lib.Dataset,
+    outputs: _Outputs,
+    *,
+    step: int | None,
+    chosen: bool,
+    hooks: _Hooks,
+) -> _Run:
+    """The run of ``requested``, ready to train: its settings settled and checked, its plan
+    read or made, its runner and state made (restored from checkpoint ``step``, None for a
+    fresh run; ``chosen``: a step the caller picked), its plan written and its metrics
+    synced with its checkpoint, and ``on_start`` called."""
+    saved = None
+    if step is not None and outputs.checkpoint_dir is not None:  # a step implies a dir
+        saved = _saved_plan(outputs.checkpoint_dir)
+    cfg, plan, plan_given = _settle(requested, spec, ds, saved, outputs.checkpoint_dir)
+    check(cfg, spec, ds)
+    if outputs.tensorboard_dir is not None:
+        require_tensorboard()
+    if outputs.metrics_path is not None and step is None:
+        _refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
+    sample = ds.train_x[: cfg.microbatch_size]
+    if plan is None:
+        plan = plan_of(cfg, spec, sample)
+    runner, plan_text = make_runner(cfg, spec, sample, plan)
+    state = runner.init(jax.random.key(cfg.seed), sample)
+    history: list[EpochRecord] = []
+    if step is not None:
+        state, history = _resume(
+            ckpt=outputs.ckpt,
+            step=step,
+            state=state,
+            runner=runner,
+            requested=requested,
+            plan_given=plan_given,
+            chosen=chosen,
+        )
+        if hooks.on_resume is not None:
+            hooks.on_resume(len(history), history[-1].updates if history else 0)
+    if plan is not None:
+        _write_plan(outputs, cfg.label, plan, saved=saved is not None)
+    if outputs.metrics_path is not None and outputs.ckpt is not None:
+        _sync_metrics(outputs.metrics_path, cfg.label, history)
+    if hooks.on_start is not None:
+        hooks.on_start(plan_text)
+    return _Run(
+        requested=requested,
+        cfg=cfg,
+        spec=spec,
+        ds=ds,
+        runner=runner,
+        plan_text=plan_text,
+        state=state,
+        history=history,
+        resumed=step is not None,
+    )
+
+
+def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> None:
+    """Writes the plan a run follows into its checkpoint directory (unless one is ``saved``
+    there already) and beside its metrics file, as ``<run>/``:data:`PLAN_FILE`."""
+    if outputs.checkpoint_dir is not None and not saved:
+        _save_plan(Path(outputs.checkpoint_dir), plan)
+    if outputs.metrics_path is not None:
+        # with or without checkpoints: a fresh plan="auto" run measures and may plan
+        # other stages, so this file is how a run is repeated on the same ones
+        _save_plan(outputs.metrics_path.parent / run_folder(label), plan)
+
+
+def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) -> TrainResult:
+    """Trains ``run`` (compiled first with ``warmup``: :func:`_warm_up`) from the epoch it
+    starts at to its last, or to the first epoch at its target accuracy, committing each
+    (:func:`_commit`) before the next."""
+    cfg, history = run.cfg, run.history
+    start_epoch = len(history)
+    if warmup and start_epoch < cfg.epochs:
+        _warm_up(run.runner, run.state, run.ds, cfg, hooks.on_progress is not None)
+    result = TrainResult(
+        config=cfg,
+        plan=run.plan_text,
+        history=history,
+        stopped="epochs",
+        state=run.state,
+        resumed_epoch=start_epoch if run.resumed and history else None,
+    )
+    _mark_target(result)
+    if result.target_epoch is not None:
+        result.stopped = "target"
+        return result
+    with contextlib.ExitStack() as stack:  # closes the TensorBoard files on any exit
+        board = None
+        if outputs.tensorboard_dir is not None:
+            folder = outputs.tensorboard_dir / run_folder(cfg.label)
+            board = stack.enter_context(contextlib.closing(_TensorBoard(folder, cfg)))
+        state = run.state
+        for epoch in range(start_epoch, cfg.epochs):
+            state, record = _train_epoch(
+                cfg=cfg,
+                spec=run.spec,
+                runner=run.runner,
+                state=state,
+                ds=run.ds,
+                epoch=epoch,
+                elapsed=history[-1].elapsed if history else 0.0,
+                ckpt=outputs.ckpt,
+                on_progress=hooks.on_progress,
+            )
+            history.append(record)
+            result.state = state
+            _commit(run, outputs, state, board)
+            if hooks.on_epoch is not None:
+                hooks.on_epoch(record)
+            _mark_target(result)
+            if result.target_epoch is not None:
+                result.stopped = "target"
+                break
+    return result
+
+
+def _commit(run: _Run, outputs: _Outputs, state: Any, board: _TensorBoard | None) -> None:
+    """Saves the epoch just trained (the last of ``run.history``, ``state`` after it): its
+    checkpoint, then its metrics line and its TensorBoard step."""
+    record = run.history[-1]
+    if outputs.ckpt is not None:
+        outputs.ckpt.save(
+            record.epoch,
+            state,
+            {
+                "config": dataclasses.asdict(run.requested),
+                "history": [dataclasses.asdict(r) for r in run.history],
+            },
+        )
+    # after the commit, so no line names an epoch no checkpoint holds; a crash in
+    # between leaves the line to the resume (_sync_metrics writes missing ones)
+    if outputs.metrics_path is not None:
+        _append_metrics(outputs.metrics_path, run.cfg.label, [record])
+    if board is not None:
+        board.write(record)
+
+
+def _train_epoch(
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    runner: Any,
+    state: Any,
+    ds: data_lib.Dataset,
+    epoch: int,
+    elapsed: float,
+    ckpt: Any,
+    on_progress: Callable[[int, int], None] | None,
+) -> tuple[Any, EpochRecord]:
+    """Trains and evaluates epoch ``epoch`` (0-based).
+
+    Raises:
+      TrainingDiverged: for a non-finite loss, accuracy or weight.
+    """
+    batches = _epoch_batches(cfg, runner, ds, epoch)
+    b = cfg.batch_size // runner.microbatches
+    if not batches:
+        raise PipelineError(
+            f"the {ds.name} training split has {ds.num_train} samples, too few for one "
+            f"step of {cfg.batch_size}"
+        )
+    t0 = time.perf_counter()
+    callback = None
+    if on_progress is not None:
+
+        def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
+            on_progress(k + 1, n)
+
+    state, metrics = runner.run(state, batches, on_loss=callback)
+    losses = metrics.losses
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - t0
+    train_loss = float(np.mean([float(x) for x in losses]))
+    if not math.isfinite(train_loss):
+        raise _diverged(cfg, epoch + 1, f"the training loss became {train_loss}", ckpt)
+    test_loss, test_acc = evaluate_runner(spec, runner, state, ds)
+    if not math.isfinite(test_loss):
+        raise _diverged(cfg, epoch + 1, f"the test loss became {test_loss}", ckpt)
+    if spec.has_accuracy and not math.isfinite(test_acc):
+        raise _diverged(cfg, epoch + 1, f"the test accuracy became {test_acc}", ckpt)
+    if not _finite_weights(runner, state):
+        raise _diverged(cfg, epoch + 1, "the weights hold NaN or infinite values", ckpt)
+    samples = len(batches) * b
+    updates = state.updates[0]
+    return state, EpochRecord(
+        epoch=epoch + 1,
+        train_loss=train_loss,
+        test_loss=test_loss,
+        test_accuracy=test_acc,
+        seconds=seconds,
+        elapsed=elapsed + seconds,
+        samples_per_second=samples / seconds,
+        updates=int(updates),
+    )
+
+
+def _finite_weights(runner: Any, state: Any) -> bool:
+    """Whether every floating value of the weights and model state is finite."""
+    tree: list[dict[str, Any]] | tuple[Any, Any]  # per-layer variables, or (params, state)
+    if isinstance(runner, Pipeline) and runner.multiprocess:
+        tree = runner.variables(state)  # collective: each process gets every stage
+    else:
+        tree = (state.params, state.model_state)
+    checks = [
+        jnp.isfinite(x).all()
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return all(bool(c) for c in checks)
+
+
+def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiverged:
+    if ckpt is None:
+        kept = "no checkpoint was saved (no checkpoint directory)"
+    else:
+        last = ckpt.latest_step()
+        kept = (
+            f"the last good checkpoint is step {last} (after epoch {last}), "
+            f"{ckpt.directory / str(last)}"
+            if last is not None
+            else f"no checkpoint was saved in {ckpt.directory}"
+        )
+    return TrainingDiverged(
+        f"training diverged in epoch {epoch} ({cfg.label}, lr {cfg.learning_rate}): {what}; "
+        f"epoch {epoch} is not saved, and {kept}. Lower --lr"
+        + (
+            " and train in another --checkpoint-dir (a run resumes only with the settings "
+            "it was saved with)"
+            if ckpt is not None
+            else ""
+        )
+    )
+
+
+def _epoch_batches(
+    cfg: TrainConfig, runner: Runner[Any], ds: data_lib.Dataset, epoch: int
+) -> list[Any]:
+    """Epoch ``epoch``'s stream of microbatches for ``runner`` (``runner.microbatches``
+    to an update): whole updates of them, except for ``pipedream``, which updates per
+    microbatch."""
+    size = cfg.batch_size // runner.microbatches
+    batches = list(ds.train_batches(size, seed=cfg.seed, epoch=epoch))
+    if cfg.schedule != "pipedream":
+        batches = batches[: len(batches) - len(batches) % runner.microbatches]
+    return batches
+
+
+def _warm_up(
+    runner: Runner[Any], state: Any, ds: data_lib.Dataset, cfg: TrainConfig, progress: bool
+) -> None:
+    """Compiles what an epoch runs, on a copy of the state: a pipeline's program is lowered
+    and bound per number of microbatches in a call (and per progress callback), so the
+    warm-up runs the first epoch's call (every runner alike)."""
+    copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
+    batches = _epoch_batches(cfg, runner, ds, 0)
+    on_loss = (lambda k, loss: None) if progress else None
+    jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
+
+
+def _mark_target(result: TrainResult) -> None:
+    target = result.config.target_accuracy
+    if target is None:
+        return
+    for record in result.history:
+        if record.test_accuracy >= target:
+            result.target_epoch = record.epoch
+            result.time_to_target = record.elapsed
+            return

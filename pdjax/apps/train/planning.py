@@ -1,0 +1,297 @@
+"""The plan a pipeline run follows: ``plan="auto"`` profiles and plans now, stable under
+measurement noise (:func:`auto_plan`); ``schedule="auto"`` lets the planner choose the
+schedule and microbatches too (:func:`resolve_auto`); else a plan file (:func:`plan_of`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdjax.apps import data as data_lib
+from pdjax.apps.train.config import SCHEDULE_CHOICES, TrainConfig
+from pdjax.errors import PipelineError
+from pdjax.models import ModelSpec
+from pdjax.pipeline.schedules import STALE
+
+#: How much slower, predicted on the measured profile, than the measured optimum the plan
+#: made from counted costs may be and still be chosen by :func:`auto_plan`. Measured layer
+#: times move by a few % from run to run, which swaps plans predicted within that of each
+#: other; the counted plan does not move with them.
+PLAN_TOLERANCE = 0.05
+
+
+def auto_plan(
+    spec: ModelSpec,
+    sample: Any,
+    devices: Sequence[jax.Device],
+    schedule: str,
+    microbatches: int,
+    straight: bool = False,
+    replication: str = "split",
+) -> Any:
+    """Profiles ``spec`` on one microbatch (measured on ``devices[0]``) and plans it over
+    ``devices`` with PipeDream's optimizer (``pdjax`` cost model). ``replication``:
+    ``"split"``, or ``"round-robin"`` / ``"auto"`` (``pipedream`` only: PipeDream's own
+    replication, or the planner's pick).
+
+    The runtime splits each microbatch evenly over a split stage's devices, which the
+    optimizer does not know. When its plan replicates a split stage over a count that does
+    not divide the microbatch, this takes the fastest plan that runs: the optimizer's over
+    the first ``n`` devices for each smaller ``n``, and its straight pipeline (one device
+    per stage, leaving devices idle where that is faster).
+
+    Measured times are noisy, and plans predicted within a few % of each other swap places
+    from run to run. So the same is planned on the profile's counted costs (XLA's FLOPs and
+    bytes, fitted to the measured seconds: :func:`_counted_profile`), and that plan, whose
+    stages do not follow the noise, is returned when it is predicted on the measured
+    profile within :data:`PLAN_TOLERANCE` of the measured plan (recorded as
+    ``plan.options["stable"]``); else the measured plan. A run that must repeat a plan
+    exactly reads it from a file (``pdjax train`` writes the plan it ran)."""
+    from pdjax.errors import PlanError
+    from pdjax.profile import profile
+
+    prof = profile(spec.layers, sample, measure=True, device=devices[0], repeats=5)
+    args = (devices, schedule, microbatches, straight, replication)
+    measured = _runnable_plan(prof, *args)
+    counted = _counted_profile(prof)
+    if counted is None:
+        return measured
+    try:
+        reference = _measured_as(_runnable_plan(counted, *args), prof)
+    except (PlanError, PipelineError):
+        return measured
+    if reference is None:
+        return measured
+    if reference.time_per_microbatch > (1 + PLAN_TOLERANCE) * measured.time_per_microbatch:
+        return measured
+    stable = {"tolerance": PLAN_TOLERANCE, "measured_optimum": measured.time_per_microbatch}
+    return dataclasses.replace(reference, options={**reference.options, "stable": stable})
+
+
+def _runnable_plan(
+    prof: Any,
+    devices: Sequence[jax.Device],
+    schedule: str,
+    microbatches: int,
+    straight: bool,
+    replication: str,
+) -> Any:
+    """The optimizer's plan of ``prof`` over ``devices``, or where the runtime cannot split
+    its microbatches so, the fastest that it can (:func:`auto_plan`)."""
+    from pdjax.errors import PlanError
+    from pdjax.partition import Topology, plan_pipedream
+
+    def plan(devs: Sequence[jax.Device], pure: bool, fewer: bool = False) -> Any:
+        return plan_pipedream(
+            prof,
+            Topology.from_devices(devs),
+            schedule=schedule if schedule != "dp" else "1f1b",
+            num_microbatches=microbatches,
+            straight=pure,
+            fewer_machines=fewer,
+            replication=replication if schedule == "pipedream" else "split",
+        )
+
+    best = plan(devices, straight)
+    if _splits_evenly(best):
+        return best
+    runnable = []
+    for n in range(len(devices) - 1, 0, -1):
+        with contextlib.suppress(PlanError):
+            runnable.append(plan(devices[:n], False))
+    with contextlib.suppress(PlanError):
+        runnable.append(plan(devices, True, fewer=True))
+    runnable = [p for p in runnable if _splits_evenly(p)]
+    if not runnable:
+        raise PipelineError(
+            f"the plan for {len(devices)} devices replicates a stage over a device count "
+            f"that does not divide microbatches of {best.microbatch_size} samples, and no "
+            "plan on fewer devices runs: pick --batch-size and --microbatches so that "
+            "batch_size / microbatches is a multiple of the replica counts, or pass --straight"
+        )
+    return min(runnable, key=lambda p: p.time_per_microbatch)
+
+
+def _counted_profile(prof: Any) -> Any:
+    """``prof`` with every layer's seconds made from its counted work: ``a * flops + b *
+    bytes accessed``, with ``a, b >= 0`` fitted (least squares) to the measured forward and
+    backward seconds of all the layers, the backward's split into input and weight
+    gradients by their FLOPs. Two numbers fitted to every layer move little with the
+    noise of each; None where a layer has no counts or the fit has nothing to go on."""
+    rows, seconds = [], []
+    for layer in prof.layers:
+        for flops, moved, secs in (
+            (layer.forward_flops, layer.forward_bytes_accessed, layer.forward_seconds),
+            (layer.backward_flops, layer.backward_bytes_accessed, layer.backward_seconds),
+        ):
+            if flops is None or moved is None or secs is None:
+                return None
+            rows.append((flops, moved))
+            seconds.append(secs)
+    coef = _nonnegative_fit(np.asarray(rows, dtype=np.float64), np.asarray(seconds))
+    if coef is None:
+        return None
+    layers = []
+    for layer in prof.layers:
+        fwd = float(coef @ (layer.forward_flops, layer.forward_bytes_accessed))
+        bwd = float(coef @ (layer.backward_flops, layer.backward_bytes_accessed))
+        igr, wgr = layer.input_grad_seconds, layer.weight_grad_seconds
+        if igr is not None and wgr is not None:
+            i_flops, w_flops = layer.input_grad_flops or 0.0, layer.weight_grad_flops or 0.0
+            if i_flops + w_flops > 0:
+                igr, wgr = bwd * i_flops / (i_flops + w_flops), bwd * w_flops / (i_flops + w_flops)
+            else:  # no work counted in either: the backward is the input gradient's
+                igr, wgr = bwd, 0.0
+        layers.append(
+            dataclasses.replace(
+                layer,
+                forward_seconds=fwd,
+                backward_seconds=bwd,
+                input_grad_seconds=igr,
+                weight_grad_seconds=wgr,
+            )
+        )
+    return dataclasses.replace(prof, layers=tuple(layers), time_source="counted")
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray | None:
+    """``c >= 0`` minimising ``|x c - y|`` for two columns (the better one alone where the
+    pair would take a negative coefficient), or None where no column has a positive fit."""
+    scale = np.linalg.norm(x, axis=0)
+    if not np.all(np.isfinite(x)) or not np.all(np.isfinite(y)) or not np.any(scale > 0):
+        return None
+    z = x / np.where(scale > 0, scale, 1.0)  # FLOPs and bytes are orders of magnitude apart
+    both = np.linalg.lstsq(z, y, rcond=None)[0]
+    if np.all(both >= 0) and np.all(scale > 0):
+        return np.asarray(both / scale)  # numpy types the quotient Any
+    best, residual = None, math.inf
+    for j in np.flatnonzero(scale > 0):
+        c = float(z[:, j] @ y)  # a unit column: its least-squares coefficient
+        r = float(np.sum((y - c * z[:, j]) ** 2))
+        if c > 0 and r < residual:
+            best, residual = np.where(np.arange(2) == j, c / scale[j], 0.0), r
+    return best
+
+
+def _measured_as(plan: Any, prof: Any) -> Any:
+    """``plan``'s stages priced on ``prof`` (:func:`~pdjax.partition.evaluate_partition`),
+    or None where the evaluation would place them on other devices."""
+    from pdjax.partition import evaluate_partition
+
+    got = evaluate_partition(
+        prof,
+        plan.topology,
+        [(st.first_layer, st.last_layer, st.replicas) for st in plan.stages],
+        cost_model=plan.cost_model,
+        schedule=plan.schedule,
+        num_microbatches=plan.num_microbatches,
+        microbatch_size=plan.microbatch_size,
+        optimizer_state_factor=float(plan.options.get("optimizer_state_factor", 2.0)),
+        memory_limit=plan.memory_limit,
+        partitioner=plan.partitioner,
+        replication=[st.replication for st in plan.stages],
+    )
+    if [st.devices for st in got.stages] != [st.devices for st in plan.stages]:
+        return None
+    return dataclasses.replace(got, options={**plan.options, **got.options})
+
+
+def _splits_evenly(plan: Any) -> bool:
+    """Whether every split stage of ``plan`` has a device count dividing its microbatch."""
+    return all(st.round_robin or plan.microbatch_size % st.replicas == 0 for st in plan.stages)
+
+
+def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> TrainConfig:
+    """``cfg`` with ``schedule="auto"`` resolved: the model profiled (measured, on a
+    microbatch of ``batch_size / devices`` samples) and planned by
+    :func:`~pdjax.partition.plan_auto` over the devices for ``batch_size`` samples per
+    step; returns the config of its choice (schedule, microbatches, chunks, in-flight
+    depth), with ``plan`` the chosen plan's JSON file (a temporary file). It searches the
+    schedules whose planned stages the runner takes as they are (``gpipe``, ``1f1b``,
+    ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the runner
+    places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation is not
+    chosen without a memory limit (CPU devices have none); where chosen, the runner
+    recomputes on the stages the plan names (``plan.options["auto"]["remat"]``).
+    Candidates are ranked no faster than the driver and, on in-process CPU devices, their
+    shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
+    simulator alone would pick many small microbatches whose dispatch and shared cores it
+    does not see.
+
+    Raises:
+      PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
+        cannot run.
+    """
+    from pdjax.apps.bench import host_costs
+    from pdjax.partition import Topology, plan_auto
+    from pdjax.profile import profile
+
+    if cfg.plan not in ("auto", "even"):
+        raise PipelineError("--schedule auto plans by itself: drop the --plan file")
+    devices = jax.devices()[: cfg.devices]
+    size = max(1, cfg.batch_size // cfg.devices)
+    prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
+    host = host_costs(spec, (ds.train_x[:size], ds.train_y[:size]), devices)
+    # the schedules whose planned stages the runner takes as they are (interleaved and
+    # zb-v run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
+    names = [n for n in ("gpipe", "1f1b", "zb-h1", "zb-h2") if n in SCHEDULE_CHOICES]
+    plan = plan_auto(
+        prof,
+        Topology.from_devices(devices),
+        batch_size=cfg.batch_size,
+        schedules=names + (list(STALE) if cfg.allow_stale else []),
+        straight=cfg.straight or cfg.plan == "even",
+        allow_stale=cfg.allow_stale,
+        host=host,
+    )
+    handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
+    os.close(handle)  # the runner reads the plan from a file
+    plan.save(path)
+    return _auto_choice(cfg, plan, path)
+
+
+def _auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
+    """``cfg`` (``schedule="auto"``) as ``plan_auto``'s ``plan`` (saved as ``path``) chose."""
+    chosen = plan.options.get("auto")
+    if not isinstance(chosen, dict):
+        raise PipelineError(
+            f"the plan {path} was not made by --schedule auto (it records no choice of "
+            "schedule): resume with the settings the run was started with"
+        )
+    return dataclasses.replace(
+        cfg,
+        schedule=chosen["schedule"],
+        microbatches=chosen["microbatches"],
+        extra_in_flight=chosen["extra_in_flight"],
+        plan=str(path),
+        allow_stale=False,
+    )
+
+
+def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
+    """The :class:`~pdjax.partition.Plan` a pipeline run of ``cfg`` follows: made now
+    (:func:`auto_plan`) for ``plan="auto"``, read from ``cfg.plan``'s file; None where the
+    stages follow from the settings alone (``"even"``, ``interleaved``, ``zb-v``, ``dp``)."""
+    if cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+        return None
+    if cfg.plan == "auto":
+        return auto_plan(
+            spec,
+            sample,
+            devices=jax.devices()[: cfg.devices],
+            schedule=cfg.schedule,
+            microbatches=cfg.microbatches,
+            straight=cfg.straight,
+            replication="round-robin" if cfg.replication == "round-robin" else "split",
+        )
+    from pdjax.partition import Plan
+
+    return Plan.load(cfg.plan)

@@ -1,0 +1,203 @@
+"""A run's checkpoints: opening them and the step to resume from (:func:`check_outputs`
+refuses up front what :func:`~pdjax.apps.train.train` would), the plan saved beside them
+(:data:`PLAN_FILE`), the settings and plan a resumed run keeps (:func:`_settle`), and its
+state and history restored (:func:`_resume`)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from pdjax.apps import data as data_lib
+from pdjax.apps.train.config import EpochRecord, TrainConfig
+from pdjax.apps.train.outputs import _refuse_mixing
+from pdjax.apps.train.planning import _auto_choice, resolve_auto
+from pdjax.errors import CheckpointError, PipelineError
+from pdjax.models import ModelSpec
+from pdjax.pipeline.executor import Pipeline
+
+#: The file in a run's checkpoint directory that holds the plan it runs
+#: (:func:`~pdjax.apps.train.train`).
+PLAN_FILE = "plan.json"
+
+
+def check_outputs(
+    cfg: TrainConfig,
+    checkpoint_dir: str | Path | None = None,
+    metrics_path: str | Path | None = None,
+    resume_step: int | None = None,
+) -> None:
+    """Refuses, before anything trains, what :func:`~pdjax.apps.train.train` would refuse
+    about its outputs: a ``resume_step`` that is not a step of ``checkpoint_dir``, and a
+    fresh run (nothing to resume) of a run that ``metrics_path`` already holds lines of.
+
+    Raises:
+      CheckpointError: for the step (the message lists the steps there).
+      PipelineError: for the metrics (the message says what to do).
+    """
+    with contextlib.ExitStack() as stack:
+        _, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+    if metrics_path is not None and step is None:
+        _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+
+
+def _open_checkpoints(
+    stack: contextlib.ExitStack, checkpoint_dir: str | Path | None, resume_step: int | None
+) -> tuple[Any, int | None]:
+    """The checkpointer of ``checkpoint_dir`` (or None) and the step to resume from (None
+    for a fresh run)."""
+    if checkpoint_dir is None:
+        if resume_step is not None:
+            raise PipelineError(
+                f"--resume-step {resume_step} picks a checkpoint to resume from: give the "
+                "run's --checkpoint-dir too"
+            )
+        return None, None
+    from pdjax.runners import Checkpointer
+
+    ckpt = stack.enter_context(Checkpointer(checkpoint_dir))
+    steps = ckpt.all_steps()
+    if resume_step is None:
+        return ckpt, steps[-1] if steps else None
+    if resume_step not in steps:
+        held = (
+            f"the steps {steps} (step e after epoch e): pick one of them"
+            if steps
+            else "no checkpoint: drop --resume-step to start the run"
+        )
+        raise CheckpointError(f"--resume-step {resume_step}: {ckpt.directory} holds {held}")
+    return ckpt, resume_step
+
+
+def _saved_plan(checkpoint_dir: str | Path) -> Any:
+    """The plan saved in ``checkpoint_dir`` (:data:`PLAN_FILE`), or None; process 0 reads
+    it (the others need not share the directory) and every process gets it."""
+    from pdjax.distributed import broadcast_json
+    from pdjax.errors import PlanError
+    from pdjax.partition import Plan
+
+    path = Path(checkpoint_dir) / PLAN_FILE
+    got: dict[str, Any] = {}
+    if jax.process_index() == 0 and path.is_file():
+        try:
+            got = {"plan": Plan.load(path).to_dict()}
+        except PlanError as e:
+            got = {"error": str(e)}
+    got = broadcast_json(got)
+    if "error" in got:
+        raise PlanError(
+            f"{got['error']}: the plan this run was started with is unreadable; restore "
+            f"{path}, or delete it to resume with a plan made again"
+        )
+    return Plan.from_dict(got["plan"]) if "plan" in got else None
+
+
+def _save_plan(directory: Path, plan: Any) -> None:
+    if jax.process_index() == 0:  # process 0 alone writes the checkpoint directory
+        directory.mkdir(parents=True, exist_ok=True)
+        plan.save(directory / PLAN_FILE)
+
+
+def _settle(
+    requested: TrainConfig,
+    spec: ModelSpec,
+    ds: data_lib.Dataset,
+    saved: Any,
+    checkpoint_dir: str | Path | None,
+) -> tuple[TrainConfig, Any, bool]:
+    """The settings of the run (``schedule="auto"`` resolved), the saved plan it follows
+    (None: it makes its own), and whether a plan file was given that matches the saved one.
+    A resumed run follows its saved plan: measured profiles are noisy, so planning again
+    may cut the model elsewhere."""
+    cfg = requested
+    if cfg.schedule == "auto":
+        if saved is not None and cfg.plan in ("auto", "even"):
+            return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE), saved, False
+        return resolve_auto(cfg, spec, ds), None, False
+    if saved is None or cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+        return cfg, None, False
+    if cfg.plan == "auto":
+        return cfg, saved, False
+    if not Path(cfg.plan).is_file():
+        return cfg, None, False  # check() says so
+    from pdjax.partition import Plan
+
+    if Plan.load(cfg.plan).to_dict() != saved.to_dict():
+        path = Path(str(checkpoint_dir)) / PLAN_FILE
+        raise PipelineError(
+            f"the plan {cfg.plan} differs from {path}, the plan this run was started with: "
+            f"resume with that plan (--plan {path}), or start a run with this one in "
+            "another --checkpoint-dir"
+        )
+    return cfg, saved, True
+
+
+def _resume(
+    ckpt: Any,
+    step: int,
+    state: Any,
+    runner: Any,
+    requested: TrainConfig,
+    plan_given: bool,
+    chosen: bool,
+) -> tuple[Any, list[EpochRecord]]:
+    """``state`` and the history restored from ``step``, checked to be of the same run;
+    the steps after it are set aside."""
+    try:
+        # a run with another plan (a re-planned one) may cut the stages elsewhere
+        state, extra = ckpt.restore(
+            state, step=step, pipeline=runner if isinstance(runner, Pipeline) else None
+        )
+    except CheckpointError as e:
+        if chosen:
+            raise
+        earlier = [s for s in ckpt.all_steps() if s < step]
+        hint = (
+            f"if step {step} is damaged, resume from an earlier one with --resume-step "
+            f"(steps there: {earlier})"
+            if earlier
+            else "no earlier step is there to resume from instead"
+        )
+        e.args = (f"{e}; {hint}", *e.args[1:])  # keeps the error's own class
+        raise
+    saved = _resumable(extra.get("config", {}))
+    ours = _resumable(dataclasses.asdict(requested))
+    if plan_given:  # the same plan under another file name (checked by _settle)
+        saved.pop("plan", None)
+        ours.pop("plan", None)
+    if saved != ours:
+        changed = sorted(k for k in ours if saved.get(k) != ours[k])
+        raise PipelineError(
+            f"{ckpt.directory} holds a checkpoint of a different run (it differs in "
+            f"{changed}); use another --checkpoint-dir, or the same settings"
+        )
+    history: list[EpochRecord] = []
+    for r in extra["history"]:
+        fields: dict[str, Any] = {k: math.nan if v is None else v for k, v in r.items()}
+        history.append(EpochRecord(**fields))
+    _set_aside_after(ckpt, step)
+    return state, history
+
+
+def _set_aside_after(ckpt: Any, step: int) -> None:
+    """Moves the steps after ``step`` into a folder beside them: the run goes on from
+    ``step``, and a checkpointer saves only steps above its newest."""
+    later = [s for s in ckpt.all_steps() if s > step]
+    if not later or jax.process_index() != 0:
+        return
+    folder = Path(tempfile.mkdtemp(prefix=f"set-aside-after-{step}-", dir=ckpt.directory))
+    for s in later:
+        os.replace(ckpt.directory / str(s), folder / str(s))
+
+
+def _resumable(config: dict[str, Any]) -> dict[str, Any]:
+    """The settings a resumed run must share with its checkpoint (all but the stopping
+    rule: more epochs, or another target, continue the same run)."""
+    return {k: v for k, v in config.items() if k not in ("epochs", "target_accuracy")}

@@ -1,0 +1,94 @@
+"""The runner of a run (:func:`make_runner`): data parallelism, or a pipeline over the
+plan's stages (equal layer counts for ``interleaved`` and ``zb-v``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from pdjax.apps.train.config import TrainConfig, make_optimizer
+from pdjax.apps.train.model_data import _check_devices
+from pdjax.apps.train.planning import plan_of
+from pdjax.errors import PipelineError
+from pdjax.models import ModelSpec
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline.schedules import stage_groups
+from pdjax.runners import DataParallel, Runner
+
+
+def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    return make_optimizer(cfg.optimizer, cfg.learning_rate)
+
+
+def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) -> tuple[Any, str]:
+    """The plan's stages for a pipeline run, and their description (``plan``: the
+    :class:`~pdjax.partition.Plan` to run, else :func:`plan_of`'s)."""
+    L = len(spec.layers)
+    if cfg.schedule == "interleaved":
+        P = cfg.devices  # sizes checked by check()
+        virtual = even_stages(L, P * cfg.chunks)
+        stages = tuple(
+            StagePlan(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
+        )
+        text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
+        return stages, text
+    if cfg.schedule == "zb-v":
+        P = cfg.devices  # sizes checked by check()
+        groups = stage_groups("zb-v", P, 2)
+        virtual = even_stages(L, 2 * P)
+        stages = tuple(
+            StagePlan(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
+        )
+        return stages, f"zb-v: {len(stages)} chunks of {L} layers in a V over {P} devices"
+    if plan is None:
+        plan = plan_of(cfg, spec, sample)
+    if plan is None:
+        stages = even_stages(L, min(L, cfg.devices))
+        return stages, f"even: {len(stages)} stages of {L} layers, one device each"
+    return plan, plan.describe().splitlines()[0]
+
+
+def make_runner(
+    cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None
+) -> tuple[Runner[Any], str]:
+    """The :class:`~pdjax.runners.Runner` for ``cfg`` (a :class:`DataParallel` for
+    ``schedule="dp"``, else a :class:`Pipeline`), and its plan's text (``plan``: the
+    :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s). The rest of the
+    training loop is written against the protocol alone."""
+    _check_devices(cfg)
+    devices = jax.devices()
+    if cfg.schedule == "dp":  # the one place that picks the runner
+        dp = DataParallel(spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices])
+        return dp, f"data parallel on {cfg.devices} devices"
+    stages, text = _stages(cfg, spec, sample, plan)
+    runner = Pipeline(
+        spec.layers,
+        stages,
+        spec.loss,
+        _optimizer(cfg),
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        chunks=cfg.chunks if cfg.schedule == "interleaved" else None,
+        vertical_sync=cfg.vertical_sync,
+        weight_stashing=cfg.weight_stashing,
+        devices=devices,
+        extra_in_flight=cfg.extra_in_flight,
+        transport=cfg.transport,
+        replication=None if cfg.replication == "plan" else cfg.replication,
+        # plan_auto's per-stage recomputation, where it chose some to fit a memory limit
+        remat=tuple(getattr(stages, "options", {}).get("auto", {}).get("remat", ())) or False,
+    )
+    for s, r in enumerate(runner.replicas):
+        if cfg.microbatch_size % r and not runner.stages[s].round_robin:
+            raise PipelineError(
+                f"the plan replicates stage {s} on {r} devices but a microbatch has "
+                f"{cfg.microbatch_size} samples; pick --batch-size so that batch_size / "
+                f"microbatches is a multiple of {r}"
+            )
+    rr = [str(s) for s, st in enumerate(runner.stages) if st.round_robin]
+    if rr:
+        text += f"; round-robin stage{'s' if len(rr) > 1 else ''} {', '.join(rr)}"
+    return runner, text
