@@ -1,0 +1,100 @@
+"""A cluster on one machine: PipeDream against data parallelism with real workers and links.
+
+Each *worker* is a process of its own, pinned to one core (``taskset``) with one CPU device
+and XLA's intra-op threading off, so that it computes alone, as one accelerator would.
+Workers join with ``jax.distributed``: pipeline activations and gradients cross between
+them with ``jax.device_put`` (:class:`~pdjax.pipeline.Pipeline`), the data-parallel
+gradient all-reduce with JAX's CPU collectives (gloo over TCP). With root and ``tc``, every
+worker runs in a network namespace of its own on a link of known bandwidth
+(:class:`~pdjax.apps.netem.EmulatedNetwork`: veth pairs through a bridge, a token bucket each
+way), so those transfers cross that link; without, the workers share loopback and the
+report says so.
+
+:func:`run_cluster` runs, side by side, per model and link rate (:data:`RATES`):
+
+- (a) a compute-bound model (``mlp-512``: 8 dense layers of 512, 8 MB of weights that
+  stay in the shared L3 cache, microbatches of 128); on the fast link also
+  ``pipedream+1`` (one more microbatch in flight), ``pipedream/coll`` (the collective
+  transport) and ``1f1b``;
+- (b) a parameter-heavy VGG-style model (``vgg-fc``: a narrow VGG-16 front, then a
+  2048 x 2048 fully connected layer, 18 MB of weights) over slow links;
+- for both: a 2-stage ``pipedream`` at every cut point, 2-worker data parallelism, and one
+  worker alone (one jitted step, and a one-stage pipeline);
+- (c) for every run, the measured seconds per microbatch next to the planner's prediction
+  (:func:`~pdjax.partition.evaluate_partition`) and the simulator's
+  (:func:`~pdjax.pipeline.simulate` of exactly the schedule that ran), both from
+  *calibrated* costs (:mod:`pdjax.calibrate`): every candidate stage timed as compiled
+  programs (forward, backward, SGD update) on one pinned worker, the link measured both
+  ways through ``jax.device_put`` and the gradient all-reduce measured, in the run's own
+  launch before its runners; next to them the simulator from the per-layer profile alone;
+- (d) per link, the planner's choice from the calibrated costs
+  (:func:`~pdjax.partition.plan_pipedream`: a pipeline, data parallel, or one worker)
+  against the measured best;
+- (e) the plans ranked: Kendall's tau of the planner's (and the simulator's) order of
+  every candidate against the measured order.
+
+What one microbatch is: :data:`MICROBATCH` samples (128 for ``mlp-512``, 32 for
+``vgg-fc``). One worker trains on batches of that size; a pipeline streams microbatches of
+that size (``pipedream``: an update per microbatch; ``1f1b``: ``M = 4`` per update); data
+parallelism gives each worker that many samples per step, so a step is 2 microbatches.
+Every number is seconds per microbatch (or samples per second), the median of ``repeats``
+rounds that go round-robin over the runners of one launch, after a warm-up round that
+compiles.
+
+Link rates are for Ethernet frames; TCP payload gets 1448/1514 of them, and the predictions
+use that payload rate.
+
+Run it with ``pdjax bench --cluster`` or ``python benchmarks/cluster/run.py``.
+
+The package: :mod:`~pdjax.apps.cluster.models` (the benchmark's models),
+:mod:`~pdjax.apps.cluster.experiments` (:func:`run_cluster`: what is launched, predicted
+and ranked), :mod:`~pdjax.apps.cluster.launcher` (starting the workers),
+:mod:`~pdjax.apps.cluster.worker` (what each worker process runs),
+:mod:`~pdjax.apps.cluster.predict` (the predictions, Kendall's tau) and
+:mod:`~pdjax.apps.cluster.report` (the rows, Markdown, plots and files);
+:mod:`~pdjax.apps.cluster.tta` and :mod:`~pdjax.apps.cluster.tta_report` (time to accuracy
+on the same workers, as :mod:`pdjax.apps.cluster_tta`).
+"""
+
+from __future__ import annotations
+
+from pdjax.apps.cluster.experiments import run_cluster
+from pdjax.apps.cluster.launcher import LAUNCH_TIMEOUT as LAUNCH_TIMEOUT
+from pdjax.apps.cluster.launcher import _launch as _launch
+from pdjax.apps.cluster.launcher import _profile as _profile
+from pdjax.apps.cluster.launcher import _run_processes as _run_processes
+from pdjax.apps.cluster.models import CLUSTER_MODELS, cluster_model
+from pdjax.apps.cluster.models import MICROBATCH as MICROBATCH
+from pdjax.apps.cluster.models import RATES as RATES
+from pdjax.apps.cluster.predict import PAYLOAD as PAYLOAD
+from pdjax.apps.cluster.predict import _bandwidth as _bandwidth
+from pdjax.apps.cluster.predict import _calibration as _calibration
+from pdjax.apps.cluster.predict import _predict as _predict
+from pdjax.apps.cluster.predict import _predict_calibrated as _predict_calibrated
+from pdjax.apps.cluster.predict import _topology as _topology
+from pdjax.apps.cluster.predict import kendall_tau
+from pdjax.apps.cluster.report import (
+    ClusterResult,
+    Row,
+    format_markdown,
+    plot_cluster,
+    plot_ranking,
+    write_results,
+)
+from pdjax.apps.cluster.report import _link as _link
+from pdjax.apps.cluster.worker import main as main
+from pdjax.errors import ClusterError
+
+__all__ = [
+    "CLUSTER_MODELS",
+    "ClusterError",
+    "ClusterResult",
+    "Row",
+    "cluster_model",
+    "format_markdown",
+    "kendall_tau",
+    "plot_cluster",
+    "plot_ranking",
+    "run_cluster",
+    "write_results",
+]
