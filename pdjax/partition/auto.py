@@ -7,8 +7,10 @@ step, :func:`plan_auto` searches
   other flush schedules pdjax generates; ``pipedream`` and ``2bw`` (stale weights) only
   when the caller allows them;
 * the **microbatches** per step ``M`` (divisors of ``B``; the microbatch size is ``B / M``);
-* the **stages and replication**: every configuration on all the devices when there are
-  few (``exhaustive``: contiguous layers, replica counts summing to the devices); else
+* the **stages and replication**: every configuration on all the ``P`` devices when there
+  are few (at most ``exhaustive``; contiguous layers, replica counts summing to ``P``; with
+  ``straight``, one stage per device: ``sum_k C(L - 1, k - 1) C(P - 1, k - 1)``
+  configurations with ``k`` stages, ``C(L - 1, P - 1)`` straight); else
   PipeDream's dynamic program for each (schedule, M), with and without the memory limit,
   each partition then improved by moving one stage boundary at a time while the simulator
   says it is faster (the program prices stages apart, the simulator the whole schedule:
@@ -69,7 +71,7 @@ _NO_LIMIT = 1e30  # bytes: "no memory limit" for the dynamic program
 
 @dataclasses.dataclass(frozen=True)
 class _Space:
-    """What every candidate of one :func:`plan_auto` call shares."""
+    """What every candidate of one :func:`plan_auto` call shares, and the search's knobs."""
 
     profile: Profile
     topology: Topology
@@ -81,6 +83,9 @@ class _Space:
     factor: float
     host: HostCosts | None
     calibration: Any
+    chunks: Sequence[int]
+    extra_in_flight: Sequence[int]
+    exhaustive: int
 
 
 @dataclasses.dataclass
@@ -133,50 +138,41 @@ def plan_auto(
     Args:
       profile: per-layer costs (with times).
       topology: the devices.
-      batch_size: ``B``, samples per optimizer step (default: the profile's batch size
-        times the topology's devices).
-      schedules: the schedules to search (default: every flush schedule pdjax generates,
-        plus ``pipedream`` and ``2bw`` with ``allow_stale``).
-      allow_stale: search ``pipedream`` and ``2bw`` too (their updates use stale weights:
-        not sequential training).
-      microbatches: candidate ``M`` (default: every divisor of ``B`` up to ``4 x`` the
-        devices).
-      memory_limit: bytes per device (default: ``topology.memory_per_device``; None: no
-        limit).
+      batch_size: ``B``, samples per optimizer step (default: the profile's batch size times the
+        topology's devices).
+      schedules: the schedules to search (default: every flush schedule pdjax generates, plus
+        ``pipedream`` and ``2bw`` with ``allow_stale``).
+      allow_stale: also search ``pipedream`` and ``2bw`` (stale weights: not sequential training).
+      microbatches: candidate ``M`` (default: every divisor of ``B`` up to ``4 x`` the devices).
+      memory_limit: bytes per device (None: ``topology.memory_per_device``; no limit if that is).
       remat: allow per-stage recomputation to fit the limit.
       straight: no replication.
       cost_model: the dynamic program's cost model.
       optimizer_state_factor: optimizer state bytes per parameter byte.
       chunks: ``v`` candidates for ``interleaved``.
       extra_in_flight: candidates for ``pipedream``'s extra depth.
-      refine: improve the ``refine_top`` fastest configurations of each schedule by
-        moving one stage boundary at a time while the simulator finds them faster.
-      host: rank candidates no faster than their driver and shared pool allow
-        (:class:`HostCosts`; e.g. in-process CPU devices). Default: the simulator alone.
+      refine: improve the ``refine_top`` fastest configurations of each schedule by moving one
+        stage boundary at a time while the simulator finds them faster.
+      host: rank candidates no faster than their driver and shared pool allow (:class:`HostCosts`;
+        e.g. in-process CPU devices). Default: the simulator alone.
       calibration: price candidates from measured stages, links and all-reduces
-        (:class:`pdjax.calibrate.Calibration` for this model, microbatch size and devices;
-        give ``microbatches`` so the microbatch size is the calibrated one). The dynamic
-        program still prunes on the profile.
-      exhaustive: search every configuration of stages and replicas on all ``P`` devices
-        (contiguous layers, replica counts summing to ``P``; with ``straight``, one stage
-        per device) when there are at most this many (``sum_k C(L - 1, k - 1) C(P - 1,
-        k - 1)`` with ``k`` stages; ``C(L - 1, P - 1)`` straight): small cases are then
-        exact; beyond it, the dynamic program's partitions and ``refine``.
+        (:class:`pdjax.calibrate.Calibration` for this model, microbatch size and devices; give
+        ``microbatches`` so the microbatch size is the calibrated one). The dynamic program still
+        prunes on the profile.
+      exhaustive: search every configuration of stages and replicas on all the devices when there
+        are at most this many (the module doc counts them): small cases are then exact; beyond it,
+        the dynamic program's partitions and ``refine``.
 
     Returns:
       The plan of the best candidate (its ``schedule`` and ``num_microbatches`` set),
       ``plan.options["auto"]`` the choice and ``plan.options["alternatives"]`` the best
-      candidate of each other schedule (``Candidate.to_dict`` form) or the reason it has
-      none.
+      candidate of each other schedule (``Candidate.to_dict`` form) or why it has none.
 
     Raises:
       PlanError: for bad options, or a memory limit no candidate fits (the message gives
         the smallest peak memory any candidate reached, and which).
     """
-    devices = topology.num_devices
-    B = batch_size if batch_size is not None else profile.batch_size * devices
-    if B < 1:
-        raise PlanError(f"batch_size must be >= 1, got {batch_size}")
+    B = _batch(profile, topology, batch_size)
     names = _schedule_names(schedules, allow_stale)
     space = _Space(
         profile=profile,
@@ -189,24 +185,21 @@ def plan_auto(
         factor=optimizer_state_factor,
         host=host,
         calibration=calibration,
+        chunks=chunks,
+        extra_in_flight=extra_in_flight,
+        exhaustive=exhaustive,
     )
-    counts = _microbatch_counts(B, microbatches, devices)
-    tally = _Tally()
-    for name in names:
-        for M in counts:
-            _search(
-                space,
-                tally,
-                name,
-                M,
-                chunks=chunks,
-                extra_in_flight=extra_in_flight,
-                exhaustive=exhaustive,
-            )
-    if refine:  # the simulator moves the boundaries of each schedule's best few only
-        for name in names:
-            _refine_best(space, tally, name, refine_top)
+    counts = _microbatch_counts(B, microbatches, topology.num_devices)
+    tally = _searched(space, names, counts, refine=refine, refine_top=refine_top)
     return _chosen(space, tally, names)
+
+
+def _batch(profile: Profile, topology: Topology, batch_size: int | None) -> int:
+    """``B``: ``batch_size``, by default the profile's batch size on every device."""
+    B = batch_size if batch_size is not None else profile.batch_size * topology.num_devices
+    if B < 1:
+        raise PlanError(f"batch_size must be >= 1, got {batch_size}")
+    return B
 
 
 def _schedule_names(schedules: Sequence[str] | None, allow_stale: bool) -> list[str]:
@@ -242,26 +235,30 @@ def _microbatch_counts(B: int, microbatches: Sequence[int] | None, devices: int)
     return counts
 
 
-def _search(
-    space: _Space,
-    tally: _Tally,
-    name: str,
-    M: int,
-    *,
-    chunks: Sequence[int],
-    extra_in_flight: Sequence[int],
-    exhaustive: int,
-) -> None:
+def _searched(
+    space: _Space, names: list[str], counts: list[int], *, refine: bool, refine_top: int
+) -> _Tally:
+    """The tally of every (schedule, ``M``) searched, then (``refine``) refined."""
+    tally = _Tally()
+    for name, M in itertools.product(names, counts):
+        _search(space, tally, name, M)
+    if refine:  # the simulator moves the boundaries of each schedule's best few only
+        for name in names:
+            _refine_best(space, tally, name, refine_top)
+    return tally
+
+
+def _search(space: _Space, tally: _Tally, name: str, M: int) -> None:
     """Simulates every partition of (schedule ``name``, ``M``) with each chunk count and
     in-flight depth the schedule takes, keeping the best fitting plan of each."""
     try:
-        partitions, complete = _partitions(space, name, M, exhaustive=exhaustive)
+        partitions, complete = _partitions(space, name, M, exhaustive=space.exhaustive)
     except (PlanError, ScheduleError) as err:
         tally.reasons.setdefault(name, str(err))
         return
     options = SEMANTICS[name].options
-    for v in chunks if name == "interleaved" else (1,):
-        for e in extra_in_flight if "extra_in_flight" in options else (0,):
+    for v in space.chunks if name == "interleaved" else (1,):
+        for e in space.extra_in_flight if "extra_in_flight" in options else (0,):
             for plan in partitions:
                 c = _evaluate(space, plan, name, v, e, tally.reasons)
                 if c is None:

@@ -30,6 +30,7 @@ import numpy as np
 from pdjax.errors import PlanError
 from pdjax.partition import cost
 from pdjax.partition.evaluate import (
+    Flat,
     build_plan,
     calibrated_options,
     check_options,
@@ -167,6 +168,47 @@ def evaluate_partition(
     stages = [(int(a), int(b), int(r)) for a, b, r in stages]
     _check_stages(stages, arrays.num_layers, topology.num_devices)
     flat = _placed(stages)
+    plan = _priced_plan(
+        profile,
+        topology,
+        arrays,
+        flat,
+        modes,
+        cost_model=cost_model,
+        schedule=schedule,
+        partitioner=partitioner,
+        num_microbatches=M,
+        memory_limit=limit,
+        optimizer_state_factor=optimizer_state_factor,
+        microbatch_size=microbatch_size,
+        stage_seconds=stage_seconds,
+        allreduce_seconds=allreduce_seconds,
+    )
+    # Record which profile priced the plan, so a later use with another model's profile of
+    # the same layer count is refused (Plan.check_profile).
+    return plan.with_profile_hash(profile)
+
+
+def _priced_plan(
+    profile: Profile,
+    topology: Topology,
+    arrays: cost.ModelArrays,
+    flat: Flat,
+    modes: list[str] | tuple[str, ...],
+    *,
+    cost_model: str,
+    schedule: str,
+    partitioner: str,
+    num_microbatches: int,
+    memory_limit: float | None,
+    optimizer_state_factor: float,
+    microbatch_size: int | None,
+    stage_seconds: cost.StageSeconds | None,
+    allreduce_seconds: cost.AllreduceSeconds | None,
+) -> Plan:
+    """The plan of the placed stages ``flat`` with the cost model's predictions: the
+    slowest stage or cut term (at least the round-trip bound) per microbatch, and the
+    data-parallel time to compare it with."""
     calibration: dict[str, Any] = dict(
         stage_seconds=stage_seconds, allreduce_seconds=allreduce_seconds
     )
@@ -177,10 +219,10 @@ def evaluate_partition(
         modes,
         cost_model=cost_model,
         schedule=schedule,
-        num_microbatches=M,
+        num_microbatches=num_microbatches,
         **calibration,
     )
-    plan = build_plan(
+    return build_plan(
         profile,
         topology,
         arrays,
@@ -188,25 +230,22 @@ def evaluate_partition(
         cost_model=cost_model,
         schedule=schedule,
         partitioner=partitioner,
-        num_microbatches=M,
+        num_microbatches=num_microbatches,
         time_per_microbatch=max(slowest, trip),
         data_parallel_time=cost.data_parallel_time(
             arrays,
             topology,
             cost_model,
-            cost.updates_per_microbatch(schedule, M),
+            cost.updates_per_microbatch(schedule, num_microbatches),
             per_round=cost.schedule_traits(schedule).update_per_microbatch,
             **calibration,
         ),
-        memory_limit=limit,
+        memory_limit=memory_limit,
         optimizer_state_factor=float(optimizer_state_factor),
         options=calibrated_options(stage_seconds, allreduce_seconds),
         microbatch_size=microbatch_size,
         replication=modes,
     )
-    # Record which profile priced the plan, so a later use with another model's profile of
-    # the same layer count is refused (Plan.check_profile).
-    return plan.with_profile_hash(profile)
 
 
 def _placed(stages: list[tuple[int, int, int]]) -> list[tuple[int, int, list[int]]]:

@@ -106,18 +106,16 @@ def plan_pipedream(
       fewer_machines: allow configurations that leave devices idle when that is faster.
       memory_limit: bytes per device, or None for ``topology.memory_per_device``; how it
         is checked: :mod:`pdjax.partition.cost` (``plan.options["memory_check"]``).
-      num_microbatches: ``M`` per step (flush schedules, ``2bw``); None: the number of
-        devices.
+      num_microbatches: ``M`` per step (flush schedules, ``2bw``); None: the number of devices.
       microbatch_size: samples per microbatch; None: the profile's batch size. Times and
         activation bytes scale linearly with it, parameter bytes do not.
       optimizer_state_factor: optimizer state bytes per parameter byte (Adam 2, SGD 0).
-      replication: how replicated stages share their work (the module doc):
-        ``"split"``, ``"round-robin"`` (planned for ``pipedream`` only, where it
-        all-reduces less; :func:`~pdjax.partition.evaluate_partition` prices a round-robin
-        partition for ``gpipe``, ``1f1b`` and ``2bw``), or ``"auto"`` (default):
-        round-robin under ``pipedream`` with the ``pdjax`` cost model (under a memory limit,
-        the faster of the round-robin and the split plan), else split. Recorded per stage
-        (:attr:`StagePlan.replication`; a one-device stage is split).
+      replication: how replicated stages share their work (the module doc): ``"split"``,
+        ``"round-robin"`` (planned for ``pipedream`` only, where it all-reduces less;
+        :func:`~pdjax.partition.evaluate_partition` prices a round-robin partition for ``gpipe``,
+        ``1f1b`` and ``2bw``), or ``"auto"`` (default): round-robin under ``pipedream`` with the
+        ``pdjax`` cost model (the faster plan of both under a memory limit), else split. Recorded
+        per stage (:attr:`StagePlan.replication`; a one-device stage is split).
       stage_seconds, allreduce_seconds: calibration (``pdjax`` only; the module doc):
         measured seconds of a stage's compute share and of one all-reduce, or None for the
         formulas.
@@ -142,7 +140,6 @@ def plan_pipedream(
     """
     cost.check_replication(replication, schedule, cost_model)
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
-    mode = cost.resolve_replication(replication, schedule, cost_model)
     common: dict[str, Any] = dict(  # forwarded to solve
         cost_model=cost_model,
         schedule=schedule,
@@ -155,13 +152,26 @@ def plan_pipedream(
         stage_seconds=stage_seconds,
         allreduce_seconds=allreduce_seconds,
     )
-    limit = memory_limit if memory_limit is not None else topology.memory_per_device
     options = {"straight": straight, "fewer_machines": fewer_machines, "replication": replication}
     options.update(calibrated_options(stage_seconds, allreduce_seconds))
+    modes = _modes_to_try(replication, schedule, cost_model, memory_limit, topology)
+    return _fastest(profile, topology, modes, options, common)
+
+
+def _modes_to_try(
+    replication: str,
+    schedule: str,
+    cost_model: str,
+    memory_limit: float | None,
+    topology: Topology,
+) -> tuple[str, ...]:
+    """The replication modes to plan with: the one ``replication`` stands for, or, for
+    ``"auto"`` resolved to round-robin under a memory limit, round-robin and split."""
+    mode = cost.resolve_replication(replication, schedule, cost_model)
+    limit = memory_limit if memory_limit is not None else topology.memory_per_device
     # Round-robin all-reduces less but may stash more per device: under a limit, try both.
     both = replication == "auto" and mode == "round-robin" and limit is not None
-    modes = ("round-robin", "split") if both else (mode,)
-    return _fastest(profile, topology, modes, options, common)
+    return ("round-robin", "split") if both else (mode,)
 
 
 def _fastest(

@@ -309,25 +309,7 @@ class Stage:
             self.whole_reason = f"its layers do not run on parts ({type(err).__name__}: {err})"
             self.whole_reason = self.whole_reason[:300]
             return self.whole_reason
-        whole, split, whole_state, part_states = _key_data(
-            (whole, split, whole_state, part_states)
-        )  # PRNG keys (nnx RNG streams in the model state) compare by their bits
-        a_leaves, b_leaves = jax.tree.leaves(whole), jax.tree.leaves(split)
-        # jaxlib ships no type stub for PyTreeDef (its == is unknown to mypy)
-        same = jax.tree.structure(whole) == jax.tree.structure(split) and all(  # type: ignore[operator]
-            np.shape(a) == np.shape(b)
-            and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
-            for a, b in zip(a_leaves, b_leaves, strict=True)
-        )
-        same = same and all(
-            jax.tree.structure(ps) == jax.tree.structure(whole_state)  # type: ignore[operator]
-            and all(
-                np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
-                for a, b in zip(jax.tree.leaves(whole_state), jax.tree.leaves(ps), strict=True)
-            )
-            for ps in part_states
-        )
-        if not same:
+        if not _parts_agree(whole, split, whole_state, part_states, rtol):
             self.whole_reason = (
                 "its output rows depend on other rows of the microbatch (batch statistics, "
                 "dropout masks drawn for the whole microbatch, or another batch-wide "
@@ -571,6 +553,31 @@ def _key_data(tree: PyTree) -> PyTree:
             jax.random.key_data(a) if jnp.issubdtype(jnp.result_type(a), jax.dtypes.prng_key) else a
         ),
         tree,
+    )
+
+
+def _parts_agree(
+    whole: PyTree, split: PyTree, whole_state: PyTree, part_states: list[PyTree], rtol: float
+) -> bool:
+    """Whether the output computed in parts matches the whole microbatch's, and each part's
+    new model state the whole's (within ``rtol``, relative to each leaf's scale)."""
+    whole, split, whole_state, part_states = _key_data(
+        (whole, split, whole_state, part_states)
+    )  # PRNG keys (nnx RNG streams in the model state) compare by their bits
+    a_leaves, b_leaves = jax.tree.leaves(whole), jax.tree.leaves(split)
+    # jaxlib ships no type stub for PyTreeDef (its == is unknown to mypy)
+    same = jax.tree.structure(whole) == jax.tree.structure(split) and all(  # type: ignore[operator]
+        np.shape(a) == np.shape(b)
+        and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
+        for a, b in zip(a_leaves, b_leaves, strict=True)
+    )
+    return same and all(
+        jax.tree.structure(ps) == jax.tree.structure(whole_state)  # type: ignore[operator]
+        and all(
+            np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=rtol * _scale(a))
+            for a, b in zip(jax.tree.leaves(whole_state), jax.tree.leaves(ps), strict=True)
+        )
+        for ps in part_states
     )
 
 

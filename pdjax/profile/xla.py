@@ -183,9 +183,8 @@ def profile(
       variables: per-layer variables; default: initialised abstractly from ``rng``.
       rng: PRNG key for initialisation and dropout (default ``jax.random.key(0)``).
       train: profile the training-mode forward (dropout on, BatchNorm batch statistics).
-      measure: also time forward and backward on ``device`` (needs concrete inputs,
-        which are made with ones of the sample's shapes if abstract). The executables
-        timed are the ones counted, each compiled once.
+      measure: also time forward and backward on ``device`` (needs concrete inputs: ones of the
+        sample's shapes if abstract); the timed executables are the counted ones, compiled once.
       device: where to measure (default ``jax.devices()[0]``).
       device_model: a preset name (``"h100"``, ``"v100"``, ...) or :class:`DeviceModel`
         whose roofline turns FLOPs and bytes into seconds; ``"measured"`` = ``measure``.
@@ -216,18 +215,17 @@ def profile(
         variables = jax.eval_shape(layers.init, rng, sample_spec)
     var_specs = [_spec(v) for v in variables]
     boundaries = layers.boundary_specs(var_specs, sample_spec)
-    device = device if device is not None else jax.devices()[0]
-    x_real, variables = (
-        _real_inputs(layers, sample, variables, rng, device) if measure else (None, variables)
-    )
     setup = _Setup(
         train=train,
         rng=rng,
         measure=measure,
-        device=device,
+        device=device if device is not None else jax.devices()[0],
         model=model,
         warmup=warmup,
         repeats=repeats,
+    )
+    x_real, variables = (
+        _real_inputs(layers, sample, variables, rng, setup.device) if measure else (None, variables)
     )
     steps = _steps(layers, var_specs, boundaries, train)
     results = _profile_layers(

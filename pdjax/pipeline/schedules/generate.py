@@ -68,11 +68,7 @@ def generate(
     if name == "zb-h2":
         return zb_h2(num_stages, num_microbatches, steps=steps, replicas=replicas)
     if name == "zb-v":
-        if chunks != 2:
-            raise ScheduleError(
-                f"zb-v places two stages on each device group (a V: 2P stages over P groups); "
-                f"chunks must be 2, got {chunks!r}"
-            )
+        _check_zb_v_chunks(chunks)
         return zb_v(
             num_stages, num_microbatches, steps=steps, num_layers=num_layers, replicas=replicas
         )
@@ -99,3 +95,12 @@ def generate(
         N = num_microbatches * steps if stream is None else stream
         return pipedream_2bw(num_stages, num_microbatches, N, replicas=replicas, **rr)
     raise ScheduleError(f"unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
+
+
+def _check_zb_v_chunks(chunks: int) -> None:
+    """``zb-v`` takes only its V's two chunks per device group."""
+    if chunks != 2:
+        raise ScheduleError(
+            f"zb-v places two stages on each device group (a V: 2P stages over P groups); "
+            f"chunks must be 2, got {chunks!r}"
+        )

@@ -1,6 +1,21 @@
 """The streaming schedules: PipeDream (asynchronous 1F1B with weight stashing, an update
 after every microbatch) and PipeDream-2BW (1F1B without a flush, one update per ``M``
-microbatches, two weight versions). Both run one stream of ``N`` microbatches."""
+microbatches, two weight versions). Both run one stream of ``N`` microbatches.
+
+Round-robin replication in :func:`pipedream` (PipeDream's own, ``replication``): a stage
+``s`` on ``r`` devices takes groups of ``n_s = r`` consecutive microbatches, one per device,
+and updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
+microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
+has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s = ceil(W_s / n_s) + e``
+groups in flight (``e = extra_in_flight``, not at the last stage), ``W_s = n_s + ... +
+n_{P-1}`` (the microbatch slots from ``s`` on; PipeDream's NOAM at stage 0). Microbatch
+``k``, in group ``g = k // n_s``, runs ``F`` and ``B`` at version ``max(0, g - q_s + 1)``:
+the updates of the groups ``0 .. g - q_s``, whose backwards ran before its forward.
+Versions kept: ``q_s``; in flight: ``q_s n_s`` microbatches. With every ``n_s = 1`` this is
+the formula of :func:`pipedream`'s docstring (``q_s = P - s + e``). ``N`` must be a
+multiple of every ``n_s``; vertical sync and ``weight_stashing=False`` are not defined with
+round-robin stages.
+"""
 
 from __future__ import annotations
 
@@ -67,18 +82,9 @@ def pipedream(
     ``P - s`` becomes ``P - s + e`` for ``s < P - 1`` in every formula above (``P`` becomes
     ``P + e`` with vertical sync).
 
-    Round-robin replication (PipeDream's own, ``replication``): a stage ``s`` on ``r``
-    devices takes groups of ``n_s = r`` consecutive microbatches, one per device, and
-    updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
-    microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
-    has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s = ceil(W_s / n_s) + e``
-    groups in flight (``e`` not at the last stage), ``W_s = n_s + ... + n_{P-1}`` (the
-    microbatch slots from ``s`` on; PipeDream's NOAM at stage 0). Microbatch ``k``, in group
-    ``g = k // n_s``, runs ``F`` and ``B`` at version ``max(0, g - q_s + 1)``: the updates
-    of the groups ``0 .. g - q_s``, whose backwards ran before its forward. Versions kept:
-    ``q_s``; in flight: ``q_s n_s`` microbatches. With every ``n_s = 1`` this is the formula
-    above (``q_s = P - s + e``). ``N`` must be a multiple of every ``n_s``; vertical sync and
-    ``weight_stashing=False`` are not defined with round-robin stages.
+    Round-robin replication (PipeDream's own, ``replication``): a stage on ``r`` devices
+    takes whole microbatches, one per device, and updates once per group of ``r`` of them;
+    its versions and in-flight bounds are in the module docstring.
 
     Args:
         num_stages: ``P``, stages (one device group each).
@@ -98,7 +104,9 @@ def pipedream(
     reps = replicas_of(replicas, P)
     mode = replication_of(replication, reps, "pipedream")
     if mode:
-        return _pipedream_round_robin(P, N, e, reps, mode, vertical_sync, weight_stashing)
+        return _pipedream_round_robin(
+            P, N, e, reps, mode, vertical_sync=vertical_sync, weight_stashing=weight_stashing
+        )
     shape = Shape(P, 1, N, extra_in_flight=e, vertical_sync=vertical_sync,
                   weight_stashing=weight_stashing)  # fmt: skip
     in_flight, versions = _bounds("pipedream", shape)
@@ -145,10 +153,11 @@ def _pipedream_round_robin(
     e: int,
     replicas: tuple[int, ...],
     replication: tuple[str, ...],
+    *,
     vertical_sync: bool,
     weight_stashing: bool,
 ) -> Schedule:
-    """:func:`pipedream` with round-robin stages (the formulas in its docstring)."""
+    """:func:`pipedream` with round-robin stages (the formulas in the module docstring)."""
     if vertical_sync or not weight_stashing:
         raise ScheduleError(
             "pipedream with round-robin replication is defined with weight stashing and "

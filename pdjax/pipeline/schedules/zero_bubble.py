@@ -1,6 +1,22 @@
 """The zero-bubble schedules (Qi et al.): the backward split into ``I`` (input gradient)
 and ``W`` (weight gradient), ``W`` deferred to fill the bubbles. ZB-H1 and ZB-H2 keep one
-stage per device group; ZB-V puts two on each, in a V."""
+stage per device group; ZB-V puts two on each, in a V.
+
+ZB-V's order (:func:`zb_v`): device group ``d`` holds stage ``d`` (its *first* chunk) and
+``2P - 1 - d`` (its *second*), and runs, for one step:
+
+1. ``2 (P - d) - 1`` forwards of its first chunk;
+2. ``d`` times: a forward of the second chunk, then of the first;
+3. ``P - d`` times: ``F``, ``I``, ``W`` of the second chunk;
+4. until both chunks have run every forward: ``F`` (while any is left), ``I``, ``W`` of
+   the first chunk, then ``F``, ``I``, ``W`` of the second;
+5. the drain: ``d`` times ``I`` of the first chunk and ``I`` of the second; ``P - d``
+   times ``I`` and the oldest deferred ``W`` of the first chunk; then the deferred
+   ``W`` of the second chunk, then of the first.
+
+For ``M < 2P - 1`` the order is laid out for ``2P - 1`` microbatches and the actions of the
+missing ones are left out.
+"""
 
 from __future__ import annotations
 
@@ -152,19 +168,7 @@ def zb_v(
     groups ``0 .. P - 1``, stages ``P .. 2P - 1`` on groups ``P - 1 .. 0`` (group ``d``
     holds stage ``d``, its *first* chunk, and ``2P - 1 - d``, its *second*; the last
     group runs stages ``P - 1`` and ``P`` back to back, and group 0 holds both ends of the
-    model). Group ``d`` runs:
-
-    1. ``2 (P - d) - 1`` forwards of its first chunk;
-    2. ``d`` times: a forward of the second chunk, then of the first;
-    3. ``P - d`` times: ``F``, ``I``, ``W`` of the second chunk;
-    4. until both chunks have run every forward: ``F`` (while any is left), ``I``, ``W`` of
-       the first chunk, then ``F``, ``I``, ``W`` of the second;
-    5. the drain: ``d`` times ``I`` of the first chunk and ``I`` of the second; ``P - d``
-       times ``I`` and the oldest deferred ``W`` of the first chunk; then the deferred
-       ``W`` of the second chunk, then of the first.
-
-    For ``M < 2P - 1`` the order is laid out for ``2P - 1`` microbatches and the actions of
-    the missing ones are left out.
+    model). The order each group runs, for any ``M``, is in the module docstring.
 
     Bubble, with every chunk's ``F = I = W = 1`` and ``M >= 2P - 1``: group ``d`` runs its
     ``6M`` actions without a gap from tick ``d`` to ``6M + d`` (the paper's zero bubble).
@@ -224,21 +228,26 @@ def zb_v(
     M = positive("num_microbatches (M)", num_microbatches)
     positive("steps", steps)
     if num_layers is not None:
-        positive("num_layers", num_layers)
-        if num_layers % (2 * P):
-            raise ScheduleError(
-                f"zb-v over P={P} device groups splits the model into 2P = {2 * P} equal "
-                f"stages (two chunks per group); got num_layers={num_layers}, which {2 * P} "
-                f"does not divide"
-            )
+        _check_zb_v_layers(P, num_layers)
     n = max(M, 2 * P - 1)  # the order's length; microbatches >= M are left out
 
     return flush_schedule("zb-v", P, 2, M, steps, lambda d: _zb_v_order(P, M, n, d), replicas)
 
 
+def _check_zb_v_layers(P: int, num_layers: int) -> None:
+    """``num_layers`` splits into ZB-V's ``2P`` equal stages."""
+    positive("num_layers", num_layers)
+    if num_layers % (2 * P):
+        raise ScheduleError(
+            f"zb-v over P={P} device groups splits the model into 2P = {2 * P} equal "
+            f"stages (two chunks per group); got num_layers={num_layers}, which {2 * P} "
+            f"does not divide"
+        )
+
+
 def _zb_v_order(P: int, M: int, n: int, d: int) -> list[tuple[str, int, int]]:
     """Group ``d``'s order for one step of ZB-V laid out for ``n >= M`` microbatches (the
-    steps in :func:`zb_v`'s docstring), without the actions of microbatches ``>= M``."""
+    steps in the module docstring), without the actions of microbatches ``>= M``."""
     arms = (d, 2 * P - 1 - d)  # first chunk, second chunk
     forwards, inputs, weights = [0, 0], [0, 0], [0, 0]
     out: list[tuple[str, int, int]] = []
