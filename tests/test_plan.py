@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 
 import pytest
+from cli_helpers import run_command
 
-from pdjax.apps.commands import plan as plan_command
 from pdjax.errors import GraphFormatError, PdjaxError, PlanError
 from pdjax.partition import Plan, StagePlan, Topology, plan_pipedream, plan_uniform
 from pdjax.profile import Profile
@@ -129,19 +128,11 @@ def test_over_the_limit_is_shown(vgg):
 # -- the command ----------------------------------------------------------------------
 
 
-def _run(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pdjax")
-    sub = parser.add_subparsers(dest="command", required=True)
-    plan_command.register(sub)
-    args = parser.parse_args(["plan", *argv])
-    return args.func(args)
-
-
 def test_cli_workers_json(capsys, tmp_path):
     out = tmp_path / "plan.json"
     argv = ["--profile", "pipedream:vgg16", "--workers", "8", "--bandwidths", "1.25e9"]
     argv += ["--cost-model", "pipedream-code", "--json", "--out", str(out)]
-    assert _run(argv) == 0
+    assert run_command("plan", *argv) == 0
     printed = Plan.from_json(capsys.readouterr().out)
     assert printed.config == "7-1"
     assert Plan.load(out) == printed
@@ -149,7 +140,7 @@ def test_cli_workers_json(capsys, tmp_path):
 
 def test_cli_levels_human(capsys):
     argv = ["--profile", "pipedream:vgg16", "--levels", "4x4", "--bandwidths", "1e10,1.25e9"]
-    assert _run([*argv, "--cost-model", "paper", "--schedule", "1f1b"]) == 0
+    assert run_command("plan", *argv, "--cost-model", "paper", "--schedule", "1f1b") == 0
     text = capsys.readouterr().out
     assert "12-2-1-1" in text and "stage 0 = layers 0-31 x12" in text and "1f1b" in text
 
@@ -166,16 +157,18 @@ def test_cli_graph_txt_and_options(capsys, tmp_path):
         "\tnode1 -- node2\n\tnode2 -- node3\n"
     )
     argv = ["--profile", str(graph), "--workers", "4", "--straight", "--fewer-machines"]
-    assert _run([*argv, "--json"]) == 0
+    assert run_command("plan", *argv, "--json") == 0
     plan = Plan.from_json(capsys.readouterr().out)
     assert plan.config == "1-1" and plan.options["straight"] and plan.options["fewer_machines"]
     argv = ["--profile", str(graph), "--workers", "2", "--partitioner", "uniform", "--stages", "2"]
-    assert _run([*argv, "--json", "--microbatch-size", "1"]) == 0
+    assert run_command("plan", *argv, "--json", "--microbatch-size", "1") == 0
     assert Plan.from_json(capsys.readouterr().out).partitioner == "uniform"
 
 
 def test_cli_preset(capsys):
-    assert _run(["--profile", "pipedream:vgg16", "--preset", "cluster-a", "--json"]) == 0
+    assert (
+        run_command("plan", "--profile", "pipedream:vgg16", "--preset", "cluster-a", "--json") == 0
+    )
     assert Plan.from_json(capsys.readouterr().out).topology.name == "cluster-a"
 
 
@@ -200,7 +193,7 @@ def test_cli_preset(capsys):
 )
 def test_cli_bad_input(argv, error, match):
     with pytest.raises(error, match=match):
-        _run(["--profile", "pipedream:vgg16", *argv])
+        run_command("plan", "--profile", "pipedream:vgg16", *argv)
 
 
 def test_cli_malformed_graph_txt_names_file_and_line(tmp_path):
@@ -211,7 +204,7 @@ def test_cli_malformed_graph_txt_names_file_and_line(tmp_path):
         "node2 -- Linear -- forward_compute_time=two\n"
     )
     with pytest.raises(GraphFormatError, match=rf"{graph}:2: not a node line"):
-        _run(["--profile", str(graph), "--workers", "2"])
+        run_command("plan", "--profile", str(graph), "--workers", "2")
 
 
 def test_cli_main_reports_errors(capsys):

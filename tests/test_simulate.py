@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
 
 import pytest
+from cli_helpers import run_command
 
-from pdjax.apps.commands import simulate as simulate_command
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.pipeline import (
     PipelineCosts,
@@ -436,15 +435,10 @@ def test_timeline_json_round_trip():
 # ----------------------------------------------------------------------------- the command
 
 
-def _run(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="pdjax")
-    simulate_command.register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["simulate", *argv])
-    return args.func(args)
-
-
 def test_cli_compares_all_schedules_as_json(capsys):
-    code = _run("--unit-costs", "1,1,1", "--stages", "4", "--schedule", "all", "--json")
+    code = run_command(
+        "simulate", "--unit-costs", "1,1,1", "--stages", "4", "--schedule", "all", "--json"
+    )
     assert code == 0
     rows = {r["schedule"]: r for r in json.loads(capsys.readouterr().out)["schedules"]}
     assert list(rows) == [
@@ -471,7 +465,8 @@ def test_cli_compares_all_schedules_as_json(capsys):
 
 def test_cli_table_and_pictures(tmp_path, capsys):
     trace, png = tmp_path / "out.json", tmp_path / "out.png"
-    code = _run(
+    code = run_command(
+        "simulate",
         "--unit-costs",
         "1,0.5,0.5",
         "--stages",
@@ -495,15 +490,14 @@ def test_cli_table_and_pictures(tmp_path, capsys):
 
 
 def test_cli_single_schedule_options(capsys):
-    _run("--unit-costs", "1,1,1", "--stages", "3", "--schedule", "pipedream", "--stream", "12")
+    unit = ("simulate", "--unit-costs", "1,1,1")
+    run_command(*unit, "--stages", "3", "--schedule", "pipedream", "--stream", "12")
     assert "steady state, stream N=12" in capsys.readouterr().out
-    _run("--unit-costs", "1,1,1", "--stages", "2", "--schedule", "pipedream", "--vertical-sync")
+    run_command(*unit, "--stages", "2", "--schedule", "pipedream", "--vertical-sync")
     assert "pipedream (vsync)" in capsys.readouterr().out
-    _run(
-        "--unit-costs", "1,1,1", "--stages", "2", "--schedule", "pipedream", "--no-weight-stashing"
-    )
+    run_command(*unit, "--stages", "2", "--schedule", "pipedream", "--no-weight-stashing")
     assert "pipedream (no stash)" in capsys.readouterr().out
-    _run("--unit-costs", "1,1,1", "--stages", "2", "--schedule", "interleaved", "--chunks", "3")
+    run_command(*unit, "--stages", "2", "--schedule", "interleaved", "--chunks", "3")
     assert "interleaved (v=3)" in capsys.readouterr().out
 
 
@@ -524,12 +518,12 @@ def test_cli_single_schedule_options(capsys):
 )
 def test_cli_errors_name_the_fix(argv, message):
     with pytest.raises(ScheduleError, match=message):
-        _run(*argv)
+        run_command("simulate", *argv)
 
 
 def test_cli_missing_plan_file_is_a_clear_error():
     with pytest.raises(PlanError, match=r"cannot read plan plan\.json"):
-        _run("--plan", "plan.json", "--profile", "profile.json")
+        run_command("simulate", "--plan", "plan.json", "--profile", "profile.json")
 
 
 def test_posted_receives_start_transfers_when_the_receiver_reaches_the_action():

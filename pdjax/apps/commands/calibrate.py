@@ -98,87 +98,142 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     """Measures and writes the calibration. Raises PdjaxError on bad input."""
-    if args.microbatch_size < 1:
-        raise CalibrationError("--microbatch-size must be >= 1")
-    check_writable("--out", args.out, CalibrationError)
-    check_writable("--plan-out", args.plan_out, CalibrationError)
-    if args.refine and not args.profile:
-        raise CalibrationError("--refine plans from a profile: give --profile (pdjax profile)")
-    from pdjax.apps.commands.train import set_cpu_devices
-
-    if args.devices:
-        set_cpu_devices(args.devices)
-    import jax
-
+    _check_args(args)
+    devices = _devices(args)
     from pdjax import calibrate as cal_lib
     from pdjax.models import get_model
-    from pdjax.partition import Plan, Topology
-    from pdjax.profile import Profile
 
-    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
-    if args.devices and len(devices) < args.devices:
-        raise CalibrationError(f"--devices {args.devices}: only {len(devices)} are visible")
     spec = get_model(args.model, args.config)
     sample = spec.sample_batch(args.microbatch_size, args.seed)
     from pdjax.apps.train import make_optimizer
 
     opt = make_optimizer(args.optimizer, args.lr)
     earlier = cal_lib.Calibration.load(args.calibration) if args.calibration else None
-    log = print
     if args.refine:
-        profile = Profile.load(args.profile)
-        topology = Topology.from_devices(devices)
-        ranked, cal = cal_lib.refine(
-            profile, topology, spec.layers, sample, spec.loss, opt, schedule=args.schedule,
-            num_microbatches=args.microbatches, devices=devices, calibration=earlier,
-            repeats=args.repeats, log=log,
-        )  # fmt: skip
-        _render(ranked)
-        if args.plan_out:
-            ranked[0].plan.save(args.plan_out)
-            print(f"best plan written to {args.plan_out}")
+        cal = _refine(args, spec, sample, opt, devices=devices, earlier=earlier)
     else:
-        plan = Plan.load(args.plan)
-        if plan.num_layers != len(spec.layers):
-            raise CalibrationError(
-                f"the plan {args.plan} covers {plan.num_layers} layers, {args.model} "
-                f"({args.config}) has {len(spec.layers)}: calibrate the model it was made for"
-            )
-        plans = [plan]
-        if args.neighbours:
-            from pdjax.partition import evaluate_partition
-
-            for layout in cal_lib.neighbours(plan):
-                plans.append(
-                    evaluate_partition(
-                        Profile.load(args.profile) if args.profile else _flat_profile(spec, sample),
-                        plan.topology, layout, schedule=plan.schedule,
-                        num_microbatches=plan.num_microbatches,
-                        microbatch_size=plan.microbatch_size, partitioner="neighbour",
-                    )
-                )  # fmt: skip
-        by_id = {int(d.id): d for d in devices}
-        ids = sorted({d for q in plans for s in q.stages for d in s.devices})
-        topo_ids = plan.topology.device_ids
-        if topo_ids is None:  # positions: the devices in order
-            by_id = dict(enumerate(devices))
-        missing = [d for d in ids if d not in by_id]
-        if missing:
-            raise CalibrationError(
-                f"the plan uses devices {missing}; here: {sorted(by_id)} (use --devices)"
-            )
-        cal = cal_lib.calibrate(
-            spec.layers, sample, spec.loss, opt, cal_lib.plan_stages(plans),
-            devices=[by_id[d] for d in ids], repeats=args.repeats, log=log,
-        )  # fmt: skip
-        if topo_ids is None:  # record the plan's ids (positions), not the devices'
-            cal = _renumber(cal, {int(by_id[d].id): d for d in ids})
+        cal = _calibrate_plan(args, spec, sample, opt, devices=devices)
         if earlier is not None:
             cal = earlier.merge(cal)
     cal.save(args.out)
     print(f"calibration written to {args.out}: {len(cal.stages)} stages, {len(cal.links)} "
           f"links, {len(cal.allreduces)} all-reduce fits")  # fmt: skip
     return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuses, before any work, options that cannot go together or files that cannot
+    be written."""
+    if args.microbatch_size < 1:
+        raise CalibrationError("--microbatch-size must be >= 1")
+    check_writable("--out", args.out, CalibrationError)
+    check_writable("--plan-out", args.plan_out, CalibrationError)
+    if args.refine and not args.profile:
+        raise CalibrationError("--refine plans from a profile: give --profile (pdjax profile)")
+
+
+def _devices(args: argparse.Namespace) -> list[Any]:
+    """The first ``--devices`` devices (simulated on CPU), or all."""
+    from pdjax.apps.commands.train import set_cpu_devices
+
+    if args.devices:  # before jax.devices() starts the backends and fixes their count
+        set_cpu_devices(args.devices)
+    import jax
+
+    devices = jax.devices()[: args.devices] if args.devices else jax.devices()
+    if args.devices and len(devices) < args.devices:
+        raise CalibrationError(f"--devices {args.devices}: only {len(devices)} are visible")
+    return list(devices)
+
+
+def _refine(
+    args: argparse.Namespace,
+    spec: Any,
+    sample: Any,
+    opt: Any,
+    *,
+    devices: list[Any],
+    earlier: Any,
+) -> Any:
+    """``--refine``: plans from ``--profile``, calibrated and ranked (printed; the best
+    written to ``--plan-out``); returns the calibration."""
+    from pdjax import calibrate as cal_lib
+    from pdjax.partition import Topology
+    from pdjax.profile import Profile
+
+    ranked, cal = cal_lib.refine(
+        profile=Profile.load(args.profile),
+        topology=Topology.from_devices(devices),
+        layers=spec.layers,
+        sample=sample,
+        loss=spec.loss,
+        optimizer=opt,
+        schedule=args.schedule,
+        num_microbatches=args.microbatches,
+        devices=devices,
+        calibration=earlier,
+        repeats=args.repeats,
+        log=print,
+    )
+    _render(ranked)
+    if args.plan_out:
+        ranked[0].plan.save(args.plan_out)
+        print(f"best plan written to {args.plan_out}")
+    return cal
+
+
+def _calibrate_plan(
+    args: argparse.Namespace, spec: Any, sample: Any, opt: Any, *, devices: list[Any]
+) -> Any:
+    """``--plan``: its stages (and ``--neighbours``'), links and all-reduces measured on
+    the devices it names."""
+    from pdjax import calibrate as cal_lib
+    from pdjax.partition import Plan
+
+    plan = Plan.load(args.plan)
+    if plan.num_layers != len(spec.layers):
+        raise CalibrationError(
+            f"the plan {args.plan} covers {plan.num_layers} layers, {args.model} "
+            f"({args.config}) has {len(spec.layers)}: calibrate the model it was made for"
+        )
+    plans = [plan, *_neighbours(args, plan, spec, sample)]
+    by_id = {int(d.id): d for d in devices}
+    ids = sorted({d for q in plans for s in q.stages for d in s.devices})
+    topo_ids = plan.topology.device_ids
+    if topo_ids is None:  # positions: the devices in order
+        by_id = dict(enumerate(devices))
+    missing = [d for d in ids if d not in by_id]
+    if missing:
+        raise CalibrationError(
+            f"the plan uses devices {missing}; here: {sorted(by_id)} (use --devices)"
+        )
+    cal = cal_lib.calibrate(
+        spec.layers, sample, spec.loss, opt, cal_lib.plan_stages(plans),
+        devices=[by_id[d] for d in ids], repeats=args.repeats, log=print,
+    )  # fmt: skip
+    if topo_ids is None:  # record the plan's ids (positions), not the devices'
+        cal = _renumber(cal, {int(by_id[d].id): d for d in ids})
+    return cal
+
+
+def _neighbours(args: argparse.Namespace, plan: Any, spec: Any, sample: Any) -> list[Any]:
+    """``--neighbours``: every plan with one of ``plan``'s cuts moved by one layer (none
+    without the option)."""
+    if not args.neighbours:
+        return []
+    from pdjax import calibrate as cal_lib
+    from pdjax.partition import evaluate_partition
+    from pdjax.profile import Profile
+
+    return [
+        evaluate_partition(
+            Profile.load(args.profile) if args.profile else _flat_profile(spec, sample),
+            plan.topology, layout, schedule=plan.schedule,
+            num_microbatches=plan.num_microbatches,
+            microbatch_size=plan.microbatch_size, partitioner="neighbour",
+        )
+        for layout in cal_lib.neighbours(plan)
+    ]  # fmt: skip
 
 
 def _flat_profile(spec: Any, sample: Any) -> Any:

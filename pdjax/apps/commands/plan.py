@@ -84,6 +84,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "on a model profiled now (--model).",
         formatter_class=HelpFormatter,
     )
+    # the help lists the options in the order these add them
+    _add_source_options(p)
+    _add_topology_options(p)
+    _add_schedule_options(p)
+    _add_partitioner_options(p)
+    _add_workload_options(p)
+    p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
+    p.add_argument("--out", help="write the plan JSON here")
+    p.set_defaults(func=run)
+
+
+def _add_source_options(p: argparse.ArgumentParser) -> None:
+    """What to plan: ``--profile`` or ``--model`` (profiled now, ``--device-model``)."""
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="profile JSON, graph.txt or pipedream:NAME")
     add_model_arguments(p, group=source)
@@ -93,6 +106,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --model: estimate seconds with this device's roofline (h100, v100, ...) "
         "instead of measuring on this machine's first device",
     )
+
+
+def _add_topology_options(p: argparse.ArgumentParser) -> None:
+    """The devices planned for: ``--workers``, ``--levels`` or ``--preset``, and links."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument(
         "--workers",
@@ -106,6 +123,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"bytes/s per level, innermost first, comma-separated (default "
         f"{_DEFAULT_BANDWIDTH:g} = 10 Gbit/s for every level)",
     )
+
+
+def _add_schedule_options(p: argparse.ArgumentParser) -> None:
+    """How plans are priced: the cost model and schedule (``auto``: searched)."""
     p.add_argument(
         "--cost-model",
         default="pdjax",
@@ -134,6 +155,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="--schedule auto: samples per optimizer step (default: the profile's batch "
         "size times the devices)",
     )
+
+
+def _add_partitioner_options(p: argparse.ArgumentParser) -> None:
+    """Which partitioner, and what it may do: stages, replication, devices, memory."""
     p.add_argument(
         "--partitioner",
         default="pipedream",
@@ -159,6 +184,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--memory-limit", action=positive_float(error=PlanError), help="bytes per device"
     )
+
+
+def _add_workload_options(p: argparse.ArgumentParser) -> None:
+    """The step planned for: microbatches, their size, optimizer state, measured costs."""
     p.add_argument(
         "--microbatches",
         action=positive_int(MAX_SIM_PASSES, "the schedules are priced per microbatch", PlanError),
@@ -182,9 +211,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="a calibration JSON (pdjax calibrate) for this model and microbatch size: "
         "measured stage seconds and all-reduces replace the profile's where measured",
     )
-    p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
-    p.add_argument("--out", help="write the plan JSON here")
-    p.set_defaults(func=run)
 
 
 def _bandwidths(text: str | None, levels: int) -> list[float]:
@@ -254,14 +280,32 @@ def run(args: argparse.Namespace) -> int:
     check_writable("--out", args.out, PlanError)
     topology = topology_from_args(args)  # validate the cheap arguments first
     check_size(args, topology)
-    if args.model is not None:
-        profile = _profile_model(args)
-    else:
-        if args.device_model:
-            raise PlanError("--device-model prices a model profiled now: give --model")
-        profile = Profile.load(args.profile)
+    profile = _load_profile(args)
     check_size(args, topology, len(profile.layers))
-    common = dict(
+    common, cal = _pricing(args, profile, topology)
+    plan = _make_plan(args, profile, topology, common, cal)
+    # Record the profile in the file (plan_pipedream and plan_auto do not yet), so that
+    # `pdjax simulate` refuses this plan with another model's profile of equal layer count.
+    plan = plan.with_profile_hash(profile)
+    _report(args, plan)
+    return 0
+
+
+def _load_profile(args: argparse.Namespace) -> Profile:
+    """``--model`` profiled now, or the ``--profile`` file."""
+    if args.model is not None:
+        return _profile_model(args)
+    if args.device_model:
+        raise PlanError("--device-model prices a model profiled now: give --model")
+    return Profile.load(args.profile)
+
+
+def _pricing(
+    args: argparse.Namespace, profile: Profile, topology: Topology
+) -> tuple[dict[str, Any], Any]:
+    """The partitioners' pricing keywords and the ``--calibration`` (a Calibration, or
+    None) whose measured stages and all-reduces they include."""
+    common: dict[str, Any] = dict(
         cost_model=args.cost_model,
         schedule=args.schedule,
         num_microbatches=args.microbatches,
@@ -269,20 +313,29 @@ def run(args: argparse.Namespace) -> int:
         optimizer_state_factor=args.optimizer_state_factor,
         replication=args.replication,
     )
-    cal: Any = None  # a Calibration
-    if args.calibration:
-        if args.partitioner != "pipedream":
-            raise PlanError(
-                "--calibration prices the optimizer's search: use --partitioner pipedream"
-            )
-        from pdjax.calibrate import Calibration
+    if not args.calibration:
+        return common, None
+    if args.partitioner != "pipedream":
+        raise PlanError("--calibration prices the optimizer's search: use --partitioner pipedream")
+    from pdjax.calibrate import Calibration
 
-        cal = Calibration.load(args.calibration)
-        size = args.microbatch_size or profile.batch_size
-        cal.check(layers=[layer.name for layer in profile.layers], microbatch_size=size)
-        M = args.microbatches or topology.num_devices
-        common["stage_seconds"] = cal.stage_seconds(args.schedule, M)
-        common["allreduce_seconds"] = cal.allreduce_function()
+    cal = Calibration.load(args.calibration)
+    size = args.microbatch_size or profile.batch_size
+    cal.check(layers=[layer.name for layer in profile.layers], microbatch_size=size)
+    M = args.microbatches or topology.num_devices
+    common["stage_seconds"] = cal.stage_seconds(args.schedule, M)
+    common["allreduce_seconds"] = cal.allreduce_function()
+    return common, cal
+
+
+def _make_plan(
+    args: argparse.Namespace,
+    profile: Profile,
+    topology: Topology,
+    common: dict[str, Any],
+    cal: Any,
+) -> Plan:
+    """The plan of the partitioner (or ``plan_auto``) the arguments choose."""
     if args.schedule != "auto" and (args.allow_stale or args.batch_size is not None):
         raise PlanError("--allow-stale and --batch-size are options of --schedule auto")
     if args.schedule == "auto":
@@ -291,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
         batch, counts = args.batch_size, [args.microbatches] if args.microbatches else None
         if cal is not None:  # its stages were measured at one microbatch size: keep it
             batch, counts = _calibrated_batch(args, cal.microbatch_size, topology.num_devices)
-        plan = plan_auto(
+        return plan_auto(
             profile,
             topology,
             batch_size=batch,
@@ -303,26 +356,27 @@ def run(args: argparse.Namespace) -> int:
             optimizer_state_factor=args.optimizer_state_factor,
             calibration=cal,
         )
-    elif args.partitioner == "pipedream":
+    if args.partitioner == "pipedream":
         if args.stages is not None:
             raise PlanError("--stages is for the simpler partitioners; the optimizer picks them")
-        plan = plan_pipedream(
+        return plan_pipedream(
             profile,
             topology,
             straight=args.straight,
             fewer_machines=args.fewer_machines,
             **common,
         )
-    else:
-        make = {
-            "uniform": plan_uniform,
-            "balanced-time": plan_balanced_time,
-            "balanced-params": plan_balanced_params,
-        }[args.partitioner]
-        plan = make(profile, topology, args.stages, **common)
-    # Record the profile in the file (plan_pipedream and plan_auto do not yet), so that
-    # `pdjax simulate` refuses this plan with another model's profile of equal layer count.
-    plan = plan.with_profile_hash(profile)
+    make = {
+        "uniform": plan_uniform,
+        "balanced-time": plan_balanced_time,
+        "balanced-params": plan_balanced_params,
+    }[args.partitioner]
+    return make(profile, topology, args.stages, **common)
+
+
+def _report(args: argparse.Namespace, plan: Plan) -> None:
+    """Writes ``--out``, prints the plan (JSON or tables) and warns if it is slower than
+    one device."""
     if args.out:
         plan.save(args.out)
     if args.json:
@@ -336,7 +390,6 @@ def run(args: argparse.Namespace) -> int:
     warning = slower_than_one_device(plan)
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
-    return 0
 
 
 def _calibrated_batch(args: argparse.Namespace, size: int, devices: int) -> tuple[int, list[int]]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -38,7 +39,7 @@ from pdjax.apps.commands import (
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.plan import Plan
 from pdjax.pipeline import costs as _costs
-from pdjax.pipeline.schedules import SCHEDULES, STREAMING, generate
+from pdjax.pipeline.schedules import SCHEDULES, STREAMING, Schedule, generate
 from pdjax.pipeline.simulate import (
     PipelineCosts,
     Simulation,
@@ -99,6 +100,26 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "print step time, bubble fraction and peak memory per device group.",
         formatter_class=HelpFormatter,
     )
+    # the help lists the options in the order these add them
+    _add_cost_options(p)
+    _add_schedule_options(p)
+    _add_size_options(p)
+    _add_plan_pricing_options(p)
+    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
+    p.add_argument(
+        "--no-weight-stashing",
+        dest="weight_stashing",
+        action="store_false",
+        help="pipedream: backward with the newest weights",
+    )
+    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def _add_cost_options(p: argparse.ArgumentParser) -> None:
+    """Where the costs come from: ``--plan`` and ``--profile``, or ``--unit-costs``."""
     p.add_argument("--plan", help="plan JSON (from pdjax plan)")
     p.add_argument("--profile", help="profile JSON the plan was made from")
     p.add_argument(
@@ -113,6 +134,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                             "per-group accounting grows with stages x passes", ScheduleError),
         help="P, stages (device groups) for --unit-costs",
     )  # fmt: skip
+
+
+def _add_schedule_options(p: argparse.ArgumentParser) -> None:
+    """Which schedules: ``--schedule`` names, or a torch CSV (read or written)."""
     p.add_argument(
         "--schedule",
         default="1f1b",
@@ -137,6 +162,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="FILE",
         help="write the (one) generated schedule in torch.distributed.pipelining's CSV format",
     )
+
+
+def _add_size_options(p: argparse.ArgumentParser) -> None:
+    """How much to play: microbatches, steps, chunks and the stream (bounded by _count)."""
     p.add_argument("--microbatches", action=_count, default=8, help="M, microbatches per step")
     p.add_argument(
         "--steps",
@@ -159,6 +188,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="N, microbatches streamed by pipedream and 2bw (default: a multiple of M, "
         "at least 4 M and 2 P)",
     )
+
+
+def _add_plan_pricing_options(p: argparse.ArgumentParser) -> None:
+    """With ``--plan``: how its replicated stages run, and measured costs."""
     p.add_argument(
         "--replication",
         default="auto",
@@ -180,17 +213,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="with --calibration: price stages it did not measure from the profile (times its "
         "profile ratio) instead of refusing",
     )
-    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
-    p.add_argument(
-        "--no-weight-stashing",
-        dest="weight_stashing",
-        action="store_false",
-        help="pipedream: backward with the newest weights",
-    )
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
-    p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
-    p.set_defaults(func=run)
 
 
 #: ``--stages``, ``--microbatches``, ``--steps``, ``--chunks``, ``--stream``: each at most
@@ -273,26 +295,87 @@ def parse_schedules(text: str) -> list[tuple[str, str, bool | None, bool | None]
     return out
 
 
+@dataclass(frozen=True)
+class _CostSource:
+    """What the schedules are played against: ``stages`` (P), the plan's replicas per
+    stage and the plan (None with ``--unit-costs``), and ``costs_for(chunks)``."""
+
+    stages: int
+    replicas: tuple[int, ...] | None
+    plan: Plan | None
+    costs_for: Callable[[int], PipelineCosts]
+
+
 def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]:
     """Each requested schedule with its simulation, or the reason it cannot run."""
-    requested = parse_schedules(args.schedule)
-    from_csv = None
-    if args.schedule_csv:
-        from pdjax.pipeline.torch_csv import read_torch_csv
-
-        from_csv = read_torch_csv(args.schedule_csv, name=args.csv_name)
-        if args.stages is None:
-            args.stages = from_csv.num_groups
-        elif args.stages != from_csv.num_groups:
-            raise ScheduleError(
-                f"--stages {args.stages} disagrees with the {from_csv.num_groups} ranks of "
-                f"{args.schedule_csv}"
-            )
-        requested = [(f"{args.schedule_csv} ({args.csv_name})", args.csv_name, None, None)]
+    requested, from_csv = _requested(args)
     if args.write_csv and len(requested) != 1:
         raise ScheduleError("--write-csv writes one schedule: give one --schedule")
     if args.calibration and not args.plan:
         raise ScheduleError("--calibration prices a plan's stages: give --plan and --profile")
+    source = _cost_source(args)
+    results: list[tuple[str, Simulation | str]] = []
+    played = 0  # microbatch-stage passes simulated so far (check_size bounds them)
+    for label, name, vsync, stashing in requested:
+        try:
+            mode = _replication(args.replication, source.plan, name)
+            stream = _stream(args, name, source, mode)
+            if from_csv is not None:
+                schedule = from_csv
+            else:
+                # one too big is a row among several
+                played += check_size(args, name, source.stages, stream, played)
+                schedule = generate(
+                    name,
+                    source.stages,
+                    args.microbatches,
+                    stream=stream,
+                    chunks=args.chunks,
+                    steps=args.steps,
+                    vertical_sync=args.vertical_sync if vsync is None else vsync,
+                    weight_stashing=args.weight_stashing if stashing is None else stashing,
+                    replicas=source.replicas,
+                    replication=mode,
+                )
+            if args.write_csv:
+                _write_csv(schedule, args.write_csv)
+            results.append((label, simulate(schedule, source.costs_for(schedule.chunks))))
+        except ScheduleError as e:
+            if len(requested) == 1:
+                raise
+            results.append((label, str(e)))
+    return results
+
+
+def _requested(
+    args: argparse.Namespace,
+) -> tuple[list[tuple[str, str, bool | None, bool | None]], Schedule | None]:
+    """The schedules to play (as :func:`parse_schedules`) and the ``--schedule-csv`` one
+    (None without it), which replaces them and sets ``args.stages`` to its ranks."""
+    requested = parse_schedules(args.schedule)
+    if not args.schedule_csv:
+        return requested, None
+    from pdjax.pipeline.torch_csv import read_torch_csv
+
+    from_csv = read_torch_csv(args.schedule_csv, name=args.csv_name)
+    if args.stages is None:
+        args.stages = from_csv.num_groups
+    elif args.stages != from_csv.num_groups:
+        raise ScheduleError(
+            f"--stages {args.stages} disagrees with the {from_csv.num_groups} ranks of "
+            f"{args.schedule_csv}"
+        )
+    return [(f"{args.schedule_csv} ({args.csv_name})", args.csv_name, None, None)], from_csv
+
+
+def _cost_source(args: argparse.Namespace) -> _CostSource:
+    """``--unit-costs`` with ``--stages``, or ``--plan`` with ``--profile`` (and
+    ``--calibration``).
+
+    Raises:
+      ScheduleError: neither or both, or a ``--stages`` that disagrees.
+      PlanError, ProfileError: unreadable files, or a profile that does not match the plan.
+    """
     if args.unit_costs is not None:
         if args.plan or args.profile:
             raise ScheduleError("give either --unit-costs (with --stages) or --plan/--profile")
@@ -302,80 +385,65 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
             raise ScheduleError(f"--stages must be >= 1; got {args.stages}")
         f, i, w = _parse_unit_costs(args.unit_costs)
         stages = args.stages
-        replicas = None
-        plan = None
 
-        def costs_for(chunks: int) -> PipelineCosts:
+        def unit(chunks: int) -> PipelineCosts:
             return unit_costs(stages, f, i, w, chunks=chunks)
 
-    elif args.plan and args.profile:
-        plan, profile = _load(args.plan, args.profile)
-        calibration = None
-        if args.calibration:
-            from pdjax.calibrate import Calibration
+        return _CostSource(stages=stages, replicas=None, plan=None, costs_for=unit)
+    if args.plan and args.profile:
+        return _plan_costs(args)
+    raise ScheduleError(
+        "pdjax simulate needs costs: --plan PLAN.json --profile PROFILE.json, or "
+        "--unit-costs F,I,W --stages P"
+    )
 
-            calibration = Calibration.load(args.calibration)
-        stages, replicas = plan.num_stages, plan.replicas
-        if args.stages is not None and args.stages != stages:
-            raise ScheduleError(
-                f"--stages {args.stages} disagrees with the plan's {stages} stages (P); drop "
-                f"--stages or use --unit-costs"
-            )
 
-        def costs_for(chunks: int) -> PipelineCosts:
-            if calibration is not None:
-                return _costs.costs_from_plan(
-                    plan, profile, chunks=chunks, calibration=calibration, partial=args.partial
-                )
-            return _costs.costs_from_plan(plan, profile, chunks=chunks)
+def _plan_costs(args: argparse.Namespace) -> _CostSource:
+    """``--plan`` priced from ``--profile`` (and ``--calibration``, ``--partial``)."""
+    plan, profile = _load(args.plan, args.profile)
+    calibration = None
+    if args.calibration:
+        from pdjax.calibrate import Calibration
 
-    else:
+        calibration = Calibration.load(args.calibration)
+    stages = plan.num_stages
+    if args.stages is not None and args.stages != stages:
         raise ScheduleError(
-            "pdjax simulate needs costs: --plan PLAN.json --profile PROFILE.json, or "
-            "--unit-costs F,I,W --stages P"
+            f"--stages {args.stages} disagrees with the plan's {stages} stages (P); drop "
+            f"--stages or use --unit-costs"
         )
-    results: list[tuple[str, Simulation | str]] = []
-    played = 0  # microbatch-stage passes simulated so far (check_size bounds them)
-    for label, name, vsync, stashing in requested:
-        vertical_sync = args.vertical_sync if vsync is None else vsync
-        weight_stashing = args.weight_stashing if stashing is None else stashing
-        try:
-            mode = _replication(args.replication, plan, name)
-            stream = args.stream
-            if stream is None and mode and "round-robin" in mode:
-                stream = stream_length(
-                    name, stages, max(1, args.microbatches), replicas=replicas, replication=mode
-                )
-            elif stream is None:
-                stream = _default_stream(stages, max(1, args.microbatches))
-            if from_csv is not None:
-                schedule = from_csv
-            else:
-                # one too big is a row among several
-                played += check_size(args, name, stages, stream, played)
-                schedule = generate(
-                    name,
-                    stages,
-                    args.microbatches,
-                    stream=stream,
-                    chunks=args.chunks,
-                    steps=args.steps,
-                    vertical_sync=vertical_sync,
-                    weight_stashing=weight_stashing,
-                    replicas=replicas,
-                    replication=mode,
-                )
-            if args.write_csv:
-                from pdjax.pipeline.torch_csv import write_torch_csv
 
-                Path(args.write_csv).parent.mkdir(parents=True, exist_ok=True)
-                write_torch_csv(schedule, args.write_csv)
-            results.append((label, simulate(schedule, costs_for(schedule.chunks))))
-        except ScheduleError as e:
-            if len(requested) == 1:
-                raise
-            results.append((label, str(e)))
-    return results
+    def priced(chunks: int) -> PipelineCosts:
+        if calibration is not None:
+            return _costs.costs_from_plan(
+                plan, profile, chunks=chunks, calibration=calibration, partial=args.partial
+            )
+        return _costs.costs_from_plan(plan, profile, chunks=chunks)
+
+    return _CostSource(stages=stages, replicas=plan.replicas, plan=plan, costs_for=priced)
+
+
+def _stream(
+    args: argparse.Namespace, name: str, source: _CostSource, mode: tuple[str, ...] | None
+) -> int:
+    """``--stream``, else the default stream of ``name`` (round-robin's where any stage is)."""
+    given: int | None = args.stream
+    if given is not None:
+        return given
+    microbatches = max(1, args.microbatches)
+    if mode and "round-robin" in mode:
+        return stream_length(
+            name, source.stages, microbatches, replicas=source.replicas, replication=mode
+        )
+    return _default_stream(source.stages, microbatches)
+
+
+def _write_csv(schedule: Schedule, path: str) -> None:
+    """``--write-csv``: the schedule in torch.distributed.pipelining's CSV format."""
+    from pdjax.pipeline.torch_csv import write_torch_csv
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_torch_csv(schedule, path)
 
 
 def _replication(option: str, plan: Plan | None, name: str) -> tuple[str, ...] | None:
