@@ -1,6 +1,7 @@
 """The CLI's numeric options, fuzzed: every run succeeds, or exits 2 with one line on stderr
 naming the option (argparse's own errors: a usage line, then ``error: argument --x``),
-never a traceback, never a run that no bound stops (a hang guard), never output in a half-made folder.
+never a traceback, never a run that no bound stops (a hang guard), never output in a
+half-made folder.
 
 Cheap commands (plan on a small bundled profile, simulate on unit costs) run in-process
 with any value; train, bench, profile and calibrate only with values refused before any
