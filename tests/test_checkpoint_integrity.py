@@ -158,7 +158,7 @@ def test_late_wakeups_of_abandoned_reads_are_silenced_and_nothing_else(saved, mo
     same message raised from Python code, still reach the previous hook."""
     seen: list[BaseException] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: seen.append(u.exc_value))
-    monkeypatch.setattr(checkpoint, "_late_wakeups_dropped", False)
+    monkeypatch.setattr(checkpoint.reads, "_late_wakeups_dropped", False)
     _largest_data_file(saved / "2").unlink()
     _restore_fails(saved)
     late = _late_wakeup_error()

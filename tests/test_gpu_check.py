@@ -24,6 +24,9 @@ import pytest
 
 from pdjax.errors import PipelineError
 
+# counts XLA's compilations: no persistent cache (tests/xla_cache.py)
+pytestmark = pytest.mark.no_xla_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 #: A hang guard for the tiny run (nearly all of this file's time): it takes 15-40 s alone

@@ -16,6 +16,9 @@ from pdjax.layers import sequential
 from pdjax.pipeline import weight_grad_fraction
 from pdjax.profile import DeviceModel, LayerProfile, Profile, get_device_model, profile
 
+# counts XLA's compilations: no persistent cache (tests/xla_cache.py)
+pytestmark = pytest.mark.no_xla_cache
+
 _SPLIT = ("input_grad_flops", "weight_grad_flops", "input_grad_seconds", "weight_grad_seconds")
 
 

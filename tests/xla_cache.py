@@ -1,15 +1,18 @@
-"""JAX's persistent compilation cache for the test modules that build the same programs
-again and again (``pdjax train`` end to end, resumed runs, benchmarks): a pytest plugin
-(see conftest.py). A module opts in with ``pytestmark = pytest.mark.usefixtures("xla_cache")``.
+"""JAX's persistent compilation cache for the test modules: a pytest plugin (see
+conftest.py), on for every module unless it is marked
+``pytestmark = pytest.mark.no_xla_cache`` (the modules that count XLA's compilations).
 
-A fresh pipeline jit-compiles its programs anew, and on CPU XLA's compiler is most of a
-short run's time; the cache hands back the executable of a program compiled before, the
-same binary, so what a test checks does not change. It is on only while an opted-in
-module runs (module scope), so the tests that count XLA's compilations, or that mean to
-compile twice, never see it. Each process has its own folder (one per pytest-xdist
-worker, under pytest's temporary base): the cache's files are written without locks.
+Most of this suite's time is XLA compiling the same small programs again: every test of
+the tiny MLP initialises, runs and checks the same stages on the same devices, and each
+eager ``jnp`` operation on a new shape or device is a program of its own. The cache hands
+back the executable of a program compiled before, the same binary, so what a test checks
+does not change. It is switched per module (module scope), so a module marked
+``no_xla_cache`` compiles as it would alone. Each process has its own folder (one per
+pytest-xdist worker, under pytest's temporary base): the cache's files are written
+without locks. ``PDJAX_TEST_XLA_CACHE=0`` turns it off (to measure what it saves).
 """
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,14 +27,24 @@ _OPTIONS = {
 }
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "no_xla_cache: compile without the persistent cache (tests/xla_cache.py)"
+    )
+
+
 @pytest.fixture(scope="session")
 def _xla_cache_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("xla-cache")
 
 
-@pytest.fixture(scope="module")
-def xla_cache(_xla_cache_folder: Path) -> Iterator[Path]:
-    """The persistent compilation cache, on for the module that uses it."""
+@pytest.fixture(scope="module", autouse=True)
+def xla_cache(request: pytest.FixtureRequest, _xla_cache_folder: Path) -> Iterator[Path | None]:
+    """The persistent compilation cache, on while the module runs (None where it is off)."""
+    off = os.environ.get("PDJAX_TEST_XLA_CACHE") == "0"
+    if off or request.node.get_closest_marker("no_xla_cache") is not None:
+        yield None
+        return
     saved = {name: getattr(jax.config, name) for name in _OPTIONS}
     compilation_cache.reset_cache()
     for name, value in _OPTIONS.items():

@@ -1,0 +1,171 @@
+"""The on-disk format of a checkpoint step: the entries of its folder, the metadata's
+fields (format versions 1 to 3) and their checks, and each array's CRC-32 checksum.
+
+Version 2 stores a parameter once per value (``same_as``), version 3 adds a checksum per
+array (``checksum``); every version stays readable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from pdjax.errors import CheckpointError
+
+# The format tag and layout version in every checkpoint's ``meta`` item.
+_FORMAT = "pdjax.checkpoint"
+# 2: parameters stored once per value ("same_as"); 3: a checksum per array ("checksum")
+_FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)
+# The orbax item and file holding the metadata, inside a step's folder.
+_META_FILE = ("meta", "metadata")
+# A folder name orbax's CheckpointManager takes for a step (its standard name format).
+_STEP_NAME = re.compile(r"0|[1-9]\d*")
+# The orbax items of a step: every array, and the metadata.
+_ITEMS = ("arrays", "meta")
+# What a committed step's folder holds: the two items and orbax's own files.
+_STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt"})
+
+
+def _shape_str(entry: Mapping[str, Any]) -> str:
+    return f"{entry['dtype']}{list(entry['shape'])}"
+
+
+class _Damage(Exception):
+    """A step whose files are damaged (what is wrong, without the way out): the public
+    methods turn it into a :class:`CheckpointError` that also lists the steps that verify."""
+
+
+def _checksum(array: Any) -> str:
+    """The checksum of an array's host bytes (C order), its dtype and its shape. CRC-32:
+    any flipped bit or burst of up to 32 changes it, and it runs at memory speed."""
+    data = np.ascontiguousarray(np.asarray(array))
+    crc = zlib.crc32(f"{data.dtype.str}{list(data.shape)}".encode())
+    # numpy declares ndarray a Buffer (__buffer__) only for Python >= 3.12
+    crc = zlib.crc32(data.reshape(-1).view(np.uint8), crc)  # type: ignore[arg-type]
+    return f"crc32:{crc:08x}"
+
+
+def _check_folder(directory: Path) -> None:
+    """Refuses a folder holding step-named entries that pdjax did not write: orbax would
+    list them as steps, and the retention (``max_to_keep``) would delete them."""
+    if not directory.exists():
+        return
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{directory} is a file, not a folder; give the Checkpointer an empty or new folder"
+        )
+    strangers = [
+        entry.name
+        for entry in sorted(directory.iterdir())
+        if _STEP_NAME.fullmatch(entry.name) and not _is_pdjax_step(entry)
+    ]
+    if strangers:
+        raise CheckpointError(
+            f"{directory} holds {', '.join(repr(n) for n in strangers)}, named like "
+            f"checkpoint steps but without pdjax's {'/'.join(_META_FILE)} file: not pdjax "
+            "checkpoints, which a Checkpointer here would take for steps and delete to keep "
+            "max_to_keep; pick an empty or new folder for the checkpoints (a step folder "
+            "left by an interrupted pdjax save or cleanup may be deleted by hand)"
+        )
+
+
+def _is_pdjax_step(entry: Path) -> bool:
+    """Whether a step-named entry is a pdjax step: it holds pdjax's metadata file, or,
+    having lost it (damaged, or partly deleted), holds nothing but a step's own entries,
+    so that restoring reports the damage and offers the intact steps."""
+    if entry.joinpath(*_META_FILE).is_file():
+        return True
+    held = set(os.listdir(entry)) if entry.is_dir() else set()
+    return bool(held) and held <= _STEP_ENTRIES
+
+
+def _check_meta(meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | None) -> None:
+    """Raises :class:`_Damage` naming ``file`` and the field, for metadata that a restore
+    could not use (a missing field, a wrong type, an unknown dtype or PRNG key).
+    ``expect``: the template's state type name and counters, which a step of that type
+    must all hold (without a template, the counters it holds are checked)."""
+
+    def bad(field: str, problem: str) -> None:
+        raise _Damage(f"its metadata {file} {problem} (field {field!r})")
+
+    if not isinstance(meta, Mapping):
+        bad("<top level>", f"is a JSON {type(meta).__name__}, not an object")
+    if meta.get("format") != _FORMAT:
+        bad("format", f"lacks pdjax's format tag {_FORMAT!r}: pdjax did not write it")
+    version = meta.get("version")
+    if version not in _READABLE_VERSIONS:
+        raise CheckpointError(
+            f"{file} has checkpoint format version {version!r}; this pdjax reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}: restore it with the pdjax that "
+            "wrote it (a newer one?)"
+        )
+    state = meta.get("state")
+    if not (isinstance(state, str) and state.isidentifier()):
+        bad("state", "names no state type (such as PipelineState or DPState)")
+    ints = meta.get("ints")
+    if not isinstance(ints, Mapping):
+        bad("ints", "is missing or not an object")
+    counters = list(ints)
+    if expect is not None and expect[0] == state:
+        counters += [name for name in expect[1] if name not in ints]
+    for name in counters:
+        value = ints.get(name)
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            bad(f"ints.{name}", "is missing or not an int (or a list of ints)")
+    for field in ("arrays", "extra"):
+        if not isinstance(meta.get(field), Mapping):
+            bad(field, "is missing or not an object")
+    layers = meta.get("stage_layers")
+    if layers is not None and not (
+        isinstance(layers, list) and all(isinstance(n, int) and n >= 0 for n in layers)
+    ):
+        bad("stage_layers", "is not a list of layer counts")
+    for name, entry in meta["arrays"].items():
+        problem = _entry_problem(entry, meta["arrays"], needs_checksum=version >= 3)
+        if problem is not None:
+            bad(f"arrays.{name}.{problem[0]}", problem[1])
+
+
+def _entry_problem(
+    entry: Any, arrays: Mapping[str, Any], *, needs_checksum: bool
+) -> tuple[str, str] | None:
+    """What is wrong with one array's manifest entry, as (its field, the problem)."""
+    if not isinstance(entry, Mapping):
+        return "", "is not an object"
+    shape = entry.get("shape")
+    if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+        return "shape", "is missing or not a list of sizes"
+    try:
+        dtype = np.dtype(entry.get("dtype"))
+    except TypeError:
+        return "dtype", f"is {entry.get('dtype')!r}, not a dtype"
+    impl = entry.get("key_impl")
+    if impl is not None:
+        # jax leaves ShapeDtypeStruct.__init__ unannotated
+        data = jax.ShapeDtypeStruct(tuple(shape), dtype)
+        try:  # abstract: checks the name, and the key data's shape for it, allocating nothing
+            jax.eval_shape(lambda d: jax.random.wrap_key_data(d, impl=str(impl)), data)
+        except (TypeError, ValueError) as e:
+            return "key_impl", f"is {impl!r}, not a PRNG key implementation for this data ({e})"
+    first = entry.get("same_as")
+    if first is not None:
+        target = arrays.get(first) if isinstance(first, str) else None
+        if not isinstance(target, Mapping) or "same_as" in target:
+            return "same_as", f"names {first!r}, which is no stored array"
+        if target.get("shape") != shape or target.get("dtype") != entry.get("dtype"):
+            return "same_as", f"names {first!r}, of another shape or dtype"
+    checksum = entry.get("checksum")
+    if checksum is None and needs_checksum:
+        return "checksum", "is missing"
+    if checksum is not None and not re.fullmatch(r"crc32:[0-9a-f]{8}", str(checksum)):
+        return "checksum", f"is {checksum!r}, not a crc32:<8 hex digits> checksum"
+    return None

@@ -1,0 +1,301 @@
+"""Moving a pipeline checkpoint into another plan of the same model and optimizer:
+:func:`replan_names` says which saved array each array of the new plan's state comes
+from, and the steps around it check that the move is possible and build the leaves.
+
+Weights and model state move layer by layer; an optimizer's per-parameter state (the
+subtrees shaped like the parameters) moves with its parameters; every other optimizer
+leaf is the same in every saved stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
+
+from pdjax.errors import CheckpointError
+from pdjax.pipeline.executor import PipelineState
+from pdjax.runners.checkpoint.arrays import _array_leaves, _is_key, _path_name
+from pdjax.runners.checkpoint.format import _shape_str
+
+# A tied group's copy: (its global layer, its path in the layer as text keys).
+_Copy = tuple[int, tuple[str, ...]]
+# Per array name, the saved names it comes from.
+_Sources = Iterator[tuple[str, list[str]]]
+
+
+def replan_names(
+    pipeline: Any,
+    template: PipelineState,
+    saved_layers: Sequence[int],
+    saved: Mapping[str, Any],
+) -> dict[str, list[str]]:
+    """Where each array of ``template`` (a state of ``pipeline``'s plan) comes from in a
+    checkpoint saved under a plan with ``saved_layers`` layers per stage: per template
+    array name, the saved names that hold it (several for a value every stage keeps, such
+    as an optimizer's step count: they must agree).
+
+    Weights and model state move layer by layer. The optimizer state of each stage is
+    searched for the subtrees shaped like the stage's parameters as its optimizer sees them
+    (``optax`` keeps ``mu``, ``nu``, momentum... that way): their leaves move with their
+    parameters (a tied group's with the group); every other leaf must be in every saved
+    stage.
+
+    Raises:
+      CheckpointError: for an array with no source (an optimizer whose state is not per
+        parameter, e.g. ``optax.masked``, or another model).
+    """
+    layout = _Layout.of(pipeline, template, saved_layers)
+    found = itertools.chain(
+        _layer_sources(template, layout),
+        [("rng", ["rng"])],
+        _opt_state_sources(pipeline, template, layout),
+    )
+    # checked as they are found: the first array without a source is the one named
+    return {name: _checked(name, sources, saved) for name, sources in found}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where the layers of the template's plan were in the saved plan."""
+
+    old_at: tuple[tuple[int, int], ...]  # global layer -> (saved stage, index in it)
+    new_first: tuple[int, ...]  # the template's stage -> its first global layer
+    saved_stages: int
+    # tied group -> its copy that holds the group's optimizer state in the saved plan
+    old_visible: Mapping[str, _Copy]
+    # the copy that holds a tied group's optimizer state in the new plan -> the group
+    group_of: Mapping[_Copy, str]
+
+    @classmethod
+    def of(cls, pipeline: Any, template: PipelineState, saved_layers: Sequence[int]) -> _Layout:
+        old_at = _stage_layer(saved_layers)
+        new_counts = [len(p) for p in template.params]
+        tied = tuple(getattr(pipeline.layers, "tied_leaves", ()))
+        old_visible = _visible_copies(tied, [s for s, _ in old_at])
+        new_visible = _visible_copies(tied, [s for s, _ in _stage_layer(new_counts)])
+        return cls(
+            old_at=tuple(old_at),
+            new_first=tuple(itertools.accumulate(new_counts, initial=0))[:-1],
+            saved_stages=len(saved_layers),
+            old_visible=old_visible,
+            group_of={v: name for name, v in new_visible.items()},
+        )
+
+    def saved_name(self, field: str, layer: int, rest: tuple[Any, ...]) -> str:
+        """The saved name of ``field``'s leaf at ``rest`` in global layer ``layer``."""
+        s, j = self.old_at[layer]
+        return _path_name((GetAttrKey(field), SequenceKey(s), SequenceKey(j), *rest))
+
+    def saved_place(self, layer: int, rest: tuple[Any, ...]) -> tuple[int, int, tuple[Any, ...]]:
+        """Where the optimizer state of the parameter at ``rest`` in global layer ``layer``
+        was saved: (saved stage, layer in it, path in the layer). A tied group's state is at
+        the group's copy in the saved plan."""
+        group = self.group_of.get((layer, tuple(_key_text(k) for k in rest)))
+        if group is not None:
+            layer, keys = self.old_visible[group]
+            rest = tuple(DictKey(k) for k in keys)
+        s, j = self.old_at[layer]
+        return s, j, rest
+
+
+@dataclass(frozen=True)
+class _OptimizerView:
+    """A stage's parameters as its optimizer sees them."""
+
+    stage: int
+    # the paths of the parameters it updates (not the tied copies hidden from it)
+    visible: tuple[tuple[Any, ...], ...]
+    # coupled through the global norm: it sees (parameters, phantom scalar)
+    phantom: bool
+    treedef: Any  # the tree structure of what it sees
+
+    @classmethod
+    def of(cls, stage: Any, index: int, params: Any) -> _OptimizerView:
+        hidden = stage.ties.hidden if stage.ties is not None else frozenset()
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        view = stage.ties.view(params) if stage.ties is not None else params
+        phantom = bool(getattr(stage.optimizer, "needs_exchange", False))
+        return cls(
+            stage=index,
+            visible=tuple(path for k, (path, _) in enumerate(flat) if k not in hidden),
+            phantom=phantom,
+            treedef=jax.tree.structure((view, 0) if phantom else view),
+        )
+
+    def shaped(self, tree: Any) -> bool:
+        """Whether ``tree`` is shaped like what the optimizer sees (a per-parameter
+        state subtree)."""
+        same: bool = jax.tree.structure(tree) == self.treedef
+        return same
+
+
+def _stage_layer(layers_per_stage: Sequence[int]) -> list[tuple[int, int]]:
+    """Per global layer, its (stage, index in the stage)."""
+    return [(s, j) for s, n in enumerate(layers_per_stage) for j in range(n)]
+
+
+def _visible_copies(
+    tied: Sequence[tuple[str, tuple[_Copy, ...]]],
+    stage_of: Sequence[int],
+) -> dict[str, _Copy]:
+    """Per tied group, the copy its optimizer state belongs to under a plan (``stage_of``:
+    each layer's stage): the first listed copy on the first stage holding one."""
+    out = {}
+    for name, copies in tied:
+        owner = min(stage_of[i] for i, _ in copies)
+        out[name] = next((i, path) for i, path in copies if stage_of[i] == owner)
+    return out
+
+
+def _key_text(key: Any) -> str:
+    for attr in ("key", "idx", "name"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _checked(name: str, sources: list[str], saved: Mapping[str, Any]) -> list[str]:
+    """``sources``, once each is in the checkpoint."""
+    missing = [n for n in sources if n not in saved]
+    if not sources or missing:
+        raise CheckpointError(
+            f"the checkpoint has no source for {name} of the new plan"
+            f"{' (looked for ' + ', '.join(missing) + ')' if missing else ''}; the model "
+            "or the optimizer differ from the run that saved it, or the optimizer's "
+            "state is not kept per parameter (e.g. optax.masked), which pdjax cannot "
+            "move between plans: restore it under its own plan"
+        )
+    return sources
+
+
+def _opt_name(stage: int, *path: Any) -> str:
+    return _path_name((GetAttrKey("opt_state"), SequenceKey(stage), *path))
+
+
+def _layer_sources(template: PipelineState, layout: _Layout) -> _Sources:
+    """The weights and model state: each leaf from its layer in the saved plan."""
+    for field in ("params", "model_state"):
+        for s, tree in enumerate(getattr(template, field)):
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                name = _path_name((GetAttrKey(field), SequenceKey(s), *path))
+                layer = layout.new_first[s] + path[0].idx
+                yield name, [layout.saved_name(field, layer, path[1:])]
+
+
+def _opt_state_sources(pipeline: Any, template: PipelineState, layout: _Layout) -> _Sources:
+    """The optimizer state of each stage: a per-parameter subtree's leaves from their
+    parameters' places, any other leaf from every saved stage."""
+    for s, (params, opt) in enumerate(zip(template.params, template.opt_state, strict=True)):
+        view = _OptimizerView.of(pipeline.stages[s], s, params)
+        for prefix, sub in jax.tree_util.tree_flatten_with_path(opt, is_leaf=view.shaped)[0]:
+            if view.shaped(sub):
+                yield from _per_parameter_sources(view, prefix, sub, layout)
+            else:  # not per parameter: the same in every saved stage
+                saved = [_opt_name(o, *prefix) for o in range(layout.saved_stages)]
+                yield _opt_name(s, *prefix), saved
+
+
+def _per_parameter_sources(
+    view: _OptimizerView, prefix: tuple[Any, ...], sub: Any, layout: _Layout
+) -> _Sources:
+    """The leaves of one subtree shaped like the parameters (at ``prefix`` in the stage's
+    optimizer state), each from where its parameter's state was saved."""
+    s = view.stage
+    sub_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]]
+    prefix_in: tuple[Any, ...] = ()
+    if view.phantom:
+        # the phantom's state only drives its own (dropped) update: any stage's does
+        inner = sub_paths.pop()
+        o = min(s, layout.saved_stages - 1)
+        yield _opt_name(s, *prefix, *inner), [_opt_name(o, *prefix, *inner)]
+        sub_paths = [p[1:] for p in sub_paths]
+        prefix_in = (SequenceKey(0),)
+    if len(sub_paths) != len(view.visible):
+        raise CheckpointError(
+            f"opt_state of stage {s}: a subtree shaped like its parameters holds "
+            f"{len(sub_paths)} arrays for {len(view.visible)} parameters"
+        )
+    for inner, ppath in zip(sub_paths, view.visible, strict=True):
+        o, j, rest = layout.saved_place(layout.new_first[s] + ppath[0].idx, ppath[1:])
+        yield (
+            _opt_name(s, *prefix, *prefix_in, *inner),
+            [_opt_name(o, *prefix, *prefix_in, SequenceKey(j), *rest)],
+        )
+
+
+def _check_replannable(
+    where: str, meta: Mapping[str, Any], template: PipelineState, pipeline: Any, *, multi: bool
+) -> None:
+    """Refuses a move into another plan that cannot be done: without the template's
+    pipeline, across processes, into another model, or of stages at different updates."""
+    saved_layers = list(meta["stage_layers"])
+    mine = [len(p) for p in template.params]
+    if pipeline is None:
+        raise CheckpointError(
+            f"{where} was saved under another plan (layers per stage {saved_layers}; "
+            f"the template's {mine}): pass pipeline=<the template's Pipeline> to "
+            "restore(...) to move it into this plan"
+        )
+    if multi:
+        raise CheckpointError(
+            f"{where} was saved under another plan; restoring into a different plan "
+            "runs in one process: restore and save it there once, then resume"
+        )
+    if sum(saved_layers) != len(pipeline.layers):
+        raise CheckpointError(
+            f"{where} holds {sum(saved_layers)} layers, the pipeline's model has "
+            f"{len(pipeline.layers)}: it is another model"
+        )
+    updates = list(meta["ints"]["updates"])
+    if len(set(updates)) != 1:
+        raise CheckpointError(
+            f"{where} has stages at different update counts {updates} (their weights "
+            "are different versions), so it cannot be cut into other stages; restore "
+            "it under its own plan"
+        )
+
+
+def _replanned_leaves(
+    where: str,
+    template: PipelineState,
+    sources: Mapping[str, list[str]],
+    host: Mapping[str, Any],
+    saved: Mapping[str, Mapping[str, Any]],
+) -> list[Any]:
+    """The template's array leaves, in its tree order, from the saved arrays read into
+    ``host`` (by ``sources``), checked to agree and to fit, placed on the template's
+    shardings."""
+    leaves = []
+    for name, leaf in _array_leaves(template).items():
+        names = sources[name]
+        value = np.asarray(host[names[0]])
+        for other in names[1:]:
+            if not np.array_equal(value, np.asarray(host[other])):
+                raise CheckpointError(
+                    f"{where}: {name} of the new plan would come from {names[0]} and "
+                    f"{other}, which differ; the optimizer state of this optimizer "
+                    "cannot be moved between plans"
+                )
+        entry = saved[names[0]]
+        mine = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+        if list(entry["shape"]) != list(mine.shape) or entry["dtype"] != str(mine.dtype):
+            raise CheckpointError(
+                f"{where}: {name} ({_shape_str({'shape': mine.shape, 'dtype': mine.dtype})}) "
+                f"would come from {names[0]} ({_shape_str(entry)}); the model or the "
+                "optimizer differ from the run that saved it"
+            )
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(leaf, jax.Array) and not leaf.committed:
+            array = jnp.asarray(value)
+        else:
+            array = jax.device_put(value, sharding)
+        impl = entry.get("key_impl")
+        leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
+    return leaves
