@@ -14,6 +14,7 @@ __all__ = [
     "LaunchInterrupted",
     "LayerError",
     "NetworkError",
+    "OptionError",
     "PdjaxError",
     "PipelineError",
     "PlanError",
@@ -90,3 +91,12 @@ class NetworkError(PdjaxError):
 
 class ClusterError(PdjaxError):
     """The cluster benchmark could not run (a worker failed or ran out of time)."""
+
+
+class OptionError(PdjaxError):
+    """A command-line option's value is out of its bounds (raised while parsing;
+    ``command`` is the parser's ``prog``, e.g. ``pdjax plan``)."""
+
+    def __init__(self, message: str, command: str = "pdjax") -> None:
+        super().__init__(message)
+        self.command = command

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdjax.errors import PdjaxError
+from pdjax.errors import OptionError, PdjaxError
 
 __all__ = [
     "COMMANDS",
@@ -110,15 +110,6 @@ MAX_SIM_PASSES = 100_000
 MAX_PROFILE_BATCH = 4096
 #: The largest seed: numpy's and JAX's generators take unsigned 32-bit seeds.
 MAX_SEED = 2**32 - 1
-
-
-class OptionError(PdjaxError):
-    """A command-line option's value is out of its bounds (raised while parsing;
-    ``command`` is the parser's ``prog``, e.g. ``pdjax plan``)."""
-
-    def __init__(self, message: str, command: str = "pdjax") -> None:
-        super().__init__(message)
-        self.command = command
 
 
 class _BoundedAction(argparse.Action):
