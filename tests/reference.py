@@ -36,7 +36,7 @@ def microbatch_grad(layers, loss_fn, params, state, x, y, rng):
     return loss, grads, new_state
 
 
-def flush_training(layers, loss_fn, optimizer, variables, microbatches, M, rng):
+def flush_training(layers, loss_fn, optimizer, variables, microbatches, *, M, rng):
     """Gradient accumulation: each step sums M microbatch gradients, scales by 1/M, updates.
 
     Returns (per-layer params, per-layer state, losses).
@@ -45,7 +45,9 @@ def flush_training(layers, loss_fn, optimizer, variables, microbatches, M, rng):
     params = [v["params"] for v in variables]
     state = [{k: a for k, a in v.items() if k != "params"} for v in variables]
     opt_state = optimizer.init(params)
-    grad_fn = jax.jit(lambda p, s, x, y, r: microbatch_grad(layers, loss_fn, p, s, x, y, r))
+    grad_fn = jax.jit(
+        lambda p, s, x, y, r: microbatch_grad(layers, loss_fn, params=p, state=s, x=x, y=y, rng=r)
+    )
     losses = []
     for t in range(len(microbatches) // M):
         acc = None
@@ -74,14 +76,14 @@ def stage_grads(layers, loss_fn, bounds, fwd_params, bwd_params, x, y, rng, stat
     h = x
     for s, (lo, hi) in enumerate(bounds):
         inputs.append(h)
-        h, _ = _stage_apply(layers, fwd_params[s], h, rng, lo, hi, state)
+        h, _ = _stage_apply(layers, fwd_params[s], h, rng, lo=lo, hi=hi, state=state)
     grads = [None] * P
     ct = None
     for s in reversed(range(P)):
         lo, hi = bounds[s]
 
         def f(p, h, lo=lo, hi=hi, s=s):
-            out, _ = _stage_apply(layers, p, h, rng, lo, hi, state)
+            out, _ = _stage_apply(layers, p, h, rng, lo=lo, hi=hi, state=state)
             return loss_fn(out, y) if s == P - 1 else out
 
         out, pullback = jax.vjp(f, bwd_params[s], inputs[s])
@@ -105,6 +107,7 @@ def delayed_training(
     optimizer,
     variables,
     microbatches,
+    *,
     bounds,
     version_of,
     rng,
@@ -133,7 +136,9 @@ def delayed_training(
     opt_states = [optimizer.init(history[s][0]) for s in range(P)]
     whole_state = optimizer.init([h[0] for h in history])
     grad_fn = jax.jit(
-        lambda fp, bp, x, y, r: stage_grads(layers, loss_fn, bounds, fp, bp, x, y, r, state)
+        lambda fp, bp, x, y, r: stage_grads(
+            layers, loss_fn, bounds, fwd_params=fp, bwd_params=bp, x=x, y=y, rng=r, state=state
+        )
     )
     acc = [None] * P
     periods = list(M) if isinstance(M, (list, tuple)) else [M] * P

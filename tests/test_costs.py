@@ -73,7 +73,13 @@ def _plan(topology: Topology, stages: list[tuple[int, int, tuple[int, ...]]], **
         options={"optimizer_state_factor": 3.0},
     )
     fields.update(kw)
-    return Plan(stages=tuple(StagePlan(a, b, d, 1, 0.0, 0.0) for a, b, d in stages), **fields)
+    return Plan(
+        stages=tuple(
+            StagePlan(a, b, d, in_flight=1, compute_seconds=0.0, memory_bytes=0.0)
+            for a, b, d in stages
+        ),
+        **fields,
+    )
 
 
 def test_weight_grad_fraction():

@@ -54,7 +54,7 @@ def _reference(layers, optimizer, variables, batches, rng):
     losses = []
     for k, (x, y) in enumerate(batches):
         params, state, opt_state, loss = train(
-            params, state, opt_state, x, y, jax.random.fold_in(rng, k)
+            params, state, opt_state, x, y, key=jax.random.fold_in(rng, k)
         )
         losses.append(loss)
     return params, state, losses

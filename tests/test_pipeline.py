@@ -66,7 +66,7 @@ def check_transparent(
         losses += [float(v) for v in metrics.losses]
         assert metrics.peak_versions == (1,) * pipe.num_stages
     ref_params, ref_state, ref_losses = flush_training(
-        spec.layers, spec.loss, optimizer, variables, microbatches, M, state.rng
+        spec.layers, spec.loss, optimizer, variables, microbatches, M=M, rng=state.rng
     )
     np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
     got = pipe.variables(state)

@@ -109,19 +109,21 @@ def partitions(i: int, j: int, n: int, straight: bool, fewer: bool):
                     yield [(i, end, r), *rest]
 
 
-def configs(ref: Ref, k: int, i: int, j: int, straight: bool, fewer: bool):
+def configs(ref: Ref, k: int, i: int, j: int, *, straight: bool, fewer: bool):
     """Every configuration tree of layers i..j on one group of level k."""
     n = ref.levels[k][0]
     for stages in partitions(i, j, n, straight, fewer):
         if k == 0:
             yield [(a, b, r, None) for a, b, r in stages]
             continue
-        inner = [list(configs(ref, k - 1, a, b, straight, fewer)) for a, b, _ in stages]
+        inner = [
+            list(configs(ref, k - 1, a, b, straight=straight, fewer=fewer)) for a, b, _ in stages
+        ]
         for choice in itertools.product(*inner):
             yield [(a, b, r, sub) for (a, b, r), sub in zip(stages, choice, strict=True)]
 
 
-def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, after: int) -> float:
+def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, *, after: int) -> float:
     """The memory the planner's check charges a stage (0 where the model checks none)."""
     w = sum(ref.params[a : b + 1])
     if ref.model == "pipedream-code":
@@ -275,7 +277,7 @@ def ref_value(ref: Ref, k: int, tree) -> float:
     used = 0
     for t, (a, b, r, sub) in enumerate(tree):
         used += r
-        if ref.limit is not None and ref_memory(ref, k, a, b, r, n - used) > ref.limit:
+        if ref.limit is not None and ref_memory(ref, k, a, b, r, after=n - used) > ref.limit:
             return math.inf
         c = sum(ref.compute[a : b + 1]) if k == 0 else ref_value(ref, k - 1, sub)
         w = sum(ref.params[a : b + 1])
@@ -310,7 +312,7 @@ def ref_value(ref: Ref, k: int, tree) -> float:
 def brute_force(ref: Ref, straight=False, fewer=False) -> float:
     """The program's objective (slowest term, no round trip) over every configuration."""
     top = len(ref.levels) - 1
-    trees = configs(ref, top, 0, len(ref.compute) - 1, straight, fewer)
+    trees = configs(ref, top, 0, len(ref.compute) - 1, straight=straight, fewer=fewer)
     return min((ref_value(ref, top, t) for t in trees), default=math.inf)
 
 
@@ -321,7 +323,7 @@ def brute_force_period(ref: Ref, straight=False, fewer=False, memory=None) -> fl
     top = len(ref.levels) - 1
     check = ref if memory != "exact" else Ref(**{**ref.__dict__, "limit": None})
     best = math.inf
-    for tree in configs(ref, top, 0, len(ref.compute) - 1, straight, fewer):
+    for tree in configs(ref, top, 0, len(ref.compute) - 1, straight=straight, fewer=fewer):
         value = ref_value(check, top, tree)
         if not math.isfinite(value):
             continue
@@ -364,9 +366,8 @@ def chains(draw, max_layers=5):
 bandwidths = st.sampled_from([1.25e9, 1e10]) | st.floats(5e8, 2e10)
 latencies = st.sampled_from([0.0, 0.0, 1e-3, 0.02])
 one_level = st.tuples(st.integers(1, 4), bandwidths, latencies).map(lambda lv: [lv])
-two_levels = st.tuples(
-    st.integers(1, 3), bandwidths, latencies, st.integers(1, 3), bandwidths, latencies
-).map(lambda t: [t[:3], t[3:]])
+level = st.tuples(st.integers(1, 3), bandwidths, latencies)
+two_levels = st.tuples(level, level).map(list)
 FAST = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -524,12 +525,15 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
         used, out = 0, 0.0
         for a, b, r, sub in tree:
             used += r
-            out = max(out, ref_memory(ref, k, a, b, r, n - used))
+            out = max(out, ref_memory(ref, k, a, b, r, after=n - used))
             if sub is not None:
                 out = max(out, peak(ref, k - 1, sub))
         return out
 
-    smallest = min(peak(free, top, t) for t in configs(free, top, 0, len(layers) - 1, False, False))
+    smallest = min(
+        peak(free, top, t)
+        for t in configs(free, top, 0, len(layers) - 1, straight=False, fewer=False)
+    )
     # A limit between the smallest feasible one and the unconstrained optimum's needs.
     limit = max(smallest, 1.0) * (1 + 4 * fraction)
     ref = ref_from(layers, levels, model, schedule=schedule, limit=limit, replication=replication)
@@ -553,7 +557,7 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
         exact_ref = dataclasses.replace(ref, limit=None)
         trees = [
             t
-            for t in configs(ref, top, 0, len(layers) - 1, False, False)
+            for t in configs(ref, top, 0, len(layers) - 1, straight=False, fewer=False)
             if exact_memory(ref, flat_stages(ref, t)) <= limit
         ]
         value = min(ref_value(exact_ref, top, t) for t in trees)
@@ -589,7 +593,7 @@ def test_memory_limit_equals_brute_force(model, layers, levels, schedule, fracti
         plan_pipedream(profile, topo, cost_model=model, schedule=schedule, memory_limit=smallest)
         exact_smallest = min(
             exact_memory(ref, flat_stages(ref, t))
-            for t in configs(ref, top, 0, len(layers) - 1, False, False)
+            for t in configs(ref, top, 0, len(layers) - 1, straight=False, fewer=False)
         )
         assert exact_smallest <= smallest * (1 + 1e-9)
         with pytest.raises(PlanError, match="smallest limit that works") as info:

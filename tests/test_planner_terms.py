@@ -39,9 +39,9 @@ def test_cut_is_one_transfer_each_way_plus_latency():
     cut = 1e8 / 1e9 + 0.05
     # Round trip of stage 0: 3 stages + 2 cuts both ways, over P - s = 3 in flight.
     assert plan.time_per_microbatch == pytest.approx(max(1.0, (3.0 + 4 * cut) / 3))
-    assert cost.cut_time("pdjax", 1e8, 0.0, 1, 1e9, 0.05) == pytest.approx(cut)
+    assert cost.cut_time("pdjax", 1e8, 0.0, 1, bandwidth=1e9, latency=0.05) == pytest.approx(cut)
     # The published models keep 2 a / B and know no latency.
-    assert cost.cut_time("paper", 1e8, 0.0, 1, 1e9, 0.05) == pytest.approx(0.2)
+    assert cost.cut_time("paper", 1e8, 0.0, 1, bandwidth=1e9, latency=0.05) == pytest.approx(0.2)
 
 
 def test_allreduce_latency_is_charged_per_ring_message():

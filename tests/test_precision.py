@@ -279,7 +279,7 @@ def test_pipeline_1f1b_equals_a_single_device_loop(build):
         losses += [float(v) for v in metrics.losses]
     microbatches = [(x[k * mb : (k + 1) * mb], t[k * mb : (k + 1) * mb]) for k in range(M * steps)]
     ref_params, ref_state, ref_losses = flush_training(
-        seq, _mse, optimizer, variables, microbatches, M, state.rng
+        seq, _mse, optimizer, variables, microbatches, M=M, rng=state.rng
     )
     np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
     got = pipe.variables(state)

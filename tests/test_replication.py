@@ -119,7 +119,7 @@ def test_per_device_sums_equal_sequential_training(schedule):
     for t in range(steps):
         state, _ = pipe.run(state, stream[t * M : (t + 1) * M])
     assert "update" in pipe.grad_allreduce_at
-    ref, _, _ = flush_training(layers, xent, opt, start, stream, M, state.rng)
+    ref, _, _ = flush_training(layers, xent, opt, start, stream, M=M, rng=state.rng)
     _close([v["params"] for v in pipe.variables(state)], ref)
 
 
@@ -186,7 +186,7 @@ def test_each_device_keeps_its_own_rows_gradient():
         for j, layer in enumerate(layers.layers)
     ]
     params = [v["params"] for v in variables]
-    stage = Stage(0, layers.layers, 0, jax.devices()[:2], optax.sgd(0.1), xent)
+    stage = Stage(0, layers.layers, 0, jax.devices()[:2], optax.sgd(0.1), loss_fn=xent)
     assert stage.check_parts(params, [{}, {}], x) is None and stage.per_device
     w = stage.place_weights(params)
     key = jax.random.key(5)

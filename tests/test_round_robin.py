@@ -120,9 +120,9 @@ def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name)
         opt,
         start,
         stream,
-        bounds,
-        lambda s, k: max(0, k // n[s] - q[s] + 1),
-        state.rng,
+        bounds=bounds,
+        version_of=lambda s, k: max(0, k // n[s] - q[s] + 1),
+        rng=state.rng,
         M=n,
     )
     got = [list(p) for p in state.params]
@@ -151,7 +151,9 @@ def test_flush_round_robin_equals_sequential_training(schedule, replicas):
     for t in range(2):
         state, metrics = pipe.run(state, stream[t * M : (t + 1) * M])
         losses += [float(v) for v in metrics.losses]
-    ref, _, ref_losses = flush_training(layers, xent, optax.adam(1e-2), start, stream, M, state.rng)
+    ref, _, ref_losses = flush_training(
+        layers, xent, optax.adam(1e-2), start, stream, M=M, rng=state.rng
+    )
     np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
     _close([v["params"] for v in pipe.variables(state)], ref)
 
@@ -178,9 +180,9 @@ def test_2bw_round_robin_equals_its_recurrence():
         optax.sgd(0.1),
         start,
         stream,
-        bounds,
-        lambda s, k: max(0, k // M - 1),
-        state.rng,
+        bounds=bounds,
+        version_of=lambda s, k: max(0, k // M - 1),
+        rng=state.rng,
         M=M,
     )
     _close([list(p) for p in state.params], ref)
@@ -323,7 +325,7 @@ def test_round_robin_next_to_a_split_replicated_stage_and_retries():
     start = pipe.variables(state)
     state, _ = pipe.run(state, stream)
     assert pipe.grad_allreduce_at == ("update (round-robin)", "update")
-    ref, _, _ = flush_training(layers, xent, optax.sgd(0.1), start, stream, 4, state.rng)
+    ref, _, _ = flush_training(layers, xent, optax.sgd(0.1), start, stream, M=4, rng=state.rng)
     _close([v["params"] for v in pipe.variables(state)], ref)
 
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))

@@ -105,8 +105,16 @@ def test_stream_length():
 
 def _plan(**kw) -> Plan:
     stages = (
-        StagePlan(0, 1, (0, 1, 2), 6, 1.0, 10.0, replication="round-robin"),
-        StagePlan(2, 3, (3,), 1, 1.0, 10.0),
+        StagePlan(
+            0,
+            1,
+            (0, 1, 2),
+            in_flight=6,
+            compute_seconds=1.0,
+            memory_bytes=10.0,
+            replication="round-robin",
+        ),
+        StagePlan(2, 3, (3,), in_flight=1, compute_seconds=1.0, memory_bytes=10.0),
     )
     fields = dict(
         stages=stages,
@@ -143,9 +151,25 @@ def test_plan_records_replication_and_round_trips():
 
 def test_stage_replication_is_checked():
     with pytest.raises(PlanError, match="replication must be one of"):
-        StagePlan(0, 1, (0, 1), 2, 1.0, 1.0, replication="roundrobin")
+        StagePlan(
+            0,
+            1,
+            (0, 1),
+            in_flight=2,
+            compute_seconds=1.0,
+            memory_bytes=1.0,
+            replication="roundrobin",
+        )
     with pytest.raises(PlanError, match="one device"):
-        StagePlan(0, 1, (0,), 1, 1.0, 1.0, replication="round-robin")
+        StagePlan(
+            0,
+            1,
+            (0,),
+            in_flight=1,
+            compute_seconds=1.0,
+            memory_bytes=1.0,
+            replication="round-robin",
+        )
 
 
 # ----------------------------------------------------------------------------- planner

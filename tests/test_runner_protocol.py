@@ -139,7 +139,14 @@ def test_states_name_their_arrays_and_counters():
     dp_state = DPState([], [], (), 7, jax.random.key(0))
     assert counter_fields(dp_state) == ("step",)
     assert dp_state.updates == (7,) and dp_state.microbatches == 7  # as a 1-stage pipeline's
-    pipe_state = PipelineState((), (), (), (2, 2), 4, jax.random.key(0))
+    pipe_state = PipelineState(
+        params=(),
+        model_state=(),
+        opt_state=(),
+        updates=(2, 2),
+        microbatches=4,
+        rng=jax.random.key(0),
+    )
     assert counter_fields(pipe_state) == ("updates", "microbatches")
     assert isinstance(dp_state, RunnerState) and isinstance(pipe_state, RunnerState)
     assert pdjax.Runner is Runner and pdjax.DataParallel is DataParallel
@@ -195,7 +202,12 @@ def test_a_checkpoint_stores_any_runner_state_by_the_protocol(tmp_path):
     ARRAY_FIELDS, the rest int counters); a state whose counter is not an int is refused,
     and a template of another type is told apart by name."""
     state = _OtherState(
-        [{"w": jnp.arange(3.0)}], [{}], (jnp.ones(2),), jax.random.key(3), 2, (5, 5)
+        params=[{"w": jnp.arange(3.0)}],
+        model_state=[{}],
+        opt_state=(jnp.ones(2),),
+        rng=jax.random.key(3),
+        epoch=2,
+        updates=(5, 5),
     )
     with Checkpointer(tmp_path) as ckpt:
         ckpt.save(1, state)

@@ -46,7 +46,9 @@ def _flush(spec, optimizer, P=2, M=2, steps=2, **kwargs):
     variables = pipe.variables(state)
     for t in range(steps):
         state, _ = pipe.run(state, mbs[t * M : (t + 1) * M])
-    ref, _, _ = flush_training(spec.layers, spec.loss, optimizer, variables, mbs, M, state.rng)
+    ref, _, _ = flush_training(
+        spec.layers, spec.loss, optimizer, variables, mbs, M=M, rng=state.rng
+    )
     got = [v["params"] for v in pipe.variables(state)]
     return pipe, got, ref, variables, mbs, state
 
@@ -88,7 +90,7 @@ def test_global_norm_clipping_under_2bw_equals_whole_model_recurrence():
         opt,
         variables,
         stream,
-        bounds,
+        bounds=bounds,
         version_of=lambda s, k: max(0, k // M - 1),
         rng=state.rng,
         M=M,
@@ -203,7 +205,7 @@ def test_timeline_on_loss_and_several_runs_match_the_reference():
     later = []
     state, m2 = pipe.run(state, mbs[2 * M :], on_loss=lambda k, loss: later.append(k))
     ref, _, ref_losses = flush_training(
-        spec.layers, spec.loss, optax.adam(1e-2), variables, mbs, M, state.rng
+        spec.layers, spec.loss, optax.adam(1e-2), variables, mbs, M=M, rng=state.rng
     )
     _close([v["params"] for v in pipe.variables(state)], ref)
     losses = [float(v) for m in (m0, m1, m2) for v in m.losses]

@@ -31,7 +31,7 @@ def test_two_stages_match_whole_model_vjp(remat, replicas):
     devs = jax.devices()
     opt = optax.sgd(0.1)
     s0 = Stage(0, seq.layers[:2], 0, devs[:replicas], opt)
-    s1 = Stage(1, seq.layers[2:], 2, devs[replicas : 2 * replicas], opt, _xent)
+    s1 = Stage(1, seq.layers[2:], 2, devs[replicas : 2 * replicas], opt, loss_fn=_xent)
     flags = frozenset({"recompute"}) if remat else frozenset()
     p0, p1 = s0.place_weights(params[:2]), s1.place_weights(params[2:])
     k0, k1 = s0.place_weights(jax.random.key(2)), s1.place_weights(jax.random.key(2))
@@ -65,7 +65,7 @@ def test_fused_programs_equal_their_parts():
     labels = jnp.arange(4) % 3
     params = [v["params"] for v in seq.init(jax.random.key(0), x)]
     opt = optax.adam(1e-2)
-    st = Stage(1, seq.layers, 0, jax.devices()[:1], opt, _xent, scale=0.5)
+    st = Stage(1, seq.layers, 0, jax.devices()[:1], opt, loss_fn=_xent, scale=0.5)
     key = jax.random.key(1)
     loss, _, res = st.program("F")(params, [{}, {}], x, key, labels)
     g, e = st.program("B")(params, x, res)

@@ -121,7 +121,7 @@ def _assert_close(got, want):
     )
 
 
-def _train(layers, stages, optimizer, schedule, M, batches, **kwargs):
+def _train(layers, stages, optimizer, *, schedule, M, batches, **kwargs):
     """Trains step by step; returns the initial variables, losses, params after each step."""
     pipe = Pipeline(layers, stages, _loss, optimizer, schedule=schedule, microbatches=M, **kwargs)
     state = pipe.init(jax.random.key(1), batches[0][0][: len(batches[0][0]) // M])
@@ -137,7 +137,7 @@ def _train(layers, stages, optimizer, schedule, M, batches, **kwargs):
 def _check_against_reference(layers, stages, optimizer, schedule, M, kernels=False, **kwargs):
     batches = _batches(3, 4 * M)
     pipe, _, variables, losses, history = _train(
-        layers, stages, optimizer(), schedule, M, batches, **kwargs
+        layers, stages, optimizer(), schedule=schedule, M=M, batches=batches, **kwargs
     )
     _assert_copies_identical(_merged(pipe, variables), kernels)  # from the start
     ref_losses, ref_history = _reference(
@@ -310,7 +310,9 @@ def test_an_nnx_variable_shared_by_two_layers_trains_as_one_when_declared():
     )
     stages = [StagePlan(0, 1, (0,)), StagePlan(2, 2, (1,))]
     batches = _batches(3, 8)
-    _, _, variables, losses, history = _train(layers, stages, optax.adam(1e-2), "1f1b", 2, batches)
+    _, _, variables, losses, history = _train(
+        layers, stages, optax.adam(1e-2), schedule="1f1b", M=2, batches=batches
+    )
 
     def forward(p, x):
         return (jnp.take(p["E"], x, axis=0) @ p["k"] + p["b"][None]) @ p["E"].T

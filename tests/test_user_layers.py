@@ -273,7 +273,7 @@ def test_functions_and_nnx_dropout_train_through_a_two_stage_pipeline():
     state, metrics = pipe.step(state, (x, y))
     microbatches = [(x[:4], y[:4]), (x[4:], y[4:])]
     ref_params, _, ref_losses = flush_training(
-        layers, loss, opt, variables, microbatches, 2, state.rng
+        layers, loss, opt, variables, microbatches, M=2, rng=state.rng
     )
     np.testing.assert_allclose(metrics.losses, ref_losses, rtol=1e-5)
     got = [v.get("params", {}) for v in pipe.variables(state)]

@@ -266,7 +266,7 @@ def test_nnx_transformer_untied_under_pipedream_equals_the_delayed_update_recurr
         optax.sgd(0.05),
         variables,
         stream,
-        [(0, 2), (2, 4)],
+        bounds=[(0, 2), (2, 4)],
         version_of=lambda s, k: max(0, k - (P - s) + 1),
         rng=rng,
     )
@@ -393,7 +393,7 @@ def test_linen_cnn_1f1b_equals_sequential_training_and_comes_back_as_the_users_t
         state, _ = pipe.step(state, batch)
     mbs = [mb for batch in batches for mb in pipe.split_batch(batch)]
     ref_params, ref_state, _ = flush_training(
-        layers, cnn_loss, optax.adam(1e-2), variables, mbs, M, rng
+        layers, cnn_loss, optax.adam(1e-2), variables, mbs, M=M, rng=rng
     )
     got = jax.device_get(pipe.variables(state))
     for a, b in zip(
@@ -429,7 +429,7 @@ def test_linen_cnn_under_pipedream_equals_the_delayed_update_recurrence():
         optax.sgd(0.05),
         variables,
         stream,
-        [(0, 1), (1, 2), (2, 3)],
+        bounds=[(0, 1), (1, 2), (2, 3)],
         version_of=lambda s, k: max(0, k - (P - s) + 1),
         rng=rng,
     )

@@ -477,7 +477,7 @@ def _check_transparent(schedule, P, M, replicas=1, steps=2, per_replica=2):
         losses += [float(v) for v in metrics.losses]
         assert metrics.peak_versions == (1,) * len(pipe.stages)
     ref_params, _, ref_losses = flush_training(
-        layers, _loss, opt, variables, microbatches, M, state.rng
+        layers, _loss, opt, variables, microbatches, M=M, rng=state.rng
     )
     np.testing.assert_allclose(losses, [float(v) for v in ref_losses], rtol=1e-5)
     got = [v["params"] for v in pipe.variables(state)]
@@ -547,6 +547,6 @@ def test_global_norm_clipping_equals_sequential_training(schedule):
         )
     assert pipe.coupled
     mbs = [(x[k * mb : (k + 1) * mb], y[k * mb : (k + 1) * mb]) for k in range(2 * M)]
-    ref, _, _ = flush_training(layers, _loss, opt, variables, mbs, M, state.rng)
+    ref, _, _ = flush_training(layers, _loss, opt, variables, mbs, M=M, rng=state.rng)
     got = [v["params"] for v in pipe.variables(state)]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, ref)

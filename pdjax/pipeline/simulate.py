@@ -312,7 +312,7 @@ def _memory(
                 if mine and a.kind == "U":
                     summing = False
     if runtime:
-        _add_transit(schedule, costs, starts, ends, moves, totals)
+        _add_transit(schedule, costs, starts=starts, ends=ends, moves=moves, totals=totals)
     memory = tuple(tuple(round(x) for x in total) for total in totals)
     return memory, tuple(peak_in_flight)
 
@@ -335,6 +335,7 @@ def _with_call_weights(acts: Sequence[Action], stage: int, versions: list[int]) 
 def _add_transit(
     schedule: Schedule,
     costs: PipelineCosts,
+    *,
     starts: list[list[float]],
     ends: list[list[float]],
     moves: list[tuple[int, int, float, float, Action]],

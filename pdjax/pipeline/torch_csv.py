@@ -353,7 +353,7 @@ def _parse(rows: list[list[str]]) -> tuple[list[list[_Cell]], list[tuple[int, in
                 kind, stage, mb = _parse_one(part, r, c, text)
                 if kind in COMPUTE_TYPES:
                     assert mb is not None
-                    out.append(_Cell(r, c, text, kind, stage, mb))
+                    out.append(_Cell(row=r, col=c, text=text, kind=kind, stage=stage, mb=mb))
                 else:
                     comms.append((r, c, text, stage))
         cells.append(out)

@@ -78,7 +78,7 @@ class Transport:
         def move(value: Any) -> Any:
             flat = jax.tree.leaves(value) if value is not None else [None] * len(shapes)
             out = [
-                self._reshard(leaf, shape, dtype, src, dst, replicated)
+                self._reshard(leaf, shape, dtype, src, dst, replicated=replicated)
                 for leaf, (shape, dtype) in zip(flat, shapes, strict=True)
             ]
             if self.me not in dst_p:
@@ -156,6 +156,7 @@ class Transport:
         dtype: Any,
         src: Stage,
         dst: Stage,
+        *,
         replicated: bool,
     ) -> jax.Array | None:
         """One array of ``src`` on ``dst``'s devices, part by part (see the module doc)."""

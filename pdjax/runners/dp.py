@@ -166,7 +166,7 @@ class DataParallel:
         self._train_step = jax.jit(
             count_traces(self.trace_counts, "step", self._step_fn),
             out_shardings=self.replicated,
-            donate_argnums=(0, 1, 2) if donate else (),
+            donate_argnums=(0,) if donate else (),  # (params, model_state, opt_state)
         )
         self._evaluate = jax.jit(count_traces(self.trace_counts, "evaluate", self._evaluate_fn))
 
@@ -269,9 +269,7 @@ class DataParallel:
         t0 = time.perf_counter()
         inputs, targets = self.place_batch(batch)
         params, model_state, opt_state, loss = self._train_step(
-            state.params,
-            state.model_state,
-            state.opt_state,
+            (state.params, state.model_state, state.opt_state),
             state.rng,
             state.step,
             inputs,
@@ -368,14 +366,14 @@ class DataParallel:
 
     def _step_fn(
         self,
-        params: list[PyTree],
-        model_state: list[Variables],
-        opt_state: optax.OptState,
+        trained: tuple[list[PyTree], list[Variables], optax.OptState],
         rng: jax.Array,
         step: jax.Array,
         inputs: PyTree,
         targets: PyTree,
     ) -> tuple[list[PyTree], list[Variables], optax.OptState, jax.Array]:
+        # what the step replaces comes as one argument, so that one donation covers it
+        params, model_state, opt_state = trained
         key = jax.random.fold_in(rng, step)
 
         def objective(p: list[PyTree]) -> tuple[jax.Array, tuple[list[Variables], PyTree]]:

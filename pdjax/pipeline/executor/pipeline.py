@@ -537,4 +537,6 @@ class Pipeline(_Interpreter):
                     f"{st.num_replicas}"
                 )
         prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
-        return self._execute(prog, state, microbatches, timeline, on_loss, collectives)
+        return self._execute(
+            prog, state, microbatches, record=timeline, on_loss=on_loss, collectives=collectives
+        )

@@ -112,7 +112,16 @@ def gpipe(
         ks = range(0, M, units[s])
         return [("F", s, k) for k in ks] + [("B", s, k) for k in reversed(ks)]
 
-    return flush_schedule("gpipe", P, 1, M, steps, order, replicas, mode)
+    return flush_schedule(
+        "gpipe",
+        P,
+        chunks=1,
+        per_step=M,
+        steps=steps,
+        step_order=order,
+        replicas=replicas,
+        replication=mode,
+    )
 
 
 def one_f_one_b(
@@ -156,7 +165,16 @@ def one_f_one_b(
         n = units[s]
         return [(kind, s, g * n) for kind, g in group_order(M // n, q[s] - 1)]
 
-    return flush_schedule("1f1b", P, 1, M, steps, order, replicas, mode)
+    return flush_schedule(
+        "1f1b",
+        P,
+        chunks=1,
+        per_step=M,
+        steps=steps,
+        step_order=order,
+        replicas=replicas,
+        replication=mode,
+    )
 
 
 def interleaved(
@@ -238,4 +256,4 @@ def interleaved(
             out.append(("B", d + chunk * P, k))
         return out
 
-    return flush_schedule("interleaved", P, v, M, steps, order, replicas)
+    return flush_schedule("interleaved", P, v, M, steps, step_order=order, replicas=replicas)

@@ -168,8 +168,17 @@ def unit_rate(units: tuple[int, ...], q: Sequence[int], length: int | None = Non
     while progress:
         progress = False
         for st in range(P):
-            i, t = _unit_advance(st, orders[st], units[st], nxt[st], free[st], up, down,
-                                 f_end, b_end)  # fmt: skip
+            i, t = _unit_advance(
+                st,
+                orders[st],
+                units[st],
+                nxt[st],
+                free[st],
+                up=up,
+                down=down,
+                f_end=f_end,
+                b_end=b_end,
+            )
             progress = progress or i > nxt[st]
             free[st], nxt[st] = t, i
     if any(nxt[st] < len(orders[st]) for st in range(P)):
@@ -185,6 +194,7 @@ def _unit_advance(
     n: int,
     i: int,
     t: float,
+    *,
     up: list[list[int]],
     down: list[list[int]],
     f_end: list[list[float]],

@@ -114,7 +114,7 @@ class _Player:
             at = self.ready.get(key)
             if at is None and key in self.pending:  # posted now that d has reached a
                 sent, seconds, src, dst, by = self.pending.pop(key)
-                self._move(key, max(sent, self.free[d]), seconds, src, dst, by)
+                self._move(key, max(sent, self.free[d]), seconds, src=src, dst=dst, a=by)
                 at = self.ready[key]
             if at is None:
                 return None
@@ -128,23 +128,32 @@ class _Player:
             self.ready["f", a.stage, a.mb] = end
             if a.stage + 1 < s.num_stages:
                 for k in s.covers(a):
-                    self._send(("x", a.stage + 1, k), a.stage, d, where[a.stage + 1], end, a)
+                    self._send(
+                        ("x", a.stage + 1, k), a.stage, src=d, dst=where[a.stage + 1], at=end, a=a
+                    )
         elif a.kind in "BI":
             self.ready["i", a.stage, a.mb] = end
             if a.stage > 0:
                 for k in s.covers(a):
-                    self._send(("g", a.stage - 1, k), a.stage - 1, d, where[a.stage - 1], end, a)
+                    self._send(
+                        ("g", a.stage - 1, k),
+                        a.stage - 1,
+                        src=d,
+                        dst=where[a.stage - 1],
+                        at=end,
+                        a=a,
+                    )
 
-    def _send(self, key: Key, cut: int, src: int, dst: int, at: float, a: Action) -> None:
+    def _send(self, key: Key, cut: int, *, src: int, dst: int, at: float, a: Action) -> None:
         seconds = 0.0 if src == dst or self.transfer is None else self.transfer(cut, src, dst)
         if seconds <= 0:
             self.ready[key] = at
         elif self.posted:
             self.pending[key] = (at, seconds, src, dst, a)
         else:
-            self._move(key, at, seconds, src, dst, a)
+            self._move(key, at, seconds, src=src, dst=dst, a=a)
 
-    def _move(self, key: Key, at: float, seconds: float, src: int, dst: int, a: Action) -> None:
+    def _move(self, key: Key, at: float, seconds: float, *, src: int, dst: int, a: Action) -> None:
         start = max(at, self.link_free.get((src, dst), 0.0))
         end = start + seconds
         self.link_free[src, dst] = end
