@@ -466,6 +466,7 @@ def _client_server(
     net: EmulatedNetwork,
     src: int,
     dst: int,
+    *,
     server: tuple[str, list[str]],
     client: tuple[str, list[str]],
     timeout: float,
@@ -524,7 +525,9 @@ def measure_throughput(
       NetworkError: when it runs over ``timeout`` or the connection fails.
     """
     args = [str(nbytes), str(timeout)]
-    line, _ = _client_server(net, src, dst, (_RECEIVER, args), (_SENDER, args), timeout)
+    line, _ = _client_server(
+        net, src, dst, server=(_RECEIVER, args), client=(_SENDER, args), timeout=timeout
+    )
     got, first, seconds = line.split()
     if int(got) < nbytes:
         raise NetworkError(f"host {dst} received {got} of {nbytes} bytes from host {src}")
@@ -544,5 +547,5 @@ def measure_round_trip(
     """
     server = (_ECHO, [str(timeout)])
     client = (_PINGER, [str(rounds), str(timeout)])
-    _, line = _client_server(net, src, dst, server, client, timeout)
+    _, line = _client_server(net, src, dst, server=server, client=client, timeout=timeout)
     return float(line)

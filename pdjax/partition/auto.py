@@ -260,7 +260,7 @@ def _search(space: _Space, tally: _Tally, name: str, M: int) -> None:
     for v in space.chunks if name == "interleaved" else (1,):
         for e in space.extra_in_flight if "extra_in_flight" in options else (0,):
             for plan in partitions:
-                c = _evaluate(space, plan, name, v, e, tally.reasons)
+                c = _evaluate(space, plan, name, v=v, e=e, reasons=tally.reasons)
                 if c is None:
                     continue
                 tally.consider(c)
@@ -284,7 +284,7 @@ def _refine_best(space: _Space, tally: _Tally, name: str, refine_top: int) -> No
         if plan.options["_complete"]:
             continue
         c, better = _refine(
-            space, plan.options["_candidate"], plan, name, key[2], key[3], tally.reasons
+            space, plan.options["_candidate"], plan, name, v=key[2], e=key[3], reasons=tally.reasons
         )
         tally.consider(c)
         if c.fits and c.time_per_sample < plan.options["_candidate"].time_per_sample:
@@ -431,7 +431,7 @@ def _configurations(
 
 
 def _evaluate(
-    space: _Space, plan: Plan, name: str, v: int, e: int, reasons: dict[str, str]
+    space: _Space, plan: Plan, name: str, *, v: int, e: int, reasons: dict[str, str]
 ) -> Candidate | None:
     """The candidate of ``plan`` run with schedule ``name``, ``v`` chunks and in-flight
     depth ``e``, with the least recomputation that fits (or none; ``reasons`` says why)."""
@@ -495,6 +495,7 @@ def _refine(
     c: Candidate,
     plan: Plan,
     name: str,
+    *,
     v: int,
     e: int,
     reasons: dict[str, str],
@@ -534,7 +535,7 @@ def _refine(
                     )
                 except (PlanError, ScheduleError):
                     continue
-                d = _evaluate(space, other, name, v, e, reasons)
+                d = _evaluate(space, other, name, v=v, e=e, reasons=reasons)
                 if d is not None and key(d) < key(c):
                     c, plan, improved = d, other, True
                     break

@@ -26,6 +26,7 @@ def flush_schedule(
     chunks: int,
     per_step: int,
     steps: int,
+    *,
     step_order: Callable[[int], list[tuple[str, int, int]]],
     replicas: Sequence[int] | None,
     replication: tuple[str, ...] = (),

@@ -73,7 +73,7 @@ def zb_h1(
         out += [("W", s, k) for k in range(max(0, M - s), M)]
         return out
 
-    return flush_schedule("zb-h1", P, 1, M, steps, order, replicas)
+    return flush_schedule("zb-h1", P, 1, M, steps, step_order=order, replicas=replicas)
 
 
 def zb_h2(
@@ -150,7 +150,7 @@ def zb_h2(
         out += [("W", s, k) for k in range(M - defer, M)]
         return out
 
-    return flush_schedule("zb-h2", P, 1, M, steps, order, replicas)
+    return flush_schedule("zb-h2", P, 1, M, steps, step_order=order, replicas=replicas)
 
 
 def zb_v(
@@ -230,8 +230,9 @@ def zb_v(
     if num_layers is not None:
         _check_zb_v_layers(P, num_layers)
     n = max(M, 2 * P - 1)  # the order's length; microbatches >= M are left out
-
-    return flush_schedule("zb-v", P, 2, M, steps, lambda d: _zb_v_order(P, M, n, d), replicas)
+    return flush_schedule(
+        "zb-v", P, 2, M, steps, step_order=lambda d: _zb_v_order(P, M, n, d), replicas=replicas
+    )
 
 
 def _check_zb_v_layers(P: int, num_layers: int) -> None:
