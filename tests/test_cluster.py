@@ -44,19 +44,25 @@ def test_bandwidth_is_the_payload_rate():
 
 
 def test_one_worker_prediction():
-    planner, sim = _predict(_profile(), [U] * 4, None, "single", [], 10, 8, 4)
+    planner, sim = _predict(
+        _profile(), [U] * 4, None, "single", [], units=10, microbatch=8, microbatches=4
+    )
     assert planner == pytest.approx(4 * (F + B))  # the planner leaves out the update
     assert sim == pytest.approx(4 * (F + B + U))
 
 
 def test_pipeline_prediction_compute_bound_and_link_bound():
     stages = [(0, 1), (2, 3)]
-    planner, sim = _predict(_profile(), [U] * 4, 1e6, "pipedream", stages, 64, 8, 4)
+    planner, sim = _predict(
+        _profile(), [U] * 4, 1e6, "pipedream", stages, units=64, microbatch=8, microbatches=4
+    )
     stage = 2 * (F + B)
     assert planner == pytest.approx(stage, rel=1e-3)  # a free link: the slowest stage
     # the simulator adds each stage's update and the stream's fill and drain
     assert stage + 2 * U < sim < (stage + 2 * U) * (1 + 3 / 64)
-    planner, sim = _predict(_profile(), [U] * 4, 1.0, "pipedream", stages, 16, 8, 4)
+    planner, sim = _predict(
+        _profile(), [U] * 4, 1.0, "pipedream", stages, units=16, microbatch=8, microbatches=4
+    )
     link = ACT / _bandwidth(1.0)  # 0.84 s per activation (and per gradient back)
     # the planner and the simulator send activation and gradient each way on a
     # full-duplex link
@@ -65,7 +71,9 @@ def test_pipeline_prediction_compute_bound_and_link_bound():
 
 
 def test_data_parallel_prediction_pays_the_all_reduce():
-    planner, sim = _predict(_profile(), [U] * 4, 10.0, "dp", [], 8, 8, 4)
+    planner, sim = _predict(
+        _profile(), [U] * 4, 10.0, "dp", [], units=8, microbatch=8, microbatches=4
+    )
     ring = 2 * (2 - 1) / 2 * 4 * PARAMS / _bandwidth(10.0)  # ring all-reduce, 2 workers
     step = 4 * (F + B + U) + ring  # one step = 2 microbatches (one per worker)
     assert sim == pytest.approx(step / 2, rel=1e-3)
@@ -75,10 +83,21 @@ def test_data_parallel_prediction_pays_the_all_reduce():
 def _calibrated(L=4):
     from pdjax.calibrate import Calibration, LinkMeasure, StageMeasure
 
-    stages = [StageMeasure(0, L - 1, 1, "split", 4 * F, 4 * B, 4 * U),
-              StageMeasure(0, L - 1, 2, "round-robin", 2 * F, 2 * B, 4 * U, allreduce=0.05),
-              StageMeasure(0, 1, 1, "split", 2 * F, 2 * B, 2 * U),
-              StageMeasure(2, 3, 1, "split", 3 * F, 3 * B, 2 * U)]  # fmt: skip
+    stages = [
+        StageMeasure(0, L - 1, forward=4 * F, backward=4 * B, update=4 * U),
+        StageMeasure(
+            0,
+            L - 1,
+            replicas=2,
+            replication="round-robin",
+            forward=2 * F,
+            backward=2 * B,
+            update=4 * U,
+            allreduce=0.05,
+        ),
+        StageMeasure(0, 1, forward=2 * F, backward=2 * B, update=2 * U),
+        StageMeasure(2, 3, forward=3 * F, backward=3 * B, update=2 * U),
+    ]
     links = [LinkMeasure(0, 1, 1e-5, 1e10, 1e-5), LinkMeasure(1, 0, 1e-5, 1e10, 1e-5)]
     return Calibration(
         model={"layers": [f"l{i}" for i in range(L)], "param_bytes": [PARAMS] * L},
@@ -91,15 +110,20 @@ def test_calibrated_predictions():
     from pdjax.apps.cluster import _predict_calibrated
 
     cal = _calibrated()
-    planner, sim = _predict_calibrated(_profile(), cal, None, "single", [], 10, 8, 4)
+    planner, sim = _predict_calibrated(
+        _profile(), cal, None, "single", [], units=10, microbatch=8, microbatches=4
+    )
     assert sim == pytest.approx(4 * (F + B + U))  # the measured stage, every microbatch
     assert planner == pytest.approx(4 * (F + B + U))
     # data parallelism: each worker a whole microbatch per step, one measured all-reduce
-    planner, sim = _predict_calibrated(_profile(), cal, None, "dp", [], 8, 8, 4)
+    planner, sim = _predict_calibrated(
+        _profile(), cal, None, "dp", [], units=8, microbatch=8, microbatches=4
+    )
     assert sim == pytest.approx((4 * (F + B + U) + 0.05) / 2, rel=1e-3)
     # a pipeline bound by its slower stage (3F + 3B + 2U, stage 1) or by the round trip
-    planner, sim = _predict_calibrated(_profile(), cal, None, "pipedream", [(0, 1), (2, 3)],
-                                       64, 8, 4)  # fmt: skip
+    planner, sim = _predict_calibrated(
+        _profile(), cal, None, "pipedream", [(0, 1), (2, 3)], units=64, microbatch=8, microbatches=4
+    )
     slow = 3 * (F + B) + 2 * U
     assert slow < sim < slow * 1.15
     assert planner >= slow
@@ -119,9 +143,43 @@ def test_unknown_model_is_refused():
 
 def test_report_and_plot(tmp_path):
     rows = (
-        Row("b", "vgg-fc", None, "single", "1 worker", 0.05, 0.04, 0.045, 1.0, 1.0, (0.05,)),
-        Row("b", "vgg-fc", 100.0, "pipedream", "0-6 / 7-15", 0.03, 0.02, 0.028, 1.67, 1.6),
-        Row("b", "vgg-fc", 100.0, "dp", "DP x2", 1.2, 1.1, 1.15, 0.04, 0.04),
+        Row(
+            experiment="b",
+            model="vgg-fc",
+            link_mbit=None,
+            runner="single",
+            stages="1 worker",
+            measured=0.05,
+            planner=0.04,
+            simulated=0.045,
+            speedup=1.0,
+            predicted_speedup=1.0,
+            repeats=(0.05,),
+        ),
+        Row(
+            experiment="b",
+            model="vgg-fc",
+            link_mbit=100.0,
+            runner="pipedream",
+            stages="0-6 / 7-15",
+            measured=0.03,
+            planner=0.02,
+            simulated=0.028,
+            speedup=1.67,
+            predicted_speedup=1.6,
+        ),
+        Row(
+            experiment="b",
+            model="vgg-fc",
+            link_mbit=100.0,
+            runner="dp",
+            stages="DP x2",
+            measured=1.2,
+            planner=1.1,
+            simulated=1.15,
+            speedup=0.04,
+            predicted_speedup=0.04,
+        ),
     )
     curves = {"vgg-fc": {"pipedream": [(10.0, 1.0, 1.2), (100.0, 1.6, 1.9)],
                          "dp": [(10.0, 0.01, 0.01), (100.0, 0.04, 0.05)]}}  # fmt: skip
@@ -145,8 +203,15 @@ def test_report_and_plot(tmp_path):
                   {"runner": "dp", "layout": "DP x2", "measured": 1.2, "planner": 1.1,
                    "simulated": 1.15}],
     }  # fmt: skip
-    result = ClusterResult(rows, (choice,), "test network", curves, {"vgg-fc": 32}, 1.0,
-                           rankings=(ranking,))  # fmt: skip
+    result = ClusterResult(
+        rows=rows,
+        choices=(choice,),
+        network="test network",
+        curves=curves,
+        microbatch={"vgg-fc": 32},
+        seconds=1.0,
+        rankings=(ranking,),
+    )
     assert plot_ranking(result, tmp_path / "r.png").stat().st_size > 10_000
     text = format_markdown(result)
     assert "Kendall tau (planner vs measured) 1.00" in text

@@ -110,7 +110,7 @@ def test_plan_validation(plans):
     with pytest.raises(PlanError, match="not 40"):
         dataclasses.replace(plan, stages=(s0, dataclasses.replace(s1, last_layer=39)))
     with pytest.raises(PlanError, match="no devices"):
-        StagePlan(0, 1, (), 1, 0.0, 0.0)
+        StagePlan(0, 1, (), in_flight=1, compute_seconds=0.0, memory_bytes=0.0)
     with pytest.raises(PlanError, match="not a pdjax plan"):
         Plan.from_json('{"format": "other"}')
     data = json.loads(plan.to_json())

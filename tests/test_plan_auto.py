@@ -33,7 +33,7 @@ def random_profile(rng, L):
     )
 
 
-def brute_force(profile, topology, schedules, counts, B, limit):
+def brute_force(profile, topology, *, schedules, counts, B, limit):
     """Every partition into one stage per device, schedule, M and recomputation set,
     simulated; the fastest that fits: ``(seconds per sample, description)``."""
     P, L = topology.num_devices, len(profile.layers)
@@ -74,7 +74,7 @@ def test_plan_auto_equals_brute_force_on_small_cases(seed):
     profile, topology, limit = _case(seed)
     P = topology.num_devices
     B, counts = 8 * P, [P, 2 * P]
-    want, how = brute_force(profile, topology, SCHEDULES, counts, B, limit)
+    want, how = brute_force(profile, topology, schedules=SCHEDULES, counts=counts, B=B, limit=limit)
     if math.isinf(want):
         with pytest.raises(PlanError, match="no configuration fits"):
             plan_auto(profile, topology, batch_size=B, schedules=SCHEDULES, microbatches=counts)

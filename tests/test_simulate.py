@@ -272,7 +272,14 @@ def test_new_costs_are_validated():
     with pytest.raises(ScheduleError, match="memory_model must be one of"):
         PipelineCosts.build([stage], memory_model="exact")
     # lists (as JSON gives them) become tuples: the costs stay hashable and comparable
-    listed = PipelineCosts((stage, stage), (1.0,), (1.0, 1.0), [0.5], [2.0], [None, 1.0])
+    listed = PipelineCosts(
+        stages=(stage, stage),
+        link_bandwidth=(1.0,),
+        allreduce_bandwidth=(1.0, 1.0),
+        link_latency=[0.5],
+        link_bandwidth_back=[2.0],
+        allreduce_seconds=[None, 1.0],
+    )
     assert listed == PipelineCosts.build(
         [stage, stage],
         link_bandwidth=1.0,

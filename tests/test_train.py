@@ -170,7 +170,16 @@ def test_metrics_follow_the_checkpoint(tmp_path):
     path = tmp_path / "m.jsonl"
 
     def rec(epoch):
-        return EpochRecord(epoch, 1.0, 1.0, 0.5, 1.0, float(epoch), 10.0, 10 * epoch)
+        return EpochRecord(
+            epoch=epoch,
+            train_loss=1.0,
+            test_loss=1.0,
+            test_accuracy=0.5,
+            seconds=1.0,
+            elapsed=float(epoch),
+            samples_per_second=10.0,
+            updates=10 * epoch,
+        )
 
     other = json.dumps({"run": "dp", "epoch": 1})
     path.write_text(f"{other}\n")
