@@ -13,15 +13,9 @@ depends on, and :func:`load_npz` reads your own:
   ``x_test`` and ``y_test``; :func:`fit_to_sample` checks it against a model's sample
   batch (``pdjax train --dataset path.npz``).
 
-Every array is numpy, so batches cost no device work until a runner places them.
-
-Batching is a pure function of ``(seed, epoch)``: :func:`batches` shuffles the training
-set with a generator seeded by both and yields batches from any index ``start``, so a
-run restored from a checkpoint at global step ``s`` resumes with exactly the batches it
-would have seen (see :func:`resume_point`). Batches that do not fill up are dropped, so
-every training batch has the same shape and a jitted step compiles once. For
-evaluation, :func:`eval_batches` covers the whole set in order, padding the last batch
-and returning a mask of the real samples.
+Every array is numpy, so batches cost no device work until a runner places them. The
+:class:`Dataset` container and its deterministic, resumable batching are in
+:mod:`pdjax.apps.dataset` (re-exported here).
 
 >>> ds = digits()
 >>> ds.train_x.shape, ds.test_x.shape, ds.num_classes

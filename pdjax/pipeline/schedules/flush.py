@@ -114,14 +114,7 @@ def gpipe(
         return [("F", s, k) for k in ks] + [("B", s, k) for k in reversed(ks)]
 
     return flush_schedule(
-        "gpipe",
-        P,
-        chunks=1,
-        per_step=M,
-        steps=steps,
-        step_order=order,
-        replicas=replicas,
-        replication=mode,
+        "gpipe", P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
     )
 
 
@@ -167,14 +160,7 @@ def one_f_one_b(
         return [(kind, s, g * n) for kind, g in group_order(M // n, q[s] - 1)]
 
     return flush_schedule(
-        "1f1b",
-        P,
-        chunks=1,
-        per_step=M,
-        steps=steps,
-        step_order=order,
-        replicas=replicas,
-        replication=mode,
+        "1f1b", P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
     )
 
 
