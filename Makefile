@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n 2 pdjax tests
+	$(BIN)/python -m pytest -n 2 --dist worksteal pdjax tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

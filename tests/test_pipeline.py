@@ -14,6 +14,9 @@ from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline.executor import Pipeline, even_stages
 
+# compiled as users' programs are, at XLA's default optimization level (conftest.py)
+pytestmark = pytest.mark.xla_optimized
+
 
 def _data(spec, n, seed=0):
     key = jax.random.key(seed)
