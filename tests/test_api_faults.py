@@ -14,9 +14,6 @@ from pdjax.errors import PipelineError
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 def layers():
     return pdjax.sequential(nn.Dense(16), jnp.tanh, nn.Dense(16), nn.Dense(4))

@@ -10,9 +10,6 @@ from rich.console import Console
 from pdjax.apps.bench import BENCH_SCHEDULES, bench, format_table
 from pdjax.apps.cli import main
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 @pytest.fixture(scope="module")
 def result():

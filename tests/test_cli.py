@@ -14,9 +14,6 @@ from pdjax.models import MODELS
 from pdjax.pipeline.schedules import SCHEDULES
 from pdjax.profile import Profile
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 @pytest.mark.parametrize("model", MODELS)
 def test_profile_every_tiny_model_is_deterministic(model, capsys, tmp_path):

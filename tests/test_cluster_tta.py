@@ -11,9 +11,6 @@ from pdjax.apps import cluster_tta
 from pdjax.apps.cluster import ClusterError
 from pdjax.apps.cluster_tta import TTAStudy, markdown, report, run_tta, summarize
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 # a small model on flattened digits; one epoch, so the runs are short
 STUDY = TTAStudy(
     name="mlp-digits",

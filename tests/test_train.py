@@ -19,9 +19,6 @@ from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, build, 
 from pdjax.apps.train.outputs import _sync_metrics
 from pdjax.errors import DataError, LayerError, PipelineError
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 def _cfg(**kw):
     base = dict(

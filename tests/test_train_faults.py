@@ -30,9 +30,6 @@ from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.profile import LayerProfile, Profile
 from pdjax.runners import Checkpointer
 
-# the same programs compile again in every run: tests/xla_cache.py
-pytestmark = pytest.mark.usefixtures("xla_cache")
-
 
 @pytest.fixture
 def here(mine):
