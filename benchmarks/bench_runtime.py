@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 
@@ -65,7 +66,7 @@ def _per_device_bytes(arrays) -> dict:
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -84,50 +85,53 @@ def main() -> None:
         default="1f1b,pipedream",
         help="with --memory-only: the schedules whose memory to measure, comma-separated",
     )
-    args = ap.parse_args()
-    if args.memory_only:
-        _memory_only(args)
-        return
-    host_only = _host_per_action(args) if args.host_width else {}
+    return ap.parse_args()
 
-    W, L, B, M = args.width, args.layers, args.batch, args.microbatches
-    layers, xs, ys = _model_and_data(args)
-    mb = B // M
-    optimizer = optax.adam(1e-4)
+
+def _model_loss(layers: LayerSequence) -> Callable:
+    """``(params, x, y) -> loss`` of the whole model on one device."""
+
+    def loss(params, x, y):
+        out, _ = layers.apply([{"params": q} for q in params], x)
+        return xent(out, y)
+
+    return loss
+
+
+def _one_jit_runner(layers, variables, optimizer, xs, ys, steps: int) -> Callable[[], None]:
+    """The baseline: one jitted train step per batch on one device."""
     dev0 = jax.devices()[0]
-    variables = jax.jit(layers.init)(jax.random.key(0), jnp.asarray(xs[0, :mb]))
-
-    # -- the baseline: one jitted train step on one device ---------------------------
     params = jax.device_put([v["params"] for v in variables], dev0)
     opt_state = optimizer.init(params)
+    loss = _model_loss(layers)
 
     @jax.jit
     def single_step(params, opt_state, x, y):
-        def loss(p):
-            out, _ = layers.apply([{"params": q} for q in p], x)
-            return xent(out, y)
-
-        value, grads = jax.value_and_grad(loss)(params)
+        value, grads = jax.value_and_grad(loss)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
     def run_single():
         nonlocal params, opt_state
-        for t in range(args.steps):
+        for t in range(steps):
             params, opt_state, _ = single_step(params, opt_state, xs[t], ys[t])
         jax.block_until_ready(params)
 
-    # -- the floor: per-microbatch gradient steps and one update per step, one device -----
+    return run_single
+
+
+def _accumulate_loop_runner(layers, variables, optimizer, xs, ys, args) -> Callable[[], None]:
+    """The floor of the flush schedules: per-microbatch gradient steps and one update per
+    step, one device (the pipeline's work without a pipeline)."""
+    M, mb = args.microbatches, args.batch // args.microbatches
+    dev0 = jax.devices()[0]
     loop_params = jax.device_put([v["params"] for v in variables], dev0)
     loop_opt = optimizer.init(loop_params)
+    loss = _model_loss(layers)
 
     @jax.jit
     def grad_step(params, acc, x, y):
-        def loss(p):
-            out, _ = layers.apply([{"params": q} for q in p], x)
-            return xent(out, y)
-
-        value, grads = jax.value_and_grad(loss)(params)
+        value, grads = jax.value_and_grad(loss)(params, x, y)
         return jax.tree.map(jnp.add, acc, grads), value
 
     @jax.jit
@@ -146,44 +150,24 @@ def main() -> None:
             loop_params, loop_opt = apply_step(loop_params, loop_opt, acc)
         jax.block_until_ready(loop_params)
 
-    # -- pipelines ------------------------------------------------------------------------
-    configs = {}
-    for P in (2, 4):
-        for name in ("1f1b", "pipedream"):
-            pipe = Pipeline(
-                layers, even_stages(L, P), xent, optimizer, schedule=name, microbatches=M
-            )
-            state = pipe.state_from_variables(variables, jax.random.key(1))
-            configs[f"{name} P={P}"] = [pipe, state]
+    return run_loop
 
-    microbatches = [
-        (xs[t, k * mb : (k + 1) * mb], ys[t, k * mb : (k + 1) * mb])
-        for t in range(args.steps)
-        for k in range(M)
-    ]
-    host_per_action: dict[str, list[float]] = {k: [] for k in configs}
 
-    def run_pipeline(key):
-        pipe, state = configs[key]
-        state, metrics = pipe.run(state, microbatches)
-        jax.block_until_ready(state)
-        configs[key][1] = state
-        host_per_action[key].append(metrics.host_seconds / metrics.actions)
-
+def _update_each_runner(layers, variables, optimizer, xs, ys, args) -> Callable[[], None]:
+    """PipeDream's floor: an update after every microbatch, one device."""
+    M, mb = args.microbatches, args.batch // args.microbatches
+    dev0 = jax.devices()[0]
     each_params = jax.device_put([v["params"] for v in variables], dev0)
     each_opt = optimizer.init(each_params)
+    loss = _model_loss(layers)
 
     @jax.jit
     def each_step(params, opt_state, x, y):
-        def loss(p):
-            out, _ = layers.apply([{"params": q} for q in p], x)
-            return xent(out, y)
-
-        grads = jax.grad(loss)(params)
+        grads = jax.grad(loss)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    def run_each():  # PipeDream's work: an update after every microbatch
+    def run_each():
         nonlocal each_params, each_opt
         for t in range(args.steps):
             for k in range(M):
@@ -191,32 +175,64 @@ def main() -> None:
                 each_params, each_opt = each_step(each_params, each_opt, xs[t, sl], ys[t, sl])
         jax.block_until_ready(each_params)
 
-    runners = {
-        "single device, one jit": run_single,
-        "single device, loop of M jits": run_loop,
-        "single device, loop of M jits, update each": run_each,
-    }
-    runners.update({k: (lambda k=k: run_pipeline(k)) for k in configs})
-    for fn in runners.values():  # compile everything first
-        fn()
-    for key in host_per_action:
-        host_per_action[key].clear()
+    return run_each
+
+
+def _pipelines(layers, variables, optimizer, args) -> dict[str, list]:
+    """``1f1b`` and ``pipedream`` on 2 and 4 stages: per name, ``[pipeline, state]``."""
+    configs = {}
+    for P in (2, 4):
+        for name in ("1f1b", "pipedream"):
+            pipe = Pipeline(
+                layers,
+                even_stages(args.layers, P),
+                xent,
+                optimizer,
+                schedule=name,
+                microbatches=args.microbatches,
+            )
+            state = pipe.state_from_variables(variables, jax.random.key(1))
+            configs[f"{name} P={P}"] = [pipe, state]
+    return configs
+
+
+def _pipeline_runner(configs, key: str, microbatches, host_per_action) -> Callable[[], None]:
+    """One ``Pipeline.run`` over the round's microbatches; keeps its state in ``configs``
+    and its host seconds per action in ``host_per_action[key]``."""
+
+    def run_pipeline():
+        pipe, state = configs[key]
+        state, metrics = pipe.run(state, microbatches)
+        jax.block_until_ready(state)
+        configs[key][1] = state
+        host_per_action[key].append(metrics.host_seconds / metrics.actions)
+
+    return run_pipeline
+
+
+def _time_rounds(runners: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per round of every runner, rounds interleaved."""
     times: dict[str, list[float]] = {k: [] for k in runners}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for key, fn in runners.items():  # interleaved: the machine's noise hits all alike
             t0 = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - t0)
+    return times
 
-    samples = args.steps * B
+
+def _print_throughput(times, host_per_action, host_only, args) -> None:
+    """The throughput table: ratios against one jit and against each runner's floor."""
+    samples = args.steps * args.batch
     base = statistics.median(times["single device, one jit"])
     floors = {
         "flush": statistics.median(times["single device, loop of M jits"]),
         "each": statistics.median(times["single device, loop of M jits, update each"]),
     }
     print(
-        f"model: {L} dense layers of width {W}; {samples} samples per round; median of "
-        f"{args.rounds} interleaved rounds; {jax.device_count()} CPU devices in one process"
+        f"model: {args.layers} dense layers of width {args.width}; {samples} samples per "
+        f"round; median of {args.rounds} interleaved rounds; {jax.device_count()} CPU devices "
+        "in one process"
     )
     print()
     print(
@@ -237,6 +253,42 @@ def main() -> None:
             + ("-" if tiny is None else f"{tiny:.0f}")
             + " |"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.memory_only:
+        _memory_only(args)
+        return
+    host_only = _host_per_action(args) if args.host_width else {}
+
+    M = args.microbatches
+    layers, xs, ys = _model_and_data(args)
+    mb = args.batch // M
+    optimizer = optax.adam(1e-4)
+    variables = jax.jit(layers.init)(jax.random.key(0), jnp.asarray(xs[0, :mb]))
+    common = {"layers": layers, "variables": variables, "optimizer": optimizer, "xs": xs, "ys": ys}
+    runners = {
+        "single device, one jit": _one_jit_runner(steps=args.steps, **common),
+        "single device, loop of M jits": _accumulate_loop_runner(args=args, **common),
+        "single device, loop of M jits, update each": _update_each_runner(args=args, **common),
+    }
+    configs = _pipelines(layers, variables, optimizer, args)
+    microbatches = [
+        (xs[t, k * mb : (k + 1) * mb], ys[t, k * mb : (k + 1) * mb])
+        for t in range(args.steps)
+        for k in range(M)
+    ]
+    host_per_action: dict[str, list[float]] = {k: [] for k in configs}
+    runners.update(
+        {k: _pipeline_runner(configs, k, microbatches, host_per_action) for k in configs}
+    )
+    for fn in runners.values():  # compile everything first
+        fn()
+    for key in host_per_action:
+        host_per_action[key].clear()
+    times = _time_rounds(runners, args.rounds)
+    _print_throughput(times, host_per_action, host_only, args)
 
     # -- memory: measured peak live bytes per device group vs the simulator -------------
     print()

@@ -27,8 +27,11 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from options import parse_no_options
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipedream", "2bw")
@@ -184,7 +187,8 @@ def markdown(results: list[dict[str, Any]], seconds: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    parse_no_options(__doc__, argv)
     t0 = time.monotonic()
 
     def log(line: str) -> None:

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from options import parse_no_options
 
 from pdjax.apps.cluster import format_markdown, run_cluster, write_results
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    parse_no_options(__doc__, argv)
     t0 = time.monotonic()
     result = run_cluster(
         fast_mbit=10000.0,

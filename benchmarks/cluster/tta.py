@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+
+from options import parse_no_options
 
 from pdjax.apps.cluster_tta import report, run_tta
 
 OUT = Path(__file__).resolve().parent.parent / "results" / "cluster-tta"
 
 
-def main() -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    parse_no_options(__doc__, argv)
     t0 = time.monotonic()
     run_tta(OUT, log=lambda line: print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True))
     for path in report(OUT, seconds=time.monotonic() - t0):
