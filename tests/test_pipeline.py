@@ -14,8 +14,9 @@ from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline.executor import Pipeline, even_stages
 
-# compiled as users' programs are, at XLA's default optimization level (conftest.py)
-pytestmark = pytest.mark.xla_optimized
+# The MLP's schedules compile as users' programs are, at XLA's default optimization level
+# (conftest.py): the same checks as at the tests' low level, which the larger models use.
+optimized = pytest.mark.xla_optimized
 
 
 def _data(spec, n, seed=0):
@@ -79,12 +80,14 @@ def check_transparent(
     return pipe, state
 
 
+@optimized
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("P", [1, 2, 4])
 def test_flush_schedules_equal_gradient_accumulation_mlp(schedule, P):
     check_transparent("mlp", schedule, P, M=4)
 
 
+@optimized
 @pytest.mark.parametrize("P,chunks", [(1, 2), (2, 2)])
 def test_interleaved_equals_gradient_accumulation(P, chunks):
     check_transparent("mlp", "interleaved", P, M=2 * P, chunks=chunks)
@@ -109,6 +112,7 @@ def test_models_and_replication(model, schedule, P, M, replicas):
     check_transparent(model, schedule, P, M, replicas=replicas, per_replica=per_replica)
 
 
+@optimized
 def test_adam_state_per_stage_equals_one_optimizer():
     check_transparent("mlp", "1f1b", 2, M=2, optimizer=optax.adam(1e-2))
 

@@ -19,8 +19,7 @@ marked ``no_xla_cache``, and the processes it starts, compile as they would alon
 ``PDJAX_TEST_XLA_CACHE=0`` turns it off (to measure what it saves).
 
 The tests compile with XLA's backend at its lowest optimization level (conftest.py); a
-module marked ``pytestmark = pytest.mark.xla_optimized`` compiles at the default level
-instead, as users' programs do.
+test marked ``xla_optimized`` compiles at the default level instead, as users' programs do.
 """
 
 import os
@@ -52,9 +51,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def xla_optimized(request: pytest.FixtureRequest) -> Iterator[bool]:
-    """XLA's default optimization level while a module marked ``xla_optimized`` runs."""
+    """XLA's default optimization level while a test marked ``xla_optimized`` runs."""
     if request.node.get_closest_marker("xla_optimized") is None:
         yield False
         return
