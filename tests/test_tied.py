@@ -368,6 +368,42 @@ def test_checkpoint_restores_tied_copies_identical(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    "wte,saved,restored",
+    [(True, "P3", "P1"), (False, "P1", "P3")],
+    ids=["tied-3-to-1-stage", "untied-1-to-3-stages"],
+)
+def test_a_global_norm_checkpoint_moves_between_one_stage_and_several(
+    tmp_path, wte, saved, restored
+):
+    """With clip_by_global_norm, stages of a cut plan keep their optimizer state over
+    (parameters, phantom scalar) and a single stage does not: the state moves both ways
+    and training goes on as the run that was never cut differently (the tied embedding's
+    state with its group)."""
+    plans = {"P1": [StagePlan(0, 4, (0,))], "P3": P3}
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adam(1e-2))
+    batches = _batches(4, 8)
+
+    def run(plan):
+        pipe = Pipeline(_layers(wte=wte), plans[plan], _loss, opt, microbatches=2)
+        state = pipe.init(jax.random.key(1), batches[0][0][:4])
+        for batch in batches[:2]:
+            state, _ = pipe.step(state, batch)
+        return pipe, state
+
+    _, before = run(saved)
+    pipe, uncut = run(restored)
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(2, before)
+        state, _ = ckpt.restore(pipe.init(jax.random.key(2), batches[0][0][:4]), pipeline=pipe)
+    for batch in batches[2:]:
+        state, got = pipe.step(state, batch)
+        uncut, want = pipe.step(uncut, batch)
+        np.testing.assert_allclose(got.loss, want.loss, rtol=1e-6)
+    _assert_close(pipe.params(state), jax.device_get(pipe.params(uncut)))
+    _assert_copies_identical(pipe.params(state), wte=wte)
+
+
 def test_lowering_exchanges_tied_gradients_and_values():
     place = Placement.local([(0,), (1,), (2,)])
     prog = lower(generate("1f1b", 3, 2), place, tied=((0, 2),))

@@ -28,6 +28,9 @@ from pdjax.runners.checkpoint.format import _shape_str
 _Copy = tuple[int, tuple[str, ...]]
 # Per array name, the saved names it comes from.
 _Sources = Iterator[tuple[str, list[str]]]
+# The source of a leaf the new plan keeps as its template has it: a coupled optimizer's
+# phantom state where the saved plan had no phantom (it drives only its own update).
+_TEMPLATE = "<template>"
 
 
 def replan_names(
@@ -55,7 +58,7 @@ def replan_names(
     found = itertools.chain(
         _layer_sources(template, layout),
         [("rng", ["rng"])],
-        _opt_state_sources(pipeline, template, layout),
+        _opt_state_sources(pipeline, template, layout, saved),
     )
     # checked as they are found: the first array without a source is the one named
     return {name: _checked(name, sources, saved) for name, sources in found}
@@ -163,7 +166,7 @@ def _key_text(key: Any) -> str:
 
 def _checked(name: str, sources: list[str], saved: Mapping[str, Any]) -> list[str]:
     """``sources``, once each is in the checkpoint."""
-    missing = [n for n in sources if n not in saved]
+    missing = [n for n in sources if n not in saved and n != _TEMPLATE]
     if not sources or missing:
         raise CheckpointError(
             f"the checkpoint has no source for {name} of the new plan"
@@ -189,21 +192,36 @@ def _layer_sources(template: PipelineState, layout: _Layout) -> _Sources:
                 yield name, [layout.saved_name(field, layer, path[1:])]
 
 
-def _opt_state_sources(pipeline: Any, template: PipelineState, layout: _Layout) -> _Sources:
+def _opt_state_sources(
+    pipeline: Any, template: PipelineState, layout: _Layout, saved: Mapping[str, Any]
+) -> _Sources:
     """The optimizer state of each stage: a per-parameter subtree's leaves from their
     parameters' places, any other leaf from every saved stage."""
     for s, (params, opt) in enumerate(zip(template.params, template.opt_state, strict=True)):
         view = _OptimizerView.of(pipeline.stages[s], s, params)
         for prefix, sub in jax.tree_util.tree_flatten_with_path(opt, is_leaf=view.shaped)[0]:
             if view.shaped(sub):
-                yield from _per_parameter_sources(view, prefix, sub, layout)
+                yield from _per_parameter_sources(view, prefix, sub, layout, saved)
             else:  # not per parameter: the same in every saved stage
-                saved = [_opt_name(o, *prefix) for o in range(layout.saved_stages)]
-                yield _opt_name(s, *prefix), saved
+                saved_names = [_opt_name(o, *prefix) for o in range(layout.saved_stages)]
+                yield _opt_name(s, *prefix), saved_names
+
+
+def _saved_phantom(saved: Mapping[str, Any], stage: int, prefix: tuple[Any, ...]) -> bool:
+    """Whether saved stage ``stage`` kept its per-parameter state at ``prefix`` over
+    ``(parameters, phantom scalar)``: coupled through the global norm under the saved plan
+    (a plan's stages are coupled or not by its own cut: a single stage never is). The
+    phantom is the one leaf right at ``prefix.1``; uncoupled, ``prefix.1`` is the stage's
+    second layer, a tree of named parameters, never a leaf itself."""
+    return _opt_name(stage, *prefix, SequenceKey(1)) in saved
 
 
 def _per_parameter_sources(
-    view: _OptimizerView, prefix: tuple[Any, ...], sub: Any, layout: _Layout
+    view: _OptimizerView,
+    prefix: tuple[Any, ...],
+    sub: Any,
+    layout: _Layout,
+    saved: Mapping[str, Any],
 ) -> _Sources:
     """The leaves of one subtree shaped like the parameters (at ``prefix`` in the stage's
     optimizer state), each from where its parameter's state was saved."""
@@ -211,10 +229,13 @@ def _per_parameter_sources(
     sub_paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(sub)[0]]
     prefix_in: tuple[Any, ...] = ()
     if view.phantom:
-        # the phantom's state only drives its own (dropped) update: any stage's does
+        # the phantom's state only drives its own (dropped) update: any saved stage's
+        # does, and where the saved plan had none, the template's own
         inner = sub_paths.pop()
-        o = min(s, layout.saved_stages - 1)
-        yield _opt_name(s, *prefix, *inner), [_opt_name(o, *prefix, *inner)]
+        coupled = [o for o in range(layout.saved_stages) if _saved_phantom(saved, o, prefix)]
+        o = min(s, len(coupled) - 1)
+        source = [_opt_name(coupled[o], *prefix, *inner)] if coupled else [_TEMPLATE]
+        yield _opt_name(s, *prefix, *inner), source
         sub_paths = [p[1:] for p in sub_paths]
         prefix_in = (SequenceKey(0),)
     if len(sub_paths) != len(view.visible):
@@ -224,9 +245,10 @@ def _per_parameter_sources(
         )
     for inner, ppath in zip(sub_paths, view.visible, strict=True):
         o, j, rest = layout.saved_place(layout.new_first[s] + ppath[0].idx, ppath[1:])
+        saved_in = (SequenceKey(0),) if _saved_phantom(saved, o, prefix) else ()
         yield (
             _opt_name(s, *prefix, *prefix_in, *inner),
-            [_opt_name(o, *prefix, *prefix_in, SequenceKey(j), *rest)],
+            [_opt_name(o, *prefix, *saved_in, SequenceKey(j), *rest)],
         )
 
 
@@ -275,6 +297,9 @@ def _replanned_leaves(
     leaves = []
     for name, leaf in _array_leaves(template).items():
         names = sources[name]
+        if names == [_TEMPLATE]:
+            leaves.append(leaf)
+            continue
         value = np.asarray(host[names[0]])
         for other in names[1:]:
             if not np.array_equal(value, np.asarray(host[other])):
