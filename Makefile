@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+.PHONY: run test test-quick lint setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n 2 --dist worksteal pdjax tests
+
+# every test not marked slow (tests/tiers.py): for the edit-test loop; CI runs make test
+test-quick: $(STAMP) lint
+	$(BIN)/python -m pytest -n 2 --dist worksteal -m "not slow" pdjax tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

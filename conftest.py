@@ -50,7 +50,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_threefry_partitionable", False)
 
 # tests/ is on the path through pytest's `pythonpath` (pyproject.toml): reference.py, and
-pytest_plugins = ["user_model", "xla_cache"]  # shared fixtures: tests/user_model.py, xla_cache.py
+# the shared fixtures and set-up in tests/user_model.py, xla_cache.py and tiers.py
+pytest_plugins = ["user_model", "xla_cache", "tiers"]
 
 # CI lands a change only on a passing run: there the property tests draw the same examples
 # every time (a failure they can find is found on every run, not by chance).

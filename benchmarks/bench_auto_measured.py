@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _runner(spec: Any, plan: Any, x: Any, y: Any, steps: int, seed: int) -> dict[str, Any]:
+def _runner(spec: Any, plan: Any, x: Any, y: Any, *, steps: int, seed: int) -> dict[str, Any]:
     """A Pipeline for ``plan`` (its chosen schedule, M, in-flight depth) and a timed call."""
     import jax
     import optax
@@ -75,7 +75,7 @@ def _runner(spec: Any, plan: Any, x: Any, y: Any, steps: int, seed: int) -> dict
 
 
 def _best_plans(
-    prof: Any, topo: Any, names: list[str], stale: list[str], common: dict[str, Any], log: Any
+    prof: Any, topo: Any, names: list[str], *, stale: list[str], common: dict[str, Any], log: Any
 ) -> tuple[Any, dict[str, Any], float]:
     """``plan_auto`` over ``names``, and per schedule ``plan_auto(schedules=[S])``."""
     from pdjax.errors import PdjaxError
@@ -123,8 +123,10 @@ def measure_model(model: str, args: argparse.Namespace, spa: float, log: Any) ->
     names = ["gpipe", "1f1b", "zb-h1", "zb-h2", *stale]
     common: dict[str, Any] = dict(batch_size=B, memory_limit=None, straight=args.straight)
     free = plan_auto(prof, topo, schedules=names, allow_stale=bool(stale), batch_size=B)
-    auto, plans, search = _best_plans(prof, topo, names, stale, common, log)
-    auto_h, plans_h, search_h = _best_plans(prof, topo, names, stale, {**common, "host": host}, log)
+    auto, plans, search = _best_plans(prof, topo, names, stale=stale, common=common, log=log)
+    auto_h, plans_h, search_h = _best_plans(
+        prof, topo, names, stale=stale, common={**common, "host": host}, log=log
+    )
     choices = {"sim": _key(auto), "host": _key(auto_h)}
     candidates: dict[str, dict[str, Any]] = {}  # every schedule's best by either ranking
     for ranking, best in (("sim", plans), ("host", plans_h)):
@@ -135,7 +137,7 @@ def measure_model(model: str, args: argparse.Namespace, spa: float, log: Any) ->
     for key, cand in candidates.items():
         log(f"{model}: compiling {key}")
         try:
-            runners[key] = _runner(spec, cand["plan"], x, y, args.steps, args.seed)
+            runners[key] = _runner(spec, cand["plan"], x, y, steps=args.steps, seed=args.seed)
             runners[key]["call"]()  # compile and warm up
         except PdjaxError as e:
             log(f"{model}: {key}: cannot run ({e})")
@@ -146,7 +148,8 @@ def measure_model(model: str, args: argparse.Namespace, spa: float, log: Any) ->
             times[key].append(r["call"]())
         log(f"{model}: round {k + 1}/{args.repeats} done")
     rows = [
-        _row(candidates[key], runners[key], times[key], choices, prof, B, host) for key in runners
+        _row(candidates[key], runners[key], times[key], choices=choices, prof=prof, B=B, host=host)
+        for key in runners
     ]
     best_sps = max(row["measured_sps"] for row in rows)
     for row in rows:
@@ -167,6 +170,7 @@ def _row(
     cand: dict[str, Any],
     runner: dict[str, Any],
     times: list[float],
+    *,
     choices: dict[str, str],
     prof: Any,
     B: int,

@@ -111,7 +111,9 @@ def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) 
                                 "units": units if rate is None or rate >= 1000 else 8})  # fmt: skip
                 log(f"{model} on {where}: running {len(runners)} runners")
                 got = _launch({**base, "runners": runners}, 2, rate, emulate, work)
-                out.append(_report(model, rate, auto, best, runners, got, single))
+                out.append(
+                    _report(model, rate, auto, best=best, runners=runners, got=got, single=single)
+                )
                 log(_verdict(out[-1]))
     return out
 
@@ -120,6 +122,7 @@ def _report(
     model: str,
     rate: float | None,
     auto: Any,
+    *,
     best: dict[str, Any],
     runners: list[dict[str, Any]],
     got: dict[str, Any],
