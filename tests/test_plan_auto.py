@@ -208,6 +208,18 @@ def test_plan_auto_equals_brute_force_with_replication(seed, W, schedules):
         assert [[st.first_layer, st.last_layer, st.replicas] for st in plan.stages] == got["stages"]
 
 
+@pytest.mark.parametrize("exhaustive", [0, 10**6], ids=["dynamic-program", "enumerated"])
+def test_the_plan_states_the_callers_memory_limit(exhaustive):
+    """Without a limit the plan says none (not the dynamic program's internal stand-in),
+    and with one it states that one, whichever search found the plan."""
+    profile, _, _ = _case(0)
+    for limit in (None, 2e9):
+        topology = Topology.flat(3, 1e9, memory_per_device=limit)
+        plan = plan_auto(profile, topology, batch_size=24, exhaustive=exhaustive)
+        assert plan.memory_limit == limit == plan.options["auto"]["memory_limit"]
+        assert plan.fits_memory
+
+
 def test_recomputation_is_chosen_only_where_memory_needs_it():
     rng = np.random.default_rng(7)
     profile = random_profile(rng, 6)

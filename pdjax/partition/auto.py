@@ -399,6 +399,9 @@ def _partitions(
             except PlanError as e:
                 error = e
                 continue
+            # the program ran without a limit (none, or this cut did not fit it): the plan
+            # states the caller's, so that fits_memory and the JSON say what holds
+            plan = dataclasses.replace(plan, memory_limit=limit)
             if not any(stage_specs(plan) == stage_specs(p) for p in out):
                 out.append(plan)
     if not out and error is not None:
