@@ -4,6 +4,7 @@ simulate make of them; refusals of a calibration for another model, plan or devi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 
@@ -196,3 +197,44 @@ def test_measure_and_calibrate_a_tiny_model():
     assert {(ln.src, ln.dst) for ln in cal.links} == {(0, 1), (1, 0)}
     assert all(ln.bandwidth > 0 and ln.latency >= 0 for ln in cal.links)
     assert cal.allreduce([1, 0]).bandwidth > 0
+
+
+def test_the_command_line_calibrates_and_plan_and_simulate_read_it(tmp_path, capsys):
+    """``pdjax calibrate`` end to end: a plan's stages, links and replicated all-reduce
+    measured on this machine's devices and written as JSON that ``pdjax plan`` and
+    ``pdjax simulate`` read; ``--refine`` writes the plan it ranks best."""
+    from pdjax.apps.cli import main
+    from pdjax.profile import Profile
+
+    def cli(*args):
+        return main([str(a) for a in args])
+
+    prof, plan, cal, best = (tmp_path / f for f in ("p.json", "plan.json", "c.json", "b.json"))
+    mlp = ("--model", "mlp", "--microbatch-size", 4, "--repeats", 1)
+    assert cli("profile", "--model", "mlp", "--batch-size", 4, "--device-model", "h100",
+               "--out", prof) == 0  # fmt: skip
+    # stage 0 on devices 0 and 1 (its all-reduce is measured), stage 1 on device 2
+    cut = [(0, 1, 2), (2, 3, 1)]
+    topology = Topology.flat(3, 1.25e9)
+    evaluate_partition(Profile.load(prof), topology, cut, schedule="1f1b", microbatch_size=4).save(
+        plan
+    )
+    assert cli("calibrate", *mlp, "--plan", plan, "--devices", 3, "--out", cal) == 0
+    got = Calibration.load(cal)
+    assert got.microbatch_size == 4 and got.devices == (0, 1, 2)
+    assert set(cut) <= {(s.first, s.last, s.replicas) for s in got.stages}
+    assert all(s.forward > 0 and s.backward > 0 and s.update > 0 for s in got.stages)
+    # every pair of the plan's devices, both ways
+    assert {(link.src, link.dst) for link in got.links} == set(itertools.permutations(range(3), 2))
+    assert all(link.bandwidth > 0 for link in got.links)
+    assert [a.devices for a in got.allreduces] == [(0, 1)]
+    capsys.readouterr()
+    assert cli("plan", "--profile", prof, "--workers", 3, "--calibration", cal, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["stages"]
+    assert cli("simulate", "--plan", plan, "--profile", prof, "--calibration", cal,
+               "--schedule", "1f1b", "--microbatches", 4, "--json") == 0  # fmt: skip
+    assert "1f1b" in json.dumps(json.loads(capsys.readouterr().out))
+    assert cli("calibrate", *mlp, "--profile", prof, "--refine", "--devices", 2,
+               "--schedule", "1f1b", "--microbatches", 2, "--out", tmp_path / "r.json",
+               "--plan-out", best) == 0  # fmt: skip
+    assert json.loads(best.read_text())["stages"]

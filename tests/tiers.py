@@ -28,7 +28,10 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     module: frozenset(names)
     for module, names in {
         "test_bench.py": ["test_every_schedule_and_dp_has_positive_numbers"],
-        "test_calibrate.py": ["test_measure_and_calibrate_a_tiny_model"],
+        "test_calibrate.py": [
+            "test_measure_and_calibrate_a_tiny_model",
+            "test_the_command_line_calibrates_and_plan_and_simulate_read_it",
+        ],
         "test_checkpoint.py": [
             "test_a_save_killed_midway_leaves_the_previous_step",
             "test_a_template_of_another_model_or_plan_names_the_first_mismatch",
