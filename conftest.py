@@ -18,17 +18,25 @@ jax.config.update(
     "jax_disable_most_optimizations", os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] != "0"
 )
 
-# XLA's CPU backend generates the code of its fusions along its classic path, not through
-# its newer MLIR fusion emitters: about a third less compile time on these models. The
-# fused HLO is the same; only the code generator differs. A jaxlib that no longer knows
-# the flag would abort on it, so it is tried once in a throwaway process first (and the
-# xdist workers inherit the answer). ``PDJAX_TEST_CLASSIC_FUSIONS=0`` keeps the default.
-_CLASSIC_FUSIONS = "--xla_cpu_use_fusion_emitters=false"
+# Two settings of XLA's CPU compiler that only change how fast it compiles these tiny
+# programs on a couple of cores, not what they compute (the optimized HLO is the same):
+# - the code of fusions is generated along XLA's classic path, not through its newer MLIR
+#   fusion emitters (about a third less compile time on these models);
+# - each program's LLVM module is compiled whole rather than split into parts compiled in
+#   parallel (the split costs more than it saves on 2 cores: ~13% less CPU time over
+#   test_zero_bubble, test_semantics and test_tied).
+# A jaxlib that no longer knows a flag would abort on it, so they are tried once in a
+# throwaway process first (the xdist workers and the processes tests start inherit the
+# answer through XLA_FLAGS). ``PDJAX_TEST_XLA_FLAGS=0`` keeps XLA's defaults.
+_TEST_XLA_FLAGS = (
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 
 
-def _xla_accepts(flag: str) -> bool:
+def _xla_accepts(flags: str) -> bool:
     probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
     try:
         done = subprocess.run(probe, env=env, capture_output=True, timeout=120)
     except subprocess.TimeoutExpired:
@@ -36,13 +44,19 @@ def _xla_accepts(flag: str) -> bool:
     return done.returncode == 0
 
 
-if os.environ.setdefault("PDJAX_TEST_CLASSIC_FUSIONS", "1") == "1" and _CLASSIC_FUSIONS not in (
-    os.environ.get("XLA_FLAGS", "")
-):
-    if _xla_accepts(_CLASSIC_FUSIONS):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_CLASSIC_FUSIONS}".strip()
-    else:
-        os.environ["PDJAX_TEST_CLASSIC_FUSIONS"] = "0"  # this jaxlib: its default emitters
+def _accepted_flags() -> list[str]:
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in _TEST_XLA_FLAGS if f.split("=")[0] not in current]
+    if not missing or _xla_accepts(" ".join(missing)):
+        return missing
+    return [f for f in missing if _xla_accepts(f)]  # this jaxlib drops some: keep the rest
+
+
+if os.environ.setdefault("PDJAX_TEST_XLA_FLAGS", "1") == "1":
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), *_accepted_flags()]
+    ).strip()
+    os.environ["PDJAX_TEST_XLA_FLAGS"] = "0"  # decided: the workers inherit XLA_FLAGS as set
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 # Random-number kernels compile several times faster without the partitionable threefry
