@@ -14,9 +14,10 @@ import numpy as np
 
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import PyTree, Variables
+from pdjax.layers.init_programs import init_layers
 from pdjax.pipeline.executor.base import _PipelineBase
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract, _init_layers, _shapes_text
+from pdjax.pipeline.executor.trees import _abstract, _shapes_text
 from pdjax.pipeline.stage import LossFn, split_loss
 
 
@@ -34,7 +35,7 @@ class _Checks(_PipelineBase):
         specs = _abstract(sample)
         if variables is None:
             variables, _ = jax.eval_shape(
-                partial(_init_layers, self.layers.layers, 0), jax.random.key(0), specs
+                partial(init_layers, self.layers.layers, 0), jax.random.key(0), specs
             )
         x = specs
         for s, spec in enumerate(self.stage_specs):
@@ -158,7 +159,7 @@ class _Checks(_PipelineBase):
         """The layout of the state init would make on a sample like ``x`` (shapes only;
         it settles the ties and the optimizer as :meth:`state_from_variables` does)."""
         variables = jax.eval_shape(
-            partial(_init_layers, self.layers.layers, 0), jax.random.key(0), _abstract(x)
+            partial(init_layers, self.layers.layers, 0), jax.random.key(0), _abstract(x)
         )[0]
         layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_specs]
         params = [[v.get("params", {}) for v in vs] for vs in layers]

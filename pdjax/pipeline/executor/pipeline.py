@@ -18,6 +18,7 @@ from pdjax import _xla_cpu
 from pdjax.distributed import check_cpu_transfers
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
+from pdjax.layers.init_programs import init_on
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.pipeline.executor.checks import _check_pairs, _rows, _state_layout
 from pdjax.pipeline.executor.config import (
@@ -36,7 +37,6 @@ from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 from pdjax.pipeline.executor.trees import (
     _abstract,
     _compose,
-    _init_layers,
     _remote,
     _shapes_text,
     _unaliased,
@@ -358,16 +358,15 @@ class Pipeline(_Interpreter):
             variables = []
             x = sample
             for stage, spec in zip(self.stages, self.stage_specs, strict=True):
-                vs, x = self._init_stage(stage, spec.first_layer)(
-                    stage.place_weights(key), stage.place_weights(x)
+                vs, x = init_on(
+                    stage.layers,
+                    spec.first_layer,
+                    stage.place_weights(key),
+                    stage.place_weights(x),
+                    stage.replicated,
                 )
                 variables += vs
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
-
-    def _init_stage(self, stage: Stage, first: int) -> Any:
-        """Jitted: a stage's layers initialised as :meth:`LayerSequence.init` does (layer
-        ``i`` from ``fold_in(key, i)``, fed the layer before's output), on its devices."""
-        return jax.jit(partial(_init_layers, stage.layers, first), out_shardings=stage.replicated)
 
     def state_from_variables(
         self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array

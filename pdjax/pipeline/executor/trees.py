@@ -3,14 +3,14 @@ buffers kept apart before donation, and layer initialisation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax.layers import PyTree, Variables
+from pdjax.layers import PyTree
 
 
 def _key_str(key: Any) -> str:
@@ -28,19 +28,6 @@ def _compose(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any]
 def _shape_key(tree: PyTree) -> Any:
     leaves = jax.tree.leaves(tree)
     return jax.tree.structure(tree), tuple((np.shape(a), str(jnp.result_type(a))) for a in leaves)
-
-
-def _init_layers(
-    layers: Sequence[Any], first: int, key: jax.Array, x: PyTree
-) -> tuple[list[Variables], PyTree]:
-    """``layers`` (model layers ``first ..``) initialised as :meth:`LayerSequence.init`
-    does, and the last one's output."""
-    out = []
-    for j, layer in enumerate(layers):
-        v = layer.init(jax.random.fold_in(key, first + j), x)
-        x, _ = layer.apply(v, x, train=False)
-        out.append(v)
-    return out, x
 
 
 def _unaliased(tree: PyTree, other: PyTree) -> PyTree:

@@ -1,0 +1,152 @@
+"""Pipeline.init through programs that identical layers share (pdjax.layers.init_programs):
+the same values as the whole model's LayerSequence.init, one compilation per distinct
+layer and device set, and never a program shared where it would hand one layer another's
+weights."""
+
+import collections
+
+import flax.linen as nn
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import pdjax
+from pdjax.layers import init_programs
+from pdjax.partition import StagePlan
+from pdjax.pipeline.executor import Pipeline
+
+_compiled: collections.Counter[str] = collections.Counter()
+
+
+def _count(event: str, duration: float, **kw: object) -> None:
+    if event.endswith("backend_compile_duration"):  # also a hit in the persistent cache
+        _compiled[str(kw.get("fun_name"))] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count)
+
+
+def _inits_compiled(fn):
+    """How many initialisation programs ``fn()`` compiled."""
+    before = _compiled["jit(init_layers)"]
+    fn()
+    return _compiled["jit(init_layers)"] - before
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        return jnp.tanh(nn.Dense(self.width)(x))
+
+
+class Scaled(nn.Module):
+    """A linen module with an array field: it neither hashes nor compares."""
+
+    scale: np.ndarray
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(x.shape[-1])(x) * self.scale
+
+
+def _loss(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+# the hidden width is the tests' own (9): no other module's cached program can serve them
+W = 9
+
+
+def _mlp():
+    return pdjax.sequential(*[Block(W) for _ in range(5)], nn.Dense(3))
+
+
+def _pipeline(layers, stages):
+    return Pipeline(layers, stages, _loss, optax.sgd(0.1), microbatches=2)
+
+
+def _key(seed):
+    """The key the layers of ``Pipeline.init(jax.random.key(seed), x)`` start from."""
+    return jax.random.fold_in(jax.random.key(seed), 0)
+
+
+def _assert_equal(got, want, rtol=0.0, atol=0.0):
+    leaves_got, leaves_want = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(leaves_got) == len(leaves_want)
+    for a, b in zip(leaves_got, leaves_want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def test_identical_layers_share_one_program_across_stages_and_pipelines(monkeypatch):
+    monkeypatch.setattr(init_programs, "_shared", collections.OrderedDict())  # none yet
+    stages = [StagePlan(0, 2, (0,)), StagePlan(3, 5, (1,))]
+    x = jnp.ones((4, W))
+    layers = _mlp()
+    pipe = _pipeline(layers, stages)
+    state = None
+
+    def first():
+        nonlocal state
+        state = pipe.init(jax.random.key(3), x)
+
+    # Block(9) on device 0; Block(9) and Dense(3) on device 1: three programs for six layers
+    assert _inits_compiled(first) == 3
+    _assert_equal(pipe.variables(state), layers.init(_key(3), x))
+    # a new pipeline of an equal model (new module objects) on the same devices: none
+    again = _pipeline(_mlp(), stages)
+    assert _inits_compiled(lambda: again.init(jax.random.key(4), x)) == 0
+    _assert_equal(again.variables(again.init(jax.random.key(3), x)), pipe.variables(state))
+
+
+def test_nnx_modules_of_one_class_keep_their_own_weights():
+    """An nnx module's init returns the arrays it holds: a shared program would hand the
+    second module the first one's weights."""
+    x = jnp.ones((4, 6))
+
+    def model(seed):
+        rngs = nnx.Rngs(seed)
+        return pdjax.sequential(nnx.Linear(6, 6, rngs=rngs), nnx.Linear(6, 6, rngs=rngs))
+
+    stages = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1,))]
+    for seed in (0, 1):
+        layers = model(seed)
+        pipe = _pipeline(layers, stages)
+        _assert_equal(
+            pipe.variables(pipe.init(jax.random.key(0), x)), layers.init(_key(0), x)
+        )
+    a, b = (model(seed).init(jax.random.key(0), x) for seed in (0, 1))
+    assert not np.array_equal(a[0]["params"]["kernel"], b[0]["params"]["kernel"])
+
+
+def test_layers_that_cannot_share_still_initialise_like_the_whole_model():
+    """An nnx module, a linen module with an array field, a function and a precision
+    policy in one stage: the runs that cannot share get a program of their own."""
+    x = jnp.ones((4, W))
+    layers = pdjax.sequential(
+        Block(W),
+        Scaled(np.full((1, W), 2.0, np.float32)),
+        nnx.Linear(W, W, rngs=nnx.Rngs(5)),
+        jnp.tanh,
+        Block(W),
+        precision="bf16",
+    )
+    shares = [init_programs._share_key(layer) is not None for layer in layers.layers]
+    assert shares == [True, False, False, True, True]
+    pipe = _pipeline(layers, [StagePlan(0, 2, (2,)), StagePlan(3, 4, (3,))])
+    got = pipe.variables(pipe.init(jax.random.key(1), x))
+    # at the tests' lowest XLA optimization level, the bf16 model's initializers round
+    # the last bit differently from one program to another (one program per stage too)
+    _assert_equal(got, layers.init(_key(1), x), rtol=1e-6, atol=1e-7)
+
+
+def test_the_shared_programs_are_bounded(monkeypatch):
+    monkeypatch.setattr(init_programs, "MAX_SHARED", 1)
+    pipe = _pipeline(_mlp(), [StagePlan(0, 5, (4,))])
+    state = pipe.init(jax.random.key(2), jnp.ones((4, W)))
+    assert len(init_programs._shared) == 1
+    _assert_equal(pipe.variables(state), _mlp().init(_key(2), jnp.ones((4, W))))
