@@ -1,13 +1,16 @@
 """Several processes, one pipeline: 2 processes x 2 CPU devices on 127.0.0.1 train like
 1 process x 4 devices.
 
-Each test starts worker processes (this file run as a script) joined by
-``jax.distributed`` on loopback only; every subprocess is bounded in time and ended by
-process group if it outlives its test.
+Worker processes (this file run as a script) join by ``jax.distributed`` on loopback
+only; every subprocess is bounded in time and ended by process group if it outlives its
+launch. The tests that compare finished runs share one launch per process count (each
+launch runs their scenarios in turn: :data:`TWO`, :data:`FOUR`); the tests of failures
+launch their own.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -74,6 +77,13 @@ def _train(schedule: str, span: bool = False, three: bool = False, transport: st
     return out, [float(v) for v in losses]
 
 
+@functools.cache
+def _reference(schedule: str, span: bool = False):
+    """:func:`_train` in this process on 4 devices: the run the processes must match,
+    computed once per pytest worker (several tests compare against the same run)."""
+    return _train(schedule, span)
+
+
 def _flat(params) -> dict[str, np.ndarray]:
     return {
         f"{i}/{jax.tree_util.keystr(path)}": np.asarray(leaf)
@@ -86,9 +96,10 @@ def _all_params(pipe, state) -> dict[str, np.ndarray]:
     return _flat({i: v["params"] for i, v in enumerate(pipe.variables(state))})
 
 
-def _checkpoint_worker(out_dir: str) -> None:
+def _checkpoint_worker(out_dir: str, path: str) -> None:
     """Trains half, saves (collectively), trains on; restores the save into a new
-    pipeline and trains the same second half; writes both results."""
+    pipeline, trains the same second half and checks it ends as the first; writes the
+    first's result to ``path``."""
     from pdjax.runners import Checkpointer
 
     half = STEPS * M // 2
@@ -104,7 +115,7 @@ def _checkpoint_worker(out_dir: str) -> None:
     assert extra == {"note": "two processes"}, extra
     resumed, _ = fresh.run(restored, mbs[half:])
     on, resumed = _all_params(pipe, on), _all_params(fresh, resumed)
-    np.savez(os.path.join(out_dir, f"c{jax.process_index()}.npz"), **on)
+    np.savez(path, **on)
     for k in on:
         np.testing.assert_array_equal(on[k], resumed[k], err_msg=k)
 
@@ -127,6 +138,32 @@ def _dp_train():
                   for i, p in enumerate(params)}), losses  # fmt: skip
 
 
+#: What one launch of 2 processes x 2 devices runs, in order (each result saved under its
+#: name): the tests comparing them share the launch (:func:`two_processes`).
+TWO = ("pipedream", "1f1b", "checkpoint", "dp", "span-1f1b", "span-pipedream")
+#: The same for 4 processes x 1 device (:func:`four_processes`).
+FOUR = ("pipedream", "1f1b", "span-1f1b", "checkpoint")
+
+
+def _scenario(name: str, out_dir: str) -> None:
+    """Runs one scenario in every process; saves ``{name}-{process}.npz``."""
+    path = os.path.join(out_dir, f"{name}-{jax.process_index()}.npz")
+
+    def save(flat: dict[str, np.ndarray], losses: list[float]) -> None:
+        np.savez(path, **flat, losses=np.asarray(losses))
+
+    if name == "checkpoint":
+        _checkpoint_worker(out_dir, path)
+    elif name == "dp":
+        save(*_dp_train())
+    elif name.startswith("span-"):  # stage 1 on one device of each of 2 processes
+        params, losses = _train(name[5:], span=True)
+        save(_flat(params), losses)
+    else:
+        params, losses = _train(name)
+        save(_flat(params), losses)
+
+
 def _worker(schedule: str, out_dir: str, die: str) -> None:
     from pdjax.distributed import config_from_env, initialize
 
@@ -135,43 +172,23 @@ def _worker(schedule: str, out_dir: str, die: str) -> None:
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_threefry_partitionable", False)  # as tests/conftest.py
     pid = jax.process_index()
-    if schedule == "checkpoint":
-        _checkpoint_worker(out_dir)
-        return
-
-    def save(prefix: str, flat: dict[str, np.ndarray], losses: list[float]) -> None:
-        np.savez(os.path.join(out_dir, f"{prefix}{pid}.npz"), **flat, losses=np.asarray(losses))
-
-    if schedule == "dp":
-        save("d", *_dp_train())
+    if schedule in ("two", "four"):
+        for name in TWO if schedule == "two" else FOUR:
+            _scenario(name, out_dir)
         return
     if schedule.startswith("threecol-"):  # 3 processes, collective transfers
         if die == str(pid):
             _setup(schedule[9:], three=True)
             os._exit(7)  # dies before its first transfer; the others wait on it
-        params, losses = _train(schedule[9:], three=True)
-        save("tc", _flat(params), losses)
+        _train(schedule[9:], three=True)
         return
     if schedule.startswith("three-"):  # device_put transfers between 3 processes: refused
-        params, losses = _train(schedule[6:], three=True, transport="device_put")
-        save("t", _flat(params), losses)
-        return
-    if schedule == "four":  # 4 processes x 1 device: collective transfers
-        for name in ("pipedream", "1f1b"):
-            params, losses = _train(name)
-            save(f"four-{name}-", _flat(params), losses)
-        params, losses = _train("1f1b", span=True)  # stage 1 on processes 1 and 2
-        save("four-span-", _flat(params), losses)
-        return
-    if schedule.startswith("span-"):
-        params, losses = _train(schedule[5:], span=True)
-        save("s", _flat(params), losses)
+        _train(schedule[6:], three=True, transport="device_put")
         return
     if die == str(pid):
         _setup(schedule)
         os._exit(7)  # dies before its first transfer; the peer is waiting on it
-    params, losses = _train(schedule)
-    save("p", _flat(params), losses)
+    _train(schedule)
 
 
 def _launch(
@@ -252,50 +269,72 @@ def _assert_saved(files: list[Path], want: dict[str, np.ndarray], losses=None, e
                     np.testing.assert_allclose(f["losses"], losses, rtol=1e-6)
 
 
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """One launch of 2 processes x 2 CPU devices running every scenario of :data:`TWO`
+    (the tests below check one each): its folder."""
+    out = tmp_path_factory.mktemp("two")
+    _all_succeeded(_launch(out, "two", budget=2 * BUDGET))
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """One launch of 4 processes x 1 CPU device running :data:`FOUR`: its folder."""
+    out = tmp_path_factory.mktemp("four")
+    _all_succeeded(_launch(out, "four", procs=4, devices=1, budget=2 * BUDGET))
+    return out
+
+
+def _saved(folder: Path, name: str, procs: int) -> list[Path]:
+    return [folder / f"{name}-{i}.npz" for i in range(procs)]
+
+
 @pytest.mark.parametrize("schedule", ["pipedream", "1f1b"])
-def test_two_processes_train_like_one(tmp_path, schedule):
-    _all_succeeded(_launch(tmp_path, schedule))
-    params, losses = _train(schedule)  # the same pipeline in this process on 4 devices
+def test_two_processes_train_like_one(two_processes, schedule):
+    params, losses = _reference(schedule)  # the same pipeline in this process on 4 devices
     want = _flat(params)
     # each process has all of them (Pipeline.variables gathers)
-    _assert_saved([tmp_path / f"p{i}.npz" for i in range(2)], want, losses)
+    _assert_saved(_saved(two_processes, schedule, 2), want, losses)
     _, state, _ = _setup(schedule)  # and training did move them
     assert not np.allclose(
         want["0/['dense']['kernel']"], np.asarray(state.params[0][0]["dense"]["kernel"])
     )
 
 
-def test_checkpoint_across_processes(tmp_path):
+def _resumed_here(folder: Path) -> dict[str, np.ndarray]:
+    """The processes' checkpoint restored in this process on 4 devices, trained on."""
+    from pdjax.runners import Checkpointer
+
+    half = STEPS * M // 2
+    pipe, template, mbs = _setup("pipedream")
+    with Checkpointer(folder / "ckpt") as ckpt:
+        restored, _ = ckpt.restore(template)
+    return _all_params(pipe, pipe.run(restored, mbs[half:])[0])
+
+
+def test_checkpoint_across_processes(two_processes):
     """2 processes save one checkpoint together (each stage from its own process); it
     restores there into a new pipeline, and in one process on 4 devices, and both go on
     training exactly as the run that never stopped."""
-    from pdjax.runners import Checkpointer
-
-    _all_succeeded(_launch(tmp_path, "checkpoint"))
-    half = STEPS * M // 2
-    pipe, template, mbs = _setup("pipedream")
-    with Checkpointer(tmp_path / "ckpt") as ckpt:
-        restored, _ = ckpt.restore(template)
-    resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
-    _assert_saved([tmp_path / f"c{i}.npz" for i in range(2)], resumed)
+    _assert_saved(_saved(two_processes, "checkpoint", 2), _resumed_here(two_processes))
 
 
-def test_data_parallel_across_processes(tmp_path):
+def test_data_parallel_across_processes(two_processes):
     """DataParallel over 2 processes x 2 devices (the gradient all-reduce crosses
     processes, through JAX's CPU collectives) trains as over 4 devices in one process."""
-    _all_succeeded(_launch(tmp_path, "dp"))
     want, losses = _dp_train()
-    _assert_saved([tmp_path / f"d{i}.npz" for i in range(2)], want, losses, exact=False)
+    _assert_saved(_saved(two_processes, "dp", 2), want, losses, exact=False)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "pipedream"])
-def test_a_replicated_stage_spans_processes(tmp_path, schedule):
+def test_a_replicated_stage_spans_processes(two_processes, schedule):
     """Stage 1 is replicated on one device of each process (its gradient all-reduce
     crosses processes; activations are split between its replicas and gathered after):
     training matches the same plan in one process."""
-    _all_succeeded(_launch(tmp_path, f"span-{schedule}"))
-    params, losses = _train(schedule, span=True)
-    _assert_saved([tmp_path / f"s{i}.npz" for i in range(2)], _flat(params), losses, exact=False)
+    params, losses = _reference(schedule, span=True)
+    saved = _saved(two_processes, f"span-{schedule}", 2)
+    _assert_saved(saved, _flat(params), losses, exact=False)
 
 
 def test_device_put_between_three_processes_is_refused_with_a_reason(tmp_path):
@@ -308,35 +347,23 @@ def test_device_put_between_three_processes_is_refused_with_a_reason(tmp_path):
         assert "more than 2 processes (3 here)" in log, log[-3000:]
 
 
-def test_four_processes_train_like_one(tmp_path):
+def test_four_processes_train_like_one(four_processes):
     """4 processes x 1 CPU device, transfers through XLA collectives (the default there):
     pipedream and 1f1b over 4 stages train bit for bit as 4 devices in one process, and a
     stage replicated across processes 1 and 2 as in one process (its all-reduce crosses
     processes: rtol 1e-6)."""
-    _all_succeeded(_launch(tmp_path, "four", procs=4, devices=1, budget=150))
-    files = [tmp_path / f"{{}}{i}.npz" for i in range(4)]
     for name in ("pipedream", "1f1b"):
-        params, losses = _train(name)
-        _assert_saved([Path(str(f).format(f"four-{name}-")) for f in files], _flat(params), losses)
-    params, losses = _train("1f1b", span=True)
-    _assert_saved(
-        [Path(str(f).format("four-span-")) for f in files], _flat(params), losses, exact=False
-    )
+        params, losses = _reference(name)
+        _assert_saved(_saved(four_processes, name, 4), _flat(params), losses)
+    params, losses = _reference("1f1b", span=True)
+    _assert_saved(_saved(four_processes, "span-1f1b", 4), _flat(params), losses, exact=False)
 
 
-def test_checkpoint_across_four_processes(tmp_path):
+def test_checkpoint_across_four_processes(four_processes):
     """4 processes save one checkpoint (each stage's arrays reach process 0 through a
     collective), restore it among themselves, and it restores in one process; every
     resumed run goes on exactly as the run that never stopped."""
-    from pdjax.runners import Checkpointer
-
-    _all_succeeded(_launch(tmp_path, "checkpoint", procs=4, devices=1, budget=150))
-    half = STEPS * M // 2
-    pipe, template, mbs = _setup("pipedream")
-    with Checkpointer(tmp_path / "ckpt") as ckpt:
-        restored, _ = ckpt.restore(template)
-    resumed = _all_params(pipe, pipe.run(restored, mbs[half:])[0])
-    _assert_saved([tmp_path / f"c{i}.npz" for i in range(4)], resumed)
+    _assert_saved(_saved(four_processes, "checkpoint", 4), _resumed_here(four_processes))
 
 
 def test_dead_peer_stops_the_others_in_collectives(tmp_path):
