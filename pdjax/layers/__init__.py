@@ -31,8 +31,9 @@ The package's modules: :mod:`~pdjax.layers.base` (the :class:`Layer` protocol an
 :mod:`~pdjax.layers.linen_layer`, :mod:`~pdjax.layers.nnx_layer`,
 :mod:`~pdjax.layers.fn_layer` and :mod:`~pdjax.layers.precision_layer` (the layer kinds),
 :mod:`~pdjax.layers.tied` (tied parameters), :mod:`~pdjax.layers.sequence` (the
-:class:`LayerSequence`) and :mod:`~pdjax.layers.build` (:func:`sequential`,
-:func:`as_layer`).
+:class:`LayerSequence`), :mod:`~pdjax.layers.build` (:func:`sequential`,
+:func:`as_layer`) and :mod:`~pdjax.layers.init_programs` (initialising on given devices
+by programs that identical layers share).
 """
 
 from pdjax.layers.base import Layer, LossFn, PyTree, TiedLeaf, Variables, count_traces
