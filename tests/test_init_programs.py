@@ -116,9 +116,7 @@ def test_nnx_modules_of_one_class_keep_their_own_weights():
     for seed in (0, 1):
         layers = model(seed)
         pipe = _pipeline(layers, stages)
-        _assert_equal(
-            pipe.variables(pipe.init(jax.random.key(0), x)), layers.init(_key(0), x)
-        )
+        _assert_equal(pipe.variables(pipe.init(jax.random.key(0), x)), layers.init(_key(0), x))
     a, b = (model(seed).init(jax.random.key(0), x) for seed in (0, 1))
     assert not np.array_equal(a[0]["params"]["kernel"], b[0]["params"]["kernel"])
 
