@@ -5,8 +5,10 @@ configuration errors before anything runs."""
 import glob
 import json
 import math
+import os
 import struct
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -281,9 +283,11 @@ def test_cli_config_errors_come_before_anything_runs_or_is_written(mine, capsys,
     assert not out.exists()
 
 
-def test_schedule_auto_profiles_plans_and_trains(tmp_path):
+def test_schedule_auto_profiles_plans_and_trains(tmp_path, monkeypatch):
     """--schedule auto: plan_auto picks the schedule, M and stages; the run trains with
-    them, and a flush schedule is chosen unless stale weights are allowed."""
+    them, and a flush schedule is chosen unless stale weights are allowed. A run without
+    outputs keeps the plan in a temporary file: its one copy."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cfg = TrainConfig(
         model="mlp", dataset="digits", schedule="auto", devices=4, epochs=1, batch_size=64
     )
@@ -291,6 +295,7 @@ def test_schedule_auto_profiles_plans_and_trains(tmp_path):
     resolved = result.config  # what plan_auto chose
     assert resolved.schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2")
     assert 64 % resolved.microbatches == 0 and resolved.plan.endswith(".json")
+    assert os.path.dirname(resolved.plan) == str(tmp_path)
     assert math.isfinite(result.history[-1].train_loss)
     # ranked with the driver's and the shared CPU pool's costs, measured before planning
     from pdjax.partition import Plan

@@ -7,6 +7,7 @@ import importlib
 import json
 import math
 import shutil
+import tempfile
 
 import jax
 import numpy as np
@@ -207,9 +208,15 @@ def test_the_plan_is_written_beside_the_metrics_and_runs_again(here, monkeypatch
 
 def test_a_resumed_schedule_auto_run_keeps_its_choice(here, monkeypatch):
     ckpt = here / "ckpt"
+    temp = here / "temp"  # the system's temporary folder, for the runs below
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
     cfg = _cfg(schedule="auto", plan="auto", batch_size=64, microbatches=1, epochs=1)
     first = train(cfg, checkpoint_dir=ckpt, warmup=False)
     assert (ckpt / PLAN_FILE).is_file()
+    # the run names the plan among its outputs and leaves no temporary copy behind
+    assert first.config.plan == str(ckpt / PLAN_FILE)
+    assert not list(temp.glob("pdjax-plan-auto-*"))
 
     def replan(*args, **kwargs):
         raise AssertionError("a resumed run planned again")

@@ -215,11 +215,12 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     microbatch of ``batch_size / devices`` samples) and planned by
     :func:`~pdjax.partition.plan_auto` over the devices for ``batch_size`` samples per
     step; returns the config of its choice (schedule, microbatches, chunks, in-flight
-    depth), with ``plan`` the chosen plan's JSON file (a temporary file). It searches the
-    schedules whose planned stages the runner takes as they are (``gpipe``, ``1f1b``,
-    ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the runner
-    places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation is not
-    chosen without a memory limit (CPU devices have none); where chosen, the runner
+    depth), with ``plan`` the chosen plan's JSON file (a temporary file, which
+    :func:`~pdjax.apps.train.train` replaces by the copy it writes among a run's outputs).
+    It searches the schedules whose planned stages the runner takes as they are (``gpipe``,
+    ``1f1b``, ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the
+    runner places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation
+    is not chosen without a memory limit (CPU devices have none); where chosen, the runner
     recomputes on the stages the plan names (``plan.options["auto"]["remat"]``).
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
     shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
