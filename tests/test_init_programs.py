@@ -1,4 +1,4 @@
-"""Pipeline.init through programs that identical layers share (pdjax.layers.init_programs):
+"""Pipeline.init and DataParallel.init through programs that identical layers share (pdjax.layers.init_programs):
 the same values as the whole model's LayerSequence.init, one compilation per distinct
 layer and device set, and never a program shared where it would hand one layer another's
 weights."""
@@ -148,3 +148,24 @@ def test_the_shared_programs_are_bounded(monkeypatch):
     state = pipe.init(jax.random.key(2), jnp.ones((4, W)))
     assert len(init_programs._shared) == 1
     _assert_equal(pipe.variables(state), _mlp().init(_key(2), jnp.ones((4, W))))
+
+
+def test_data_parallel_initialises_through_the_same_programs(monkeypatch):
+    from pdjax.runners import DataParallel
+
+    monkeypatch.setattr(init_programs, "_shared", collections.OrderedDict())
+    x = jnp.ones((8, W))
+
+    def dp_init(seed):
+        dp = DataParallel(_mlp(), _loss, optax.sgd(0.1), devices=jax.devices()[:4])
+        return dp.variables(dp.init(jax.random.key(seed), x))
+
+    got = None
+
+    def first():
+        nonlocal got
+        got = dp_init(5)
+
+    assert _inits_compiled(first) == 2  # Block(9) and Dense(3), replicated on 4 devices
+    _assert_equal(got, _mlp().init(_key(5), x))
+    assert _inits_compiled(lambda: dp_init(6)) == 0

@@ -45,6 +45,7 @@ from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
+from pdjax.layers.init_programs import init_on
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
 
@@ -188,7 +189,12 @@ class DataParallel:
         As :meth:`Pipeline.init`: the variables come from ``fold_in(rng, 0)`` and dropout
         is seeded by ``fold_in(rng, 1)``, so both runners start from the same weights.
         """
-        variables = jax.jit(self.layers.init)(jax.random.fold_in(rng, 0), sample)
+        key = place(jax.random.fold_in(rng, 0), self.replicated)
+        # by the programs a pipeline's stages use (pdjax.layers.init_programs): equal layers
+        # share one, also with earlier runners of this process on the same devices
+        variables, _ = init_on(
+            self.layers.layers, 0, key, place(sample, self.replicated), self.replicated
+        )
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
 
     def state_from_variables(
