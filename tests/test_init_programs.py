@@ -1,7 +1,7 @@
-"""Pipeline.init and DataParallel.init through programs that identical layers share (pdjax.layers.init_programs):
-the same values as the whole model's LayerSequence.init, one compilation per distinct
-layer and device set, and never a program shared where it would hand one layer another's
-weights."""
+"""Pipeline.init and DataParallel.init through programs that identical layers share
+(pdjax.layers.init_programs): the same values as the whole model's LayerSequence.init, one
+compilation per distinct layer and device set, and never a program shared where it would
+hand one layer another's weights."""
 
 import collections
 
