@@ -156,11 +156,8 @@ def _scenario(name: str, out_dir: str) -> None:
         _checkpoint_worker(out_dir, path)
     elif name == "dp":
         save(*_dp_train())
-    elif name.startswith("span-"):  # stage 1 on one device of each of 2 processes
-        params, losses = _train(name[5:], span=True)
-        save(_flat(params), losses)
-    else:
-        params, losses = _train(name)
+    else:  # span-: stage 1 on one device of each of 2 processes
+        params, losses = _train(name.removeprefix("span-"), span=name.startswith("span-"))
         save(_flat(params), losses)
 
 

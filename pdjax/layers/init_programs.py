@@ -81,15 +81,18 @@ def init_layers(
 
 
 def _program(layers: tuple[Layer, ...], share: Hashable | None, sharding: Any) -> Any:
-    fn = jax.jit(functools.partial(init_layers, layers), out_shardings=sharding)
+    """The jitted :func:`init_layers` of ``layers`` placed by ``sharding``: the one shared
+    under ``share`` (made on first use), or a new one where ``share`` is None."""
     if share is None:
-        return fn
+        return jax.jit(functools.partial(init_layers, layers), out_shardings=sharding)
     cache_key = (share, sharding)
     found = _shared.get(cache_key)
     if found is not None:
         _shared.move_to_end(cache_key)
         return found
-    _shared[cache_key] = fn
+    fn = _shared[cache_key] = jax.jit(
+        functools.partial(init_layers, layers), out_shardings=sharding
+    )
     while len(_shared) > MAX_SHARED:
         _shared.popitem(last=False)
     return fn

@@ -28,14 +28,7 @@ from pdjax.apps.train.outputs import (
     require_tensorboard,
 )
 from pdjax.apps.train.planning import plan_of
-from pdjax.apps.train.resume import (
-    PLAN_FILE,
-    _open_checkpoints,
-    _resume,
-    _save_plan,
-    _saved_plan,
-    _settle,
-)
+from pdjax.apps.train.resume import _open_checkpoints, _resume, _save_plan, _saved_plan, _settle
 from pdjax.apps.train.runner import make_runner
 from pdjax.errors import PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec
@@ -224,9 +217,9 @@ def _set_up(
         if hooks.on_resume is not None:
             hooks.on_resume(len(history), history[-1].updates if history else 0)
     if plan is not None:
-        _write_plan(outputs, cfg.label, plan, saved=saved is not None)
-        if requested.schedule == "auto" and saved is None:
-            cfg = _plan_among_outputs(cfg, outputs)
+        written = _write_plan(outputs, cfg.label, plan, saved=saved is not None)
+        if requested.schedule == "auto" and saved is None and written is not None:
+            cfg = _plan_among_outputs(cfg, written)
     if outputs.metrics_path is not None and outputs.ckpt is not None:
         _sync_metrics(outputs.metrics_path, cfg.label, history)
     if hooks.on_start is not None:
@@ -244,27 +237,24 @@ def _set_up(
     )
 
 
-def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> None:
+def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> Path | None:
     """Writes the plan a run follows into its checkpoint directory (unless one is ``saved``
-    there already) and beside its metrics file, as ``<run>/``:data:`PLAN_FILE`."""
+    there already) and beside its metrics file, as ``<run>/``:data:`PLAN_FILE`. Returns
+    the copy beside the metrics, else the checkpoint directory's, else None (none written)."""
+    written = None
     if outputs.checkpoint_dir is not None and not saved:
-        _save_plan(Path(outputs.checkpoint_dir), plan)
+        written = _save_plan(Path(outputs.checkpoint_dir), plan)
     if outputs.metrics_path is not None:
         # with or without checkpoints: a fresh plan="auto" run measures and may plan
         # other stages, so this file is how a run is repeated on the same ones
-        _save_plan(outputs.metrics_path.parent / run_folder(label), plan)
+        written = _save_plan(outputs.metrics_path.parent / run_folder(label), plan)
+    return written
 
 
-def _plan_among_outputs(cfg: TrainConfig, outputs: _Outputs) -> TrainConfig:
-    """``cfg`` of a fresh ``schedule="auto"`` run naming the plan as :func:`_write_plan`
-    wrote it among the run's outputs; the temporary file ``resolve_auto`` kept it in is
-    deleted. Without outputs that file stays: it is the plan's one copy."""
-    if outputs.metrics_path is not None:
-        written = outputs.metrics_path.parent / run_folder(cfg.label) / PLAN_FILE
-    elif outputs.checkpoint_dir is not None:
-        written = Path(outputs.checkpoint_dir) / PLAN_FILE
-    else:
-        return cfg
+def _plan_among_outputs(cfg: TrainConfig, written: Path) -> TrainConfig:
+    """``cfg`` of a fresh ``schedule="auto"`` run naming the copy of its plan that
+    :func:`_write_plan` wrote among the run's outputs; the temporary file ``resolve_auto``
+    kept it in is deleted. Without outputs that file stays: it is the plan's one copy."""
     if not written.is_file():  # another process writes the outputs: keep the temporary one
         return cfg
     Path(cfg.plan).unlink(missing_ok=True)

@@ -99,10 +99,12 @@ def _saved_plan(checkpoint_dir: str | Path) -> Any:
     return Plan.from_dict(got["plan"]) if "plan" in got else None
 
 
-def _save_plan(directory: Path, plan: Any) -> None:
+def _save_plan(directory: Path, plan: Any) -> Path:
+    """Writes ``plan`` as ``directory``/:data:`PLAN_FILE` (from process 0); its path."""
     if jax.process_index() == 0:  # process 0 alone writes the checkpoint directory
         directory.mkdir(parents=True, exist_ok=True)
         plan.save(directory / PLAN_FILE)
+    return directory / PLAN_FILE
 
 
 def _settle(
