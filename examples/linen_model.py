@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     variables = pipe.linen_variables(state)  # {"params": {"block1": ...}, "batch_stats": ...}
-    logits = CNN().apply(variables, jnp.asarray(x_test))
+    logits = jax.jit(CNN().apply)(variables, jnp.asarray(x_test))
     accuracy = float((logits.argmax(-1) == y_test).mean())
     print(f"your CNN with the trained variables: test accuracy {accuracy:.3f}")
     return {"loss": result["loss"], "accuracy": accuracy}

@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     pipe.update_nnx(state, model)  # the trained weights, in your own model object
     x, y = test[0]
-    own_loss, _ = loss_fn(model(jnp.asarray(x), deterministic=True), jnp.asarray(y))
+    own_loss, _ = nnx.jit(lambda m, x, y: loss_fn(m(x, deterministic=True), y))(
+        model, jnp.asarray(x), jnp.asarray(y)
+    )
     piped = pipe.evaluate(state, [test[0]])["loss"]
     print(f"first test batch: your model {float(own_loss):.4f}, the pipeline {piped:.4f}")
     return {"loss": result["loss"], "accuracy": result["accuracy"]}

@@ -14,15 +14,21 @@ from pdjax.models import MODELS
 from pdjax.pipeline.schedules import SCHEDULES
 from pdjax.profile import Profile
 
+#: Profiled twice, to check the output does not change. Determinism is the profiler's
+#: property, not a model's: a feed-forward model and a recurrent one check it (a second
+#: run costs seconds of tracing per model); every model is profiled once.
+TWICE = ("mlp", "awd_lm")
+
 
 @pytest.mark.parametrize("model", MODELS)
-def test_profile_every_tiny_model_is_deterministic(model, capsys, tmp_path):
+def test_profile_every_tiny_model(model, capsys, tmp_path):
     out = tmp_path / "p.json"
     argv = ["profile", "--model", model, "--batch-size", "4", "--json", "--out", str(out)]
     assert main(argv) == 0
     first = capsys.readouterr().out
-    assert main(argv) == 0
-    assert capsys.readouterr().out == first
+    if model in TWICE:  # deterministic
+        assert main(argv) == 0
+        assert capsys.readouterr().out == first
     prof = Profile.from_json(first)
     assert Profile.load(out) == prof
     assert prof.batch_size == 4 and prof.meta["model"] == model

@@ -1,6 +1,6 @@
 """Pipeline.init and DataParallel.init through programs that identical layers share
 (pdjax.layers.init_programs): the same values as the whole model's LayerSequence.init, one
-compilation per distinct layer and device set, and never a program shared where it would
+compilation per distinct layer, and never a program shared where it would
 hand one layer another's weights."""
 
 import collections
@@ -94,13 +94,28 @@ def test_identical_layers_share_one_program_across_stages_and_pipelines(monkeypa
         nonlocal state
         state = pipe.init(jax.random.key(3), x)
 
-    # Block(9) on device 0; Block(9) and Dense(3) on device 1: three programs for six layers
-    assert _inits_compiled(first) == 3
+    # Block(9) and Dense(3), both run on the first stage's first device (device 0): two
+    # programs for six layers on two devices
+    assert _inits_compiled(first) == 2
     _assert_equal(pipe.variables(state), layers.init(_key(3), x))
     # a new pipeline of an equal model (new module objects) on the same devices: none
     again = _pipeline(_mlp(), stages)
     assert _inits_compiled(lambda: again.init(jax.random.key(4), x)) == 0
     _assert_equal(again.variables(again.init(jax.random.key(3), x)), pipe.variables(state))
+    # the second stage on two other devices: the programs still run on device 0, and the
+    # values land on the stage's devices, replicated
+    other = _pipeline(_mlp(), [StagePlan(0, 2, (0,)), StagePlan(3, 5, (2, 3))])
+    moved = None
+
+    def third():
+        nonlocal moved
+        moved = other.init(jax.random.key(3), x)
+
+    assert _inits_compiled(third) == 0
+    _assert_equal(other.variables(moved), pipe.variables(state))
+    for leaf in jax.tree.leaves(moved.params[1]):
+        assert leaf.sharding.device_set == {jax.devices()[2], jax.devices()[3]}
+        assert leaf.sharding.is_fully_replicated
 
 
 def test_nnx_modules_of_one_class_keep_their_own_weights():

@@ -10,6 +10,12 @@ process for every layer that computes the same thing: the same program initialis
 ``Block(8)`` at layer 3 and at layer 5, of this pipeline and of the next. The layer's
 index is an argument of the program, not a constant in it.
 
+A compiled program runs on the devices it was compiled for, so a program shared by
+stages on different devices runs on one *home* device the caller names (the first
+device of the pipeline's first stage), and its values then move to the stage's devices:
+one compile per distinct layer, not one per layer and device set, for a copy of each
+layer's variables (no more than the weights the stage holds anyway).
+
 Which layers share: a linen module compared by its fields (its dataclass equality, which
 ``nn.jit`` and the profiler also trust), a parameter-free function by its identity, and
 either under the same precision policy. An nnx module is never shared: its ``init``
@@ -80,18 +86,20 @@ def init_layers(
     return out, x
 
 
-def _program(layers: tuple[Layer, ...], share: Hashable | None, sharding: Any) -> Any:
-    """The jitted :func:`init_layers` of ``layers`` placed by ``sharding``: the one shared
-    under ``share`` (made on first use), or a new one where ``share`` is None."""
+def _program(layers: tuple[Layer, ...], share: Hashable | None, place: Any) -> Any:
+    """The jitted :func:`init_layers` of ``layers`` placed by ``place`` (a sharding, or a
+    device that its inputs are on): the one shared under ``share`` (made on first use), or
+    a new one where ``share`` is None."""
+    out_shardings = None if isinstance(place, jax.Device) else place
     if share is None:
-        return jax.jit(functools.partial(init_layers, layers), out_shardings=sharding)
-    cache_key = (share, sharding)
+        return jax.jit(functools.partial(init_layers, layers), out_shardings=out_shardings)
+    cache_key = (share, place)
     found = _shared.get(cache_key)
     if found is not None:
         _shared.move_to_end(cache_key)
         return found
     fn = _shared[cache_key] = jax.jit(
-        functools.partial(init_layers, layers), out_shardings=sharding
+        functools.partial(init_layers, layers), out_shardings=out_shardings
     )
     while len(_shared) > MAX_SHARED:
         _shared.popitem(last=False)
@@ -113,17 +121,33 @@ def _runs(layers: Sequence[Layer]) -> list[tuple[int, tuple[Layer, ...], Hashabl
 
 
 def init_on(
-    layers: Sequence[Layer], first: int, key: jax.Array, x: PyTree, sharding: Any
+    layers: Sequence[Layer],
+    first: int,
+    key: jax.Array,
+    x: PyTree,
+    sharding: Any,
+    home: jax.Device | None = None,
 ) -> tuple[list[Variables], PyTree]:
     """``layers``, model layers ``first ..``, initialised as :meth:`LayerSequence.init`
     does (layer ``i`` from ``fold_in(key, i)``), with the variables and the last layer's
     output placed by ``sharding``; ``key`` and ``x`` should be on its devices already.
 
+    With a ``home`` device (and a ``sharding`` this process holds whole), the layers that
+    share a program are initialised there and their variables moved to ``sharding``, so
+    callers passing the same ``home`` share the programs whatever their devices.
+
     The values are those one program of all the layers computes: the programs draw the
     same bits from the same keys (at XLA's lowest optimization level, a float may round in
     its last bit differently from one program to another, as between any two programs)."""
+    if home is not None and not sharding.is_fully_addressable:
+        home = None  # another process's devices: each process computes its own part
     variables: list[Variables] = []
     for offset, run, share in _runs(layers):
-        vs, x = _program(run, share, sharding)(first + offset, key, x)
+        if share is None or home is None:
+            vs, x = _program(run, share, sharding)(first + offset, key, jax.device_put(x, sharding))
+        else:
+            put = functools.partial(jax.device_put, device=home)
+            vs, x = _program(run, share, home)(first + offset, put(key), put(x))
+            vs = jax.device_put(vs, sharding)
         variables += vs
-    return variables, x
+    return variables, jax.device_put(x, sharding)

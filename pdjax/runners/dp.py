@@ -190,10 +190,15 @@ class DataParallel:
         is seeded by ``fold_in(rng, 1)``, so both runners start from the same weights.
         """
         key = place(jax.random.fold_in(rng, 0), self.replicated)
-        # by the programs a pipeline's stages use (pdjax.layers.init_programs): equal layers
-        # share one, also with earlier runners of this process on the same devices
+        # by the programs a pipeline's stages use (pdjax.layers.init_programs), on the first
+        # device: equal layers share one, also with earlier runners of this process
         variables, _ = init_on(
-            self.layers.layers, 0, key, place(sample, self.replicated), self.replicated
+            self.layers.layers,
+            0,
+            key,
+            place(sample, self.replicated),
+            self.replicated,
+            self.devices[0],
         )
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
 

@@ -357,6 +357,8 @@ class Pipeline(_Interpreter):
         else:  # each stage's layers on its own devices, never the whole model on one
             variables = []
             x = sample
+            # layers that share an init program run it on one device: once per distinct layer
+            home = self.stages[0].devices[0]
             for stage, spec in zip(self.stages, self.stage_specs, strict=True):
                 vs, x = init_on(
                     stage.layers,
@@ -364,6 +366,7 @@ class Pipeline(_Interpreter):
                     stage.place_weights(key),
                     stage.place_weights(x),
                     stage.replicated,
+                    home,
                 )
                 variables += vs
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
