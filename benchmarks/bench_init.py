@@ -5,7 +5,7 @@ CPU devices, rounds interleaved.
 * ``per stage``: every stage's layers initialised by one program of their own (what
   ``init_programs`` still does for layers it cannot share);
 * ``shared, first``: a pipeline's first ``init`` in a fresh process: one program per
-  distinct layer and device set;
+  distinct layer, run on the first stage's first device, the values then moved;
 * ``shared, next``: ``init`` of a second pipeline of an equal model built anew (new module
   objects), as ``pdjax train --compare``, ``pdjax bench`` or a planner measuring
   candidates build them: nothing left to compile.

@@ -55,6 +55,7 @@ global-norm clipping included, counts the parameter once.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,7 +70,7 @@ from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.optim import StageOptimizer
-from pdjax.pipeline.stage_programs import program_body
+from pdjax.pipeline.stage_programs import keys_body, program_body
 from pdjax.pipeline.stage_ties import StageTies
 
 __all__ = ["LossFn", "Stage", "StageTies", "split_loss", "with_aux"]
@@ -88,6 +89,15 @@ _Pullbacks = list[Callable[..., Any]]
 # jax leaves PartitionSpec.__init__ unannotated
 _BATCH = P("data")
 _WHOLE = P()
+
+
+@functools.lru_cache(maxsize=256)
+def _keys_program(group: int, sharding: NamedSharding) -> Callable[..., Any]:
+    """The ``KEYS`` program of the stages on ``sharding``'s devices (``group``: see
+    :func:`~pdjax.pipeline.stage_programs.keys_body`), shared by every stage and pipeline
+    of the process: it reads nothing of a stage's layers, so it is traced and compiled
+    once per device set and microbatch count, not once per stage."""
+    return jax.jit(keys_body(group), out_shardings=sharding, static_argnums=(2,))
 
 
 class Stage:
@@ -170,6 +180,10 @@ class Stage:
         return fn
 
     def _build(self, kind: str, flags: frozenset[str]) -> Callable[..., Any]:
+        if kind == "KEYS":  # the same for every stage on these devices: built once
+            if self.round_robin:
+                return _keys_program(self.num_replicas, self.batch_sharding)
+            return _keys_program(0, self.replicated)
         name = kind + "".join(f"+{f}" for f in sorted(flags))
         body, donate = program_body(self, kind, flags)
         rep, batch = self.replicated, self.batch_sharding
@@ -177,10 +191,7 @@ class Stage:
         first = self.index == 0
         # weights and optimizer state stay replicated: XLA would otherwise carry the batch
         # sharding of the gradient computation into them
-        if kind == "KEYS":
-            kwargs["out_shardings"] = batch if self.round_robin else rep
-            kwargs["static_argnums"] = (2,)
-        elif kind == "U":
+        if kind == "U":
             sent = len(self.ties.members) if self.ties is not None else 0
             kwargs["out_shardings"] = (rep,) * (2 + sent)
         elif kind == "TG":

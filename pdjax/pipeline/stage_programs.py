@@ -19,7 +19,7 @@ from pdjax.layers import PyTree
 if TYPE_CHECKING:
     from pdjax.pipeline.stage import Stage
 
-__all__ = ["program_body"]
+__all__ = ["keys_body", "program_body"]
 
 _Body = tuple[Callable[..., Any], tuple[int, ...]]
 
@@ -29,8 +29,8 @@ def program_body(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
 
     Args:
       stage: the stage the program runs on.
-      kind: the operation's kind (``KEYS``, ``F``, ``B``, ``I``, ``W``, ``BU``, ``FB``,
-        ``FBU``, ``U``, ``SQ``, ``TG``).
+      kind: the operation's kind (``F``, ``B``, ``I``, ``W``, ``BU``, ``FB``, ``FBU``,
+        ``U``, ``SQ``, ``TG``; ``KEYS`` is :func:`keys_body`, shared by the stages).
       flags: the operation's flags (``acc``, ``recompute``, ``newest``, ``donate_w``).
 
     Returns:
@@ -39,8 +39,6 @@ def program_body(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
     Raises:
       ValueError: for a kind no stage program has.
     """
-    if kind == "KEYS":
-        return _keys(stage), ()
     if kind == "F":
         return _forward(stage, recompute="recompute" in flags), ()
     if kind in ("B", "I", "W", "BU"):
@@ -73,14 +71,17 @@ def program_body(stage: Stage, kind: str, flags: frozenset[str]) -> _Body:
     raise ValueError(f"no stage program of kind {kind!r}")
 
 
-def _keys(stage: Stage) -> Callable[..., tuple[jax.Array, ...]]:
+def keys_body(group: int) -> Callable[..., tuple[jax.Array, ...]]:
+    """``KEYS``: microbatch ``k``'s key ``fold_in(rng, k)`` for ``count`` microbatches from
+    ``offset``; with ``group`` r > 0 (a round-robin stage), one stacked ``[r]`` key array
+    per group of r. It reads nothing of a stage but that, so stages share its program."""
+
     def keys(rng: jax.Array, offset: jax.Array, count: int) -> tuple[jax.Array, ...]:
         ks = jax.vmap(lambda k: jax.random.fold_in(rng, k))(
             offset + jnp.arange(count, dtype=jnp.int32)
         )
-        if stage.round_robin:  # one stacked [r] key array per group, sharded
-            r = stage.num_replicas
-            return tuple(ks[i : i + r] for i in range(0, count, r))
+        if group:
+            return tuple(ks[i : i + group] for i in range(0, count, group))
         return tuple(ks[i] for i in range(count))
 
     return keys

@@ -116,6 +116,12 @@ class DPMetrics:
         return jax.tree.map(lambda *a: np.mean(np.stack(a), axis=0), *jax.device_get(self.aux))
 
 
+@jax.jit
+def _copy(tree: PyTree) -> PyTree:
+    """A copy of every array of ``tree``, placed as it is (one program per layout)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 class DataParallel:
     """A model trained with data parallelism: one jitted step over a device mesh.
 
@@ -234,8 +240,7 @@ class DataParallel:
         # device_put may reuse the caller's buffer as one replica (even with
         # may_alias=False when the devices differ); the jitted copy never does, so
         # donating the state cannot delete the caller's arrays.
-        placed = place(tree, self.replicated)
-        return jax.jit(lambda t: jax.tree.map(jnp.copy, t))(placed)
+        return _copy(place(tree, self.replicated))
 
     def variables(self, state: DPState) -> list[Variables]:
         """The per-layer variables (params and state)."""

@@ -11,7 +11,7 @@ import itertools
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
 import jax
@@ -330,18 +330,11 @@ class _Interpreter(_Forward):
         key = (id(stage), treedef, len(trees), tuple(map(tuple, rows)))
         split = self._splitters.get(key)
         if split is None:
-            bounds = np.cumsum([0, *(r[0] for r in rows)])
             if any(len(set(r)) != 1 for r in rows):
                 placed = stage.place_batch(trees)
                 return placed
-
-            def cut(whole: PyTree) -> list[PyTree]:
-                return [
-                    jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], whole)
-                    for lo, hi in itertools.pairwise(bounds)
-                ]
-
-            split = self._splitters[key] = jax.jit(cut, out_shardings=stage.batch_sharding)
+            bounds = tuple(int(b) for b in np.cumsum([0, *(r[0] for r in rows)]))
+            split = self._splitters[key] = _splitter(bounds, stage.batch_sharding)
         whole = jax.tree.map(lambda *a: np.concatenate(a), *trees)
         placed = split(jax.device_put(whole, stage.batch_sharding))
         return placed
@@ -371,6 +364,22 @@ class _Interpreter(_Forward):
                 spans.append(Span(sched.stage_device[a.stage], t0 - origin, t1 - origin, a))
             _track_live_bytes(peaks, group_of_device)
         return spans, peaks
+
+
+@lru_cache(maxsize=256)
+def _splitter(bounds: tuple[int, ...], sharding: Any) -> Callable[..., Any]:
+    """The program that cuts a batch (each leaf the microbatches concatenated) at
+    ``bounds`` into microbatches placed by ``sharding``: it reads nothing of a pipeline,
+    so every pipeline of the process feeding the same rows to the same devices shares
+    it."""
+
+    def cut(whole: PyTree) -> list[PyTree]:
+        return [
+            jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], whole)
+            for lo, hi in itertools.pairwise(bounds)
+        ]
+
+    return jax.jit(cut, out_shardings=sharding)
 
 
 def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int]) -> None:
