@@ -2,6 +2,10 @@
 
 Nothing here uses pdjax's stages, schedules or weight store: each function walks the
 microbatches in order on one device, from DESIGN.md's formulas.
+
+Each microbatch's gradient and each update are one jitted program: run op by op, every
+``jnp`` operation of the optimizer's update on a new shape would compile a program of its
+own (most of these tests' compile time).
 """
 
 import jax
@@ -11,6 +15,24 @@ import optax
 
 def _one_device(*trees):
     return jax.device_put(trees, jax.devices()[0])
+
+
+def mean_update(optimizer):
+    """The update on the mean of some microbatch gradients, as one jitted program:
+    ``update(grads, opt_state, params) -> (params, opt_state)`` sums ``grads`` (a list, one
+    tree per microbatch) in order, scales the sum by ``1/len(grads)``, and applies the
+    optimizer's update with ``optax.apply_updates``."""
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        acc = grads[0]
+        for g in grads[1:]:
+            acc = jax.tree.map(jnp.add, acc, g)
+        acc = jax.tree.map(lambda a: a * jnp.float32(1.0 / len(grads)), acc)
+        updates, opt_state = optimizer.update(acc, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
 
 
 def apply_layers(layers, params, state, x, rng, lo=0, hi=None):
@@ -44,21 +66,22 @@ def flush_training(layers, loss_fn, optimizer, variables, microbatches, *, M, rn
     variables, microbatches = _one_device(variables, microbatches)
     params = [v["params"] for v in variables]
     state = [{k: a for k, a in v.items() if k != "params"} for v in variables]
-    opt_state = optimizer.init(params)
+    (opt_state,) = _one_device(optimizer.init(params))  # committed, as the update returns it
     grad_fn = jax.jit(
-        lambda p, s, x, y, r: microbatch_grad(layers, loss_fn, params=p, state=s, x=x, y=y, rng=r)
+        lambda p, s, x, y, r, k: microbatch_grad(
+            layers, loss_fn, params=p, state=s, x=x, y=y, rng=jax.random.fold_in(r, k)
+        )
     )
+    update = mean_update(optimizer)
     losses = []
     for t in range(len(microbatches) // M):
-        acc = None
+        grads = []
         for k in range(t * M, (t + 1) * M):
             x, y = microbatches[k]
-            loss, g, state = grad_fn(params, state, x, y, jax.random.fold_in(rng, k))
+            loss, g, state = grad_fn(params, state, x, y, rng, k)
             losses.append(loss)
-            acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
-        acc = jax.tree.map(lambda g: g * jnp.float32(1.0 / M), acc)
-        updates, opt_state = optimizer.update(acc, opt_state, params)
-        params = optax.apply_updates(params, updates)
+            grads.append(g)
+        params, opt_state = update(grads, opt_state, params)
     return params, state, losses
 
 
@@ -133,37 +156,49 @@ def delayed_training(
     params = [v["params"] for v in variables]
     state = [{k: a for k, a in v.items() if k != "params"} for v in variables]
     history = [[params[lo:hi]] for lo, hi in bounds]  # history[s][v]: version v of stage s
-    opt_states = [optimizer.init(history[s][0]) for s in range(P)]
-    whole_state = optimizer.init([h[0] for h in history])
+    # committed to the device, as the updates return them (else the first update compiles a
+    # program of its own)
+    opt_states, whole_state = _one_device(
+        [optimizer.init(history[s][0]) for s in range(P)],
+        optimizer.init([h[0] for h in history]),
+    )
     grad_fn = jax.jit(
-        lambda fp, bp, x, y, r: stage_grads(
-            layers, loss_fn, bounds, fwd_params=fp, bwd_params=bp, x=x, y=y, rng=r, state=state
+        lambda fp, bp, x, y, r, k: stage_grads(
+            layers,
+            loss_fn,
+            bounds,
+            fwd_params=fp,
+            bwd_params=bp,
+            x=x,
+            y=y,
+            rng=jax.random.fold_in(r, k),
+            state=state,
         )
     )
-    acc = [None] * P
+    update = mean_update(optimizer)
+    pending = [[] for _ in range(P)]  # pending[s]: stage s's gradients since its update
     periods = list(M) if isinstance(M, (list, tuple)) else [M] * P
     assert not whole_model or len(set(periods)) == 1
     M = periods[0]
     for k, (x, y) in enumerate(microbatches):
         fwd = [history[s][version_of(s, k)] for s in range(P)]
         bwd = [history[s][backward_version_of(s, k)] for s in range(P)]
-        grads = grad_fn(fwd, bwd, x, y, jax.random.fold_in(rng, k))
+        grads = grad_fn(fwd, bwd, x, y, rng, k)
         for s in range(P):
-            acc[s] = grads[s] if acc[s] is None else jax.tree.map(jnp.add, acc[s], grads[s])
+            pending[s].append(grads[s])
         if k % M == M - 1 and whole_model:
-            g = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc)
             newest = [h[-1] for h in history]
-            updates, whole_state = optimizer.update(g, whole_state, newest)
-            for s, new in enumerate(optax.apply_updates(newest, updates)):
-                history[s].append(new)
-            acc = [None] * P
+            whole = [list(g) for g in zip(*pending, strict=True)]  # per microbatch, all stages
+            new, whole_state = update(whole, whole_state, newest)
+            for s in range(P):
+                history[s].append(new[s])
+            pending = [[] for _ in range(P)]
         elif not whole_model:
             for s in range(P):
                 m = periods[s]
                 if k % m != m - 1:
                     continue
-                g = jax.tree.map(lambda a, m=m: a * jnp.float32(1.0 / m), acc[s])
-                updates, opt_states[s] = optimizer.update(g, opt_states[s], history[s][-1])
-                history[s].append(optax.apply_updates(history[s][-1], updates))
-                acc[s] = None
+                new, opt_states[s] = update(pending[s], opt_states[s], history[s][-1])
+                history[s].append(new)
+                pending[s] = []
     return [h[-1] for h in history]

@@ -91,8 +91,13 @@ def test_aux_match_an_independent_forward_of_the_first_microbatch():
     variables = jax.device_get(pipe.variables(state))
     key = jax.random.fold_in(state.rng, 0)
     state, metrics = pipe.run(state, pipe.split_batch((x, t)))
-    y, _ = pipe.layers.apply(variables, x[:4], train=True, rng=key)
-    loss, aux = loss_with_aux(y, t[:4])
+
+    @jax.jit  # one program, not one per operation
+    def forward(variables, x, t, key):
+        y, _ = pipe.layers.apply(variables, x, train=True, rng=key)
+        return loss_with_aux(y, t)
+
+    loss, aux = forward(variables, x[:4], t[:4], key)
     np.testing.assert_allclose(float(metrics.losses[0]), float(loss), rtol=1e-5)
     np.testing.assert_allclose(float(metrics.aux[0]["first"]), float(aux["first"]), rtol=1e-5)
 
@@ -128,16 +133,22 @@ def test_evaluate_and_predict_equal_the_whole_model_in_eval_mode(case):
     xs, ts = data(20, seed=1)
     batches = [(xs[:8], ts[:8]), (xs[8:14], ts[8:14]), (xs[14:], ts[14:])]
     got = pipe.evaluate(state, batches)
-    y, _ = pipe.layers.apply(variables, xs, train=False)
+
+    @jax.jit  # one program, not one per operation
+    def whole_model(variables, xs, ts):
+        y, _ = pipe.layers.apply(variables, xs, train=False)
+        parts = [loss_with_aux(y[a:b], ts[a:b]) for a, b in ((0, 8), (8, 14), (14, 20))]
+        return y, parts, (y.argmax(-1) == ts).mean()
+
+    y, parts, accuracy = whole_model(variables, xs, ts)
     # the mean over samples: each batch's mean weighted by its size
-    parts = [loss_with_aux(y[a:b], ts[a:b]) for a, b in ((0, 8), (8, 14), (14, 20))]
     w = np.array([8, 6, 6]) / 20
     assert got["samples"] == 20
     np.testing.assert_allclose(got["loss"], np.dot(w, [float(p[0]) for p in parts]), rtol=1e-5)
     np.testing.assert_allclose(
         got["accuracy"], np.dot(w, [float(p[1]["accuracy"]) for p in parts]), rtol=1e-6
     )
-    np.testing.assert_allclose(got["accuracy"], float((y.argmax(-1) == ts).mean()), rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], float(accuracy), rtol=1e-6)
     np.testing.assert_allclose(np.asarray(pipe.predict(state, xs, batch_size=7)), y, atol=1e-5)
     # the state is not consumed: training goes on from it
     state, _ = pipe.run(state, pipe.split_batch((x, t)))

@@ -48,16 +48,21 @@ def _x():
 def test_linen_sequence_equals_monolith_eval_and_train():
     seq = sequential(ConvBN(4), ConvBN(4), Head(3), names=["a", "b", "c"])
     x = _x()
-    mono_vars = Monolith().init(jax.random.key(0), x)
+    # each call one jitted program (op by op, every operation would compile its own)
+    mono_vars = jax.jit(Monolith().init)(jax.random.key(0), x)
     per_layer = seq.split(mono_vars)
-    y_seq, _ = seq.apply(per_layer, x)
-    y_mono = Monolith().apply(mono_vars, x)
+    y_seq, _ = jax.jit(seq.apply)(per_layer, x)
+    y_mono = jax.jit(Monolith().apply)(mono_vars, x)
     np.testing.assert_allclose(y_seq, y_mono, rtol=1e-6, atol=1e-6)
     # train mode without dropout divergence: compare BatchNorm statistics after one call
-    y_seq, states = seq.apply(per_layer, x, train=True, rng=jax.random.key(3))
-    _, mono_updates = Monolith().apply(
-        mono_vars, x, train=True, rngs={"dropout": jax.random.key(3)}, mutable=["batch_stats"]
+    y_seq, states = jax.jit(lambda v, x, r: seq.apply(v, x, train=True, rng=r))(
+        per_layer, x, jax.random.key(3)
     )
+    _, mono_updates = jax.jit(
+        lambda v, x, r: Monolith().apply(
+            v, x, train=True, rngs={"dropout": r}, mutable=["batch_stats"]
+        )
+    )(mono_vars, x, jax.random.key(3))
     merged = seq.merge(states)
     for name in ("a", "b"):
         jax.tree.map(
@@ -70,7 +75,7 @@ def test_linen_sequence_equals_monolith_eval_and_train():
 
 def test_init_is_per_layer_and_merge_split_round_trip():
     seq = sequential(ConvBN(4), Head(3))
-    v = seq.init(jax.random.key(0), _x())
+    v = jax.jit(seq.init)(jax.random.key(0), _x())  # one program, not one per operation
     assert [set(layer_vars) for layer_vars in v] == [{"params", "batch_stats"}, {"params"}]
     again = seq.split(seq.merge(v))
     jax.tree.map(np.testing.assert_array_equal, again, v)
@@ -79,7 +84,7 @@ def test_init_is_per_layer_and_merge_split_round_trip():
 
 def test_train_mode_updates_state_eval_mode_does_not():
     seq = sequential(ConvBN(4))
-    v = seq.init(jax.random.key(0), _x())
+    v = jax.jit(seq.init)(jax.random.key(0), _x())
     _, eval_state = seq.apply(v, _x())
     jax.tree.map(np.testing.assert_array_equal, eval_state[0], {"batch_stats": v[0]["batch_stats"]})
     _, train_state = seq.apply(v, _x(), train=True)
@@ -88,7 +93,7 @@ def test_train_mode_updates_state_eval_mode_does_not():
 
 def test_dropout_depends_only_on_rng():
     seq = sequential(Head(3))
-    v = seq.init(jax.random.key(0), _x())
+    v = jax.jit(seq.init)(jax.random.key(0), _x())
     a, _ = seq.apply(v, _x(), train=True, rng=jax.random.key(5))
     b, _ = seq.apply(v, _x(), train=True, rng=jax.random.key(5))
     c, _ = seq.apply(v, _x(), train=True, rng=jax.random.key(6))
@@ -101,7 +106,7 @@ def test_dropout_depends_only_on_rng():
 def test_sequence_apply_works_under_jit_and_eval_shape():
     seq = sequential(ConvBN(4), Head(3))
     x = _x()
-    v = seq.init(jax.random.key(0), x)
+    v = jax.jit(seq.init)(jax.random.key(0), x)
     y, _ = jax.jit(lambda v, x: seq.apply(v, x))(v, x)
     assert y.shape == (6, 3)
     abstract = jax.eval_shape(seq.init, jax.random.key(0), x)
@@ -125,27 +130,34 @@ def test_nnx_layers_match_direct_nnx_calls():
     block = NnxBlock(3, 5, nnx.Rngs(7))
     seq = sequential(block, lambda rngs: NnxBlock(5, 2, rngs))
     assert isinstance(seq.layers[0], NnxLayer) and isinstance(seq.layers[1], NnxLayer)
-    v = seq.init(jax.random.key(0), x)
+    v = jax.jit(seq.init)(jax.random.key(0), x)  # one program, not one per operation
     assert set(v[0]) == {"params", "batch_stats", "state"}
-    y, _ = seq.apply(v, x)
+    y, _ = jax.jit(seq.apply)(v, x)
     assert y.shape == (4, 2)
     # reference: the instance itself, called by nnx in eval mode
     block.eval()
-    first_out, _ = seq[0].apply([v[0]], x)
-    np.testing.assert_allclose(first_out, block(x), rtol=1e-6)
+    first_out, _ = jax.jit(seq[0].apply)([v[0]], x)
+    np.testing.assert_allclose(first_out, nnx.jit(lambda block, x: block(x))(block, x), rtol=1e-6)
 
 
 def test_nnx_factory_init_uses_rng_and_train_updates_batch_stats():
     x = jax.random.normal(jax.random.key(2), (4, 3))
     seq = sequential(lambda rngs: NnxBlock(3, 5, rngs))
-    v1 = seq.init(jax.random.key(0), x)
-    v2 = seq.init(jax.random.key(1), x)
+    init = jax.jit(seq.init)  # one program, not one per operation
+    v1 = init(jax.random.key(0), x)
+    v2 = init(jax.random.key(1), x)
     assert not np.allclose(v1[0]["params"]["lin"]["kernel"], v2[0]["params"]["lin"]["kernel"])
-    a, s = seq.apply(v1, x, train=True, rng=jax.random.key(4))
-    b, _ = seq.apply(v1, x, train=True, rng=jax.random.key(4))
+
+    def train(v, rng):  # traced anew on each call: nothing carried from the last call
+        return jax.jit(lambda v, x, r: seq.apply(v, x, train=True, rng=r))(v, x, rng)
+
+    a, s = train(v1, jax.random.key(4))
+    b, _ = train(v1, jax.random.key(4))
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(s[0]["batch_stats"]["bn"]["mean"], v1[0]["batch_stats"]["bn"]["mean"])
-    grads = jax.grad(lambda p: jnp.sum(seq.apply([{**v1[0], "params": p}], x)[0]))(v1[0]["params"])
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(seq.apply([{**v1[0], "params": p}], x)[0])))(
+        v1[0]["params"]
+    )
     assert np.all(np.isfinite(grads["lin"]["kernel"]))
 
 
@@ -153,11 +165,15 @@ def test_linen_and_nnx_mix_in_one_sequence():
     x = jnp.ones((2, 3))
     seq = sequential(nn.Dense(5), lambda rngs: nnx.Linear(5, 2, rngs=rngs))
     assert isinstance(seq.layers[0], LinenLayer)
-    v = seq.init(jax.random.key(0), x)
-    y, _ = seq.apply(v, x)
-    h = x @ v[0]["params"]["kernel"] + v[0]["params"]["bias"][None, :]
-    ref = h @ v[1]["params"]["kernel"] + v[1]["params"]["bias"][None, :]
-    np.testing.assert_allclose(y, ref, rtol=1e-6)
+    v = jax.jit(seq.init)(jax.random.key(0), x)  # each one program, not one per operation
+    y, _ = jax.jit(seq.apply)(v, x)
+
+    @jax.jit
+    def reference(v, x):
+        h = x @ v[0]["params"]["kernel"] + v[0]["params"]["bias"][None, :]
+        return h @ v[1]["params"]["kernel"] + v[1]["params"]["bias"][None, :]
+
+    np.testing.assert_allclose(y, reference(v, x), rtol=1e-6)
 
 
 def test_bad_sequences_are_rejected_with_a_hint():

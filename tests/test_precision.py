@@ -142,17 +142,18 @@ def _by_hand(seq, variables, x, train=False):
 def test_params_f32_activations_bf16_output_f32_grads_f32(build, train):
     seq = build()
     x, t = _xy()
-    variables = seq.init(jax.random.key(0), x)
+    # each computation one jitted program (op by op, every operation would compile its own)
+    variables = jax.jit(seq.init)(jax.random.key(0), x)
     # (a) parameters (and BatchNorm statistics) float32 in the variables
     assert set(_dtypes(variables)) == {F32}
     # (b) activations between layers bfloat16, (c) the output float32
     specs = seq.boundary_specs(variables, x)
     assert [_dtypes(s) for s in specs] == [[F32]] + [[BF16]] * (len(seq) - 1) + [[F32]]
-    y, states = seq.apply(variables, x, train=train)
+    y, states = jax.jit(lambda v, x: seq.apply(v, x, train=train))(variables, x)
     assert y.dtype == F32
     h = x
     for layer, v in zip(seq.layers[:-1], variables, strict=False):
-        h, _ = layer.apply(v, h, train=train)
+        h, _ = jax.eval_shape(lambda v, h, layer=layer: layer.apply(v, h, train=train), v, h)
         assert h.dtype == BF16
     # BatchNorm statistics stay float32 after a training-mode call
     assert set(_dtypes(states)) <= {F32}
@@ -171,7 +172,7 @@ def test_params_f32_activations_bf16_output_f32_grads_f32(build, train):
     assert set(_dtypes(hand)) == {BF16}
     for g, e in zip(jax.tree.leaves(grads), jax.tree.leaves(hand), strict=True):
         np.testing.assert_allclose(g, np.asarray(e, np.float32), rtol=1e-2, atol=1e-3)
-    np.testing.assert_allclose(y, f(bf16_params)[0], rtol=1e-2, atol=1e-3)
+    np.testing.assert_allclose(y, jax.jit(lambda p: f(p)[0])(bf16_params), rtol=1e-2, atol=1e-3)
     # and it did compute in bfloat16: the float32 model's gradients differ past its rounding
     f32 = sequential(*(layer.layer for layer in seq.layers), names=seq.names)
 
@@ -179,22 +180,22 @@ def test_params_f32_activations_bf16_output_f32_grads_f32(build, train):
         vs = [{**v, "params": p} for v, p in zip(variables, params, strict=True)]
         return _mse(f32.apply(vs, x, train=train)[0], t)
 
-    g32 = jax.grad(loss32)(params)
+    g32 = jax.jit(jax.grad(loss32))(params)
     pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(g32), strict=True)
-    diff = max(float(jnp.max(jnp.abs(a - b))) for a, b in pairs)
+    diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in pairs)
     assert 1e-5 < diff < 0.1
 
 
 def test_params_dtype_of_the_policy():
     seq = sequential(nn.Dense(8), nn.Dense(2), precision="params=bf16,compute=bf16,output=f32")
     x, _ = _xy()
-    variables = seq.init(jax.random.key(0), x)
+    variables = jax.jit(seq.init)(jax.random.key(0), x)
     assert set(_dtypes(variables)) == {BF16}
-    assert seq.apply(variables, x)[0].dtype == F32
+    assert jax.eval_shape(seq.apply, variables, x)[0].dtype == F32
 
 
 def test_integer_and_key_inputs_are_never_cast():
-    ids = jnp.array([[0, 257, 299], [1, 2, 259]], jnp.int32)  # 257, 259 are not bfloat16s
+    ids = jnp.asarray(np.array([[0, 257, 299], [1, 2, 259]], np.int32))  # not bfloat16s: 257, 259
     seen = []
 
     def record(tree):
@@ -207,12 +208,12 @@ def test_integer_and_key_inputs_are_never_cast():
         nn.Dense(3),
         precision="bf16",
     )
-    variables = seq.init(jax.random.key(0), ids)
+    variables = jax.jit(seq.init)(jax.random.key(0), ids)
     specs = seq.boundary_specs(variables, ids)
     assert [_dtypes(s) for s in specs] == [[np.dtype(jnp.int32)], [BF16], [BF16], [F32]]
-    rows, _ = seq.layers[0].apply(variables[0], ids)
-    table = variables[0]["params"]["embedding"].astype(jnp.bfloat16)
-    np.testing.assert_array_equal(rows, table[ids])  # row 257, not row 256
+    rows, _ = jax.jit(seq.layers[0].apply)(variables[0], ids)
+    table = np.asarray(variables[0]["params"]["embedding"]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(rows, table[np.asarray(ids)])  # row 257, not row 256
     # a pytree input: float leaves cast, integer and key leaves as they are
     layer = sequential(Fn(record), precision="bf16").layers[0]
     key = jax.random.key(0)
@@ -224,7 +225,7 @@ def test_integer_and_key_inputs_are_never_cast():
 def test_tied_and_shared_checks_see_through_the_policy():
     tied = {"k": ["00_Dense/kernel", "01_Dense/kernel"]}
     seq = sequential(nn.Dense(4), nn.Dense(4), tied=tied, precision="bf16")
-    v = seq.init(jax.random.key(0), jnp.ones((2, 4)))
+    v = jax.jit(seq.init)(jax.random.key(0), np.ones((2, 4), np.float32))
     np.testing.assert_array_equal(v[0]["params"]["kernel"], v[1]["params"]["kernel"])
     dense = nn.Dense(4)
     with pytest.raises(LayerError, match="share the Dense module instance"):

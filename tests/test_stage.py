@@ -25,8 +25,8 @@ def _close(a, b, rtol=1e-5, atol=1e-6):
 def test_two_stages_match_whole_model_vjp(remat, replicas):
     seq = sequential(nn.Dense(16), nn.Dense(16), nn.Dense(5))
     x = jax.random.normal(jax.random.key(0), (8, 4))
-    labels = jnp.arange(8) % 5
-    variables = seq.init(jax.random.key(1), x)
+    labels = jnp.asarray(np.arange(8, dtype=np.int32) % 5)
+    variables = jax.jit(seq.init)(jax.random.key(1), x)  # one program, not one per operation
     params = [v["params"] for v in variables]
     devs = jax.devices()
     opt = optax.sgd(0.1)
@@ -49,7 +49,7 @@ def test_two_stages_match_whole_model_vjp(remat, replicas):
         y, _ = seq.apply([{"params": p} for p in params], x)  # no dropout: rng unused
         return _xent(y, labels)
 
-    ref_loss, ref_grads = jax.value_and_grad(whole)(params)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(whole))(params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     _close(g0 + g1, ref_grads)
     assert g0[0]["kernel"].sharding.device_set == set(devs[:replicas])
@@ -62,8 +62,8 @@ def test_two_stages_match_whole_model_vjp(remat, replicas):
 def test_fused_programs_equal_their_parts():
     seq = sequential(nn.Dense(8), nn.Dense(3))
     x = jax.random.normal(jax.random.key(0), (4, 6))
-    labels = jnp.arange(4) % 3
-    params = [v["params"] for v in seq.init(jax.random.key(0), x)]
+    labels = jnp.asarray(np.arange(4, dtype=np.int32) % 3)
+    params = [v["params"] for v in jax.jit(seq.init)(jax.random.key(0), x)]
     opt = optax.adam(1e-2)
     st = Stage(1, seq.layers, 0, jax.devices()[:1], opt, loss_fn=_xent, scale=0.5)
     key = jax.random.key(1)
@@ -91,7 +91,7 @@ def test_split_backward_equals_whole_and_costs_the_same():
     """Zero bubble: I keeps the cotangents W needs, so I + W is one backward's work."""
     seq = sequential(*[nn.Dense(256) for _ in range(6)])
     x = jax.random.normal(jax.random.key(0), (64, 256))
-    params = [v["params"] for v in seq.init(jax.random.key(0), x)]
+    params = [v["params"] for v in jax.jit(seq.init)(jax.random.key(0), x)]
     st = Stage(1, seq.layers, 0, jax.devices()[:1], optax.sgd(0.1))
     key = jax.random.key(1)
     y, _, res = st.program("F")(params, [{}] * 6, x, key)
@@ -123,7 +123,7 @@ def test_split_backward_equals_whole_and_costs_the_same():
 def test_each_program_compiles_once_per_shape():
     seq = sequential(nn.Dense(8), nn.Dense(3))
     x = jnp.ones((4, 6))
-    params = [v["params"] for v in seq.init(jax.random.key(0), x)]
+    params = [v["params"] for v in jax.jit(seq.init)(jax.random.key(0), x)]
     st = Stage(1, seq.layers, 1, jax.devices()[:1], optax.sgd(0.1))
     key = jax.random.key(0)
     for _ in range(3):

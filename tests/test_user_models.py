@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from reference import delayed_training, flush_training
+from reference import delayed_training, flush_training, mean_update
 
 import pdjax
 from pdjax.errors import PipelineError
@@ -125,19 +125,23 @@ def _streams(module):
 def nnx_reference(model, optimizer, batches, M, rng):
     """Gradient accumulation over ``M`` microbatches per step with the user's model itself:
     ``nnx.grad`` of the loss, the tied embedding one parameter. Part ``i`` of the model is
-    reseeded for microbatch ``k`` as pdjax seeds layer ``i``."""
+    reseeded for microbatch ``k`` as pdjax seeds layer ``i``. Each microbatch's gradient and
+    each step's update (mean, optimizer, apply) are one jitted program."""
     params = nnx.state(model, nnx.Param)
     opt_state = optimizer.init(params)
+    update = mean_update(optimizer)
 
     @nnx.jit
-    def grad(model, x, y, key):
+    def grad(model, x, y, rng, k):
+        key = jax.random.fold_in(rng, k)
+
         def loss(model):
             for i, part in enumerate(model.parts()):
-                k = jax.random.fold_in(key, i)
+                ki = jax.random.fold_in(key, i)
                 nnx.reseed(
                     part,
                     policy="match_shape",
-                    **{s: jax.random.fold_in(k, j) for j, s in enumerate(_streams(part))},
+                    **{s: jax.random.fold_in(ki, j) for j, s in enumerate(_streams(part))},
                 )
             return lm_loss(model(x), y)[0]
 
@@ -145,19 +149,23 @@ def nnx_reference(model, optimizer, batches, M, rng):
 
     k = 0
     for x, y in batches:
-        acc = None
+        grads = []
         size = x.shape[0] // M
         for m in range(M):
             rows = slice(m * size, (m + 1) * size)
-            g = grad(model, x[rows], y[rows], jax.random.fold_in(rng, k))
-            g = nnx.state(g, nnx.Param) if not isinstance(g, nnx.State) else g
-            acc = g if acc is None else jax.tree.map(jnp.add, acc, g)
+            g = grad(model, x[rows], y[rows], rng, k)
+            grads.append(nnx.state(g, nnx.Param) if not isinstance(g, nnx.State) else g)
             k += 1
-        acc = jax.tree.map(lambda a: a * jnp.float32(1.0 / M), acc)
-        updates, opt_state = optimizer.update(acc, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params, opt_state = update(grads, opt_state, params)
         nnx.update(model, params)
     return model
+
+
+@nnx.jit
+def _eval_forward(model, x, y):
+    """The user's model in eval mode on ``x``: its logits and ``lm_loss`` against ``y``."""
+    logits = model(x, deterministic=True)
+    return logits, lm_loss(logits, y)
 
 
 def _bits(a):
@@ -198,14 +206,12 @@ def test_nnx_transformer_1f1b_equals_the_users_own_training_loop():
     # the user's module, in eval mode, evaluates as pdjax does through the stages
     x, y = token_batches(1, 16, seed=1)[0]
     got = pipe.evaluate(state, [(x[:8], y[:8]), (x[8:], y[8:])])
-    want_loss, want_aux = lm_loss(model(jnp.asarray(x), deterministic=True), jnp.asarray(y))
+    want_logits, (want_loss, want_aux) = _eval_forward(model, jnp.asarray(x), jnp.asarray(y))
     assert got["samples"] == 16
     np.testing.assert_allclose(got["loss"], float(want_loss), rtol=1e-5)
     np.testing.assert_allclose(got["accuracy"], float(want_aux["accuracy"]), rtol=1e-6)
     logits = pipe.predict(state, x, batch_size=8)
-    np.testing.assert_allclose(
-        np.asarray(logits), np.asarray(model(jnp.asarray(x), deterministic=True)), atol=1e-5
-    )
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-5)
 
 
 def test_nnx_dropout_is_on_in_training_and_off_in_evaluation():
@@ -408,7 +414,7 @@ def test_linen_cnn_1f1b_equals_sequential_training_and_comes_back_as_the_users_t
     assert sorted(tree) == ["batch_stats", "params"]
     assert sorted(tree["params"]) == ["block1", "block2", "classify"]
     x, y = image_batches(1, 16, seed=1)[0]
-    want = float(cnn_loss(CNN().apply(tree, jnp.asarray(x)), jnp.asarray(y)))
+    want = float(jax.jit(lambda v, x, y: cnn_loss(CNN().apply(v, x), y))(tree, x, y))
     np.testing.assert_allclose(pipe.evaluate(state, [(x, y)])["loss"], want, rtol=1e-5)
 
 

@@ -11,12 +11,14 @@ only the stage's input instead of its saved activations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition.plan import Plan
+from pdjax.pipeline.schedules.actions import Schedule
 from pdjax.pipeline.schedules.semantics import ROUND_ROBIN, STALE
 from pdjax.profile import Profile
 
@@ -176,8 +178,7 @@ def price(
     per (virtual) stage."""
     # The simulator's modules import this package's (pdjax.pipeline.costs reads the cost
     # model): imported when first used.
-    from pdjax.pipeline import costs_from_plan, generate, simulate
-    from pdjax.pipeline.simulate import stream_length
+    from pdjax.pipeline import costs_from_plan, simulate
 
     P = plan.num_stages
     v = _schedule_stages(schedule, chunks)
@@ -192,20 +193,16 @@ def price(
     if any(flags):
         costs = _with_remat(costs, flags, schedule, plan.replicas)
     M = plan.num_microbatches
-    kwargs: dict[str, Any] = {"replicas": plan.replicas}
-    if schedule in ROUND_ROBIN:
-        kwargs["replication"] = plan.replication
-    if schedule == "pipedream":
-        n = stream_length("pipedream", P, replicas=plan.replicas, replication=plan.replication)
-        sched = generate("pipedream", P, n, extra_in_flight=extra_in_flight, **kwargs)
-    elif schedule == "2bw":
-        n = stream_length("2bw", P, M, replicas=plan.replicas, replication=plan.replication)
-        sched = generate("2bw", P, M, stream=n, **kwargs)
-    else:
-        sched = generate(
-            schedule, P, M, chunks=chunks if schedule == "interleaved" else 2, **kwargs
-        )
-    sim = simulate(sched, costs)
+    sched = _validated_schedule(
+        schedule,
+        P,
+        M,
+        chunks if schedule == "interleaved" else 2,  # the others take none (zb-v: its V)
+        extra_in_flight if schedule == "pipedream" else 0,  # a pipedream option only
+        plan.replicas,
+        plan.replication,
+    )
+    sim = simulate(sched, costs, check=False)  # validated above
     samples = batch_size if batch_size is not None else M * plan.microbatch_size
     if schedule in STALE:
         seconds = sim.time_per_microbatch / plan.microbatch_size
@@ -215,6 +212,43 @@ def price(
         covered = sim.schedule.num_microbatches * plan.microbatch_size
         seconds = max(seconds, host.bound(sim) / covered)
     return seconds, tuple(float(b) for b in sim.peak_memory), tuple(sim.peak_in_flight)
+
+
+@functools.lru_cache(maxsize=256)
+def _validated_schedule(
+    schedule: str,
+    P: int,
+    M: int,
+    chunks: int,
+    extra_in_flight: int,
+    replicas: tuple[int, ...],
+    replication: tuple[str, ...],
+) -> Schedule:
+    """The schedule :func:`price` simulates, generated and validated.
+
+    Kept (least recently used first out): the planner prices thousands of partitions with
+    a few hundred distinct schedules between them, and a schedule depends on these
+    arguments only (the generators are pure, and a :class:`Schedule` is immutable), so one
+    validated object serves every partition of the same shape; the player's index of its
+    actions (``Schedule._derived``) is then built once too. A generator's or the
+    validator's error is not kept: it is raised again on each call.
+    """
+    from pdjax.pipeline import generate, validate
+    from pdjax.pipeline.simulate import stream_length
+
+    kwargs: dict[str, Any] = {"replicas": replicas}
+    if schedule in ROUND_ROBIN:
+        kwargs["replication"] = replication
+    if schedule == "pipedream":
+        n = stream_length("pipedream", P, replicas=replicas, replication=replication)
+        sched = generate("pipedream", P, n, extra_in_flight=extra_in_flight, **kwargs)
+    elif schedule == "2bw":
+        n = stream_length("2bw", P, M, replicas=replicas, replication=replication)
+        sched = generate("2bw", P, M, stream=n, **kwargs)
+    else:
+        sched = generate(schedule, P, M, chunks=chunks, **kwargs)
+    validate(sched)
+    return sched
 
 
 def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequence[int]) -> Any:

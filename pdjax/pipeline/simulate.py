@@ -91,7 +91,7 @@ import bisect
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdjax.errors import ScheduleError
 from pdjax.pipeline.schedules import (
@@ -274,47 +274,94 @@ def _memory(
     N = schedule.num_microbatches
     peak_in_flight = [0] * schedule.num_stages
     totals = [[0.0] * len(acts) for acts in schedule.actions]
-    for g, acts in enumerate(schedule.actions):
-        total = totals[g]
+    for g in range(len(schedule.actions)):
         r = schedule.replicas[g]
         for s in schedule.stages_of(g):
             st = costs.stages[s]
-            versions = live_versions(acts, s)
-            if runtime:
-                versions = _with_call_weights(acts, s, versions)
-            in_flight = 0
-            waiting_for_w = 0  # zero bubble: I done, W not yet
-            forwarded = 0
-            summing = False  # a gradient sum is alive
-            for pos, a in enumerate(acts):
-                mine = a.stage == s
-                if mine and a.kind == "F":
-                    in_flight += len(schedule.covers(a))
-                    forwarded += len(schedule.covers(a))
-                if mine and a.kind == "I":
-                    waiting_for_w += len(schedule.covers(a))
-                if mine and a.kind in "BW":
-                    summing = True
-                peak_in_flight[s] = max(peak_in_flight[s], in_flight)
-                total[pos] += (
-                    st.param_bytes * versions[pos] + st.optimizer_bytes + st.stash_bytes * in_flight
+            terms = _memory_terms(schedule, g, s, runtime)
+            peak_in_flight[s] = max(peak_in_flight[s], terms.peak_in_flight)
+            param, optimizer, stash = st.param_bytes, st.optimizer_bytes, st.stash_bytes
+            totals[g] = [
+                total + (param * versions + optimizer + stash * in_flight)
+                for total, versions, in_flight in zip(
+                    totals[g], terms.versions, terms.in_flight, strict=True
                 )
-                if runtime:
-                    total[pos] += (
-                        st.param_bytes * summing
-                        + st.input_bytes * (N - forwarded) / r
-                        + st.cotangent_bytes * waiting_for_w
+            ]
+            if runtime:
+                inputs, cotangents = st.input_bytes, st.cotangent_bytes
+                totals[g] = [
+                    total + (param * summing + inputs * (N - forwarded) / r + cotangents * waiting)
+                    for total, summing, forwarded, waiting in zip(
+                        totals[g], terms.summing, terms.forwarded, terms.waiting_for_w, strict=True
                     )
-                if mine and a.kind in "BW":
-                    in_flight -= len(schedule.covers(a))
-                if mine and a.kind == "W":
-                    waiting_for_w -= len(schedule.covers(a))
-                if mine and a.kind == "U":
-                    summing = False
+                ]
     if runtime:
         _add_transit(schedule, costs, starts=starts, ends=ends, moves=moves, totals=totals)
     memory = tuple(tuple(round(x) for x in total) for total in totals)
     return memory, tuple(peak_in_flight)
+
+
+class _MemoryTerms(NamedTuple):
+    """What one stage holds during each action of its group's list, in counts that the
+    costs then weigh (bytes per weight version, per microbatch in flight, ...): each
+    list has one entry per action."""
+
+    versions: list[int]
+    """Weight versions alive (with the call's starting weights under ``runtime``)."""
+    in_flight: list[int]
+    """Microbatches forwarded and not yet through ``B`` (or ``W``)."""
+    forwarded: list[int]
+    """Microbatches forwarded so far (their inputs no longer wait, placed up front)."""
+    waiting_for_w: list[int]
+    """Zero bubble: microbatches through ``I`` and not yet ``W``."""
+    summing: list[bool]
+    """Whether a gradient sum is alive (from the first ``B``/``W`` after an update up to
+    and including the ``U`` that applies it)."""
+    peak_in_flight: int
+    """The most microbatches in flight, 0 for none."""
+
+
+def _memory_terms(schedule: Schedule, g: int, s: int, runtime: bool) -> _MemoryTerms:
+    """:class:`_MemoryTerms` of stage ``s`` on group ``g``. They depend on the schedule
+    alone, not on the costs, so they are kept on it (``Schedule._derived``): the planner
+    simulates one schedule under the costs of many partitions."""
+    kept: dict[tuple[int, int, bool], _MemoryTerms] = schedule._derived.setdefault("memory", {})
+    terms = kept.get((g, s, runtime))
+    if terms is not None:
+        return terms
+    acts = schedule.actions[g]
+    versions = live_versions(acts, s)
+    if runtime:
+        versions = _with_call_weights(acts, s, versions)
+    in_flight_at, forwarded_at, waiting_at, summing_at = [], [], [], []
+    in_flight = 0
+    waiting_for_w = 0  # zero bubble: I done, W not yet
+    forwarded = 0
+    summing = False  # a gradient sum is alive
+    peak = 0
+    for a in acts:
+        mine = a.stage == s
+        if mine and a.kind == "F":
+            in_flight += len(schedule.covers(a))
+            forwarded += len(schedule.covers(a))
+        if mine and a.kind == "I":
+            waiting_for_w += len(schedule.covers(a))
+        if mine and a.kind in "BW":
+            summing = True
+        peak = max(peak, in_flight)
+        in_flight_at.append(in_flight)
+        forwarded_at.append(forwarded)
+        waiting_at.append(waiting_for_w)
+        summing_at.append(summing)
+        if mine and a.kind in "BW":
+            in_flight -= len(schedule.covers(a))
+        if mine and a.kind == "W":
+            waiting_for_w -= len(schedule.covers(a))
+        if mine and a.kind == "U":
+            summing = False
+    terms = _MemoryTerms(versions, in_flight_at, forwarded_at, waiting_at, summing_at, peak)
+    kept[g, s, runtime] = terms
+    return terms
 
 
 def _with_call_weights(acts: Sequence[Action], stage: int, versions: list[int]) -> list[int]:
@@ -346,14 +393,7 @@ def _add_transit(
     the action that reads it (an activation: before its ``F``, which stashes it; a
     gradient: up to its ``B``/``I``)."""
     S, where = schedule.num_stages, schedule.stage_device
-    # where each microbatch's F, and B or I (what reads a gradient), sits in its group's list
-    reader: dict[tuple[str, int, int], int] = {}
-    for acts in schedule.actions:
-        for pos, a in enumerate(acts):
-            kind = "F" if a.kind == "F" else "G" if a.kind in "BI" else None
-            if kind is not None:
-                for k in schedule.covers(a):
-                    reader.setdefault((kind, a.stage, k), pos)
+    reader = _readers(schedule)
     timed: dict[Action, list[tuple[float, float]]] = {}
     for _src, _dst, start, end, a in moves:
         timed.setdefault(a, []).append((start, end))
@@ -388,6 +428,24 @@ def _add_transit(
             totals[g][pos] += alive
 
 
+def _readers(schedule: Schedule) -> dict[tuple[str, int, int], int]:
+    """Where each microbatch's ``F`` (``("F", stage, k)``), and ``B`` or ``I`` (what reads a
+    gradient, ``("G", stage, k)``), sits in its group's list; kept on the schedule
+    (``Schedule._derived``), which it depends on alone."""
+    derived = schedule._derived
+    reader: dict[tuple[str, int, int], int] | None = derived.get("readers")
+    if reader is None:
+        reader = {}
+        for acts in schedule.actions:
+            for pos, a in enumerate(acts):
+                kind = "F" if a.kind == "F" else "G" if a.kind in "BI" else None
+                if kind is not None:
+                    for k in schedule.covers(a):
+                        reader.setdefault((kind, a.stage, k), pos)
+        derived["readers"] = reader
+    return reader
+
+
 def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) -> Simulation:
     """Plays ``schedule`` against ``costs``.
 
@@ -416,10 +474,15 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     def duration(a: Action) -> float:
         return table[a.kind, a.stage]
 
+    link_seconds: dict[tuple[int, int, int], float] = {}  # each link's, once per play
+
     def transfer(cut: int, src: int, dst: int) -> float:
-        backward = src != schedule.stage_device[cut]  # a gradient, from stage cut + 1
-        seconds = costs.stages[cut].activation_bytes / costs.bandwidth(cut, backward=backward)
-        return seconds + costs.latency(cut)
+        seconds = link_seconds.get((cut, src, dst))
+        if seconds is None:
+            backward = src != schedule.stage_device[cut]  # a gradient, from stage cut + 1
+            seconds = costs.stages[cut].activation_bytes / costs.bandwidth(cut, backward=backward)
+            seconds = link_seconds[cut, src, dst] = seconds + costs.latency(cut)
+        return seconds
 
     starts, ends, moves = play(schedule, duration, transfer, costs.posted_receives)
     spans = tuple(
@@ -442,7 +505,15 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     else:
         lo, hi, microbatches = window
         step_time = (hi - lo) / microbatches * M
-    busy = sum(timeline.busy(g, lo, hi) for g in range(G))
+    # timeline.busy(g, lo, hi) of every group, summed: its spans are group g's actions, in
+    # order (one pass over each group's times, not over every span per group)
+    busy = sum(
+        sum(
+            max(0.0, min(end, hi) - max(start, lo))
+            for start, end in zip(starts[g], ends[g], strict=True)
+        )
+        for g in range(G)
+    )
     bubble = 1.0 - busy / (G * (hi - lo)) if hi > lo else 0.0
     memory, peak_in_flight = _memory(schedule, costs, starts, ends, moves)
     return Simulation(

@@ -11,6 +11,7 @@ reads it back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Sequence
@@ -64,6 +65,9 @@ class Action(NamedTuple):
         >>> Action.parse("1B7v3")
         Action(kind='B', stage=1, mb=7, version=3)
         """
+        cached = cls is Action and type(text) is str
+        if cached and text in _PARSED:
+            return _PARSED[text]
         match = _ACTION_RE.fullmatch(text.strip())
         if match is None:
             raise ScheduleError(
@@ -71,7 +75,19 @@ class Action(NamedTuple):
                 f"one of {'/'.join(KINDS)}, e.g. '2F0' or '1B7v3'"
             )
         stage, kind, mb, version = match.groups()
-        return cls(kind, int(stage), int(mb), int(version or 0))
+        action = cls(kind, int(stage), int(mb), int(version or 0))
+        if cached:
+            if len(_PARSED) >= _PARSED_MOST:
+                _PARSED.clear()
+            _PARSED[text] = action
+        return action
+
+
+_PARSED: dict[str, Action] = {}
+"""Actions :meth:`Action.parse` has read, by their text: a schedule's JSON names the same
+few thousand actions over and over (an action is immutable, so one object serves)."""
+_PARSED_MOST = 1 << 16
+"""Texts :data:`_PARSED` keeps at most (it starts over when full)."""
 
 
 def format_actions(actions: Sequence[Sequence[Action]]) -> str:
@@ -175,6 +191,15 @@ class Schedule:
     extra_in_flight: int = 0
     replication: tuple[str, ...] = ()
 
+    @functools.cached_property
+    def _derived(self) -> dict[str, Any]:
+        """Indexes of the actions that the player, the validator and the simulator derive
+        from the fields, kept here so that each is built once per schedule, not once per
+        call (``play`` runs a schedule several times: to validate it, for its clock, under
+        each set of costs). Valid for the schedule's life: the dataclass is frozen and its
+        fields are tuples. Not a field: no part of equality, hashing, ``repr`` or JSON."""
+        return {}
+
     @property
     def num_groups(self) -> int:
         """``P``, the number of device groups (pipeline depth)."""
@@ -218,6 +243,17 @@ class Schedule:
 
     def stages_of(self, group: int) -> tuple[int, ...]:
         """The stages device group ``group`` holds, in increasing order."""
+        # Every group's, listed in one pass over stage_device and kept: callers ask for
+        # each group in turn, and one pass each would take groups x stages. (For int
+        # groups only, where equality is the dict's; anything else: the pass.)
+        by_group: dict[int, tuple[int, ...]] | None = self._derived.get("stages_of")
+        if by_group is None and all(type(d) is int for d in self.stage_device):
+            lists: dict[int, list[int]] = {}
+            for s, d in enumerate(self.stage_device):
+                lists.setdefault(d, []).append(s)
+            by_group = self._derived["stages_of"] = {d: tuple(v) for d, v in lists.items()}
+        if by_group is not None and type(group) is int:
+            return by_group.get(group, ())
         return tuple(s for s, d in enumerate(self.stage_device) if d == group)
 
     def clock(self) -> tuple[tuple[int, ...], ...]:

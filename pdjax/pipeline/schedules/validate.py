@@ -12,7 +12,7 @@ round-robin replication.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from pdjax.errors import ScheduleError
 from pdjax.pipeline.schedules.actions import KINDS, Action, Schedule
@@ -114,32 +114,52 @@ def expected_versions(s: Schedule, stage: int) -> int:
 
 def required_version(s: Schedule, a: Action, updates: int) -> tuple[int, str]:
     """The version ``a`` must use, and why, given ``updates`` already run at its stage."""
+    version, why = _required_version(s, a, updates)
+    return version, why()
+
+
+def _required_version(
+    s: Schedule, a: Action, updates: int, units: Sequence[int] | None = None
+) -> tuple[int, Callable[[], str]]:
+    """:func:`required_version`, the reason formatted only when asked for (the validator
+    asks only when the version is wrong); ``units``: every stage's group size, if known."""
     P, M, k = s.num_stages, s.microbatches_per_step, a.mb
     if a.kind == "U":
-        return updates, f"it is update number {updates} of stage {a.stage}"
+        return updates, lambda: f"it is update number {updates} of stage {a.stage}"
     step = k // M
     if s.name in FLUSHING:
-        return step, f"{s.name} runs every microbatch of step {step} with version {step}"
+        return step, lambda: f"{s.name} runs every microbatch of step {step} with version {step}"
     if s.name == "2bw":
-        return max(0, step - 1), f"2bw runs step {step} with W(t-1), version max(0, t-1)"
+        return max(0, step - 1), lambda: f"2bw runs step {step} with W(t-1), version max(0, t-1)"
     if a.kind != "F" and not s.weight_stashing:
-        return updates, (
-            f"pipedream without weight stashing runs the backward with the newest weights, "
-            f"version {updates} after {updates} updates"
+        return (
+            updates,
+            lambda: (
+                f"pipedream without weight stashing runs the backward with the newest weights, "
+                f"version {updates} after {updates} updates"
+            ),
         )
     e = s.extra_in_flight
     if s.replication:
-        units = [s.group_size(st) for st in range(P)]
+        if units is None:
+            units = [s.group_size(st) for st in range(P)]
         q = _semantic_groups_in_flight(s, units, a.stage)
         g = k // units[a.stage]
-        return max(0, g - q + 1), (
-            f"pipedream with round-robin stages runs group g={g} of stage {a.stage} at "
-            f"version max(0, g - q_s + 1), q_s={q}"
+        return (
+            max(0, g - q + 1),
+            lambda: (
+                f"pipedream with round-robin stages runs group g={g} of stage {a.stage} at "
+                f"version max(0, g - q_s + 1), q_s={q}"
+            ),
         )
     if s.vertical_sync:
-        return max(0, k - (P + e) + 1), "pipedream with vertical sync uses max(0, k-(P+e)+1)"
+        return max(
+            0, k - (P + e) + 1
+        ), lambda: "pipedream with vertical sync uses max(0, k-(P+e)+1)"
     lag = P - a.stage + _extra(e, a.stage, P)
-    return max(0, k - lag + 1), "pipedream uses version max(0, k-(P-s+e)+1), e=0 at the last"
+    return max(
+        0, k - lag + 1
+    ), lambda: "pipedream uses version max(0, k-(P-s+e)+1), e=0 at the last"
 
 
 # ----------------------------------------------------------------------------- header
@@ -249,12 +269,31 @@ def _where(s: Schedule, group: int, position: int) -> str:
 
 
 def _check_work(s: Schedule) -> None:
-    """Every action in range and on its stage's group; all work present exactly once."""
+    """Every action in range and on its stage's group; all work present exactly once.
+
+    Runs after the header checks, so that every stage's group size and update count can
+    be worked out once up front. The checks of :func:`_check_action` and
+    :func:`_check_stage_work` are written out for the common case that passes them; where
+    one would fail, the function itself runs, and raises its error."""
+    S, N, where = s.num_stages, s.num_microbatches, s.stage_device
+    units = [s.group_size(st) for st in range(S)]
+    updates = [s.updates_of(st) for st in range(S)]
+    # per kind and stage, the actions seen (each in range, once: so all of them are
+    # there when the count is the number of microbatch groups, or of updates)
+    counts = {kind: [0] * S for kind in KINDS}
     seen: dict[tuple[str, int, int], tuple[int, int]] = {}
     for d, acts in enumerate(s.actions):
         for pos, a in enumerate(acts):
-            _check_action(s, d, pos, a)
-            key = (a.kind, a.stage, a.mb)
+            kind, st, mb = a.kind, a.stage, a.mb
+            if not (  # _check_action's checks
+                kind in KINDS
+                and 0 <= st < S
+                and where[st] == d
+                and 0 <= mb < (updates[st] if kind == "U" else N)
+                and (kind == "U" or not mb % units[st])
+            ):
+                _check_action(s, d, pos, a)
+            key = (kind, st, mb)
             if key in seen:
                 first = seen[key]
                 raise ScheduleError(
@@ -262,8 +301,15 @@ def _check_work(s: Schedule) -> None:
                     f"{first[0]}, position {first[1]}"
                 )
             seen[key] = (d, pos)
-    for st in range(s.num_stages):
-        _check_stage_work(s, st, seen)
+            counts[kind][st] += 1
+    fwd, full, grad_in, grad_w, upd = (counts[kind] for kind in ("F", "B", "I", "W", "U"))
+    for st in range(S):
+        groups = len(range(0, N, units[st]))
+        backward = (full[st] == groups and not grad_in[st] and not grad_w[st]) or (
+            not full[st] and grad_in[st] == groups and grad_w[st] == groups
+        )
+        if not (fwd[st] == groups and backward and upd[st] == updates[st]):
+            _check_stage_work(s, st, seen)
 
 
 def _check_action(s: Schedule, d: int, pos: int, a: Action) -> None:
@@ -326,14 +372,55 @@ class _GroupState:
 
 
 def _check_order(s: Schedule) -> None:
-    """Per device group: local order, versions, in-flight and version bounds."""
+    """Per device group: local order, versions, in-flight and version bounds.
+
+    Runs after :func:`_check_work` (every action a known kind, in range, on its group).
+    The checks of :func:`_check_dependencies` and :func:`_check_version` are written out
+    for the common case that passes them; where one would fail, the function itself runs
+    on the state so far, and raises its error."""
+    S = s.num_stages
+    units = [s.group_size(st) for st in range(S)]
+    per_update = [s.per_update(st) for st in range(S)]
     for d, acts in enumerate(s.actions):
         state = _GroupState(s, d)
+        forwarded, input_grads, finished = state.forwarded, state.input_grads, state.finished
+        updates, bound = state.updates, s.in_flight_bound[d]
         for pos, a in enumerate(acts):
-            _check_dependencies(s, d, pos, a, state)
-            _check_version(s, d, pos, a, state.updates)
-            if a.kind == "U":
-                state.updates[a.stage] += 1
+            kind, st, mb = a.kind, a.stage, a.mb
+            if type(mb) is not int:  # not an Action's: the checks as they are
+                _check_dependencies(s, d, pos, a, state)
+                _check_version(s, d, pos, a, updates)
+                if kind == "U":
+                    updates[st] += 1
+                continue
+            key = (st, mb)
+            n = units[st]  # len(s.covers(a)), but for U
+            # _check_dependencies
+            if kind == "F":
+                if state.in_flight + n > bound:
+                    _check_dependencies(s, d, pos, a, state)
+                forwarded.add(key)
+                state.in_flight += n
+            elif kind == "B" or kind == "I":
+                if key not in forwarded:
+                    _check_dependencies(s, d, pos, a, state)
+                input_grads.add(key)
+            elif kind == "W" and key not in input_grads:
+                _check_dependencies(s, d, pos, a, state)
+            if kind == "B" or kind == "W":
+                finished.update([key] if n == 1 else [(st, k) for k in range(mb, mb + n)])
+                state.in_flight -= n
+            if kind == "U":
+                M = per_update[st]
+                if any((st, k) not in finished for k in range(mb * M, (mb + 1) * M)):
+                    _check_dependencies(s, d, pos, a, state)
+            # _check_version
+            done = updates[st]
+            required, _ = _required_version(s, a, done, units)
+            if a.version != required or required > done:
+                _check_version(s, d, pos, a, updates)
+            if kind == "U":
+                updates[st] += 1
         for stage in s.stages_of(d):
             live = live_versions(acts, stage)
             peak = max(live, default=0)
