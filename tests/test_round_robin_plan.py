@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -373,3 +374,26 @@ def test_cli_plan_and_simulate_take_replication(tmp_path, capsys):
     assert row["replication"] == ["split", "split"]
     assert main([*sim[:-1], "--schedule", "pipedream"]) == 0
     assert "pipedream rr" in capsys.readouterr().out
+
+
+def test_model_arrays_kept_per_profile_are_handed_out_as_copies(vgg16):
+    """The planner asks for the same arrays thousands of times, so they are computed once
+    per profile and microbatch size; a caller that changes its copy changes nothing else,
+    and a profile made by ``dataclasses.replace`` gets its own."""
+    first = cost.model_arrays(vgg16)
+    expected = first.compute.copy()
+    first.compute[:] = -1.0
+    first.cut_ok[:] = False
+    again = cost.model_arrays(vgg16)
+    np.testing.assert_array_equal(again.compute, expected)
+    assert again.cut_ok[:-1].any()
+    halved = cost.model_arrays(vgg16, vgg16.batch_size // 2)
+    assert halved.scale == pytest.approx(0.5) and again.scale == pytest.approx(1.0)
+    faster = dataclasses.replace(
+        vgg16,
+        layers=tuple(
+            dataclasses.replace(layer, forward_seconds=layer.forward_seconds / 2)
+            for layer in vgg16.layers
+        ),
+    )
+    assert cost.model_arrays(faster).compute.sum() < again.compute.sum()

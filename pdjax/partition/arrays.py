@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -83,6 +84,32 @@ def model_arrays(profile: Profile, microbatch_size: int | None = None) -> ModelA
     Raises:
       PlanError: a bad profile, missing times, or a non-positive microbatch size.
     """
+    # Kept on the profile, per microbatch size (the planner asks for the same arrays
+    # thousands of times): a Profile is a frozen dataclass and the arrays depend on its
+    # fields alone (as its own content_hash cache; dataclasses.replace makes a new one).
+    # Each call gets its own copies, which the caller may change.
+    kept: dict[Any, ModelArrays] | None = None
+    if isinstance(getattr(profile, "__dict__", None), dict):
+        kept = profile.__dict__.setdefault("_model_arrays", {})
+    key = (type(microbatch_size), microbatch_size)
+    arrays = None if kept is None else kept.get(key)
+    if arrays is None:
+        arrays = _model_arrays(profile, microbatch_size)
+        if kept is not None:
+            kept[key] = arrays
+    return dataclasses.replace(
+        arrays,
+        compute=arrays.compute.copy(),
+        params=arrays.params.copy(),
+        stash=arrays.stash.copy(),
+        act=arrays.act.copy(),
+        cut=arrays.cut.copy(),
+        cut_ok=arrays.cut_ok.copy(),
+    )
+
+
+def _model_arrays(profile: Profile, microbatch_size: int | None) -> ModelArrays:
+    """:func:`model_arrays`, computed."""
     check_profile(profile)
     if microbatch_size is None:
         microbatch_size = profile.batch_size

@@ -57,7 +57,12 @@ class StageCosts:
     send_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in _STAGE_FIELDS:  # dataclasses.fields(self), listed once
+        names = (
+            _STAGE_FIELDS  # dataclasses.fields(self), listed once
+            if type(self) is StageCosts
+            else tuple(field.name for field in dataclasses.fields(self))
+        )
+        for name in names:
             value = getattr(self, name)
             if not _finite_non_negative(value):
                 raise ScheduleError(

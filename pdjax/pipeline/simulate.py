@@ -100,12 +100,12 @@ from pdjax.pipeline.schedules import (
     Action,
     Schedule,
     group_sizes,
-    live_versions,
     play,
     round_robin_in_flight,
     semantics,
     validate,
 )
+from pdjax.pipeline.schedules.play import kept_live_versions
 from pdjax.pipeline.sim_costs import PipelineCosts, StageCosts, unit_costs
 from pdjax.pipeline.timeline import Span, Timeline, Transfer
 
@@ -304,12 +304,15 @@ def _memory(
 class _MemoryTerms(NamedTuple):
     """What one stage holds during each action of its group's list, in counts that the
     costs then weigh (bytes per weight version, per microbatch in flight, ...): each
-    list has one entry per action."""
+    list has one entry per action (the last three: under the ``runtime`` memory model
+    only, else empty)."""
 
     versions: list[int]
     """Weight versions alive (with the call's starting weights under ``runtime``)."""
     in_flight: list[int]
     """Microbatches forwarded and not yet through ``B`` (or ``W``)."""
+    peak_in_flight: int
+    """The most microbatches in flight, 0 for none."""
     forwarded: list[int]
     """Microbatches forwarded so far (their inputs no longer wait, placed up front)."""
     waiting_for_w: list[int]
@@ -317,8 +320,6 @@ class _MemoryTerms(NamedTuple):
     summing: list[bool]
     """Whether a gradient sum is alive (from the first ``B``/``W`` after an update up to
     and including the ``U`` that applies it)."""
-    peak_in_flight: int
-    """The most microbatches in flight, 0 for none."""
 
 
 def _memory_terms(schedule: Schedule, g: int, s: int, runtime: bool) -> _MemoryTerms:
@@ -330,36 +331,43 @@ def _memory_terms(schedule: Schedule, g: int, s: int, runtime: bool) -> _MemoryT
     if terms is not None:
         return terms
     acts = schedule.actions[g]
-    versions = live_versions(acts, s)
+    versions = kept_live_versions(schedule, g, s)  # live_versions(acts, s), not to be changed
     if runtime:
         versions = _with_call_weights(acts, s, versions)
-    in_flight_at, forwarded_at, waiting_at, summing_at = [], [], [], []
+    in_flight_at = []
     in_flight = 0
-    waiting_for_w = 0  # zero bubble: I done, W not yet
-    forwarded = 0
-    summing = False  # a gradient sum is alive
     peak = 0
     for a in acts:
         mine = a.stage == s
         if mine and a.kind == "F":
             in_flight += len(schedule.covers(a))
-            forwarded += len(schedule.covers(a))
-        if mine and a.kind == "I":
-            waiting_for_w += len(schedule.covers(a))
-        if mine and a.kind in "BW":
-            summing = True
-        peak = max(peak, in_flight)
+            peak = max(peak, in_flight)  # (it grows only here)
         in_flight_at.append(in_flight)
-        forwarded_at.append(forwarded)
-        waiting_at.append(waiting_for_w)
-        summing_at.append(summing)
         if mine and a.kind in "BW":
             in_flight -= len(schedule.covers(a))
-        if mine and a.kind == "W":
-            waiting_for_w -= len(schedule.covers(a))
-        if mine and a.kind == "U":
-            summing = False
-    terms = _MemoryTerms(versions, in_flight_at, forwarded_at, waiting_at, summing_at, peak)
+    forwarded_at: list[int] = []
+    waiting_at: list[int] = []
+    summing_at: list[bool] = []
+    if runtime:
+        waiting_for_w = 0  # zero bubble: I done, W not yet
+        forwarded = 0
+        summing = False  # a gradient sum is alive
+        for a in acts:
+            mine = a.stage == s
+            if mine and a.kind == "F":
+                forwarded += len(schedule.covers(a))
+            if mine and a.kind == "I":
+                waiting_for_w += len(schedule.covers(a))
+            if mine and a.kind in "BW":
+                summing = True
+            forwarded_at.append(forwarded)
+            waiting_at.append(waiting_for_w)
+            summing_at.append(summing)
+            if mine and a.kind == "W":
+                waiting_for_w -= len(schedule.covers(a))
+            if mine and a.kind == "U":
+                summing = False
+    terms = _MemoryTerms(versions, in_flight_at, peak, forwarded_at, waiting_at, summing_at)
     kept[g, s, runtime] = terms
     return terms
 

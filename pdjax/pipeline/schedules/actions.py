@@ -86,7 +86,7 @@ class Action(NamedTuple):
 _PARSED: dict[str, Action] = {}
 """Actions :meth:`Action.parse` has read, by their text: a schedule's JSON names the same
 few thousand actions over and over (an action is immutable, so one object serves)."""
-_PARSED_MOST = 1 << 16
+_PARSED_MOST = 1 << 15
 """Texts :data:`_PARSED` keeps at most (it starts over when full)."""
 
 

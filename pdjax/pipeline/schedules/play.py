@@ -82,9 +82,10 @@ def _keys(kind: str, stage: int, ks: range) -> tuple[Key, ...]:
     return tuple((kind, stage, k) for k in ks)
 
 
-Sends = tuple[tuple[Any, int, int], ...]
-"""The tensors an action sends: ``(key, cut, destination group)`` for each (the key a
-:data:`Key`, or in a coded index its int: see :class:`_Index`)."""
+Sends = tuple[Any, ...]
+"""The tensors an action sends: ``key, cut, destination group`` for each, one after the
+other in one flat tuple (the key a :data:`Key`, or in a coded index its int: see
+:class:`_Index`)."""
 
 
 def _makes(s: Schedule, a: Action, ks: range | None = None) -> tuple[Key | None, Sends]:
@@ -92,19 +93,19 @@ def _makes(s: Schedule, a: Action, ks: range | None = None) -> tuple[Key | None,
     ``("i", ...)``, or ``None``) and the tensors it sends (:data:`Sends`); ``ks``:
     ``s.covers(a)``, if known."""
     where = s.stage_device
-    sends: Sends = ()
+    sends: list[Any] = []
     if a.kind == "F":
         if a.stage + 1 < s.num_stages:
             ks = s.covers(a) if ks is None else ks
-            sends = tuple((key, a.stage, where[a.stage + 1]) for key in _keys("x", a.stage + 1, ks))
-        return ("f", a.stage, a.mb), sends
+            for key in _keys("x", a.stage + 1, ks):
+                sends += (key, a.stage, where[a.stage + 1])
+        return ("f", a.stage, a.mb), tuple(sends)
     if a.kind in "BI":
         if a.stage > 0:
             ks = s.covers(a) if ks is None else ks
-            sends = tuple(
-                (key, a.stage - 1, where[a.stage - 1]) for key in _keys("g", a.stage - 1, ks)
-            )
-        return ("i", a.stage, a.mb), sends
+            for key in _keys("g", a.stage - 1, ks):
+                sends += (key, a.stage - 1, where[a.stage - 1])
+        return ("i", a.stage, a.mb), tuple(sends)
     return None, ()
 
 
@@ -135,11 +136,12 @@ class _Index(NamedTuple):
     """Per group and position, what the action there needs (:func:`_needs`) and makes
     (:func:`_makes`: its own key, and what it sends); ``None`` where not computed yet.
 
-    ``coded``: the keys are ints (:func:`_code`), not tuples. Only containers the
-    garbage collector tracks count towards its collections, and an int is none: a coded
-    index of ``n`` actions adds about ``2 n`` tuples (of numbers only, which it stops
-    tracking at its first look), where tuple keys would add several more per action and
-    set off full collections, each a walk over every object of the process."""
+    ``coded``: the keys are ints (:func:`_code`), not tuples. The index lives as long as
+    its schedule, and the garbage collector counts the containers it tracks: a coded
+    index of ``n`` actions adds about ``2 n`` tuples of numbers only, flat (the collector
+    stops tracking such a tuple at its first look, but one holding tuples only at a later
+    look, and by then it may have been promoted to the oldest generation, whose growth
+    sets off full collections: walks over every object of the process)."""
 
     needs: list[list[tuple[Slot, ...] | None]]
     owns: list[list[Slot | None]]
@@ -209,19 +211,19 @@ def _coded_index(s: Schedule) -> _Index:
                 if kind == "F":
                     needs = (at + X,) if st > 0 else ()
                     own = at + F
-                    sends = ((at + 4 + X, st, where[st + 1]),) if st + 1 < S else ()
+                    sends = (at + 4 + X, st, where[st + 1]) if st + 1 < S else ()
                 elif kind == "W":
                     needs, own, sends = (at + I,), None, ()
                 else:  # B or I
                     needs = (at + F,) if st == S - 1 else (at + F, at + G)
                     own = at + I
-                    sends = ((at - 4 + G, st - 1, where[st - 1]),) if st > 0 else ()
+                    sends = (at - 4 + G, st - 1, where[st - 1]) if st > 0 else ()
             else:
                 ks = range(mb, mb + units[st])  # s.covers(a)
                 needs = tuple(_code(key, S) for key in _needs(s, a, ks))
                 made, sent = _makes(s, a, ks)
                 own = None if made is None else _code(made, S)
-                sends = tuple((_code(key, S), cut, dst) for key, cut, dst in sent)
+                sends = tuple(_code(x, S) if j % 3 == 0 else x for j, x in enumerate(sent))
             needs_d.append(needs)
             owns_d.append(own)
             sends_d.append(sends)
@@ -325,7 +327,8 @@ class _Player:
                         ready[own] = end
                         if own in waiting:
                             wake(own, d)
-                    for key, cut, dst in sends:
+                    for j in range(0, len(sends), 3):
+                        key, cut, dst = sends[j], sends[j + 1], sends[j + 2]
                         secs = 0.0 if d == dst or transfer is None else transfer(cut, d, dst)
                         if secs <= 0:
                             ready[key] = end
@@ -391,4 +394,15 @@ def live_versions(acts: Sequence[Action], stage: int) -> list[int]:
     for pos in range(len(acts)):
         count += delta[pos]
         live.append(count)
+    return live
+
+
+def kept_live_versions(s: Schedule, group: int, stage: int) -> list[int]:
+    """:func:`live_versions` of ``stage`` along group ``group``'s list of ``s``, computed
+    once per schedule and kept on it (``Schedule._derived``): the validator and the
+    simulator both read it. Callers must not change the list."""
+    kept: dict[tuple[int, int], list[int]] = s._derived.setdefault("live_versions", {})
+    live = kept.get((group, stage))
+    if live is None:
+        live = kept[group, stage] = live_versions(s.actions[group], stage)
     return live

@@ -18,7 +18,7 @@ from pdjax.errors import ScheduleError
 from pdjax.pipeline.schedules.actions import KINDS, Action, Schedule
 from pdjax.pipeline.schedules.arguments import check_multiple, positive, replication_of
 from pdjax.pipeline.schedules.inflight import least_groups_in_flight, unstuck
-from pdjax.pipeline.schedules.play import live_versions, play
+from pdjax.pipeline.schedules.play import kept_live_versions, play
 from pdjax.pipeline.schedules.semantics import CHUNKED, FLUSHING, SCHEDULES, stage_groups
 
 __all__ = ["expected_in_flight", "expected_versions", "required_version", "validate"]
@@ -153,13 +153,11 @@ def _required_version(
             ),
         )
     if s.vertical_sync:
-        return max(
-            0, k - (P + e) + 1
-        ), lambda: "pipedream with vertical sync uses max(0, k-(P+e)+1)"
+        why = "pipedream with vertical sync uses max(0, k-(P+e)+1)"
+        return max(0, k - (P + e) + 1), lambda: why
     lag = P - a.stage + _extra(e, a.stage, P)
-    return max(
-        0, k - lag + 1
-    ), lambda: "pipedream uses version max(0, k-(P-s+e)+1), e=0 at the last"
+    why = "pipedream uses version max(0, k-(P-s+e)+1), e=0 at the last"
+    return max(0, k - lag + 1), lambda: why
 
 
 # ----------------------------------------------------------------------------- header
@@ -422,7 +420,7 @@ def _check_order(s: Schedule) -> None:
             if kind == "U":
                 updates[st] += 1
         for stage in s.stages_of(d):
-            live = live_versions(acts, stage)
+            live = kept_live_versions(s, d, stage)  # live_versions(acts, stage)
             peak = max(live, default=0)
             if peak > s.version_bound[stage]:
                 pos = live.index(peak)
