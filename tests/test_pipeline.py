@@ -161,6 +161,39 @@ def test_bad_plans_and_batches_fail_before_device_work():
         pipe.check_shapes(jnp.ones((2, 50)), variables=good)
 
 
+def test_shapes_are_traced_once_per_layer_and_layout():
+    """init's shape check traces each layer once (its variables and output together), and
+    the first step's check of the same shapes traces nothing again; a layer that cannot
+    take its input is named, also when init has to make its variables."""
+    import flax.linen as nn
+
+    from pdjax.layers import sequential
+
+    traces = collections.Counter()
+
+    def counted(x):
+        traces["relu"] += 1  # runs only while JAX traces
+        return jax.nn.relu(x)
+
+    seq = sequential(nn.Dense(8), counted, nn.Dense(3))
+    loss = get_model("mlp", "tiny").loss
+    pipe = Pipeline(seq, even_stages(3, 2), loss, optax.sgd(0.1), microbatches=2)
+    traces.clear()  # (sequential called it once, to tell a function from an nnx factory)
+    x = jnp.ones((4, 5))
+    out = pipe.check_shapes(x)
+    assert out.shape == (4, 3) and traces["relu"] == 1
+    assert pipe.check_shapes(x).shape == (4, 3) and traces["relu"] == 1
+    variables = jax.eval_shape(seq.init, jax.random.key(0), x)  # (traces it: apply too)
+    traces.clear()
+    assert pipe.check_shapes(x, variables).shape == (4, 3) and traces["relu"] == 0
+    assert pipe.check_shapes(jnp.ones((2, 5))).shape == (2, 3) and traces["relu"] == 1
+    conv = sequential(nn.Conv(4, (3, 3)), nn.Dense(2))
+    with pytest.raises(PipelineError, match=r"stage 0, layer 0 \(00_Conv\) cannot take"):
+        Pipeline(conv, even_stages(2, 1), loss, optax.sgd(0.1)).init(
+            jax.random.key(0), jnp.ones((5,))
+        )
+
+
 def test_a_plan_of_other_stages_is_refused_saying_what_to_pass():
     """Pipeline takes a Plan or StagePlans (one stage type): tuples, look-alike objects
     (the former StageSpec's fields) and non-sequences are refused before device work."""

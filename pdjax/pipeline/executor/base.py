@@ -65,6 +65,9 @@ class _PipelineBase:
     _settled: bool
     _schedules: dict[tuple[int, int], Schedule]
     _specs: dict[Any, list[Any]]
+    _layer_shapes: dict[Any, Any]
+    """Per layer, layout of its variables (None: made by init) and input: the variables
+    init makes (or None) and the output's shapes (:meth:`check_shapes`)."""
     _programs: dict[Any, Program]
     _bound: dict[Any, Any]
     _rng_cache: tuple[jax.Array, dict[str, jax.Array]] | None

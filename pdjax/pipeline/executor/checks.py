@@ -5,11 +5,13 @@ weights and the loss function (traced on shapes, once per layout), and that item
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pdjax.errors import PdjaxError, PipelineError
@@ -25,37 +27,60 @@ class _Checks(_PipelineBase):
     """The checks of what a call is given (see the module)."""
 
     def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> Any:
-        """Traces the model stage by stage on ``sample`` (shapes only, no FLOPs), with
+        """Traces the model layer by layer on ``sample`` (shapes only, no FLOPs), with
         ``variables`` (per layer; default: those init would make for ``sample``), and
         returns the shapes of the model's output.
+
+        Each layer is traced once per layout of its variables and input, and remembered
+        (the first step traces nothing that init traced already); without ``variables``,
+        one trace per layer makes its variables and its output together.
 
         Raises:
           PipelineError: naming the stage, the layer and the input shapes that fail.
         """
-        specs = _abstract(sample)
-        if variables is None:
-            variables, _ = jax.eval_shape(
-                partial(init_layers, self.layers.layers, 0), jax.random.key(0), specs
-            )
-        x = specs
+        x = _abstract(sample)
+        made: list[Variables] = []
         for s, spec in enumerate(self.stage_specs):
             for i in range(spec.first_layer, spec.last_layer + 1):
-                layer = self.layers.layers[i]
-                try:
-                    x = jax.eval_shape(
-                        lambda v, x, layer=layer: layer.apply(v, x)[0], variables[i], x
-                    )
-                except PdjaxError:
-                    raise
-                except Exception as e:
-                    what = "the inputs" if i == 0 else "the output of the layer before it"
-                    raise PipelineError(
-                        f"stage {s}, layer {i} ({layer.name}) cannot take {what}, shapes "
-                        f"[{_shapes_text(x)}]: {type(e).__name__}: {e}"
-                    ) from e
+                if variables is None:
+                    v, x = self._layer_init_shapes(s, i, x)
+                    made.append(v)
+                else:
+                    x = self._layer_output_shapes(s, i, variables[i], x)
         if self.tied_stages:
-            self.layers.check_tied(variables)
+            self.layers.check_tied(made if variables is None else variables)
         return x
+
+    def _layer_init_shapes(self, s: int, i: int, x: PyTree) -> tuple[Variables, PyTree]:
+        """Layer ``i``'s variables as init makes them for input ``x`` and its output, as
+        shapes (one trace of both, remembered with the output for those variables)."""
+        key = (i, None, _shape_key(x))
+        known = self._layer_shapes.get(key)
+        if known is None:
+            layer = self.layers.layers[i]
+            with _naming(s, i, layer.name, x):
+                (v,), y = jax.eval_shape(partial(init_layers, (layer,), i), jax.random.key(0), x)
+            known = self._remember(key, (v, y))
+            self._remember((i, _shape_key(v), key[2]), y)
+        return known  # type: ignore[no-any-return]
+
+    def _layer_output_shapes(self, s: int, i: int, variables: Variables, x: PyTree) -> PyTree:
+        """The shapes of layer ``i``'s output for ``variables`` and input ``x`` (shapes
+        or arrays), traced once per layout of both."""
+        key = (i, _shape_key(variables), _shape_key(x))
+        known = self._layer_shapes.get(key)
+        if known is None:
+            layer = self.layers.layers[i]
+            with _naming(s, i, layer.name, x):
+                y = jax.eval_shape(lambda v, x: layer.apply(v, x)[0], variables, x)
+            known = self._remember(key, y)
+        return known
+
+    def _remember(self, key: Any, value: Any) -> Any:
+        if len(self._layer_shapes) > 4096:  # ever new shapes: keep it bounded
+            self._layer_shapes.clear()
+        self._layer_shapes[key] = value
+        return value
 
     def _accept_layout(self, layout: Any) -> None:
         """Trusts states of ``layout`` from now on (the newest is compared first)."""
@@ -250,6 +275,31 @@ def _layout(
         return tuple(out)
 
     return per_stage(params), per_stage(model_state), per_stage(opt_state)
+
+
+@contextlib.contextmanager
+def _naming(s: int, i: int, name: str, x: PyTree) -> Iterator[None]:
+    """Turns a failure to trace layer ``i`` (of stage ``s``) on ``x`` into a
+    :class:`PipelineError` that names them (pdjax's own errors pass as they are)."""
+    try:
+        yield
+    except PdjaxError:
+        raise
+    except Exception as e:
+        what = "the inputs" if i == 0 else "the output of the layer before it"
+        raise PipelineError(
+            f"stage {s}, layer {i} ({name}) cannot take {what}, shapes "
+            f"[{_shapes_text(x)}]: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _shape_key(tree: PyTree) -> Any:
+    """A hashable key of ``tree``'s structure and leaves' shapes, dtypes and weak types:
+    all that a trace on shapes depends on."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple(
+        [(np.shape(a), jnp.result_type(a), getattr(a, "weak_type", False)) for a in leaves]
+    )
 
 
 def _layout_key(tree: PyTree) -> Any:

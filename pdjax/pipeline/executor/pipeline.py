@@ -329,6 +329,7 @@ class Pipeline(_Interpreter):
         self._settled = False
         self._schedules = {}
         self._specs = {}
+        self._layer_shapes = {}
         self._programs = {}
         self._bound = {}
         self._rng_cache = None
