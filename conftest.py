@@ -1,6 +1,7 @@
 """Test set-up for tests/ and the doctests in pdjax/: 8 simulated CPU devices, strict
 numerics, set before any JAX operation."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -62,6 +63,19 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Random-number kernels compile several times faster without the partitionable threefry
 # (seconds per model on CPU); the tests need fixed streams, not that layout property.
 jax.config.update("jax_threefry_partitionable", False)
+
+# The garbage collector's full collections walk every object of the process, and a test
+# worker holds a great many (JAX's and XLA's caches of every program it compiled): about
+# 5% of a worker's time went to them. Collect less often (the suite's arrays are freed by
+# reference counting, not by the collector) and leave the objects made at start-up
+# (modules, JAX itself) out of every walk once the tests are collected.
+gc.set_threshold(5000, 20, 20)
+
+
+def pytest_collection_finish(session: object) -> None:
+    gc.collect()
+    gc.freeze()
+
 
 # tests/ is on the path through pytest's `pythonpath` (pyproject.toml): reference.py, and
 # the shared fixtures and set-up in tests/user_model.py, xla_cache.py and tiers.py
