@@ -545,6 +545,18 @@ def test_catches_weight_grad_before_input_grad():
         validate(s)
 
 
+@pytest.mark.parametrize("field", ["stage", "mb", "version"])
+def test_catches_an_index_that_is_not_an_int(field):
+    """A schedule built in Python (not parsed) may carry a float index that compares equal
+    to the right int; the validator names it instead of passing it on to a TypeError."""
+    s = gpipe(2, 2)
+    first = s.actions[1][0]
+    bad = first._replace(**{field: float(getattr(first, field))})
+    broken = dataclasses.replace(s, actions=(s.actions[0], (bad, *s.actions[1][1:])))
+    with pytest.raises(ScheduleError, match=rf"group 1, position 0.*{field} must be an int"):
+        validate(broken)
+
+
 def test_catches_cross_stage_dependency_cycle():
     # group 0 wants group 1's backward of mb 0 before forwarding mb 1; group 1 wants
     # group 0's forward of mb 1 before running that backward.

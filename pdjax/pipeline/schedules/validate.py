@@ -12,6 +12,7 @@ round-robin replication.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 
 from pdjax.errors import ScheduleError
@@ -285,6 +286,9 @@ def _check_work(s: Schedule) -> None:
             kind, st, mb = a.kind, a.stage, a.mb
             if not (  # _check_action's checks
                 kind in KINDS
+                and type(st) is int
+                and type(mb) is int
+                and type(a.version) is int
                 and 0 <= st < S
                 and where[st] == d
                 and 0 <= mb < (updates[st] if kind == "U" else N)
@@ -315,6 +319,12 @@ def _check_action(s: Schedule, d: int, pos: int, a: Action) -> None:
     S, N = s.num_stages, s.num_microbatches
     if a.kind not in KINDS:
         raise ScheduleError(f"{_where(s, d, pos)}: unknown kind {a.kind!r}")
+    for field in ("stage", "mb", "version"):
+        value = getattr(a, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ScheduleError(
+                f"{_where(s, d, pos)}: {field} must be an int, not {type(value).__name__} {value!r}"
+            )
     if not 0 <= a.stage < S:
         raise ScheduleError(f"{_where(s, d, pos)}: stage out of range [0, {S})")
     if s.stage_device[a.stage] != d:
