@@ -460,7 +460,9 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     Args:
         schedule: the schedule; validated first unless ``check`` is false.
         costs: per-stage costs, one entry per (virtual) stage of ``schedule``.
-        check: run :func:`~pdjax.pipeline.validate` first.
+        check: run :func:`~pdjax.pipeline.validate` first. Turn it off only for a
+            schedule validated already: an invalid one then fails in no specified way
+            (a ``KeyError`` or ``IndexError`` from deep inside), or plays wrongly.
 
     Returns:
         Timelines, step time, bubble fraction, peak memory (see :class:`Simulation`).
