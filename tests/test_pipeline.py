@@ -2,6 +2,7 @@
 
 import collections
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from reference import flush_training
 
 from pdjax.errors import PipelineError
+from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline.executor import Pipeline, even_stages
@@ -165,10 +167,6 @@ def test_shapes_are_traced_once_per_layer_and_layout():
     """init's shape check traces each layer once (its variables and output together), and
     the first step's check of the same shapes traces nothing again; a layer that cannot
     take its input is named, also when init has to make its variables."""
-    import flax.linen as nn
-
-    from pdjax.layers import sequential
-
     traces = collections.Counter()
 
     def counted(x):
