@@ -433,6 +433,9 @@ def test_timeline_json_round_trip():
     tl = simulate(zb_h1(2, 3), costs).timeline
     assert Timeline.from_json(tl.to_json()) == tl
     assert tl.busy(0) == pytest.approx(9.0)
+    for lo, hi in [(0.0, None), (2.5, 7.0), (3.0, 3.0)]:
+        each = sum(tl.busy(g, lo, hi) for g in range(tl.num_groups))
+        assert tl.total_busy(lo, hi) == each
     with pytest.raises(ScheduleError, match="not a pdjax timeline"):
         Timeline.from_json("{}")
     with pytest.raises(ScheduleError, match="timeline JSON is malformed"):

@@ -515,15 +515,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     else:
         lo, hi, microbatches = window
         step_time = (hi - lo) / microbatches * M
-    # timeline.busy(g, lo, hi) of every group, summed: its spans are group g's actions, in
-    # order (one pass over each group's times, not over every span per group)
-    busy = sum(
-        sum(
-            max(0.0, min(end, hi) - max(start, lo))
-            for start, end in zip(starts[g], ends[g], strict=True)
-        )
-        for g in range(G)
-    )
+    busy = timeline.total_busy(lo, hi)
     bubble = 1.0 - busy / (G * (hi - lo)) if hi > lo else 0.0
     memory, peak_in_flight = _memory(schedule, costs, starts, ends, moves)
     return Simulation(

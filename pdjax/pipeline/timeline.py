@@ -82,6 +82,15 @@ class Timeline:
             max(0.0, min(s.end, end) - max(s.start, start)) for s in self.spans if s.group == group
         )
 
+    def total_busy(self, start: float = 0.0, end: float | None = None) -> float:
+        """:meth:`busy` of every group, summed (group by group), in one pass over the
+        spans rather than one per group."""
+        end = self.makespan if end is None else end
+        per_group = [0.0] * self.num_groups
+        for s in self.spans:
+            per_group[s.group] += max(0.0, min(s.end, end) - max(s.start, start))
+        return sum(per_group)
+
     def to_json(self) -> str:
         """JSON text; :meth:`from_json` returns an equal timeline."""
         return json.dumps(

@@ -38,7 +38,16 @@ class _Checks(_PipelineBase):
         Raises:
           PipelineError: naming the stage, the layer and the input shapes that fail.
         """
-        x = _abstract(sample)
+        made, y = self._trace_layers(_abstract(sample), variables)
+        if self.tied_stages:
+            self.layers.check_tied(made if variables is None else variables)
+        return y
+
+    def _trace_layers(
+        self, x: PyTree, variables: Sequence[Variables] | None
+    ) -> tuple[list[Variables], PyTree]:
+        """:meth:`check_shapes` on ``x`` (shapes) without the ties' check: the variables
+        made per layer (as shapes; none where ``variables`` are given) and the output."""
         made: list[Variables] = []
         for s, spec in enumerate(self.stage_specs):
             for i in range(spec.first_layer, spec.last_layer + 1):
@@ -47,9 +56,7 @@ class _Checks(_PipelineBase):
                     made.append(v)
                 else:
                     x = self._layer_output_shapes(s, i, variables[i], x)
-        if self.tied_stages:
-            self.layers.check_tied(made if variables is None else variables)
-        return x
+        return made, x
 
     def _layer_init_shapes(self, s: int, i: int, x: PyTree) -> tuple[Variables, PyTree]:
         """Layer ``i``'s variables as init makes them for input ``x`` and its output, as
@@ -183,9 +190,7 @@ class _Checks(_PipelineBase):
     def _expected_layout(self, x: PyTree) -> Any:
         """The layout of the state init would make on a sample like ``x`` (shapes only;
         it settles the ties and the optimizer as :meth:`state_from_variables` does)."""
-        variables = jax.eval_shape(
-            partial(init_layers, self.layers.layers, 0), jax.random.key(0), _abstract(x)
-        )[0]
+        variables, _ = self._trace_layers(_abstract(x), None)
         layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_specs]
         params = [[v.get("params", {}) for v in vs] for vs in layers]
         model_state = [[{k: a for k, a in v.items() if k != "params"} for v in vs] for vs in layers]

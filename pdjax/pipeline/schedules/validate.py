@@ -395,7 +395,7 @@ def _check_order(s: Schedule) -> None:
         updates, bound = state.updates, s.in_flight_bound[d]
         for pos, a in enumerate(acts):
             kind, st, mb = a.kind, a.stage, a.mb
-            if type(mb) is not int:  # not an Action's: the checks as they are
+            if type(mb) is not int:  # another integer type (numpy's): the checks as they are
                 _check_dependencies(s, d, pos, a, state)
                 _check_version(s, d, pos, a, updates)
                 if kind == "U":
