@@ -263,9 +263,11 @@ def test_a_save_killed_midway_leaves_the_previous_step(tmp_path, trained, where)
         timeout=120,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    leftovers = [p.name for p in directory.iterdir() if p.name != "1"]
+    # the killed writer's lock file stays (its lock went with it)
+    leftovers = [p.name for p in directory.iterdir() if p.name not in ("1", "pdjax.lock")]
     assert len(leftovers) == 1 and leftovers[0].startswith("2.orbax-checkpoint-tmp"), leftovers
     tmp = directory / leftovers[0]
+    assert (tmp / "pdjax-step.json").exists()  # marked as pdjax's before anything is written
     if where == "commit":  # the data is all there; only the commit (the rename) is missing
         assert (tmp / "commit_success.txt").exists()
 
@@ -278,12 +280,14 @@ def test_a_save_killed_midway_leaves_the_previous_step(tmp_path, trained, where)
         ckpt.restore(template, step=2)
     assert tmp.exists()  # a reader leaves other processes' temporary directories alone
 
-    # The run goes on from step 1; its next save (a writer) clears the debris.
+    # The run goes on from step 1; its next save (a writer, taking over the dead one's
+    # lock) clears the debris.
     later, _ = pipe.step(restored, batch)
     ckpt.save(2, later)
-    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2", "pdjax.lock"]
     _assert_same(ckpt.restore(template)[0], later)
     ckpt.close()
+    assert sorted(p.name for p in directory.iterdir()) == ["1", "2"]
 
 
 # -- errors -------------------------------------------------------------------------------

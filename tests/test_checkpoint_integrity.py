@@ -281,17 +281,22 @@ def test_metadata_that_is_not_json_names_the_file(saved):
 
 
 def test_steps_of_earlier_versions_without_checksums_still_restore(saved):
-    def as_version_2(meta):
+    def as_version_2(meta):  # no checksums, no step, and no marker file
         meta["version"] = 2
+        del meta["step"], meta["checksums"]
         for entry in meta["arrays"].values():
             del entry["checksum"]
 
-    _edit_meta(saved, 1, as_version_2)
-    _edit_meta(saved, 2, as_version_2)
-    with Checkpointer(saved) as ckpt:  # the folder opens: its steps hold pdjax's metadata
+    for step in (1, 2):
+        _edit_meta(saved, step, as_version_2)
+        (saved / str(step) / "pdjax-step.json").unlink()
+    with Checkpointer(saved, max_to_keep=2) as ckpt:  # opens: its steps hold pdjax's metadata
         ckpt.verify()
         _assert_same(ckpt.restore(_state(0))[0], _state(2))
         _assert_same(ckpt.restore(_state(0), step=1)[0], _state(1))
+        ckpt.save(3, _state(3))  # and the retention deletes them as pdjax's own
+        assert ckpt.all_steps() == [2, 3]
+    assert not (saved / "1").exists()
 
 
 # -- folders that are not pdjax's ---------------------------------------------------------

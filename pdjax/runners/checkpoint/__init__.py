@@ -16,7 +16,8 @@ orbax and restored bit for bit.
 >>> restored.step, extra
 (1, {'epoch': 0, 'batch': 1})
 
-On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two items:
+On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two items and
+pdjax's marker:
 
 - ``arrays/``: every array of the state (``StandardSave``, OCDBT), as a flat dict keyed
   by the array's path in the state: ``params.1.0.dense.kernel`` (field, stage, layer in
@@ -24,18 +25,24 @@ On disk, ``directory/<step>/`` is one orbax ``CheckpointManager`` step with two 
   ``model_state.0.1.batch_stats.mean``, ``rng``. A typed PRNG key is stored as its
   ``jax.random.key_data`` (``uint32``). A ``DPState`` has no stage level. The arrays are
   those of the state's :data:`~pdjax.runners.protocol.ARRAY_FIELDS`.
-- ``meta/metadata``: JSON with the format tag and version, the state's type name, its
-  other fields, which are Python ints (:func:`~pdjax.runners.protocol.counter_fields`:
-  ``updates`` and ``microbatches`` of a pipeline, ``step`` of data parallelism), the
-  layers per stage of a pipeline state (``stage_layers``), the shape, dtype and checksum
-  (CRC-32 of its bytes, dtype and shape) of every array (and the implementation of each
-  PRNG key, e.g. ``threefry2x32``), and ``extra``.
+- ``meta/metadata``: JSON with the format tag and version, the step, the state's type
+  name, its other fields, which are Python ints
+  (:func:`~pdjax.runners.protocol.counter_fields`: ``updates`` and ``microbatches`` of a
+  pipeline, ``step`` of data parallelism), the layers per stage of a pipeline state
+  (``stage_layers``), the shape, dtype and checksum (CRC-32 of its bytes, dtype and
+  shape) of every array (and the implementation of each PRNG key, e.g. ``threefry2x32``),
+  ``extra``, and ``checksums``: the CRC-32 of every other field (its canonical JSON).
+- ``pdjax-step.json``: ``{"format": "pdjax.checkpoint", "step": <step>}``, the marker that
+  makes the folder pdjax's (:mod:`.folder`): only folders holding it (or, written before
+  format 4, pdjax's metadata) are listed as steps, and only those are ever deleted.
 
-Every restore checks each array it reads against its checksum, and the metadata for every
-field it uses: a damaged step (a flipped bit, a truncated or missing file, edited
-metadata) raises :class:`CheckpointError` naming the step, the array or field at fault and
+Every restore checks each array it reads against its checksum, and the metadata against
+its checksums, its step against the folder's, and every field it uses: a damaged step (a
+flipped bit, a truncated or missing file, edited metadata, step folders renamed or
+swapped) raises :class:`CheckpointError` naming the step, the array or field at fault and
 the steps in the folder that verify, instead of restoring wrong values.
-:meth:`Checkpointer.verify` runs the same checks without building a state.
+:meth:`Checkpointer.verify` runs the same checks without building a state. The metadata
+of format versions 1 to 3 has no checksum: it is only checked to be usable.
 
 Restoring needs a template, a state of the same runner (``pipe.init(...)``, or the same
 tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves): the checkpoint's
@@ -56,11 +63,18 @@ The flush is a property of the calls, not of the save: a run that saves, stops,
 restores and goes on with the same calls is bit for bit the run that never stopped.
 
 Crash safety comes from orbax: a step is written into ``<step>.orbax-checkpoint-tmp``
-and renamed to ``<step>`` once complete (the rename is the commit), so a process killed
-mid-save leaves the previous steps intact, and an unfinished temporary directory is never
-listed as a step (even one holding every file); the first save of the next
-:class:`Checkpointer` deletes it. :meth:`Checkpointer.save` blocks until its step is
-committed.
+(marked as pdjax's as it is made) and renamed to ``<step>`` once complete (the rename is
+the commit), so a process killed mid-save leaves the previous steps intact, and an
+unfinished temporary directory is never listed as a step (even one holding every file);
+the next writer deletes it. A save that fails (a full disk) raises a
+:class:`CheckpointError` (with the bytes the step needs and those free) and deletes its
+own temporary folder. :meth:`Checkpointer.save` blocks until its step is committed.
+
+One run writes a folder at a time: a writer (:meth:`Checkpointer.claim`, which
+:meth:`Checkpointer.save` calls first) holds an advisory lock, ``flock`` on
+``pdjax.lock`` there (holding its pid and host), until :meth:`Checkpointer.close`; a
+second writer is refused, naming the holder. The lock goes with a process that dies, so
+a file left behind blocks nobody. Readers take no lock.
 
 Several processes (``jax.distributed``): every method is collective — every process
 calls it, in the same order, with the same arguments. Process 0 writes and reads the
@@ -69,12 +83,14 @@ does not hold to it (another process's pipeline stage, with ``jax.device_put`` a
 processes, the same transport as the activations), and :meth:`restore` sends each
 process the arrays it holds. The checkpoint is the same as a single process writes: a run
 saved by 2 processes restores in 1 process with the same plan, and the other way round.
-The write itself, the commit rename and the retention are orbax's (a
-``CheckpointManager`` active on process 0 alone); the others wait for its commit.
+The write itself and the commit rename are orbax's (a ``CheckpointManager`` active on
+process 0 alone), the lock and the retention pdjax's, on process 0; the others wait for
+its commit.
 
 Modules: :mod:`.checkpointer` (:class:`Checkpointer`: save, restore, verify, the steps),
-:mod:`.format` (a step's folder and metadata, format versions 1 to 3, the CRC-32 of each
-array), :mod:`.arrays` (a state as named arrays and metadata, and back), :mod:`.replan`
+:mod:`.format` (a step's metadata, format versions 1 to 4, the CRC-32 checksums),
+:mod:`.folder` (which entries of the folder are pdjax's, deleting only those, the lock),
+:mod:`.arrays` (a state as named arrays and metadata, and back), :mod:`.replan`
 (:func:`replan_names`: a pipeline checkpoint moved into another plan), :mod:`.transfer`
 (arrays between processes) and :mod:`.reads` (orbax read failures, made readable).
 """

@@ -1,13 +1,19 @@
 """The :class:`Checkpointer`: saves, restores, verifies and lists the steps of a
 checkpoint directory through orbax (whose rename of a finished step is the commit), on
-process 0 alone when there are several.
+process 0 alone when there are several; the writer holds the folder's lock, and deletes
+old steps and the leftovers of unfinished saves itself, only those pdjax wrote.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
+import json
+import logging
 import os
-from collections.abc import Callable, Mapping
+import shutil
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,15 +38,25 @@ from pdjax.runners.checkpoint.arrays import (
     _stage_layers,
     _State,
 )
+from pdjax.runners.checkpoint.folder import (
+    _TMP_SUFFIX,
+    _check_folder,
+    _check_target,
+    _delete_step,
+    _MarkedTemporaryPath,
+    _PdjaxSteps,
+    _remove_leftovers,
+    _WriterLock,
+)
 from pdjax.runners.checkpoint.format import (
     _FORMAT,
     _FORMAT_VERSION,
     _ITEMS,
     _META_FILE,
-    _check_folder,
     _check_meta,
     _checksum,
     _Damage,
+    _meta_checksums,
     _shape_str,
 )
 from pdjax.runners.checkpoint.reads import (
@@ -62,23 +78,60 @@ def _is_ours(e: Exception) -> bool:
     return isinstance(e, CheckpointError)
 
 
+@contextlib.contextmanager
+def _quiet_orbax_errors() -> Iterator[None]:
+    """Drops orbax's ERROR log records while a save runs: a failed save logs its error
+    four times, each with the whole traceback, before it raises; pdjax raises one
+    CheckpointError instead, which holds the original error as its cause."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        from_orbax = f"{os.sep}orbax{os.sep}checkpoint{os.sep}" in record.pathname
+        return record.levelno < logging.ERROR or not from_orbax
+
+    logger = logging.getLogger("absl")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
+def _out_of_space(e: BaseException) -> bool:
+    """Whether a failed write ran out of disk space: an ``ENOSPC`` OSError, or
+    TensorStore's ``RESOURCE_EXHAUSTED`` (a ValueError) in ``e`` or what it came from."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno == errno.ENOSPC:
+            return True
+        if "RESOURCE_EXHAUSTED" in str(cur) or "No space left on device" in str(cur):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 class Checkpointer:
     """Saves and restores training states in ``directory``, one sub-directory per step.
 
     Args:
-      directory: where the checkpoints live; created by the first :meth:`save`.
+      directory: where the checkpoints live; created by the first :meth:`save` (or
+        :meth:`claim`).
       max_to_keep: keep the newest this many steps, deleting older ones after each save
         (``None`` keeps all).
 
     Raises:
       CheckpointError: for ``max_to_keep < 1``, or a ``directory`` holding folders named
-        like steps (``1/``, ``2/``) that are not pdjax checkpoints (the retention would
-        delete them). Other files there are left alone.
+        like steps (``1/``, ``2/``) that are not pdjax checkpoints (orbax would take them
+        for steps). Other files there are left alone.
 
-    The first :meth:`save` also deletes the unfinished temporary directories that crashed
-    saves left; reading never does, so an evaluator may watch a running trainer's
-    directory. Use as a context manager, or call :meth:`close`, to stop orbax's
-    background threads.
+    One run writes a folder at a time: the first :meth:`save` (or :meth:`claim`) takes
+    the folder's lock (the file ``pdjax.lock`` there, with the writer's pid and host),
+    which :meth:`close` releases, and deletes what unfinished saves (and deletions) of
+    pdjax left. Reading takes no lock and deletes nothing, so an evaluator may watch a
+    running trainer's directory. Only folders pdjax wrote are ever deleted (each step
+    holds pdjax's marker file). Use as a context manager, or call :meth:`close`, to
+    release the lock and stop orbax's background threads.
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 3) -> None:
@@ -93,6 +146,7 @@ class Checkpointer:
         if self._multi and not _collective_transfers():
             check_cpu_transfers("a checkpoint across processes (gathered on process 0)")
         self._manager = None
+        self._lock = _WriterLock(self.directory)  # process 0's
         self._from_0(lambda: _check_folder(self.directory))
         self._manager = self._new_manager()
 
@@ -102,14 +156,17 @@ class Checkpointer:
         return ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=self._max_to_keep,
+                # pdjax deletes old steps (and crashed saves' temporary folders) itself,
+                # only those it wrote: orbax's retention and cleanup go by name.
+                max_to_keep=None,
+                cleanup_tmp_directories=False,
+                # lists only folders that hold pdjax's marker (or metadata) as steps
+                step_name_format=_PdjaxSteps(),
+                # marks each step's temporary folder as pdjax's as it is made
+                temporary_path_class=_MarkedTemporaryPath,
                 # Created by the first save, so restoring from a mistyped path does not
                 # leave an empty directory behind.
                 create=False,
-                # Deletes the <step>.orbax-checkpoint-tmp directories of crashed saves. Only
-                # a writer does: a reader (an evaluator watching a running trainer's
-                # directory) would delete the save in progress.
-                cleanup_tmp_directories=self._writing,
                 multiprocessing_options=ocp.options.MultiprocessingOptions(
                     primary_host=0, active_processes={0}
                 ),
@@ -124,9 +181,45 @@ class Checkpointer:
         self.close()
 
     def close(self) -> None:
-        """Waits for pending work and releases orbax's resources."""
-        if self._manager is not None:
+        """Waits for pending work, releases orbax's resources and the folder's lock."""
+        try:
+            if self._manager is not None:
+                self._manager.close()
+        finally:
+            self._lock.release()
+
+    def claim(self) -> None:
+        """Takes the folder for writing (as :meth:`save` does first): creates it, takes
+        its lock, and deletes the leftovers of pdjax's unfinished saves there. Again is a
+        no-op; :meth:`close` releases it. A training loop calls it before any work, so
+        that a second run on the same folder is refused at its start.
+
+        Raises:
+          CheckpointError: another run (or another :class:`Checkpointer`) holds the
+            folder's lock; the message names its pid and host.
+        """
+        self._from_0(self._claim_local)
+
+    def _claim_local(self) -> None:
+        """Process 0: :meth:`claim`."""
+        if self._lock.held:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock.take()
+        try:
+            _remove_leftovers(self.directory)
+        except OSError as e:
+            self._lock.release()
+            raise CheckpointError(
+                f"cannot delete what an unfinished pdjax save left in {self.directory} "
+                f"({e}); delete it by hand (a *.orbax-checkpoint-tmp or *.pdjax-deleting-* "
+                "folder holding pdjax-step.json)"
+            ) from e
+        if not self._writing:  # a manager made before the directory existed
+            assert self._manager is not None
             self._manager.close()
+            self._manager = self._new_manager()
+            self._writing = True
 
     # -- listing ----------------------------------------------------------------------------
 
@@ -168,8 +261,11 @@ class Checkpointer:
 
         Raises:
           CheckpointError: for a step that is not above the newest saved one, a state of
-            another type or with deleted (donated) arrays, or an ``extra`` that JSON
-            cannot hold.
+            another type or with deleted (donated) arrays, an ``extra`` that JSON
+            cannot hold, a folder another run writes (see :meth:`claim`), something
+            pdjax did not write where the step would go, or a failed write (a full
+            disk: the message says how much the step needs and how much is free). A
+            failed save removes its unfinished folder; the steps saved before stay.
         """
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
@@ -177,6 +273,8 @@ class Checkpointer:
         _check_state(state, "state")
 
         extra = _jsonable({} if extra is None else extra, "extra")
+        arrays, manifest = _manifest(state)
+        self.claim()
         steps = self.all_steps()
         if steps and step <= steps[-1]:
             raise CheckpointError(
@@ -184,7 +282,7 @@ class Checkpointer:
                 "steps must increase; save with a larger step, or delete the newer steps "
                 "(or use another directory) to branch off an older one"
             )
-        arrays, manifest = _manifest(state)
+        self._from_0(lambda: _check_target(self.directory, step))
         if not self._multi:  # a tied parameter's copies (equal bits) are stored once
             for name, first in _same_values(arrays).items():
                 manifest[name]["same_as"] = first
@@ -192,6 +290,7 @@ class Checkpointer:
         meta = {
             "format": _FORMAT,
             "version": _FORMAT_VERSION,
+            "step": step,
             "state": type(state).__name__,
             "ints": _counters(state),
             "arrays": manifest,
@@ -206,26 +305,81 @@ class Checkpointer:
         def write() -> None:
             assert self._manager is not None
             _add_checksums(manifest, arrays)
-            if not self._writing:
-                self.directory.mkdir(parents=True, exist_ok=True)
-                self._manager.close()
-                self._writing = True
-                self._manager = self._new_manager()
-                assert self._manager is not None
-            saved = self._manager.save(
-                step,
-                args=ocp.args.Composite(
-                    arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
-                ),
-            )
-            self._manager.wait_until_finished()
+            meta["checksums"] = _meta_checksums(meta)
+            with _quiet_orbax_errors():
+                try:
+                    saved = self._manager.save(
+                        step,
+                        args=ocp.args.Composite(
+                            arrays=ocp.args.StandardSave(arrays), meta=ocp.args.JsonSave(meta)
+                        ),
+                    )
+                    self._manager.wait_until_finished()
+                except Exception as e:  # a full disk, an I/O error: TensorStore's ValueError
+                    raise self._failed_save(step, meta, e) from e
             if not saved:  # orbax declines silently (e.g. another process saved it meanwhile)
                 raise CheckpointError(
                     f"orbax did not save step {step} in {self.directory} "
                     f"(steps there now: {sorted(self._manager.all_steps())})"
                 )
+            self._retain(step)
 
         self._from_0(write)  # the others wait for process 0's commit (or its error)
+
+    def _failed_save(self, step: int, meta: Mapping[str, Any], e: Exception) -> CheckpointError:
+        """Process 0, after a failed write: removes the unfinished folder of ``step`` and
+        returns the error to raise (for a full disk, what the step needs and what is free)."""
+        try:  # a fresh manager: orbax's may still hold the failed save
+            assert self._manager is not None
+            self._manager.close()
+        except Exception:  # the same failure, raised again by its background thread
+            pass
+        self._manager = self._new_manager()
+        where = f"cannot save step {step} in {self.directory}"
+        try:
+            removed = _remove_leftovers(self.directory, step)
+        except OSError as gone:
+            removed = [f"(not: {gone}; delete {step}{_TMP_SUFFIX} by hand)"]
+        assert self._manager is not None
+        self._manager.reload()
+        kept = sorted(self._manager.all_steps())
+        after = (
+            f"removed its unfinished folder {', '.join(removed)}; " if removed else ""
+        ) + f"the steps saved before are intact ({kept or 'none'})"
+        if _is_ours(e):
+            return CheckpointError(f"{e}; {after}")
+        if not _out_of_space(e):
+            return CheckpointError(f"{where}: {_reason(e)}; {after}")
+        need = len(json.dumps(meta)) + sum(
+            int(np.prod(entry["shape"])) * np.dtype(entry["dtype"]).itemsize
+            for entry in meta["arrays"].values()
+            if "same_as" not in entry
+        )
+        free = shutil.disk_usage(self.directory).free
+        return CheckpointError(
+            f"{where}: the disk is full: the step needs about {need:,} bytes (before "
+            f"compression), and {free:,} bytes are free there ({_reason(e)}); {after}; free "
+            "some space (or keep fewer steps: max_to_keep), or checkpoint to another disk"
+        )
+
+    def _retain(self, step: int) -> None:
+        """Process 0, after saving ``step``: deletes pdjax's steps beyond the newest
+        ``max_to_keep``."""
+        assert self._manager is not None
+        if self._max_to_keep is None:
+            return
+        self._manager.reload()
+        old = sorted(self._manager.all_steps())[: -self._max_to_keep]
+        try:
+            for s in old:
+                _delete_step(self.directory, s)
+        except OSError as e:
+            raise CheckpointError(
+                f"saved step {step} in {self.directory}, but cannot delete its old step "
+                f"{s} (max_to_keep={self._max_to_keep}): {e}"
+            ) from e
+        finally:
+            self._manager.reload()
 
     # -- restoring --------------------------------------------------------------------------
 
@@ -302,9 +456,11 @@ class Checkpointer:
 
     def verify(self, step: int | None = None) -> None:
         """Checks that checkpoint ``step`` (default: the newest) is intact, without building
-        a state: its metadata is complete, and every array reads back with the checksum
-        it was saved with. Steps saved by pdjax before checksums (format versions 1 and 2)
-        are only checked to read. Reads the whole step into host memory.
+        a state: its metadata is complete, matches its checksums and is that of
+        ``step``, and every array reads back with the checksum it was saved with. Steps
+        saved by pdjax before checksums (format versions 1 and 2) are only checked to
+        read, and the metadata of version 3 has no checksum. Reads the whole step into
+        host memory.
 
         :meth:`restore` runs the same checks on the arrays it reads, so a training loop
         needs this only to find the newest good step before it restores.
@@ -526,7 +682,7 @@ class Checkpointer:
                 )["meta"]
             except Exception as e:  # a missing file, or not JSON
                 raise _Damage(f"its metadata {file} cannot be read ({_reason(e)})") from e
-            _check_meta(meta, file, expect)
+            _check_meta(meta, file, expect, step)
         except _Damage as damage:
             if not explain:
                 raise

@@ -1,18 +1,20 @@
-"""The on-disk format of a checkpoint step: the entries of its folder, the metadata's
-fields (format versions 1 to 3) and their checks, and each array's CRC-32 checksum.
+"""The on-disk format of a checkpoint step: the metadata's fields (format versions 1 to
+4) and their checks, and the CRC-32 checksums of the arrays and of the metadata.
 
 Version 2 stores a parameter once per value (``same_as``), version 3 adds a checksum per
-array (``checksum``); every version stays readable.
+array (``checksum``), version 4 records its step (``step``) and a checksum of every other
+field of the metadata (``checksums``), and marks its folder as pdjax's (:mod:`.folder`).
+Every version stays readable; the metadata of versions 1 to 3 has no checksum.
 """
 
 from __future__ import annotations
 
-import os
+import json
 import re
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import jax
 import numpy as np
@@ -21,17 +23,16 @@ from pdjax.errors import CheckpointError
 
 # The format tag and layout version in every checkpoint's ``meta`` item.
 _FORMAT = "pdjax.checkpoint"
-# 2: parameters stored once per value ("same_as"); 3: a checksum per array ("checksum")
-_FORMAT_VERSION = 3
-_READABLE_VERSIONS = (1, 2, 3)
+# 2: parameters stored once per value ("same_as"); 3: a checksum per array ("checksum");
+# 4: the step ("step") and a checksum of each other metadata field ("checksums")
+_FORMAT_VERSION = 4
+_READABLE_VERSIONS = (1, 2, 3, 4)
+# The metadata fields of version 4 that earlier versions lack.
+_V4_FIELDS = ("step", "checksums")
 # The orbax item and file holding the metadata, inside a step's folder.
 _META_FILE = ("meta", "metadata")
-# A folder name orbax's CheckpointManager takes for a step (its standard name format).
-_STEP_NAME = re.compile(r"0|[1-9]\d*")
 # The orbax items of a step: every array, and the metadata.
 _ITEMS = ("arrays", "meta")
-# What a committed step's folder holds: the two items and orbax's own files.
-_STEP_ENTRIES = frozenset({*_ITEMS, "_CHECKPOINT_METADATA", "commit_success.txt"})
 
 
 def _shape_str(entry: Mapping[str, Any]) -> str:
@@ -53,47 +54,29 @@ def _checksum(array: Any) -> str:
     return f"crc32:{crc:08x}"
 
 
-def _check_folder(directory: Path) -> None:
-    """Refuses a folder holding step-named entries that pdjax did not write: orbax would
-    list them as steps, and the retention (``max_to_keep``) would delete them."""
-    if not directory.exists():
-        return
-    if not directory.is_dir():
-        raise CheckpointError(
-            f"{directory} is a file, not a folder; give the Checkpointer an empty or new folder"
-        )
-    strangers = [
-        entry.name
-        for entry in sorted(directory.iterdir())
-        if _STEP_NAME.fullmatch(entry.name) and not _is_pdjax_step(entry)
-    ]
-    if strangers:
-        raise CheckpointError(
-            f"{directory} holds {', '.join(repr(n) for n in strangers)}, named like "
-            f"checkpoint steps but without pdjax's {'/'.join(_META_FILE)} file: not pdjax "
-            "checkpoints, which a Checkpointer here would take for steps and delete to keep "
-            "max_to_keep; pick an empty or new folder for the checkpoints (a step folder "
-            "left by an interrupted pdjax save or cleanup may be deleted by hand)"
-        )
+def _field_checksum(field: str, value: Any) -> str:
+    """The checksum of one metadata field: CRC-32 of its name and value in canonical JSON
+    (sorted keys, no spaces, ASCII), which a value read back from JSON encodes the same."""
+    text = json.dumps([field, value], sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
-def _is_pdjax_step(entry: Path) -> bool:
-    """Whether a step-named entry is a pdjax step: it holds pdjax's metadata file, or,
-    having lost it (damaged, or partly deleted), holds nothing but a step's own entries,
-    so that restoring reports the damage and offers the intact steps."""
-    if entry.joinpath(*_META_FILE).is_file():
-        return True
-    held = set(os.listdir(entry)) if entry.is_dir() else set()
-    return bool(held) and held <= _STEP_ENTRIES
+def _meta_checksums(meta: Mapping[str, Any]) -> dict[str, str]:
+    """The checksum of every field of ``meta`` but ``checksums`` itself."""
+    return {k: _field_checksum(k, v) for k, v in meta.items() if k != "checksums"}
 
 
-def _check_meta(meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | None) -> None:
+def _check_meta(
+    meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | None, step: int | None = None
+) -> None:
     """Raises :class:`_Damage` naming ``file`` and the field, for metadata that a restore
-    could not use (a missing field, a wrong type, an unknown dtype or PRNG key).
-    ``expect``: the template's state type name and counters, which a step of that type
-    must all hold (without a template, the counters it holds are checked)."""
+    could not use (a missing field, a wrong type, an unknown dtype or PRNG key), and, from
+    version 4, for a field that changed after the save (its checksum) or metadata of
+    another step than ``step`` (the folder's). ``expect``: the template's state type name
+    and counters, which a step of that type must all hold (without a template, the
+    counters it holds are checked)."""
 
-    def bad(field: str, problem: str) -> None:
+    def bad(field: str, problem: str) -> NoReturn:
         raise _Damage(f"its metadata {file} {problem} (field {field!r})")
 
     if not isinstance(meta, Mapping):
@@ -133,6 +116,36 @@ def _check_meta(meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | Non
         problem = _entry_problem(entry, meta["arrays"], needs_checksum=version >= 3)
         if problem is not None:
             bad(f"arrays.{name}.{problem[0]}", problem[1])
+    if version < 4:
+        held = [f for f in _V4_FIELDS if f in meta]
+        if held:
+            bad("version", f"is {version}, yet it holds {held[0]!r}, which version 4 adds")
+        return
+    _check_sums(meta, bad)
+    saved_step = meta["step"]
+    if step is not None and saved_step != step:
+        bad(
+            "step",
+            f"says step {saved_step}: it is another step's, in the folder of step {step} "
+            "(step folders renamed or swapped)",
+        )
+
+
+def _check_sums(meta: Mapping[str, Any], bad: Callable[[str, str], NoReturn]) -> None:
+    """Version 4: every field but ``checksums`` is there, as saved, and was saved."""
+    sums = meta.get("checksums")
+    if not (isinstance(sums, Mapping) and all(isinstance(v, str) for v in sums.values())):
+        bad("checksums", "is missing or not an object of checksums")
+    for field in sorted((set(meta) | set(sums)) - {"checksums"}):
+        if field not in meta:
+            bad(field, "is missing (the metadata was saved with it)")
+        if field not in sums:
+            bad(field, "was added after the save (it has no checksum)")
+        if _field_checksum(field, meta[field]) != sums[field]:
+            bad(field, "does not match its checksum (it changed after the save)")
+    step = meta.get("step")
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0):
+        bad("step", "is missing or not a step number")
 
 
 def _entry_problem(
