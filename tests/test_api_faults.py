@@ -1,6 +1,8 @@
-"""The Pipeline API refuses wrong inputs with a PipelineError that names what is wrong:
-batches whose leaves disagree on their rows, a loss that is not a scalar, a state made by
-another pipeline, inputs of other shapes than the model takes, bad numeric arguments."""
+"""The Pipeline and DataParallel APIs refuse wrong inputs with a PipelineError that names
+what is wrong: batches whose leaves disagree on their rows, a loss that is not a scalar, a
+state made by another pipeline (or runner), inputs of other shapes than the model takes,
+bad numeric arguments, and arguments of the wrong type (a string as inputs, an int as the
+key, a plain list as the model, float layers in a StagePlan)."""
 
 import flax.linen as nn
 import jax
@@ -10,9 +12,10 @@ import optax
 import pytest
 
 import pdjax
-from pdjax.errors import PipelineError
+from pdjax.errors import LayerError, PipelineError, PlanError
 from pdjax.partition import StagePlan
-from pdjax.pipeline import Pipeline
+from pdjax.pipeline import Pipeline, PipelineState
+from pdjax.runners import DataParallel, DPState
 
 
 def layers():
@@ -305,3 +308,201 @@ def test_inputs_that_fit_another_state_of_the_same_pipeline_are_refused():
         pipe.run(state6, pipe.split_batch((x8, t)))
     state6, metrics = pipe.run(state6, pipe.split_batch((x6, t)))
     assert np.isfinite(metrics.loss)
+
+
+# -- arguments of the wrong type: refused at the call, before anything compiles -----------
+
+
+@pytest.fixture(scope="module")
+def pipe_and_state():
+    """One initialised pipeline for the refusals below (none of them consumes the state)."""
+    return started()
+
+
+def dp_of(**kw):
+    return DataParallel(layers(), mse, optax.sgd(0.1), devices=jax.devices()[:2], **kw)
+
+
+def fake_dp_state():
+    """A DPState to reach a DataParallel call's checks (refused before it is read)."""
+    return DPState([], [], (), 0, jax.random.key(0))
+
+
+def test_a_string_as_inputs_is_refused_naming_the_leaf(pipe_and_state):
+    pipe, state = pipe_and_state
+    _, t = data(8)
+    with pytest.raises(PipelineError, match=r"inputs is str 'abc', not an array of numbers"):
+        pipe.step(state, ("abc", t))
+    with pytest.raises(PipelineError, match=r"inputs\['ids'\] is an array of <U3"):
+        pipe.predict(state, {"ids": np.array(["abc"] * 8)})
+    with pytest.raises(PipelineError, match=r"batch 0: inputs is str 'abc'"):
+        pipe.evaluate(state, [("abc", t)])
+    with pytest.raises(PipelineError, match=r"init: sample is str 'abc', not an array"):
+        pipe_of().init(jax.random.key(0), "abc")
+
+
+def test_a_string_as_inputs_is_refused_by_data_parallel():
+    dp, state = dp_of(), fake_dp_state()
+    _, t = data(8)
+    with pytest.raises(PipelineError, match=r"batch\[0\] is str 'abc', not an array"):
+        dp.step(state, ("abc", t))
+    with pytest.raises(PipelineError, match=r"step takes one \(inputs, targets\) pair, got a str"):
+        dp.step(state, "abc")
+    with pytest.raises(PipelineError, match=r"inputs is str 'abc'"):
+        dp.predict(state, "abc")
+    with pytest.raises(PipelineError, match=r"init: sample is str 'abc', not an array"):
+        dp.init(jax.random.key(0), "abc")
+
+
+@pytest.mark.parametrize("make", [pipe_of, lambda **kw: dp_of()], ids=["Pipeline", "DP"])
+@pytest.mark.parametrize("key", [0, np.int64(3), 1.5, "0", np.zeros((2, 2), np.uint32)])
+def test_init_refuses_what_is_not_one_prng_key(make, key):
+    x, _ = data(4)
+    with pytest.raises(PipelineError, match=r"init rng must be one PRNG key, e\.g\. jax\.random"):
+        make().init(key, x)
+
+
+def test_init_refuses_a_batch_of_keys():
+    x, _ = data(4)
+    with pytest.raises(PipelineError, match=r"one PRNG key.*key<fry>\[2\]"):
+        pipe_of().init(jax.random.split(jax.random.key(0)), x)
+
+
+@pytest.mark.parametrize(
+    "stage,match",
+    [
+        (lambda: StagePlan(0.0, 3.0, (0,)), "first_layer must be an integer, got float 0.0"),
+        (lambda: StagePlan(0, 3, 0), "devices must be a tuple of device indices"),
+        (lambda: StagePlan(0, 3, "01"), "devices must be a tuple of device indices"),
+        (lambda: StagePlan(0, 3, (0.5,)), "devices entry must be an integer, got float 0.5"),
+        (lambda: StagePlan(0, 3, (1, 1)), r"devices \[1, 1\] must be distinct"),
+        (lambda: StagePlan(0, True, (0,)), "last_layer must be an integer, got bool"),
+        (lambda: StagePlan(0, 3, (0,), in_flight=0), "in_flight must be >= 1"),
+        (lambda: StagePlan(0, 3, (0,), compute_seconds=-1.0), "compute_seconds must be finite"),
+    ],
+)
+def test_stage_plan_refuses_values_that_are_not_what_it_holds(stage, match):
+    with pytest.raises(PlanError, match=match):
+        stage()
+
+
+def test_a_stage_plan_of_numpy_integers_is_plain_ints():
+    stage = StagePlan(np.int64(0), np.int32(3), np.arange(2))
+    assert (stage.first_layer, stage.last_layer, stage.devices) == (0, 3, (0, 1))
+    assert all(type(v) is int for v in (stage.first_layer, stage.last_layer, *stage.devices))
+
+
+@pytest.mark.parametrize("args", [(4.0, 2), (4, "2"), (4, 2, 1.0), (4, 2, 1, -1), (4, 2, True)])
+def test_even_stages_refuses_what_is_not_an_integer(args):
+    with pytest.raises(PipelineError, match=r"must be an integer|must be >= "):
+        pdjax.even_stages(*args)
+
+
+@pytest.mark.parametrize("runner", ["Pipeline", "DataParallel"])
+def test_a_plain_list_of_modules_is_refused_saying_wrap_it(runner):
+    modules = [nn.Dense(16), jnp.tanh, nn.Dense(4)]
+    with pytest.raises(PipelineError, match=r"plain list of 3 items: wrap them with pdjax\.seq"):
+        if runner == "Pipeline":
+            Pipeline(modules, pdjax.even_stages(3, 1), mse, optax.sgd(0.1))
+        else:
+            DataParallel(modules, mse, optax.sgd(0.1))
+    with pytest.raises(PipelineError, match=r"got Dense.*pdjax\.sequential"):
+        DataParallel(nn.Dense(4), mse, optax.sgd(0.1))
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(loss_fn=3), "loss_fn must be a function.*got int 3"),
+        (dict(optimizer=optax.adam), r"optimizer must be an optax.*call it"),
+        (dict(optimizer="adam"), r"optimizer must be an optax GradientTransformation"),
+    ],
+)
+def test_loss_fn_and_optimizer_must_be_what_they_are(kw, match):
+    optimizer = kw.pop("optimizer", optax.sgd(0.1))
+    loss_fn = kw.pop("loss_fn", mse)
+    with pytest.raises(PipelineError, match=match):
+        Pipeline(layers(), pdjax.even_stages(4, 2), loss_fn, optimizer)
+    with pytest.raises(PipelineError, match=match):
+        DataParallel(layers(), loss_fn, optimizer)
+
+
+@pytest.mark.parametrize("value", [10**30, 2**16 + 1])
+def test_microbatches_are_bounded(value):
+    with pytest.raises(PipelineError, match=r"microbatches must be at most 65536"):
+        pipe_of(microbatches=value)
+
+
+def test_a_batch_smaller_than_the_microbatches_is_refused_saying_so(pipe_and_state):
+    pipe = pipe_of(microbatches=8)
+    x, t = data(4)
+    with pytest.raises(PipelineError, match=r"8 microbatches: every microbatch needs at least one"):
+        pipe.split_batch((x, t))
+
+
+def test_each_runner_refuses_the_others_state(pipe_and_state):
+    pipe, _ = pipe_and_state
+    x, t = data(8)
+    with pytest.raises(PipelineError, match=r"got a DPState \(a DataParallel's state"):
+        pipe.step(fake_dp_state(), (x, t))
+    pipe_state = PipelineState((), (), (), (), 0, jax.random.key(0))
+    dp = dp_of()
+    for call in (lambda: dp.step(pipe_state, (x, t)), lambda: dp.run(pipe_state, [(x, t)])):
+        with pytest.raises(PipelineError, match=r"must be the DPState.*got a PipelineState"):
+            call()
+    with pytest.raises(PipelineError, match="batch_size must be an integer >= 1"):
+        dp.predict(fake_dp_state(), x, batch_size="4")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(schedule="pipedream", vertical_sync="yes"), "vertical_sync must be True or False"),
+        (dict(schedule="pipedream", weight_stashing=0), "weight_stashing must be True or False"),
+        (dict(devices=4), r"devices must be a sequence of jax\.Device, got int 4.*\[:4\]"),
+        (dict(devices=[0, 1]), r"devices\[0\] is int 0, not a jax\.Device"),
+        (dict(replication=3), "replication must be 'split', 'round-robin'"),
+    ],
+)
+def test_pipeline_options_of_the_wrong_type_are_refused(kw, match):
+    with pytest.raises(PipelineError, match=match):
+        pipe_of(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(devices=2), r"devices must be a sequence of jax\.Device, got int 2"),
+        (dict(donate="no"), "donate must be True or False"),
+    ],
+)
+def test_data_parallel_options_of_the_wrong_type_are_refused(kw, match):
+    with pytest.raises(PipelineError, match=match):
+        DataParallel(layers(), mse, optax.sgd(0.1), **kw)
+
+
+def test_call_arguments_of_the_wrong_type_are_refused(pipe_and_state):
+    pipe, state = pipe_and_state
+    x, t = data(8)
+    mbs = pipe.split_batch((x, t))
+    calls = [
+        (lambda: pipe.step(state, (x, t), timeline="no"), "timeline must be True or False"),
+        (lambda: pipe.run(state, mbs, on_loss=3), r"on_loss must be None or a function"),
+        (lambda: pipe.run(state, None), r"run takes a sequence of microbatches.*None"),
+        (lambda: pipe.evaluate(state, [(x, t)], metrics=3), "metrics must be None or a func"),
+        (lambda: pipe.evaluate(state, {"x": x}), r"evaluate takes a sequence of batches"),
+        (lambda: dp_of().run(fake_dp_state(), [(x, t)], on_loss=3), "on_loss must be None"),
+        (lambda: dp_of().run(fake_dp_state(), 7), r"run takes a sequence of batches"),
+    ]
+    for call, match in calls:
+        with pytest.raises(PipelineError, match=match):
+            call()
+
+
+@pytest.mark.parametrize(
+    "names,match",
+    [(3, "names must be a list of strings"), ("ab", "names must be a list"), ([3], "non-empty")],
+)
+def test_sequential_refuses_names_that_are_not_strings(names, match):
+    with pytest.raises(LayerError, match=match):
+        pdjax.sequential(nn.Dense(2), names=names)

@@ -1,6 +1,6 @@
-"""Faulty files: profiles, plans and graph.txt files that are malformed, wrong or cut short,
-and output paths that cannot be written. Each gives a pdjax error naming the file and the
-field (or line), never a raw traceback or a silently wrong result."""
+"""Faulty files: profiles, plans, calibrations and graph.txt files that are malformed, wrong
+or cut short, and output paths that cannot be written. Each gives a pdjax error naming the
+file and the field (or line), never a raw traceback or a silently wrong result."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdjax.apps.commands import simulate as simulate_command
-from pdjax.errors import GraphFormatError, PlanError, ProfileError
-from pdjax.partition import Plan, Topology, plan_pipedream, plan_uniform
+from pdjax.calibrate import AllReduceMeasure, Calibration, LinkMeasure, StageMeasure
+from pdjax.errors import CalibrationError, GraphFormatError, PdjaxError, PlanError, ProfileError
+from pdjax.partition import Plan, Topology, evaluate_partition, plan_pipedream, plan_uniform
+from pdjax.pipeline.costs import costs_from_plan
 from pdjax.profile import LayerProfile, Profile
 from pdjax.profile.graph_txt import read_graph_txt
 
@@ -406,3 +408,131 @@ def test_the_cli_reports_an_unwritable_output(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"--out {tmp_path}: that is a folder" in err  # refused before planning
     assert "Traceback" not in err
+
+
+# -- D: calibration files (pdjax calibrate's output, read by plan and simulate) -----------
+
+
+def _calibration() -> Calibration:
+    """A calibration of the 4-layer model on 3 devices with every field filled: stages (one
+    replicated, with its all-reduce), links both ways with their points, an all-reduce fit."""
+    points = {"sizes": (4096, 65536), "seconds": (1e-4, 6e-4)}
+    links = tuple(
+        LinkMeasure(a, b, latency=1e-4, bandwidth=1e8, send_seconds=2e-5, **points)
+        for a in range(3)
+        for b in range(3)
+        if a != b
+    )
+    return Calibration(
+        model={"layers": [f"l{i}" for i in range(4)], "param_bytes": [4096, 8192, 12288, 16384]},
+        microbatch_size=4, devices=(0, 1, 2), platform="cpu", device_kind="cpu", optimizer="sgd",
+        stages=(
+            StageMeasure(0, 1, 2, "split", 0.01, 0.02, 0.004, allreduce=3e-4, rows=2),
+            StageMeasure(2, 3, 1, "split", 0.03, 0.05, 0.002, rows=4),
+            StageMeasure(0, 3, 1, "split", 0.04, 0.07, 0.006, rows=4),
+        ),
+        links=links,
+        allreduces=(AllReduceMeasure((0, 1), 1e-4, 1e9, **points),),
+        profile_ratio=2.0,
+    )  # fmt: skip
+
+
+_CALIBRATION_DICT = json.loads(json.dumps(_calibration().to_json()))
+_CAL_PLAN = evaluate_partition(
+    _profile(), Topology.flat(3, 1e9), [(0, 1, 2), (2, 3, 1)], schedule="1f1b", microbatch_size=4
+)
+
+
+@pytest.fixture(scope="module")
+def cal_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("calibrations")
+
+
+def _numbers(value: Any) -> list[Any]:
+    """Every number in a JSON value."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _numbers(v)]
+    if isinstance(value, list | tuple):
+        return [n for v in value for n in _numbers(v)]
+    return [value] if isinstance(value, int | float) and not isinstance(value, bool) else []
+
+
+_BYTE_EDITS = st.tuples(
+    st.integers(0, len(json.dumps(_CALIBRATION_DICT)) - 1),
+    st.sampled_from([None, b"\xff", b"\x80", b'"', b"}", b"-", b"9", b"\x00", b"e9", b" "]),
+)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.one_of(_mutations(_CALIBRATION_DICT), _BYTE_EDITS))
+def test_mutated_calibration_gives_calibration_error_or_a_sound_calibration(cal_dir, mutation):
+    """Every damaged calibration file is refused naming the file and what to do, or reads
+    as a calibration whose numbers are finite and non-negative and that plan and simulate
+    use without a raw exception; never another exception."""
+    text = json.dumps(_CALIBRATION_DICT).encode()
+    if isinstance(mutation, tuple):  # bytes: cut the file (None) or overwrite some
+        at, new = mutation
+        text = text[:at] if new is None else text[:at] + new + text[at + len(new) :]
+    else:
+        text = json.dumps(_apply(_CALIBRATION_DICT, mutation)).encode()
+    path = cal_dir / "cal.json"
+    path.write_bytes(text)
+    try:
+        cal = Calibration.load(path)
+    except CalibrationError as e:
+        assert str(e).startswith(f"calibration {path}") or str(e).startswith(f"{path}:"), e
+        assert "pdjax calibrate" in str(e), e
+        return
+    numbers = _numbers(cal.to_json())
+    assert all(math.isfinite(n) and n >= 0 for n in numbers), cal
+    assert Calibration.from_json(json.loads(json.dumps(cal.to_json()))) == cal
+    cal.stage_seconds("1f1b", 4)(0, 1, 2, "split")
+    cal.allreduce_function()(4096.0, 2)
+    try:
+        costs_from_plan(_CAL_PLAN, _profile(), calibration=cal, partial=True)
+    except PdjaxError as e:
+        assert isinstance(e, CalibrationError | PlanError), e
+
+
+@pytest.mark.parametrize(
+    "path,value,match",
+    [
+        (("stages", 1, "forward"), -0.03, r"stages\[1\]\.forward: must be at least 0"),
+        (("stages", 0, "backward"), -math.inf, r"stages\[0\]\.backward: expected a finite"),
+        (("links", 2, "bandwidth"), 0, r"links\[2\]\.bandwidth: must be above 0"),
+        (("links", 0, "latency"), "fast", r"links\[0\]\.latency: expected a number, got str"),
+        (("microbatch_size",), 0, "microbatch_size: must be at least 1"),
+        (("stages", 0, "replicas"), 1.5, r"stages\[0\]\.replicas: expected an integer"),
+        (("model", "param_bytes", 0), "big", r"model\.param_bytes\[0\]: expected an integer"),
+        (("stages", 2, "last"), 4, r"stages\[2\]\.last: layer 4 is past"),
+        (("links", 0, "dst"), 7, r"links\[0\]\.dst: device 7 is not among"),
+        (("stages", 2), _CALIBRATION_DICT["stages"][1], r"stages\[2\]: .*measured twice"),
+        (("speed",), 1, r"top level: unknown fields \['speed'\]"),
+        (("profile_ratio",), 0.0, "profile_ratio: must be above 0"),
+        (("version",), True, "version true"),
+    ],
+)
+def test_wrong_calibration_values_are_refused_naming_the_field(cal_dir, path, value, match):
+    data = _mutate(_CALIBRATION_DICT, path, value)
+    path = cal_dir / "wrong.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match=match) as info:
+        Calibration.load(path)
+    assert str(info.value).startswith(f"calibration {path}")
+    assert str(info.value).endswith("re-create it with pdjax calibrate")
+
+
+def test_a_calibration_that_is_not_utf8_names_the_file_and_line(cal_dir):
+    path = cal_dir / "latin1.json"
+    text = json.dumps(_CALIBRATION_DICT, indent=1).encode()
+    path.write_bytes(text.replace(b'"cpu"', b'"c\xe9"', 1))  # Latin-1, not UTF-8
+    with pytest.raises(
+        CalibrationError, match=rf"{path}:\d+: calibration is not UTF-8.*pdjax calibrate"
+    ):
+        Calibration.load(path)
+
+
+def test_a_real_calibration_file_reads_back_equal(cal_dir):
+    cal = _calibration()
+    assert Calibration.load(cal.save(cal_dir / "good.json")) == cal
+    costs_from_plan(_CAL_PLAN, _profile(), calibration=cal)

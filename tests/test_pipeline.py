@@ -10,7 +10,7 @@ import optax
 import pytest
 from reference import flush_training
 
-from pdjax.errors import PipelineError
+from pdjax.errors import PipelineError, PlanError
 from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
@@ -212,10 +212,11 @@ def test_more_bad_input_is_caught_with_a_hint():
     spec = get_model("mlp", "tiny")
     L = len(spec.layers)
     loss, opt = spec.loss, optax.adam(1e-3)
-    with pytest.raises(PipelineError, match="distinct and >= 0"):
-        Pipeline(spec.layers, [StagePlan(0, L - 1, (0, 0))], loss, opt)
-    with pytest.raises(PipelineError, match="distinct and >= 0"):
-        Pipeline(spec.layers, [StagePlan(0, L - 1, (-1,))], loss, opt)
+    # a stage's devices are checked where the stage is made, before any Pipeline
+    with pytest.raises(PlanError, match="devices \\[0, 0\\] must be distinct indices >= 0"):
+        StagePlan(0, L - 1, (0, 0))
+    with pytest.raises(PlanError, match="devices \\[-1\\] must be distinct indices >= 0"):
+        StagePlan(0, L - 1, (-1,))
     with pytest.raises(PipelineError, match="options of the pipedream schedule"):
         Pipeline(spec.layers, even_stages(L, 2), loss, opt, vertical_sync=True)
     with pytest.raises(PipelineError, match="option of interleaved"):

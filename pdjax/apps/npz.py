@@ -18,7 +18,7 @@ import numpy as np
 from pdjax.apps.dataset import Dataset
 from pdjax.errors import DataError
 
-__all__ = ["NPZ_ARRAYS", "fit_to_sample", "load_npz"]
+__all__ = ["MAX_VALUE", "NPZ_ARRAYS", "fit_to_sample", "load_npz"]
 
 #: The arrays an ``.npz`` dataset holds (:func:`load_npz`).
 NPZ_ARRAYS = ("x_train", "y_train", "x_test", "y_test")
@@ -50,8 +50,9 @@ def load_npz(path: str | os.PathLike[str]) -> Dataset:
 
     Raises:
       DataError: the file is missing or not an ``.npz`` of plain arrays, an array is
-        missing, not numeric, or has the wrong number of rows or row shape; the message
-        names the file and the arrays.
+        missing, not numeric, or has the wrong number of rows or row shape, or a float in
+        it is NaN, infinite or above :data:`MAX_VALUE` in magnitude (the message names the
+        first such value and its index); the message names the file and the arrays.
 
     >>> import tempfile, numpy as np
     >>> with tempfile.TemporaryDirectory() as folder:
@@ -127,8 +128,43 @@ def _in_32_bits(arrays: Mapping[str, np.ndarray], path: Path) -> dict[str, np.nd
                 f"dataset file {str(path)!r}: {name} is a {a.dtype}{list(a.shape)} array; it "
                 "needs one row per sample (a leading axis) and a numeric dtype"
             )
+        if a.dtype.kind == "f" or a.dtype.name == "bfloat16":
+            _check_float_values(a, name, path)
         out[name] = _to_32_bits(a, name, path)
     return out
+
+
+#: The largest magnitude a float in an ``.npz`` dataset may have. Data for a network is
+#: scaled to about 1; values past 1e20 are a unit mistake or a sentinel, and arithmetic on
+#: them in float32 (a square, a sum over a batch: float32 ends at 3.4e38) overflows to inf,
+#: which would surface as a diverged run.
+MAX_VALUE = 1e20
+
+
+def _check_float_values(a: np.ndarray, name: str, path: Path) -> None:
+    """Refuses NaN, infinities and magnitudes above :data:`MAX_VALUE` in ``a``, naming the
+    first one (its index and value), before it is cast to 32 bits (where a float64 above
+    float32's range would become an infinity)."""
+    flat = a.reshape(-1)
+    first, count = -1, 0
+    step = 1 << 20  # checked in float64 a million values at a time (bounded memory)
+    for lo in range(0, flat.size, step):
+        bad = ~(np.abs(flat[lo : lo + step].astype(np.float64)) <= MAX_VALUE)  # NaN: bad
+        if bad.any():
+            first = lo + int(np.argmax(bad)) if first < 0 else first
+            count += int(bad.sum())
+    if first < 0:
+        return
+    index = tuple(int(i) for i in np.unravel_index(first, a.shape))
+    value = float(flat[first])
+    what = "NaN" if np.isnan(value) else "infinite" if np.isinf(value) else "too large"
+    raise DataError(
+        f"dataset file {str(path)!r}: {name}[{', '.join(map(str, index))}] is {value!r} "
+        f"({what}; {count} value{'s' if count > 1 else ''} of {name} out of bounds): every "
+        f"float must be finite with |x| <= {MAX_VALUE:g}, since data for a network is scaled "
+        "to about 1 and float32 arithmetic on larger values overflows to inf; remove or "
+        "impute the missing values and rescale the data"
+    )
 
 
 def _check_rows(arrays: Mapping[str, np.ndarray], path: Path) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdjax._jsonio import parse_json, write_atomic
+from pdjax._jsonio import FieldReader, _kind, parse_json, read_text, write_atomic
 from pdjax.errors import CalibrationError
 
 __all__ = ["AllReduceMeasure", "Calibration", "LinkMeasure", "StageMeasure"]
@@ -249,47 +249,31 @@ class Calibration:
         return {"format": FORMAT, "version": VERSION, **data}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any], what: str = "calibration") -> Calibration:
+    def from_json(cls, data: Any, what: str = "calibration") -> Calibration:
+        """The calibration ``data`` (parsed JSON) holds, every field checked.
+
+        Args:
+          data: what :meth:`to_json` wrote, parsed.
+          what: the file, for messages (e.g. ``"cal.json"``).
+
+        Raises:
+          CalibrationError: naming ``what``, the field path (``stages[2].forward``) and what
+            is wrong: another format or version, a missing or unknown field, a wrongly
+            typed value, a negative or non-finite time, a count below 1, a stage outside
+            the model, a link or all-reduce over devices not measured, an entry twice.
+        """
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
-            raise CalibrationError(f"{what} is not a pdjax calibration (no format {FORMAT!r})")
-        if data.get("version") != VERSION:
             raise CalibrationError(
-                f"{what} has version {data.get('version')!r}; this pdjax reads {VERSION}"
+                f"{what} is not a pdjax calibration (no format {FORMAT!r}); make one with "
+                "pdjax calibrate"
             )
-        try:
-            return cls(
-                model=dict(data["model"]),
-                microbatch_size=int(data["microbatch_size"]),
-                devices=tuple(int(d) for d in data["devices"]),
-                platform=str(data.get("platform", "")),
-                device_kind=str(data.get("device_kind", "")),
-                optimizer=str(data.get("optimizer", "")),
-                stages=tuple(StageMeasure(**s) for s in data.get("stages", ())),
-                links=tuple(
-                    LinkMeasure(
-                        **{
-                            **ln,
-                            "sizes": tuple(ln.get("sizes", ())),
-                            "seconds": tuple(ln.get("seconds", ())),
-                        }
-                    )
-                    for ln in data.get("links", ())
-                ),
-                allreduces=tuple(
-                    AllReduceMeasure(
-                        **{
-                            **a,
-                            "devices": tuple(a["devices"]),
-                            "sizes": tuple(a.get("sizes", ())),
-                            "seconds": tuple(a.get("seconds", ())),
-                        }
-                    )
-                    for a in data.get("allreduces", ())
-                ),
-                profile_ratio=data.get("profile_ratio"),
+        version = data.get("version")
+        if isinstance(version, bool) or version != VERSION:
+            raise CalibrationError(
+                f"{what} has version {_kind(version)}; this pdjax reads {VERSION}: "
+                "re-create it with pdjax calibrate"
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CalibrationError(f"{what} is malformed: {e}") from e
+        return _Reader(what).calibration(data)
 
     def save(self, path: str | Path) -> Path:
         write_atomic(
@@ -299,12 +283,29 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | Path) -> Calibration:
+        """The calibration in the file ``path`` (what :meth:`save` and ``pdjax calibrate``
+        write), every field checked (:meth:`from_json`).
+
+        Raises:
+          CalibrationError: naming the file (and the line or field): missing, unreadable,
+            not UTF-8, not JSON, or a field :meth:`from_json` refuses; "re-create it with
+            pdjax calibrate".
+        """
         path = Path(path)
         if not path.is_file():
             raise CalibrationError(f"no calibration file at {path}; make one with pdjax calibrate")
-        return cls.from_json(
-            parse_json(path.read_text(), f"calibration {path}", CalibrationError), str(path)
-        )
+        what = f"calibration {path}"
+        try:
+            data = parse_json(
+                read_text(path, "calibration", CalibrationError), what, CalibrationError
+            )
+        except CalibrationError as e:
+            if isinstance(e.__cause__, OSError):
+                raise
+            text = str(e)
+            advice = f" If so, {_ADVICE}" if text.endswith("?") else f"; {_ADVICE}"
+            raise CalibrationError(text + advice) from e.__cause__
+        return cls.from_json(data, what)
 
     def merge(self, other: Calibration) -> Calibration:
         """This calibration with ``other``'s measurements added (``other``'s win). Both
@@ -341,6 +342,193 @@ class Calibration:
         if not total > 0:
             return self
         return dataclasses.replace(self, profile_ratio=whole.compute / total)
+
+
+_ADVICE = "re-create it with pdjax calibrate"
+_TOP = {
+    "format", "version", "model", "microbatch_size", "devices", "platform", "device_kind",
+    "optimizer", "stages", "links", "allreduces", "profile_ratio",
+}  # fmt: skip
+_MODEL = {"layers", "param_bytes"}
+_STAGE = {f.name for f in dataclasses.fields(StageMeasure)}
+_LINK = {f.name for f in dataclasses.fields(LinkMeasure)}
+_ALLREDUCE = {f.name for f in dataclasses.fields(AllReduceMeasure)}
+_REPLICATION = ("split", "round-robin")
+_TRANSPORTS = ("device_put", "collective")
+
+
+class _Reader(FieldReader):
+    """Reads a calibration's parsed JSON field by field (see :meth:`Calibration.from_json`)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what, CalibrationError, _ADVICE)
+
+    def calibration(self, data: Mapping[str, Any]) -> Calibration:
+        self.unknown_keys(data, _TOP, "")
+        model = self.model(self.field(data, "model", ""))
+        devices = self.device_ids(self.field(data, "devices", ""), "devices", known=None)
+        ratio = self.field(data, "profile_ratio", "", None)
+        if ratio is not None and self.number(ratio, "profile_ratio") <= 0:
+            self.fail("profile_ratio", f"must be above 0, got {ratio!r}")
+        stages = tuple(
+            self.stage(s, f"stages[{i}]", len(model["layers"]))
+            for i, s in enumerate(self.array(self.field(data, "stages", "", []), "stages"))
+        )
+        links = tuple(
+            self.link(ln, f"links[{i}]", devices)
+            for i, ln in enumerate(self.array(self.field(data, "links", "", []), "links"))
+        )
+        allreduces = tuple(
+            self.allreduce(a, f"allreduces[{i}]", devices)
+            for i, a in enumerate(self.array(self.field(data, "allreduces", "", []), "allreduces"))
+        )
+        self.unique([s.key for s in stages], "stages", "a stage (first, last, replicas, mode)")
+        self.unique([(ln.src, ln.dst) for ln in links], "links", "a link (src, dst)")
+        self.unique([tuple(sorted(a.devices)) for a in allreduces], "allreduces", "a device group")
+        return Calibration(
+            model=model,
+            microbatch_size=self.integer(
+                self.field(data, "microbatch_size", ""), "microbatch_size", minimum=1
+            ),
+            devices=devices,
+            platform=self.string(self.field(data, "platform", "", ""), "platform"),
+            device_kind=self.string(self.field(data, "device_kind", "", ""), "device_kind"),
+            optimizer=self.string(self.field(data, "optimizer", "", ""), "optimizer"),
+            stages=stages,
+            links=links,
+            allreduces=allreduces,
+            profile_ratio=None if ratio is None else float(ratio),
+        )
+
+    def model(self, value: Any) -> dict[str, Any]:
+        model = self.mapping(value, "model")
+        self.unknown_keys(model, _MODEL, "model")
+        layers = [
+            self.string(n, f"model.layers[{i}]")
+            for i, n in enumerate(self.array(self.field(model, "layers", "model"), "model.layers"))
+        ]
+        if not layers:
+            self.fail("model.layers", "expected at least one layer name, got none")
+        sizes = self.array(self.field(model, "param_bytes", "model"), "model.param_bytes")
+        if len(sizes) != len(layers):
+            self.fail(
+                "model.param_bytes",
+                f"expected one entry per layer ({len(layers)}), got {len(sizes)}",
+            )
+        param_bytes = [
+            self.integer(n, f"model.param_bytes[{i}]", minimum=0) for i, n in enumerate(sizes)
+        ]
+        return {"layers": layers, "param_bytes": param_bytes}
+
+    def device_ids(self, value: Any, path: str, known: tuple[int, ...] | None) -> tuple[int, ...]:
+        ids = tuple(
+            self.integer(d, f"{path}[{i}]", minimum=0)
+            for i, d in enumerate(self.array(value, path))
+        )
+        if not ids:
+            self.fail(path, "expected at least one device id, got none")
+        if len(set(ids)) != len(ids):
+            self.fail(path, f"a device is listed twice in {list(ids)}")
+        if known is not None and not set(ids) <= set(known):
+            missing = sorted(set(ids) - set(known))
+            self.fail(path, f"devices {missing} are not among the calibration's {list(known)}")
+        return ids
+
+    def seconds(self, obj: Mapping[str, Any], key: str, path: str, default: Any) -> float:
+        return float(self.number(self.field(obj, key, path, default), f"{path}.{key}"))
+
+    def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str:
+        if self.string(value, path) not in choices:
+            self.fail(path, f"expected one of {list(choices)}, got {value!r}")
+        return str(value)
+
+    def stage(self, value: Any, path: str, num_layers: int) -> StageMeasure:
+        obj = self.mapping(value, path)
+        self.unknown_keys(obj, _STAGE, path)
+        first = self.integer(self.field(obj, "first", path), f"{path}.first", minimum=0)
+        last = self.integer(self.field(obj, "last", path), f"{path}.last", minimum=first)
+        if last >= num_layers:
+            self.fail(f"{path}.last", f"layer {last} is past the model's {num_layers} layers")
+        replicas = self.integer(self.field(obj, "replicas", path, 1), f"{path}.replicas", minimum=1)
+        mode = self.choice(
+            self.field(obj, "replication", path, "split"), f"{path}.replication", _REPLICATION
+        )
+        if replicas == 1 and mode != "split":
+            self.fail(f"{path}.replication", f"a stage on one device is 'split', got {mode!r}")
+        allreduce = self.optional_number(
+            self.field(obj, "allreduce", path, None), f"{path}.allreduce"
+        )
+        return StageMeasure(
+            first=first,
+            last=last,
+            replicas=replicas,
+            replication=mode,
+            forward=self.seconds(obj, "forward", path, 0.0),
+            backward=self.seconds(obj, "backward", path, 0.0),
+            update=self.seconds(obj, "update", path, 0.0),
+            allreduce=None if allreduce is None else float(allreduce),
+            rows=self.integer(self.field(obj, "rows", path, 0), f"{path}.rows", minimum=0),
+        )
+
+    def fit(
+        self, obj: Mapping[str, Any], path: str
+    ) -> tuple[float, float, tuple[int, ...], tuple[float, ...]]:
+        """``(latency, bandwidth, sizes, seconds)`` of a link's or all-reduce's fit."""
+        latency = float(self.number(self.field(obj, "latency", path), f"{path}.latency"))
+        bandwidth = float(self.number(self.field(obj, "bandwidth", path), f"{path}.bandwidth"))
+        if bandwidth <= 0:
+            self.fail(f"{path}.bandwidth", f"must be above 0 bytes/s, got {bandwidth!r}")
+        sizes = tuple(
+            self.integer(n, f"{path}.sizes[{i}]", minimum=0)
+            for i, n in enumerate(self.array(self.field(obj, "sizes", path, []), f"{path}.sizes"))
+        )
+        seconds = self.array(self.field(obj, "seconds", path, []), f"{path}.seconds")
+        if len(seconds) != len(sizes):
+            self.fail(
+                f"{path}.seconds", f"expected one per size ({len(sizes)}), got {len(seconds)}"
+            )
+        times = tuple(float(self.number(s, f"{path}.seconds[{i}]")) for i, s in enumerate(seconds))
+        return latency, bandwidth, sizes, times
+
+    def link(self, value: Any, path: str, devices: tuple[int, ...]) -> LinkMeasure:
+        obj = self.mapping(value, path)
+        self.unknown_keys(obj, _LINK, path)
+        src = self.integer(self.field(obj, "src", path), f"{path}.src", minimum=0)
+        dst = self.integer(self.field(obj, "dst", path), f"{path}.dst", minimum=0)
+        for name, d in (("src", src), ("dst", dst)):
+            if d not in devices:
+                self.fail(
+                    f"{path}.{name}", f"device {d} is not among the calibration's {list(devices)}"
+                )
+        if src == dst:
+            self.fail(path, f"a link from device {src} to itself")
+        latency, bandwidth, sizes, seconds = self.fit(obj, path)
+        return LinkMeasure(
+            src=src,
+            dst=dst,
+            latency=latency,
+            bandwidth=bandwidth,
+            send_seconds=self.seconds(obj, "send_seconds", path, 0.0),
+            sizes=sizes,
+            seconds=seconds,
+            transport=self.choice(
+                self.field(obj, "transport", path, "device_put"), f"{path}.transport", _TRANSPORTS
+            ),
+        )
+
+    def allreduce(self, value: Any, path: str, devices: tuple[int, ...]) -> AllReduceMeasure:
+        obj = self.mapping(value, path)
+        self.unknown_keys(obj, _ALLREDUCE, path)
+        group = self.device_ids(self.field(obj, "devices", path), f"{path}.devices", devices)
+        latency, bandwidth, sizes, seconds = self.fit(obj, path)
+        return AllReduceMeasure(group, latency, bandwidth, sizes, seconds)
+
+    def unique(self, keys: list[Any], path: str, what: str) -> None:
+        seen: set[Any] = set()
+        for i, k in enumerate(keys):
+            if k in seen:
+                self.fail(f"{path}[{i}]", f"{what} measured twice: {k}")
+            seen.add(k)
 
 
 def _model_diffs(

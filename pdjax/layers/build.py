@@ -187,9 +187,16 @@ def sequential(
     if len(modules) == 1 and isinstance(modules[0], (list, tuple)):
         modules = tuple(modules[0])
     modules = tuple(_classify(m) for m in modules)
+    if names is not None and (isinstance(names, str) or not isinstance(names, Iterable)):
+        raise LayerError(
+            f"names must be a list of strings, one per module, got {type(names).__name__} {names!r}"
+        )
     name_list = (
         list(names) if names is not None else [_default_name(i, m) for i, m in enumerate(modules)]
     )
+    bad = [n for n in name_list if not isinstance(n, str) or not n]
+    if bad:
+        raise LayerError(f"names must be non-empty strings, got {bad[0]!r} in {name_list}")
     if len(name_list) != len(modules):
         raise LayerError(f"got {len(name_list)} names for {len(modules)} modules")
     layers = tuple(_to_layer(m, n) for m, n in zip(modules, name_list, strict=True))

@@ -16,9 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError
@@ -33,6 +36,17 @@ _FORMAT = "pdjax.plan/1"
 
 REPLICATION = ("split", "round-robin")
 """How a replicated stage's devices share its microbatches (see :class:`StagePlan`)."""
+
+
+def _whole(name: str, value: Any) -> int:
+    """``value`` as an ``int``: a Python or NumPy integer; bools, floats (``0.0``, ``3.0``)
+    and strings are refused rather than converted (the runtime slices layers with it)."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Integral):
+        raise PlanError(
+            f"{name} must be an integer, got {type(value).__name__} {value!r}; write whole "
+            "numbers, e.g. StagePlan(0, 3, (0,))"
+        )
+    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +84,33 @@ class StagePlan:
     replication: str = "split"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "devices", tuple(int(d) for d in self.devices))
+        for name in ("first_layer", "last_layer", "in_flight"):
+            object.__setattr__(self, name, _whole(f"StagePlan {name}", getattr(self, name)))
+        if isinstance(self.devices, str | bytes) or not isinstance(self.devices, Iterable):
+            raise PlanError(
+                f"StagePlan devices must be a tuple of device indices, e.g. (0,) or (0, 1), "
+                f"got {type(self.devices).__name__} {self.devices!r}"
+            )
+        devices = tuple(_whole("StagePlan devices entry", d) for d in self.devices)
+        object.__setattr__(self, "devices", devices)
+        for name in ("compute_seconds", "memory_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise PlanError(f"StagePlan {name} must be a number, got {value!r}")
+            if not (math.isfinite(float(value)) and float(value) >= 0):
+                raise PlanError(f"StagePlan {name} must be finite and >= 0, got {value!r}")
         if self.first_layer > self.last_layer or self.first_layer < 0:
-            raise PlanError(f"bad layer range {self.first_layer}-{self.last_layer}")
+            raise PlanError(
+                f"bad layer range {self.first_layer}-{self.last_layer}: a stage holds layers "
+                "first_layer..last_layer (inclusive), 0 <= first_layer <= last_layer"
+            )
+        if min(devices, default=0) < 0 or len(set(devices)) != len(devices):
+            raise PlanError(
+                f"stage {self.first_layer}-{self.last_layer}: devices {list(devices)} must be "
+                "distinct indices >= 0"
+            )
+        if self.in_flight < 1:
+            raise PlanError(f"StagePlan in_flight must be >= 1, got {self.in_flight}")
         if not self.devices:
             raise PlanError(f"stage {self.first_layer}-{self.last_layer} has no devices")
         if self.replication not in REPLICATION:
@@ -157,6 +195,12 @@ class Plan:
         object.__setattr__(self, "options", dict(self.options))
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
+        for s, stage in enumerate(self.stages):
+            if not isinstance(stage, StagePlan):
+                raise PlanError(
+                    f"plan stage {s} is a {type(stage).__name__}, not a StagePlan; write "
+                    "StagePlan(first_layer, last_layer, devices) per stage"
+                )
         expected = 0
         for stage in self.stages:
             if stage.first_layer != expected:

@@ -29,6 +29,7 @@ as on a single device with that batch. As a :class:`~pdjax.runners.Runner`, its
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -46,6 +47,17 @@ from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 from pdjax.layers.init_programs import init_on
+from pdjax.pipeline.executor.arguments import (
+    check_arrays,
+    check_callback,
+    check_devices,
+    check_flag,
+    check_key,
+    check_layers,
+    check_loss_fn,
+    check_optimizer,
+    check_stream,
+)
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
 
@@ -135,7 +147,10 @@ class DataParallel:
         again). Set ``False`` to keep old states alive, e.g. while saving them.
 
     Raises:
-      PipelineError: for an empty or repeated device list.
+      PipelineError: for layers that are not a pdjax layer sequence (a plain list: wrap
+        it with :func:`pdjax.sequential`), a ``loss_fn`` that is not callable, an
+        optimizer that is not an optax ``GradientTransformation``, or an empty or repeated
+        device list.
 
     Every jitted function compiles once per input shape; ``trace_counts`` counts traces
     (``"step"`` and ``"evaluate"``).
@@ -150,6 +165,11 @@ class DataParallel:
         devices: Sequence[jax.Device] | None = None,
         donate: bool = True,
     ) -> None:
+        layers = check_layers(layers, "DataParallel")
+        check_loss_fn(loss_fn, "DataParallel")
+        check_optimizer(optimizer, "DataParallel")
+        devices = check_devices(devices, "DataParallel")
+        donate = check_flag("donate", donate)
         self.devices = tuple(jax.devices() if devices is None else devices)
         if not self.devices:
             raise PipelineError("DataParallel needs at least one device; got devices=[]")
@@ -194,7 +214,13 @@ class DataParallel:
 
         As :meth:`Pipeline.init`: the variables come from ``fold_in(rng, 0)`` and dropout
         is seeded by ``fold_in(rng, 1)``, so both runners start from the same weights.
+
+        Raises:
+          PipelineError: for an ``rng`` that is not one PRNG key (``jax.random.key(0)``),
+            or a sample leaf that is not an array of numbers.
         """
+        check_key(rng, "init")
+        check_arrays((("sample", sample),), "init: ")
         key = place(jax.random.fold_in(rng, 0), self.replicated)
         # by the programs a pipeline's stages use (pdjax.layers.init_programs), on the first
         # device: equal layers share one, also with earlier runners of this process
@@ -217,8 +243,10 @@ class DataParallel:
         The arrays are copied onto the mesh, so donation never deletes the caller's.
 
         Raises:
-          PipelineError: if the variables do not match the model's layer count.
+          PipelineError: if the variables do not match the model's layer count, or
+            ``rng`` is not one PRNG key.
         """
+        check_key(rng, "state_from_variables")
         if isinstance(variables, Mapping):
             variables = self.layers.split(variables)
         if len(variables) != len(self.layers):
@@ -256,9 +284,10 @@ class DataParallel:
         """Puts a batch (numpy or device arrays, any pytree) on the mesh, sharded on axis 0.
 
         Raises:
-          PipelineError: if the leaves disagree on the batch size or it is not a multiple
-            of :attr:`num_devices`.
+          PipelineError: if a leaf is not an array of numbers, the leaves disagree on the
+            batch size or it is not a multiple of :attr:`num_devices`.
         """
+        check_arrays((("batch", tree),), "")
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
         n = next(iter(sizes)) if len(sizes) == 1 else None
         if n is None:
@@ -280,9 +309,17 @@ class DataParallel:
         With ``donate=True`` (the default) ``state``'s arrays are consumed.
 
         Raises:
-          PipelineError: if the batch size is not a multiple of :attr:`num_devices`.
+          PipelineError: for a state that is not a :class:`DPState` (a pipeline's state),
+            a batch that is not an ``(inputs, targets)`` pair of arrays, or a batch size
+            that is not a multiple of :attr:`num_devices`.
         """
         t0 = time.perf_counter()
+        _check_state(state, "step")
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise PipelineError(
+                f"step takes one (inputs, targets) pair, got a {type(batch).__name__}"
+                + (f" of {len(batch)} items" if isinstance(batch, tuple | list) else "")
+            )
         inputs, targets = self.place_batch(batch)
         params, model_state, opt_state, loss = self._train_step(
             (state.params, state.model_state, state.opt_state),
@@ -318,6 +355,9 @@ class DataParallel:
         Raises:
           PipelineError: for no batches, or as :meth:`step` does.
         """
+        _check_state(state, "run")
+        check_callback("on_loss", on_loss, "on_loss(k, loss)")
+        microbatches = check_stream("batches", microbatches, "run")
         if not microbatches:
             raise PipelineError("run needs at least one (inputs, targets) batch")
         losses: list[jax.Array] = []
@@ -348,12 +388,17 @@ class DataParallel:
           PipelineError: for no rows, or a batch whose size is not a multiple of
             :attr:`num_devices`.
         """
+        _check_state(state, "predict")
+        check_arrays((("inputs", inputs),), "")
         n = {np.shape(leaf)[0] if np.ndim(leaf) else 0 for leaf in jax.tree.leaves(inputs)}
         rows = max(n) if n else 0
         if rows < 1:
             raise PipelineError("predict needs inputs of at least one row, got 0 rows")
-        if batch_size is not None and batch_size < 1:
-            raise PipelineError(f"batch_size must be an integer >= 1, got {batch_size}")
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
+            or batch_size < 1
+        ):  # fmt: skip
+            raise PipelineError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         size = rows if batch_size is None else batch_size
         outs = [
             self.evaluate(state, jax.tree.map(lambda a, k=k: a[k : k + size], inputs))
@@ -374,8 +419,10 @@ class DataParallel:
           The outputs (e.g. logits ``(B, num_classes)``), sharded on the batch axis.
 
         Raises:
-          PipelineError: if the batch size is not a multiple of :attr:`num_devices`.
+          PipelineError: for a state that is not a :class:`DPState`, a leaf that is not an
+            array of numbers, or a batch size that is not a multiple of :attr:`num_devices`.
         """
+        _check_state(state, "evaluate")
         return self._evaluate(state.params, state.model_state, self.place_batch(inputs))
 
     # -- jitted bodies ----------------------------------------------------------------------
@@ -407,3 +454,18 @@ class DataParallel:
     ) -> PyTree:
         variables = [{**s, "params": p} for p, s in zip(params, model_state, strict=True)]
         return self.layers.apply(variables, inputs, train=False)[0]
+
+
+def _check_state(state: Any, call: str) -> None:
+    """Refuses a ``state`` that is not a :class:`DPState` (a pipeline's, a tuple)."""
+    if not isinstance(state, DPState):
+        other = (
+            " (a Pipeline's state: run it with that Pipeline, or move the weights with "
+            "state_from_variables(pipe.variables(state), rng))"
+            if type(state).__name__ == "PipelineState"
+            else ""
+        )
+        raise PipelineError(
+            f"{call}: state must be the DPState that this DataParallel's init (or step, run) "
+            f"returned, got a {type(state).__name__}{other}"
+        )

@@ -76,6 +76,40 @@ def evaluate_runner(
     return got["loss"], float(got.get("_accuracy", math.nan))
 
 
+def scalar_accuracy(spec: ModelSpec, value: Any) -> jax.Array:
+    """``value``, what ``spec``'s accuracy returned, as a float32 scalar; anything else (a
+    vector, a string, a complex number) is refused naming the model's accuracy function.
+
+    Raises:
+      PipelineError: ``value`` is not one real number (an array of shape ``()``).
+    """
+    dtype = getattr(value, "dtype", None)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return jnp.asarray(value, jnp.float32)
+    ok = (
+        dtype is not None
+        and getattr(value, "shape", None) == ()
+        and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))
+    )
+    if not ok:
+        got = (
+            f"{jnp.dtype(dtype).name}{list(value.shape)}"
+            if dtype is not None and hasattr(value, "shape")
+            else f"a {type(value).__name__} {_short(value)}"
+        )
+        raise PipelineError(
+            f"the accuracy of model {spec.name!r} (CustomModel(accuracy=...)) returned {got}; "
+            "it must return one number in [0, 1], the fraction correct over the batch "
+            "(reduce it with .mean())"
+        )
+    return jnp.asarray(value, jnp.float32)
+
+
+def _short(value: Any) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 _METRICS: dict[int, tuple[ModelSpec, Callable[..., Any] | None]] = {}
 
 
@@ -88,7 +122,7 @@ def _accuracy_metric(spec: ModelSpec) -> Callable[..., Any] | None:
         if spec.has_accuracy:
 
             def fn(outputs: Any, targets: Any) -> dict[str, jax.Array]:
-                return {"_accuracy": jnp.asarray(spec.accuracy(outputs, targets), jnp.float32)}
+                return {"_accuracy": scalar_accuracy(spec, spec.accuracy(outputs, targets))}
 
         _METRICS.clear()
         _METRICS[id(spec)] = (spec, fn)
@@ -108,7 +142,7 @@ def _own_eval(spec: ModelSpec) -> Callable[..., Any]:
         loss = spec.loss(out, y)
         if isinstance(loss, tuple | list):  # (loss, aux)
             loss = loss[0]
-        acc = spec.accuracy(out, y) if spec.has_accuracy else jnp.float32(jnp.nan)
+        acc = scalar_accuracy(spec, spec.accuracy(out, y)) if spec.has_accuracy else jnp.nan
         return jnp.asarray(loss, jnp.float32), jnp.asarray(acc, jnp.float32)
 
     return fn

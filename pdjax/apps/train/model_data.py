@@ -11,7 +11,8 @@ import numpy as np
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import TrainConfig
-from pdjax.errors import PipelineError
+from pdjax.apps.train.evaluation import scalar_accuracy
+from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model, is_model_ref, load_model
 
 
@@ -111,7 +112,8 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
     and a target accuracy for a model without accuracy.
 
     Raises:
-      PipelineError: saying what to change.
+      PipelineError: saying what to change (also: a model whose outputs the dataset's
+        labels do not fit, or whose accuracy is not a fraction; :func:`check_model_on_data`).
       PlanError: for an unreadable plan file.
     """
     if cfg.batch_size > ds.num_train:
@@ -125,6 +127,7 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             f"--target-accuracy needs an accuracy, and {spec.name} has none: give the model "
             "an accuracy function (CustomModel(accuracy=...)), or drop --target-accuracy"
         )
+    check_model_on_data(spec, ds)
     L = len(spec.layers)
     if cfg.schedule == "dp":
         if cfg.batch_size % cfg.devices:
@@ -172,3 +175,98 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
                 f"the plan {cfg.plan} covers {plan.num_layers} layers, {spec.name} has {L}: "
                 "make the plan from this model's profile"
             )
+
+
+# The (spec, dataset) pair check_model_on_data last passed: check() runs once per
+# configuration of a command, all on the same model and dataset.
+_CHECKED: list[tuple[ModelSpec, data_lib.Dataset]] = []
+
+
+def check_model_on_data(spec: ModelSpec, ds: data_lib.Dataset) -> None:
+    """Checks the model against the dataset on shapes, before anything is compiled: the
+    model's outputs for its sample batch (:func:`jax.eval_shape`, no FLOPs), then
+
+    - **labels**: integer targets of the outputs' shape less its last axis are class
+      indices into that axis (what a classification or language-model loss takes), so
+      every label of both splits must lie in ``[0, width)``; a label past the outputs
+      would make the loss NaN (reported as a diverged run) or silently wrong. Float
+      targets (regression), targets of the outputs' own shape, and outputs of width 1
+      are not class indices and are not checked;
+    - **accuracy**: a model's own accuracy function, applied to outputs of zeros and the
+      sample's targets, must return one number in ``[0, 1]``.
+
+    A model that cannot take its own sample batch is left to the runner's checks (which
+    name the layer).
+
+    Raises:
+      PipelineError: naming the model, its output width and the labels' range (or what
+        its accuracy returned), and what to change.
+    """
+    if any(s is spec and d is ds for s, d in _CHECKED):
+        return
+    x, y = jax.tree.map(np.asarray, spec.sample_batch(2))
+
+    def outputs(x: Any) -> Any:
+        variables = spec.layers.init(jax.random.key(0), x)
+        return spec.layers.apply(variables, x, train=False)[0]
+
+    try:
+        out = jax.eval_shape(outputs, x)
+    except Exception:  # the runner's own checks name the layer that fails
+        return
+    _check_labels(spec, ds, out, y)
+    if spec.accuracy_fn is not None:
+        _check_accuracy(spec, out, y)
+    _CHECKED[:] = [(spec, ds)]
+
+
+def _check_labels(spec: ModelSpec, ds: data_lib.Dataset, out: Any, y: Any) -> None:
+    """The dataset's integer labels against the width of the model's outputs (see
+    :func:`check_model_on_data`)."""
+    outs, ys = jax.tree.leaves(out), jax.tree.leaves(y)
+    if len(outs) != 1 or len(ys) != 1:
+        return
+    o, t = outs[0], ys[0]
+    labels = (ds.train_y, ds.test_y)
+    integer = all(a.dtype.kind in "iu" for a in labels)
+    if not (integer and jax.numpy.issubdtype(o.dtype, jax.numpy.inexact)):
+        return
+    if o.ndim < 2 or tuple(o.shape[:-1]) != tuple(np.shape(t)) or o.shape[-1] < 2:
+        return
+    width = int(o.shape[-1])
+    lo = min(int(a.min()) for a in labels if a.size)
+    hi = max(int(a.max()) for a in labels if a.size)
+    if 0 <= lo and hi < width:
+        return
+    shape = f"{jax.numpy.dtype(o.dtype).name}{list(o.shape)}"
+    raise PipelineError(
+        f"model {spec.name!r} puts out {width} values per label (its outputs for a sample "
+        f"batch of 2 are {shape}) but the {ds.name} dataset's labels range over {lo}..{hi} "
+        f"(y_train and y_test): a classification loss would read past the outputs (a NaN "
+        f"loss, or a silently wrong one). Give the model {max(hi + 1, 2)} outputs (its last "
+        f"layer, e.g. nn.Dense({max(hi + 1, 2)})), or labels in 0..{width - 1}; if the "
+        "targets are not class indices (a regression), store them as floats"
+    )
+
+
+def _check_accuracy(spec: ModelSpec, out: Any, y: Any) -> None:
+    """The model's own accuracy on outputs of zeros and the sample's targets: one number
+    in ``[0, 1]`` (see :func:`check_model_on_data`)."""
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), out)
+    try:
+        value = spec.accuracy(zeros, y)
+    except PdjaxError:
+        raise
+    except Exception as e:  # the user's function: any error, named
+        raise PipelineError(
+            f"the accuracy of model {spec.name!r} (CustomModel(accuracy=...)) fails on the "
+            f"model's outputs for its sample batch: {type(e).__name__}: {e}; it must take "
+            "(outputs, targets) and return one number in [0, 1]"
+        ) from e
+    fraction = float(scalar_accuracy(spec, value))
+    if not 0.0 <= fraction <= 1.0:
+        raise PipelineError(
+            f"the accuracy of model {spec.name!r} (CustomModel(accuracy=...)) returned "
+            f"{fraction!r} for its sample batch (with outputs of zeros); it must return the "
+            "fraction correct, in [0, 1] (not a count or a percentage)"
+        )

@@ -17,6 +17,7 @@ import numpy as np
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import PyTree, Variables
 from pdjax.layers.init_programs import init_layers
+from pdjax.pipeline.executor.arguments import check_arrays
 from pdjax.pipeline.executor.base import _PipelineBase
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import _abstract, _shapes_text
@@ -101,9 +102,15 @@ class _Checks(_PipelineBase):
         the state's tree structures and shapes against the layouts already trusted;
         ``x`` (an input microbatch) serves only a pipeline that has made no state yet."""
         if not isinstance(state, PipelineState):
+            other = (
+                " (a DataParallel's state: run it with that DataParallel, or move the weights "
+                "with state_from_variables(dp.variables(state), rng))"
+                if type(state).__name__ == "DPState"
+                else ""
+            )
             raise PipelineError(
                 f"state must be the PipelineState that this pipeline's init (or step, run) "
-                f"returned, got a {type(state).__name__}"
+                f"returned, got a {type(state).__name__}{other}"
             )
         if any(
             isinstance(leaf, jax.Array) and leaf.is_deleted()
@@ -214,6 +221,7 @@ class _Checks(_PipelineBase):
     def _check_inputs(self, state: PipelineState, x: PyTree, where: str) -> Any:
         """Traces the model on ``x`` with ``state``'s weights (shapes only); returns the
         shapes of its output, or raises naming the layer and the shapes that fail."""
+        check_arrays((("inputs", x),), f"{where}: ")
         try:
             return self.check_shapes(x, _abstract(self._state_variables(state)))
         except PipelineError as e:
@@ -317,7 +325,9 @@ def _rows(parts: Sequence[tuple[str, PyTree]], where: str) -> int:
     """The rows (leading dimension) that every leaf of the named trees ``parts`` (e.g.
     ``(("inputs", x), ("targets", t))``) shares. Targets with other rows than their
     inputs would be cut at other samples (trained on the wrong targets) or fail deep in
-    XLA, so they are refused here, naming the leaf."""
+    XLA, so they are refused here, naming the leaf (as a leaf that is not an array of
+    numbers: a string, an object)."""
+    check_arrays(parts, where)
     named: list[tuple[str, tuple[int, ...]]] = [
         (name + jax.tree_util.keystr(path), np.shape(a))
         for name, tree in parts

@@ -28,9 +28,22 @@ def even_stages(
 
     >>> [(s.first_layer, s.last_layer, s.devices) for s in even_stages(5, 2)]
     [(0, 2, (0,)), (3, 4, (1,))]
+
+    Raises:
+      PipelineError: for an argument that is not an integer (``num_layers``,
+        ``num_stages``, ``replicas`` >= 1, ``first_device`` >= 0), or more stages than
+        layers.
     """
+    args = {"num_layers": num_layers, "num_stages": num_stages, "replicas": replicas}
+    for name, value in {**args, "first_device": first_device}.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise PipelineError(
+                f"even_stages {name} must be an integer, got {type(value).__name__} {value!r}"
+            )
     if replicas < 1:
         raise PipelineError(f"replicas must be >= 1, got {replicas}")
+    if first_device < 0:
+        raise PipelineError(f"first_device must be >= 0, got {first_device}")
     if not 1 <= num_stages <= num_layers:
         raise PipelineError(
             f"num_stages must be in 1..{num_layers} (one layer at least per stage), "
@@ -127,16 +140,31 @@ def _check_options(
         raise PipelineError(f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}")
 
 
-def _integer(name: str, value: Any, least: int) -> int:
-    """``value`` of the constructor argument ``name`` as an ``int`` >= ``least``. Bools,
-    floats and strings are refused rather than rounded: ``microbatches=2.5`` or ``"2"``
-    is a mistake that would otherwise surface as a raw error deep in the schedule."""
+def _integer(name: str, value: Any, least: int, most: int | None = None, why: str = "") -> int:
+    """``value`` of the constructor argument ``name`` as an ``int`` >= ``least`` (and <=
+    ``most``, ``why`` saying why). Bools, floats and strings are refused rather than rounded:
+    ``microbatches=2.5`` or ``"2"`` is a mistake that would otherwise surface as a raw
+    error deep in the schedule."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise PipelineError(
             f"{name} must be an integer >= {least}, got {value!r}"
             f" ({type(value).__name__}); pass a whole number such as {max(least, 1)}"
         )
-    return int(value)
+    number = int(value)
+    if most is not None and number > most:
+        digits = len(str(number))
+        shown = f"an integer of {digits} digits" if digits > 20 else str(number)
+        raise PipelineError(f"{name} must be at most {most}, got {shown}{why}")
+    return number
+
+
+#: The most microbatches per step (chunks, microbatches in flight beyond the schedule's)
+#: a pipeline takes: its program is lowered with an action per microbatch and stage.
+MAX_MICROBATCHES = 2**16
+MICROBATCHES_WHY = (
+    ": a step's program holds an action per microbatch and stage (for more samples per "
+    "step use larger microbatches; every microbatch needs at least one sample)"
+)
 
 
 def _remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
@@ -174,8 +202,13 @@ def _replication_of(
         modes = tuple(spec.replication for spec in specs[:groups])
     elif isinstance(replication, str):
         modes = (replication,) * groups
-    else:
+    elif isinstance(replication, Sequence):
         modes = tuple(replication)
+    else:
+        raise PipelineError(
+            f"replication must be 'split', 'round-robin', one of them per stage, or None, "
+            f"got {replication!r}"
+        )
     if len(modes) != groups:
         raise PipelineError(
             f"replication has {len(modes)} entries for {groups} stages; give one per stage "

@@ -15,6 +15,7 @@ import numpy as np
 from pdjax import export
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree, Variables
+from pdjax.pipeline.executor.arguments import check_callback, check_stream
 from pdjax.pipeline.executor.checks import _check_pairs, _Checks, _rows
 from pdjax.pipeline.executor.config import _integer
 from pdjax.pipeline.executor.state import PipelineState
@@ -94,7 +95,8 @@ class _Forward(_Checks):
           yet: evaluate on :meth:`variables` there); and as :meth:`run` does for a state
           or batches that do not fit.
         """
-        batches = list(batches)
+        batches = check_stream("batches", batches, "evaluate")
+        check_callback("metrics", metrics, "metrics(outputs, targets) -> {name: scalar}")
         if not batches:
             raise PipelineError("evaluate needs at least one (inputs, targets) batch")
         _check_pairs(batches, "evaluate", "batches")

@@ -20,8 +20,21 @@ from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.layers.init_programs import init_on
 from pdjax.partition.plan import Plan, StagePlan
+from pdjax.pipeline.executor.arguments import (
+    check_arrays,
+    check_callback,
+    check_devices,
+    check_flag,
+    check_key,
+    check_layers,
+    check_loss_fn,
+    check_optimizer,
+    check_stream,
+)
 from pdjax.pipeline.executor.checks import _check_pairs, _rows, _state_layout
 from pdjax.pipeline.executor.config import (
+    MAX_MICROBATCHES,
+    MICROBATCHES_WHY,
     _check_cover,
     _check_options,
     _integer,
@@ -155,13 +168,20 @@ class Pipeline(_Interpreter):
         grad_allreduce: str = "update",
         replication: str | Sequence[str] | None = None,
     ) -> None:
-        if schedule not in SCHEDULES:
+        layers = check_layers(layers, "Pipeline")
+        check_loss_fn(loss_fn, "Pipeline")
+        check_optimizer(optimizer, "Pipeline")
+        vertical_sync = check_flag("vertical_sync", vertical_sync)
+        weight_stashing = check_flag("weight_stashing", weight_stashing)
+        devices = check_devices(devices, "Pipeline")
+        if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-        microbatches = _integer("microbatches", microbatches, 1)
+        most, why = MAX_MICROBATCHES, MICROBATCHES_WHY
+        microbatches = _integer("microbatches", microbatches, 1, most, why)
         if chunks is None:
             chunks = 2 if schedule == "zb-v" else 1
-        chunks = _integer("chunks", chunks, 1)
-        extra_in_flight = _integer("extra_in_flight", extra_in_flight, 0)
+        chunks = _integer("chunks", chunks, 1, most, why)
+        extra_in_flight = _integer("extra_in_flight", extra_in_flight, 0, most, why)
         _check_options(
             schedule,
             chunks=chunks,
@@ -349,7 +369,14 @@ class Pipeline(_Interpreter):
         """Initialises every layer from ``rng`` on a sample microbatch and places the stages.
 
         ``rng`` also seeds dropout (through ``fold_in(rng, 1)``).
+
+        Raises:
+          PipelineError: before any device work, for an ``rng`` that is not one PRNG key
+            (``jax.random.key(0)``), a sample leaf that is not an array of numbers, or a
+            sample the model cannot take (naming the layer and the shapes).
         """
+        check_key(rng, "init")
+        check_arrays((("sample", sample),), "init: ")
         self.check_shapes(sample)
         self._init_shapes = _shapes_text(sample)
         key = jax.random.fold_in(rng, 0)
@@ -377,6 +404,7 @@ class Pipeline(_Interpreter):
     ) -> PipelineState:
         """A fresh state from given variables (pre-trained, restored): a per-layer list, or
         the merged tree of :meth:`LayerSequence.merge`. Optimizer state starts anew."""
+        check_key(rng, "state_from_variables")
         if isinstance(variables, Mapping):
             variables = self.layers.split(variables)
         if len(variables) != len(self.layers):
@@ -449,6 +477,12 @@ class Pipeline(_Interpreter):
         inputs, targets = batch
         n = _rows((("inputs", inputs), ("targets", targets)), "")
         M = self.microbatches
+        if n < M:
+            raise PipelineError(
+                f"a batch of {n} samples cannot be split into {M} microbatches: every "
+                f"microbatch needs at least one sample; use microbatches <= the batch size "
+                f"(Pipeline(..., microbatches=...)) or a batch of at least {M} samples"
+            )
         need = [M * r for r in self.replicas]
         for s, k in enumerate(need):
             if n % k:
@@ -476,6 +510,8 @@ class Pipeline(_Interpreter):
         The batch is split into ``M`` microbatches. The state passed in is consumed (its
         optimizer state is updated in place): keep the one returned.
         """
+        check_flag("timeline", timeline)
+        check_flag("collectives", collectives)
         if self.schedule_name in STREAMING:
             raise PipelineError(
                 f"{self.schedule_name} is asynchronous: its updates lag behind the stream, "
@@ -516,7 +552,10 @@ class Pipeline(_Interpreter):
           targets the loss function cannot take, or a loss that is not a scalar (each
           layout checked once, on shapes).
         """
-        microbatches = list(microbatches)
+        microbatches = check_stream("microbatches", microbatches, "run")
+        check_flag("timeline", timeline)
+        check_flag("collectives", collectives)
+        check_callback("on_loss", on_loss, "on_loss(k, loss)")
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
         _check_pairs(microbatches, "run", "microbatches")
