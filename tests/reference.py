@@ -1,7 +1,8 @@
 """Independent references for the runtime tests: plain single-device training loops.
 
 Nothing here uses pdjax's stages, schedules or weight store: each function walks the
-microbatches in order on one device, from DESIGN.md's formulas.
+microbatches in order on one device, from the formulas of
+``docs/semantics.md#weight-versions-and-updates``.
 
 Each microbatch's gradient and each update are one jitted program: run op by op, every
 ``jnp`` operation of the optimizer's update on a new shape would compile a program of its
@@ -138,9 +139,10 @@ def delayed_training(
     M=1,
     whole_model=False,
 ):
-    """The delayed-update recurrence of DESIGN.md for models whose train-mode outputs do
-    not read their model state (BatchNorm's running averages, nnx RNG counters that pdjax
-    reseeds): the state is passed as it was at the start.
+    """The delayed-update recurrence of ``docs/semantics.md#weight-versions-and-updates``
+    for models whose train-mode outputs do not read their model state (BatchNorm's running
+    averages, nnx RNG counters that pdjax reseeds): the state is passed as it was at the
+    start.
 
     ``version_of(s, k)``: the version stage ``s`` uses for microbatch ``k``'s forward;
     ``backward_version_of(s, k)`` (default: the same) for its backward. Every ``M``

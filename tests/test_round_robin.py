@@ -1,7 +1,8 @@
 """PipeDream's round-robin replication run by the runtime: a stage on r devices takes r
 whole microbatches at once, one per device. Under flush schedules it equals sequential
-training; under ``pipedream`` it equals the delayed-update recurrence of DESIGN.md with
-one update per group, written here from the formula (not from pdjax's schedule code)."""
+training; under ``pipedream`` it equals the delayed-update recurrence of
+``docs/semantics.md#round-robin`` with one update per group, written here from the formula
+(not from pdjax's schedule code)."""
 
 import math
 

@@ -80,7 +80,8 @@ def test_the_validator_rejects_bounds_other_than_the_tables():
 
 
 def test_the_table_mirrors_the_design():
-    """The classifications DESIGN.md's table states, one row each."""
+    """The classifications the table of ``docs/semantics.md#the-schedules-at-a-glance``
+    states, one row each."""
     assert SCHEDULES == ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1",
                          "zb-h2", "zb-v")  # fmt: skip
     assert STREAMING == STALE == ("pipedream", "2bw")

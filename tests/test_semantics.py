@@ -1,5 +1,6 @@
-"""Asynchronous schedules compute DESIGN.md's delayed-update recurrences, and no more
-weight versions are alive than the table allows."""
+"""Asynchronous schedules compute the delayed-update recurrences of
+``docs/semantics.md#weight-versions-and-updates``, and no more weight versions are alive
+than the table allows."""
 
 import jax
 import numpy as np

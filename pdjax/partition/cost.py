@@ -25,7 +25,7 @@ other, so a cut costs one transfer's time per microbatch::
     cut(s)         = a_s / B + lat
 
 ``u`` is the number of microbatches per all-reduce, which depends on the stage's
-*replication* mode (DESIGN.md, "Schedules and their semantics"):
+*replication* mode (``docs/semantics.md#replication``):
 
 * ``split``: the stage splits each microbatch across its units and updates as the schedule
   does: ``u = 1`` under ``pipedream``, ``M`` (the step's microbatches) under the flush

@@ -1,6 +1,6 @@
 """Plays a schedule against per-stage costs: step time, bubble fraction, peak memory.
 
-The cost model (DESIGN.md's ``pdjax`` model):
+The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
 
 - a device group runs its actions in order, one at a time; an action starts when the group
   is free and its inputs have arrived, and takes its stage's ``forward``, ``backward``

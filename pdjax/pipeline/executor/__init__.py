@@ -10,7 +10,7 @@ point where it is dropped at lowering time. Dispatch is asynchronous, so the dev
 groups overlap: the driver runs ahead, and each device works as soon as its inputs are
 ready.
 
-Semantics (``shared/DESIGN.md``, "Schedules and their semantics") come from the schedule:
+Semantics (``docs/semantics.md#weight-versions-and-updates``) come from the schedule:
 every ``F``/``B``/``I``/``W`` reads the weight version its action names, ``U`` applies the
 summed gradients to the newest version and makes the next one. Flush schedules and ``2bw``
 scale the summed gradients of a step by ``1 / M`` (the mean over microbatches);

@@ -3,7 +3,7 @@ stream, flush, update with stale weights, hold several stages per device group, 
 round-robin replication or split the backward, and how many microbatches and weight
 versions each keeps.
 
-It mirrors the table in ``DESIGN.md`` ("Schedules and their semantics"). The generators
+It mirrors the table in ``docs/semantics.md#the-schedules-at-a-glance``. The generators
 read their bounds from it (:attr:`ScheduleSemantics.in_flight`,
 :attr:`ScheduleSemantics.versions`); the validator recomputes them on its own and
 ``tests/test_schedule_semantics.py`` checks that the two agree.
@@ -125,7 +125,8 @@ class ScheduleSemantics:
         versions: ``(shape, s)``: the most weight versions stage ``s`` keeps.
         in_flight_formula: :attr:`in_flight` as text.
         versions_formula: :attr:`versions` as text.
-        update_rule: the update each stage applies, as in ``DESIGN.md``.
+        update_rule: the update each stage applies, as in
+            ``docs/semantics.md#weight-versions-and-updates``.
         weights: the weights microbatch ``k`` uses at stage ``s``.
     """
 

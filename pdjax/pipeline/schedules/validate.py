@@ -1,5 +1,5 @@
 """The validator: checks any schedule, each check recomputed here from the semantics in
-``DESIGN.md`` and independent of the generators.
+``docs/semantics.md#weight-versions-and-updates`` and independent of the generators.
 
 The bounds a schedule declares (microbatches in flight per device group, weight versions
 kept per stage) and the version every action must use are recomputed by this module's
@@ -33,9 +33,10 @@ def validate(schedule: Schedule) -> None:
     on its stage's device group, that every ``F``, ``B`` (or ``I`` and ``W``) and ``U`` runs
     exactly once, that every ``B``/``I`` follows its ``F`` and every ``W`` its ``I``, that every
     ``U`` follows the backwards it applies, that every action uses the weight version the
-    schedule's semantics require (recomputed here from the table in DESIGN.md) and that it
-    exists by then, the in-flight and versions-kept bounds, and that the cross-stage
-    dependencies can be met (no deadlock).
+    schedule's semantics require (recomputed here from the formulas of
+    ``docs/semantics.md#weight-versions-and-updates``) and that it exists by then, the
+    in-flight and versions-kept bounds, and that the cross-stage dependencies can be met (no
+    deadlock).
 
     Args:
         schedule: the schedule.

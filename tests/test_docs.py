@@ -1,0 +1,117 @@
+"""The documents the code cites exist: every ``docs/<file>.md`` (and ``#section``) named in
+``pdjax/`` and ``tests/`` is in the repository with that section, nothing cites the design
+document that lived outside it, and the "where each rule is tested" table of
+``docs/semantics.md#where-each-rule-is-tested`` names tests that exist. Pure text, no JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SOURCES = ("pdjax", "tests")
+TEXT_SUFFIXES = {".py", ".md", ".txt", ".csv", ".json", ".toml", ".cfg", ".ini", ".yaml"}
+
+CITATION = re.compile(r"(?<![\w/.-])docs/([\w.-]+\.md)(?:#([\w-]+))?")
+OLD = "DESIGN" + ".md"  # spelled apart so that this file does not cite it
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
+LINK = re.compile(r"\]\(([\w.-]*\.md)?#([\w-]+)\)")
+
+
+@functools.cache
+def _sources() -> tuple[tuple[Path, str], ...]:
+    """Every text file under ``pdjax/`` and ``tests/``, with its text (read once)."""
+    return tuple(
+        (path, path.read_text(encoding="utf-8", errors="replace"))
+        for top in SOURCES
+        for path in sorted((ROOT / top).rglob("*"))
+        if path.is_file() and path.suffix in TEXT_SUFFIXES and "__pycache__" not in path.parts
+    )
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces to ``-``.
+
+    >>> slug("The schedules at a glance"), slug("`zb-h1`"), slug("extra_in_flight")
+    ('the-schedules-at-a-glance', 'zb-h1', 'extra_in_flight')
+    """
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+@functools.cache
+def anchors(doc: Path) -> frozenset[str]:
+    """The anchors of ``doc``'s headings (outside code blocks), with GitHub's ``-1``, ``-2``
+    suffixes for repeated ones."""
+    seen: dict[str, int] = {}
+    out = set()
+    fenced = False
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        match = None if fenced else HEADING.match(line)
+        if match:
+            base = slug(match.group(1))
+            count = seen.get(base, 0)
+            seen[base] = count + 1
+            out.add(base if count == 0 else f"{base}-{count}")
+    return frozenset(out)
+
+
+def test_cited_docs_and_sections_exist():
+    missing = []
+    cited = 0
+    for path, text in _sources():
+        for match in CITATION.finditer(text):
+            name, section = match.groups()
+            where = f"{path.relative_to(ROOT)}: docs/{name}{'#' + section if section else ''}"
+            doc = DOCS / name
+            cited += 1
+            if not doc.is_file():
+                missing.append(f"{where}: no such file")
+            elif section and section not in anchors(doc):
+                missing.append(f"{where}: no such section")
+    assert not missing, "\n".join(missing)
+    assert cited, "nothing in pdjax/ or tests/ cites docs/ (the search pattern is wrong)"
+    # links between the documents' own sections resolve too
+    for doc in sorted(DOCS.glob("*.md")):
+        for target, section in LINK.findall(doc.read_text(encoding="utf-8")):
+            linked = DOCS / target if target else doc
+            assert linked.is_file(), f"{doc.name}: link to missing {target}"
+            assert section in anchors(linked), f"{doc.name}: link to missing #{section}"
+
+
+def test_nothing_cites_the_old_design_document():
+    citing = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path, text in _sources()
+        for number, line in enumerate(text.splitlines(), 1)
+        if OLD in line
+    ]
+    assert not citing, f"cite docs/semantics.md instead of {OLD}: {', '.join(citing)}"
+
+
+def test_the_tested_rules_table_names_existing_tests():
+    """Each row's cells name ``tests/<file>.py`` and then the tests in it."""
+    doc = (DOCS / "semantics.md").read_text(encoding="utf-8")
+    table = doc.split("### Where each rule is tested", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "`tests/" in line]
+    assert rows
+    absent = []
+    for row in rows:
+        current = None
+        for token in re.findall(r"`([^`]+)`", row):
+            if token.startswith("tests/") and token.endswith(".py"):
+                current = ROOT / token
+                assert current.is_file(), f"{token} does not exist"
+                source = current.read_text(encoding="utf-8")
+            elif current is not None and re.fullmatch(r"test_\w+", token):
+                if not re.search(rf"^\s*def {token}\(", source, re.MULTILINE):
+                    absent.append(f"{current.relative_to(ROOT)}::{token}")
+    assert not absent, "no such tests: " + ", ".join(absent)
