@@ -33,7 +33,8 @@ other, so a cut costs one transfer's time per microbatch::
 * ``round-robin`` (PipeDream's own): each unit takes whole microbatches, ``m`` consecutive
   ones at once, and the stage updates once per such group: ``u = m`` under ``pipedream``,
   ``M`` under ``gpipe``, ``1f1b`` and ``2bw`` (the same as split there: the modes differ in
-  memory only). ``interleaved`` and ``zb-h1`` have no round-robin form.
+  memory only). The other schedules (``interleaved``, ``zb-h1``, ``zb-h2``, ``zb-v``) have
+  no round-robin form (:data:`~pdjax.pipeline.schedules.ROUND_ROBIN`).
 
 One level up, a unit runs the sub-pipeline, and the recursion divides the whole
 sub-pipeline time by ``m``. Split: each unit takes ``1/m`` of the microbatch; the inner
@@ -71,11 +72,14 @@ all-reduce by ``g`` there and not in the last-stage term, and pdjax reproduces t
 
 In every model the objective is the slowest term: the maximum over stages and cuts, the
 time per microbatch of the pipeline in steady state. ``pdjax`` adds the *round-trip bound*
-for schedules whose stage ``s`` holds at most ``T_s`` microbatches in flight between its
-forward and its backward (``pipedream``, ``1f1b``, ``2bw``, ``zb-h1``: ``T_s = P - s``,
-``min(P - s, M)`` for the flush ones): by Little's law stage ``s`` cannot finish more than
-``T_s`` microbatches per round trip of one microbatch from ``s`` to the last stage and back,
-so with ``C_t`` the stage term of stage ``t`` and ``cut_t`` the term of the cut after it::
+under every schedule whose :attr:`ScheduleTraits.round_trip` is set (:func:`has_round_trip`:
+all but ``gpipe`` and ``interleaved``). Stage ``s`` holds at most ``T_s`` microbatches in
+flight between its forward and its backward (:func:`exact_in_flight`, from
+:func:`in_flight`: ``P - s`` under ``pipedream`` and ``2bw``, ``min(P - s, M)`` under
+``1f1b`` and ``zb-h1``, ``min(2P - 1, M)`` under ``zb-h2``, ``min(P, M)`` under ``zb-v``):
+by Little's law stage ``s`` cannot finish more than ``T_s`` microbatches per round trip of
+one microbatch from ``s`` to the last stage and back, so with ``C_t`` the stage term of
+stage ``t`` and ``cut_t`` the term of the cut after it::
 
     RT_s   = sum_{t >= s} n_t C_t + 2 sum_{s <= t < P-1} cut_t
     period = max( max_t C_t, max_t cut_t, max_s RT_s / T_s )

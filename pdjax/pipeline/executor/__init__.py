@@ -14,7 +14,9 @@ Semantics (``docs/semantics.md#weight-versions-and-updates``) come from the sche
 every ``F``/``B``/``I``/``W`` reads the weight version its action names, ``U`` applies the
 summed gradients to the newest version and makes the next one. Flush schedules and ``2bw``
 scale the summed gradients of a step by ``1 / M`` (the mean over microbatches);
-``pipedream`` applies each microbatch's gradient alone.
+``pipedream`` applies each microbatch's gradient alone, except at a round-robin stage on
+``r`` devices, which applies the mean gradient of each group of ``r`` microbatches (its
+sum scaled by ``1 / r``).
 
 Per microbatch ``k`` (counted over the pipeline's life), layer ``i`` draws dropout from
 ``fold_in(fold_in(rng, k), i)``. BatchNorm statistics are updated by each microbatch's

@@ -132,8 +132,10 @@ def one_f_one_b(
     In flight at stage ``s``: at most ``min(P - s, M)``. Versions kept: 1.
 
     With round-robin stages (``replication``) every stage runs 1F1B over its groups of
-    ``n_s`` microbatches (``n_s``: its replicas if round-robin, else 1) with
-    ``q_s = ceil(W_s / n_s)`` groups in flight, ``W_s = n_s + ... + n_{P-1}``: at most
+    ``n_s`` microbatches (``n_s``: its replicas if round-robin, else 1) with ``q_s``
+    groups in flight (:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight`:
+    at least ``ceil(W_s / n_s)``, ``W_s = n_s + ... + n_{P-1}``, and more where groups of
+    unequal sizes need it to meet without a deadlock and to run at full rate): at most
     ``min(q_s n_s, M)`` microbatches. ``M`` must be a multiple of every ``n_s``.
 
     Args:

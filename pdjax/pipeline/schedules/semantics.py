@@ -10,10 +10,11 @@ read their bounds from it (:attr:`ScheduleSemantics.in_flight`,
 
 Notation: ``P`` device groups, ``s`` a stage (or ``d`` a device group), ``M`` microbatches
 per step, ``N`` the stream length, ``v`` chunks per group, ``e`` pipedream's
-``extra_in_flight`` (none at the last stage), ``n_s`` the microbatches one action of stage
-``s`` covers (its replicas under round-robin, else 1) and ``q_s`` the groups in flight
-there (:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight`; ``P - s + e``
-when every ``n_s = 1``).
+``extra_in_flight`` and ``e_s`` its part at stage ``s`` (``e`` for ``s < P - 1``, 0 at the
+last stage), ``n_s`` the microbatches one action of stage ``s`` covers (its replicas
+under round-robin, else 1) and ``q_s`` the groups in flight there
+(:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight`; ``P - s + e_s`` when
+every ``n_s = 1``).
 
 >>> semantics("2bw").streams, semantics("2bw").versions(Shape(4, 4, 8), 0)
 (True, 2)
@@ -255,17 +256,20 @@ _PIPEDREAM = ScheduleSemantics(
     options=("vertical_sync", "weight_stashing", "extra_in_flight"),
     in_flight=_pipedream_in_flight,
     versions=_pipedream_versions,
-    in_flight_formula="min(P - s + e, N); round-robin: min(q_s n_s, N)",
+    in_flight_formula="min(P - s + e_s, N); round-robin: min(q_s n_s, N)",
     versions_formula=(
-        "P - s + e (weight stashing); P + e (vertical sync); 1 (no weight stashing); "
+        "P - s + e_s (weight stashing); P + e (vertical sync); 1 (no weight stashing); "
         "round-robin: min(q_s, N / n_s)"
     ),
     update_rule=(
-        "W_s(k+1) = W_s(k) - lr * g_s(k; W(max(0, k - (P - s) + 1))), after every "
-        "microbatch's backward; round-robin: once per group of n_s, the mean gradient"
+        "W_s(k+1) = W_s(k) - lr * g_s(k; W(max(0, k - (P - s + e_s) + 1))), after every "
+        "microbatch's backward; vertical sync: g_s(k; W(max(0, k - (P + e) + 1))); without "
+        "weight stashing the backward uses the newest weights, version k; round-robin: "
+        "W_s(u+1) = W_s(u) - lr * mean over group u (microbatches u n_s .. u n_s + n_s - 1) "
+        "of g_s(k; W(max(0, u - q_s + 1))), once per group"
     ),
     weights=(
-        "version max(0, k - (P - s + e) + 1), forward and backward; vertical sync: "
+        "version max(0, k - (P - s + e_s) + 1), forward and backward; vertical sync: "
         "max(0, k - (P + e) + 1); without weight stashing the backward uses the newest, "
         "version k; round-robin: max(0, k // n_s - q_s + 1)"
     ),

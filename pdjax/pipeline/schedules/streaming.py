@@ -6,15 +6,19 @@ Round-robin replication in :func:`pipedream` (PipeDream's own, ``replication``):
 ``s`` on ``r`` devices takes groups of ``n_s = r`` consecutive microbatches, one per device,
 and updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
 microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
-has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s = ceil(W_s / n_s) + e``
-groups in flight (``e = extra_in_flight``, not at the last stage), ``W_s = n_s + ... +
-n_{P-1}`` (the microbatch slots from ``s`` on; PipeDream's NOAM at stage 0). Microbatch
-``k``, in group ``g = k // n_s``, runs ``F`` and ``B`` at version ``max(0, g - q_s + 1)``:
-the updates of the groups ``0 .. g - q_s``, whose backwards ran before its forward.
-Versions kept: ``q_s``; in flight: ``q_s n_s`` microbatches. With every ``n_s = 1`` this is
-the formula of :func:`pipedream`'s docstring (``q_s = P - s + e``). ``N`` must be a
-multiple of every ``n_s``; vertical sync and ``weight_stashing=False`` are not defined with
-round-robin stages.
+has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s`` groups in flight, as
+:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight` counts them (with
+``e = extra_in_flight`` added at every stage but the last): at least ``ceil(W_s / n_s)``,
+``W_s = n_s + ... + n_{P-1}`` (the microbatch slots from ``s`` on; PipeDream's NOAM at
+stage 0), and at least what lets groups of unequal sizes meet without a deadlock, then
+more, from the last stage back, until a balanced pipeline runs at full rate (replicas
+``(1, 2)`` give ``q = (4, 1)``). Microbatch ``k``, in group ``g = k // n_s``, runs ``F``
+and ``B`` at version ``max(0, g - q_s + 1)``: the updates of the groups ``0 .. g - q_s``,
+whose backwards ran before its forward. Versions kept: ``min(q_s, N / n_s)``; in flight:
+``min(q_s n_s, N)`` microbatches. With every ``n_s = 1`` this is the formula of
+:func:`pipedream`'s docstring (``q_s = P - s + e``). ``N`` must be a multiple of every
+``n_s``; vertical sync and ``weight_stashing=False`` are not defined with round-robin
+stages.
 """
 
 from __future__ import annotations
