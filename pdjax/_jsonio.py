@@ -1,12 +1,16 @@
-"""Files for pdjax's plain-data boxes (profiles, plans): atomic writes, text reads, and
-typed field access that turns a bad value into a clear error (file, field path, what to do)."""
+"""Files for pdjax's plain-data boxes (profiles, plans) and outputs: atomic writes and
+appends that never go through a symbolic link, checks of output paths before any work,
+text reads, and typed field access that turns a bad value into a clear error (file, field
+path, what to do)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -14,7 +18,16 @@ from typing import Any, NoReturn
 
 from pdjax.errors import PdjaxError
 
-__all__ = ["FieldReader", "parse_json", "read_text", "write_atomic"]
+__all__ = [
+    "FieldReader",
+    "append_text",
+    "check_file",
+    "check_folder",
+    "parse_json",
+    "read_text",
+    "refuse_link",
+    "write_atomic",
+]
 
 # Integers past 2**63 overflow the int64 and float64 arrays the planner builds from them;
 # no byte count or layer index of a real model comes near.
@@ -22,21 +35,31 @@ MAX_INT = 2**63 - 1
 
 
 def write_atomic(
-    path: str | Path, text: str, *, what: str = "file", error: type[PdjaxError] = PdjaxError
+    path: str | Path,
+    data: str | bytes,
+    *,
+    what: str = "file",
+    error: type[PdjaxError] = PdjaxError,
 ) -> None:
-    """Writes ``text`` to ``path`` through a private temporary file, fsync and a rename, so a
-    crash never leaves a half-written file where a good one was.
+    """Writes ``data`` (text as UTF-8, or bytes) to ``path`` through a private temporary
+    file, fsync and a rename, so a crash never leaves a half-written file where a good one
+    was.
 
     The temporary file is made by :func:`tempfile.mkstemp` in the target's directory (a
     rename is only atomic within one file system): a fixed name such as ``<path>.tmp`` could
     be a symlink someone planted there (``/tmp`` is shared), which ``open`` would follow.
+    A symbolic link at ``path`` itself is refused: writing through it would change a file
+    pdjax did not name, and replacing it would delete what pdjax did not write. (A link
+    planted after that check is replaced by the rename, never written through.)
 
     Raises:
-      error: the path cannot be written (a directory, a read-only or uncreatable directory,
-        a full disk); the message names the path. No temporary file is left behind.
+      error: the path cannot be written (a symbolic link, a directory, a read-only or
+        uncreatable directory, a full disk); the message names the path. No temporary file
+        is left behind.
     """
     path = Path(path)
-    if path.is_dir():
+    refuse_link(path, what, error)
+    if path.is_dir():  # not a link (refused above): the path itself is a directory
         raise error(f"cannot write {what} {path}: it is a directory; give a file name")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -49,12 +72,13 @@ def write_atomic(
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
     except OSError as e:
         raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+    raw = data.encode("utf-8") if isinstance(data, str) else data
     try:
         # mkstemp makes the file 0600; give it the mode a plain open() would have.
         os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "wb") as f:
             fd = -1  # the file object owns it now
-            f.write(text)
+            f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -66,6 +90,119 @@ def write_atomic(
         if isinstance(e, OSError):
             raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
         raise
+
+
+def refuse_link(path: str | Path, what: str, error: type[PdjaxError] = PdjaxError) -> None:
+    """Raises ``error`` if ``path`` is a symbolic link (pdjax writes neither through one
+    nor over one: the link, and what it points to, are not pdjax's)."""
+    if os.path.islink(path):
+        raise error(
+            f"cannot write {what} {path}: it is a symbolic link (to {os.readlink(path)}), "
+            "and pdjax does not write through links or replace them; remove the link, or "
+            "give another path"
+        )
+
+
+def append_text(
+    path: str | Path, text: str, *, what: str = "file", error: type[PdjaxError] = PdjaxError
+) -> None:
+    """Appends ``text`` to the regular file ``path`` (made if missing), never through a
+    symbolic link (``O_NOFOLLOW``), in one ``write`` at the end (``O_APPEND``). A last line
+    that a crash cut off (no newline at the end) is kept: ``text`` starts on a new line
+    after it.
+
+    Raises:
+      error: a symbolic link, something else than a regular file, or a failed write;
+        the message names the path.
+    """
+    path = Path(path)
+    refuse_link(path, what, error)  # O_NOFOLLOW below says so too, without the target
+    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)  # a FIFO: no wait
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link made since the check above
+            refuse_link(path, what, error)
+        raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+    try:
+        info = os.fstat(fd)
+        size = info.st_size
+        if not stat.S_ISREG(info.st_mode):
+            raise error(f"cannot write {what} {path}: it is not a regular file; give another path")
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            text = "\n" + text  # a write that a crash cut off: start a line of our own
+        raw = text.encode("utf-8")
+        written = os.write(fd, raw)
+        if written != len(raw):
+            raise OSError(errno.EIO, f"wrote {written} of {len(raw)} bytes")
+    except OSError as e:
+        raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+
+
+def check_folder(
+    folder: str | Path,
+    option: str,
+    error: type[PdjaxError] = PdjaxError,
+    *,
+    link: bool = True,
+) -> None:
+    """Refuses, before any work, a folder that a command would write in: one under a file
+    (or under a link to nothing), a folder that is a file, or one whose nearest existing
+    folder cannot be written. The test is honest: it makes and deletes a temporary file
+    there (``os.access`` says yes to root for a read-only folder). ``link=False``: also
+    refuses a symbolic link at ``folder`` (a folder pdjax makes itself, such as a run's).
+
+    Raises:
+      error: naming ``option``, the folder, what is wrong and what to do.
+    """
+    folder = Path(folder)
+    if not link and folder.is_symlink():
+        raise error(
+            f"{option}: {folder} is a symbolic link (to {os.readlink(folder)}), and pdjax "
+            "does not write through links; remove the link, or give another path"
+        )
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        kind = "a link to nothing" if existing.is_symlink() else "not a folder"
+        raise error(
+            f"{option} {folder}: {existing} is {kind}, so nothing can be written there; "
+            "give another path"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".pdjax-write-test-")
+    except OSError as e:
+        raise error(
+            f"{option} {folder}: cannot write in {existing} ({e.strerror or e}); give a "
+            "folder you can write in"
+        ) from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_file(path: str | Path, option: str, error: type[PdjaxError] = PdjaxError) -> None:
+    """Refuses, before any work, a file that a command would write or append to: a
+    symbolic link, or something else than a regular file, there already. (Its folder is
+    :func:`check_folder`'s.)
+
+    Raises:
+      error: naming ``option``, the path, what is wrong and what to do.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise error(
+            f"{option}: {path} is a symbolic link (to {os.readlink(path)}), and pdjax does "
+            "not write through links or replace them; remove the link, or give another "
+            "path"
+        )
+    if os.path.lexists(path) and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise error(f"{option}: {path} is {kind}, where pdjax writes a file; move it away")
 
 
 def _umask() -> int:

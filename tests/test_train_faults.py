@@ -24,6 +24,7 @@ from pdjax.apps.train import (
     build,
     check,
     make_runner,
+    read_metrics,
     train,
 )
 from pdjax.errors import CheckpointError, PipelineError
@@ -54,6 +55,12 @@ def _strict(line):
 
 
 def _epochs(path, run="pipedream"):
+    """The epochs of ``run`` that stand in the metrics file (read_metrics' rule)."""
+    return [e["epoch"] for e in read_metrics(path) if e["run"] == run]
+
+
+def _raw_epochs(path, run="pipedream"):
+    """The epochs of every line of ``run`` in the metrics file, as written (strict JSON)."""
     return [e["epoch"] for e in map(_strict, path.read_text().splitlines()) if e["run"] == run]
 
 
@@ -138,12 +145,14 @@ def test_metrics_follow_commits_and_resumes_write_each_epoch_once(here, monkeypa
     assert _epochs(path) == [1]  # no line for the epoch that was never checkpointed
     monkeypatch.setattr(Checkpointer, "save", save)
     train(_cfg(epochs=2), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
-    assert _epochs(path) == [1, 2]
-    # a crash after a commit, before (or while) writing its line
+    assert _raw_epochs(path) == [1, 2]
+    # a crash after a commit, before (or while) writing its line: the cut line is kept
     lines = path.read_text().splitlines()
     path.write_text(lines[0] + "\n" + lines[1][:20])
     train(_cfg(epochs=3), checkpoint_dir=ckpt, metrics_path=path, warmup=False)
+    assert path.read_text().startswith(lines[0] + "\n" + lines[1][:20] + "\n")
     assert _epochs(path) == [1, 2, 3]
+    assert len(path.read_text().splitlines()) == 4  # 1, the cut line, 2, 3: each once
 
 
 def test_metrics_and_summary_are_strict_json(here):
@@ -290,7 +299,13 @@ def test_resume_step_goes_on_from_the_step_asked_for(here):
     assert Checkpointer(ckpt).all_steps() == [1, 2, 3]
     kept = sorted(p.name for p in ckpt.glob("set-aside-after-1-*/*"))
     assert kept == ["2", "3"]  # the later steps it replaced are kept aside
+    # the lines of the steps set aside are kept too; epoch 1 again ends them, and the new
+    # ones come after it and stand
+    assert _raw_epochs(path) == [1, 2, 3, 1, 2, 3]
     assert _epochs(path) == [1, 2, 3]
+    stand = read_metrics(path)
+    assert [x["test_loss"] for x in stand] == [r.test_loss for r in again.history]
+    assert {x["run_id"] for x in stand} == {whole.run_id} == {again.run_id}
 
 
 def test_a_damaged_newest_step_is_not_skipped_silently(here, capsys):

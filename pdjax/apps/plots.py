@@ -1,16 +1,25 @@
 """Training plots: test accuracy against epochs and against training seconds (PNG).
 
 matplotlib is imported lazily (``pip install 'pdjax[plot]'``); figures are drawn on a
-bare ``Figure`` with the Agg canvas, so no display or pyplot state is involved.
+bare ``Figure`` with the Agg canvas, so no display or pyplot state is involved. Each PNG
+is rendered in memory and written atomically, never through a symbolic link
+(:func:`pdjax._jsonio.write_atomic`).
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["plot_training"]
+from pdjax._jsonio import write_atomic
+from pdjax.errors import PdjaxError
+
+__all__ = ["PLOT_FILES", "plot_training"]
+
+#: The files :func:`plot_training` writes (before its ``prefix``), by x axis.
+PLOT_FILES = {"epoch": "accuracy-vs-epochs.png", "elapsed": "accuracy-vs-seconds.png"}
 
 
 def plot_training(results: Sequence[Any], out: str | Path, prefix: str = "") -> list[Path]:
@@ -23,6 +32,10 @@ def plot_training(results: Sequence[Any], out: str | Path, prefix: str = "") -> 
 
     Returns:
       The two paths.
+
+    Raises:
+      PdjaxError: a file that cannot be written (a symbolic link, a folder, a read-only
+        folder), naming it.
     """
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -50,8 +63,9 @@ def plot_training(results: Sequence[Any], out: str | Path, prefix: str = "") -> 
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        name = "accuracy-vs-epochs.png" if axis == "epoch" else "accuracy-vs-seconds.png"
-        path = out / f"{prefix}{name}"
-        fig.savefig(path)
+        path = out / f"{prefix}{PLOT_FILES[axis]}"
+        png = io.BytesIO()
+        fig.savefig(png, format="png")
+        write_atomic(path, png.getvalue(), what="plot", error=PdjaxError)
         paths.append(path)
     return paths

@@ -23,8 +23,17 @@ Checkpoints and faults. An epoch is checkpointed only when its weights and evalu
 finite, and its metrics line is written once the checkpoint is committed; a diverged run
 names the last step saved. A run saves its plan beside its checkpoints (:data:`PLAN_FILE`)
 and beside its metrics, and a resumed run follows it rather than planning again
-(``resume_step`` picks an older step). A fresh run never drops another run's metrics: it
-refuses a metrics file holding lines of its own run.
+(``resume_step`` picks an older step). A divergence is also a NaN or infinity in the
+optimizer state.
+
+Metrics and outputs. A run has an id, made when it starts fresh and kept in its
+checkpoints, written in each of its metrics lines. The metrics file is only ever appended
+to (never through a symbolic link), and read by :func:`read_metrics`' rule: a line of run
+id R and epoch e replaces every earlier line of R whose epoch is e or later. A fresh run
+refuses a metrics file holding lines of its label, and a resumed one a file holding lines
+of its label with another run id, before any work. ``pdjax train`` checks every output
+path first (:func:`check_output_paths`) and refuses to replace another run's summary and
+plots (:func:`check_results`).
 """
 
 from pdjax.apps.train.config import (
@@ -39,7 +48,14 @@ from pdjax.apps.train.config import (
 from pdjax.apps.train.evaluation import evaluate, evaluate_runner
 from pdjax.apps.train.loop import train
 from pdjax.apps.train.model_data import build, check, model_spec
-from pdjax.apps.train.outputs import require_tensorboard
+from pdjax.apps.train.outputs import (
+    METRICS_FILE,
+    SUMMARY_FILE,
+    check_output_paths,
+    check_results,
+    read_metrics,
+    require_tensorboard,
+)
 from pdjax.apps.train.planning import PLAN_TOLERANCE, auto_plan, plan_of, resolve_auto
 from pdjax.apps.train.resume import PLAN_FILE, check_outputs
 from pdjax.apps.train.runner import make_runner
@@ -47,9 +63,11 @@ from pdjax.errors import TrainingDiverged
 
 __all__ = [
     "DATASETS",
+    "METRICS_FILE",
     "PLAN_FILE",
     "PLAN_TOLERANCE",
     "SCHEDULE_CHOICES",
+    "SUMMARY_FILE",
     "EpochRecord",
     "TrainConfig",
     "TrainResult",
@@ -57,13 +75,16 @@ __all__ = [
     "auto_plan",
     "build",
     "check",
+    "check_output_paths",
     "check_outputs",
+    "check_results",
     "evaluate",
     "evaluate_runner",
     "make_optimizer",
     "make_runner",
     "model_spec",
     "plan_of",
+    "read_metrics",
     "require_tensorboard",
     "resolve_auto",
     "run_folder",

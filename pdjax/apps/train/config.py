@@ -201,6 +201,8 @@ class TrainResult:
       state: the final runner state.
       resumed_epoch: the epochs a checkpoint held when the run resumed from it, or None
         for a fresh run.
+      run_id: the run's id (32 hex digits): made when it started fresh, kept in its
+        checkpoints, written in each of its metrics lines.
     """
 
     config: TrainConfig
@@ -211,6 +213,7 @@ class TrainResult:
     time_to_target: float | None = None
     state: Any = None
     resumed_epoch: int | None = None
+    run_id: str | None = None
 
     @property
     def final_accuracy(self) -> float:

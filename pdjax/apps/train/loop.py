@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax._jsonio import check_file, check_folder, refuse_link
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import EpochRecord, TrainConfig, TrainResult, run_folder
 from pdjax.apps.train.evaluation import evaluate_runner
@@ -23,16 +25,24 @@ from pdjax.apps.train.model_data import build, check
 from pdjax.apps.train.outputs import (
     _append_metrics,
     _refuse_mixing,
+    _refuse_others,
     _sync_metrics,
     _TensorBoard,
+    new_run_id,
     require_tensorboard,
 )
 from pdjax.apps.train.planning import plan_of
-from pdjax.apps.train.resume import _open_checkpoints, _resume, _save_plan, _saved_plan, _settle
+from pdjax.apps.train.resume import (
+    _identity,
+    _open_checkpoints,
+    _resume,
+    _save_plan,
+    _saved_plan,
+    _settle,
+)
 from pdjax.apps.train.runner import make_runner
 from pdjax.errors import PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec
-from pdjax.pipeline.executor import Pipeline
 from pdjax.runners import Runner
 
 
@@ -62,8 +72,10 @@ class _Run:
     """A run ready to train: the settings asked for (``requested``, what its checkpoints
     are compared with) and those it runs (``cfg``: ``schedule="auto"`` resolved), its model,
     data, runner and plan's text, and the state and history it starts from (``resumed``:
-    restored from a checkpoint). The loop appends each epoch's record to ``history``."""
+    restored from a checkpoint), and its id (made fresh, or its checkpoint's). The loop
+    appends each epoch's record to ``history``."""
 
+    run_id: str
     requested: TrainConfig
     cfg: TrainConfig
     spec: ModelSpec
@@ -98,13 +110,17 @@ def train(
         this run, resume from its newest step. The plan a run follows (``plan="auto"``,
         a plan file, ``schedule="auto"``) is saved there as :data:`PLAN_FILE` when it
         starts, and a resumed run follows that plan instead of planning again.
-      metrics_path: append one JSON line per epoch (``{"run": label, **record}``, strict
-        JSON: a NaN or infinite number is written as null), once the epoch's checkpoint
-        is committed. With ``checkpoint_dir`` the file follows the checkpoint: a resumed
-        run keeps its lines of the epochs the checkpoint holds (and writes those that are
-        missing), drops its lines of later epochs, and appends the new ones. A fresh run
-        (nothing to resume) refuses a file that already holds lines of its run. Other
-        runs' lines are kept. The plan the run follows (where it has one) is written
+      metrics_path: append one JSON line per epoch (``{"run": label, "run_id": id,
+        **record}``, strict JSON: a NaN or infinite number is written as null), once the
+        epoch's checkpoint is committed. The file is only appended to, never through a
+        symbolic link, and read by the rule of :func:`~pdjax.apps.train.read_metrics` (a
+        line of run id R and epoch e replaces R's earlier lines of epochs e and later). A
+        run's id is made when it starts fresh and saved in its checkpoints: a resumed run
+        first appends the epochs its checkpoint holds that the file lacks (or holds
+        otherwise, or past it), then the new ones. A fresh run (nothing to resume) refuses
+        a file that already holds lines of its label, a resumed one a file holding lines
+        of its label with another run id (or none), before any work. The plan the run
+        follows (where it has one) is written
         beside the file when the run starts, as ``<run>/``:data:`PLAN_FILE` (``<run>``:
         :func:`run_folder` of the label), with or without ``checkpoint_dir``: ``plan=``
         that file runs the same stages again.
@@ -126,14 +142,19 @@ def train(
         no longer listed), as the run goes on from the step it resumed.
 
     Returns:
-      The :class:`TrainResult`.
+      The :class:`TrainResult` (with the run's id).
 
     Raises:
-      TrainingDiverged: if a training or test loss, the test accuracy, or a weight is NaN
-        or infinite (that epoch is not saved; the message names the last step saved).
-      CheckpointError: a ``resume_step`` that is not in ``checkpoint_dir``, or a
-        checkpoint that cannot be restored (no older step is tried instead).
-      PipelineError: for inconsistent settings, before any training.
+      TrainingDiverged: if a training or test loss, the test accuracy, a weight or a value
+        of the optimizer state is NaN or infinite (that epoch is not saved; the message
+        names the last step saved).
+      CheckpointError: a ``resume_step`` that is not in ``checkpoint_dir``, a
+        checkpoint that cannot be restored (no older step is tried instead), or a
+        ``checkpoint_dir`` that another run writes (its lock, :meth:`Checkpointer.claim`,
+        is taken before any work).
+      PipelineError: for inconsistent settings, an output that cannot be written (a
+        symbolic link, a folder under a file, a folder that is not writable), or metrics
+        of another run (see ``metrics_path``), before any training.
       DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
     """
     spec, ds = built if built is not None else build(cfg)
@@ -164,8 +185,16 @@ def _open_outputs(
     resume_step: int | None,
 ) -> tuple[_Outputs, int | None]:
     """A run's outputs, its checkpointer opened in ``stack``, and the step to resume from
-    (None for a fresh run: :func:`_open_checkpoints`)."""
+    (None for a fresh run: :func:`_open_checkpoints`). The metrics file and TensorBoard
+    folder are checked first (:func:`~pdjax._jsonio.check_folder`, ``check_file``)."""
+    if metrics_path is not None:
+        check_folder(Path(metrics_path).parent, "metrics_path", PipelineError)
+        check_file(metrics_path, "metrics_path", PipelineError)
+    if tensorboard_dir is not None:
+        check_folder(tensorboard_dir, "tensorboard_dir", PipelineError)
     ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+    if ckpt is not None:  # a second run writing the folder is refused before any work
+        ckpt.claim()
     outputs = _Outputs(
         ckpt=ckpt,
         checkpoint_dir=checkpoint_dir,
@@ -187,8 +216,8 @@ def _set_up(
 ) -> _Run:
     """The run of ``requested``, ready to train: its settings settled and checked, its plan
     read or made, its runner and state made (restored from checkpoint ``step``, None for a
-    fresh run; ``chosen``: a step the caller picked), its plan written and its metrics
-    synced with its checkpoint, and ``on_start`` called."""
+    fresh run; ``chosen``: a step the caller picked), its id made or read, its plan
+    written and its metrics synced with its checkpoint, and ``on_start`` called."""
     saved = None
     if step is not None and outputs.checkpoint_dir is not None:  # a step implies a dir
         saved = _saved_plan(outputs.checkpoint_dir)
@@ -196,8 +225,28 @@ def _set_up(
     check(cfg, spec, ds)
     if outputs.tensorboard_dir is not None:
         require_tensorboard()
-    if outputs.metrics_path is not None and step is None:
-        _refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
+    if step is None:
+        run_id = new_run_id()
+        if outputs.metrics_path is not None:
+            _refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
+    else:
+        identity = _identity(outputs.ckpt, step, chosen=chosen)
+        run_id = identity.run_id
+        if outputs.metrics_path is not None:
+            _refuse_others(
+                outputs.metrics_path,
+                cfg.label,
+                run_id,
+                outputs.checkpoint_dir,
+                identity.legacy,
+            )
+        if identity.legacy is not None:
+            warnings.warn(
+                f"step {step} of {outputs.ckpt.directory} was saved by a pdjax without run "
+                f"ids: the run is given the id {run_id} (made from its settings and first "
+                "epoch), which its metrics lines and new checkpoints carry from now on",
+                stacklevel=3,
+            )
     sample = ds.train_x[: cfg.microbatch_size]
     if plan is None:
         plan = plan_of(cfg, spec, sample)
@@ -220,11 +269,12 @@ def _set_up(
         written = _write_plan(outputs, cfg.label, plan, saved=saved is not None)
         if requested.schedule == "auto" and saved is None and written is not None:
             cfg = _plan_among_outputs(cfg, written)
-    if outputs.metrics_path is not None and outputs.ckpt is not None:
-        _sync_metrics(outputs.metrics_path, cfg.label, history)
+    if outputs.metrics_path is not None and step is not None:
+        _sync_metrics(outputs.metrics_path, cfg.label, run_id, history)
     if hooks.on_start is not None:
         hooks.on_start(plan_text)
     return _Run(
+        run_id=run_id,
         requested=requested,
         cfg=cfg,
         spec=spec,
@@ -247,7 +297,9 @@ def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> Pat
     if outputs.metrics_path is not None:
         # with or without checkpoints: a fresh plan="auto" run measures and may plan
         # other stages, so this file is how a run is repeated on the same ones
-        written = _save_plan(outputs.metrics_path.parent / run_folder(label), plan)
+        folder = outputs.metrics_path.parent / run_folder(label)
+        refuse_link(folder, "the plan in", PipelineError)
+        written = _save_plan(folder, plan)
     return written
 
 
@@ -276,6 +328,7 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
         stopped="epochs",
         state=run.state,
         resumed_epoch=start_epoch if run.resumed and history else None,
+        run_id=run.run_id,
     )
     _mark_target(result)
     if result.target_epoch is not None:
@@ -322,12 +375,13 @@ def _commit(run: _Run, outputs: _Outputs, state: Any, board: _TensorBoard | None
             {
                 "config": dataclasses.asdict(run.requested),
                 "history": [dataclasses.asdict(r) for r in run.history],
+                "run_id": run.run_id,
             },
         )
     # after the commit, so no line names an epoch no checkpoint holds; a crash in
     # between leaves the line to the resume (_sync_metrics writes missing ones)
     if outputs.metrics_path is not None:
-        _append_metrics(outputs.metrics_path, run.cfg.label, [record])
+        _append_metrics(outputs.metrics_path, run.cfg.label, run.run_id, [record])
     if board is not None:
         board.write(record)
 
@@ -346,7 +400,7 @@ def _train_epoch(
     """Trains and evaluates epoch ``epoch`` (0-based).
 
     Raises:
-      TrainingDiverged: for a non-finite loss, accuracy or weight.
+      TrainingDiverged: for a non-finite loss, accuracy, weight or optimizer value.
     """
     batches = _epoch_batches(cfg, runner, ds, epoch)
     b = cfg.batch_size // runner.microbatches
@@ -374,8 +428,10 @@ def _train_epoch(
         raise _diverged(cfg, epoch + 1, f"the test loss became {test_loss}", ckpt)
     if spec.has_accuracy and not math.isfinite(test_acc):
         raise _diverged(cfg, epoch + 1, f"the test accuracy became {test_acc}", ckpt)
-    if not _finite_weights(runner, state):
+    if not _finite(state.params, state.model_state):
         raise _diverged(cfg, epoch + 1, "the weights hold NaN or infinite values", ckpt)
+    if not _finite(getattr(state, "opt_state", ())):
+        raise _diverged(cfg, epoch + 1, "the optimizer state holds NaN or infinite values", ckpt)
     samples = len(batches) * b
     updates = state.updates[0]
     return state, EpochRecord(
@@ -390,19 +446,36 @@ def _train_epoch(
     )
 
 
-def _finite_weights(runner: Any, state: Any) -> bool:
-    """Whether every floating value of the weights and model state is finite."""
-    tree: list[dict[str, Any]] | tuple[Any, Any]  # per-layer variables, or (params, state)
-    if isinstance(runner, Pipeline) and runner.multiprocess:
-        tree = runner.variables(state)  # collective: each process gets every stage
-    else:
-        tree = (state.params, state.model_state)
-    checks = [
-        jnp.isfinite(x).all()
-        for x in jax.tree.leaves(tree)
-        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-    ]
-    return all(bool(c) for c in checks)
+def _finite(*trees: Any) -> bool:
+    """Whether every floating value of ``trees`` (a state's weights, model state or
+    optimizer state) is finite: one jitted reduction per device, over the shards of every
+    leaf it holds (each shard once, on the device of its first replica), and one bool per
+    device to the host. In a run of several processes each checks what it holds and every
+    process gets the same answer (collective)."""
+    shards: dict[Any, list[jax.Array]] = {}
+    ok = True
+    for leaf in jax.tree.leaves(trees):
+        if isinstance(leaf, jax.Array):
+            if jnp.issubdtype(leaf.dtype, jnp.inexact):
+                for shard in leaf.addressable_shards:
+                    if shard.replica_id == 0:
+                        shards.setdefault(shard.device, []).append(shard.data)
+        elif isinstance(leaf, np.ndarray | np.floating | float):  # on the host already
+            if np.issubdtype(np.asarray(leaf).dtype, np.inexact):
+                ok = ok and bool(np.isfinite(leaf).all())
+    checks = [_all_finite(arrays) for arrays in shards.values()]  # dispatched, then read
+    ok = ok and all(bool(c) for c in checks)
+    if jax.process_count() > 1:
+        from pdjax.distributed import allgather_json
+
+        ok = all(allgather_json(ok))
+    return ok
+
+
+@jax.jit
+def _all_finite(arrays: list[jax.Array]) -> jax.Array:
+    """Whether every value of ``arrays`` (on one device) is finite."""
+    return jnp.stack([jnp.isfinite(a).all() for a in arrays]).all()
 
 
 def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiverged:

@@ -1,5 +1,15 @@
 """What a run writes besides its checkpoints: the metrics file (strict JSON lines, kept
-in step with the checkpoints) and TensorBoard event files."""
+in step with the checkpoints, only ever appended to), the summary and plots of ``pdjax
+train``, and TensorBoard event files; and the checks of all of them before any work.
+
+The metrics file. Each line is ``{"run": label, "run_id": id, **record}``: a run's id is
+made when it starts fresh and kept in its checkpoints, so a resumed run writes under the
+same id. pdjax never deletes or rewrites a line; a resume appends, and the file is read
+by this rule (:func:`read_metrics`): *read the lines in order, skipping any that is not a
+JSON object with an integer ``epoch`` (a line a crash cut off); a line of run id R and
+epoch e replaces every earlier line of R whose epoch is e or later.* What is left of R
+is its history, one line per epoch 1..n, as its newest checkpoint holds it. (Lines of
+pdjax before run ids have no ``run_id``; those of one label count as one run.)"""
 
 from __future__ import annotations
 
@@ -8,15 +18,21 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pdjax._jsonio import write_atomic
-from pdjax.apps.train.config import EpochRecord, TrainConfig
+from pdjax._jsonio import append_text, check_file, check_folder, refuse_link
+from pdjax.apps.train.config import EpochRecord, TrainConfig, run_folder
 from pdjax.errors import PipelineError
+
+#: The files of ``pdjax train --out``: its metrics and its summary (the plots are
+#: :data:`pdjax.apps.plots.PLOT_FILES`, a run's plan ``<run>/plan.json``).
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
 
 
 def _json_number(value: Any) -> Any:
@@ -28,39 +44,71 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-def _metrics_line(label: str, record: EpochRecord) -> str:
-    values = {k: _json_number(v) for k, v in dataclasses.asdict(record).items()}
-    return json.dumps({"run": label, **values}, allow_nan=False)
+def _values(record: EpochRecord | Mapping[str, Any]) -> dict[str, Any]:
+    """An epoch's fields as its metrics line holds them (strict JSON numbers)."""
+    fields = dataclasses.asdict(record) if isinstance(record, EpochRecord) else record
+    return {k: _json_number(v) for k, v in fields.items()}
 
 
-def _append_metrics(path: Path, label: str, records: Sequence[EpochRecord]) -> None:
-    if not records:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = "".join(_metrics_line(label, r) + "\n" for r in records)
-    with path.open("a+b") as f:  # appends, wherever it seeks to read
-        size = f.seek(0, os.SEEK_END)
-        if size:
-            f.seek(size - 1)
-            if f.read(1) != b"\n":  # a write that a crash cut off: start a line of our own
-                text = "\n" + text
-        f.write(text.encode())
+def _metrics_line(label: str, run_id: str, record: EpochRecord) -> str:
+    return json.dumps({"run": label, "run_id": run_id, **_values(record)}, allow_nan=False)
 
 
-def _metrics_runs(path: Path) -> set[str]:
-    """The runs with lines in the metrics file ``path``."""
-    runs = set()
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        with contextlib.suppress(ValueError):
+def _append_metrics(path: Path, label: str, run_id: str, records: Sequence[EpochRecord]) -> None:
+    """Appends the lines of ``records`` (never through a symbolic link; a last line a
+    crash cut off is kept, and the new lines start after it)."""
+    if records:
+        text = "".join(_metrics_line(label, run_id, r) + "\n" for r in records)
+        append_text(path, text, what="metrics file", error=PipelineError)
+
+
+def _entries(path: Path) -> Iterator[dict[str, Any]]:
+    """The lines of the metrics file ``path`` that are JSON objects, in order."""
+    text = path.read_text(errors="replace") if path.is_file() else ""
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
-            if isinstance(entry, dict) and isinstance(entry.get("run"), str):
-                runs.add(entry["run"])
-    return runs
+            if isinstance(entry, dict):
+                yield entry
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The lines of a metrics file that hold each run's history, in file order: the file
+    read by its rule (see the module docstring; pdjax only appends to it). A line of run
+    id R and epoch e replaces every earlier line of R whose epoch is e or later; lines
+    without a run id (pdjax before run ids) count as one run per label.
+
+    Args:
+      path: a ``metrics.jsonl``; a missing file has no lines.
+
+    Returns:
+      The lines that stand, as dicts: per run, one for each epoch 1..n.
+    """
+    kept: dict[Any, dict[int, tuple[int, dict[str, Any]]]] = {}
+    for i, entry in enumerate(_entries(Path(path))):
+        epoch = entry.get("epoch")
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            continue
+        run_id = entry.get("run_id")
+        key = run_id if isinstance(run_id, str) else (None, entry.get("run"))
+        lines = kept.setdefault(key, {})
+        for e in [e for e in lines if e >= epoch]:
+            del lines[e]
+        lines[epoch] = (i, entry)
+    return [entry for _, entry in sorted(x for run in kept.values() for x in run.values())]
+
+
+def new_run_id() -> str:
+    """A fresh run's id (32 hex digits), the same in every process of the run."""
+    from pdjax.distributed import broadcast_json
+
+    run_id: str = broadcast_json(uuid.uuid4().hex)
+    return run_id
 
 
 def _refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) -> None:
     """Refuses a fresh run of ``label`` into a metrics file holding lines of such a run."""
-    if label not in _metrics_runs(path):
+    if not any(entry.get("run") == label for entry in _entries(path)):
         return
     where = (
         f"{checkpoint_dir} holds no checkpoint to resume it from"
@@ -74,39 +122,141 @@ def _refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) ->
     )
 
 
-def _sync_metrics(path: Path, label: str, history: Sequence[EpochRecord]) -> None:
-    """Makes ``label``'s lines in the metrics file those of ``history`` (a checkpoint's):
-    keeps its lines of those epochs, drops its others (later epochs, duplicates), appends
-    the missing ones. Other lines stay as they are, but for a last line cut off by a crash.
-    The file is rewritten only to drop, atomically (a crash leaves the old file or the new)."""
-    text = path.read_text() if path.is_file() else ""
-    lines = text.splitlines()
-    keep: list[str] = []
-    seen: set[int] = set()
-    dropped = False
-    for i, line in enumerate(lines):
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1 and not text.endswith("\n"):
-                dropped = True  # a write that a crash cut off
-            else:
-                keep.append(line)
+def _refuse_others(
+    path: Path,
+    label: str,
+    run_id: str,
+    checkpoint_dir: str | Path | None,
+    legacy: Sequence[Mapping[str, Any]] | None = None,
+) -> None:
+    """Refuses to resume run ``run_id`` of ``label`` into a metrics file that holds lines
+    of ``label`` with another run id, or none. ``legacy``: the history of a checkpoint of
+    pdjax before run ids, whose lines (no run id, each equal to its epoch's record) are the
+    run's own."""
+    records = {r["epoch"]: _values(r) for r in legacy or ()}
+    for entry in _entries(path):
+        if entry.get("run") != label or entry.get("run_id") == run_id:
             continue
-        if not isinstance(entry, dict) or entry.get("run") != label:
-            keep.append(line)
-            continue
-        epoch = entry.get("epoch")
-        if isinstance(epoch, int) and 1 <= epoch <= len(history) and epoch not in seen:
-            seen.add(epoch)
-            keep.append(line)
-        else:
-            dropped = True
-    if dropped:
-        write_atomic(
-            path, "".join(line + "\n" for line in keep), what="metrics file", error=PipelineError
+        other = entry.get("run_id")
+        if other is None and legacy is not None:
+            values = records.get(entry.get("epoch"))
+            if values is not None and all(entry.get(k) == v for k, v in values.items()):
+                continue  # this run's own line, written before run ids
+        whose = f"run id {other}" if other is not None else "no run id: an older pdjax"
+        raise PipelineError(
+            f"{path} holds metrics of another {label!r} run ({whose}) than the one resumed "
+            f"from {checkpoint_dir} (run id {run_id}): its lines would mix with that run's. "
+            f"Resume with another --out (the run's checkpointed epochs are written there "
+            f"first), or move {path.name} away"
         )
-    _append_metrics(path, label, [r for r in history if r.epoch not in seen])
+
+
+def _sync_metrics(path: Path, label: str, run_id: str, history: Sequence[EpochRecord]) -> None:
+    """Brings run ``run_id``'s lines in the metrics file in step with ``history`` (its
+    checkpoint's), by appending only (:func:`read_metrics`' rule): from the first epoch
+    whose line is missing or differs (another branch of the run, before a resume from an
+    older step), every epoch of ``history``; or, where the file holds later epochs than
+    ``history`` (steps set aside by a resume from an older one), its last epoch again,
+    which ends them. Nothing is deleted or rewritten."""
+    mine = {e["epoch"]: e for e in read_metrics(path) if e.get("run_id") == run_id}
+    for i, record in enumerate(history):
+        line = mine.get(record.epoch)
+        values = {"run": label, "run_id": run_id, **_values(record)}
+        if line is None or any(line.get(k) != v for k, v in values.items()):
+            _append_metrics(path, label, run_id, history[i:])
+            return
+    if history and any(epoch > len(history) for epoch in mine):
+        _append_metrics(path, label, run_id, history[-1:])
+
+
+def check_output_paths(
+    out: str | Path,
+    labels: Sequence[str],
+    *,
+    plots: bool,
+    checkpoint_dir: str | Path | None = None,
+    tensorboard: str | Path | None = None,
+) -> None:
+    """Refuses, before any work, an output of ``pdjax train`` that could not be written:
+    ``out`` (under a file, or not writable: tested by making a file there), its metrics,
+    summary, plots (``plots``) and each run's plan (a symbolic link or a folder there is
+    refused, as is a link at a run's folder), ``checkpoint_dir`` and ``tensorboard`` (and
+    their run folders) alike.
+
+    Raises:
+      PipelineError: naming the option, the path, what is wrong and what to do.
+    """
+    from pdjax.apps.plots import PLOT_FILES
+    from pdjax.apps.train.resume import PLAN_FILE
+
+    out = Path(out)
+    check_folder(out, "--out", PipelineError)
+    names = [METRICS_FILE, SUMMARY_FILE, *(PLOT_FILES.values() if plots else ())]
+    for name in names:
+        check_file(out / name, "--out", PipelineError)
+    for label in labels:
+        check_folder(out / run_folder(label), "--out", PipelineError, link=False)
+        check_file(out / run_folder(label) / PLAN_FILE, "--out", PipelineError)
+    for option, folder in (("--checkpoint-dir", checkpoint_dir), ("--tensorboard", tensorboard)):
+        if folder is None:
+            continue
+        check_folder(folder, option, PipelineError)
+        for label in labels:
+            where = Path(folder) / run_folder(label)
+            check_folder(where, option, PipelineError, link=option == "--checkpoint-dir")
+
+
+def check_results(out: str | Path, runs: Sequence[tuple[str, str | None]], *, plots: bool) -> None:
+    """Refuses, before any work, to replace the summary (and the plots, with ``plots``) of
+    another run in ``out``: they may be replaced only where ``summary.json`` lists runs
+    that this command continues, each ``(label, run id)`` of ``runs`` (run id None: a fresh
+    run). Plots without a summary cannot be told apart, and are refused too.
+
+    Raises:
+      PipelineError: naming the file, whose it is and what to do.
+    """
+    from pdjax.apps.plots import PLOT_FILES
+
+    out = Path(out)
+    summary = out / SUMMARY_FILE
+    ours = {(label, run_id) for label, run_id in runs if run_id is not None}
+    advice = (
+        "choose another --out, or move it away (a run replaces only its own, as it goes "
+        "on from its --checkpoint-dir)"
+    )
+    if os.path.lexists(summary):
+        for label, run_id in _summary_runs(summary):
+            if (label, run_id) not in ours:
+                whose = f"run id {run_id}" if run_id is not None else "no run id: an older pdjax"
+                raise PipelineError(
+                    f"{summary} holds the summary of another run ({label!r}, {whose}), which "
+                    f"this command would replace: {advice}"
+                )
+        return
+    for name in PLOT_FILES.values() if plots else ():
+        if os.path.lexists(out / name):
+            raise PipelineError(
+                f"{out / name} is a plot of another run (there is no {SUMMARY_FILE} beside "
+                f"it to say whose), which this command would replace: {advice}"
+            )
+
+
+def _summary_runs(path: Path) -> list[tuple[str, str | None]]:
+    """The ``(label, run id)`` of each run in the summary ``path``."""
+    try:
+        entries = json.loads(path.read_text())
+        if not isinstance(entries, list):
+            raise ValueError("not a list")
+        runs = []
+        for entry in entries:
+            run_id = entry.get("run_id")
+            runs.append((str(entry["run"]), run_id if isinstance(run_id, str) else None))
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError) as e:
+        raise PipelineError(
+            f"{path} is not a summary pdjax can read ({e}), and this command would replace "
+            "it: choose another --out, or move it away"
+        ) from e
+    return runs
 
 
 def require_tensorboard() -> None:
@@ -127,7 +277,7 @@ def require_tensorboard() -> None:
 class _TensorBoard:
     """One run's TensorBoard event files (tensorboardX), one step per epoch. The files are
     made by the first epoch written: a run that trains no epoch, or diverges in its first,
-    leaves none."""
+    leaves none. Each file is new (a random name), in a folder that is not a link."""
 
     def __init__(self, folder: Path, cfg: TrainConfig) -> None:
         self._folder, self._cfg = folder, cfg
@@ -136,7 +286,11 @@ class _TensorBoard:
     def _open(self) -> Any:
         from tensorboardX import SummaryWriter
 
-        writer = SummaryWriter(logdir=str(self._folder))
+        refuse_link(self._folder, "TensorBoard files in", PipelineError)
+        # tensorboardX names its file by the second and the host, and opens it as it is
+        # (following a link, truncating a file there): a random suffix makes it new
+        suffix = "." + uuid.uuid4().hex
+        writer = SummaryWriter(logdir=str(self._folder), filename_suffix=suffix)
         text = json.dumps(dataclasses.asdict(self._cfg), indent=1)
         writer.add_text("config", f"```\n{text}\n```", 0)
         return writer

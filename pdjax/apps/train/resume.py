@@ -1,23 +1,27 @@
 """A run's checkpoints: opening them and the step to resume from (:func:`check_outputs`
-refuses up front what :func:`~pdjax.apps.train.train` would), the plan saved beside them
-(:data:`PLAN_FILE`), the settings and plan a resumed run keeps (:func:`_settle`), and its
-state and history restored (:func:`_resume`)."""
+refuses up front what :func:`~pdjax.apps.train.train` would), the run's id they hold
+(:func:`_identity`), the plan saved beside them (:data:`PLAN_FILE`), the settings and plan
+a resumed run keeps (:func:`_settle`), and its state and history restored
+(:func:`_resume`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import EpochRecord, TrainConfig
-from pdjax.apps.train.outputs import _refuse_mixing
+from pdjax.apps.train.outputs import _refuse_mixing, _refuse_others
 from pdjax.apps.train.planning import _auto_choice, resolve_auto
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.models import ModelSpec
@@ -27,25 +31,101 @@ from pdjax.pipeline.executor import Pipeline
 #: (:func:`~pdjax.apps.train.train`).
 PLAN_FILE = "plan.json"
 
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Identity:
+    """Whose a checkpoint is: its run's id, and (``legacy``) the history of a checkpoint
+    saved by pdjax before run ids, whose run is given an id made from its settings and
+    first epoch (:func:`_legacy_id`), the same at every resume until a step holds it."""
+
+    run_id: str
+    legacy: list[dict[str, Any]] | None = None
+
 
 def check_outputs(
     cfg: TrainConfig,
     checkpoint_dir: str | Path | None = None,
     metrics_path: str | Path | None = None,
     resume_step: int | None = None,
-) -> None:
+) -> str | None:
     """Refuses, before anything trains, what :func:`~pdjax.apps.train.train` would refuse
-    about its outputs: a ``resume_step`` that is not a step of ``checkpoint_dir``, and a
-    fresh run (nothing to resume) of a run that ``metrics_path`` already holds lines of.
+    about its outputs: a ``resume_step`` that is not a step of ``checkpoint_dir``, a
+    fresh run (nothing to resume) of a run that ``metrics_path`` already holds lines of,
+    and a resumed run into a ``metrics_path`` that holds lines of its label with another
+    run id (or none).
+
+    Returns:
+      The id of the run it resumes, or None for a fresh run (its id is made as it starts).
 
     Raises:
-      CheckpointError: for the step (the message lists the steps there).
+      CheckpointError: for the step (the message lists the steps there), or a checkpoint
+        whose metadata cannot be read.
       PipelineError: for the metrics (the message says what to do).
     """
     with contextlib.ExitStack() as stack:
-        _, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
-    if metrics_path is not None and step is None:
-        _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+        ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+        if step is None:
+            if metrics_path is not None:
+                _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+            return None
+        identity = _identity(ckpt, step, chosen=resume_step is not None)
+    label = _resumed_label(cfg, checkpoint_dir)
+    if metrics_path is not None and label is not None:
+        _refuse_others(Path(metrics_path), label, identity.run_id, checkpoint_dir, identity.legacy)
+    return identity.run_id
+
+
+def _resumed_label(cfg: TrainConfig, checkpoint_dir: str | Path | None) -> str | None:
+    """The label of ``cfg``'s run resumed from ``checkpoint_dir``: for ``schedule="auto"``,
+    that of the choice its saved plan records (None where only profiling would tell)."""
+    if cfg.schedule != "auto":
+        return cfg.label
+    saved = _saved_plan(str(checkpoint_dir))
+    if saved is None or cfg.plan not in ("auto", "even"):
+        return None
+    return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE).label
+
+
+def _identity(ckpt: Any, step: int, *, chosen: bool) -> _Identity:
+    """The :class:`_Identity` of checkpoint ``step`` of ``ckpt``, from its metadata alone
+    (no state is built): its ``extra["run_id"]``, else one made for a checkpoint of pdjax
+    before run ids."""
+    extra = _hinted(ckpt, step, chosen, lambda: ckpt.extra(step))
+    run_id = extra.get("run_id")
+    if isinstance(run_id, str) and run_id:
+        return _Identity(run_id)
+    history = [dict(r) for r in extra.get("history", [])]
+    return _Identity(_legacy_id(extra), legacy=history)
+
+
+def _legacy_id(extra: dict[str, Any]) -> str:
+    """The id of a run checkpointed by pdjax before run ids: a hash of its settings and of
+    its first epoch's record (whose seconds are the run's own), so every step of the run
+    gives the same."""
+    history = extra.get("history") or [None]
+    text = json.dumps([extra.get("config"), history[0]], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _hinted(ckpt: Any, step: int, chosen: bool, read: Callable[[], _T]) -> _T:
+    """``read()`` of checkpoint ``step``; a :class:`CheckpointError` of a step the run
+    did not choose (the newest) says how to resume from an earlier one instead."""
+    try:
+        return read()
+    except CheckpointError as e:
+        if chosen:
+            raise
+        earlier = [s for s in ckpt.all_steps() if s < step]
+        hint = (
+            f"if step {step} is damaged, resume from an earlier one with --resume-step "
+            f"(steps there: {earlier})"
+            if earlier
+            else "no earlier step is there to resume from instead"
+        )
+        e.args = (f"{e}; {hint}", *e.args[1:])  # keeps the error's own class
+        raise
 
 
 def _open_checkpoints(
@@ -152,23 +232,11 @@ def _resume(
 ) -> tuple[Any, list[EpochRecord]]:
     """``state`` and the history restored from ``step``, checked to be of the same run;
     the steps after it are set aside."""
-    try:
-        # a run with another plan (a re-planned one) may cut the stages elsewhere
-        state, extra = ckpt.restore(
-            state, step=step, pipeline=runner if isinstance(runner, Pipeline) else None
-        )
-    except CheckpointError as e:
-        if chosen:
-            raise
-        earlier = [s for s in ckpt.all_steps() if s < step]
-        hint = (
-            f"if step {step} is damaged, resume from an earlier one with --resume-step "
-            f"(steps there: {earlier})"
-            if earlier
-            else "no earlier step is there to resume from instead"
-        )
-        e.args = (f"{e}; {hint}", *e.args[1:])  # keeps the error's own class
-        raise
+    # a run with another plan (a re-planned one) may cut the stages elsewhere
+    pipeline = runner if isinstance(runner, Pipeline) else None
+    state, extra = _hinted(
+        ckpt, step, chosen, lambda: ckpt.restore(state, step=step, pipeline=pipeline)
+    )
     saved = _resumable(extra.get("config", {}))
     ours = _resumable(dataclasses.asdict(requested))
     if plan_given:  # the same plan under another file name (checked by _settle)

@@ -454,6 +454,19 @@ class Checkpointer:
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
         return _assemble(template, leaves, ints), meta["extra"]
 
+    def extra(self, step: int | None = None) -> dict[str, Any]:
+        """The ``extra`` saved with checkpoint ``step`` (default: the newest), read from its
+        metadata alone (no state is built, no array read), after the metadata's checks
+        (its checksums, and that it is ``step``'s).
+
+        Raises:
+          CheckpointError: if the directory holds no checkpoint, ``step`` is not there, or
+            its metadata is damaged (naming the field, and the steps that verify).
+        """
+        step = self._pick_step(step)
+        meta = self._from_0(lambda: self._read_meta(step))
+        return dict(meta["extra"])
+
     def verify(self, step: int | None = None) -> None:
         """Checks that checkpoint ``step`` (default: the newest) is intact, without building
         a state: its metadata is complete, matches its checksums and is that of
