@@ -15,7 +15,10 @@ coordinator's port for every other process to say hello, and then every process 
 :class:`DistributedError` naming the missing ones (JAX would abort them all with a C++
 stack instead). :func:`launch_local` starts ``N`` processes on this machine for trying it
 out, optionally one core each, and ends them all when one fails or when it gets SIGTERM,
-SIGINT or SIGHUP.
+SIGINT or SIGHUP. A launcher killed outright (SIGKILL, or a crash) cannot end them, so
+they end themselves (see :class:`Lifeline`): on Linux the kernel kills each with its
+launcher (``PR_SET_PDEATHSIG``), and everywhere a process of pdjax's watches a pipe from
+its launcher (:func:`watch_launcher`) and ends when it closes.
 
 What listens: process 0's coordination service (and the join hello before it) on the
 coordinator's ``HOST:PORT`` only (or ``bind_address``), and on CPU each process's transfer
@@ -31,11 +34,12 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -43,9 +47,11 @@ from typing import Any
 from pdjax.errors import DistributedError, LaunchInterrupted
 
 __all__ = [
+    "LAUNCHER_PIPE_ENV",
     "DistributedConfig",
     "DistributedError",
     "LaunchInterrupted",
+    "Lifeline",
     "allgather_json",
     "broadcast_json",
     "check_cpu_transfers",
@@ -56,6 +62,9 @@ __all__ = [
     "free_port",
     "initialize",
     "launch_local",
+    "lifeline",
+    "orphan_proof",
+    "watch_launcher",
 ]
 
 
@@ -157,6 +166,7 @@ def initialize(config: DistributedConfig) -> None:
     """
     import jax
 
+    watch_launcher()  # before the wait for the other processes: a dead launcher ends it
     host, port = _split(config.coordinator)
     if config.cpu_devices is not None:
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
@@ -448,6 +458,165 @@ def ending_on_signals() -> Iterator[_SignalGuard]:
             signal.signal(s, handler)
 
 
+# -- a launcher killed outright: its workers end themselves --------------------------------------
+#
+# A launcher that gets SIGKILL (or crashes) runs no ``finally``, and its workers, in
+# sessions of their own, would train on as orphans. Two guards, each enough alone:
+#
+# * Linux: every worker runs first through a few lines of Python (:data:`_PARENT_DEATH`,
+#   added by :func:`orphan_proof`) that ask the kernel to SIGKILL it when its launcher
+#   dies (``prctl(PR_SET_PDEATHSIG)``, which survives ``exec``), check that the launcher
+#   is still its parent (it may have died between the fork and the ``prctl``, and then
+#   nothing would come), and ``exec`` the worker's own command in the same process. This
+#   holds for any command, pdjax's or not, and needs no ``preexec_fn`` (unsafe in a
+#   launcher with threads). SIGKILL rather than SIGTERM: a worker stuck in native code, or
+#   whose SIGTERM JAX's preemption notifier swallows, would outlive a SIGTERM, and nothing
+#   escalates once the launcher is gone; pdjax's outputs are written atomically.
+# * Everywhere: the launcher holds the write end of a pipe whose read end every worker
+#   gets (:class:`Lifeline`); the kernel closes it when the launcher dies, however it
+#   dies, and a pdjax process that called :func:`watch_launcher` (``initialize``, ``pdjax
+#   train``, the cluster benchmark's workers do) reads end-of-file and ends itself. A pipe
+#   rather than polling the parent's pid: no pid to be reused, no polling, and a launcher
+#   that died before the worker started watching is seen at once.
+
+#: Where a launched process finds the read end of its launcher's pipe: ``FD:INODE``.
+LAUNCHER_PIPE_ENV = "PDJAX_LAUNCHER_PIPE"
+
+#: Runs ``argv[2:]`` in this process, to be killed with its parent (``argv[1]``, a pid).
+_PARENT_DEATH = """
+import os, sys
+try:
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+except Exception:
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)  # the launcher died before the prctl: nothing would end this process
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    print(f"cannot run {sys.argv[2]}: {e.strerror or e}", file=sys.stderr)
+    os._exit(127)
+"""
+
+
+def orphan_proof(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` run so that it is killed when this process dies, however it dies: on Linux
+    behind a few lines of Python that set ``PR_SET_PDEATHSIG`` (SIGKILL) and ``exec``
+    ``cmd`` in the same process (the same pid: start it directly from this process, or
+    behind commands that ``exec`` in place, such as ``taskset`` and ``ip netns exec``);
+    elsewhere ``cmd`` as it is (:func:`watch_launcher` is the guard there). The signal
+    comes when the thread that started the process ends: start it from one that outlives
+    it (a launcher's waiting thread does)."""
+    if sys.platform != "linux":
+        return list(cmd)
+    return [sys.executable, "-I", "-S", "-c", _PARENT_DEATH, str(os.getpid()), *cmd]
+
+
+class Lifeline:
+    """A pipe whose write end only this launcher holds, and whose read end each process
+    it starts with :meth:`start` gets (with :data:`LAUNCHER_PIPE_ENV` naming it): when the
+    launcher dies, however it dies, the pipe closes, and a process that called
+    :func:`watch_launcher` ends itself. Use it through :func:`lifeline`."""
+
+    def __init__(self) -> None:
+        self.read, self._write = os.pipe()  # neither is inherited unless passed
+        self.env = {LAUNCHER_PIPE_ENV: f"{self.read}:{os.fstat(self.read).st_ino}"}
+
+    def start(
+        self, cmd: Sequence[str], env: Mapping[str, str], **kwargs: Any
+    ) -> subprocess.Popen[bytes]:
+        """``subprocess.Popen(cmd)`` in a session of its own (``start_new_session``), with
+        the pipe's read end and its name in ``env``."""
+        return subprocess.Popen(
+            list(cmd),
+            env={**env, **self.env},
+            pass_fds=(self.read,),
+            start_new_session=True,
+            **kwargs,
+        )
+
+    def close(self) -> None:
+        for fd in (self.read, self._write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+@contextlib.contextmanager
+def lifeline() -> Iterator[Lifeline]:
+    """A :class:`Lifeline` for the block; closed after it (end the processes first)."""
+    line = Lifeline()
+    try:
+        yield line
+    finally:
+        line.close()
+
+
+def watch_launcher(
+    env: MutableMapping[str, str] | None = None,
+    on_death: Callable[[], None] | None = None,
+) -> bool:
+    """If this process was started by a pdjax launcher (:data:`LAUNCHER_PIPE_ENV` in
+    ``env``, default ``os.environ``, names an open pipe), watches the pipe in a daemon
+    thread and calls ``on_death`` (default: ends this process and its process group,
+    SIGTERM, then SIGKILL 5 s later) when the launcher dies. The variable is removed from
+    ``env``, so that this process's own children do not take another file for the pipe.
+
+    Returns:
+      Whether it watches (False: not started by a launcher, or the pipe is not there).
+    """
+    env = os.environ if env is None else env
+    token = env.pop(LAUNCHER_PIPE_ENV, None)
+    fd_text, _, inode = (token or "").partition(":")
+    if not (fd_text.isdigit() and inode.isdigit()):
+        return False
+    fd = int(fd_text)
+    try:
+        info = os.fstat(fd)
+    except OSError:
+        return False
+    if not stat.S_ISFIFO(info.st_mode) or info.st_ino != int(inode):
+        return False  # another file has that number here: not the launcher's pipe
+    os.set_inheritable(fd, False)
+    threading.Thread(
+        target=_watch,
+        args=(fd, on_death or _end_this_process),
+        name="pdjax-launcher-watch",
+        daemon=True,
+    ).start()
+    return True
+
+
+def _watch(fd: int, on_death: Callable[[], None]) -> None:
+    """Reads ``fd`` to end-of-file (the launcher never writes), then ``on_death()``."""
+    while True:
+        try:
+            if not os.read(fd, 512):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    on_death()
+
+
+def _end_this_process(grace: float = 5.0) -> None:
+    """Ends this process as a launcher would: SIGTERM to its process group (to itself, if
+    it leads none), then SIGKILL after ``grace`` seconds."""
+    print(
+        f"pdjax: process {os.getpid()}: its launcher is gone; ending it",
+        file=sys.stderr,
+        flush=True,
+    )
+    group = os.getpgrp() == os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if group:
+            os.killpg(os.getpid(), sig)
+        else:
+            os.kill(os.getpid(), sig)
+        time.sleep(grace)
+
+
 def describe_exit(code: int) -> str:
     """A worker's exit status in words: ``exit 3``, ``killed by SIGKILL``, and for
     SIGABRT what it means here (JAX aborts on fatal errors, with a C++ stack in its log)."""
@@ -480,7 +649,8 @@ def launch_local(
 
     ``pin=True`` runs process ``i`` on core ``i`` (``taskset -c i``). When one process
     fails, the others are ended; a run longer than ``timeout`` seconds is ended too, and so
-    is every process when the launcher gets SIGTERM, SIGINT or SIGHUP.
+    is every process when the launcher gets SIGTERM, SIGINT or SIGHUP. A launcher killed
+    outright takes them with it (:func:`orphan_proof`, :class:`Lifeline`).
 
     Returns:
       0 when every process succeeded.
@@ -492,7 +662,7 @@ def launch_local(
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
     base = {**os.environ, **(env or {})}
-    with ending_on_signals() as guard:
+    with ending_on_signals() as guard, lifeline() as line:
         try:
             for i in range(num_processes):
                 penv = {
@@ -503,11 +673,11 @@ def launch_local(
                 }
                 if cpu_devices is not None:
                     penv["PDJAX_CPU_DEVICES"] = str(cpu_devices)
-                cmd = [sys.executable, *argv]
-                if pin:
+                cmd = orphan_proof([sys.executable, *argv])
+                if pin:  # taskset runs the command in its own process, as orphan_proof needs
                     cmd = ["taskset", "-c", str(i % (os.cpu_count() or 1)), *cmd]
                 with guard.hold():
-                    procs.append(subprocess.Popen(cmd, env=penv, start_new_session=True))
+                    procs.append(line.start(cmd, penv))
             _wait_all(procs, timeout)
             return 0
         finally:

@@ -168,8 +168,9 @@ def test_a_factory_gets_config_when_it_takes_it(user_models, capsys):
     assert code == 0 and sys.modules["usermodels"].SEEN == {"config": "paper"}
     prof = Profile.from_json(captured.out)
     assert sum(layer.param_bytes for layer in prof.layers) == 4 * (12 * 24 + 24 + 24 * 5 + 5)
-    with pytest.raises(KeyError):  # the factory's own error, with its own traceback
-        _profile(capsys, "usermodels:build", "--config", "huge")
+    code, captured = _profile(capsys, "usermodels:build", "--config", "huge")
+    assert code == 2  # the factory's own error, as one line (PDJAX_DEBUG=1: its traceback)
+    assert "the factory usermodels:build failed: KeyError: 'huge'" in captured.err
 
 
 @pytest.mark.parametrize(

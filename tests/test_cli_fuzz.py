@@ -7,9 +7,13 @@ Cheap commands (plan on a small bundled profile, simulate on unit costs) run in-
 with any value; train, bench, profile and calibrate only with values refused before any
 work starts."""
 
+import argparse
 import contextlib
+import functools
 import json
+import os
 import signal
+import stat
 import tempfile
 from pathlib import Path
 
@@ -302,3 +306,269 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
     trace = tmp_path / "new" / "deeper" / "t.json"
     assert main([*unit, "--trace", str(trace)]) == 0
     assert trace.is_file()
+
+
+# -- every option of every command: prefixes, empty strings and hostile paths (issue 33) ----
+#
+# Each example runs in a fresh folder (also the current one) holding a file, a read-only
+# folder, a link to a file elsewhere and a link to nothing; a path option gets an empty or
+# blank path, a new file, the folder, the file, a path under the file, either link, a file
+# in the read-only folder (run with the ids of nobody when the tests run as root, where a
+# folder's permissions would not stop a write), a NUL character, a name too long or one
+# that cannot be encoded. Every
+# run exits 0, or 2 with one line naming the option or the path (or argparse's usage and
+# error line); nothing outside the command's outputs is written or deleted, and nothing at
+# all when it is refused. Expensive commands (profile, calibrate, train, bench) get only
+# what is refused before any work.
+
+#: Options that name a file or folder the command writes.
+OUTPUTS = {"--out", "--trace", "--png", "--write-csv", "--plan-out", "--checkpoint-dir",
+           "--tensorboard"}  # fmt: skip
+KINDS = ("empty", "blank", "new", "folder", "file", "under-file", "symlink", "dangling",
+         "read-only", "nul", "long", "unencodable")  # fmt: skip
+#: The kinds refused before any work, for an output and for an input of an expensive
+#: command (a folder output may be the fresh folder itself, or a new one: a run).
+REFUSED_OUTPUT = frozenset(KINDS) - {"new", "file", "folder"}
+REFUSED_FOLDER = frozenset(KINDS) - {"new", "folder"}
+REFUSED_INPUT = frozenset(KINDS) - {"file", "symlink"}
+
+
+@contextlib.contextmanager
+def unprivileged(enabled: bool = True):
+    """Runs the block with the effective ids of nobody when this process runs as root (as
+    CI does) and ``enabled``, so that a folder's permissions deny writing (``os.access``
+    answers for the real id, root's, and says yes). Skips where root cannot give them up."""
+    if not enabled or os.geteuid() != 0:
+        yield
+        return
+    try:
+        os.setegid(65534)
+        os.seteuid(65534)
+    except PermissionError:
+        os.setegid(0)
+        pytest.skip("cannot take the ids of nobody: a read-only folder does not stop root")
+    try:
+        yield
+    finally:
+        os.seteuid(0)
+        os.setegid(0)
+
+
+@contextlib.contextmanager
+def hostile_dir():
+    """A fresh folder per example (the current folder meanwhile), with the hostile paths,
+    a plan of PLAN in ``inputs/``, and writable by nobody."""
+    with fresh_dir() as d, contextlib.chdir(d):
+        os.chmod(d, 0o777)
+        (d / "file.txt").write_text("x")
+        (d / "outside").mkdir()
+        (d / "outside" / "target.json").write_text("{}")
+        (d / "link").symlink_to(d / "outside" / "target.json")
+        (d / "dangling").symlink_to(d / "outside" / "none.json")
+        (d / "inputs").mkdir()
+        (d / "inputs" / "plan.json").write_text(_plan_json())
+        (d / "ro").mkdir()
+        os.chmod(d / "ro", 0o555)
+        try:
+            yield d
+        finally:
+            os.chmod(d / "ro", 0o755)
+
+
+@functools.cache
+def _plan_json() -> str:
+    with fresh_dir() as d:
+        assert main([*PLAN, "--json", "--out", str(d / "p.json")]) == 0
+        return (d / "p.json").read_text()
+
+
+def hostile_path(d: Path, kind: str, name: str = "x.json") -> str:
+    return {
+        "empty": "",
+        "blank": "  ",
+        "new": str(d / "new" / name),
+        "folder": str(d),
+        "file": str(d / "file.txt"),
+        "under-file": str(d / "file.txt" / name),
+        "symlink": str(d / "link"),
+        "dangling": str(d / "dangling"),
+        "read-only": str(d / "ro" / name),
+        "nul": f"{d}/a\0b",
+        "long": str(d / ("x" * 300) / name),
+        "unencodable": f"{d}/a\ud800b",  # a lone surrogate: no file system encoding holds it
+    }[kind]
+
+
+def snapshot(d: Path) -> dict[str, tuple[int, int, int, str | None]]:
+    """Every entry under ``d`` (links not followed): type, size, mtime, link target."""
+    found = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else None
+            found[os.path.relpath(path, d)] = (stat.S_IFMT(st.st_mode), st.st_size,
+                                               st.st_mtime_ns, target)  # fmt: skip
+    return found
+
+
+def check_writes(d: Path, before: dict, rc: object, outputs: list[str]) -> None:
+    """Nothing changed under ``d`` when refused; else only ``outputs`` and the folders
+    made for them."""
+    after = snapshot(d)
+    changed = {p for p in before.keys() | after.keys() if before.get(p) != after.get(p)}
+    if rc != 0:
+        assert not changed, f"a refused run changed {sorted(changed)}"
+        return
+    allowed = set()
+    for out in outputs:
+        rel = Path(os.path.relpath(Path(out).absolute(), d))
+        allowed |= {str(rel), *(str(p) for p in rel.parents if str(p) != ".")}
+    assert changed <= allowed, f"wrote {sorted(changed - allowed)} beside {outputs}"
+    assert before.keys() <= after.keys(), "deleted something"
+
+
+def check_refusal(rc: object, err: str, names: list[str]) -> None:
+    """Exit 0, or 2 with one line (argparse's: its usage, then one error line) naming one
+    of ``names``; never a traceback."""
+    assert "Traceback" not in err, err
+    assert rc in (0, 2), (rc, err)
+    if rc == 2:
+        lines = err.strip().splitlines()
+        assert lines and ": error: " in lines[-1], err
+        if not lines[0].startswith("usage: "):
+            assert len(lines) == 1, err  # pdjax's own: one line
+        elif "unrecognized arguments:" in lines[-1]:
+            return  # argparse's, naming them (an empty one too, as nothing)
+        assert any(n and n in lines[-1] for n in names), (names, err)
+
+
+#: ``(command, argv before the path, option, argv after, kinds)``: every path option; the
+#: expensive commands' only with the kinds refused before any work.
+PATH_CASES = [
+    ("plan", PLAN, "--out", [], KINDS),
+    ("plan", ["plan", "--workers", "2"], "--profile", [], KINDS),
+    ("plan", PLAN, "--calibration", [], KINDS),
+    ("simulate", SIMULATE, "--trace", [], KINDS),
+    ("simulate", SIMULATE, "--png", [], KINDS),
+    ("simulate", SIMULATE, "--write-csv", [], KINDS),
+    ("simulate", SIMULATE, "--schedule-csv", [], KINDS),
+    ("simulate", ["simulate"], "--plan", ["--profile", "pipedream:alexnet"], KINDS),
+    ("simulate", ["simulate", "--plan", "inputs/plan.json"], "--profile", [], KINDS),
+    ("simulate", ["simulate", "--plan", "inputs/plan.json", "--profile", "pipedream:alexnet"],
+     "--calibration", [], KINDS),
+    ("profile", ["profile", "--model", "mlp"], "--out", [], REFUSED_OUTPUT),
+    ("calibrate", ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--refine",
+                   "--profile", "pipedream:alexnet"], "--out", [], REFUSED_OUTPUT),
+    ("calibrate", ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--refine",
+                   "--profile", "pipedream:alexnet", "--out", "c.json"], "--plan-out", [],
+     REFUSED_OUTPUT),
+    ("calibrate", ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--out", "c.json"],
+     "--plan", [], REFUSED_INPUT),
+    ("calibrate", ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--out", "c.json",
+                   "--refine"], "--profile", [], REFUSED_INPUT),
+    ("calibrate", ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--out", "c.json",
+                   "--refine", "--profile", "pipedream:alexnet"], "--calibration", [],
+     REFUSED_INPUT),
+    *[("train", ["train", "--devices", "2", "--epochs", "1", "--plan", "even"], option, [],
+       REFUSED_FOLDER) for option in ("--out", "--checkpoint-dir", "--tensorboard")],
+    ("train", ["train", "--devices", "2", "--epochs", "1"], "--plan", [], REFUSED_INPUT),
+    ("train", ["train", "--devices", "2", "--epochs", "1", "--plan", "even"], "--dataset", [],
+     REFUSED_INPUT),
+    ("bench", ["bench", "--cluster"], "--out", [], REFUSED_FOLDER),
+    ("bench", ["bench", "--devices", "2"], "--plan", [], REFUSED_INPUT),
+]  # fmt: skip
+
+
+def test_path_cases_cover_every_path_option():
+    from pdjax.apps.cli import build_parser
+    from pdjax.apps.commands import PathOption
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    every = {
+        (name, s)
+        for name, sub in subparsers.choices.items()
+        for a in sub._actions
+        if isinstance(a, PathOption)
+        for s in a.option_strings
+    }
+    assert {(c[0], c[2]) for c in PATH_CASES} == every
+
+
+@pytest.mark.parametrize(
+    ("command", "before", "option", "after", "kinds"),
+    PATH_CASES,
+    ids=[f"{c[0]}{c[2]}" for c in PATH_CASES],
+)
+@settings(max_examples=12, **FUZZ)
+@given(data=st.data())
+def test_every_path_option_of_every_command(command, before, option, after, kinds, data,
+                                            capsys):  # fmt: skip
+    kind = data.draw(st.sampled_from(sorted(kinds)), label="kind")
+    with hostile_dir() as d:
+        path = hostile_path(
+            d, kind, {"--png": "x.png", "--write-csv": "x.csv"}.get(option, "x.json")
+        )
+        argv = [*before, option, path, *after]
+        old = snapshot(d)
+        with unprivileged(kind == "read-only"):
+            rc, err = run_cli(argv, capsys)
+        check_refusal(rc, err, [option, path, Path(path).name if path.strip() else ""])
+        if frozenset(kinds) != frozenset(KINDS):  # an expensive command: refused up front
+            assert rc == 2, (kind, err)
+        check_writes(d, old, rc, [path] if option in OUTPUTS else [])
+
+
+#: Values for any option: numbers in and out of bounds, words, empty and blank strings.
+WORDS = ["0", "1", "2", "-1", "nan", "1e308", "abc", "", " ", "all", "auto", "even"]
+#: Expensive commands get this after the option drawn, refused while parsing, so that
+#: nothing runs whatever the option drawn does.
+POISON = {"profile": ["--seed", "-1"], "calibrate": ["--seed", "-1"],
+          "train": ["--seed", "-1"], "bench": ["--seed", "-1"]}  # fmt: skip
+BASES = {
+    "plan": PLAN,
+    "simulate": SIMULATE,
+    "profile": ["profile", "--model", "mlp"],
+    "calibrate": ["calibrate", "--model", "mlp", "--microbatch-size", "2", "--refine",
+                  "--profile", "pipedream:alexnet", "--out", "c.json"],
+    "train": ["train"],
+    "bench": ["bench"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("command", list(BASES))
+@settings(max_examples=40, **FUZZ)
+@given(data=st.data())
+def test_every_option_of_every_command(command, data, capsys):
+    """Any option of the command, spelled out or cut short (argparse would take a prefix
+    as the option), with a word, a number or a hostile path."""
+    from pdjax.apps.cli import build_parser
+
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = sorted({s for a in subparsers.choices[command]._actions for s in a.option_strings
+                      if s.startswith("--") and s != "--help"})  # fmt: skip
+    option = data.draw(st.sampled_from(options), label="option")
+    cut = data.draw(st.integers(3, len(option)), label="cut")
+    spelled = option[:cut]
+    # (no unencodable name: argparse echoes it, and pytest's capture, unlike sys.stderr,
+    # cannot write it)
+    kind = data.draw(st.sampled_from(["word", *KINDS[:-1]]), label="kind")
+    with hostile_dir() as d:
+        value = data.draw(st.sampled_from(WORDS)) if kind == "word" else hostile_path(d, kind)
+        # a prefix is refused while parsing (nothing runs); an option is followed by the
+        # poison of an expensive command
+        poison = POISON.get(command, []) if spelled in options else []
+        argv = [*BASES[command], spelled, value, *poison]
+        old = snapshot(d)
+        with unprivileged(kind == "read-only"):
+            rc, err = run_cli(argv, capsys)
+        names = [spelled, value, Path(value).name if value.strip() else "", *poison[:1]]
+        check_refusal(rc, err, names)
+        if spelled not in options:  # a prefix: refused, never read as the option
+            assert rc == 2 and f"unrecognized arguments: {spelled}" in err, err
+        if command in POISON:
+            assert rc == 2, err
+        outputs = [value] if option in OUTPUTS and spelled == option else []
+        check_writes(d, old, rc, outputs)

@@ -1,5 +1,5 @@
-"""Multi-process faults: what the coordinator listens on, launchers that get a signal, a
-worker that gets SIGTERM, and a peer that never joins.
+"""Multi-process faults: what the coordinator listens on, launchers that get a signal (or
+are killed outright), a worker that gets SIGTERM, and a peer that never joins.
 
 Every process these tests start is on 127.0.0.1, bounded in time, and killed by pid if it
 outlives its test. The workers of the launcher tests are plain Python (no JAX), so they
@@ -176,6 +176,65 @@ def test_a_signalled_launcher_ends_its_workers(tmp_path, launcher, sig):
         assert signal.Signals(sig).name in err, err[-2000:]
         left = [pid for pid in pids if _alive(pid)]
         assert not left, f"the launcher left workers {left} running"
+    finally:
+        proc.kill()
+        proc.wait()
+        _kill(pids)
+
+
+# -- a launcher killed outright ----------------------------------------------------------------
+
+# The sleeper as a module for the cluster benchmark's launch (``python -m MODULE worker JOB``,
+# pinned with taskset); it writes its pid into $SLEEPERS.
+_SLEEPER_MODULE = """
+import os, signal, time
+from pathlib import Path
+if os.environ.get("PDJAX_PROCESS_ID") == "1":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+Path(os.environ["SLEEPERS"], str(os.getpid())).write_text("")
+time.sleep(600)
+"""
+
+_KILLED_LAUNCHERS = {
+    "local": """
+import sys
+from pdjax.distributed import launch_local
+launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600, pin=True)
+""",
+    "cluster": """
+import sys
+from pathlib import Path
+from pdjax.apps.cluster.launcher import _launch
+job = {"model": "sleepers", "runners": []}
+_launch(job, 2, None, False, Path(sys.argv[3]), module="pdjax_sleeper", timeout=600)
+""",
+}
+
+
+@pytest.mark.parametrize("launcher", ["local", "cluster"])
+def test_a_launcher_killed_outright_takes_its_workers_with_it(tmp_path, launcher):
+    """SIGKILL runs no handler: the workers (one of which ignores SIGTERM) go with their
+    launcher all the same (on Linux, PR_SET_PDEATHSIG)."""
+    pids_dir, work = tmp_path / "pids", tmp_path / "work"
+    pids_dir.mkdir()
+    work.mkdir()
+    (tmp_path / "pdjax_sleeper.py").write_text(_SLEEPER_MODULE)
+    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}", "SLEEPERS": str(pids_dir)}
+    code = _KILLED_LAUNCHERS[launcher]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(pids_dir), _SLEEPER, str(work)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        _wait_for(lambda: len(list(pids_dir.iterdir())) == 2, START, "2 workers")
+        pids = [int(p.name) for p in pids_dir.iterdir()]
+        proc.kill()
+        proc.wait(timeout=30)
+        _wait_for(lambda: not any(_alive(pid) for pid in pids), 10, "the workers' end")
     finally:
         proc.kill()
         proc.wait()

@@ -7,23 +7,28 @@ arguments, calls it and prints.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 
 from pdjax import __version__
 from pdjax.apps.commands import HelpFormatter, OptionError, register_all
 from pdjax.errors import PdjaxError
 
-__all__ = ["build_parser", "main"]
+__all__ = ["DEBUG_ENV", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser."""
+    """The full argument parser. No parser takes abbreviations (``allow_abbrev=False``
+    here and in every command's): ``--local 2`` is refused, not read as
+    ``--local-processes 2``."""
     parser = argparse.ArgumentParser(
         prog="pdjax",
         description="PipeDream-style pipeline-parallel training on JAX/Flax: "
         "profile -> plan -> simulate -> train. 'pdjax COMMAND --help' for each command.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument(
         "--version",
@@ -40,20 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Set (to anything but ``0``) to print the traceback of a pdjax error, and of what caused
+#: it (a model factory's own exception, say), above its one-line message.
+DEBUG_ENV = "PDJAX_DEBUG"
+
+
+def _error(prefix: str, e: PdjaxError) -> int:
+    """Prints ``e`` as one line (after its traceback with :data:`DEBUG_ENV` set); 2."""
+    if os.environ.get(DEBUG_ENV, "") not in ("", "0"):
+        traceback.print_exception(e, file=sys.stderr)
+    print(f"{prefix}: error: {e}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the CLI; returns the exit status (2 for a pdjax error, with its message: an
     option out of its bounds, found while parsing, is one too). argparse's own errors
-    (an unknown option, a missing value) exit 2 through SystemExit, after its usage line."""
+    (an unknown option, a missing value) exit 2 through SystemExit, after its usage line.
+    ``PDJAX_DEBUG=1`` prints a pdjax error's traceback (and its cause's) before its line.
+
+    The command line parsed (``argv``, else ``sys.argv[1:]``) is kept on the namespace as
+    ``cli_argv``: what ``pdjax train --local-processes`` starts its workers with."""
+    given = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(given)
     except OptionError as e:
-        print(f"{e.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _error(e.command, e)
+    args.cli_argv = given
     try:
         return int(args.func(args) or 0)
     except PdjaxError as e:
-        print(f"pdjax {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return _error(f"pdjax {args.command}", e)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from pdjax.errors import LayerError
+from pdjax.errors import LaunchInterrupted, LayerError
 from pdjax.models import alexnet, awd_lm, cnn, gnmt, gpt, mlp, resnet, vgg
 from pdjax.models.alexnet import AlexNetConfig
 from pdjax.models.awd_lm import AWDLMConfig
@@ -58,7 +58,15 @@ from pdjax.models.gnmt import GNMTConfig
 from pdjax.models.gpt import GPTConfig
 from pdjax.models.mlp import MLPConfig
 from pdjax.models.resnet import ResNetConfig
-from pdjax.models.spec import CustomModel, ModelSpec, Sampler, Task, as_model_spec
+from pdjax.models.spec import (
+    DEBUG_HINT,
+    CustomModel,
+    ModelSpec,
+    Sampler,
+    Task,
+    as_model_spec,
+    describe_failure,
+)
 from pdjax.models.vgg import VGGConfig
 
 __all__ = [
@@ -222,7 +230,15 @@ def load_model(ref: str, *, offer: Mapping[str, Any] | None = None, **kwargs: An
     config = str(offer.get("config") or "custom")
     if callable(obj) and not isinstance(obj, ModelSpec):
         args = _factory_arguments(obj, ref, offer, kwargs)
-        result = obj(**args)
+        try:
+            result = obj(**args)
+        except (KeyboardInterrupt, LaunchInterrupted):
+            raise
+        except BaseException as e:  # sys.exit() too: the factory's failure, as one line
+            raise LayerError(
+                f"--model {ref!r}: the factory {ref} failed: {describe_failure(e)}{_where(e)}"
+                f"{DEBUG_HINT}"
+            ) from e
         what = f"what {ref}() returned"
         where = f"what {ref}() returned"
     else:
@@ -242,16 +258,19 @@ def _spec_form() -> str:
 
 
 def _import(target: str, ref: str) -> Any:
-    """The module ``target`` names: a dotted module name, or a ``.py`` file."""
+    """The module ``target`` names: a dotted module name, or a ``.py`` file. Whatever its
+    code raises while importing (``sys.exit()`` too) becomes a :class:`LayerError` naming
+    ``ref``; KeyboardInterrupt (and a launcher's signal) goes on."""
     is_file = target.endswith(".py") or "/" in target or os.sep in target
+    module, loader = _file_module(target, ref) if is_file else (None, None)
     try:
-        if is_file:
-            return _import_file(Path(target), ref)
+        if module is not None:
+            return module if loader is None else _run_module(module, loader)
         cwd = os.getcwd()
         if "" not in sys.path and cwd not in sys.path:
             sys.path.insert(0, cwd)  # as python -m does
         return importlib.import_module(target)
-    except LayerError:
+    except (KeyboardInterrupt, LaunchInterrupted):
         raise
     except ModuleNotFoundError as e:
         missing = e.name or ""
@@ -268,31 +287,41 @@ def _import(target: str, ref: str) -> Any:
         ) from e
     except SyntaxError as e:
         raise LayerError(f"--model {ref!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from e
-    except Exception as e:  # the module's own code failed while importing
+    except BaseException as e:  # the module's own code failed (or exited) while importing
         raise LayerError(
-            f"--model {ref!r}: importing {target!r} failed: {type(e).__name__}: {e}{_where(e)}"
+            f"--model {ref!r}: importing {target!r} failed: {describe_failure(e)}{_where(e)}"
+            f"{DEBUG_HINT}"
         ) from e
 
 
-def _import_file(path: Path, ref: str) -> Any:
+def _file_module(target: str, ref: str) -> tuple[Any, Any]:
+    """The module the file ``target`` is: ``(module, None)`` if it is imported already,
+    else ``(module, loader)``, the module made but its code not run yet (``loader``'s
+    ``exec_module`` runs it)."""
+    path = Path(target)
     if not path.is_file():
         raise LayerError(f"--model {ref!r}: no such file {str(path)!r}")
     path = path.resolve()
     name = path.stem
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
-        return loaded
+        return loaded, None
     if loaded is not None:  # another module has that name: keep it, use a private one
         name = f"_pdjax_model_{abs(hash(str(path)))}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise LayerError(f"--model {ref!r}: cannot load {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses (and Flax modules) look their module up
+    return importlib.util.module_from_spec(spec), spec.loader
+
+
+def _run_module(module: Any, loader: Any) -> Any:
+    """Runs ``module``'s code (registered in ``sys.modules`` meanwhile, as dataclasses
+    and Flax modules look their module up; removed again if it fails)."""
+    sys.modules[module.__name__] = module
     try:
-        spec.loader.exec_module(module)
+        loader.exec_module(module)
     except BaseException:
-        sys.modules.pop(name, None)
+        sys.modules.pop(module.__name__, None)
         raise
     return module
 

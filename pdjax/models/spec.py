@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pdjax.errors import LayerError
+from pdjax.errors import LaunchInterrupted, LayerError
 from pdjax.layers import LayerSequence, PyTree, Variables, sequential
 
 __all__ = [
@@ -455,7 +455,7 @@ def as_model_spec(
     sample = fields["sample_batch"]
     if callable(sample):
         sampler: Sampler = _CallableSampler(sample, _takes_two(sample))
-        _check_batch(sampler(2, jax.random.key(0)), f"{where}: sample_batch(2)")
+        _check_batch(_sample_two(sampler, where), f"{where}: sample_batch(2)")
     else:
         sampler = FixedSampler(*_check_batch(sample, f"{where}: sample_batch"))
     num_classes = fields["num_classes"] or 0
@@ -473,6 +473,36 @@ def as_model_spec(
         loss_fn=fields["loss"],
         accuracy_fn=fields["accuracy"],
     )
+
+
+def _sample_two(sampler: Sampler, where: str) -> Any:
+    """``sampler(2, key)``: a user's sampler's own failure as one :class:`LayerError`
+    (KeyboardInterrupt, and a launcher's signal, go on)."""
+    try:
+        return sampler(2, jax.random.key(0))
+    except (KeyboardInterrupt, LaunchInterrupted):
+        raise
+    except BaseException as e:
+        raise LayerError(
+            f"{where}: sample_batch(2) failed: {describe_failure(e)}{DEBUG_HINT}"
+        ) from e
+
+
+#: How a message about a user's code that failed ends: where its traceback is.
+DEBUG_HINT = "; see the traceback with PDJAX_DEBUG=1"
+
+
+def describe_failure(e: BaseException) -> str:
+    """``e`` in one line, for a message about a user's code that raised it: its type and
+    message (``RuntimeError: boom``), or for ``sys.exit(3)`` ``SystemExit: it called
+    sys.exit(3)``; long messages are cut at 300 characters."""
+    if isinstance(e, SystemExit):
+        code = "" if e.code is None else repr(e.code)
+        return f"SystemExit: it called sys.exit({code})"
+    text = " ".join(str(e).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 def _takes_two(fn: Callable[..., Any]) -> bool:

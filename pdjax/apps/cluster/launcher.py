@@ -58,22 +58,21 @@ def _run_processes(
     """Runs the processes together, bounded by ``timeout`` seconds; ends them all (their
     process groups: SIGTERM, then SIGKILL) when one fails, at the timeout, or when this
     launcher gets SIGTERM, SIGINT or SIGHUP; raises :class:`ClusterError` with the failing
-    one's output (:class:`~pdjax.errors.LaunchInterrupted` on a signal)."""
-    from pdjax.distributed import describe_exit, end_process_groups, ending_on_signals
+    one's output (:class:`~pdjax.errors.LaunchInterrupted` on a signal). Each gets the
+    launcher's :class:`~pdjax.distributed.Lifeline`; build ``commands`` with
+    :func:`~pdjax.distributed.orphan_proof` for a launcher killed outright to take them
+    with it."""
+    from pdjax.distributed import describe_exit, end_process_groups, ending_on_signals, lifeline
 
     logs = [tempfile.TemporaryFile() for _ in commands]
     procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + timeout
     failed = None
-    with ending_on_signals() as guard:
+    with ending_on_signals() as guard, lifeline() as line:
         try:
             for c, e, log in zip(commands, envs, logs, strict=True):
                 with guard.hold():  # no orphan from a Popen that a signal interrupts
-                    procs.append(
-                        subprocess.Popen(
-                            list(c), env=dict(e), stdout=log, stderr=log, start_new_session=True
-                        )
-                    )
+                    procs.append(line.start(c, e, stdout=log, stderr=log))
             while True:
                 codes = [p.poll() for p in procs]
                 bad = [i for i, c in enumerate(codes) if c is not None and c != 0]
@@ -108,6 +107,7 @@ def _profile(
     """One pinned worker: the per-layer profile, per-layer update seconds, and the
     calibrated ``stages`` (``(first, last, replicas, replication)``), updates timed with
     ``optimizer`` (a :func:`pdjax.apps.train.make_optimizer` name and learning rate)."""
+    from pdjax.distributed import orphan_proof
     from pdjax.profile import Profile
 
     out = workdir / f"profile-{model}.json"
@@ -120,11 +120,9 @@ def _profile(
                 "taskset",
                 "-c",
                 "0",
-                sys.executable,
-                "-m",
-                "pdjax.apps.cluster",
-                "profile",
-                json.dumps(job),
+                *orphan_proof(
+                    [sys.executable, "-m", "pdjax.apps.cluster", "profile", json.dumps(job)]
+                ),
             ]
         ],
         [_python_env({})],
@@ -149,11 +147,12 @@ def _launch(
     each running ``python -m module worker JOB``; returns the JSON process 0 writes to
     ``job["out"]``. ``timeout``: seconds (default: by the number of runners)."""
     from pdjax.apps.netem import EmulatedNetwork
-    from pdjax.distributed import free_port
+    from pdjax.distributed import free_port, orphan_proof
 
     out = workdir / f"run-{time.monotonic_ns()}.json"
     job = {**job, "out": str(out)}
-    argv = [sys.executable, "-m", module, "worker", json.dumps(job)]
+    # behind taskset (and ip netns exec), which run it in their own process
+    argv = orphan_proof([sys.executable, "-m", module, "worker", json.dumps(job)])
     cores = os.cpu_count() or 1
     if timeout is None:
         timeout = LAUNCH_TIMEOUT + 30.0 * len(job["runners"])

@@ -518,6 +518,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(argv) != 2 or argv[0] != "worker":
         print("usage: python -m pdjax.apps.cluster_tta worker JOB_JSON", file=sys.stderr)
         return 2
+    from pdjax.distributed import watch_launcher
+
+    watch_launcher()  # ends this worker if its launcher dies (even by SIGKILL)
     try:
         _tta_job(json.loads(argv[1]))
     except PdjaxError as e:  # one line, which the driver's ClusterError quotes

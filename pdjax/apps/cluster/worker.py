@@ -212,6 +212,9 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m pdjax.apps.cluster (worker|profile) JOB_JSON`` (the driver starts these)."""
+    from pdjax.distributed import watch_launcher
+
+    watch_launcher()  # ends this worker if its launcher dies
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] not in ("worker", "profile"):
         print("usage: python -m pdjax.apps.cluster (worker|profile) JOB_JSON", file=sys.stderr)

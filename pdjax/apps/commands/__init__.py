@@ -5,7 +5,11 @@ options (:func:`add_model_arguments`), comma-separated lists (:func:`split_list`
 :func:`positive_floats`), and bounded numeric options: argparse ``action=`` classes
 (:func:`int_range`, :func:`positive_int`, :func:`float_range`, :func:`positive_float`,
 :data:`seed_int`) raising :class:`OptionError` with the option, the bound and why, and
-:func:`check_bound` for bounds that depend on several options.
+:func:`check_bound` for bounds that depend on several options. Paths: every path option
+takes ``action=``:class:`PathOption` (an empty or blank path is refused, not read as "off"),
+and :func:`check_writable` and :func:`check_readable` check output and input files before
+any work. Every parser is made with ``allow_abbrev=False``: an option is spelled out in
+full (``--local 2`` is refused, not read as ``--local-processes 2``).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import importlib
 import math
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +27,17 @@ from pdjax.errors import OptionError, PdjaxError
 __all__ = [
     "COMMANDS",
     "MAX_DEVICES",
+    "MAX_NAME",
     "MAX_PROFILE_BATCH",
     "MAX_SEED",
     "MAX_SIM_PASSES",
     "HelpFormatter",
     "OptionError",
+    "PathOption",
     "add_model_arguments",
     "check_bound",
+    "check_readable",
+    "check_writable",
     "float_range",
     "int_range",
     "positive_float",
@@ -268,22 +277,136 @@ def check_bound(
         raise error(f"{option}: {show(value)} is above the bound of {show(bound)}: {why}")
 
 
-def check_writable(option: str, path: str | None, error: type[PdjaxError] = OptionError) -> None:
-    """Raises ``error`` (before any work) if the file ``path`` given with ``option`` could
-    not be written: it is a folder, or its nearest existing folder is a file or not
-    writable. Missing folders are fine: the writers create them."""
-    if not path:
+#: The longest name (one part of a path) file systems take, in bytes (ext4, XFS, APFS, NTFS).
+MAX_NAME = 255
+
+
+class PathOption(argparse.Action):
+    """An argparse ``action=`` for every option that takes a path: refuses (raising
+    :class:`OptionError` while parsing, before any work) an empty or blank path, which
+    would otherwise quietly turn the option off or name the current folder, and one no
+    file system takes: a NUL character in it, or a name longer than :data:`MAX_NAME`
+    bytes."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        text = str(values)
+        option = option_string or self.dest
+        if not text.strip():
+            what = "an empty path" if not text else "a blank path"
+            raise OptionError(
+                f"{option} {text!r}: {what}; give a path, or leave {option} out", parser.prog
+            )
+        if "\0" in text:
+            raise OptionError(
+                f"{option} {text[:40]!r}: a path cannot hold a NUL character; give another path",
+                parser.prog,
+            )
+        try:
+            longest = max(len(os.fsencode(part)) for part in Path(text).parts)
+        except UnicodeError:
+            raise OptionError(
+                f"{option} {text[:40]!r}: not a name this system can encode; give another path",
+                parser.prog,
+            ) from None
+        if longest > MAX_NAME:
+            raise OptionError(
+                f"{option} {text[:40]!r}...: a name in it is {longest} bytes long, and file "
+                f"systems take {MAX_NAME} at most; give another path",
+                parser.prog,
+            )
+        setattr(namespace, self.dest, text)
+
+
+def check_writable(
+    option: str,
+    path: str | None,
+    error: type[PdjaxError] = OptionError,
+    *,
+    folder: bool = False,
+) -> None:
+    """Raises ``error`` (before any work) if the file ``path`` given with ``option`` (with
+    ``folder``: the folder) could not be written: a symbolic link (pdjax neither writes
+    through one nor replaces it), a folder where a file goes (a file where a folder goes),
+    something else than a regular file, or a path whose nearest existing folder is a file,
+    a link to nothing, or cannot be written in. Writability is tried, not guessed: a
+    private file is made there and removed (``os.access`` says yes to root for a read-only
+    folder, and knows nothing of read-only mounts). Missing folders are fine: the writers
+    create them. ``path`` None: nothing to check.
+    """
+    if path is None:
         return
-    target = Path(path)
-    if target.is_dir():
-        raise error(f"{option} {path}: that is a folder; give a file name")
-    parent = target.parent
-    while not parent.exists() and parent != parent.parent:
+    _check_name(option, path, error)
+    try:
+        _check_writable(option, Path(path), error, folder=folder)
+    except OSError as e:  # a name too long, a loop of links, ...
+        raise error(f"{option} {path}: {e.strerror or e}; give another path") from e
+
+
+def _check_name(option: str, path: str, error: type[PdjaxError]) -> None:
+    """Refuses a path that names no file: empty or blank, holding a NUL character, or
+    one this system cannot encode (the checks after would take it for a missing file)."""
+    if not path.strip() or "\0" in path:
+        raise error(f"{option} {path[:40]!r}: not a path; give a file name")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as e:
+        raise error(
+            f"{option} {path[:40]!r}: not a name this system can encode; give another path"
+        ) from e
+
+
+def _check_writable(option: str, target: Path, error: type[PdjaxError], *, folder: bool) -> None:
+    if os.path.islink(target):
+        raise error(
+            f"{option} {target}: it is a symbolic link (to {os.readlink(target)}), and pdjax "
+            "does not write through links or replace them; give another path"
+        )
+    if folder:
+        if os.path.lexists(target) and not target.is_dir():
+            raise error(f"{option} {target}: that is a file; give a folder")
+        parent = target
+    else:
+        if target.is_dir():
+            raise error(f"{option} {target}: that is a folder; give a file name")
+        if os.path.lexists(target) and not target.is_file():
+            raise error(f"{option} {target}: that is not a regular file; give another path")
+        parent = target.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise error(f"{option} {path}: {parent} is not a folder; give another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise error(f"{option} {path}: cannot write in {parent}; give another path")
+        kind = "a link to nothing" if parent.is_symlink() else "not a folder"
+        raise error(f"{option} {target}: {parent} is {kind}; give another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".pdjax-write-test-")
+    except OSError as e:
+        raise error(
+            f"{option} {target}: cannot write in {parent} ({e.strerror or e}); give a folder "
+            "you can write in"
+        ) from e
+    os.close(fd)
+    os.unlink(probe)
+
+
+def check_readable(option: str, path: str | None, error: type[PdjaxError] = OptionError) -> None:
+    """Raises ``error`` (before any work) if the input file ``path`` given with ``option``
+    cannot be read: missing, a folder, or not openable. ``None`` and ``pipedream:NAME`` (a
+    shipped profile) are not files and pass."""
+    if path is None or path.startswith("pipedream:"):
+        return
+    _check_name(option, path, error)
+    try:
+        if Path(path).is_dir():
+            raise error(f"{option} {path}: that is a folder; give a file")
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise error(f"{option} {path}: cannot read it ({e.strerror or e}); give a file") from e
 
 
 def register_all(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from pdjax.apps.commands import (
     HelpFormatter,
+    PathOption,
     add_model_arguments,
+    check_readable,
     check_writable,
     positive_float,
     positive_floats,
@@ -53,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "next to the simulator's prediction for the same plan, and the driver's host "
         "seconds per dispatched action.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused, not read as an option
     )
     add_model_arguments(p, default="cnn")
     _add_run_options(p)
@@ -72,6 +75,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--plan",
+        action=PathOption,
         default="auto",
         help="'auto' (profile + PipeDream's planner), 'even' (one device per stage), or "
         "plan.json; every schedule runs this plan",
@@ -137,6 +141,7 @@ def _add_cluster_options(p: argparse.ArgumentParser) -> None:
     )
     c.add_argument(
         "--out",
+        action=PathOption,
         default=None,
         help="folder for cluster.json/.md/.png (default out/cluster), or for --tta its runs "
         "and tta.md/.json/*.png (default out/cluster-tta)",
@@ -156,11 +161,17 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
+#: What ``--cluster`` (and ``--cluster --tta``) write into ``--out``.
+_CLUSTER_FILES = ("cluster.json", "cluster.md", "cluster.png", "cluster-ranking.png")
+_TTA_FILES = ("tta.md", "tta.json")
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs the benchmark and prints the table (or JSON)."""
     _rates(args.rates)  # checked up front, with or without --cluster
     if args.tta and not args.cluster:
         raise PdjaxError("--tta is an option of --cluster: pdjax bench --cluster --tta")
+    _check_paths(args)
     if args.cluster and args.tta:
         return _run_tta(args)
     if args.cluster:
@@ -204,6 +215,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """Refuses, before any work, an ``--out`` without ``--cluster`` (where nothing would
+    be written), one that could not be written, and a ``--plan`` file that cannot be
+    read."""
+    if args.out is not None and not args.cluster:
+        raise PdjaxError(
+            f"--out {args.out}: only --cluster writes files; drop --out, or add --cluster"
+        )
+    if args.cluster:
+        out = args.out or ("out/cluster-tta" if args.tta else "out/cluster")
+        check_writable("--out", out, PdjaxError, folder=True)
+        for name in _TTA_FILES if args.tta else _CLUSTER_FILES:
+            check_writable("--out", str(Path(out) / name), PdjaxError)
+    elif args.plan not in ("auto", "even"):
+        check_readable("--plan", args.plan, PdjaxError)
+
+
 def _run_tta(args: argparse.Namespace) -> int:
     import time
 
@@ -216,7 +244,6 @@ def _run_tta(args: argparse.Namespace) -> int:
     if unknown:
         raise PdjaxError(f"--studies: unknown {unknown}; choose from {list(STUDIES)}")
     out = args.out or "out/cluster-tta"
-    check_writable("--out", str(Path(out) / "tta.md"))
     err = Console(file=sys.stderr)
     t0 = time.monotonic()
     run_tta(

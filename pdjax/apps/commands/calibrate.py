@@ -24,7 +24,9 @@ from pdjax.apps.commands import (
     MAX_PROFILE_BATCH,
     MAX_SIM_PASSES,
     HelpFormatter,
+    PathOption,
     add_model_arguments,
+    check_readable,
     check_writable,
     positive_float,
     positive_int,
@@ -50,6 +52,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Time candidate stages as compiled programs, the links between their "
         "devices and their all-reduces, and write a calibration JSON.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused, not read as an option
     )
     add_model_arguments(p, required=True)
     p.add_argument(
@@ -73,17 +76,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="devices to use (CPU: simulated); default all",
     )
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--plan", help="calibrate this plan's stages (plan JSON)")
+    what.add_argument("--plan", action=PathOption, help="calibrate this plan's stages (plan JSON)")
     what.add_argument("--refine", action="store_true", help="plan, calibrate the best few, re-rank")
     p.add_argument("--neighbours", action="store_true", help="with --plan: also moved cuts")
-    p.add_argument("--profile", help="with --refine: the per-layer profile to plan from")
+    p.add_argument(
+        "--profile", action=PathOption, help="with --refine: the per-layer profile to plan from"
+    )
     p.add_argument("--schedule", default="pipedream", help="with --refine: the schedule")
     p.add_argument(
         "--microbatches",
         action=positive_int(MAX_SIM_PASSES, "the plans are simulated per microbatch"),
         help="with --refine: microbatches per step",
     )
-    p.add_argument("--calibration", help="an earlier calibration to extend")
+    p.add_argument("--calibration", action=PathOption, help="an earlier calibration to extend")
     p.add_argument(
         "--repeats",
         action=positive_int(MAX_REPEATS),
@@ -91,8 +96,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="timed runs per measurement (median)",
     )
     p.add_argument("--seed", action=seed_int, default=0, help="seeds the sample batch and weights")
-    p.add_argument("--out", required=True, help="write the calibration JSON here")
-    p.add_argument("--plan-out", help="with --refine: write the best plan here")
+    p.add_argument(
+        "--out", action=PathOption, required=True, help="write the calibration JSON here"
+    )
+    p.add_argument("--plan-out", action=PathOption, help="with --refine: write the best plan here")
     p.set_defaults(func=run)
 
 
@@ -122,12 +129,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Refuses, before any work, options that cannot go together or files that cannot
-    be written."""
+    """Refuses, before any work, options that cannot go together, files that cannot be
+    written, and input files that cannot be read."""
     if args.microbatch_size < 1:
         raise CalibrationError("--microbatch-size must be >= 1")
     check_writable("--out", args.out, CalibrationError)
     check_writable("--plan-out", args.plan_out, CalibrationError)
+    for option in ("--plan", "--profile", "--calibration"):
+        check_readable(option, getattr(args, option[2:]), CalibrationError)
     if args.refine and not args.profile:
         raise CalibrationError("--refine plans from a profile: give --profile (pdjax profile)")
 

@@ -30,6 +30,7 @@ from pdjax.apps.commands import (
     MAX_PROFILE_BATCH,
     MAX_SIM_PASSES,
     HelpFormatter,
+    PathOption,
     add_model_arguments,
     check_bound,
     check_writable,
@@ -83,6 +84,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "profile (pdjax JSON, PipeDream graph.txt, or pipedream:NAME for a shipped one), or "
         "on a model profiled now (--model).",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused, not read as an option
     )
     # the help lists the options in the order these add them
     _add_source_options(p)
@@ -91,14 +93,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_partitioner_options(p)
     _add_workload_options(p)
     p.add_argument("--json", action="store_true", help="print the plan JSON on stdout")
-    p.add_argument("--out", help="write the plan JSON here")
+    p.add_argument("--out", action=PathOption, help="write the plan JSON here")
     p.set_defaults(func=run)
 
 
 def _add_source_options(p: argparse.ArgumentParser) -> None:
     """What to plan: ``--profile`` or ``--model`` (profiled now, ``--device-model``)."""
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--profile", help="profile JSON, graph.txt or pipedream:NAME")
+    source.add_argument(
+        "--profile", action=PathOption, help="profile JSON, graph.txt or pipedream:NAME"
+    )
     add_model_arguments(p, group=source)
     p.add_argument(
         "--device-model",
@@ -208,6 +212,7 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--calibration",
+        action=PathOption,
         help="a calibration JSON (pdjax calibrate) for this model and microbatch size: "
         "measured stage seconds and all-reduces replace the profile's where measured",
     )

@@ -15,6 +15,7 @@ from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
 from pdjax.apps.commands import (
     MAX_PROFILE_BATCH,
     HelpFormatter,
+    PathOption,
     add_model_arguments,
     check_writable,
     float_range,
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Profile a model with XLA's cost analysis (and optionally measured "
         "times) and print a per-layer table.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused, not read as an option
     )
     add_model_arguments(p, required=True)
     p.add_argument(
@@ -68,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--eval", action="store_true", help="profile eval mode instead of train")
     p.add_argument("--seed", action=seed_int, default=0, help="PRNG seed for initialisation")
-    p.add_argument("--out", help="write the profile JSON here")
+    p.add_argument("--out", action=PathOption, help="write the profile JSON here")
     p.add_argument("--json", action="store_true", help="print the profile JSON on stdout")
     p.set_defaults(func=run)
 

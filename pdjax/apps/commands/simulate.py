@@ -31,6 +31,7 @@ from pdjax.apps.commands import (
     MAX_DEVICES,
     MAX_SIM_PASSES,
     HelpFormatter,
+    PathOption,
     check_bound,
     check_writable,
     positive_int,
@@ -99,6 +100,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description="Play pipeline schedules against a plan's costs (or unit costs) and "
         "print step time, bubble fraction and peak memory per device group.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused, not read as an option
     )
     # the help lists the options in the order these add them
     _add_cost_options(p)
@@ -112,16 +114,20 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_false",
         help="pipedream: backward with the newest weights",
     )
-    p.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto trace")
-    p.add_argument("--png", metavar="OUT.png", help="write a Gantt chart (needs matplotlib)")
+    p.add_argument(
+        "--trace", action=PathOption, metavar="OUT.json", help="write a Chrome/Perfetto trace"
+    )
+    p.add_argument(
+        "--png", action=PathOption, metavar="OUT.png", help="write a Gantt chart (needs matplotlib)"
+    )
     p.add_argument("--json", action="store_true", help="print the results as JSON on stdout")
     p.set_defaults(func=run)
 
 
 def _add_cost_options(p: argparse.ArgumentParser) -> None:
     """Where the costs come from: ``--plan`` and ``--profile``, or ``--unit-costs``."""
-    p.add_argument("--plan", help="plan JSON (from pdjax plan)")
-    p.add_argument("--profile", help="profile JSON the plan was made from")
+    p.add_argument("--plan", action=PathOption, help="plan JSON (from pdjax plan)")
+    p.add_argument("--profile", action=PathOption, help="profile JSON the plan was made from")
     p.add_argument(
         "--unit-costs",
         metavar="F,I,W",
@@ -147,6 +153,7 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--schedule-csv",
+        action=PathOption,
         metavar="FILE",
         help="simulate this schedule in torch.distributed.pipelining's CSV format (one row "
         "per rank) instead of --schedule; its ranks give P",
@@ -159,6 +166,7 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--write-csv",
+        action=PathOption,
         metavar="FILE",
         help="write the (one) generated schedule in torch.distributed.pipelining's CSV format",
     )
@@ -204,6 +212,7 @@ def _add_plan_pricing_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--calibration",
+        action=PathOption,
         help="with --plan: a calibration JSON (pdjax calibrate) for this model, microbatch size "
         "and devices: measured stages, links and all-reduces replace the profile's estimates",
     )
@@ -483,6 +492,8 @@ def run(args: argparse.Namespace) -> int:
     for option, path in [("--trace", args.trace), ("--png", args.png)]:
         check_writable(option, path, ScheduleError)
     check_writable("--write-csv", args.write_csv, ScheduleError)
+    if args.png:
+        _check_chart_name(args.png)
     results = _simulations(args)
     sims = [r for _, r in results if isinstance(r, Simulation)]
     if args.trace and sims:
@@ -514,6 +525,22 @@ def run(args: argparse.Namespace) -> int:
         if path and sims:
             print(f"{flag} written to {path}")
     return 0
+
+
+def _check_chart_name(path: str) -> None:
+    """Refuses a ``--png`` whose suffix names no format matplotlib writes (it picks the
+    format by the suffix, and without one would write ``path.png``, another file)."""
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:  # plot_gantt says what to install
+        return
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise ScheduleError(
+            f"--png {path}: the chart's format is its name's suffix, one of "
+            f"{', '.join(sorted(formats))}; give a name ending in .png (or another of them)"
+        )
 
 
 def _summary(sim: Simulation) -> dict[str, object]:

@@ -2,15 +2,16 @@
 progress bar, per-epoch evaluation, a target accuracy, metrics, plots and checkpoints.
 
 Every setting is checked before anything runs or is written: the schedules and their
-options, the model (a bundled one, or imported from ``package.module:factory``), the
-dataset (``digits``, ``text`` or an ``.npz`` file, checked against the model's sample
-batch), sizes, devices and plan files; the output folder is made by the first epoch's
-metrics. On a terminal a progress bar shows the batches; elsewhere (a log file, CI) one
-line per epoch. ``metrics.jsonl`` follows the checkpoints: a resumed run keeps its earlier
-lines and appends, each line once it is checkpointed; a run that has nothing to resume
-refuses an ``--out`` whose metrics hold lines of it rather than drop them. Metrics and
-``summary.json`` are strict JSON (NaN and infinities as null). ``--tensorboard DIR``
-writes event files per run.
+options, every output path (tried by creating a file there; a symbolic link is refused),
+the model (a bundled one, or imported from ``package.module:factory``), the dataset
+(``digits``, ``text`` or an ``.npz`` file, checked against the model's sample batch),
+sizes, devices and plan files; the output folder is made by the first epoch's metrics.
+On a terminal a progress bar shows the batches; elsewhere (a log file, CI) one line per
+epoch. ``metrics.jsonl`` follows the checkpoints, each line bound to its run's id: a
+resumed run appends, each line once it is checkpointed, and never deletes or rewrites a
+line; a fresh run refuses an ``--out`` whose metrics hold lines of its label, and a
+resume one holding lines of another run. Metrics and ``summary.json`` are strict JSON
+(NaN and infinities as null). ``--tensorboard DIR`` writes event files per run.
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdjax.apps.commands import (
     MAX_DEVICES,
     HelpFormatter,
+    PathOption,
     add_model_arguments,
     float_range,
     int_range,
@@ -39,7 +42,7 @@ from pdjax.apps.commands import (
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-__all__ = ["epoch_line", "register", "run", "set_cpu_devices"]
+__all__ = ["LAUNCHER_OPTIONS", "epoch_line", "register", "run", "set_cpu_devices", "worker_argv"]
 
 #: Bounds of train's and bench's numeric options (each refused up front, by name).
 DEVICES = positive_int(
@@ -64,6 +67,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "package.module:factory) on digits, text or your own .npz file, evaluating every "
         "epoch. --compare runs other schedules (or dp) on the same data, side by side.",
         formatter_class=HelpFormatter,
+        allow_abbrev=False,  # a prefix is refused: see worker_argv
     )
     add_model_arguments(p, default="cnn")
     _add_run_options(p)
@@ -92,6 +96,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
 
     p.add_argument(
         "--dataset",
+        action=PathOption,
         default="digits",
         metavar="NAME|PATH.npz",
         help="digits (8x8 images, or 64 features for a model taking them), text "
@@ -112,7 +117,10 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--devices", action=DEVICES, default=4, help="devices to use (CPU: simulated)")
     p.add_argument(
-        "--plan", default="auto", help="'auto' (profile + plan now), 'even', or plan.json"
+        "--plan",
+        action=PathOption,
+        default="auto",
+        help="'auto' (profile + plan now), 'even', or plan.json",
     )
     p.add_argument(
         "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
@@ -185,6 +193,7 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
     plots, TensorBoard files and progress."""
     p.add_argument(
         "--checkpoint-dir",
+        action=PathOption,
         help="save every epoch here (a folder per run, with the plan it runs); resume a run "
         "found there from its newest step, with its saved plan, appending to its metrics",
     )
@@ -196,11 +205,15 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
         "the newest; the steps after N are moved into a set-aside-after-N-* folder there",
     )
     p.add_argument(
-        "--out", default="out/train", help="folder for metrics.jsonl, summary.json and plots"
+        "--out",
+        action=PathOption,
+        default="out/train",
+        help="folder for metrics.jsonl, summary.json and plots",
     )
     p.add_argument("--no-plots", action="store_true", help="do not write PNG plots")
     p.add_argument(
         "--tensorboard",
+        action=PathOption,
         metavar="DIR",
         help="also write TensorBoard event files, DIR/<run>: train and test loss, test "
         "accuracy, samples/s and seconds per epoch (needs tensorboardX: pip install "
@@ -292,27 +305,49 @@ def run(args: argparse.Namespace) -> int:
         return _launch_local(args)
     if not _join(args):
         set_cpu_devices(args.devices)
+    import jax
     from rich.console import Console
 
-    from pdjax.apps.train import build, check, check_outputs, require_tensorboard, run_folder
+    from pdjax.apps.train import (
+        METRICS_FILE,
+        build,
+        check,
+        check_output_paths,
+        check_outputs,
+        check_results,
+        require_tensorboard,
+        run_folder,
+    )
 
     # Every configuration is checked before the first run trains, and before anything is
-    # written: settings, model, dataset, sizes, devices, plan files.
+    # written: settings, output paths, model, dataset, sizes, devices, plan files.
     configs = _configs(args)
+    out = Path(args.out)
+    check_output_paths(
+        out,
+        [cfg.label for cfg in configs],
+        plots=not args.no_plots,
+        # process 0 alone writes the checkpoints (the others need not share the folder)
+        checkpoint_dir=args.checkpoint_dir if jax.process_index() == 0 else None,
+        tensorboard=args.tensorboard,
+    )
     if args.tensorboard:
         require_tensorboard()
     built = build(configs[0])  # the variants differ only in how they train
     for cfg in configs:
         check(cfg, *built)
 
-    out = Path(args.out)
-    metrics_path = out / "metrics.jsonl"
+    metrics_path = out / METRICS_FILE
     folders = [
         os.path.join(args.checkpoint_dir, run_folder(cfg.label)) if args.checkpoint_dir else None
         for cfg in configs
     ]
-    for cfg, ckpt in zip(configs, folders, strict=True):  # earlier outputs are never dropped
+    run_ids = [  # earlier outputs are never dropped, nor mixed with this run's
         check_outputs(cfg, ckpt, metrics_path, args.resume_step)
+        for cfg, ckpt in zip(configs, folders, strict=True)
+    ]
+    labels = [cfg.label for cfg in configs]
+    check_results(out, list(zip(labels, run_ids, strict=True)), plots=not args.no_plots)
 
     bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
     console = Console(width=None if sys.stdout.isatty() else 140)
@@ -335,8 +370,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _configs(args: argparse.Namespace) -> list[Any]:
-    """The :class:`~pdjax.apps.train.TrainConfig` of each variant (:func:`_variants`)."""
-    from pdjax.apps.train import TrainConfig
+    """The :class:`~pdjax.apps.train.TrainConfig` of each variant (:func:`_variants`),
+    each a run of its own: two variants of one label (one run folder) are refused, as they
+    would share their checkpoints and metrics."""
+    from pdjax.apps.train import TrainConfig, run_folder
+    from pdjax.errors import PipelineError
 
     common = dict(
         model=args.model,
@@ -357,19 +395,39 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         transport=args.transport,
         replication=args.replication,
     )
-    return [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
+    configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
+    seen: dict[str, str] = {}
+    for cfg in configs:
+        folder = run_folder(cfg.label)
+        if folder in seen:
+            twice = (
+                f"the run {cfg.label!r} is asked for twice"
+                if seen[folder] == cfg.label
+                else f"the runs {seen[folder]!r} and {cfg.label!r} share the folder {folder!r}"
+            )
+            raise PipelineError(
+                f"--schedule {args.schedule} --compare {args.compare}: {twice}, and each run "
+                "needs its own checkpoints and metrics; drop the repeat from --compare"
+            )
+        seen[folder] = cfg.label
+    return configs
 
 
 def _write_results(
     console: Any, args: argparse.Namespace, results: list[Any], metrics_path: Path
 ) -> None:
-    """Writes ``summary.json`` and the plots (unless ``--no-plots``) into ``--out``, and
-    says where they and the metrics are."""
+    """Writes ``summary.json`` and the plots (unless ``--no-plots``) into ``--out``
+    (atomically, never through a symbolic link), and says where they and the metrics
+    are."""
+    from pdjax._jsonio import write_atomic
+    from pdjax.apps.train import SUMMARY_FILE
+    from pdjax.errors import PipelineError
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    summary_path = out / "summary.json"
+    summary_path = out / SUMMARY_FILE
     summary = [_result_dict(r) for r in results]
-    summary_path.write_text(json.dumps(_strict_json(summary), indent=1, allow_nan=False))
+    text = json.dumps(_strict_json(summary), indent=1, allow_nan=False)
+    write_atomic(summary_path, text, what="summary", error=PipelineError)
     console.print(f"metrics: {metrics_path}  summary: {summary_path}", highlight=False)
     if args.tensorboard:
         console.print(f"tensorboard: tensorboard --logdir {args.tensorboard}", highlight=False)
@@ -384,9 +442,12 @@ def _write_results(
 
 
 def _join(args: argparse.Namespace) -> bool:
-    """Joins a multi-process run given by flags or environment; False for a single one."""
-    from pdjax.distributed import DistributedConfig, config_from_env, initialize
+    """Joins a multi-process run given by flags or environment; False for a single one.
+    A process that ``--local-processes`` started ends itself when its launcher dies
+    (:func:`pdjax.distributed.watch_launcher`)."""
+    from pdjax.distributed import DistributedConfig, config_from_env, initialize, watch_launcher
 
+    watch_launcher()
     config: DistributedConfig | None
     if getattr(args, "coordinator", None):
         n = args.num_processes or 1
@@ -415,21 +476,51 @@ def _join(args: argparse.Namespace) -> bool:
 
 
 def _launch_local(args: argparse.Namespace) -> int:
-    """``--local-processes N``: this command in N processes on 127.0.0.1."""
-    from pdjax.distributed import launch_local
+    """``--local-processes N``: this command in N processes on 127.0.0.1, each given the
+    command line :func:`pdjax.apps.cli.main` parsed (``args.cli_argv``, not ``sys.argv``)
+    without the launcher's own options (:func:`worker_argv`)."""
+    from pdjax.distributed import DistributedError, config_from_env, launch_local
 
-    argv, skip = [], False
-    for a in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif a == "--local-processes":
-            skip = True
-        elif not (a.startswith("--local-processes=") or a == "--pin-cores"):
-            argv.append(a)
+    given = getattr(args, "cli_argv", None)
+    if given is None:
+        raise DistributedError(
+            "--local-processes starts this command again in each process and needs the "
+            "command line it was given: run it through pdjax.apps.cli.main (python -m pdjax)"
+        )
+    if config_from_env() is not None:  # a worker that would launch again
+        raise DistributedError(
+            "--local-processes: this process is already one of a multi-process run "
+            "(PDJAX_COORDINATOR or JAX_COORDINATOR_ADDRESS is set) and would start processes "
+            "of its own; drop --local-processes, or unset those variables"
+        )
     n = args.local_processes
     return launch_local(
-        ["-m", "pdjax", *argv], n, pin=args.pin_cores, cpu_devices=max(1, args.devices // n)
+        ["-m", "pdjax", *worker_argv(given)],
+        n,
+        pin=args.pin_cores,
+        cpu_devices=max(1, args.devices // n),
     )
+
+
+#: The launcher's own options, which no worker gets: ``option -> whether it takes a value``.
+LAUNCHER_OPTIONS = {"--local-processes": True, "--pin-cores": False}
+
+
+def worker_argv(argv: Sequence[str]) -> list[str]:
+    """The command line of a worker of ``pdjax train --local-processes N``: ``argv`` (the
+    launcher's, from the subcommand on) without :data:`LAUNCHER_OPTIONS`, in either
+    spelling (``--local-processes 2``, ``--local-processes=2``), so that no worker launches
+    again. Every parser refuses abbreviations (``allow_abbrev=False``): these are the only
+    spellings argparse takes."""
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        option, eq, _ = word.partition("=")
+        if option not in LAUNCHER_OPTIONS:
+            out.append(word)
+        elif LAUNCHER_OPTIONS[option] and not eq:
+            next(words, None)  # its value
+    return out
 
 
 def epoch_line(cfg: Any, record: Any) -> str:
@@ -553,6 +644,7 @@ def _strict_json(value: Any) -> Any:
 def _result_dict(result: Any) -> dict[str, Any]:
     return {
         "run": result.config.label,
+        "run_id": result.run_id,
         "plan": result.plan,
         "stopped": result.stopped,
         "target_epoch": result.target_epoch,
