@@ -24,6 +24,7 @@ __all__ = [
     "check_file",
     "check_folder",
     "parse_json",
+    "probe_writable",
     "read_text",
     "refuse_link",
     "write_atomic",
@@ -165,20 +166,34 @@ def check_folder(
             f"{option}: {folder} is a symbolic link (to {os.readlink(folder)}), and pdjax "
             "does not write through links; remove the link, or give another path"
         )
-    existing = folder
+    probe_writable(folder, folder, option, error)
+
+
+def probe_writable(
+    start: Path, shown: Path, option: str, error: type[PdjaxError] = PdjaxError
+) -> None:
+    """Refuses ``start``'s nearest existing folder (``start`` itself, or the first of its
+    parents that exists) if it is not a folder or cannot be written, by making and
+    deleting a private temporary file there: ``os.access`` answers for the real user id
+    and says yes to root for a read-only folder. Messages name ``option`` and ``shown``.
+
+    Raises:
+      error: naming ``option``, ``shown``, the folder and what to do.
+    """
+    existing = start
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
         kind = "a link to nothing" if existing.is_symlink() else "not a folder"
         raise error(
-            f"{option} {folder}: {existing} is {kind}, so nothing can be written there; "
+            f"{option} {shown}: {existing} is {kind}, so nothing can be written there; "
             "give another path"
         )
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".pdjax-write-test-")
     except OSError as e:
         raise error(
-            f"{option} {folder}: cannot write in {existing} ({e.strerror or e}); give a "
+            f"{option} {shown}: cannot write in {existing} ({e.strerror or e}); give a "
             "folder you can write in"
         ) from e
     os.close(fd)

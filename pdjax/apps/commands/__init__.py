@@ -18,10 +18,10 @@ import argparse
 import importlib
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from pdjax._jsonio import probe_writable
 from pdjax.errors import OptionError, PdjaxError
 
 __all__ = [
@@ -377,20 +377,7 @@ def _check_writable(option: str, target: Path, error: type[PdjaxError], *, folde
         if os.path.lexists(target) and not target.is_file():
             raise error(f"{option} {target}: that is not a regular file; give another path")
         parent = target.parent
-    while not os.path.lexists(parent) and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        kind = "a link to nothing" if parent.is_symlink() else "not a folder"
-        raise error(f"{option} {target}: {parent} is {kind}; give another path")
-    try:
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".pdjax-write-test-")
-    except OSError as e:
-        raise error(
-            f"{option} {target}: cannot write in {parent} ({e.strerror or e}); give a folder "
-            "you can write in"
-        ) from e
-    os.close(fd)
-    os.unlink(probe)
+    probe_writable(parent, target, option, error)
 
 
 def check_readable(option: str, path: str | None, error: type[PdjaxError] = OptionError) -> None:
