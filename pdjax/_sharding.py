@@ -10,7 +10,7 @@ import numpy as np
 
 from pdjax.layers import PyTree
 
-__all__ = ["first_device", "held", "place"]
+__all__ = ["first_device", "held", "place", "shard_on"]
 
 
 def place(tree: PyTree, sharding: jax.sharding.Sharding) -> PyTree:
@@ -42,3 +42,9 @@ def first_device(process: int) -> jax.Device:
 def held(leaf: Any) -> bool:
     """Whether ``leaf`` is an array with data in this process (to wait for)."""
     return isinstance(leaf, jax.Array) and bool(leaf.addressable_shards)
+
+
+def shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
+    """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
+    data: jax.Array = next(sh.data for sh in array.addressable_shards if sh.device == device)
+    return data

@@ -306,7 +306,7 @@ def test_cli_simulates_a_saved_plan_end_to_end(vgg16, tmp_path, capsys):
     assert png.stat().st_size > 10_000
 
     # The seam returns the plan's costs and replicas.
-    costs, replicas = simulate_command.costs_from_plan(str(plan_path), "pipedream:vgg16")
+    costs, replicas = simulate_command.costs_from_files(str(plan_path), "pipedream:vgg16")
     assert replicas == plan.replicas and len(costs.stages) == plan.num_stages
 
     # A schedule/plan disagreement on P names both numbers.

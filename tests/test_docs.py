@@ -115,3 +115,51 @@ def test_the_tested_rules_table_names_existing_tests():
                 if not re.search(rf"^\s*def {token}\(", source, re.MULTILINE):
                     absent.append(f"{current.relative_to(ROOT)}::{token}")
     assert not absent, "no such tests: " + ", ".join(absent)
+
+
+def _where_the_tests_are() -> str:
+    """The text of ``docs/architecture.md#where-the-tests-are`` (to the next ``## ``)."""
+    doc = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    assert "\n## Where the tests are\n" in doc, "docs/architecture.md has no 'Where the tests are'"
+    return doc.split("\n## Where the tests are\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _glob(pattern: str) -> re.Pattern[str]:
+    """A row's ``pdjax/...`` path as a pattern: ``*`` stays within one folder."""
+    return re.compile(re.escape(pattern).replace(r"\*", "[^/]*"))
+
+
+def test_the_tests_table_covers_every_test_file_and_module():
+    """Every ``tests/test_*.py`` is described and listed under a module group, every test
+    file the section names exists, and every ``.py`` under ``pdjax/`` is in a row."""
+    section = _where_the_tests_are()
+    by_module = section.split("### By module", 1)[1].split("\n### ", 1)[0]
+    described = section.split("### The test files", 1)[1]
+    rows = [line for line in by_module.splitlines() if line.startswith("| ") and "`test_" in line]
+    assert rows, "no rows under 'By module'"
+    patterns: list[str] = []
+    listed: set[str] = set()
+    for row in rows:
+        first, *_, last = row.strip("|").split(" | ")
+        patterns += re.findall(r"`(pdjax/[^`]*\.py)`", first)
+        listed |= set(re.findall(r"`(test_\w+\.py)`", last))
+    descriptions = {
+        match
+        for line in described.splitlines()
+        for match in re.findall(r"^\| `(test_\w+\.py)` \| \S", line)
+    }
+    named = set(re.findall(r"(?<![\w/])(?:tests/)?(test_\w+\.py)", section))
+    actual = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    assert not named - actual, f"the section names missing tests: {sorted(named - actual)}"
+    assert not actual - descriptions, f"not described: {sorted(actual - descriptions)}"
+    assert not actual - listed, f"under no module group: {sorted(actual - listed)}"
+    modules = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "pdjax").rglob("*.py")
+        if "__pycache__" not in path.parts
+    )
+    compiled = [_glob(pattern) for pattern in patterns]
+    uncovered = [name for name in modules if not any(p.fullmatch(name) for p in compiled)]
+    assert not uncovered, f"modules in no row: {uncovered}"
+    stale = [p.pattern for p in compiled if not any(p.fullmatch(name) for name in modules)]
+    assert not stale, f"rows naming no module: {stale}"

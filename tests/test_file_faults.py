@@ -292,9 +292,9 @@ def test_plan_records_its_profile_and_refuses_another(prof, tmp_path):
     prof.save(good)
     other.save(bad)
     assert Plan.load(plan_path).profile_hash == made.profile_hash
-    simulate_command.costs_from_plan(str(plan_path), str(good))
+    simulate_command.costs_from_files(str(plan_path), str(good))
     with pytest.raises(PlanError, match=rf"{plan_path}.*{bad}.*pdjax plan --profile {bad}"):
-        simulate_command.costs_from_plan(str(plan_path), str(bad))
+        simulate_command.costs_from_files(str(plan_path), str(bad))
 
 
 def test_profile_hash_ignores_labels_and_round_trips(prof, tmp_path):

@@ -1,4 +1,4 @@
-"""Runtime v2: what the lowered programs and the interpreter must get right beyond the
+"""The runtime: what the lowered programs and the interpreter must get right beyond the
 schedules' semantics (optimizers across stages, keys, aliasing, asynchrony, options)."""
 
 import jax

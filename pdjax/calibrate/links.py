@@ -10,8 +10,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from pdjax._timing import median_seconds
 from pdjax.calibrate.calibration import AllReduceMeasure, LinkMeasure
-from pdjax.calibrate.timing import _median_seconds, _with_timeout, fit_latency_bandwidth
+from pdjax.calibrate.timing import _with_timeout, fit_latency_bandwidth
 
 __all__ = ["SIZES", "measure_allreduce", "measure_link"]
 
@@ -82,7 +83,7 @@ def _link_in_process(
             what,
             timeout,
             functools.partial(
-                _median_seconds, functools.partial(jax.device_put, a, to), warmup, repeats
+                median_seconds, functools.partial(jax.device_put, a, to), warmup, repeats
             ),
         )
         points.append(secs)
@@ -231,14 +232,14 @@ def measure_allreduce(
         part = jax.ShapeDtypeStruct((max(1, n // 4),), "float32")
         call = _allreduce_fn(devices, part)
         points.append(
-            _with_timeout(what, timeout, functools.partial(_median_seconds, call, warmup, repeats))
+            _with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats))
         )
     lat, bw = fit_latency_bandwidth(sizes, points)
     exact = {}
     for k, tree in (trees or {}).items():
         call = _allreduce_fn(devices, tree)
         exact[k] = round(
-            _with_timeout(what, timeout, functools.partial(_median_seconds, call, warmup, repeats)),
+            _with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats)),
             9,
         )
     fit = AllReduceMeasure(

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pdjax._timing import median_seconds
 from pdjax.calibrate.calibration import StageMeasure
-from pdjax.calibrate.timing import _median_seconds
 from pdjax.errors import CalibrationError
 
 __all__ = ["measure_stages", "model_fingerprint"]
@@ -175,8 +175,8 @@ def _measure_stage(
             jax.tree.map(lambda a, n=rows: jnp.ones_like(a[:n]) * 1e-3, run.acts[last + 1]),
             device,
         ),)  # fmt: skip
-    t_f = _median_seconds(functools.partial(f_prog, w, st, xin, key_, *tail), warmup, repeats)
-    t_b = _median_seconds(functools.partial(b_prog, w, xin, kept, *ct), warmup, repeats)
+    t_f = median_seconds(functools.partial(f_prog, w, st, xin, key_, *tail), warmup, repeats)
+    t_b = median_seconds(functools.partial(b_prog, w, xin, kept, *ct), warmup, repeats)
     t_u = 0.0
     if jax.tree.leaves(params):
         grads = b_prog(w, xin, kept, *ct)[0]

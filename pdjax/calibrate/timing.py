@@ -3,9 +3,7 @@ after a timeout (a peer process that never answers), and the latency/bandwidth f
 
 from __future__ import annotations
 
-import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -33,19 +31,6 @@ def fit_latency_bandwidth(sizes: Sequence[float], seconds: Sequence[float]) -> t
     if not slope > 0:  # no measurable size dependence: the largest transfer's rate
         slope = float(y[np.argmax(x)] / x.max())
     return round(float(intercept), 12), round(float(1.0 / slope), 3)
-
-
-def _median_seconds(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
-    import jax
-
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _with_timeout(what: str, timeout: float, fn: Callable[[], _T]) -> _T:

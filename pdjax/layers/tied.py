@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax._trees import key_str
 from pdjax.errors import LayerError
 from pdjax.layers.base import Layer, PyTree, TiedLeaf
 from pdjax.layers.fn_layer import FnLayer
@@ -99,14 +100,6 @@ def _check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str
             )
 
 
-def _key_str(key: Any) -> str:
-    """One key of a pytree path as the text a ``tied=`` path uses."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
     """The leaf at ``path`` (keys compared as text) in nested mappings, or None."""
     node = tree
@@ -131,7 +124,7 @@ def _replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
 
 def _param_paths(params: Any) -> list[str]:
     return [
-        "/".join(_key_str(k) for k in path)
+        "/".join(key_str(k) for k in path)
         for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
     ]
 

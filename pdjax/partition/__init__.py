@@ -25,13 +25,13 @@ from pdjax.partition.partitioners import (
 from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
-from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULES, ScheduleTraits
+from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULE_TRAITS, ScheduleTraits
 
 __all__ = [
     "COST_MODELS",
     "PRESETS",
     "REPLICATION_OPTIONS",
-    "SCHEDULES",
+    "SCHEDULE_TRAITS",
     "CostModel",
     "HostCosts",
     "Level",

@@ -172,7 +172,7 @@ from pdjax.partition.arrays import ModelArrays, check_profile, model_arrays
 from pdjax.partition.topology import Topology
 from pdjax.partition.traits import (
     REPLICATION_OPTIONS,
-    SCHEDULES,
+    SCHEDULE_TRAITS,
     ScheduleTraits,
     allreduces_per_microbatch,
     check_replication,
@@ -193,7 +193,7 @@ from pdjax.partition.traits import (
 __all__ = [
     "COST_MODELS",
     "REPLICATION_OPTIONS",
-    "SCHEDULES",
+    "SCHEDULE_TRAITS",
     "AllreduceSeconds",
     "CostModel",
     "ModelArrays",

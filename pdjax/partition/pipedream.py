@@ -382,7 +382,7 @@ def _check_priced_replication(replication: str, schedule: str) -> None:
     for: it does where every microbatch updates (one all-reduce per group instead)."""
     if replication != "round-robin" or cost.schedule_traits(schedule).update_per_microbatch:
         return
-    priced = [n for n, t in cost.SCHEDULES.items() if t.update_per_microbatch]
+    priced = [n for n, t in cost.SCHEDULE_TRAITS.items() if t.update_per_microbatch]
     raise PlanError(
         f"the planner prices round-robin replication for {', '.join(priced)} only: under "
         f"{schedule} a replicated stage all-reduces once per step in either mode, and "

@@ -7,7 +7,8 @@ per step, takes round-robin replication, how many weight versions it keeps) is r
 :data:`pdjax.pipeline.schedules.SEMANTICS`; :class:`ScheduleTraits` adds only how the cost
 model prices it (see :mod:`pdjax.partition.cost`).
 
->>> SCHEDULES["2bw"].flush, SCHEDULES["2bw"].versions, SCHEDULES["pipedream"].versions
+>>> bw, pd = SCHEDULE_TRAITS["2bw"], SCHEDULE_TRAITS["pipedream"]
+>>> bw.flush, bw.versions, pd.versions
 (False, 2, 'in_flight')
 >>> in_flight("pipedream", 4, 0, 8), in_flight("1f1b", 4, 0, 2), in_flight("gpipe", 4, 3, 8)
 (4, 2, 8)
@@ -31,7 +32,7 @@ from pdjax.pipeline.schedules.semantics import (
 
 __all__ = [
     "REPLICATION_OPTIONS",
-    "SCHEDULES",
+    "SCHEDULE_TRAITS",
     "ScheduleTraits",
     "in_flight",
     "versions_kept",
@@ -109,7 +110,7 @@ _KNOBS: dict[str, dict[str, Any]] = {
     "zb-v": {"depth": lambda P, s: P},
 }
 
-SCHEDULES: Mapping[str, ScheduleTraits] = types.MappingProxyType(
+SCHEDULE_TRAITS: Mapping[str, ScheduleTraits] = types.MappingProxyType(
     {name: ScheduleTraits(row, **_KNOBS.get(name, {})) for name, row in SEMANTICS.items()}
 )
 """Every schedule's :class:`ScheduleTraits`, by name (the table's names)."""
@@ -117,9 +118,9 @@ SCHEDULES: Mapping[str, ScheduleTraits] = types.MappingProxyType(
 
 def schedule_traits(name: str) -> ScheduleTraits:
     """The traits of schedule ``name``. Raises PlanError for an unknown name."""
-    if name not in SCHEDULES:
-        raise PlanError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    return SCHEDULES[name]
+    if name not in SCHEDULE_TRAITS:
+        raise PlanError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULE_TRAITS)}")
+    return SCHEDULE_TRAITS[name]
 
 
 def in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:

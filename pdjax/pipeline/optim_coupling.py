@@ -95,6 +95,7 @@ def _split(tree: PyTree, s: int) -> PyTree:
     return jax.tree.map(lambda x: x.stages[s] if _is_stages(x) else x, tree, is_leaf=_is_stages)
 
 
+# Not pdjax._trees.key_str: a whole path in jax's ['a'][0] form, for messages and labels.
 def _keystr(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 

@@ -82,7 +82,7 @@ The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
   ``benchmarks/bench_runtime.py --memory-only`` measures both ways and compares.
 
 :class:`PipelineCosts` is the seam to the planner: a Plan and its Profile become one
-(``pdjax.apps.commands.simulate.costs_from_plan``); :func:`unit_costs` makes one from numbers.
+(:func:`pdjax.pipeline.costs_from_plan`); :func:`unit_costs` makes one from numbers.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdjax._sharding import first_device
+from pdjax._sharding import first_device, shard_on
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
 from pdjax.pipeline.stage import Stage
@@ -168,10 +168,12 @@ class Transport:
                 continue
             if replicated:
                 part_shape = shape
-                piece = _shard_on(leaf, e) if e.process_index == me else None
+                piece = _source_shard(leaf, e) if e.process_index == me else None
             else:
                 part_shape = (b - a, *shape[1:])
-                piece = _shard_on(leaf, e)[a - start : b - start] if e.process_index == me else None
+                piece = (
+                    _source_shard(leaf, e)[a - start : b - start] if e.process_index == me else None
+                )
             if e.process_index == me and d.process_index == me:
                 got = jax.device_put(piece, d)
             elif e.process_index == me:
@@ -320,12 +322,12 @@ def _overlaps(
     return out
 
 
-def _shard_on(array: jax.Array | None, device: jax.Device) -> jax.Array:
-    """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
+def _source_shard(array: jax.Array | None, device: jax.Device) -> jax.Array:
+    """:func:`~pdjax._sharding.shard_on`, for a source this process holds: None (no value
+    given) is an error here."""
     if array is None:
         raise PipelineError(f"this process holds {device}, the source, but was given no value")
-    data: jax.Array = next(sh.data for sh in array.addressable_shards if sh.device == device)
-    return data
+    return shard_on(array, device)
 
 
 def devices_of(stages: Sequence[Stage]) -> set[jax.Device]:

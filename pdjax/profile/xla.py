@@ -34,8 +34,7 @@ padded taps.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -43,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdjax._timing import median_seconds
 from pdjax.errors import ProfileError
 from pdjax.layers import Layer, LayerSequence, PyTree, Variables
 from pdjax.profile.devices import DeviceModel, get_device_model
@@ -82,19 +82,6 @@ def _is_float(leaf: Any) -> bool:
 def _render(tree: PyTree) -> str:
     parts = [f"{leaf.dtype}{list(leaf.shape)}" for leaf in jax.tree.leaves(tree)]
     return parts[0] if len(parts) == 1 else "(" + ", ".join(parts) + ")"
-
-
-def _median_seconds(
-    fn: Callable[..., Any], args: tuple[Any, ...], warmup: int, repeats: int
-) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _batch_size(sample: PyTree) -> int:
@@ -447,11 +434,15 @@ def _layer_seconds(
     warmup, repeats = setup.warmup, setup.repeats
     if setup.measure:
         assert bwd_args is not None
-        secs["fwd"] = _median_seconds(programs.fwd, args, warmup, repeats)
-        secs["bwd"] = _median_seconds(programs.bwd, bwd_args, warmup, repeats)
+        secs["fwd"] = median_seconds(functools.partial(programs.fwd, *args), warmup, repeats)
+        secs["bwd"] = median_seconds(functools.partial(programs.bwd, *bwd_args), warmup, repeats)
         if programs.igr is not None and programs.wgr is not None:
-            secs["igr"] = _median_seconds(programs.igr, bwd_args, warmup, repeats)
-            secs["wgr"] = _median_seconds(programs.wgr, bwd_args, warmup, repeats)
+            secs["igr"] = median_seconds(
+                functools.partial(programs.igr, *bwd_args), warmup, repeats
+            )
+            secs["wgr"] = median_seconds(
+                functools.partial(programs.wgr, *bwd_args), warmup, repeats
+            )
     elif setup.model is not None:
         dtype = _compute_dtype(step.y_spec, step.x_spec, step.params)
         for name, ca in programs.counts.items():

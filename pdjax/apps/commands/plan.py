@@ -44,7 +44,7 @@ from pdjax.partition import (
     COST_MODELS,
     PRESETS,
     REPLICATION_OPTIONS,
-    SCHEDULES,
+    SCHEDULE_TRAITS,
     Plan,
     Topology,
     parse_levels,
@@ -141,7 +141,7 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--schedule",
         default="pipedream",
-        choices=[*sorted(SCHEDULES), "auto"],
+        choices=[*sorted(SCHEDULE_TRAITS), "auto"],
         help="the schedule the in-flight counts, memory and times are for; 'auto': search "
         "the schedule, microbatches, stages, replication and per-stage recomputation too, "
         "ranked by the simulator (plan_auto)",

@@ -50,7 +50,7 @@ from pdjax.pipeline.simulate import (
 )
 from pdjax.profile.profile import Profile
 
-__all__ = ["costs_from_plan", "parse_schedules", "register", "run"]
+__all__ = ["costs_from_files", "parse_schedules", "register", "run"]
 
 #: ``--schedule`` names beyond :data:`SCHEDULES`: ``name -> (schedule, vertical sync,
 #: weight stashing)``, as ``pdjax train --compare`` reads them.
@@ -60,10 +60,11 @@ VARIANTS = {
 }
 
 
-def costs_from_plan(
+def costs_from_files(
     plan_path: str, profile_path: str, *, chunks: int = 1
 ) -> tuple[PipelineCosts, tuple[int, ...]]:
-    """Reads a Plan and its Profile and returns per-stage costs and replicas per stage.
+    """Reads a Plan and its Profile from their files and returns per-stage costs and
+    replicas per stage (the ``simulate`` command's costs).
 
     Args:
         plan_path: plan JSON (``pdjax plan --out``).

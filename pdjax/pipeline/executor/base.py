@@ -14,13 +14,15 @@ import jax
 import optax
 
 from pdjax import _xla_cpu
+from pdjax._sharding import shard_on
+from pdjax._trees import key_str
 from pdjax.distributed import allgather_json
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree
 from pdjax.partition.plan import StagePlan
 from pdjax.pipeline.executor.config import _scale
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract, _key_str, _shard_on
+from pdjax.pipeline.executor.trees import _abstract
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.program import Placement, Program
 from pdjax.pipeline.schedules import FLUSHING, STALE, Schedule
@@ -117,7 +119,7 @@ class _PipelineBase:
             return
         where = [
             {
-                (path[0].idx, tuple(_key_str(k) for k in path[1:])): n
+                (path[0].idx, tuple(key_str(k) for k in path[1:])): n
                 for n, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(p)[0])
             }
             for p in stage_params
@@ -222,7 +224,7 @@ class _PipelineBase:
                 continue
             dev = next(d for d in stage.devices if d.process_index == self.process_index)
             params, model_state = jax.tree.map(
-                partial(_shard_on, device=dev), (state.params[s], state.model_state[s])
+                partial(shard_on, device=dev), (state.params[s], state.model_state[s])
             )
             stage.check_parts(params, model_state, inputs[s])
         if self.multiprocess:  # every owner of a stage must build the same programs

@@ -13,13 +13,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax import export
+from pdjax._sharding import shard_on
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree, Variables
 from pdjax.pipeline.executor.arguments import check_callback, check_stream
 from pdjax.pipeline.executor.checks import _check_pairs, _Checks, _rows
 from pdjax.pipeline.executor.config import _integer
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract, _plain, _shard_on
+from pdjax.pipeline.executor.trees import _abstract, _plain
 from pdjax.pipeline.stage import split_loss, with_aux
 
 
@@ -214,5 +215,5 @@ class _Forward(_Checks):
         stage = self.stages[s]
         source = stage.devices[0]  # one replica, from the process that holds this device
         if source.process_index == self.process_index:
-            tree = jax.tree.map(lambda a: _shard_on(stage.place_weights(a), source), tree)
+            tree = jax.tree.map(lambda a: shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)

@@ -13,14 +13,6 @@ import numpy as np
 from pdjax.layers import PyTree
 
 
-def _key_str(key: Any) -> str:
-    """One key of a pytree path as text (how ``tied=`` paths name it)."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
-
-
 def _compose(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda x: f(g(x))
 
@@ -79,12 +71,6 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
         ),
         tree,
     )
-
-
-def _shard_on(array: jax.Array, device: jax.Device) -> jax.Array:
-    """The shard of ``array`` that ``device`` holds (a whole replica, for weights)."""
-    data: jax.Array = next(sh.data for sh in array.addressable_shards if sh.device == device)
-    return data
 
 
 def _abstract(tree: PyTree) -> PyTree:

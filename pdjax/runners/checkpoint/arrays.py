@@ -35,6 +35,7 @@ def _check_state(state: Any, what: str) -> None:
     )
 
 
+# Not pdjax._trees.key_str: names stored in checkpoints, so a custom key is kept as str(key).
 def _path_name(path: tuple[Any, ...]) -> str:
     parts = []
     for k in path:

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
+from pdjax._trees import key_str
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import PipelineState
 from pdjax.runners.checkpoint.arrays import _array_leaves, _is_key, _path_name
@@ -100,7 +101,7 @@ class _Layout:
         """Where the optimizer state of the parameter at ``rest`` in global layer ``layer``
         was saved: (saved stage, layer in it, path in the layer). A tied group's state is at
         the group's copy in the saved plan."""
-        group = self.group_of.get((layer, tuple(_key_text(k) for k in rest)))
+        group = self.group_of.get((layer, tuple(key_str(k) for k in rest)))
         if group is not None:
             layer, keys = self.old_visible[group]
             rest = tuple(DictKey(k) for k in keys)
@@ -155,13 +156,6 @@ def _visible_copies(
         owner = min(stage_of[i] for i, _ in copies)
         out[name] = next((i, path) for i, path in copies if stage_of[i] == owner)
     return out
-
-
-def _key_text(key: Any) -> str:
-    for attr in ("key", "idx", "name"):
-        if hasattr(key, attr):
-            return str(getattr(key, attr))
-    return str(key)
 
 
 def _checked(name: str, sources: list[str], saved: Mapping[str, Any]) -> list[str]:
