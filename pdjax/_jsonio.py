@@ -151,21 +151,20 @@ def check_folder(
     *,
     link: bool = True,
 ) -> None:
-    """Refuses, before any work, a folder that a command would write in: one under a file
-    (or under a link to nothing), a folder that is a file, or one whose nearest existing
-    folder cannot be written. The test is honest: it makes and deletes a temporary file
-    there (``os.access`` says yes to root for a read-only folder). ``link=False``: also
-    refuses a symbolic link at ``folder`` (a folder pdjax makes itself, such as a run's).
+    """Refuses, before any work, a folder that a command would write in: a file there, one
+    under a file (or under a link to nothing), or one whose nearest existing folder cannot
+    be written (:func:`probe_writable`). ``link=False``: also refuses a symbolic link at
+    ``folder`` (a folder pdjax makes itself, such as a run's).
 
     Raises:
       error: naming ``option``, the folder, what is wrong and what to do.
     """
     folder = Path(folder)
-    if not link and folder.is_symlink():
-        raise error(
-            f"{option}: {folder} is a symbolic link (to {os.readlink(folder)}), and pdjax "
-            "does not write through links; remove the link, or give another path"
-        )
+    if not link:
+        _refuse_link_option(folder, option, error)
+    if os.path.lexists(folder) and not folder.is_dir():
+        kind = "a link to nothing" if folder.is_symlink() else "a file"
+        raise error(f"{option} {folder}: that is {kind}; give a folder")
     probe_writable(folder, folder, option, error)
 
 
@@ -202,22 +201,27 @@ def probe_writable(
 
 def check_file(path: str | Path, option: str, error: type[PdjaxError] = PdjaxError) -> None:
     """Refuses, before any work, a file that a command would write or append to: a
-    symbolic link, or something else than a regular file, there already. (Its folder is
-    :func:`check_folder`'s.)
+    symbolic link, a folder, or something else than a regular file, there already. (Its
+    folder is :func:`check_folder`'s, or :func:`probe_writable`'s.)
 
     Raises:
       error: naming ``option``, the path, what is wrong and what to do.
     """
     path = Path(path)
-    if path.is_symlink():
-        raise error(
-            f"{option}: {path} is a symbolic link (to {os.readlink(path)}), and pdjax does "
-            "not write through links or replace them; remove the link, or give another "
-            "path"
-        )
+    _refuse_link_option(path, option, error)
+    if path.is_dir():
+        raise error(f"{option} {path}: that is a folder; give a file name")
     if os.path.lexists(path) and not path.is_file():
-        kind = "a folder" if path.is_dir() else "not a regular file"
-        raise error(f"{option}: {path} is {kind}, where pdjax writes a file; move it away")
+        raise error(f"{option} {path}: that is not a regular file; give another path")
+
+
+def _refuse_link_option(path: Path, option: str, error: type[PdjaxError]) -> None:
+    """Raises ``error`` naming ``option`` if ``path`` is a symbolic link."""
+    if os.path.islink(path):
+        raise error(
+            f"{option} {path}: it is a symbolic link (to {os.readlink(path)}), and pdjax "
+            "does not write through links or replace them; give another path"
+        )
 
 
 def _umask() -> int:

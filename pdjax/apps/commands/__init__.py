@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdjax._jsonio import probe_writable
+from pdjax._jsonio import check_file, check_folder, probe_writable
 from pdjax.errors import OptionError, PdjaxError
 
 __all__ = [
@@ -362,22 +362,11 @@ def _check_name(option: str, path: str, error: type[PdjaxError]) -> None:
 
 
 def _check_writable(option: str, target: Path, error: type[PdjaxError], *, folder: bool) -> None:
-    if os.path.islink(target):
-        raise error(
-            f"{option} {target}: it is a symbolic link (to {os.readlink(target)}), and pdjax "
-            "does not write through links or replace them; give another path"
-        )
     if folder:
-        if os.path.lexists(target) and not target.is_dir():
-            raise error(f"{option} {target}: that is a file; give a folder")
-        parent = target
+        check_folder(target, option, error, link=False)
     else:
-        if target.is_dir():
-            raise error(f"{option} {target}: that is a folder; give a file name")
-        if os.path.lexists(target) and not target.is_file():
-            raise error(f"{option} {target}: that is not a regular file; give another path")
-        parent = target.parent
-    probe_writable(parent, target, option, error)
+        check_file(target, option, error)
+        probe_writable(target.parent, target, option, error)
 
 
 def check_readable(option: str, path: str | None, error: type[PdjaxError] = OptionError) -> None:
