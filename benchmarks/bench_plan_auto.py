@@ -29,8 +29,8 @@ from pathlib import Path
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Topology, plan_auto, plan_pipedream
 from pdjax.partition.auto import evaluate_candidate
-from pdjax.pipeline.schedules import FLUSHING, SCHEDULES
 from pdjax.profile import Profile
+from pdjax.schedules import FLUSHING, SCHEDULES
 
 MODELS = ("vgg16", "resnet50", "gnmt", "alexnet")
 CLUSTERS = ("4x4-v100-10gbps", "2x8-v100-25gbps")

@@ -40,9 +40,10 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from pdjax.layers import LayerSequence, sequential  # noqa: E402
-from pdjax.partition import Topology, evaluate_partition  # noqa: E402
-from pdjax.pipeline import Pipeline, costs_from_plan, even_stages, simulate  # noqa: E402
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition  # noqa: E402
+from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
+from pdjax.simulator import simulate  # noqa: E402
 
 
 class Block(nn.Module):

@@ -74,7 +74,8 @@ def test_shared_pool_prediction_is_the_work_over_the_pool_concurrency():
 
     from pdjax.apps.bench import _predicted, pool_concurrency
     from pdjax.models import get_model
-    from pdjax.pipeline import generate, simulate, unit_costs
+    from pdjax.schedules import generate
+    from pdjax.simulator import simulate, unit_costs
 
     spec = get_model("mlp", "tiny")
     c = pool_concurrency(spec, spec.sample_batch(8), jax.devices()[:2], rounds=4)

@@ -29,7 +29,7 @@ from pdjax.calibrate import (
 from pdjax.errors import CalibrationError
 from pdjax.models import get_model
 from pdjax.partition import Topology, evaluate_partition
-from pdjax.pipeline.costs import costs_from_plan
+from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.profile import LayerProfile, Profile
 
 
@@ -117,8 +117,8 @@ def test_unmeasured_stage_is_refused_or_priced_from_the_profile():
 
 def test_simulator_plays_the_calibrated_costs():
     """One worker: the stage's forward + backward + update per microbatch, exactly."""
-    from pdjax.pipeline.schedules import generate
-    from pdjax.pipeline.simulate import simulate
+    from pdjax.schedules import generate
+    from pdjax.simulator.engine import simulate
 
     plan = evaluate_partition(_profile(), Topology.flat(1, 1e6), [(0, 3, 1)],
                               schedule="pipedream", microbatch_size=8)  # fmt: skip

@@ -11,8 +11,8 @@ import pytest
 import pdjax
 from pdjax.apps.cli import build_parser, main
 from pdjax.models import MODELS
-from pdjax.pipeline.schedules import SCHEDULES
 from pdjax.profile import Profile
+from pdjax.schedules import SCHEDULES
 
 #: Profiled twice, to check the output does not change. Determinism is the profiler's
 #: property, not a model's: a feed-forward model and a recurrent one check it (a second

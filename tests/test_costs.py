@@ -12,9 +12,17 @@ import pytest
 from pdjax.apps.cli import main
 from pdjax.apps.commands import simulate as simulate_command
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition import Plan, StagePlan, Topology, plan_pipedream
-from pdjax.pipeline import costs_from_plan, generate, simulate, weight_grad_fraction
+from pdjax.partition import (
+    Plan,
+    StagePlan,
+    Topology,
+    costs_from_plan,
+    plan_pipedream,
+    weight_grad_fraction,
+)
 from pdjax.profile import LayerProfile, Profile
+from pdjax.schedules import generate
+from pdjax.simulator import simulate
 
 # ------------------------------------------------------------------------------ hand-made
 
@@ -248,7 +256,7 @@ def test_planner_and_simulator_agree_on_vgg16(vgg16):
     assert _steady(plan, free) == pytest.approx(plan.time_per_microbatch, rel=0.01)
     # At 10 Gbit/s a 100 MB activation takes as long as the compute, and P - s microbatches
     # in flight cannot hide it: the simulator is slower than the planner by the round-trip
-    # bound (the systematic difference documented in pdjax.pipeline.costs).
+    # bound (the systematic difference documented in pdjax.partition.simulator_costs).
     real = _steady(plan, costs)
     # the planner now carries the round-trip bound: it equals the simulator's steady state
     assert real == pytest.approx(plan.time_per_microbatch, rel=0.01)

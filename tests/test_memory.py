@@ -83,9 +83,9 @@ def test_runtime_memory_model_predicts_the_measured_peak(schedule):
     import numpy as np
 
     from pdjax.layers import sequential
-    from pdjax.partition import Topology, evaluate_partition
-    from pdjax.pipeline import costs_from_plan, simulate
+    from pdjax.partition import Topology, costs_from_plan, evaluate_partition
     from pdjax.profile import profile
+    from pdjax.simulator import simulate
 
     width, num_layers, M, mb, steps = 64, 4, 4, 8, 2
     layers = sequential(*[nn.Dense(width) for _ in range(num_layers)])

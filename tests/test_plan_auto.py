@@ -298,7 +298,7 @@ def _chain(L=4, f=1e-3, b=2e-3):
 
 def test_host_costs_bound_a_candidate_by_the_driver_and_the_shared_pool():
     from pdjax.partition import HostCosts
-    from pdjax.pipeline import generate
+    from pdjax.schedules import generate
 
     profile, topology = _chain(), Topology.flat(2, 1e15)
     M, size = 4, 8

@@ -13,7 +13,7 @@ from flax import nnx
 
 from pdjax.errors import ProfileError
 from pdjax.layers import sequential
-from pdjax.pipeline import weight_grad_fraction
+from pdjax.partition import weight_grad_fraction
 from pdjax.profile import DeviceModel, LayerProfile, Profile, get_device_model, profile
 
 # counts XLA's compilations: no persistent cache (tests/xla_cache.py)

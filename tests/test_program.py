@@ -4,8 +4,8 @@ devices."""
 import pytest
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.program import Placement, StagePlace, lower
-from pdjax.pipeline.schedules import SCHEDULES, generate
+from pdjax.pipeline.lowering import Placement, StagePlace, lower
+from pdjax.schedules import SCHEDULES, generate
 
 
 def _local(P, chunks=1):

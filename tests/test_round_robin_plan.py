@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from pdjax.apps.cli import main
 from pdjax.errors import PlanError
 from pdjax.partition import Plan, StagePlan, Topology, cost, evaluate_partition, plan_pipedream
-from pdjax.pipeline import PipelineCosts, StageCosts, simulate
-from pdjax.pipeline.costs import costs_from_plan
-from pdjax.pipeline.schedules import generate, pipedream
-from pdjax.pipeline.simulate import stream_length
+from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.profile import LayerProfile, Profile
+from pdjax.schedules import generate, pipedream
+from pdjax.simulator import PipelineCosts, StageCosts, simulate
+from pdjax.simulator.engine import stream_length
 
 # ----------------------------------------------------------------------------- simulator
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline import (
+from pdjax.schedules import (
     SCHEDULES,
     Action,
     Schedule,
@@ -22,6 +22,7 @@ from pdjax.pipeline import (
     generate,
     gpipe,
     interleaved,
+    live_versions,
     one_f_one_b,
     parse_actions,
     parse_grid,
@@ -29,8 +30,9 @@ from pdjax.pipeline import (
     pipedream_2bw,
     validate,
     zb_h1,
+    zb_h2,
+    zb_v,
 )
-from pdjax.pipeline.schedules import live_versions, zb_h2, zb_v
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)
@@ -783,8 +785,8 @@ def test_round_robin_groups_of_different_sizes_do_not_deadlock_and_run_at_full_r
     takes one more (q_0 = 4). With unit costs every such pipeline runs at one microbatch
     per 3 units (F = 1, B = 2 per microbatch on one device), like a pipeline of single
     devices."""
-    from pdjax.pipeline import round_robin_in_flight
-    from pdjax.pipeline.simulate import simulate, stream_length, unit_costs
+    from pdjax.schedules import round_robin_in_flight
+    from pdjax.simulator.engine import simulate, stream_length, unit_costs
 
     s = generate("pipedream", 2, 12, replicas=(2, 3), replication="round-robin")
     validate(s)
@@ -834,8 +836,8 @@ def test_round_robin_refusals_and_validator():
 def _unit_rate_played(units, q):
     """The reference for ``inflight.unit_rate``: the same orders as a :class:`Schedule`,
     played by the general simulator ``play.play``."""
-    from pdjax.pipeline.schedules import Action, Schedule, play
-    from pdjax.pipeline.schedules.inflight import group_order, unit_stream
+    from pdjax.schedules import Action, Schedule, play
+    from pdjax.schedules.inflight import group_order, unit_stream
 
     P = len(units)
     N = unit_stream(units, q)
@@ -866,8 +868,8 @@ def _unit_rate_played(units, q):
 def test_unit_rate_equals_the_general_simulator(seed):
     """The planner's fast in-flight search plays the same game as ``play``: equal rates
     for random groups and in-flight counts, at, below and above the searched counts."""
-    from pdjax.pipeline.schedules import round_robin_in_flight
-    from pdjax.pipeline.schedules.inflight import unit_rate, unstuck
+    from pdjax.schedules import round_robin_in_flight
+    from pdjax.schedules.inflight import unit_rate, unstuck
 
     rng = np.random.default_rng(seed)
     for _ in range(6):
@@ -883,8 +885,8 @@ def test_unit_rate_with_groups_cut_short_reads_the_same_steady_state():
     """Where a multiple of every group size would be a long stream, the stages' last groups
     are cut short: the middle of the stream reads the same rate as a whole-group stream
     (exactly 3 at full rate, within a percent below it)."""
-    from pdjax.pipeline.schedules import round_robin_in_flight
-    from pdjax.pipeline.schedules.inflight import unit_rate, unit_stream, unstuck
+    from pdjax.schedules import round_robin_in_flight
+    from pdjax.schedules.inflight import unit_rate, unit_stream, unstuck
 
     for units in [(5, 7, 3), (4, 9, 5, 1), (7, 1, 6, 1, 5)]:
         period = math.lcm(*units)

@@ -16,17 +16,9 @@ from pathlib import Path
 import pytest
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline import (
-    Action,
-    Schedule,
-    generate,
-    gpipe,
-    one_f_one_b,
-    simulate,
-    unit_costs,
-    validate,
-)
-from pdjax.pipeline.torch_csv import read_torch_csv, write_torch_csv
+from pdjax.schedules import Action, Schedule, generate, gpipe, one_f_one_b, validate
+from pdjax.schedules.torch_csv import read_torch_csv, write_torch_csv
+from pdjax.simulator import simulate, unit_costs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "torch_schedules"
 

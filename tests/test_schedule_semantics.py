@@ -1,8 +1,8 @@
 """The semantics table against the validator's own recomputation, and its lookups.
 
 The generators read their in-flight and versions-kept bounds from the table
-(``pdjax.pipeline.schedules.semantics``); the validator recomputes them independently
-(``pdjax.pipeline.schedules.validate``). Here the two meet over a grid of schedules,
+(``pdjax.schedules.semantics``); the validator recomputes them independently
+(``pdjax.schedules.validate``). Here the two meet over a grid of schedules,
 device groups, microbatches and replicas.
 """
 
@@ -14,7 +14,7 @@ import itertools
 import pytest
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules import (
+from pdjax.schedules import (
     CHUNKED,
     FLUSHING,
     ROUND_ROBIN,
@@ -29,7 +29,7 @@ from pdjax.pipeline.schedules import (
     stage_groups,
     validate,
 )
-from pdjax.pipeline.schedules.validate import expected_in_flight, expected_versions
+from pdjax.schedules.validate import expected_in_flight, expected_versions
 
 REPLICAS = [None, (2, 1), (1, 3), (2, 2, 1), (1, 1, 2), (3, 1, 1, 1), (1, 2, 1, 2)]
 

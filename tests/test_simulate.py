@@ -10,19 +10,8 @@ import pytest
 from cli_helpers import run_command
 
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.pipeline import (
-    PipelineCosts,
-    StageCosts,
-    Timeline,
-    gpipe,
-    interleaved,
-    one_f_one_b,
-    pipedream,
-    pipedream_2bw,
-    simulate,
-    unit_costs,
-    zb_h1,
-)
+from pdjax.schedules import gpipe, interleaved, one_f_one_b, pipedream, pipedream_2bw, zb_h1
+from pdjax.simulator import PipelineCosts, StageCosts, Timeline, simulate, unit_costs
 
 STAGES = range(1, 9)
 MICROBATCHES = range(1, 33)
@@ -541,7 +530,8 @@ def test_posted_receives_start_transfers_when_the_receiver_reaches_the_action():
     second activation crosses while stage 1 computes (makespan 11); posted by the receiver
     when it reaches the action (pdjax's runtime across processes on CPU), it crosses after
     stage 1's first backward, and the last gradient after stage 0's first (makespan 12)."""
-    from pdjax.pipeline import PipelineCosts, StageCosts, generate, simulate
+    from pdjax.schedules import generate
+    from pdjax.simulator import PipelineCosts, StageCosts, simulate
 
     stage = StageCosts(forward=1.0, input_grad=1.0, weight_grad=1.0, activation_bytes=100)
     sched = generate("1f1b", 2, 2)

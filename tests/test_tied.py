@@ -15,9 +15,9 @@ from pdjax.errors import LayerError, PipelineError
 from pdjax.layers import sequential
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
-from pdjax.pipeline.program import Placement, lower
-from pdjax.pipeline.schedules import generate
+from pdjax.pipeline.lowering import Placement, lower
 from pdjax.runners import Checkpointer
+from pdjax.schedules import generate
 
 V, D = 16, 8  # vocabulary, width
 WTE = ["00_Embed/embedding", "04_Head/embedding"]

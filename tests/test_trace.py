@@ -7,18 +7,16 @@ import sys
 
 import pytest
 
-from pdjax.pipeline import (
+from pdjax.schedules import interleaved, one_f_one_b, zb_h1
+from pdjax.simulator import (
     PipelineCosts,
     StageCosts,
     Timeline,
     chrome_trace,
-    interleaved,
-    one_f_one_b,
     plot_gantt,
     simulate,
     unit_costs,
     write_chrome_trace,
-    zb_h1,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

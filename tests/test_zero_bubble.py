@@ -25,9 +25,8 @@ from reference import flush_training
 import pdjax
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.partition import StagePlan
-from pdjax.pipeline import chrome_trace, plot_gantt
 from pdjax.pipeline.executor import Pipeline, even_stages
-from pdjax.pipeline.schedules import (
+from pdjax.schedules import (
     Schedule,
     generate,
     interleaved,
@@ -38,7 +37,8 @@ from pdjax.pipeline.schedules import (
     zb_h2,
     zb_v,
 )
-from pdjax.pipeline.simulate import PipelineCosts, StageCosts, simulate, unit_costs
+from pdjax.simulator import chrome_trace, plot_gantt
+from pdjax.simulator.engine import PipelineCosts, StageCosts, simulate, unit_costs
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -138,7 +138,7 @@ def test_flush_semantics_every_action_of_step_t_uses_version_t():
 
 
 def test_generate_and_the_schedule_list():
-    from pdjax.pipeline.schedules import SCHEDULES
+    from pdjax.schedules import SCHEDULES
 
     assert {"zb-h2", "zb-v"} <= set(SCHEDULES)
     assert generate("zb-h2", 3, 6, steps=2) == zb_h2(3, 6, steps=2)

@@ -98,7 +98,7 @@ def _why_slower(rr: SimRow, flush: SimRow, flat: dict[str, tuple[str, float]]) -
         "(2) the planner's hierarchical program replicates whole servers across servers "
         "(12 devices, then the fourth server's own pipeline): it cannot express 15-1, "
         "which spans four servers; (3) the schedule keeps enough groups in flight for "
-        "its slowest stage's rate (`pdjax.pipeline.schedules.round_robin_in_flight`; one "
+        "its slowest stage's rate (`pdjax.schedules.round_robin_in_flight`; one "
         f"group more, `extra_in_flight=1`, gives {flat['extra'][1]:.2f}x at "
         f"{flat['extra'][0]} per device), so the gap is the plan's own: the planner "
         f"prices `{rr.config}` under `pipedream` at {rr.planned * 1e3:.2f} ms per "

@@ -9,10 +9,10 @@ from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream
-from pdjax.pipeline.costs import costs_from_plan
-from pdjax.pipeline.schedules import generate
-from pdjax.pipeline.simulate import simulate, stream_length
+from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.profile import Profile
+from pdjax.schedules import generate
+from pdjax.simulator.engine import simulate, stream_length
 
 from .paper import PAPER_PLANS
 

@@ -3,7 +3,7 @@
 :func:`bench` runs one model on one set of devices with every pipeline schedule and with
 the data-parallel baseline, on synthetic data, and sets each measured throughput beside
 what the simulator predicts for the same plan, schedule and microbatch size
-(:func:`~pdjax.pipeline.costs.costs_from_plan` on a profile measured on the first device).
+(:func:`~pdjax.partition.costs_from_plan` on a profile measured on the first device).
 
 What is timed. A flush schedule (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``) and data
 parallelism make ``steps`` calls of one optimizer step (``batch_size`` samples each); the
@@ -54,12 +54,12 @@ from pdjax.apps.bench_report import BenchResult, BenchRow, format_table
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model
 from pdjax.partition import Plan, StagePlan, Topology, evaluate_partition, plan_pipedream
-from pdjax.pipeline.costs import costs_from_plan
+from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.pipeline.executor import Pipeline, even_stages
-from pdjax.pipeline.schedules import STREAMING, generate
-from pdjax.pipeline.simulate import PipelineCosts, Simulation, simulate
 from pdjax.profile import Profile, profile
 from pdjax.runners import DataParallel, Runner
+from pdjax.schedules import STREAMING, generate
+from pdjax.simulator.engine import PipelineCosts, Simulation, simulate
 
 __all__ = [
     "BENCH_SCHEDULES",

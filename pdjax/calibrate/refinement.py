@@ -12,6 +12,9 @@ from pdjax.calibrate.calibration import AllReduceMeasure, Calibration, LinkMeasu
 from pdjax.calibrate.links import measure_allreduce, measure_link
 from pdjax.calibrate.measure import calibrate
 from pdjax.errors import CalibrationError, PlanError
+from pdjax.partition import costs_from_plan, evaluate_partition, plan_pipedream
+from pdjax.schedules import generate
+from pdjax.simulator import simulate, stream_length
 
 __all__ = ["Ranked", "candidate_plans", "neighbours", "plan_stages", "rank_plans", "refine"]
 
@@ -58,8 +61,6 @@ def candidate_plans(
     devices may stay idle, and, for each, every plan with one cut moved by one layer
     (:func:`neighbours`); distinct layouts only.
     """
-    from pdjax.partition import evaluate_partition, plan_pipedream
-
     common: dict[str, Any] = {"schedule": schedule, "num_microbatches": num_microbatches,
                               "microbatch_size": microbatch_size}  # fmt: skip
     seeds = []
@@ -121,11 +122,6 @@ def rank_plans(
     Each plan is re-evaluated with the calibration's stage seconds and all-reduces and
     simulated for its own schedule over a stream long enough for its steady state.
     """
-    from pdjax.partition import evaluate_partition
-    from pdjax.pipeline.costs import costs_from_plan
-    from pdjax.pipeline.schedules import generate
-    from pdjax.pipeline.simulate import simulate, stream_length
-
     out = []
     for plan in plans:
         layout = [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages]

@@ -6,12 +6,6 @@
 16
 """
 
-# The schedules' semantics table first: the planner reads it, and pdjax.pipeline (which
-# importing it starts) imports modules of this package; they then find it loaded.
-import pdjax.pipeline.schedules.semantics  # noqa: F401
-
-# isort: split
-
 from pdjax.partition.auto import HostCosts, plan_auto
 from pdjax.partition.cost import COST_MODELS, CostModel
 from pdjax.partition.partitioners import (
@@ -24,6 +18,7 @@ from pdjax.partition.partitioners import (
 )
 from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan, StagePlan
+from pdjax.partition.simulator_costs import costs_from_plan, weight_grad_fraction
 from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
 from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULE_TRAITS, ScheduleTraits
 
@@ -40,6 +35,7 @@ __all__ = [
     "StagePlan",
     "Topology",
     "balanced_split",
+    "costs_from_plan",
     "evaluate_partition",
     "parse_levels",
     "plan_auto",
@@ -48,4 +44,5 @@ __all__ = [
     "plan_pipedream",
     "plan_uniform",
     "uniform_split",
+    "weight_grad_fraction",
 ]

@@ -19,7 +19,7 @@ step, :func:`plan_auto` searches
   only if its device group would not fit the memory limit otherwise;
 * for ``pipedream``, the **in-flight depth** (``extra_in_flight``);
 
-and ranks every candidate by the simulator (:func:`pdjax.pipeline.simulate` over
+and ranks every candidate by the simulator (:func:`pdjax.simulator.engine` over
 :func:`pdjax.pipeline.costs_from_plan`): predicted seconds per sample (a flush step's
 makespan, fill and drain included, over its ``B`` samples; the steady-state period of the
 asynchronous schedules), among those whose simulated peak memory fits. The dynamic program
@@ -56,8 +56,8 @@ from pdjax.partition.partitioners import evaluate_partition
 from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
-from pdjax.pipeline.schedules.semantics import SCHEDULES, SEMANTICS, SPLIT_BACKWARD, STALE
 from pdjax.profile import Profile
+from pdjax.schedules.semantics import SCHEDULES, SEMANTICS, SPLIT_BACKWARD, STALE
 
 __all__ = [
     "Candidate",

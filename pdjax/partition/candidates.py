@@ -18,9 +18,12 @@ from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition.plan import Plan
-from pdjax.pipeline.schedules.actions import Schedule
-from pdjax.pipeline.schedules.semantics import ROUND_ROBIN, STALE
+from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.profile import Profile
+from pdjax.schedules import generate, validate
+from pdjax.schedules.actions import Schedule
+from pdjax.schedules.semantics import ROUND_ROBIN, STALE
+from pdjax.simulator import simulate, stream_length
 
 __all__ = ["Candidate", "HostCosts", "evaluate_candidate", "price", "stage_specs"]
 
@@ -176,10 +179,6 @@ def price(
 ) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
     """:func:`evaluate_candidate`'s figures and the simulated peak microbatches in flight
     per (virtual) stage."""
-    # The simulator's modules import this package's (pdjax.pipeline.costs reads the cost
-    # model): imported when first used.
-    from pdjax.pipeline import costs_from_plan, simulate
-
     P = plan.num_stages
     v = _schedule_stages(schedule, chunks)
     measured: dict[str, Any] = (
@@ -233,9 +232,6 @@ def _validated_schedule(
     actions (``Schedule._derived``) is then built once too. A generator's or the
     validator's error is not kept: it is raised again on each call.
     """
-    from pdjax.pipeline import generate, validate
-    from pdjax.pipeline.simulate import stream_length
-
     kwargs: dict[str, Any] = {"replicas": replicas}
     if schedule in ROUND_ROBIN:
         kwargs["replication"] = replication

@@ -34,7 +34,7 @@ other, so a cut costs one transfer's time per microbatch::
   ones at once, and the stage updates once per such group: ``u = m`` under ``pipedream``,
   ``M`` under ``gpipe``, ``1f1b`` and ``2bw`` (the same as split there: the modes differ in
   memory only). The other schedules (``interleaved``, ``zb-h1``, ``zb-h2``, ``zb-v``) have
-  no round-robin form (:data:`~pdjax.pipeline.schedules.ROUND_ROBIN`).
+  no round-robin form (:data:`~pdjax.schedules.ROUND_ROBIN`).
 
 One level up, a unit runs the sub-pipeline, and the recursion divides the whole
 sub-pipeline time by ``m``. Split: each unit takes ``1/m`` of the microbatch; the inner

@@ -13,8 +13,8 @@ from pdjax.errors import PlanError
 from pdjax.partition import cost
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import Topology
-from pdjax.pipeline.schedules.semantics import SEMANTICS
 from pdjax.profile.profile import Profile
+from pdjax.schedules.semantics import SEMANTICS
 
 __all__ = ["build_plan", "calibrated_options", "check_options", "pipeline_time"]
 

@@ -4,7 +4,7 @@ weight versions, all-reduces per microbatch, replication modes).
 
 What a schedule computes (whether it streams or flushes, updates once per microbatch or
 per step, takes round-robin replication, how many weight versions it keeps) is read from
-:data:`pdjax.pipeline.schedules.SEMANTICS`; :class:`ScheduleTraits` adds only how the cost
+:data:`pdjax.schedules.SEMANTICS`; :class:`ScheduleTraits` adds only how the cost
 model prices it (see :mod:`pdjax.partition.cost`).
 
 >>> bw, pd = SCHEDULE_TRAITS["2bw"], SCHEDULE_TRAITS["pipedream"]
@@ -22,8 +22,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pdjax.errors import PlanError
-from pdjax.pipeline.schedules.inflight import group_sizes, round_robin_in_flight
-from pdjax.pipeline.schedules.semantics import (
+from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.schedules.semantics import (
     ROUND_ROBIN,
     SEMANTICS,
     ScheduleSemantics,
@@ -54,7 +54,7 @@ class ScheduleTraits:
     model's knobs.
 
     Attributes:
-      semantics: the schedule's row of :data:`~pdjax.pipeline.schedules.SEMANTICS`, read
+      semantics: the schedule's row of :data:`~pdjax.schedules.SEMANTICS`, read
         for every fact of what the schedule computes.
       depth: ``(P, s) -> count``, the microbatches the memory model charges stage ``s`` of
         ``P`` (at most ``M`` under a flushing schedule), or None for all ``M`` of a step
@@ -149,7 +149,7 @@ def versions_kept(schedule: str, in_flight_count: int) -> int:
 
 def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
     """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
-    schedule generators keep them (:func:`pdjax.pipeline.schedules.round_robin_in_flight`,
+    schedule generators keep them (:func:`pdjax.schedules.round_robin_in_flight`,
     without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
 
     >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
@@ -160,7 +160,7 @@ def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
 
 def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int]:
     """``n_s``: a round-robin stage's replicas, 1 for a split one
-    (:func:`pdjax.pipeline.schedules.group_sizes`)."""
+    (:func:`pdjax.schedules.group_sizes`)."""
     return list(group_sizes(replicas, replication))
 
 
@@ -233,7 +233,7 @@ def has_round_trip(schedule: str, model: str = "pdjax") -> bool:
 
 def _check_round_robin(schedule: str, hint: str) -> None:
     """Raises PlanError if ``schedule`` has no round-robin form (the table's
-    :data:`~pdjax.pipeline.schedules.ROUND_ROBIN`)."""
+    :data:`~pdjax.schedules.ROUND_ROBIN`)."""
     if schedule not in ROUND_ROBIN:
         raise PlanError(
             f"round-robin replication runs with {', '.join(ROUND_ROBIN)}, not {schedule}; {hint}"

@@ -25,10 +25,10 @@ return the ``r`` losses). That is exactly what ``r`` separate microbatches compu
 check is needed; model state (BatchNorm statistics) is refused by the pipeline, since ``r``
 microbatches would update it at once.
 
-Every operation of a lowered :class:`~pdjax.pipeline.program.Program` that computes is one
+Every operation of a lowered :class:`~pdjax.pipeline.lowering.program.Program` that computes is one
 call of one jitted program made here by :meth:`Stage.program` from the operation's kind and
 flags. The argument and result order of each program is fixed by the table in
-:mod:`pdjax.pipeline.program` (the lowering names the slots in that order); one compiled
+:mod:`pdjax.pipeline.lowering.program` (the lowering names the slots in that order); one compiled
 program per (kind, flags, shapes).
 
 Residuals without weight copies: ``jit`` never passes an input through as an output, so
@@ -171,7 +171,7 @@ class Stage:
     # -- programs ---------------------------------------------------------------------------
 
     def program(self, kind: str, flags: frozenset[str] = frozenset()) -> Callable[..., Any]:
-        """The jitted program of an operation (see :mod:`pdjax.pipeline.program` for the
+        """The jitted program of an operation (see :mod:`pdjax.pipeline.lowering.program` for the
         arguments and results of each kind and flag). Built once per (kind, flags)."""
         key = (kind, flags)
         fn = self._programs.get(key)

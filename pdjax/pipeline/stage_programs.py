@@ -2,7 +2,7 @@
 
 :meth:`~pdjax.pipeline.stage.Stage.program` jits what :func:`program_body` returns: the
 function of an operation's kind and flags, over exactly the arguments and results that
-:mod:`pdjax.pipeline.program` tables for that kind, and the argument positions it donates.
+:mod:`pdjax.pipeline.lowering.program` tables for that kind, and the argument positions it donates.
 The functions are built from the stage's per-layer forward, VJP chain and update.
 """
 

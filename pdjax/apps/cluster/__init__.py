@@ -22,7 +22,7 @@ report says so.
   worker alone (one jitted step, and a one-stage pipeline);
 - (c) for every run, the measured seconds per microbatch next to the planner's prediction
   (:func:`~pdjax.partition.evaluate_partition`) and the simulator's
-  (:func:`~pdjax.pipeline.simulate` of exactly the schedule that ran), both from
+  (:func:`~pdjax.simulator.engine` of exactly the schedule that ran), both from
   *calibrated* costs (:mod:`pdjax.calibrate`): every candidate stage timed as compiled
   programs (forward, backward, SGD update) on one pinned worker, the link measured both
   ways through ``jax.device_put`` and the gradient all-reduce measured, in the run's own

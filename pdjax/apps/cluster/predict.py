@@ -23,7 +23,7 @@ def _bandwidth(rate_mbit: float | None) -> float:
 
 def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
     """The simulator's costs for ``plan``, with each stage's measured update seconds."""
-    from pdjax.pipeline.costs import costs_from_plan
+    from pdjax.partition.simulator_costs import costs_from_plan
 
     costs = costs_from_plan(plan, prof)
     stages = tuple(
@@ -35,7 +35,7 @@ def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
 
 def _schedule(runner: str, num_stages: int, units: int, microbatches: int, extra: int = 0) -> Any:
     """The schedule a runner plays: ``units`` microbatches (see :func:`_make_runner`)."""
-    from pdjax.pipeline.schedules import generate
+    from pdjax.schedules import generate
 
     if runner == "single":
         return generate("1f1b", 1, 1, steps=units)
@@ -70,8 +70,8 @@ def _predict(
     """``(planner, simulator)`` seconds per microbatch of one run from the per-layer profile
     alone (no calibration; ``extra``: pipedream's extra microbatches in flight)."""
     from pdjax.partition import Topology, evaluate_partition
-    from pdjax.pipeline.schedules import generate
-    from pdjax.pipeline.simulate import simulate
+    from pdjax.schedules import generate
+    from pdjax.simulator.engine import simulate
 
     L = len(prof.layers)
     bw = _bandwidth(rate_mbit)
@@ -160,8 +160,8 @@ def _predict_calibrated(
     the stages' programs measured on a pinned worker, the link and the all-reduce measured
     in the run's own launch."""
     from pdjax.partition import evaluate_partition
-    from pdjax.pipeline.costs import costs_from_plan
-    from pdjax.pipeline.simulate import simulate
+    from pdjax.partition.simulator_costs import costs_from_plan
+    from pdjax.simulator.engine import simulate
 
     L = len(prof.layers)
     layout = _layout(runner, stages, L)

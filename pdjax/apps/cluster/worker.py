@@ -152,8 +152,8 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
     from pdjax._sharding import held
     from pdjax.partition import StagePlan
     from pdjax.pipeline.executor import Pipeline
-    from pdjax.pipeline.schedules import STREAMING
     from pdjax.runners import DataParallel, Runner
+    from pdjax.schedules import STREAMING
 
     spec = cluster_model(job["model"])
     b, seed, name = job["microbatch"], job["seed"], r["name"]

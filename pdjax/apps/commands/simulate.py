@@ -38,17 +38,17 @@ from pdjax.apps.commands import (
     split_list,
 )
 from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition import simulator_costs as _costs
 from pdjax.partition.plan import Plan
-from pdjax.pipeline import costs as _costs
-from pdjax.pipeline.schedules import SCHEDULES, STREAMING, Schedule, generate
-from pdjax.pipeline.simulate import (
+from pdjax.profile.profile import Profile
+from pdjax.schedules import SCHEDULES, STREAMING, Schedule, generate
+from pdjax.simulator.engine import (
     PipelineCosts,
     Simulation,
     simulate,
     stream_length,
     unit_costs,
 )
-from pdjax.profile.profile import Profile
 
 __all__ = ["costs_from_files", "parse_schedules", "register", "run"]
 
@@ -365,7 +365,7 @@ def _requested(
     requested = parse_schedules(args.schedule)
     if not args.schedule_csv:
         return requested, None
-    from pdjax.pipeline.torch_csv import read_torch_csv
+    from pdjax.schedules.torch_csv import read_torch_csv
 
     from_csv = read_torch_csv(args.schedule_csv, name=args.csv_name)
     if args.stages is None:
@@ -450,7 +450,7 @@ def _stream(
 
 def _write_csv(schedule: Schedule, path: str) -> None:
     """``--write-csv``: the schedule in torch.distributed.pipelining's CSV format."""
-    from pdjax.pipeline.torch_csv import write_torch_csv
+    from pdjax.schedules.torch_csv import write_torch_csv
 
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_torch_csv(schedule, path)
@@ -498,12 +498,12 @@ def run(args: argparse.Namespace) -> int:
     results = _simulations(args)
     sims = [r for _, r in results if isinstance(r, Simulation)]
     if args.trace and sims:
-        from pdjax.pipeline.trace import write_chrome_trace
+        from pdjax.simulator.trace import write_chrome_trace
 
         Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
         write_chrome_trace([s.timeline for s in sims], args.trace)
     if args.png and sims:
-        from pdjax.pipeline.trace import plot_gantt
+        from pdjax.simulator.trace import plot_gantt
 
         titles = [
             f"{_label(s)}: step {s.step_time:.4g} s, {s.time_per_microbatch:.4g} s/microbatch, "

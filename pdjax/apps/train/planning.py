@@ -20,7 +20,7 @@ from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import SCHEDULE_CHOICES, TrainConfig
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
-from pdjax.pipeline.schedules import STALE
+from pdjax.schedules import STALE
 
 #: How much slower, predicted on the measured profile, than the measured optimum the plan
 #: made from counted costs may be and still be chosen by :func:`auto_plan`. Measured layer

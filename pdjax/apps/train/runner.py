@@ -15,8 +15,8 @@ from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
 from pdjax.pipeline.executor import Pipeline, even_stages
-from pdjax.pipeline.schedules import stage_groups
 from pdjax.runners import DataParallel, Runner
+from pdjax.schedules import stage_groups
 
 
 def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:

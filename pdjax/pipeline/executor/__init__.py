@@ -1,7 +1,7 @@
 """The runtime: a pipeline of stages on devices, run as lowered programs.
 
 A call (:meth:`Pipeline.step`, :meth:`Pipeline.run`) takes the validated schedule for its
-number of microbatches, lowers it once (:func:`pdjax.pipeline.program.lower`, cached) into
+number of microbatches, lowers it once (:func:`pdjax.pipeline.lowering.lower`, cached) into
 this process's flat list of operations, binds each operation to a function once (a stage
 program, a transfer of the pipeline's :mod:`~pdjax.pipeline.transport`, a wait), and then
 the interpreter only calls them in order on a register file: every weight version,

@@ -23,11 +23,11 @@ from pdjax.partition.plan import StagePlan
 from pdjax.pipeline.executor.config import _scale
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import _abstract
+from pdjax.pipeline.lowering import Placement, Program
 from pdjax.pipeline.optim import StageOptimizer
-from pdjax.pipeline.program import Placement, Program
-from pdjax.pipeline.schedules import FLUSHING, STALE, Schedule
 from pdjax.pipeline.stage import LossFn, Stage, StageTies
 from pdjax.pipeline.transport import Transport
+from pdjax.schedules import FLUSHING, STALE, Schedule
 
 
 class _PipelineBase:

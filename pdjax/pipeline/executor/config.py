@@ -14,7 +14,7 @@ import numpy as np
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
-from pdjax.pipeline.schedules import SCHEDULES
+from pdjax.schedules import SCHEDULES
 
 __all__ = ["even_stages"]
 

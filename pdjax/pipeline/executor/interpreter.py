@@ -1,6 +1,6 @@
 """The interpreter of lowered programs. A call takes the validated schedule for its
 number of microbatches (:meth:`schedule`), lowers it once (:meth:`program`,
-:func:`pdjax.pipeline.program.lower`, cached) into this process's flat list of
+:func:`pdjax.pipeline.lowering.lower`, cached) into this process's flat list of
 operations, binds each operation to a function once (:meth:`_bind`: a stage program, a
 transfer of the pipeline's :mod:`~pdjax.pipeline.transport`, a wait), and then only calls
 them in order on a register file (:func:`_interpret`, :meth:`_execute`)."""
@@ -25,10 +25,10 @@ from pdjax.layers import PyTree
 from pdjax.pipeline.executor.forward import _Forward
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 from pdjax.pipeline.executor.trees import _concat, _loss_of, _shape_key
-from pdjax.pipeline.program import Op, Program, lower
-from pdjax.pipeline.schedules import STREAMING, Schedule, generate, validate
+from pdjax.pipeline.lowering import Op, Program, lower
 from pdjax.pipeline.stage import Stage
-from pdjax.pipeline.timeline import Span, Timeline
+from pdjax.schedules import STREAMING, Schedule, generate, validate
+from pdjax.simulator.timeline import Span, Timeline
 
 
 class _Interpreter(_Forward):
@@ -66,7 +66,7 @@ class _Interpreter(_Forward):
     def program(
         self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False
     ) -> Program:
-        """The lowered :class:`~pdjax.pipeline.program.Program` of a call over
+        """The lowered :class:`~pdjax.pipeline.lowering.program.Program` of a call over
         ``num_microbatches`` microbatches (cached). ``timeline``: unfused, one operation
         per schedule action (what a timeline records)."""
         key = (num_microbatches, timeline, on_loss)

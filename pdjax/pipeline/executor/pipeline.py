@@ -54,10 +54,10 @@ from pdjax.pipeline.executor.trees import (
     _shapes_text,
     _unaliased,
 )
-from pdjax.pipeline.program import Placement, StagePlace
-from pdjax.pipeline.schedules import ROUND_ROBIN, SCHEDULES, STREAMING, stage_groups
+from pdjax.pipeline.lowering import Placement, StagePlace
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.pipeline.transport import make_transport
+from pdjax.schedules import ROUND_ROBIN, SCHEDULES, STREAMING, stage_groups
 
 __all__ = ["Pipeline"]
 
@@ -102,12 +102,12 @@ class Pipeline(_Interpreter):
       extra_in_flight: ``pipedream`` option: microbatches in flight per stage beyond
         ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
         each costs one more stashed weight version and activation per stage and one more
-        update of staleness (:func:`pdjax.pipeline.schedules.pipedream`).
+        update of staleness (:func:`pdjax.schedules.pipedream`).
       replication: how a replicated stage's devices share its work: ``"split"`` (each
         microbatch split across them) or ``"round-robin"`` (PipeDream's: each device
         takes whole microbatches, ``r`` consecutive ones at once, the gradients
         all-reduced once per group; under ``pipedream`` the stage updates once per group
-        of ``r`` with their mean gradient; :func:`~pdjax.pipeline.schedules.pipedream`);
+        of ``r`` with their mean gradient; :func:`~pdjax.schedules.pipedream`);
         one word for every stage, or one per stage; ``None``: each plan stage's
         ``replication`` attribute, else ``"split"``. Round-robin runs with ``gpipe``,
         ``1f1b``, ``pipedream`` and ``2bw``, in one process, on layers without model
@@ -134,7 +134,7 @@ class Pipeline(_Interpreter):
     clipping counts it once), and the copies stay bit for bit equal. Copies on one stage
     are summed within its update (any schedule). Copies on several stages exchange their
     gradients and the new value at each update (the first stage holding a copy updates the
-    group; :mod:`pdjax.pipeline.program`): flush schedules (``gpipe``, ``1f1b``,
+    group; :mod:`pdjax.pipeline.lowering.program`): flush schedules (``gpipe``, ``1f1b``,
     ``interleaved``, ``zb-h1``, ``zb-h2``, ``zb-v``), in one process, with
     ``optimizer_scope="model"``.
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import Schedule
-from pdjax.pipeline.schedules.arguments import positive
-from pdjax.pipeline.schedules.flush import flush_schedule, one_f_one_b_order
+from pdjax.schedules.actions import Schedule
+from pdjax.schedules.arguments import positive
+from pdjax.schedules.flush import flush_schedule, one_f_one_b_order
 
 __all__ = ["zb_h1", "zb_h2", "zb_v"]
 

@@ -16,11 +16,11 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import KINDS, Action, Schedule
-from pdjax.pipeline.schedules.arguments import check_multiple, positive, replication_of
-from pdjax.pipeline.schedules.inflight import least_groups_in_flight, unstuck
-from pdjax.pipeline.schedules.play import kept_live_versions, play
-from pdjax.pipeline.schedules.semantics import CHUNKED, FLUSHING, SCHEDULES, stage_groups
+from pdjax.schedules.actions import KINDS, Action, Schedule
+from pdjax.schedules.arguments import check_multiple, positive, replication_of
+from pdjax.schedules.inflight import least_groups_in_flight, unstuck
+from pdjax.schedules.play import kept_live_versions, play
+from pdjax.schedules.semantics import CHUNKED, FLUSHING, SCHEDULES, stage_groups
 
 __all__ = ["expected_in_flight", "expected_versions", "required_version", "validate"]
 

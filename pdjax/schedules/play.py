@@ -1,5 +1,5 @@
 """The event player: plays a schedule against action durations and transfer times (the
-unit clock of :meth:`~pdjax.pipeline.schedules.actions.Schedule.grid`, the validator's
+unit clock of :meth:`~pdjax.schedules.actions.Schedule.grid`, the validator's
 deadlock check, and the simulator), and the weight versions alive along a group's list."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from pdjax.errors import ScheduleError
 
 if TYPE_CHECKING:
-    from pdjax.pipeline.schedules.actions import Action, Schedule
+    from pdjax.schedules.actions import Action, Schedule
 
 __all__ = ["Move", "live_versions", "play"]
 

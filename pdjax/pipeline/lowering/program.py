@@ -40,7 +40,7 @@ slot                    value
 ======================  =============================================================
 
 A round-robin stage (PipeDream's replication; see
-:func:`~pdjax.pipeline.schedules.pipedream`) computes ``r`` microbatches in one operation:
+:func:`~pdjax.schedules.pipedream`) computes ``r`` microbatches in one operation:
 ``GATHER`` assembles the pieces that arrived on its devices into the group value (no
 copy), ``PART`` hands the group's outputs back as one piece per microbatch (no copy), and
 each piece moves to or from its own device (``MOVE`` with ``part``).
@@ -93,11 +93,11 @@ import heapq
 from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.lowering import global_ops
-from pdjax.pipeline.program_types import Op, Placement, Program, StagePlace
-from pdjax.pipeline.schedules import STREAMING, Schedule
+from pdjax.pipeline.lowering.ops import global_ops
+from pdjax.pipeline.lowering.types import Op, Placement, Program
+from pdjax.schedules import STREAMING, Schedule
 
-__all__ = ["Op", "Placement", "Program", "StagePlace", "lower"]
+__all__ = ["lower"]
 
 _COMPUTE = ("F", "B", "I", "W", "U", "BU", "FB", "FBU", "SQ", "TG", "KEYS")
 _TRANSPORTS = ("device_put", "collective")
@@ -119,7 +119,7 @@ def lower(
     """Lowers a validated ``schedule`` over ``placement`` into per-process programs.
 
     Args:
-      schedule: a schedule that passed :func:`~pdjax.pipeline.schedules.validate`.
+      schedule: a schedule that passed :func:`~pdjax.schedules.validate`.
       placement: where each stage lives; ``placement.stages[s]`` for stage ``s``.
       remat: every stage recomputes its forward in its backward (keeps no residuals), or
         per stage, one flag each.

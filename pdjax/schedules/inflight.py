@@ -141,8 +141,8 @@ def unit_rate(units: tuple[int, ...], q: Sequence[int], length: int | None = Non
     every stage costing 1 (forward) + 2 (backward) per microbatch on one device, free
     transfers (the middle fifth of a long stream at stage 0).
 
-    The same game :func:`~pdjax.pipeline.schedules.play.play` plays on the
-    :class:`~pdjax.pipeline.schedules.actions.Schedule` of these orders, written for this
+    The same game :func:`~pdjax.schedules.play.play` plays on the
+    :class:`~pdjax.schedules.actions.Schedule` of these orders, written for this
     one case: a stage's forwards (and backwards) end in group order, so an action waits
     only for the neighbour's group that holds its *last* microbatch
     (``tests/test_schedule.py`` checks it against ``play``; it is what makes the planner's

@@ -1,6 +1,6 @@
 """Pictures of timelines: Chrome-trace / Perfetto JSON and a PNG Gantt chart.
 
-Both take one :class:`~pdjax.pipeline.timeline.Timeline` or several (several schedules side
+Both take one :class:`~pdjax.simulator.timeline.Timeline` or several (several schedules side
 by side: one trace process, or one chart panel, each).
 """
 
@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdjax.pipeline.timeline import Timeline, Transfer
+from pdjax.simulator.timeline import Timeline, Transfer
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -52,8 +52,8 @@ def chrome_trace(timelines: Timeline | Sequence[Timeline]) -> dict[str, Any]:
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``.
 
-    >>> from pdjax.pipeline.schedules import one_f_one_b
-    >>> from pdjax.pipeline.simulate import simulate, unit_costs
+    >>> from pdjax.schedules import one_f_one_b
+    >>> from pdjax.simulator.engine import simulate, unit_costs
     >>> trace = chrome_trace(simulate(one_f_one_b(2, 2), unit_costs(2)).timeline)
     >>> [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"][:3]
     ['0F0', '0F1', '0B0']

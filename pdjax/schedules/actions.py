@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.play import play
-from pdjax.pipeline.schedules.semantics import SEMANTICS
+from pdjax.schedules.play import play
+from pdjax.schedules.semantics import SEMANTICS
 
 __all__ = ["KINDS", "Action", "Schedule", "format_actions", "parse_actions", "parse_grid"]
 
@@ -93,7 +93,7 @@ _PARSED_MOST = 1 << 15
 def format_actions(actions: Sequence[Sequence[Action]]) -> str:
     """One line per device group: ``g<d>: <action> <action> ...``.
 
-    >>> from pdjax.pipeline.schedules import gpipe
+    >>> from pdjax.schedules import gpipe
     >>> print(format_actions(gpipe(2, 1).actions))
     g0: 0F0 0B0 0U0
     g1: 1F0 1B0 1U0
@@ -142,7 +142,7 @@ class Schedule:
     """A pipeline schedule: what every device group runs, in order, with which weights.
 
     Attributes:
-        name: one of :data:`~pdjax.pipeline.schedules.semantics.SCHEDULES`; fixes the
+        name: one of :data:`~pdjax.schedules.semantics.SCHEDULES`; fixes the
             semantics the validator checks.
         num_stages: ``S``, the number of (virtual) stages. For ``interleaved`` with ``v``
             chunks over ``P`` device groups, ``S = P * v``; for ``zb-v``, ``S = 2 P``;
@@ -153,7 +153,7 @@ class Schedule:
             (1 for ``pipedream``, which updates after every microbatch).
         actions: per device group, its actions in execution order.
         stage_device: the device group of each stage
-            (:func:`~pdjax.pipeline.schedules.semantics.stage_groups`):
+            (:func:`~pdjax.schedules.semantics.stage_groups`):
             ``stage_device[s] = s % P``; for ``interleaved``, group ``d`` holds stages
             ``d, d + P, d + 2P, ...``; for ``zb-v`` (the V), stages ``0 .. P - 1`` on groups
             ``0 .. P - 1`` and stages ``P .. 2P - 1`` on groups ``P - 1 .. 0``, so that group
@@ -165,7 +165,7 @@ class Schedule:
             consecutive ones at once; the group's ``F`` and ``B`` actions then cover
             ``r`` microbatches each, named by the first, and under ``pipedream`` it
             updates once per such group of ``r``; see
-            :func:`~pdjax.pipeline.schedules.streaming.pipedream`).
+            :func:`~pdjax.schedules.streaming.pipedream`).
         in_flight_bound: per device group, the most microbatches whose forward has run
             there and whose backward (``B``, or ``I`` and ``W``) has not, summed over the
             group's stages.
@@ -174,7 +174,7 @@ class Schedule:
         weight_stashing: ``pipedream`` only: the backward reuses the forward's version
             (``False``: it uses the newest weights, the paper's inconsistent baseline).
         extra_in_flight: ``pipedream`` only: microbatches in flight per stage beyond
-            ``P - s`` (latency hiding; see :func:`~pdjax.pipeline.schedules.streaming.pipedream`).
+            ``P - s`` (latency hiding; see :func:`~pdjax.schedules.streaming.pipedream`).
     """
 
     name: str

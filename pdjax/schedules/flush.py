@@ -7,15 +7,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import Action, Schedule
-from pdjax.pipeline.schedules.arguments import (
+from pdjax.schedules.actions import Action, Schedule
+from pdjax.schedules.arguments import (
     check_multiple,
     positive,
     replicas_of,
     replication_of,
 )
-from pdjax.pipeline.schedules.inflight import group_order, group_sizes, round_robin_in_flight
-from pdjax.pipeline.schedules.semantics import Shape, semantics, stage_groups
+from pdjax.schedules.inflight import group_order, group_sizes, round_robin_in_flight
+from pdjax.schedules.semantics import Shape, semantics, stage_groups
 
 __all__ = ["flush_schedule", "gpipe", "interleaved", "one_f_one_b", "one_f_one_b_order"]
 
@@ -96,7 +96,7 @@ def gpipe(
     Raises:
         ScheduleError: for a parameter out of range.
 
-    >>> from pdjax.pipeline.schedules import format_actions
+    >>> from pdjax.schedules import format_actions
     >>> print(format_actions(gpipe(2, 2).actions))
     g0: 0F0 0F1 0B1 0B0 0U0
     g1: 1F0 1F1 1B1 1B0 1U0
@@ -133,7 +133,7 @@ def one_f_one_b(
 
     With round-robin stages (``replication``) every stage runs 1F1B over its groups of
     ``n_s`` microbatches (``n_s``: its replicas if round-robin, else 1) with ``q_s``
-    groups in flight (:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight`:
+    groups in flight (:func:`~pdjax.schedules.inflight.round_robin_in_flight`:
     at least ``ceil(W_s / n_s)``, ``W_s = n_s + ... + n_{P-1}``, and more where groups of
     unequal sizes need it to meet without a deadlock and to run at full rate): at most
     ``min(q_s n_s, M)`` microbatches. ``M`` must be a multiple of every ``n_s``.

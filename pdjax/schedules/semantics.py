@@ -13,7 +13,7 @@ per step, ``N`` the stream length, ``v`` chunks per group, ``e`` pipedream's
 ``extra_in_flight`` and ``e_s`` its part at stage ``s`` (``e`` for ``s < P - 1``, 0 at the
 last stage), ``n_s`` the microbatches one action of stage ``s`` covers (its replicas
 under round-robin, else 1) and ``q_s`` the groups in flight there
-(:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight`; ``P - s + e_s`` when
+(:func:`~pdjax.schedules.inflight.round_robin_in_flight`; ``P - s + e_s`` when
 every ``n_s = 1``).
 
 >>> semantics("2bw").streams, semantics("2bw").versions(Shape(4, 4, 8), 0)
@@ -30,10 +30,10 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
 
 if TYPE_CHECKING:
-    from pdjax.pipeline.schedules.actions import Schedule
+    from pdjax.schedules.actions import Schedule
 
 __all__ = [
     "CHUNKED",
@@ -107,7 +107,7 @@ class ScheduleSemantics:
     """One row of the table: what schedule ``name`` computes and keeps.
 
     Attributes:
-        name: as :func:`~pdjax.pipeline.schedules.generate.generate` takes it.
+        name: as :func:`~pdjax.schedules.generate.generate` takes it.
         streams: one stream of microbatches, no flush (``pipedream``, ``2bw``); else the
             pipeline drains every step of ``M``.
         stale: an update applies gradients computed with older weights than the ones it
@@ -325,7 +325,7 @@ SEMANTICS: Mapping[str, ScheduleSemantics] = types.MappingProxyType({r.name: r f
 """Every schedule's :class:`ScheduleSemantics`, by name."""
 
 SCHEDULES = tuple(SEMANTICS)
-"""Schedule names, as :func:`~pdjax.pipeline.schedules.generate.generate` and the
+"""Schedule names, as :func:`~pdjax.schedules.generate.generate` and the
 ``pdjax simulate`` command accept them."""
 STREAMING = tuple(r.name for r in _TABLE if r.streams)
 """One stream, no flush."""

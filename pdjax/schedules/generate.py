@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import Schedule
-from pdjax.pipeline.schedules.arguments import replicas_of, replication_of
-from pdjax.pipeline.schedules.flush import gpipe, interleaved, one_f_one_b
-from pdjax.pipeline.schedules.semantics import ROUND_ROBIN, SCHEDULES, SEMANTICS
-from pdjax.pipeline.schedules.streaming import pipedream, pipedream_2bw
-from pdjax.pipeline.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+from pdjax.schedules.actions import Schedule
+from pdjax.schedules.arguments import replicas_of, replication_of
+from pdjax.schedules.flush import gpipe, interleaved, one_f_one_b
+from pdjax.schedules.semantics import ROUND_ROBIN, SCHEDULES, SEMANTICS
+from pdjax.schedules.streaming import pipedream, pipedream_2bw
+from pdjax.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 
 __all__ = ["generate"]
 
@@ -31,7 +31,7 @@ def generate(
     replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """Builds the schedule called ``name``
-    (one of :data:`~pdjax.pipeline.schedules.semantics.SCHEDULES`).
+    (one of :data:`~pdjax.schedules.semantics.SCHEDULES`).
 
     Args:
         name: the schedule.

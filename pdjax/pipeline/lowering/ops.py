@@ -1,9 +1,9 @@
 """The operations of a schedule, for every process together, in its unit-time clock order.
 
 :func:`global_ops` walks the schedule's actions tick by tick and turns each into the
-operations of :mod:`pdjax.pipeline.program`'s table: one helper per action kind (forward,
+operations of :mod:`pdjax.pipeline.lowering.program`'s table: one helper per action kind (forward,
 the last stage's fused forward-backward, backward ``B``/``I``/``W``, update ``U``) and the
-transfers, gathers and parts around them. :func:`~pdjax.pipeline.program.lower` then orders,
+transfers, gathers and parts around them. :func:`~pdjax.pipeline.lowering.lower` then orders,
 splits per process and annotates these operations.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.program_types import Op
-from pdjax.pipeline.schedules import Action, Schedule
+from pdjax.pipeline.lowering.types import Op
+from pdjax.schedules import Action, Schedule
 
 __all__ = ["global_ops"]
 

@@ -63,7 +63,7 @@ without those sinks. Links come from the plan's topology:
 
 The costs are per replica whatever the plan's replication mode: a round-robin stage
 (``plan.replication``) runs ``r`` whole microbatches side by side, and the simulator
-charges each of its actions ``r`` times these costs (see :mod:`pdjax.pipeline.simulate`).
+charges each of its actions ``r`` times these costs (see :mod:`pdjax.simulator.engine`).
 Pass both ``replicas=plan.replicas`` and ``replication=plan.replication`` to the schedule
 generator.
 
@@ -135,8 +135,8 @@ from pdjax.errors import CalibrationError, PlanError, ScheduleError
 from pdjax.partition import cost
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
-from pdjax.pipeline.sim_costs import PipelineCosts, StageCosts
 from pdjax.profile.profile import Profile
+from pdjax.simulator.costs import PipelineCosts, StageCosts
 
 __all__ = ["costs_from_plan", "weight_grad_fraction"]
 

@@ -1,7 +1,7 @@
 """Timelines: when each action ran on each device group, simulated or measured.
 
-The simulator (:func:`pdjax.pipeline.simulate`) returns one; the runtime records one from
-measured times. :mod:`pdjax.pipeline.trace` turns either into a Chrome trace or a Gantt chart.
+The simulator (:func:`pdjax.simulator.engine`) returns one; the runtime records one from
+measured times. :mod:`pdjax.simulator.trace` turns either into a Chrome trace or a Gantt chart.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 from typing import NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import Action
+from pdjax.schedules.actions import Action
 
 __all__ = ["Span", "Timeline", "Transfer"]
 

@@ -2,7 +2,7 @@
 (:class:`StageCosts`) and what the links between stages cost (:class:`PipelineCosts`),
 with the what-if splits into interleaved chunks and ``zb-v``'s V, and :func:`unit_costs`.
 
-:func:`pdjax.pipeline.simulate` charges them; :func:`pdjax.pipeline.costs_from_plan` makes
+:func:`pdjax.simulator.engine` charges them; :func:`pdjax.pipeline.costs_from_plan` makes
 them from a plan and its profile.
 """
 
@@ -327,7 +327,7 @@ class PipelineCosts:
 
     def v_shape(self) -> PipelineCosts:
         """Costs of ``zb-v``'s ``2P`` stages: each stage cut into two equal chunks placed
-        in a V (:func:`~pdjax.pipeline.schedules.stage_groups`).
+        in a V (:func:`~pdjax.schedules.stage_groups`).
 
         Stage ``s`` of the V runs on group ``g = min(s, 2P - 1 - s)`` and gets half of
         stage ``g``'s compute, weights, optimizer state, stash, cotangents and measured

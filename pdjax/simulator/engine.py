@@ -40,7 +40,7 @@ The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
   for the last time, next to its results). That is the planner's memory model
   (:mod:`pdjax.partition.cost`), and the simulator's by default
   (``PipelineCosts.memory_model = "planner"``). With ``memory_model = "runtime"`` it also
-  counts what pdjax's runtime (:mod:`pdjax.pipeline.program`) holds besides, for one call
+  counts what pdjax's runtime (:mod:`pdjax.pipeline.lowering.program`) holds besides, for one call
   of the schedule:
 
   ======================  ==============================================================
@@ -94,7 +94,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules import (
+from pdjax.schedules import (
     SEMANTICS,
     STREAMING,
     Action,
@@ -105,9 +105,9 @@ from pdjax.pipeline.schedules import (
     semantics,
     validate,
 )
-from pdjax.pipeline.schedules.play import kept_live_versions
-from pdjax.pipeline.sim_costs import PipelineCosts, StageCosts, unit_costs
-from pdjax.pipeline.timeline import Span, Timeline, Transfer
+from pdjax.schedules.play import kept_live_versions
+from pdjax.simulator.costs import PipelineCosts, StageCosts, unit_costs
+from pdjax.simulator.timeline import Span, Timeline, Transfer
 
 __all__ = [
     "PipelineCosts",
@@ -133,7 +133,7 @@ def stream_length(
     (as the generators require). Without round-robin stages it is ``M`` times
     ``max(4, ceil(2 P / M))`` (``M = 1`` for ``pipedream``); with them, long enough to hold
     the fill and the drain (the microbatches the stages keep in flight,
-    :func:`~pdjax.pipeline.schedules.round_robin_in_flight`, twice over, and
+    :func:`~pdjax.schedules.round_robin_in_flight`, twice over, and
     ``4 (n_0 + ... + n_{P-1})``) and four periods of ``lcm(M, n_0, ..., n_{P-1})``
     microbatches between them.
 
@@ -471,7 +471,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         ScheduleError: if the schedule is invalid or the costs describe a different number
             of stages.
 
-    >>> from pdjax.pipeline.schedules import one_f_one_b
+    >>> from pdjax.schedules import one_f_one_b
     >>> sim = simulate(one_f_one_b(4, 8), unit_costs(4))
     >>> sim.step_time, round(sim.bubble_fraction, 4)  # 3 (M + P - 1); (P - 1) / (M + P - 1)
     (33.0, 0.2727)

@@ -1,7 +1,7 @@
 """The data of a lowered program: where stages live (:class:`StagePlace`,
 :class:`Placement`), one operation (:class:`Op`) and what every process runs for one call
 (:class:`Program`). The slots and operation kinds are tabled in
-:mod:`pdjax.pipeline.program`, which makes them (:func:`~pdjax.pipeline.program.lower`).
+:mod:`pdjax.pipeline.lowering.program`, which makes them (:func:`~pdjax.pipeline.lowering.lower`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from pdjax.pipeline.schedules import Action
+from pdjax.schedules import Action
 
 __all__ = ["Op", "Placement", "Program", "StagePlace"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.semantics import ROUND_ROBIN
+from pdjax.schedules.semantics import ROUND_ROBIN
 
 __all__ = ["REPLICATION", "check_multiple", "positive", "replicas_of", "replication_of"]
 

@@ -15,19 +15,19 @@ Transfers are not listed: activations flow ``F(s, k) -> F(s + 1, k)`` and gradie
 
 The modules:
 
-- :mod:`~pdjax.pipeline.schedules.actions`: :class:`Action`, :class:`Schedule`, their
+- :mod:`~pdjax.schedules.actions`: :class:`Action`, :class:`Schedule`, their
   text, grid and JSON forms;
-- :mod:`~pdjax.pipeline.schedules.semantics`: the table of what each schedule computes
+- :mod:`~pdjax.schedules.semantics`: the table of what each schedule computes
   (:data:`SEMANTICS`), the one place that says which schedules stream, flush, are stale,
   chunked, round-robin or split the backward, with their in-flight and versions formulas;
-- :mod:`~pdjax.pipeline.schedules.inflight`: groups in flight under round-robin
+- :mod:`~pdjax.schedules.inflight`: groups in flight under round-robin
   replication;
-- :mod:`~pdjax.pipeline.schedules.flush`, :mod:`~pdjax.pipeline.schedules.zero_bubble`,
-  :mod:`~pdjax.pipeline.schedules.streaming`: the generators; :func:`generate` picks one
+- :mod:`~pdjax.schedules.flush`, :mod:`~pdjax.schedules.zero_bubble`,
+  :mod:`~pdjax.schedules.streaming`: the generators; :func:`generate` picks one
   by name;
-- :mod:`~pdjax.pipeline.schedules.validate`: the validator, with its own recomputation of
+- :mod:`~pdjax.schedules.validate`: the validator, with its own recomputation of
   the bounds and versions;
-- :mod:`~pdjax.pipeline.schedules.play`: the event player (the unit clock, the deadlock
+- :mod:`~pdjax.schedules.play`: the event player (the unit clock, the deadlock
   check, the simulator's engine).
 
 Compact strings name one action as ``<stage><kind><mb>[v<version>]``, the version shown only
@@ -52,7 +52,7 @@ True
 >>> validate(s)
 """
 
-from pdjax.pipeline.schedules.actions import (
+from pdjax.schedules.actions import (
     KINDS,
     Action,
     Schedule,
@@ -60,12 +60,12 @@ from pdjax.pipeline.schedules.actions import (
     parse_actions,
     parse_grid,
 )
-from pdjax.pipeline.schedules.arguments import REPLICATION
-from pdjax.pipeline.schedules.flush import gpipe, interleaved, one_f_one_b
-from pdjax.pipeline.schedules.generate import generate
-from pdjax.pipeline.schedules.inflight import group_sizes, round_robin_in_flight
-from pdjax.pipeline.schedules.play import live_versions, play
-from pdjax.pipeline.schedules.semantics import (
+from pdjax.schedules.arguments import REPLICATION
+from pdjax.schedules.flush import gpipe, interleaved, one_f_one_b
+from pdjax.schedules.generate import generate
+from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.schedules.play import live_versions, play
+from pdjax.schedules.semantics import (
     CHUNKED,
     FLUSHING,
     ROUND_ROBIN,
@@ -79,9 +79,9 @@ from pdjax.pipeline.schedules.semantics import (
     semantics,
     stage_groups,
 )
-from pdjax.pipeline.schedules.streaming import pipedream, pipedream_2bw
-from pdjax.pipeline.schedules.validate import validate
-from pdjax.pipeline.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+from pdjax.schedules.streaming import pipedream, pipedream_2bw
+from pdjax.schedules.validate import validate
+from pdjax.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 
 __all__ = [
     "CHUNKED",

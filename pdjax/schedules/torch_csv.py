@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from typing import IO, NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules import (
+from pdjax.schedules import (
     CHUNKED,
     FLUSHING,
     Action,

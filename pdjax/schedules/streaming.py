@@ -7,7 +7,7 @@ Round-robin replication in :func:`pipedream` (PipeDream's own, ``replication``):
 and updates once per group with their mean gradient (``U(s, u)`` applies group ``u``,
 microbatches ``u n_s .. u n_s + n_s - 1``, and makes version ``u + 1``); any other stage
 has ``n_s = 1``. Stage ``s`` runs 1F1B over its groups with ``q_s`` groups in flight, as
-:func:`~pdjax.pipeline.schedules.inflight.round_robin_in_flight` counts them (with
+:func:`~pdjax.schedules.inflight.round_robin_in_flight` counts them (with
 ``e = extra_in_flight`` added at every stage but the last): at least ``ceil(W_s / n_s)``,
 ``W_s = n_s + ... + n_{P-1}`` (the microbatch slots from ``s`` on; PipeDream's NOAM at
 stage 0), and at least what lets groups of unequal sizes meet without a deadlock, then
@@ -26,16 +26,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.pipeline.schedules.actions import Action, Schedule
-from pdjax.pipeline.schedules.arguments import (
+from pdjax.schedules.actions import Action, Schedule
+from pdjax.schedules.arguments import (
     check_multiple,
     positive,
     replicas_of,
     replication_of,
 )
-from pdjax.pipeline.schedules.flush import one_f_one_b_order
-from pdjax.pipeline.schedules.inflight import group_order, group_sizes, round_robin_in_flight
-from pdjax.pipeline.schedules.semantics import Shape, semantics
+from pdjax.schedules.flush import one_f_one_b_order
+from pdjax.schedules.inflight import group_order, group_sizes, round_robin_in_flight
+from pdjax.schedules.semantics import Shape, semantics
 
 __all__ = ["pipedream", "pipedream_2bw"]
 
