@@ -24,7 +24,7 @@ carries a weight version. :func:`read_torch_csv` adds the updates a flush schedu
 :func:`write_torch_csv` drops the updates and versions.
 
 >>> import io
->>> from pdjax.pipeline import one_f_one_b
+>>> from pdjax.schedules import one_f_one_b
 >>> out = io.StringIO()
 >>> write_torch_csv(one_f_one_b(2, 2), out)
 >>> print(out.getvalue().replace("\\r", ""), end="")
@@ -130,7 +130,7 @@ def write_torch_csv(schedule: Schedule, path_or_file: PathOrFile, *, aligned: bo
             inside the stream) or round-robin replication (one action, several microbatches).
 
     >>> import io
-    >>> from pdjax.pipeline import zb_h1
+    >>> from pdjax.schedules import zb_h1
     >>> out = io.StringIO()
     >>> write_torch_csv(zb_h1(2, 2), out, aligned=False)
     >>> print(out.getvalue().replace("\\r", ""), end="")
