@@ -58,7 +58,7 @@ from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.pipeline.executor import Pipeline, even_stages
 from pdjax.profile import Profile, profile
 from pdjax.runners import DataParallel, Runner
-from pdjax.schedules import STREAMING, generate
+from pdjax.schedules import BENCHED, STREAMING, generate, schedule_kind
 from pdjax.simulator.engine import PipelineCosts, Simulation, simulate
 
 __all__ = [
@@ -73,7 +73,7 @@ __all__ = [
 ]
 
 #: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
-BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
+BENCH_SCHEDULES = BENCHED
 #: Runner variants: ``<schedule>/<variant>`` runs the schedule with replicated stages
 #: all-reducing in every backward (``backward``, the runtime before per-device gradient
 #: sums) or replicated round-robin (``rr``, PipeDream's replication).
@@ -472,15 +472,16 @@ def _pipeline_runner(name: str, setup: _Setup) -> _Runner:
     note = ""
     runner_name, name = name, name.partition("/")[0]
     variant = runner_name.partition("/")[2]
-    if name == "interleaved":
+    kind = schedule_kind(name)
+    if kind.chunks is None:  # the caller's chunks over the plan's device groups
         G, K = plan.num_stages, plan.num_stages * chunks
         if K > L:
             raise PipelineError(
-                f"interleaved needs {G} x {chunks} = {K} virtual stages, {spec.name} has only "
+                f"{name} needs {G} x {chunks} = {K} virtual stages, {spec.name} has only "
                 f"{L} layers; use --chunks 1 or a plan with fewer stages"
             )
         specs: Any = _interleaved_stages(plan, L, chunks)
-        costs = _virtual_costs(setup.profile, plan, specs, microbatches)
+        costs = _virtual_costs(setup.profile, plan, specs, microbatches, name)
         stages = f"{_describe(plan.replicas)}, {chunks} chunks each"
         note = f"{K} equal virtual stages"
     else:
@@ -494,7 +495,7 @@ def _pipeline_runner(name: str, setup: _Setup) -> _Runner:
         setup.optimizer,
         schedule=name,
         microbatches=microbatches,
-        chunks=chunks if name == "interleaved" else 1,
+        chunks=kind.chunks_for(chunks),
         devices=jax.devices(),
         grad_allreduce="backward" if variant == "backward" else "update",
         replication="round-robin" if variant == "rr" else "split",
@@ -553,7 +554,7 @@ def _interleaved_stages(plan: Plan, num_layers: int, chunks: int) -> tuple[Stage
 
 
 def _virtual_costs(
-    prof: Profile, plan: Plan, specs: Sequence[StagePlan], microbatches: int
+    prof: Profile, plan: Plan, specs: Sequence[StagePlan], microbatches: int, schedule: str
 ) -> PipelineCosts:
     """Simulator costs of interleaved virtual stages: each priced as a stage of its own on
     its group's replica count, every link at the plan's slowest bandwidth."""
@@ -563,7 +564,7 @@ def _virtual_costs(
         prof,
         Topology.flat(sum(replicas), bandwidth),
         [(s.first_layer, s.last_layer, r) for s, r in zip(specs, replicas, strict=True)],
-        schedule="interleaved",
+        schedule=schedule,
         num_microbatches=microbatches,
         microbatch_size=plan.microbatch_size,
         partitioner="uniform",

@@ -13,6 +13,8 @@ from typing import Any
 
 from pdjax._jsonio import FieldReader, _kind, parse_json, read_text, write_atomic
 from pdjax.errors import CalibrationError
+from pdjax.pipeline.transport import TRANSPORTS
+from pdjax.schedules import SEMANTICS
 
 __all__ = ["AllReduceMeasure", "Calibration", "LinkMeasure", "StageMeasure"]
 
@@ -166,11 +168,14 @@ class Calibration:
         round-robin there, once per ``num_microbatches`` otherwise); None if not measured.
         The all-reduce is not included (:meth:`allreduce_function`)."""
 
+        row = SEMANTICS.get(schedule)
+        per_microbatch = row is not None and row.updates_per_microbatch
+
         def seconds(first: int, last: int, replicas: int, replication: str) -> float | None:
             m = self.stage(first, last, replicas, replication)
             if m is None:
                 return None
-            if schedule == "pipedream":
+            if per_microbatch:
                 share = 1.0 / replicas if m.replication == "round-robin" else 1.0
             else:
                 share = 1.0 / max(1, num_microbatches)
@@ -354,7 +359,7 @@ _STAGE = {f.name for f in dataclasses.fields(StageMeasure)}
 _LINK = {f.name for f in dataclasses.fields(LinkMeasure)}
 _ALLREDUCE = {f.name for f in dataclasses.fields(AllReduceMeasure)}
 _REPLICATION = ("split", "round-robin")
-_TRANSPORTS = ("device_put", "collective")
+_TRANSPORTS = tuple(TRANSPORTS)
 
 
 class _Reader(FieldReader):

@@ -13,7 +13,7 @@ from pdjax.calibrate.links import measure_allreduce, measure_link
 from pdjax.calibrate.measure import calibrate
 from pdjax.errors import CalibrationError, PlanError
 from pdjax.partition import costs_from_plan, evaluate_partition, plan_pipedream
-from pdjax.schedules import generate
+from pdjax.schedules import generate, semantics
 from pdjax.simulator import simulate, stream_length
 
 __all__ = ["Ranked", "candidate_plans", "neighbours", "plan_stages", "rank_plans", "refine"]
@@ -135,11 +135,11 @@ def rank_plans(
         )  # fmt: skip
         costs = costs_from_plan(again, profile, calibration=calibration, partial=True)
         replicas, modes = plan.replicas, plan.replication
-        if plan.schedule == "pipedream":
+        if semantics(plan.schedule).updates_per_microbatch:  # a step is one microbatch
             n = microbatches or stream_length(
-                "pipedream", len(layout), replicas=replicas, replication=modes
+                plan.schedule, len(layout), replicas=replicas, replication=modes
             )
-            sched = generate("pipedream", len(layout), n, replicas=replicas, replication=modes)
+            sched = generate(plan.schedule, len(layout), n, replicas=replicas, replication=modes)
         else:
             steps = max(1, (microbatches or 4 * M) // M)
             n = steps * M

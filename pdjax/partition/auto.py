@@ -57,7 +57,7 @@ from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
-from pdjax.schedules.semantics import SCHEDULES, SEMANTICS, SPLIT_BACKWARD, STALE
+from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STALE
 
 __all__ = [
     "Candidate",
@@ -256,9 +256,9 @@ def _search(space: _Space, tally: _Tally, name: str, M: int) -> None:
     except (PlanError, ScheduleError) as err:
         tally.reasons.setdefault(name, str(err))
         return
-    options = SEMANTICS[name].options
-    for v in space.chunks if name == "interleaved" else (1,):
-        for e in space.extra_in_flight if "extra_in_flight" in options else (0,):
+    kind = SCHEDULE_KINDS[name]
+    for v in space.chunks if kind.chunks is None else (1,):  # the chunks it takes
+        for e in space.extra_in_flight if kind.takes("extra_in_flight") else (0,):
             for plan in partitions:
                 c = _evaluate(space, plan, name, v=v, e=e, reasons=tally.reasons)
                 if c is None:
@@ -333,13 +333,13 @@ def _better(c: Candidate, plan: Plan) -> bool:
 def _dp_schedule(name: str) -> str:
     """The schedule the dynamic program prices for ``name`` (the newer zero-bubble
     schedules keep 1F1B's or more in flight: price them as ``zb-h1``)."""
-    return "zb-h1" if name in SPLIT_BACKWARD else name
+    return SCHEDULE_KINDS[name].priced_as
 
 
 def _replication(name: str) -> str:
     """The dynamic program's replication option for ``name``: ``"auto"`` where it prices
     round-robin (a schedule that updates every microbatch), else ``"split"``."""
-    return "auto" if SEMANTICS[name].updates_per_microbatch else "split"
+    return "auto" if SCHEDULE_KINDS[name].semantics.updates_per_microbatch else "split"
 
 
 def _partitions(

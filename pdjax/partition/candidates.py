@@ -20,9 +20,16 @@ from pdjax.errors import PlanError
 from pdjax.partition.plan import Plan
 from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.profile import Profile
-from pdjax.schedules import generate, validate
-from pdjax.schedules.actions import Schedule
-from pdjax.schedules.semantics import ROUND_ROBIN, STALE
+from pdjax.schedules import (
+    ROUND_ROBIN,
+    SCHEDULE_KINDS,
+    STALE,
+    STREAMING,
+    Schedule,
+    generate,
+    stage_groups,
+    validate,
+)
 from pdjax.simulator import simulate, stream_length
 
 __all__ = ["Candidate", "HostCosts", "evaluate_candidate", "price", "stage_specs"]
@@ -124,11 +131,6 @@ def stage_specs(plan: Plan) -> tuple[tuple[int, int, int], ...]:
     return tuple((st.first_layer, st.last_layer, st.replicas) for st in plan.stages)
 
 
-def _schedule_stages(name: str, chunks: int) -> int:
-    """Virtual stages per device group (``interleaved``; ``zb-v`` is priced apart)."""
-    return chunks if name == "interleaved" else 1
-
-
 def evaluate_candidate(
     plan: Plan,
     profile: Profile,
@@ -180,13 +182,14 @@ def price(
     """:func:`evaluate_candidate`'s figures and the simulated peak microbatches in flight
     per (virtual) stage."""
     P = plan.num_stages
-    v = _schedule_stages(schedule, chunks)
+    kind = SCHEDULE_KINDS.get(schedule)  # an unknown name: generate() refuses it below
+    v = 1 if kind is None else kind.chunks_for(chunks)
     measured: dict[str, Any] = (
         {} if calibration is None else {"calibration": calibration, "partial": True}
     )
-    if schedule == "zb-v":  # each plan stage cut into two halves placed in a V
+    if kind is not None and kind.semantics.v_shaped:  # plan stages halved, placed in a V
         costs = costs_from_plan(plan, profile, **measured).v_shape()
-    else:
+    else:  # the chunks the caller chose (interleaved), else one per device group
         costs = costs_from_plan(plan, profile, chunks=v, **measured)
     flags = tuple(remat) if remat is not None else (False,) * P
     if any(flags):
@@ -196,8 +199,8 @@ def price(
         schedule,
         P,
         M,
-        chunks if schedule == "interleaved" else 2,  # the others take none (zb-v: its V)
-        extra_in_flight if schedule == "pipedream" else 0,  # a pipedream option only
+        v,
+        extra_in_flight if kind is not None and kind.takes("extra_in_flight") else 0,
         plan.replicas,
         plan.replication,
     )
@@ -235,12 +238,11 @@ def _validated_schedule(
     kwargs: dict[str, Any] = {"replicas": replicas}
     if schedule in ROUND_ROBIN:
         kwargs["replication"] = replication
-    if schedule == "pipedream":
-        n = stream_length("pipedream", P, replicas=replicas, replication=replication)
-        sched = generate("pipedream", P, n, extra_in_flight=extra_in_flight, **kwargs)
-    elif schedule == "2bw":
-        n = stream_length("2bw", P, M, replicas=replicas, replication=replication)
-        sched = generate("2bw", P, M, stream=n, **kwargs)
+    if extra_in_flight:
+        kwargs["extra_in_flight"] = extra_in_flight
+    if schedule in STREAMING:  # a stream long enough for a steady state
+        n = stream_length(schedule, P, M, replicas=replicas, replication=replication)
+        sched = generate(schedule, P, M, stream=n, **kwargs)
     else:
         sched = generate(schedule, P, M, chunks=chunks, **kwargs)
     validate(sched)
@@ -253,8 +255,9 @@ def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequ
     stage's input (its share on one device)."""
     P = len(flags)
     stages = list(costs.stages)
+    where = stage_groups(schedule, P, len(stages) // P)
     for k, st in enumerate(stages):
-        group = k % P if schedule != "zb-v" else (k if k < P else 2 * P - 1 - k)
+        group = where[k]
         if not flags[group]:
             continue
         kept = stages[k - 1].activation_bytes if k > 0 else 0

@@ -14,7 +14,7 @@ from pdjax.partition import cost
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import Topology
 from pdjax.profile.profile import Profile
-from pdjax.schedules.semantics import SEMANTICS
+from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS
 
 __all__ = ["build_plan", "calibrated_options", "check_options", "pipeline_time"]
 
@@ -120,9 +120,10 @@ def build_plan(
     in-flight counts and versions are those of the schedule with these modes
     (:func:`pdjax.partition.cost.exact_in_flight`)."""
     P = len(flat)
-    if schedule == "2bw" and num_microbatches < P:
+    kind = SCHEDULE_KINDS.get(schedule)
+    if kind is not None and kind.needs_microbatches_per_stage and num_microbatches < P:
         raise PlanError(
-            f"the 2bw schedule needs at least as many microbatches per step as stages: the "
+            f"the {schedule} schedule needs at least as many microbatches per step as stages: the "
             f"plan has {P} stages but num_microbatches={num_microbatches}; raise it to {P} or more"
         )
     replicas = [len(positions) for _, _, positions in flat]

@@ -4,8 +4,9 @@ weight versions, all-reduces per microbatch, replication modes).
 
 What a schedule computes (whether it streams or flushes, updates once per microbatch or
 per step, takes round-robin replication, how many weight versions it keeps) is read from
-:data:`pdjax.schedules.SEMANTICS`; :class:`ScheduleTraits` adds only how the cost
-model prices it (see :mod:`pdjax.partition.cost`).
+its row of :data:`pdjax.schedules.SEMANTICS`, and how the cost model prices it (see
+:mod:`pdjax.partition.cost`) from its :class:`~pdjax.schedules.ScheduleKind`'s planner
+fields.
 
 >>> bw, pd = SCHEDULE_TRAITS["2bw"], SCHEDULE_TRAITS["pipedream"]
 >>> bw.flush, bw.versions, pd.versions
@@ -19,16 +20,19 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 from pdjax.errors import PlanError
-from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
-from pdjax.schedules.semantics import (
+from pdjax.schedules import (
     ROUND_ROBIN,
+    SCHEDULE_KINDS,
     SEMANTICS,
+    ScheduleKind,
     ScheduleSemantics,
     Shape,
+    group_sizes,
+    round_robin_in_flight,
 )
+from pdjax.schedules.kind import stages_from
 
 __all__ = [
     "REPLICATION_OPTIONS",
@@ -41,11 +45,6 @@ __all__ = [
 REPLICATION_OPTIONS: tuple[str, ...] = ("auto", "split", "round-robin")
 """The planner's ``replication`` option: ``"auto"`` (the cheaper mode), ``"split"`` or
 ``"round-robin"`` for every replicated stage."""
-
-
-def _stages_from(num_stages: int, stage: int) -> int:
-    """1F1B's depth: stage ``s`` of ``P`` holds ``P - s``."""
-    return num_stages - stage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +66,13 @@ class ScheduleTraits:
     """
 
     semantics: ScheduleSemantics
-    depth: Callable[[int, int], int] | None = _stages_from
+    depth: Callable[[int, int], int] | None = stages_from
     round_trip: bool = True
+
+    @classmethod
+    def of(cls, kind: ScheduleKind) -> ScheduleTraits:
+        """The traits of schedule ``kind`` (its row and its planner fields)."""
+        return cls(kind.semantics, kind.planner_depth, kind.planner_round_trip)
 
     @property
     def name(self) -> str:
@@ -100,18 +104,8 @@ class ScheduleTraits:
         return self.semantics.versions(Shape(groups=1, microbatches=1, stream=1), 0)
 
 
-# The cost model's knobs where they are not the defaults, by schedule name.
-_KNOBS: dict[str, dict[str, Any]] = {
-    "gpipe": {"depth": None, "round_trip": False},
-    "interleaved": {"round_trip": False},
-    # 2 (P - s) - 1 warm-up forwards with W deferred: 2P - 1 at every stage
-    "zb-h2": {"depth": lambda P, s: 2 * P - 1},
-    # P stage-microbatches (2P half-stage chunks) on every group
-    "zb-v": {"depth": lambda P, s: P},
-}
-
 SCHEDULE_TRAITS: Mapping[str, ScheduleTraits] = types.MappingProxyType(
-    {name: ScheduleTraits(row, **_KNOBS.get(name, {})) for name, row in SEMANTICS.items()}
+    {name: ScheduleTraits.of(kind) for name, kind in SCHEDULE_KINDS.items()}
 )
 """Every schedule's :class:`ScheduleTraits`, by name (the table's names)."""
 

@@ -69,6 +69,7 @@ from jax.sharding import PartitionSpec as P
 from pdjax._loss import split_loss, with_aux
 from pdjax._sharding import place
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
+from pdjax.pipeline.lowering.types import OpFlag, OpKind
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage_programs import keys_body, program_body
 from pdjax.pipeline.stage_ties import StageTies
@@ -160,7 +161,7 @@ class Stage:
         if self.round_robin:
             self.whole_reason = ""
         self._layout: dict[Any, _ResidualLayout] = {}
-        self._programs: dict[tuple[str, frozenset[str]], Callable[..., Any]] = {}
+        self._programs: dict[Any, Callable[..., Any]] = {}
         #: the stage's tied parameter copies (set by the pipeline before any program)
         self.ties: StageTies | None = None
 
@@ -170,17 +171,21 @@ class Stage:
 
     # -- programs ---------------------------------------------------------------------------
 
-    def program(self, kind: str, flags: frozenset[str] = frozenset()) -> Callable[..., Any]:
+    def program(
+        self, kind: OpKind | str, flags: frozenset[OpFlag] | frozenset[str] = frozenset()
+    ) -> Callable[..., Any]:
         """The jitted program of an operation (see :mod:`pdjax.pipeline.lowering.program` for the
         arguments and results of each kind and flag). Built once per (kind, flags)."""
         key = (kind, flags)
         fn = self._programs.get(key)
         if fn is None:
-            fn = self._programs[key] = self._build(kind, flags)
+            # kinds and flags compare as their names: normalised only to build
+            typed = frozenset(OpFlag(f) for f in flags)
+            fn = self._programs[key] = self._build(OpKind(kind), typed)
         return fn
 
-    def _build(self, kind: str, flags: frozenset[str]) -> Callable[..., Any]:
-        if kind == "KEYS":  # the same for every stage on these devices: built once
+    def _build(self, kind: OpKind, flags: frozenset[OpFlag]) -> Callable[..., Any]:
+        if kind is OpKind.KEYS:  # the same for every stage on these devices: built once
             if self.round_robin:
                 return _keys_program(self.num_replicas, self.batch_sharding)
             return _keys_program(0, self.replicated)
@@ -191,14 +196,14 @@ class Stage:
         first = self.index == 0
         # weights and optimizer state stay replicated: XLA would otherwise carry the batch
         # sharding of the gradient computation into them
-        if kind == "U":
+        if kind is OpKind.U:
             sent = len(self.ties.members) if self.ties is not None else 0
             kwargs["out_shardings"] = (rep,) * (2 + sent)
-        elif kind == "TG":
+        elif kind is OpKind.TG:
             kwargs["out_shardings"] = rep
-        elif kind == "BU":
+        elif kind is OpKind.BU:
             kwargs["out_shardings"] = (rep, rep) if first else (rep, rep, batch)
-        elif kind == "FBU":
+        elif kind is OpKind.FBU:
             loss = batch if self.round_robin else rep  # round-robin: r losses, one per device
             kwargs["out_shardings"] = (loss, rep, rep, rep) + (() if first else (batch,))
         return jax.jit(count_traces(self.trace_counts, name, body), **kwargs)
@@ -260,7 +265,7 @@ class Stage:
         pinned: jax.Array = jax.lax.with_sharding_constraint(a, self.batch_sharding)
         return pinned
 
-    def _reduce(self, g: list[PyTree]) -> list[PyTree]:
+    def reduce(self, g: list[PyTree]) -> list[PyTree]:
         """The weight gradient from the per-device partial sums (the one all-reduce)."""
         if self.parts == 1:
             return g
@@ -371,7 +376,7 @@ class Stage:
         )
         return lambda p, x: mapped(p, state, x, key)
 
-    def _apply(
+    def apply(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
     ) -> tuple[PyTree, list[Variables]]:
         parts = self.parts
@@ -386,11 +391,11 @@ class Stage:
             x = with_aux(*split_loss(self.loss_fn(x, tgt)))
         return x, new_state
 
-    def _forward_vjp(
+    def forward_vjp(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
     ) -> tuple[PyTree, list[Variables], _Pullbacks, Any]:
         """The forward, layer by layer, with each layer's pullback (and the loss's last),
-        and the viewed ``(weights, input)`` the pullbacks may hold (see :meth:`_keep`)."""
+        and the viewed ``(weights, input)`` the pullbacks may hold (see :meth:`keep`)."""
         parts = self.parts
         params, x = sources = self._view(params, x, parts)
         pbs: _Pullbacks = []
@@ -438,7 +443,7 @@ class Stage:
 
         return losses
 
-    def _keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
+    def keep(self, params: list[PyTree], x: PyTree, pbs: _Pullbacks) -> list[jax.Array]:
         """The pullbacks' residual leaves that are neither a weight nor the input, each once."""
         leaves, treedef = jax.tree.flatten(pbs)
         inputs = {id(leaf): k for k, leaf in enumerate(jax.tree.leaves((params, x)))}
@@ -456,7 +461,7 @@ class Stage:
         self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources)
         return kept
 
-    def _rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
+    def rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
         params, x = self._view(params, x, self.parts)
         layout = self._layout[self._key(params, x, residuals)]
         flat = jax.tree.leaves((params, x))
@@ -464,7 +469,7 @@ class Stage:
         pbs: _Pullbacks = jax.tree.unflatten(layout.treedef, leaves)
         return pbs
 
-    def _chain(
+    def chain(
         self, pbs: _Pullbacks, ct: PyTree | None, want: str, first: bool
     ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]:
         """Back through the layers: ``(weight gradients or None, input gradient, the
@@ -483,33 +488,33 @@ class Stage:
             grads[j] = gp
         return (None if want == "input" else grads), ct, cts
 
-    def _weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
+    def weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
         """Zero bubble's ``W``: each layer's weight gradient from its output cotangent."""
         return [pbs[j](cts[j])[0] for j in range(len(self.layers))]
 
-    def _scaled(self, g: list[PyTree]) -> list[PyTree]:
+    def scaled(self, g: list[PyTree]) -> list[PyTree]:
         if self.scale == 1.0:
             return g
         s = jnp.float32(self.scale)
         scaled: list[PyTree] = jax.tree.map(lambda a: a * s.astype(a.dtype), g)
         return scaled
 
-    def _fused_update(
+    def fused_update(
         self, g: list[PyTree], w: list[PyTree], tail: Sequence[Any], newest: bool
     ) -> tuple[list[PyTree], optax.OptState, tuple[Any, ...]]:
         """The update at the end of a fused program; ``tail`` holds ``[w_newest] o
         [norms...]`` (the newest weights only when the ones read are not the newest)."""
         if not newest:
             w, tail = tail[0], tail[1:]
-        return self._update(g, w, tail[0], tail[1:])
+        return self.update(g, w, tail[0], tail[1:])
 
-    def _update(
+    def update(
         self, g: list[PyTree], w: list[PyTree], o: optax.OptState, rest: Sequence[Any]
     ) -> tuple[list[PyTree], optax.OptState, tuple[Any, ...]]:
         """``-> (new weights, new optimizer state, tied values sent)``. ``rest``: the tied
         gradients from :attr:`StageTies.members`, the new tied values from
         :attr:`StageTies.owners`, then the other stages' sums of squares (if exchanged)."""
-        g = self._scaled(self._reduce(g))
+        g = self.scaled(self.reduce(g))
         ties = self.ties
         received: Sequence[Any] = ()
         treedef: Any = None

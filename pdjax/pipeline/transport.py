@@ -21,7 +21,8 @@ as a single-device array, then the destination parts are assembled.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -31,12 +32,12 @@ import numpy as np
 from pdjax._sharding import first_device, shard_on
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
-from pdjax.pipeline.stage import Stage
 
 if TYPE_CHECKING:
     from pdjax.pipeline._collective import CollectiveLink
+    from pdjax.pipeline.stage import Stage
 
-__all__ = ["Collective", "DevicePut", "Transport", "make_transport"]
+__all__ = ["TRANSPORTS", "Collective", "DevicePut", "Transport", "make_transport"]
 
 Link = Callable[[Any], Any]
 """A transfer: called with the value where this process holds the source (None elsewhere),
@@ -278,13 +279,21 @@ class Collective(Transport):
         return got
 
 
+TRANSPORTS: Mapping[str, type[Transport]] = types.MappingProxyType(
+    {cls.name: cls for cls in (DevicePut, Collective)}
+)
+"""Every transport by name (:attr:`Transport.name`): what ``Pipeline(transport=...)``,
+the lowering's placement and the command line accept (besides ``auto``). A new transport
+is a :class:`Transport` subclass added here."""
+
+
 def make_transport(name: str) -> Transport:
-    """The transport called ``name`` (``device_put`` or ``collective``)."""
-    if name == "device_put":
-        return DevicePut()
-    if name == "collective":
-        return Collective()
-    raise PipelineError(f"unknown transport {name!r}; choose 'device_put' or 'collective'")
+    """The transport called ``name`` (a key of :data:`TRANSPORTS`)."""
+    cls = TRANSPORTS.get(name)
+    if cls is None:
+        choices = " or ".join(repr(n) for n in TRANSPORTS)
+        raise PipelineError(f"unknown transport {name!r}; choose {choices}")
+    return cls()
 
 
 def _one(value: Any) -> tuple[Any]:

@@ -17,14 +17,20 @@ The modules:
 
 - :mod:`~pdjax.schedules.actions`: :class:`Action`, :class:`Schedule`, their
   text, grid and JSON forms;
-- :mod:`~pdjax.schedules.semantics`: the table of what each schedule computes
-  (:data:`SEMANTICS`), the one place that says which schedules stream, flush, are stale,
-  chunked, round-robin or split the backward, with their in-flight and versions formulas;
+- :mod:`~pdjax.schedules.semantics`: what a schedule computes, as a row of the table
+  (:class:`ScheduleSemantics`: whether it streams, flushes, is stale, chunked, round-robin
+  or splits the backward, with its in-flight and versions formulas);
+- :mod:`~pdjax.schedules.kind`: a schedule as one object (:class:`ScheduleKind`: its
+  row, generator, placement, chunk rule and what the planner and applications read);
+- :mod:`~pdjax.schedules.registry`: every schedule's kind by name
+  (:data:`SCHEDULE_KINDS`), and the table :data:`SEMANTICS` and name lists derived
+  from it;
 - :mod:`~pdjax.schedules.inflight`: groups in flight under round-robin
   replication;
-- :mod:`~pdjax.schedules.flush`, :mod:`~pdjax.schedules.zero_bubble`,
-  :mod:`~pdjax.schedules.streaming`: the generators; :func:`generate` picks one
-  by name;
+- :mod:`~pdjax.schedules.flush`, :mod:`~pdjax.schedules.streaming`,
+  :mod:`~pdjax.schedules.interleaved_1f1b`, :mod:`~pdjax.schedules.zero_bubble`:
+  the families, each schedule's generator next to its kind; :func:`generate` looks
+  one up by name;
 - :mod:`~pdjax.schedules.validate`: the validator, with its own recomputation of
   the bounds and versions;
 - :mod:`~pdjax.schedules.play`: the event player (the unit clock, the deadlock
@@ -61,43 +67,54 @@ from pdjax.schedules.actions import (
     parse_grid,
 )
 from pdjax.schedules.arguments import REPLICATION
-from pdjax.schedules.flush import gpipe, interleaved, one_f_one_b
+from pdjax.schedules.flush import gpipe, one_f_one_b
 from pdjax.schedules.generate import generate
 from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.schedules.interleaved_1f1b import interleaved
+from pdjax.schedules.kind import MODULO, V_SHAPE, GenerateArgs, ScheduleKind, StagePlacement
 from pdjax.schedules.play import live_versions, play
-from pdjax.schedules.semantics import (
+from pdjax.schedules.registry import (
+    BENCHED,
     CHUNKED,
     FLUSHING,
     ROUND_ROBIN,
+    SCHEDULE_KINDS,
     SCHEDULES,
     SEMANTICS,
     SPLIT_BACKWARD,
     STALE,
     STREAMING,
-    ScheduleSemantics,
-    Shape,
+    schedule_kind,
     semantics,
     stage_groups,
 )
+from pdjax.schedules.semantics import ScheduleSemantics, Shape
 from pdjax.schedules.streaming import pipedream, pipedream_2bw
 from pdjax.schedules.validate import validate
 from pdjax.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 
 __all__ = [
+    "BENCHED",
     "CHUNKED",
     "FLUSHING",
     "KINDS",
+    "MODULO",
     "REPLICATION",
     "ROUND_ROBIN",
     "SCHEDULES",
+    "SCHEDULE_KINDS",
     "SEMANTICS",
     "SPLIT_BACKWARD",
     "STALE",
     "STREAMING",
+    "V_SHAPE",
     "Action",
+    "GenerateArgs",
     "Schedule",
+    "ScheduleKind",
     "ScheduleSemantics",
     "Shape",
+    "StagePlacement",
     "format_actions",
     "generate",
     "gpipe",
@@ -111,6 +128,7 @@ __all__ = [
     "pipedream_2bw",
     "play",
     "round_robin_in_flight",
+    "schedule_kind",
     "semantics",
     "stage_groups",
     "validate",

@@ -19,7 +19,6 @@ from typing import Any, NamedTuple
 
 from pdjax.errors import ScheduleError
 from pdjax.schedules.play import play
-from pdjax.schedules.semantics import SEMANTICS
 
 __all__ = ["KINDS", "Action", "Schedule", "format_actions", "parse_actions", "parse_grid"]
 
@@ -142,7 +141,7 @@ class Schedule:
     """A pipeline schedule: what every device group runs, in order, with which weights.
 
     Attributes:
-        name: one of :data:`~pdjax.schedules.semantics.SCHEDULES`; fixes the
+        name: one of :data:`~pdjax.schedules.registry.SCHEDULES`; fixes the
             semantics the validator checks.
         num_stages: ``S``, the number of (virtual) stages. For ``interleaved`` with ``v``
             chunks over ``P`` device groups, ``S = P * v``; for ``zb-v``, ``S = 2 P``;
@@ -153,7 +152,7 @@ class Schedule:
             (1 for ``pipedream``, which updates after every microbatch).
         actions: per device group, its actions in execution order.
         stage_device: the device group of each stage
-            (:func:`~pdjax.schedules.semantics.stage_groups`):
+            (:func:`~pdjax.schedules.registry.stage_groups`):
             ``stage_device[s] = s % P``; for ``interleaved``, group ``d`` holds stages
             ``d, d + P, d + 2P, ...``; for ``zb-v`` (the V), stages ``0 .. P - 1`` on groups
             ``0 .. P - 1`` and stages ``P .. 2P - 1`` on groups ``P - 1 .. 0``, so that group
@@ -232,6 +231,9 @@ class Schedule:
     def per_update(self, stage: int) -> int:
         """Microbatches whose gradients one update of ``stage`` applies: ``M``, or under
         ``pipedream`` the stage's group size (1 unless round-robin)."""
+        # imported here: the registry imports the generators, which import this module
+        from pdjax.schedules.registry import SEMANTICS
+
         row = SEMANTICS.get(self.name)
         if row is not None and row.updates_per_microbatch:
             return self.group_size(stage)

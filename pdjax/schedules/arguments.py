@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import ScheduleError
-from pdjax.schedules.semantics import ROUND_ROBIN
 
 __all__ = ["REPLICATION", "check_multiple", "positive", "replicas_of", "replication_of"]
 
@@ -40,9 +39,15 @@ def replicas_of(replicas: Sequence[int] | None, groups: int) -> tuple[int, ...]:
 
 
 def replication_of(
-    replication: Sequence[str] | str | None, replicas: tuple[int, ...], name: str
+    replication: Sequence[str] | str | None,
+    replicas: tuple[int, ...],
+    name: str = "",
+    round_robin: Sequence[str] | None = None,
 ) -> tuple[str, ...]:
-    """Per device group ``"split"`` or ``"round-robin"`` (``()`` when every group splits)."""
+    """Per device group ``"split"`` or ``"round-robin"`` (``()`` when every group splits).
+
+    With ``round_robin`` (the schedules that take round-robin replication), refuses
+    round-robin stages for schedule ``name`` unless it is one of them."""
     if replication is None:
         return ()
     if isinstance(replication, str):
@@ -58,10 +63,10 @@ def replication_of(
             raise ScheduleError(f"replication must be one of {REPLICATION}, got {mode!r}")
     if all(m == "split" or r == 1 for m, r in zip(replication, replicas, strict=True)):
         return ()
-    if name not in ROUND_ROBIN:
+    if round_robin is not None and name not in round_robin:
         raise ScheduleError(
             f"round-robin replication runs whole groups of microbatches through 1F1B-style "
-            f"orders: {', '.join(ROUND_ROBIN)}; {name} has no round-robin form, use "
+            f"orders: {', '.join(round_robin)}; {name} has no round-robin form, use "
             "replication='split'"
         )
     return replication

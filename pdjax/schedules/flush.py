@@ -1,12 +1,13 @@
-"""The flush schedules with one backward: GPipe, 1F1B (PipeDream-Flush) and interleaved
-1F1B. Every step of ``M`` microbatches runs at one weight version and ends in an update of
-every stage."""
+"""The flush schedules with one backward and one stage per device group: GPipe and 1F1B
+(PipeDream-Flush), with their :class:`~pdjax.schedules.kind.ScheduleKind`. Every step of
+``M`` microbatches runs at one weight version and ends in an update of every stage;
+:func:`flush_schedule` lays such steps out for every flush schedule (also interleaved 1F1B
+and the zero-bubble ones)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from pdjax.errors import ScheduleError
 from pdjax.schedules.actions import Action, Schedule
 from pdjax.schedules.arguments import (
     check_multiple,
@@ -15,13 +16,15 @@ from pdjax.schedules.arguments import (
     replication_of,
 )
 from pdjax.schedules.inflight import group_order, group_sizes, round_robin_in_flight
-from pdjax.schedules.semantics import Shape, semantics, stage_groups
+from pdjax.schedules.kind import GenerateArgs, ScheduleKind
+from pdjax.schedules.semantics import Shape, flush_semantics
 
-__all__ = ["flush_schedule", "gpipe", "interleaved", "one_f_one_b", "one_f_one_b_order"]
+__all__ = ["FAMILY", "GPIPE", "ONE_F_ONE_B", "flush_schedule", "gpipe", "one_f_one_b",
+           "one_f_one_b_order"]  # fmt: skip
 
 
 def flush_schedule(
-    name: str,
+    kind: ScheduleKind,
     groups: int,
     chunks: int,
     per_step: int,
@@ -32,9 +35,10 @@ def flush_schedule(
     replication: tuple[str, ...] = (),
 ) -> Schedule:
     """Repeats one step's order ``steps`` times, step ``t`` at version ``t``, then updates
-    (each of the group's stages, in increasing order); the bounds are the table's."""
+    (each of the group's stages, in increasing order), as schedule ``kind``: its placement
+    and its row's bounds."""
     stages = groups * chunks
-    where = stage_groups(name, groups, chunks)
+    where = kind.stage_groups(groups, chunks)
     actions = []
     for d in range(groups):
         order = step_order(d)
@@ -46,9 +50,9 @@ def flush_schedule(
         actions.append(tuple(acts))
     reps = replicas_of(replicas, groups)
     shape = Shape(groups, per_step, per_step * steps, chunks, group_sizes(reps, replication))
-    row = semantics(name)
+    row = kind.semantics
     return Schedule(
-        name=name,
+        name=kind.name,
         num_stages=stages,
         num_microbatches=per_step * steps,
         microbatches_per_step=per_step,
@@ -105,7 +109,7 @@ def gpipe(
     M = positive("num_microbatches (M)", num_microbatches)
     positive("steps", steps)
     reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps, "gpipe")
+    mode = replication_of(replication, reps)
     units = group_sizes(reps, mode)
     check_multiple("num_microbatches (M)", M, units)
 
@@ -114,7 +118,7 @@ def gpipe(
         return [("F", s, k) for k in ks] + [("B", s, k) for k in reversed(ks)]
 
     return flush_schedule(
-        "gpipe", P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
+        GPIPE, P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
     )
 
 
@@ -151,7 +155,7 @@ def one_f_one_b(
     M = positive("num_microbatches (M)", num_microbatches)
     positive("steps", steps)
     reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps, "1f1b")
+    mode = replication_of(replication, reps)
     units = group_sizes(reps, mode)
     check_multiple("num_microbatches (M)", M, units)
 
@@ -162,87 +166,50 @@ def one_f_one_b(
         return [(kind, s, g * n) for kind, g in group_order(M // n, q[s] - 1)]
 
     return flush_schedule(
-        "1f1b", P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
+        ONE_F_ONE_B, P, 1, M, steps, step_order=order, replicas=replicas, replication=mode
     )
 
 
-def interleaved(
-    num_stages: int,
-    num_microbatches: int,
-    chunks: int = 2,
-    *,
-    steps: int = 1,
-    num_layers: int | None = None,
-    replicas: Sequence[int] | None = None,
-) -> Schedule:
-    """Interleaved 1F1B (Megatron-LM): ``v`` model chunks per device group.
+def _gpipe_in_flight(shape: Shape, group: int) -> int:
+    return shape.microbatches
 
-    Device group ``d`` holds the virtual stages ``d, d + P, ..., d + (v - 1) P``. Forwards
-    go through microbatches in groups of ``P``, chunk by chunk; backwards likewise with the
-    chunks reversed. Group ``d`` warms up with ``2 (P - d - 1) + (v - 1) P`` forwards, then
-    alternates. With per-chunk costs ``F / v`` and ``B / v`` the bubble is 1F1B's divided
-    by ``v``. ``chunks=1`` is :func:`one_f_one_b`'s order.
 
-    Versions: every action of step ``t`` uses version ``t``; each virtual stage's
-    ``U(s, t)`` makes ``t + 1``. In flight at group ``d`` (over its chunks): at most
-    ``min(2 (P - d - 1) + (v - 1) P + 1, M v)``. Versions kept: 1.
+def _1f1b_in_flight(shape: Shape, group: int) -> int:
+    q = shape.groups_in_flight()
+    return min(q[group] * shape.unit(group), shape.microbatches)
 
-    Args:
-        num_stages: ``P``, device groups (the schedule has ``P * chunks`` virtual stages).
-        num_microbatches: ``M``, microbatches per step; a multiple of ``P`` when
-            ``chunks > 1``.
-        chunks: ``v``, model chunks per device group.
-        steps: optimizer steps to lay out.
-        num_layers: if given, the layer count to split into ``P * chunks`` equal stages.
-        replicas: devices per device group (default 1 each).
 
-    Raises:
-        ScheduleError: for a parameter out of range, ``M`` not a multiple of ``P``, or a
-            layer count that ``P * chunks`` does not divide.
-    """
-    P = positive("num_stages (P)", num_stages)
-    M = positive("num_microbatches (M)", num_microbatches)
-    v = positive("chunks (v)", chunks)
-    positive("steps", steps)
-    if num_layers is not None:
-        positive("num_layers", num_layers)
-        if num_layers % (P * v):
-            fits = [c for c in range(1, num_layers // P + 1) if num_layers % (P * c) == 0]
-            raise ScheduleError(
-                f"interleaved: chunks={v} over P={P} device groups needs a layer count divisible "
-                f"by P * chunks = {P * v}; got num_layers={num_layers}. Accepted chunks for "
-                f"{num_layers} layers and P={P}: {fits or 'none (use fewer device groups)'}"
-            )
-    if v > 1 and M % P:
-        raise ScheduleError(
-            f"interleaved with chunks={v} needs num_microbatches (M) a multiple of "
-            f"num_stages (P={P}); got M={M}. Accepted: M in {{{P}, {2 * P}, {3 * P}, ...}}"
-        )
-    total = M * v
+def _build_gpipe(a: GenerateArgs) -> Schedule:
+    return gpipe(
+        a.num_stages, a.num_microbatches, steps=a.steps, replicas=a.replicas,
+        replication=a.replication,
+    )  # fmt: skip
 
-    def position(i: int, backward: bool) -> tuple[int, int]:
-        group, rest = divmod(i, P * v)
-        chunk = rest // P
-        return (v - 1 - chunk if backward else chunk), group * P + rest % P
 
-    def warmup(d: int) -> int:
-        return min(2 * (P - d - 1) + (v - 1) * P, total)
+def _build_1f1b(a: GenerateArgs) -> Schedule:
+    return one_f_one_b(
+        a.num_stages, a.num_microbatches, steps=a.steps, replicas=a.replicas,
+        replication=a.replication,
+    )  # fmt: skip
 
-    def order(d: int) -> list[tuple[str, int, int]]:
-        if v == 1:
-            return [(kind, d, k) for kind, k in one_f_one_b_order(P, M, d)]
-        out = []
-        for i in range(warmup(d)):
-            chunk, k = position(i, False)
-            out.append(("F", d + chunk * P, k))
-        for i in range(total - warmup(d)):
-            chunk, k = position(warmup(d) + i, False)
-            out.append(("F", d + chunk * P, k))
-            chunk, k = position(i, True)
-            out.append(("B", d + chunk * P, k))
-        for i in range(total - warmup(d), total):
-            chunk, k = position(i, True)
-            out.append(("B", d + chunk * P, k))
-        return out
 
-    return flush_schedule("interleaved", P, v, M, steps, step_order=order, replicas=replicas)
+GPIPE = ScheduleKind(
+    semantics=flush_semantics("gpipe", _gpipe_in_flight, "M", round_robin=True),
+    build=_build_gpipe,
+    planner_depth=None,  # all M of a step in flight
+    planner_round_trip=False,  # its flush bubble is outside every cost model
+)
+"""GPipe."""
+ONE_F_ONE_B = ScheduleKind(
+    semantics=flush_semantics(
+        "1f1b",
+        _1f1b_in_flight,
+        "min(q_s n_s, M) (min(P - s, M) without round-robin)",
+        round_robin=True,
+    ),
+    build=_build_1f1b,
+)
+"""1F1B with a flush (PipeDream-Flush)."""
+
+FAMILY = (GPIPE, ONE_F_ONE_B)
+"""This module's schedules, in the order they are listed."""

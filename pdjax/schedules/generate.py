@@ -1,4 +1,5 @@
-"""The dispatcher: :func:`generate` builds any schedule by name."""
+"""The dispatcher: :func:`generate` builds any schedule by name, through its
+:class:`~pdjax.schedules.kind.ScheduleKind` in the registry."""
 
 from __future__ import annotations
 
@@ -7,10 +8,8 @@ from collections.abc import Sequence
 from pdjax.errors import ScheduleError
 from pdjax.schedules.actions import Schedule
 from pdjax.schedules.arguments import replicas_of, replication_of
-from pdjax.schedules.flush import gpipe, interleaved, one_f_one_b
-from pdjax.schedules.semantics import ROUND_ROBIN, SCHEDULES, SEMANTICS
-from pdjax.schedules.streaming import pipedream, pipedream_2bw
-from pdjax.schedules.zero_bubble import zb_h1, zb_h2, zb_v
+from pdjax.schedules.kind import GenerateArgs
+from pdjax.schedules.registry import ROUND_ROBIN, SCHEDULE_KINDS, unknown_schedule
 
 __all__ = ["generate"]
 
@@ -31,7 +30,7 @@ def generate(
     replication: Sequence[str] | str | None = None,
 ) -> Schedule:
     """Builds the schedule called ``name``
-    (one of :data:`~pdjax.schedules.semantics.SCHEDULES`).
+    (one of :data:`~pdjax.schedules.registry.SCHEDULES`).
 
     Args:
         name: the schedule.
@@ -53,54 +52,26 @@ def generate(
     Raises:
         ScheduleError: for an unknown name or a parameter out of range.
     """
-    row = SEMANTICS.get(name)
-    if extra_in_flight and (row is None or "extra_in_flight" not in row.options):
-        raise ScheduleError(f"extra_in_flight is a pipedream option, not of {name}")
+    kind = SCHEDULE_KINDS.get(name)
+    if extra_in_flight and (kind is None or not kind.takes("extra_in_flight")):
+        takes = [k.name for k in SCHEDULE_KINDS.values() if k.takes("extra_in_flight")]
+        raise ScheduleError(f"extra_in_flight is a {', '.join(takes)} option, not of {name}")
     if name not in ROUND_ROBIN and replication is not None:
-        replication_of(replication, replicas_of(replicas, num_stages), name)
-    rr = {"replication": replication}
-    if name == "gpipe":
-        return gpipe(num_stages, num_microbatches, steps=steps, replicas=replicas, **rr)
-    if name == "1f1b":
-        return one_f_one_b(num_stages, num_microbatches, steps=steps, replicas=replicas, **rr)
-    if name == "zb-h1":
-        return zb_h1(num_stages, num_microbatches, steps=steps, replicas=replicas)
-    if name == "zb-h2":
-        return zb_h2(num_stages, num_microbatches, steps=steps, replicas=replicas)
-    if name == "zb-v":
-        _check_zb_v_chunks(chunks)
-        return zb_v(
-            num_stages, num_microbatches, steps=steps, num_layers=num_layers, replicas=replicas
-        )
-    if name == "interleaved":
-        return interleaved(
+        replication_of(replication, replicas_of(replicas, num_stages), name, ROUND_ROBIN)
+    if kind is None:
+        raise unknown_schedule(name)
+    return kind.build(
+        GenerateArgs(
             num_stages,
             num_microbatches,
-            chunks,
+            stream=stream,
+            chunks=chunks,
             steps=steps,
-            num_layers=num_layers,
-            replicas=replicas,
-        )
-    if name == "pipedream":
-        return pipedream(
-            num_stages,
-            num_microbatches if stream is None else stream,
             vertical_sync=vertical_sync,
             weight_stashing=weight_stashing,
+            num_layers=num_layers,
             replicas=replicas,
             extra_in_flight=extra_in_flight,
             replication=replication,
         )
-    if name == "2bw":
-        N = num_microbatches * steps if stream is None else stream
-        return pipedream_2bw(num_stages, num_microbatches, N, replicas=replicas, **rr)
-    raise ScheduleError(f"unknown schedule {name!r}; accepted: {', '.join(SCHEDULES)}")
-
-
-def _check_zb_v_chunks(chunks: int) -> None:
-    """``zb-v`` takes only its V's two chunks per device group."""
-    if chunks != 2:
-        raise ScheduleError(
-            f"zb-v places two stages on each device group (a V: 2P stages over P groups); "
-            f"chunks must be 2, got {chunks!r}"
-        )
+    )

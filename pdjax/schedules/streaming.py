@@ -35,14 +35,15 @@ from pdjax.schedules.arguments import (
 )
 from pdjax.schedules.flush import one_f_one_b_order
 from pdjax.schedules.inflight import group_order, group_sizes, round_robin_in_flight
-from pdjax.schedules.semantics import Shape, semantics
+from pdjax.schedules.kind import GenerateArgs, ScheduleKind
+from pdjax.schedules.semantics import ScheduleSemantics, Shape
 
-__all__ = ["pipedream", "pipedream_2bw"]
+__all__ = ["FAMILY", "PIPEDREAM", "PIPEDREAM_2BW", "pipedream", "pipedream_2bw"]
 
 
-def _bounds(name: str, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The table's in-flight and versions-kept bounds of ``shape`` under ``name``."""
-    row = semantics(name)
+def _bounds(kind: ScheduleKind, shape: Shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The in-flight and versions-kept bounds of ``shape`` in ``kind``'s row."""
+    row = kind.semantics
     P = shape.groups
     return (
         tuple(row.in_flight(shape, d) for d in range(P)),
@@ -106,14 +107,14 @@ def pipedream(
     N = positive("num_microbatches (N, the stream length)", num_microbatches)
     e = positive("extra_in_flight", extra_in_flight, minimum=0)
     reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps, "pipedream")
+    mode = replication_of(replication, reps)
     if mode:
         return _pipedream_round_robin(
             P, N, e, reps, mode, vertical_sync=vertical_sync, weight_stashing=weight_stashing
         )
     shape = Shape(P, 1, N, extra_in_flight=e, vertical_sync=vertical_sync,
                   weight_stashing=weight_stashing)  # fmt: skip
-    in_flight, versions = _bounds("pipedream", shape)
+    in_flight, versions = _bounds(PIPEDREAM, shape)
     return Schedule(
         name="pipedream",
         num_stages=P,
@@ -180,7 +181,7 @@ def _pipedream_round_robin(
             if kind == "B":
                 acts.append(Action("U", s, g, g))
         actions.append(tuple(acts))
-    in_flight, versions = _bounds("pipedream", Shape(P, 1, N, units=units, extra_in_flight=e))
+    in_flight, versions = _bounds(PIPEDREAM, Shape(P, 1, N, units=units, extra_in_flight=e))
     return Schedule(
         name="pipedream",
         num_stages=P,
@@ -237,7 +238,7 @@ def pipedream_2bw(
             f"microbatches_per_step (M={M}); got N={N}. Accepted: N in {{{M}, {2 * M}, ...}}"
         )
     reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps, "2bw")
+    mode = replication_of(replication, reps)
     units = group_sizes(reps, mode)
     check_multiple("microbatches_per_step (M)", M, units)
     qs = round_robin_in_flight(units)
@@ -252,7 +253,7 @@ def pipedream_2bw(
             if kind == "B" and (k + n) % M == 0:
                 acts.append(Action("U", s, t, t))
         actions.append(tuple(acts))
-    in_flight, versions = _bounds("2bw", Shape(P, M, N, units=units))
+    in_flight, versions = _bounds(PIPEDREAM_2BW, Shape(P, M, N, units=units))
     return Schedule(
         name="2bw",
         num_stages=P,
@@ -265,3 +266,106 @@ def pipedream_2bw(
         in_flight_bound=in_flight,
         version_bound=versions,
     )
+
+
+def _two(shape: Shape, stage: int) -> int:
+    return 2
+
+
+def _pipedream_in_flight(shape: Shape, group: int) -> int:
+    if not any(n > 1 for n in shape.units):
+        return min(shape.groups - group + shape.extra(group), shape.stream)
+    q = shape.groups_in_flight(shape.extra_in_flight)
+    return min(q[group] * shape.unit(group), shape.stream)
+
+
+def _pipedream_versions(shape: Shape, stage: int) -> int:
+    if any(n > 1 for n in shape.units):
+        q = shape.groups_in_flight(shape.extra_in_flight)
+        return min(q[stage], shape.stream // shape.unit(stage))
+    if shape.vertical_sync:
+        return shape.groups + shape.extra_in_flight
+    return shape.groups - stage + shape.extra(stage) if shape.weight_stashing else 1
+
+
+def _2bw_in_flight(shape: Shape, group: int) -> int:
+    q = shape.groups_in_flight()
+    return min(q[group] * shape.unit(group), shape.stream)
+
+
+_PIPEDREAM = ScheduleSemantics(
+    name="pipedream",
+    streams=True,
+    stale=True,
+    chunked=False,
+    v_shaped=False,
+    round_robin=True,
+    split_backward=False,
+    updates_per_microbatch=True,
+    options=("vertical_sync", "weight_stashing", "extra_in_flight"),
+    in_flight=_pipedream_in_flight,
+    versions=_pipedream_versions,
+    in_flight_formula="min(P - s + e_s, N); round-robin: min(q_s n_s, N)",
+    versions_formula=(
+        "P - s + e_s (weight stashing); P + e (vertical sync); 1 (no weight stashing); "
+        "round-robin: min(q_s, N / n_s)"
+    ),
+    update_rule=(
+        "W_s(k+1) = W_s(k) - lr * g_s(k; W(max(0, k - (P - s + e_s) + 1))), after every "
+        "microbatch's backward; vertical sync: g_s(k; W(max(0, k - (P + e) + 1))); without "
+        "weight stashing the backward uses the newest weights, version k; round-robin: "
+        "W_s(u+1) = W_s(u) - lr * mean over group u (microbatches u n_s .. u n_s + n_s - 1) "
+        "of g_s(k; W(max(0, u - q_s + 1))), once per group"
+    ),
+    weights=(
+        "version max(0, k - (P - s + e_s) + 1), forward and backward; vertical sync: "
+        "max(0, k - (P + e) + 1); without weight stashing the backward uses the newest, "
+        "version k; round-robin: max(0, k // n_s - q_s + 1)"
+    ),
+)
+
+_2BW = ScheduleSemantics(
+    name="2bw",
+    streams=True,
+    stale=True,
+    chunked=False,
+    v_shaped=False,
+    round_robin=True,
+    split_backward=False,
+    updates_per_microbatch=False,
+    options=(),
+    in_flight=_2bw_in_flight,
+    versions=_two,
+    in_flight_formula="min(q_s n_s, N) (min(P - s, N) without round-robin)",
+    versions_formula="2",
+    update_rule="W(t+1) = W(t) - lr * mean_k g_s(k; W(t-1)), W(-1) = W(0), per step of M",
+    weights="W(t-1), version max(0, t - 1), for every microbatch of step t at every stage",
+)
+
+
+def _build_pipedream(a: GenerateArgs) -> Schedule:
+    return pipedream(
+        a.num_stages,
+        a.num_microbatches if a.stream is None else a.stream,
+        vertical_sync=a.vertical_sync,
+        weight_stashing=a.weight_stashing,
+        replicas=a.replicas,
+        extra_in_flight=a.extra_in_flight,
+        replication=a.replication,
+    )
+
+
+def _build_2bw(a: GenerateArgs) -> Schedule:
+    N = a.num_microbatches * a.steps if a.stream is None else a.stream
+    return pipedream_2bw(
+        a.num_stages, a.num_microbatches, N, replicas=a.replicas, replication=a.replication
+    )
+
+
+PIPEDREAM = ScheduleKind(semantics=_PIPEDREAM, build=_build_pipedream)
+"""PipeDream: the default stream is ``M`` microbatches (a step is one)."""
+PIPEDREAM_2BW = ScheduleKind(semantics=_2BW, build=_build_2bw, needs_microbatches_per_stage=True)
+"""PipeDream-2BW: the default stream is ``M * steps`` microbatches."""
+
+FAMILY = (PIPEDREAM, PIPEDREAM_2BW)
+"""This module's schedules, in the order they are listed."""

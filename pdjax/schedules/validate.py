@@ -20,7 +20,7 @@ from pdjax.schedules.actions import KINDS, Action, Schedule
 from pdjax.schedules.arguments import check_multiple, positive, replication_of
 from pdjax.schedules.inflight import least_groups_in_flight, unstuck
 from pdjax.schedules.play import kept_live_versions, play
-from pdjax.schedules.semantics import CHUNKED, FLUSHING, SCHEDULES, stage_groups
+from pdjax.schedules.registry import CHUNKED, FLUSHING, ROUND_ROBIN, SCHEDULES, stage_groups
 
 __all__ = ["expected_in_flight", "expected_versions", "required_version", "validate"]
 
@@ -229,7 +229,9 @@ def _check_placement(s: Schedule) -> None:
 
 
 def _check_replication(s: Schedule) -> None:
-    if replication_of(s.replication, tuple(s.replicas), s.name) != tuple(s.replication):
+    if replication_of(s.replication, tuple(s.replicas), s.name, ROUND_ROBIN) != tuple(
+        s.replication
+    ):
         raise ScheduleError(
             "replication lists 'round-robin' only for stages of one replica: give () "
             "(every group split)"

@@ -26,8 +26,10 @@ from pdjax.errors import ScheduleError
 from pdjax.schedules.actions import Schedule
 from pdjax.schedules.arguments import positive
 from pdjax.schedules.flush import flush_schedule, one_f_one_b_order
+from pdjax.schedules.kind import V_SHAPE, GenerateArgs, ScheduleKind
+from pdjax.schedules.semantics import Shape, flush_semantics
 
-__all__ = ["zb_h1", "zb_h2", "zb_v"]
+__all__ = ["FAMILY", "ZB_H1", "ZB_H2", "ZB_V", "zb_h1", "zb_h2", "zb_v"]
 
 
 def zb_h1(
@@ -73,7 +75,7 @@ def zb_h1(
         out += [("W", s, k) for k in range(max(0, M - s), M)]
         return out
 
-    return flush_schedule("zb-h1", P, 1, M, steps, step_order=order, replicas=replicas)
+    return flush_schedule(ZB_H1, P, 1, M, steps, step_order=order, replicas=replicas)
 
 
 def zb_h2(
@@ -150,7 +152,7 @@ def zb_h2(
         out += [("W", s, k) for k in range(M - defer, M)]
         return out
 
-    return flush_schedule("zb-h2", P, 1, M, steps, step_order=order, replicas=replicas)
+    return flush_schedule(ZB_H2, P, 1, M, steps, step_order=order, replicas=replicas)
 
 
 def zb_v(
@@ -231,7 +233,7 @@ def zb_v(
         _check_zb_v_layers(P, num_layers)
     n = max(M, 2 * P - 1)  # the order's length; microbatches >= M are left out
     return flush_schedule(
-        "zb-v", P, 2, M, steps, step_order=lambda d: _zb_v_order(P, M, n, d), replicas=replicas
+        ZB_V, P, 2, M, steps, step_order=lambda d: _zb_v_order(P, M, n, d), replicas=replicas
     )
 
 
@@ -284,3 +286,80 @@ def _zb_v_order(P: int, M: int, n: int, d: int) -> list[tuple[str, int, int]]:
         while weights[arm] < n:
             run("W", arm)
     return [a for a in out if a[2] < M]
+
+
+def _zb_h1_in_flight(shape: Shape, group: int) -> int:
+    return min(shape.groups, shape.microbatches)
+
+
+def _zb_h2_in_flight(shape: Shape, group: int) -> int:
+    return min(2 * shape.groups - 1, shape.microbatches)
+
+
+def _zb_v_in_flight(shape: Shape, group: int) -> int:
+    return min(2 * shape.groups, 2 * shape.microbatches)
+
+
+def _build_zb_h1(a: GenerateArgs) -> Schedule:
+    return zb_h1(a.num_stages, a.num_microbatches, steps=a.steps, replicas=a.replicas)
+
+
+def _build_zb_h2(a: GenerateArgs) -> Schedule:
+    return zb_h2(a.num_stages, a.num_microbatches, steps=a.steps, replicas=a.replicas)
+
+
+def _build_zb_v(a: GenerateArgs) -> Schedule:
+    _check_zb_v_chunks(a.chunks)
+    return zb_v(
+        a.num_stages, a.num_microbatches, steps=a.steps, num_layers=a.num_layers,
+        replicas=a.replicas,
+    )  # fmt: skip
+
+
+def _check_zb_v_chunks(chunks: int) -> None:
+    """``zb-v`` takes only its V's two chunks per device group."""
+    if chunks != 2:
+        raise ScheduleError(
+            f"zb-v places two stages on each device group (a V: 2P stages over P groups); "
+            f"chunks must be 2, got {chunks!r}"
+        )
+
+
+# The dynamic program prices the newer zero-bubble schedules as zb-h1 (they keep 1F1B's
+# in flight or more); the simulator then picks among its partitions.
+ZB_H1 = ScheduleKind(
+    semantics=flush_semantics("zb-h1", _zb_h1_in_flight, "min(P, M)", split_backward=True),
+    build=_build_zb_h1,
+)
+"""ZB-H1. The planner charges 1F1B's ``P - s`` (the table counts its microbatches until
+the deferred ``W``: ``min(P, M)``)."""
+ZB_H2 = ScheduleKind(
+    semantics=flush_semantics("zb-h2", _zb_h2_in_flight, "min(2P - 1, M)", split_backward=True),
+    build=_build_zb_h2,
+    planned_as="zb-h1",
+    # 2 (P - s) - 1 warm-up forwards with W deferred: 2P - 1 at every stage
+    planner_depth=lambda P, s: 2 * P - 1,
+    benched=False,
+)
+"""ZB-H2."""
+ZB_V = ScheduleKind(
+    semantics=flush_semantics(
+        "zb-v",
+        _zb_v_in_flight,
+        "min(2P, 2M) over the group's two stages",
+        chunked=True,
+        v_shaped=True,
+        split_backward=True,
+    ),
+    build=_build_zb_v,
+    placement=V_SHAPE,
+    chunks=2,
+    planned_as="zb-h1",
+    # P stage-microbatches (2P half-stage chunks) on every group
+    planner_depth=lambda P, s: P,
+    benched=False,
+)
+"""ZB-V: two stages per device group, in a V."""
+
+FAMILY = (ZB_H1, ZB_H2, ZB_V)
+"""This module's schedules, in the order they are listed."""

@@ -95,7 +95,7 @@ from typing import Any, NamedTuple
 
 from pdjax.errors import ScheduleError
 from pdjax.schedules import (
-    SEMANTICS,
+    SCHEDULE_KINDS,
     STREAMING,
     Action,
     Schedule,
@@ -138,7 +138,8 @@ def stream_length(
     microbatches between them.
 
     Args:
-        name: ``"pipedream"`` or ``"2bw"`` (any other name is treated as ``pipedream``).
+        name: a streaming schedule (``"pipedream"`` or ``"2bw"``; any other name counts
+            steps of one microbatch, as ``pipedream``).
         num_stages: ``P``.
         microbatches_per_step: ``M`` (``2bw``; ignored for ``pipedream``).
         replicas: devices per stage (default 1 each).
@@ -149,9 +150,8 @@ def stream_length(
     >>> stream_length("pipedream", 2, replicas=(15, 1), replication="round-robin")
     195
     """
-    row = SEMANTICS.get(name)
-    streams_steps = row is not None and row.streams and not row.updates_per_microbatch
-    M = microbatches_per_step if streams_steps else 1
+    kind = SCHEDULE_KINDS.get(name)
+    M = microbatches_per_step if kind is not None and kind.stream_in_steps else 1
     reps = tuple(replicas) if replicas is not None else (1,) * num_stages
     modes = (replication,) * len(reps) if isinstance(replication, str) else replication
     modes = tuple(modes or ("split",) * len(reps))

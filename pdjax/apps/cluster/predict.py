@@ -35,15 +35,15 @@ def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
 
 def _schedule(runner: str, num_stages: int, units: int, microbatches: int, extra: int = 0) -> Any:
     """The schedule a runner plays: ``units`` microbatches (see :func:`_make_runner`)."""
-    from pdjax.schedules import generate
+    from pdjax.schedules import generate, semantics
 
     if runner == "single":
         return generate("1f1b", 1, 1, steps=units)
     if runner == "dp":  # each worker a whole microbatch per step: round-robin over 2
         return generate("1f1b", 1, 2, steps=units // 2, replicas=(2,),
                         replication=("round-robin",))  # fmt: skip
-    if runner == "pipedream":
-        return generate("pipedream", num_stages, units, extra_in_flight=extra)
+    if semantics(runner).updates_per_microbatch:  # a stream of units steps of one
+        return generate(runner, num_stages, units, extra_in_flight=extra)
     return generate(runner, num_stages, microbatches, steps=units // microbatches)
 
 

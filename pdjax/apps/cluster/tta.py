@@ -58,6 +58,7 @@ from pdjax.apps.cluster.models import cluster_model
 from pdjax.apps.cluster.predict import _calibration, _topology
 from pdjax.apps.cluster.report import _link
 from pdjax.errors import ClusterError, PdjaxError
+from pdjax.schedules import schedule_kind, semantics
 
 __all__ = [
     "ALONE",
@@ -142,7 +143,9 @@ class TTAStudy:
             learning_rate=self.learning_rate,
             seed=seed,
             target_accuracy=self.target,
-            extra_in_flight=extra if runner == "pipedream" else 0,
+            extra_in_flight=extra
+            if pipeline and schedule_kind(runner).takes("extra_in_flight")
+            else 0,
         )
 
 
@@ -323,7 +326,7 @@ def _predictions(
                 schedules=[schedule],
                 microbatches=[M],
                 straight=True,
-                allow_stale=schedule != "1f1b",
+                allow_stale=semantics(schedule).stale,
                 memory_limit=None,
                 calibration=cal,
             )

@@ -55,10 +55,13 @@ from pdjax.partition import (
     plan_uniform,
 )
 from pdjax.profile import DEVICE_MODELS, Profile
+from pdjax.schedules import stage_groups
 
 __all__ = ["auto_summary", "register", "render_plan", "run"]
 
-_PARTITIONERS = ("pipedream", "uniform", "balanced-time", "balanced-params")
+_OPTIMIZER = "pipedream"
+"""The partitioner that is PipeDream's optimizer (a partitioner's name, not a schedule's)."""
+_PARTITIONERS = (_OPTIMIZER, "uniform", "balanced-time", "balanced-params")
 _DEFAULT_BANDWIDTH = 1.25e9
 _MODEL_BATCH = 32
 #: The planner's dynamic program is O(L^2 W^2) for L layers on W devices: this bound on
@@ -320,7 +323,7 @@ def _pricing(
     )
     if not args.calibration:
         return common, None
-    if args.partitioner != "pipedream":
+    if args.partitioner != _OPTIMIZER:
         raise PlanError("--calibration prices the optimizer's search: use --partitioner pipedream")
     from pdjax.calibrate import Calibration
 
@@ -344,7 +347,7 @@ def _make_plan(
     if args.schedule != "auto" and (args.allow_stale or args.batch_size is not None):
         raise PlanError("--allow-stale and --batch-size are options of --schedule auto")
     if args.schedule == "auto":
-        if args.partitioner != "pipedream":
+        if args.partitioner != _OPTIMIZER:
             raise PlanError("--schedule auto searches the stages itself: drop --partitioner")
         batch, counts = args.batch_size, [args.microbatches] if args.microbatches else None
         if cal is not None:  # its stages were measured at one microbatch size: keep it
@@ -361,7 +364,7 @@ def _make_plan(
             optimizer_state_factor=args.optimizer_state_factor,
             calibration=cal,
         )
-    if args.partitioner == "pipedream":
+    if args.partitioner == _OPTIMIZER:
         if args.stages is not None:
             raise PlanError("--stages is for the simpler partitioners; the optimizer picks them")
         return plan_pipedream(
@@ -567,9 +570,10 @@ def _group_in_flight(auto: dict[str, Any], P: int) -> list[str]:
     counts = auto["in_flight"]
     if len(counts) == P:
         return [str(n) for n in counts]
-    if auto["schedule"] == "zb-v":  # the V: stage k and 2P - 1 - k on group k
-        return [f"{counts[k]}+{counts[2 * P - 1 - k]}" for k in range(P)]
-    return ["+".join(str(n) for n in counts[k::P]) for k in range(P)]
+    where = stage_groups(auto["schedule"], P, len(counts) // P)  # e.g. zb-v's V
+    return [
+        "+".join(str(n) for n, g in zip(counts, where, strict=True) if g == d) for d in range(P)
+    ]
 
 
 def auto_summary(plan: Plan) -> str:

@@ -41,7 +41,7 @@ from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import simulator_costs as _costs
 from pdjax.partition.plan import Plan
 from pdjax.profile.profile import Profile
-from pdjax.schedules import SCHEDULES, STREAMING, Schedule, generate
+from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STREAMING, Schedule, generate
 from pdjax.simulator.engine import (
     PipelineCosts,
     Simulation,
@@ -260,7 +260,8 @@ def check_size(
     if name in STREAMING:
         option, passes = "--stream (default 4 x --microbatches) x --stages", stream * stages
     else:
-        v = args.chunks if name == "interleaved" else 2 if name == "zb-v" else 1
+        kind = SCHEDULE_KINDS.get(name)
+        v = 1 if kind is None else kind.chunks_for(args.chunks)
         option = "--microbatches x --steps x --stages" + (" x --chunks" if v > 1 else "")
         passes = args.microbatches * args.steps * stages * v
     why = (
@@ -464,20 +465,16 @@ def _replication(option: str, plan: Plan | None, name: str) -> tuple[str, ...] |
         return ("round-robin",) * plan.num_stages
     if name == plan.schedule:
         return plan.replication
-    return ("round-robin",) * plan.num_stages if name == "pipedream" else None
+    kind = SCHEDULE_KINDS.get(name)
+    return ("round-robin",) * plan.num_stages if kind and kind.round_robin_by_default else None
 
 
 def _label(sim: Simulation) -> str:
     s = sim.schedule
-    rr = " rr" if "round-robin" in s.replication else ""
-    if s.name == "interleaved":
-        return f"interleaved (v={s.chunks})"
-    if s.name == "pipedream":
-        extras = [
-            x for x, on in [("vsync", s.vertical_sync), ("no stash", not s.weight_stashing)] if on
-        ]
-        return "pipedream" + rr + (f" ({', '.join(extras)})" if extras else "")
-    return s.name + rr
+    kind = SCHEDULE_KINDS.get(s.name)
+    if kind is not None:
+        return kind.label(s)
+    return s.name + (" rr" if "round-robin" in s.replication else "")
 
 
 def _note(sim: Simulation) -> str:

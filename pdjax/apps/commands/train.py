@@ -230,6 +230,8 @@ def _add_output_options(p: argparse.ArgumentParser) -> None:
 
 def _add_process_options(p: argparse.ArgumentParser) -> None:
     """One pipeline across processes (jax.distributed), as an option group of its own."""
+    from pdjax.apps.train import TRANSPORT_CHOICES
+
     g = p.add_argument_group(
         "several processes",
         "one pipeline across processes (jax.distributed): run the same command in every "
@@ -244,7 +246,7 @@ def _add_process_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--transport",
         default="auto",
-        choices=("auto", "device_put", "collective"),
+        choices=TRANSPORT_CHOICES,
         help="how activations cross processes (auto: device_put up to 2 processes on CPU, "
         "collectives beyond)",
     )

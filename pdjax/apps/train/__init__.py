@@ -39,6 +39,7 @@ plots (:func:`check_results`).
 from pdjax.apps.train.config import (
     DATASETS,
     SCHEDULE_CHOICES,
+    TRANSPORT_CHOICES,
     EpochRecord,
     TrainConfig,
     TrainResult,
@@ -68,6 +69,7 @@ __all__ = [
     "PLAN_TOLERANCE",
     "SCHEDULE_CHOICES",
     "SUMMARY_FILE",
+    "TRANSPORT_CHOICES",
     "EpochRecord",
     "TrainConfig",
     "TrainResult",

@@ -13,21 +13,39 @@ import optax
 
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
+from pdjax.pipeline.transport import TRANSPORTS
+from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES
 
-SCHEDULE_CHOICES = (
-    "pipedream",
-    "2bw",
-    "1f1b",
-    "gpipe",
-    "interleaved",
-    "zb-h1",
-    "zb-h2",
-    "zb-v",
-    "dp",
-    "auto",
-)
+SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
+TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
+"""``auto`` (``device_put`` up to 2 processes on CPU, collectives beyond) or a transport."""
+"""``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text")
+
+
+def runs_plan(schedule: str) -> bool:
+    """Whether a run of ``schedule`` follows a plan's stages: not data parallelism (``dp``)
+    nor a chunked schedule, which cuts the model into equal chunks of its own."""
+    kind = SCHEDULE_KINDS.get(schedule)
+    return schedule != "dp" if kind is None else kind.runs_plan_stages
+
+
+def round_robin_by_default(schedule: str) -> bool:
+    """Whether ``schedule`` replicates round-robin by default (``dp``, ``auto``: no)."""
+    kind = SCHEDULE_KINDS.get(schedule)
+    return kind is not None and kind.round_robin_by_default
+
+
+def updates_per_microbatch(schedule: str) -> bool:
+    """Whether ``schedule`` updates after every microbatch (``dp``, ``auto``: no)."""
+    kind = SCHEDULE_KINDS.get(schedule)
+    return kind is not None and kind.semantics.updates_per_microbatch
+
+
+def _having(option: str) -> str:
+    """The schedules that have generator option ``option``."""
+    return ", ".join(k.name for k in SCHEDULE_KINDS.values() if k.takes(option))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,12 +139,17 @@ class TrainConfig:
             )
         if not self.learning_rate > 0:
             raise PipelineError(f"learning_rate must be > 0, got {self.learning_rate}")
-        if self.schedule != "pipedream" and (self.vertical_sync or not self.weight_stashing):
+        if (self.vertical_sync or not self.weight_stashing) and not (
+            self._takes("vertical_sync") and self._takes("weight_stashing")
+        ):
+            having = _having("vertical_sync")
             raise PipelineError(
-                "vertical sync and no weight stashing are options of the pipedream schedule"
+                f"vertical sync and no weight stashing are options of the {having} schedule"
             )
-        if self.extra_in_flight and self.schedule != "pipedream":
-            raise PipelineError("extra microbatches in flight are an option of pipedream")
+        if self.extra_in_flight and not self._takes("extra_in_flight"):
+            raise PipelineError(
+                f"extra microbatches in flight are an option of {_having('extra_in_flight')}"
+            )
         if self.extra_in_flight < 0:
             raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
         if self.allow_stale and self.schedule != "auto":
@@ -135,9 +158,10 @@ class TrainConfig:
             raise PipelineError(
                 f"unknown replication {self.replication!r}; choose plan, split or round-robin"
             )
-        if self.transport not in ("auto", "device_put", "collective"):
+        if self.transport not in TRANSPORT_CHOICES:
+            *first, last = TRANSPORT_CHOICES
             raise PipelineError(
-                f"unknown transport {self.transport!r}; choose auto, device_put or collective"
+                f"unknown transport {self.transport!r}; choose {', '.join(first)} or {last}"
             )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
@@ -146,13 +170,18 @@ class TrainConfig:
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
 
+    def _takes(self, option: str) -> bool:
+        """Whether the schedule has generator option ``option`` (``dp`` and ``auto``: no)."""
+        kind = SCHEDULE_KINDS.get(self.schedule)
+        return kind is not None and kind.takes(option)
+
     @property
     def label(self) -> str:
         """A short name for tables: the schedule and its options."""
         name = self.schedule
-        if name == "pipedream" and not self.weight_stashing:
+        if not self.weight_stashing:  # checked: only a schedule that has the option
             name += " (no stashing)"
-        if name == "pipedream" and self.vertical_sync:
+        if self.vertical_sync:
             name += " (vertical sync)"
         if self.extra_in_flight:
             name += f" (+{self.extra_in_flight} in flight)"

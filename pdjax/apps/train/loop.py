@@ -19,7 +19,13 @@ import numpy as np
 
 from pdjax._jsonio import check_file, check_folder, refuse_link
 from pdjax.apps import data as data_lib
-from pdjax.apps.train.config import EpochRecord, TrainConfig, TrainResult, run_folder
+from pdjax.apps.train.config import (
+    EpochRecord,
+    TrainConfig,
+    TrainResult,
+    run_folder,
+    updates_per_microbatch,
+)
 from pdjax.apps.train.evaluation import evaluate_runner
 from pdjax.apps.train.model_data import build, check
 from pdjax.apps.train.outputs import (
@@ -509,7 +515,7 @@ def _epoch_batches(
     microbatch."""
     size = cfg.batch_size // runner.microbatches
     batches = list(ds.train_batches(size, seed=cfg.seed, epoch=epoch))
-    if cfg.schedule != "pipedream":
+    if not updates_per_microbatch(cfg.schedule):
         batches = batches[: len(batches) - len(batches) % runner.microbatches]
     return batches
 

@@ -14,6 +14,7 @@ from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model, is_model_ref, load_model
+from pdjax.schedules import SCHEDULE_KINDS
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
@@ -136,29 +137,31 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
                 f"devices; pick a --batch-size that is a multiple of {cfg.devices}"
             )
         return
-    if cfg.schedule == "interleaved":
+    kind = SCHEDULE_KINDS.get(cfg.schedule)  # None: auto, resolved later
+    if kind is not None and kind.chunks is None:  # the caller's chunks, placed s % P
         if cfg.devices * cfg.chunks > L:
             raise PipelineError(
-                f"interleaved needs {cfg.devices} devices x {cfg.chunks} chunks = "
+                f"{kind.name} needs {cfg.devices} devices x {cfg.chunks} chunks = "
                 f"{cfg.devices * cfg.chunks} stages of at least one layer; {spec.name} has {L} "
                 "layers: use fewer --devices or --chunks"
             )
         if cfg.plan not in ("auto", "even") or cfg.straight:
             raise PipelineError(
-                "interleaved places equal layer counts, chunk k on device k mod P; it takes "
+                f"{kind.name} places equal layer counts, chunk k on device k mod P; it takes "
                 "no --plan file and no --straight"
             )
         return
-    if cfg.schedule == "zb-v":
-        if 2 * cfg.devices > L:
+    if kind is not None and not kind.runs_plan_stages:  # fixed stages per device, a V
+        c = kind.default_chunks
+        if c * cfg.devices > L:
             raise PipelineError(
-                f"zb-v places 2 stages per device ({2 * cfg.devices} on {cfg.devices} "
+                f"{kind.name} places {c} stages per device ({c * cfg.devices} on {cfg.devices} "
                 f"devices) and {spec.name} has {L} layers: use fewer --devices"
             )
         if cfg.plan not in ("auto", "even") or cfg.straight:
             raise PipelineError(
-                "zb-v places equal layer counts in a V (stages d and 2P-1-d on device d); "
-                "it takes no --plan file and no --straight"
+                f"{kind.name} places equal layer counts in a V (stages d and 2P-1-d on device "
+                "d); it takes no --plan file and no --straight"
             )
         return
     if cfg.plan not in ("auto", "even"):

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 
 from pdjax.apps import data as data_lib
-from pdjax.apps.train.config import SCHEDULE_CHOICES, TrainConfig
+from pdjax.apps.train.config import TrainConfig, round_robin_by_default, runs_plan
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
-from pdjax.schedules import STALE
+from pdjax.schedules import FLUSHING, STALE
 
 #: How much slower, predicted on the measured profile, than the measured optimum the plan
 #: made from counted costs may be and still be chosen by :func:`auto_plan`. Measured layer
@@ -98,7 +98,7 @@ def _runnable_plan(
             num_microbatches=microbatches,
             straight=pure,
             fewer_machines=fewer,
-            replication=replication if schedule == "pipedream" else "split",
+            replication=replication if round_robin_by_default(schedule) else "split",
         )
 
     best = plan(devices, straight)
@@ -241,9 +241,9 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     size = max(1, cfg.batch_size // cfg.devices)
     prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
     host = host_costs(spec, (ds.train_x[:size], ds.train_y[:size]), devices)
-    # the schedules whose planned stages the runner takes as they are (interleaved and
-    # zb-v run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
-    names = [n for n in ("gpipe", "1f1b", "zb-h1", "zb-h2") if n in SCHEDULE_CHOICES]
+    # the flush schedules whose planned stages the runner takes as they are (chunked ones
+    # run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
+    names = [n for n in FLUSHING if runs_plan(n)]
     plan = plan_auto(
         prof,
         Topology.from_devices(devices),
@@ -281,7 +281,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
     """The :class:`~pdjax.partition.Plan` a pipeline run of ``cfg`` follows: made now
     (:func:`auto_plan`) for ``plan="auto"``, read from ``cfg.plan``'s file; None where the
     stages follow from the settings alone (``"even"``, ``interleaved``, ``zb-v``, ``dp``)."""
-    if cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+    if not runs_plan(cfg.schedule) or cfg.plan == "even":
         return None
     if cfg.plan == "auto":
         return auto_plan(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import jax
 
 from pdjax.apps import data as data_lib
-from pdjax.apps.train.config import EpochRecord, TrainConfig
+from pdjax.apps.train.config import EpochRecord, TrainConfig, runs_plan
 from pdjax.apps.train.outputs import _refuse_mixing, _refuse_others
 from pdjax.apps.train.planning import _auto_choice, resolve_auto
 from pdjax.errors import CheckpointError, PipelineError
@@ -203,7 +203,7 @@ def _settle(
         if saved is not None and cfg.plan in ("auto", "even"):
             return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE), saved, False
         return resolve_auto(cfg, spec, ds), None, False
-    if saved is None or cfg.schedule in ("dp", "interleaved", "zb-v") or cfg.plan == "even":
+    if saved is None or not runs_plan(cfg.schedule) or cfg.plan == "even":
         return cfg, None, False
     if cfg.plan == "auto":
         return cfg, saved, False

@@ -16,7 +16,13 @@ from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
 from pdjax.pipeline.executor import Pipeline, even_stages
 from pdjax.runners import DataParallel, Runner
-from pdjax.schedules import stage_groups
+from pdjax.schedules import SCHEDULE_KINDS
+
+
+def _chunks_chosen(schedule: str) -> bool:
+    """Whether ``schedule`` takes the run's ``chunks`` (else it has its own count)."""
+    kind = SCHEDULE_KINDS.get(schedule)
+    return kind is not None and kind.chunks is None
 
 
 def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
@@ -27,22 +33,20 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
     """The plan's stages for a pipeline run, and their description (``plan``: the
     :class:`~pdjax.partition.Plan` to run, else :func:`plan_of`'s)."""
     L = len(spec.layers)
-    if cfg.schedule == "interleaved":
+    kind = SCHEDULE_KINDS.get(cfg.schedule)
+    if kind is not None and not kind.runs_plan_stages:  # equal chunks, placed by the schedule
         P = cfg.devices  # sizes checked by check()
-        virtual = even_stages(L, P * cfg.chunks)
-        stages = tuple(
-            StagePlan(s.first_layer, s.last_layer, (i % P,)) for i, s in enumerate(virtual)
-        )
-        text = f"interleaved: {len(stages)} chunks of {L} layers over {P} devices"
-        return stages, text
-    if cfg.schedule == "zb-v":
-        P = cfg.devices  # sizes checked by check()
-        groups = stage_groups("zb-v", P, 2)
-        virtual = even_stages(L, 2 * P)
+        chunks = kind.chunks_for(cfg.chunks)
+        groups = kind.stage_groups(P, chunks)
+        virtual = even_stages(L, P * chunks)
         stages = tuple(
             StagePlan(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
         )
-        return stages, f"zb-v: {len(stages)} chunks of {L} layers in a V over {P} devices"
+        if kind.semantics.v_shaped:
+            text = f"{kind.name}: {len(stages)} chunks of {L} layers in a V over {P} devices"
+        else:
+            text = f"{kind.name}: {len(stages)} chunks of {L} layers over {P} devices"
+        return stages, text
     if plan is None:
         plan = plan_of(cfg, spec, sample)
     if plan is None:
@@ -71,7 +75,7 @@ def make_runner(
         _optimizer(cfg),
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,
-        chunks=cfg.chunks if cfg.schedule == "interleaved" else None,
+        chunks=cfg.chunks if _chunks_chosen(cfg.schedule) else None,
         vertical_sync=cfg.vertical_sync,
         weight_stashing=cfg.weight_stashing,
         devices=devices,

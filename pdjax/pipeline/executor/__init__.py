@@ -23,16 +23,20 @@ Per microbatch ``k`` (counted over the pipeline's life), layer ``i`` draws dropo
 forward, in the order the stage runs the forwards (microbatch order in every schedule),
 so statistics are microbatch statistics, as in gradient accumulation.
 
-Modules: :mod:`.state` (:class:`PipelineState`, :class:`RunMetrics`), :mod:`.config`
-(the plan's stages, :func:`even_stages`, the constructor's checks), :mod:`.base` (the
-pipeline's fields and its decisions taken once), :mod:`.checks` (what a call is given),
-:mod:`.forward` (evaluation, prediction, the weights read out), :mod:`.interpreter`
-(schedules, lowered programs and their interpreter), :mod:`.pipeline` (:class:`Pipeline`),
-:mod:`.trees` (pytree helpers).
+Modules: :mod:`.pipeline` (:class:`Pipeline`, made of the parts below, which it holds),
+:mod:`.state` (:class:`PipelineState`, :class:`RunMetrics`), :mod:`.config` (the plan's
+stages, :func:`even_stages`, the constructor's checks), :mod:`.stages` (the immutable stage
+set), :mod:`.decisions` (what the pipeline decides once), :mod:`.checks` (what a call is
+given), :mod:`.programs` (the cache: schedule, lowered program, bound code),
+:mod:`.interpreter` (binding a program, and the pure interpreter), :mod:`.calls` (one
+training call: the caller's values in, the state and metrics out), :mod:`.forward`
+(evaluation, prediction, the weights read out), :mod:`.layout` (the parameters' and
+optimizer state's layout per stage, :class:`ParamLayout`), :mod:`.trees` (pytree helpers).
 """
 
 from pdjax.pipeline.executor.config import even_stages
+from pdjax.pipeline.executor.layout import ParamLayout, TiedGroup
 from pdjax.pipeline.executor.pipeline import Pipeline
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 
-__all__ = ["Pipeline", "PipelineState", "RunMetrics", "even_stages"]
+__all__ = ["ParamLayout", "Pipeline", "PipelineState", "RunMetrics", "TiedGroup", "even_stages"]

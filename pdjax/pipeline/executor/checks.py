@@ -6,7 +6,7 @@ weights and the loss function (traced on shapes, once per layout), and that item
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -15,17 +15,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.errors import PdjaxError, PipelineError
-from pdjax.layers import PyTree, Variables
+from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.layers.init_programs import init_layers
 from pdjax.pipeline.executor.arguments import check_arrays
-from pdjax.pipeline.executor.base import _PipelineBase
+from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import _abstract, _shapes_text
+from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import LossFn, split_loss
 
+__all__ = ["Checker", "Settle", "split_batch"]
 
-class _Checks(_PipelineBase):
-    """The checks of what a call is given (see the module)."""
+Settle = Callable[[Sequence[PyTree]], tuple[list[PyTree], StageOptimizer]]
+"""Settles the ties and the optimizer on a state's per-stage parameters (arrays or
+shapes), once: returns the parameters as each stage's optimizer sees them, and it."""
+
+
+class Checker:
+    """The checks of what a call is given (see the module), and what they remember: the
+    layers' traced shapes, the state layouts this pipeline made, the shapes init saw, and
+    the item layouts found to fit.
+
+    Args:
+      stage_set: the pipeline's stages.
+      layers: the model.
+      loss_fn: the loss.
+      settle: how the pipeline settles ties and optimizer on a state's parameters.
+    """
+
+    def __init__(
+        self, stage_set: StageSet, layers: LayerSequence, loss_fn: LossFn, settle: Settle
+    ) -> None:
+        self.stage_set = stage_set
+        self.layers = layers
+        self.loss_fn = loss_fn
+        self.settle = settle
+        # Per layer, layout of its variables (None: made by init) and input: the variables
+        # init makes (or None) and the output's shapes (check_shapes).
+        self._layer_shapes: dict[Any, Any] = {}
+        # What the API checks once and then trusts (check_state, check_items): the
+        # layouts of the states this pipeline made, the last one first; the shapes of the
+        # sample init saw (for messages); per layout of an item (or of a call's items)
+        # found to fit the weights of the state layout _fits_layout, its rows.
+        self._state_layouts: list[Any] = []
+        self.init_shapes: str | None = None
+        self._fits: dict[Any, Any] = {}
+        self._fits_layout: Any = None
 
     def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> Any:
         """Traces the model layer by layer on ``sample`` (shapes only, no FLOPs), with
@@ -40,7 +75,7 @@ class _Checks(_PipelineBase):
           PipelineError: naming the stage, the layer and the input shapes that fail.
         """
         made, y = self._trace_layers(_abstract(sample), variables)
-        if self.tied_stages:
+        if self.stage_set.tied_stages:
             self.layers.check_tied(made if variables is None else variables)
         return y
 
@@ -50,7 +85,7 @@ class _Checks(_PipelineBase):
         """:meth:`check_shapes` on ``x`` (shapes) without the ties' check: the variables
         made per layer (as shapes; none where ``variables`` are given) and the output."""
         made: list[Variables] = []
-        for s, spec in enumerate(self.stage_specs):
+        for s, spec in enumerate(self.stage_set.specs):
             for i in range(spec.first_layer, spec.last_layer + 1):
                 if variables is None:
                     v, x = self._layer_init_shapes(s, i, x)
@@ -90,12 +125,12 @@ class _Checks(_PipelineBase):
         self._layer_shapes[key] = value
         return value
 
-    def _accept_layout(self, layout: Any) -> None:
+    def accept_layout(self, layout: Any) -> None:
         """Trusts states of ``layout`` from now on (the newest is compared first)."""
         if layout not in self._state_layouts:
             self._state_layouts.insert(0, layout)
 
-    def _check_state(self, state: Any, x: PyTree) -> None:
+    def check_state(self, state: Any, x: PyTree) -> None:
         """Refuses, before any device work, a state this pipeline cannot run: not a
         :class:`PipelineState`, consumed, or laid out otherwise than the states this
         pipeline makes (another plan, model or optimizer). Once per call: lengths, then
@@ -141,13 +176,13 @@ class _Checks(_PipelineBase):
 
     def _count_problem(self, state: PipelineState) -> str | None:
         """What in ``state``'s counts of stages and layers differs from this pipeline's."""
-        S = self.num_stages
+        S = self.stage_set.num_stages
         got: int | None
         for field in ("params", "model_state", "opt_state", "updates"):
             got = len(getattr(state, field))
             if got != S:
                 return f"the state has {got} stages ({field}), this pipeline has {S} stages"
-        for s, spec in enumerate(self.stage_specs):
+        for s, spec in enumerate(self.stage_set.specs):
             want = spec.last_layer - spec.first_layer + 1
             for field in ("params", "model_state"):
                 tree = getattr(state, field)[s]
@@ -186,7 +221,7 @@ class _Checks(_PipelineBase):
                     )
                     path = jax.tree_util.tree_flatten_with_path(getattr(state, field)[s])[0][i][0]
                     if field != "opt_state":  # per layer: name the model's layer
-                        layer = self.stage_specs[s].first_layer + path[0].idx
+                        layer = self.stage_set.specs[s].first_layer + path[0].idx
                         name, path = f"{name} of layer {layer}", path[1:]
                     return (
                         f"stage {s}'s {name}, leaf {jax.tree_util.keystr(path)}, has shape "
@@ -198,16 +233,11 @@ class _Checks(_PipelineBase):
         """The layout of the state init would make on a sample like ``x`` (shapes only;
         it settles the ties and the optimizer as :meth:`state_from_variables` does)."""
         variables, _ = self._trace_layers(_abstract(x), None)
-        layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_specs]
+        layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_set.specs]
         params = [[v.get("params", {}) for v in vs] for vs in layers]
         model_state = [[{k: a for k, a in v.items() if k != "params"} for v in vs] for vs in layers]
-        self._settle_ties(params)
-        views = [
-            st.ties.view(p) if st.ties else p for st, p in zip(self.stages, params, strict=True)
-        ]
-        self._analyse_optimizer(views)
-        assert self.stage_optimizer is not None
-        opt_state = [jax.eval_shape(self.stage_optimizer.init, v) for v in views]
+        views, optimizer = self.settle(params)
+        opt_state = [jax.eval_shape(optimizer.init, v) for v in views]
         return _layout(params, model_state, opt_state)
 
     def _state_variables(self, state: PipelineState) -> list[Variables]:
@@ -225,7 +255,7 @@ class _Checks(_PipelineBase):
         try:
             return self.check_shapes(x, _abstract(self._state_variables(state)))
         except PipelineError as e:
-            seen = self._init_shapes
+            seen = self.init_shapes
             raise PipelineError(
                 f"{where}'s inputs do not fit the model's weights: {str(e).rstrip('.')}. "
                 + (f"This pipeline's init saw inputs [{seen}]; give " if seen else "Give ")
@@ -233,7 +263,7 @@ class _Checks(_PipelineBase):
                 "or a state made for these inputs"
             ) from e
 
-    def _check_items(
+    def check_items(
         self, state: PipelineState, items: Sequence[Any], what: str, with_targets: bool
     ) -> list[int]:
         """Per item (an ``(inputs, targets)`` pair, or inputs), its rows, after checking
@@ -391,3 +421,37 @@ def _check_pairs(items: Sequence[Any], call: str, what: str) -> None:
                     else f"{call}(state, [(inputs, targets)])"
                 )
             )
+
+
+def split_batch(
+    batch: tuple[PyTree, PyTree], M: int, replicas: Sequence[int]
+) -> list[tuple[PyTree, PyTree]]:
+    """``batch = (inputs, targets)`` as ``M`` equal microbatches along axis 0 (see
+    :meth:`Pipeline.split_batch <pdjax.pipeline.Pipeline.split_batch>`), each divisible by
+    every device group's ``replicas``."""
+    if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        raise PipelineError(
+            f"split_batch takes one (inputs, targets) pair, got a {type(batch).__name__}"
+            + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
+        )
+    inputs, targets = batch
+    n = _rows((("inputs", inputs), ("targets", targets)), "")
+    if n < M:
+        raise PipelineError(
+            f"a batch of {n} samples cannot be split into {M} microbatches: every "
+            f"microbatch needs at least one sample; use microbatches <= the batch size "
+            f"(Pipeline(..., microbatches=...)) or a batch of at least {M} samples"
+        )
+    need = [M * r for r in replicas]
+    for s, k in enumerate(need):
+        if n % k:
+            raise PipelineError(
+                f"batch of {n} samples cannot be split into {M} microbatches of equal "
+                f"size, each divisible by stage {s}'s {replicas[s]} replicas; use a "
+                f"batch size that is a multiple of {int(np.lcm.reduce(need))}"
+            )
+    size = n // M
+    return [
+        jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], (inputs, targets))
+        for k in range(M)
+    ]

@@ -14,9 +14,12 @@ import numpy as np
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
-from pdjax.schedules import SCHEDULES
+from pdjax.schedules import SCHEDULES, schedule_kind, semantics
 
 __all__ = ["even_stages"]
+
+# Chunk counts as words, for messages.
+_COUNTS = {2: "two", 3: "three", 4: "four"}
 
 
 def even_stages(
@@ -116,12 +119,15 @@ def _check_options(
     """Refuses options that ``schedule`` does not have, or values out of their range."""
     if schedule not in SCHEDULES:
         raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-    if schedule != "pipedream" and (vertical_sync or not weight_stashing):
+    row = semantics(schedule)
+    if (vertical_sync and "vertical_sync" not in row.options) or (
+        not weight_stashing and "weight_stashing" not in row.options
+    ):
         raise PipelineError(
             "vertical_sync and weight_stashing=False are options of the pipedream "
             f"schedule, not of {schedule}"
         )
-    if extra_in_flight and schedule != "pipedream":
+    if extra_in_flight and "extra_in_flight" not in row.options:
         raise PipelineError(
             f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
         )
@@ -129,12 +135,14 @@ def _check_options(
         raise PipelineError(
             f"grad_allreduce must be 'update' or 'backward', got {grad_allreduce!r}"
         )
-    if schedule == "zb-v" and chunks != 2:
+    fixed = schedule_kind(schedule).chunks
+    if fixed is not None and fixed > 1 and chunks != fixed:
+        shape = " (a V over 2P stages)" if row.v_shaped else ""
         raise PipelineError(
-            f"zb-v runs two chunks per device group (a V over 2P stages): chunks must be "
-            f"2, got {chunks}"
+            f"{schedule} runs {_COUNTS.get(fixed, fixed)} chunks per device group{shape}: "
+            f"chunks must be {fixed}, got {chunks}"
         )
-    if schedule not in ("interleaved", "zb-v") and chunks != 1:
+    if not row.chunked and chunks != 1:
         raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
     if optimizer_scope not in ("model", "stage"):
         raise PipelineError(f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}")
@@ -275,6 +283,6 @@ def _id_list(ids: Sequence[int]) -> str:
 def _scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:
     """The factor on a stage's summed gradients before its update: the mean over the
     microbatches one update applies (``M``; a round-robin group under ``pipedream``)."""
-    if schedule == "pipedream":
+    if semantics(schedule).updates_per_microbatch:
         return 1.0 / replicas if round_robin else 1.0
     return 1.0 / microbatches

@@ -15,17 +15,37 @@ import numpy as np
 from pdjax import export
 from pdjax._sharding import shard_on
 from pdjax.errors import PipelineError
-from pdjax.layers import PyTree, Variables
+from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.executor.arguments import check_callback, check_stream
-from pdjax.pipeline.executor.checks import _check_pairs, _Checks, _rows
+from pdjax.pipeline.executor.checks import Checker, _check_pairs, _rows
 from pdjax.pipeline.executor.config import _integer
+from pdjax.pipeline.executor.decisions import Decisions
+from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import _abstract, _plain
 from pdjax.pipeline.stage import split_loss, with_aux
+from pdjax.pipeline.transport import Transport
+
+__all__ = ["Forward"]
 
 
-class _Forward(_Checks):
-    """Reading the weights out, evaluation and prediction (see the module)."""
+class Forward:
+    """Reading the weights out, evaluation and prediction (see the module), over the
+    pipeline's stages, checks and transport."""
+
+    def __init__(
+        self,
+        stage_set: StageSet,
+        layers: LayerSequence,
+        checker: Checker,
+        decisions: Decisions,
+        transport: Transport,
+    ) -> None:
+        self.stage_set = stage_set
+        self.layers = layers
+        self.checker = checker
+        self.decisions = decisions
+        self.transport = transport
 
     def variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables (params and state) of the newest weights.
@@ -36,9 +56,9 @@ class _Forward(_Checks):
         out: list[Variables] = []
         pairs: Iterable[tuple[list[PyTree], list[Variables]]]
         pairs = zip(state.params, state.model_state, strict=True)
-        if self.multiprocess:
+        if self.stage_set.multiprocess:
             pairs = (
-                self._broadcast(s, (p, ms)) for s, (p, ms) in enumerate(pairs)
+                self.broadcast(s, (p, ms)) for s, (p, ms) in enumerate(pairs)
             )  # in stage order, the same in every process
         for params, model_state in pairs:
             for p, ms in zip(params, model_state, strict=True):
@@ -102,7 +122,7 @@ class _Forward(_Checks):
             raise PipelineError("evaluate needs at least one (inputs, targets) batch")
         _check_pairs(batches, "evaluate", "batches")
         self._check_forward(state, batches[0][0])
-        sizes = np.array(self._check_items(state, batches, "batch", True), np.float64)
+        sizes = np.array(self.checker.check_items(state, batches, "batch", True), np.float64)
         outs = self._forward_stream(
             state, [b[0] for b in batches], [b[1] for b in batches], metrics
         )
@@ -145,7 +165,7 @@ class _Forward(_Checks):
         size = n if batch_size is None else _integer("batch_size", batch_size, 1)
         chunks = [jax.tree.map(lambda a, k=k: a[k : k + size], inputs) for k in range(0, n, size)]
         self._check_forward(state, chunks[0])
-        self._check_items(state, chunks, "batch", with_targets=False)
+        self.checker.check_items(state, chunks, "batch", with_targets=False)
         outs = self._forward_stream(state, chunks, None)
         if len(outs) == 1:
             return outs[0]
@@ -153,12 +173,12 @@ class _Forward(_Checks):
 
     def _check_forward(self, state: Any, x: PyTree) -> None:
         """What :meth:`evaluate` and :meth:`predict` refuse before any device work."""
-        if self.multiprocess:
+        if self.stage_set.multiprocess:
             raise PipelineError(
                 "evaluate and predict run in one process; across processes gather the "
                 "weights with pipe.variables(state) and evaluate them on one device"
             )
-        self._check_state(state, x)
+        self.checker.check_state(state, x)
 
     def _forward_stream(
         self,
@@ -170,11 +190,12 @@ class _Forward(_Checks):
         """Eval-mode forwards of a stream through the stages, dispatched as a wavefront
         (stage ``s`` takes item ``k`` at tick ``k + s``): the last stage's outputs, or
         with ``targets`` its losses (and aux)."""
-        S, N = self.num_stages, len(inputs)
+        stages = self.stage_set.stages
+        S, N = len(stages), len(inputs)
         with_loss = targets is not None
         progs = [
             st.eval_program(with_loss and s == S - 1, metrics if s == S - 1 else None)
-            for s, st in enumerate(self.stages)
+            for s, st in enumerate(stages)
         ]
         cur: list[Any] = list(inputs)
         for tick in range(N + S - 1):
@@ -182,7 +203,7 @@ class _Forward(_Checks):
                 k = tick - s
                 if not 0 <= k < N:
                     continue
-                stage = self.stages[s]
+                stage = stages[s]
                 args = [state.params[s], state.model_state[s], stage.place_eval(cur[k])]
                 if with_loss and s == S - 1:
                     assert targets is not None
@@ -190,12 +211,13 @@ class _Forward(_Checks):
                 cur[k] = progs[s](*args)
         return cur
 
-    def _loss_spec(self, state: PipelineState, mb: tuple[PyTree, PyTree]) -> Any:
+    def loss_spec(self, state: PipelineState, mb: tuple[PyTree, PyTree]) -> Any:
         """The shapes of what the last stage's forward leaves for a microbatch like ``mb``:
         its loss, or ``(loss, aux)``."""
         x, t = _abstract(mb[0]), _abstract(mb[1])
-        y = self._stage_outputs(state, x)[-1] if self.num_stages > 1 else x
-        layers = self.stages[-1]
+        S = self.stage_set.num_stages
+        y = self.decisions.stage_outputs(state, x)[-1] if S > 1 else x
+        layers = self.stage_set.stages[-1]
         loss_fn = layers.loss_fn
         assert loss_fn is not None
 
@@ -203,17 +225,17 @@ class _Forward(_Checks):
             out = layers.microbatch_output(p, st, y, jax.random.key(0))
             return with_aux(*split_loss(loss_fn(out, t)))
 
-        last = self.num_stages - 1
+        last = S - 1
         return jax.eval_shape(
             loss, _abstract(state.params[last]), _abstract(state.model_state[last]), y, t
         )
 
-    def _broadcast(self, s: int, tree: PyTree) -> PyTree:
+    def broadcast(self, s: int, tree: PyTree) -> PyTree:
         """``tree`` of stage ``s`` (real on its process, shapes elsewhere) on every process;
         elsewhere on that process's first device. Every process calls it, in one order;
         values travel through the pipeline's transport."""
-        stage = self.stages[s]
+        stage = self.stage_set.stages[s]
         source = stage.devices[0]  # one replica, from the process that holds this device
-        if source.process_index == self.process_index:
+        if source.process_index == self.stage_set.process_index:
             tree = jax.tree.map(lambda a: shard_on(stage.place_weights(a), source), tree)
         return self.transport.broadcast(tree, source)

@@ -1,21 +1,21 @@
 """The runtime's :class:`Pipeline`: a model split into stages on devices, what its
 constructor sets up, its state's making (:meth:`Pipeline.init`), and its training calls
-(:meth:`Pipeline.step`, :meth:`Pipeline.run`). What the calls check, evaluation, and the
-interpreter of lowered programs live in the classes it builds on (:mod:`.checks`,
-:mod:`.forward`, :mod:`.interpreter`, :mod:`.base`)."""
+(:meth:`Pipeline.step`, :meth:`Pipeline.run`). It is made of parts it holds, each in its
+module: the stage set (:mod:`.stages`), the decisions taken once (:mod:`.decisions`), the
+checker of what calls are given (:mod:`.checks`), the program cache (:mod:`.programs`:
+schedule, lowered program, bound code), the caller's values into registers and a call's
+run (:mod:`.calls`, over the pure interpreter of :mod:`.interpreter`) and the forward-only
+calls (:mod:`.forward`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any, Literal
 
 import jax
-import numpy as np
 import optax
 
-from pdjax import _xla_cpu
-from pdjax.distributed import check_cpu_transfers
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.layers.init_programs import init_on
@@ -31,7 +31,8 @@ from pdjax.pipeline.executor.arguments import (
     check_optimizer,
     check_stream,
 )
-from pdjax.pipeline.executor.checks import _check_pairs, _rows, _state_layout
+from pdjax.pipeline.executor.calls import Feeder, execute
+from pdjax.pipeline.executor.checks import Checker, _check_pairs, _state_layout, split_batch
 from pdjax.pipeline.executor.config import (
     MAX_MICROBATCHES,
     MICROBATCHES_WHY,
@@ -39,13 +40,14 @@ from pdjax.pipeline.executor.config import (
     _check_options,
     _integer,
     _remat_flags,
-    _replication_of,
-    _scale,
-    _stage_devices,
     _stages_of,
-    _tied_stages,
 )
-from pdjax.pipeline.executor.interpreter import _Interpreter
+from pdjax.pipeline.executor.decisions import Decisions
+from pdjax.pipeline.executor.forward import Forward
+from pdjax.pipeline.executor.interpreter import Step
+from pdjax.pipeline.executor.layout import ParamLayout, param_layout
+from pdjax.pipeline.executor.programs import ProgramCache, ScheduleOptions
+from pdjax.pipeline.executor.stages import build_stages, place
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 from pdjax.pipeline.executor.trees import (
     _abstract,
@@ -54,15 +56,15 @@ from pdjax.pipeline.executor.trees import (
     _shapes_text,
     _unaliased,
 )
-from pdjax.pipeline.lowering import Placement, StagePlace
+from pdjax.pipeline.lowering import Program, Slot
+from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import LossFn, Stage
-from pdjax.pipeline.transport import make_transport
-from pdjax.schedules import ROUND_ROBIN, SCHEDULES, STREAMING, stage_groups
+from pdjax.schedules import SCHEDULES, Schedule, schedule_kind, semantics
 
 __all__ = ["Pipeline"]
 
 
-class Pipeline(_Interpreter):
+class Pipeline:
     """A model split into stages on devices, trained with a pipeline schedule.
 
     Args:
@@ -179,7 +181,7 @@ class Pipeline(_Interpreter):
         most, why = MAX_MICROBATCHES, MICROBATCHES_WHY
         microbatches = _integer("microbatches", microbatches, 1, most, why)
         if chunks is None:
-            chunks = 2 if schedule == "zb-v" else 1
+            chunks = schedule_kind(schedule).default_chunks
         chunks = _integer("chunks", chunks, 1, most, why)
         extra_in_flight = _integer("extra_in_flight", extra_in_flight, 0, most, why)
         _check_options(
@@ -206,163 +208,191 @@ class Pipeline(_Interpreter):
         self.stage_specs = specs
         _check_cover(specs, len(layers))
         self.remat = _remat_flags(remat, len(specs))
-        self._group_stages(specs)
-        round_robin = self._round_robin(specs, replication)
-        self._build_stages(specs, _stage_devices(plan, specs, devices), round_robin)
-        self.replicas = tuple(len(spec.devices) for spec in specs[: self.num_groups])
-        if schedule == "2bw" and microbatches < self.num_groups:
+        #: the stages and where they run (fixed from here on)
+        self.stage_set, rep = build_stages(
+            layers,
+            specs,
+            plan,
+            devices,
+            schedule=schedule,
+            microbatches=microbatches,
+            chunks=chunks,
+            remat=self.remat,
+            optimizer=optimizer,
+            loss_fn=loss_fn,
+            replication=replication,
+        )
+        if schedule_kind(schedule).needs_microbatches_per_stage and microbatches < self.num_groups:
             raise PipelineError(
-                f"2bw needs microbatches (M) >= stages (P) so that step t can use W(t-1) at "
+                f"{schedule} needs microbatches (M) >= stages (P) so that step t can use W(t-1) at "
                 f"every stage; got M={microbatches}, P={self.num_groups}"
             )
-        # multi-controller runs (jax.distributed): the stages this process drives
-        self.process_index = jax.process_index()
-        # per stage, the processes that hold its devices (a replicated stage may span
-        # several: each of them runs the stage's programs, SPMD)
-        self.owners = tuple(frozenset(d.process_index for d in st.devices) for st in self.stages)
-        self.local = tuple(self.process_index in owners for owners in self.owners)
-        #: per tied group: its name and the stages holding its copies (ascending)
-        self.tied_stages = _tied_stages(layers, specs)
-        self._check_tied()
-        self.stage_optimizer = None  # decided on the first state
-        self.coupled = False
-        self._place(transport)
-        self._reset_caches()
+        self.decisions = Decisions(
+            self.stage_set,
+            layers,
+            rep,
+            schedule=schedule,
+            microbatches=microbatches,
+            optimizer=optimizer,
+            optimizer_scope=optimizer_scope,
+            grad_allreduce=grad_allreduce,
+        )
+        self.decisions.check_tied()
+        self.placement, self.transport, self.workarounds = place(
+            self.stage_set, transport, schedule, microbatches
+        )
+        options = ScheduleOptions(
+            schedule, microbatches, vertical_sync, weight_stashing, extra_in_flight, self.remat
+        )
+        self.programs = ProgramCache(
+            options,
+            self.stage_set,
+            self.decisions,
+            self.placement,
+            self.transport,
+            self.workarounds,
+        )
+        self.checker = Checker(self.stage_set, layers, loss_fn, self._settle)
+        self.forward = Forward(self.stage_set, layers, self.checker, self.decisions, self.transport)
+        self.feeder = Feeder(self.stage_set)
 
-    def _group_stages(self, specs: Sequence[StagePlan]) -> None:
-        """Sets the device groups: ``num_groups`` and each stage's ``stage_device``."""
-        if len(specs) % self.chunks:
-            if self.schedule_name == "zb-v":
-                raise PipelineError(
-                    f"zb-v needs an even number 2P of stages in the plan (stages 0..P-1 down "
-                    f"the device groups, P..2P-1 back up); the plan has {len(specs)}"
-                )
-            raise PipelineError(
-                f"interleaved with chunks={self.chunks} needs a multiple of {self.chunks} "
-                f"stages, the plan has {len(specs)}"
-            )
-        self.num_groups = len(specs) // self.chunks
-        #: the device group of each stage (the schedule's ``stage_device``); group ``d``
-        #: runs on the devices of plan stage ``d``
-        self.stage_device = stage_groups(self.schedule_name, self.num_groups, self.chunks)
+    # -- the parts' views, under the names the pipeline has always had ----------------------
 
-    def _round_robin(
-        self, specs: Sequence[StagePlan], replication: str | Sequence[str] | None
-    ) -> list[bool]:
-        """Sets :attr:`replication` (per device group) and returns per group whether it
-        runs round-robin, refusing round-robin where the schedule or ``M`` cannot run it."""
-        schedule, microbatches = self.schedule_name, self.microbatches
-        self.replication = _replication_of(replication, specs, self.num_groups)
-        # the plan's choice (not the caller's) falls back to split where round-robin cannot
-        # run; for flush schedules and 2bw the two compute the same
-        self._replication_asked = replication is not None
-        self.replication_notes = []
-        if not self._replication_asked and schedule not in ROUND_ROBIN:
-            if "round-robin" in self.replication:
-                self.replication_notes.append(
-                    f"the plan's round-robin stages run split: {schedule} has no round-robin form"
-                )
-            self.replication = ("split",) * self.num_groups
-        round_robin = [
-            mode == "round-robin" and len(spec.devices) > 1
-            for mode, spec in zip(self.replication, specs, strict=False)
+    @property
+    def stages(self) -> tuple[Stage, ...]:
+        """Per stage, its programs (:class:`~pdjax.pipeline.stage.Stage`)."""
+        return self.stage_set.stages
+
+    @property
+    def num_stages(self) -> int:
+        return self.stage_set.num_stages
+
+    @property
+    def num_groups(self) -> int:
+        """Device groups ``P``."""
+        return self.stage_set.num_groups
+
+    @property
+    def stage_device(self) -> tuple[int, ...]:
+        """The device group of each stage (the schedule's ``stage_device``); group ``d``
+        runs on the devices of plan stage ``d``."""
+        return self.stage_set.stage_device
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        """Per device group, its devices."""
+        return self.stage_set.replicas
+
+    @property
+    def process_index(self) -> int:
+        return self.stage_set.process_index
+
+    @property
+    def owners(self) -> tuple[frozenset[int], ...]:
+        """Per stage, the processes that hold its devices."""
+        return self.stage_set.owners
+
+    @property
+    def local(self) -> tuple[bool, ...]:
+        """Per stage, whether this process holds some of its devices."""
+        return self.stage_set.local
+
+    @property
+    def tied_stages(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Per tied group: its name and the stages holding its copies (ascending)."""
+        return self.stage_set.tied_stages
+
+    @property
+    def multiprocess(self) -> bool:
+        """Whether some stages run (also) in other processes (``jax.distributed``)."""
+        return self.stage_set.multiprocess
+
+    @property
+    def replication(self) -> tuple[str, ...]:
+        """Per device group, ``"split"`` or ``"round-robin"``."""
+        return self.decisions.replication.modes
+
+    @property
+    def replication_notes(self) -> list[str]:
+        """The plan's replication choices that run otherwise, one line each."""
+        return self.decisions.replication.notes
+
+    @property
+    def stage_optimizer(self) -> StageOptimizer | None:
+        """The optimizer as every stage runs it (decided on the first state)."""
+        return self.decisions.stage_optimizer
+
+    @property
+    def coupled(self) -> bool:
+        """Whether updates exchange the gradients' global norm."""
+        return self.decisions.coupled
+
+    @property
+    def grad_allreduce_at(self) -> tuple[str, ...]:
+        """Per stage, where its gradients are all-reduced: ``"-"`` (one device),
+        ``"update"``, or ``"backward: <why>"``; decided at the first step or run."""
+        return self.decisions.grad_allreduce_at()
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        """The validated schedule for a call over ``num_microbatches`` microbatches: the
+        stream of ``pipedream`` and ``2bw``, whole steps of ``M`` for the flush schedules."""
+        return self.programs.schedule(num_microbatches)
+
+    def program(
+        self, num_microbatches: int, *, timeline: bool = False, on_loss: bool = False
+    ) -> Program:
+        """The lowered :class:`~pdjax.pipeline.lowering.Program` of a call over
+        ``num_microbatches`` microbatches (cached). ``timeline``: unfused, one operation
+        per schedule action (what a timeline records)."""
+        return self.programs.program(num_microbatches, timeline=timeline, on_loss=on_loss)
+
+    def param_layout(self) -> tuple[ParamLayout, ...]:
+        """Per stage, how its parameters and optimizer state are laid out
+        (:class:`~pdjax.pipeline.executor.layout.ParamLayout`): the parameters as its
+        optimizer sees them, its tied groups and their owners, and whether the optimizer
+        keeps a phantom leaf for the exchanged global norm. Settled by the first state
+        this pipeline makes (:meth:`init`, :meth:`state_from_variables`) or checks."""
+        return param_layout(self.stage_set, self.decisions)
+
+    def check_shapes(self, sample: PyTree, variables: Sequence[Variables] | None = None) -> Any:
+        """Traces the model layer by layer on ``sample`` (shapes only, no FLOPs), with
+        ``variables`` (per layer; default: those init would make for ``sample``), and
+        returns the shapes of the model's output (:meth:`Checker.check_shapes
+        <pdjax.pipeline.executor.checks.Checker.check_shapes>`).
+
+        Raises:
+          PipelineError: naming the stage, the layer and the input shapes that fail.
+        """
+        return self.checker.check_shapes(sample, variables)
+
+    def _settle(self, stage_params: Sequence[PyTree]) -> tuple[list[PyTree], StageOptimizer]:
+        """Settles the ties and the optimizer on a state's per-stage parameters, once
+        (dropping programs lowered before the optimizer was known); returns the parameters
+        as each stage's optimizer sees them, and it."""
+        self.decisions.settle_ties(_abstract(stage_params))
+        # the optimizer sees each stage's parameters less its tied copies but one per group
+        views = [
+            st.ties.view(_abstract(p)) if st.ties is not None else p
+            for st, p in zip(self.stages, stage_params, strict=True)
         ]
-        if any(round_robin) and schedule not in ROUND_ROBIN:
-            raise PipelineError(
-                f"round-robin replication runs with {', '.join(ROUND_ROBIN)}, not "
-                f"{schedule}; use replication='split'"
-            )
-        for s, rr in enumerate(round_robin):
-            r = len(specs[s].devices)
-            if rr and schedule != "pipedream" and microbatches % r:
-                raise PipelineError(
-                    f"stage {s} is round-robin over {r} devices (whole groups of {r} "
-                    f"microbatches): microbatches (M={microbatches}) must be a multiple "
-                    f"of {r}"
-                )
-        return round_robin
+        if self.decisions.analyse_optimizer(views):
+            self.programs.clear()
+        optimizer = self.decisions.stage_optimizer
+        assert optimizer is not None
+        return views, optimizer
 
-    def _build_stages(
-        self,
-        specs: Sequence[StagePlan],
-        stage_devices: Sequence[Sequence[jax.Device]],
-        round_robin: Sequence[bool],
-    ) -> None:
-        """Makes :attr:`stages`, each on the devices of its device group."""
-        schedule = self.schedule_name
-        self.stages = []
-        for s, spec in enumerate(specs):
-            g = self.stage_device[s]
-            group_spec = specs[g]
-            if tuple(spec.devices) != tuple(group_spec.devices):
-                where = "s % P" if schedule == "interleaved" else "min(s, 2P - 1 - s), the V"
-                raise PipelineError(
-                    f"{schedule} stage {s} must use the devices of stage {g} "
-                    f"({tuple(group_spec.devices)}: stage s runs on the device group of stage "
-                    f"{where}), got {tuple(spec.devices)}"
-                )
-            self.stages.append(
-                Stage(
-                    index=s,
-                    layers=self.layers.layers[spec.first_layer : spec.last_layer + 1],
-                    first_layer=spec.first_layer,
-                    devices=list(stage_devices[s]),
-                    optimizer=self.optimizer,
-                    loss_fn=self.loss_fn if s == len(specs) - 1 else None,
-                    remat=self.remat[s],
-                    scale=_scale(schedule, self.microbatches, len(spec.devices), round_robin[g]),
-                    round_robin=round_robin[g],
-                )
-            )
+    # what benchmarks/bench_runtime.py drives by hand: a program bound, the caller's values
+    def _bind(
+        self, prog: Program, state: PipelineState, x: PyTree, on_loss: Any
+    ) -> tuple[list[Step], Mapping[Slot, int]]:
+        del on_loss  # whether a program reports losses is the program's (its LOSS ops)
+        code = self.programs.code(prog, state, x, self.decisions.stage_outputs)
+        return list(code.steps), code.slots
 
-    def _place(self, transport: str) -> None:
-        """Sets the :attr:`placement` the lowering reads, the transport and the XLA CPU
-        workarounds in force."""
-        platform = self.stages[0].devices[0].platform
-        processes = sorted({p for owners in self.owners for p in owners})
-        if transport == "auto":
-            many = platform == "cpu" and len(processes) > 2
-            transport = "collective" if many else "device_put"
-        self.placement = Placement(
-            tuple(
-                StagePlace(tuple(int(d.id) for d in st.devices), tuple(sorted(owners)))
-                for st, owners in zip(self.stages, self.owners, strict=True)
-            ),
-            platform,
-            transport,
-            jax.process_count(),
-        )
-        self.transport = make_transport(transport)
-        self.workarounds = _xla_cpu.for_pipeline(
-            platform,
-            tuple(len(st.devices) for st in self.stages),
-            1 if self.schedule_name == "pipedream" else self.microbatches,
-            self.num_groups,
-            collectives=self.multiprocess and transport == "collective",
-        )
-        if self.multiprocess and transport == "device_put":
-            check_cpu_transfers("a pipeline across processes")
-
-    def _reset_caches(self) -> None:
-        """What the pipeline builds on first use and then keeps."""
-        self._parts_checked = False
-        self._settled = False
-        self._schedules = {}
-        self._specs = {}
-        self._layer_shapes = {}
-        self._programs = {}
-        self._bound = {}
-        self._rng_cache = None
-        self._on_loss = None
-        self._splitters = {}
-        # What the API checks once and then trusts (_check_state, _check_items): the
-        # layouts of the states this pipeline made, the last one first; the shapes of the
-        # sample init saw (for messages); per layout of an item (or of a call's items)
-        # found to fit the weights of the state layout _fits_layout, its rows.
-        self._state_layouts = []
-        self._init_shapes = None
-        self._fits = {}
-        self._fits_layout = None
+    def _inputs(
+        self, state: PipelineState, microbatches: list[tuple[PyTree, PyTree]]
+    ) -> dict[Slot, Any]:
+        return self.feeder.inputs(state, microbatches)
 
     # -- state ------------------------------------------------------------------------------
     def init(self, rng: jax.Array, sample: PyTree) -> PipelineState:
@@ -378,7 +408,7 @@ class Pipeline(_Interpreter):
         check_key(rng, "init")
         check_arrays((("sample", sample),), "init: ")
         self.check_shapes(sample)
-        self._init_shapes = _shapes_text(sample)
+        self.checker.init_shapes = _shapes_text(sample)
         key = jax.random.fold_in(rng, 0)
         if self.multiprocess:  # every process builds the whole model (same key, same values)
             variables = jax.jit(self.layers.init)(key, sample)
@@ -418,16 +448,7 @@ class Pipeline(_Interpreter):
             [v.get("params", {}) for v in variables[sp.first_layer : sp.last_layer + 1]]
             for sp in self.stage_specs
         ]
-        self._settle_ties(_abstract(stage_params))
-        # the optimizer sees each stage's parameters less its tied copies but one per group
-        self._analyse_optimizer(
-            [
-                st.ties.view(_abstract(p)) if st.ties is not None else p
-                for st, p in zip(self.stages, stage_params, strict=True)
-            ]
-        )
-        optimizer = self.stage_optimizer
-        assert optimizer is not None
+        _, optimizer = self._settle(stage_params)
         params, model_state, opt_state = [], [], []
         for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
             vs = variables[spec.first_layer : spec.last_layer + 1]
@@ -456,7 +477,7 @@ class Pipeline(_Interpreter):
             microbatches=0,
             rng=rng,
         )
-        self._accept_layout(_state_layout(state))
+        self.checker.accept_layout(_state_layout(state))
         return state
 
     # -- running ----------------------------------------------------------------------------
@@ -469,33 +490,7 @@ class Pipeline(_Interpreter):
           dimension) than the others, or the rows are not divisible by ``M`` times every
           stage's replicas.
         """
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise PipelineError(
-                f"split_batch takes one (inputs, targets) pair, got a {type(batch).__name__}"
-                + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
-            )
-        inputs, targets = batch
-        n = _rows((("inputs", inputs), ("targets", targets)), "")
-        M = self.microbatches
-        if n < M:
-            raise PipelineError(
-                f"a batch of {n} samples cannot be split into {M} microbatches: every "
-                f"microbatch needs at least one sample; use microbatches <= the batch size "
-                f"(Pipeline(..., microbatches=...)) or a batch of at least {M} samples"
-            )
-        need = [M * r for r in self.replicas]
-        for s, k in enumerate(need):
-            if n % k:
-                raise PipelineError(
-                    f"batch of {n} samples cannot be split into {M} microbatches of equal "
-                    f"size, each divisible by stage {s}'s {self.replicas[s]} replicas; use a "
-                    f"batch size that is a multiple of {int(np.lcm.reduce(need))}"
-                )
-        size = n // M
-        return [
-            jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], (inputs, targets))
-            for k in range(M)
-        ]
+        return split_batch(batch, self.microbatches, self.replicas)
 
     def step(
         self,
@@ -512,7 +507,7 @@ class Pipeline(_Interpreter):
         """
         check_flag("timeline", timeline)
         check_flag("collectives", collectives)
-        if self.schedule_name in STREAMING:
+        if semantics(self.schedule_name).streams:
             raise PipelineError(
                 f"{self.schedule_name} is asynchronous: its updates lag behind the stream, "
                 "so one step at a time would drain after every step (2bw would then use "
@@ -559,9 +554,10 @@ class Pipeline(_Interpreter):
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
         _check_pairs(microbatches, "run", "microbatches")
-        self._check_state(state, microbatches[0][0])
-        rows = self._check_items(state, microbatches, "microbatch", with_targets=True)
-        self._settle_replication(state)
+        self.checker.check_state(state, microbatches[0][0])
+        rows = self.checker.check_items(state, microbatches, "microbatch", with_targets=True)
+        if self.decisions.settle_replication(state):
+            self.programs.clear()
         split = tuple(st.num_replicas for st in self.stages if not st.round_robin)
         for k, n in enumerate(rows):
             bad = [r for r in split if n < 1 or n % r]
@@ -579,6 +575,77 @@ class Pipeline(_Interpreter):
                     f"{st.num_replicas}"
                 )
         prog = self.program(len(microbatches), timeline=timeline, on_loss=on_loss is not None)
-        return self._execute(
-            prog, state, microbatches, record=timeline, on_loss=on_loss, collectives=collectives
+        code = self.programs.code(prog, state, microbatches[0][0], self.decisions.stage_outputs)
+        return execute(
+            code,
+            state,
+            microbatches,
+            feeder=self.feeder,
+            forward=self.forward,
+            transport=self.transport,
+            workarounds=self.workarounds,
+            schedule=self.schedule(len(microbatches)) if timeline else None,
+            on_loss=on_loss,
+            collectives=collectives,
         )
+
+    # -- the weights out, evaluation and prediction (:mod:`.forward`) ------------------------
+
+    def variables(self, state: PipelineState) -> list[Variables]:
+        """The per-layer variables (params and state) of the newest weights.
+
+        In a multi-process run (:attr:`multiprocess`) this is collective: every process
+        must call it, and each gets all the variables, another process's stages copied to
+        its own first device."""
+        return self.forward.variables(state)
+
+    def params(self, state: PipelineState) -> dict[str, Any]:
+        """The full parameter tree ``{layer name: params}`` of the newest weights."""
+        return self.forward.params(state)
+
+    def update_nnx(
+        self, state: PipelineState, model: Any = None, *, device: jax.Device | None = None
+    ) -> Any:
+        """Writes the newest weights and model state into the nnx modules the layers were
+        built from, on one ``device`` (:func:`pdjax.export.update_nnx`); returns
+        ``model`` (the user's whole model, checked to hold them)."""
+        return self.forward.update_nnx(state, model, device=device)
+
+    def linen_variables(
+        self,
+        state: PipelineState,
+        names: Sequence[str | None] | Mapping[str, str] | None = None,
+        *,
+        device: jax.Device | None = None,
+    ) -> dict[str, dict[str, Any]]:
+        """The newest variables as the user's linen tree ``{collection: {submodule name:
+        ...}}`` on one ``device`` (:func:`pdjax.export.linen_variables`; default names:
+        the layers' names)."""
+        return self.forward.linen_variables(state, names, device=device)
+
+    def evaluate(
+        self,
+        state: PipelineState,
+        batches: Iterable[tuple[PyTree, PyTree]],
+        *,
+        metrics: Callable[[PyTree, PyTree], Mapping[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """The loss and the loss function's metrics over ``batches`` of ``(inputs,
+        targets)``, in eval mode, forward only, through the stages
+        (:meth:`Forward.evaluate <pdjax.pipeline.executor.forward.Forward.evaluate>`).
+        ``state`` is not consumed.
+
+        Raises:
+          PipelineError: for no batches, or a pipeline spanning processes (not supported
+          yet: evaluate on :meth:`variables` there); and as :meth:`run` does for a state
+          or batches that do not fit.
+        """
+        return self.forward.evaluate(state, batches, metrics=metrics)
+
+    def predict(
+        self, state: PipelineState, inputs: PyTree, *, batch_size: int | None = None
+    ) -> PyTree:
+        """The model's outputs for ``inputs`` in eval mode, forward only through the
+        stages, in batches of ``batch_size`` rows (default: all at once), concatenated:
+        arrays on the last stage's devices. ``state`` is not consumed."""
+        return self.forward.predict(state, inputs, batch_size=batch_size)

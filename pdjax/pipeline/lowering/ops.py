@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.lowering.types import Op
+from pdjax.pipeline.lowering.types import OFFSET, Op, OpFlag, OpKind, Slot, SlotKind
 from pdjax.schedules import Action, Schedule
 
 __all__ = ["global_ops"]
@@ -61,7 +61,7 @@ def global_ops(
             continue
         acts = schedule.actions[g]
         kind = acts[i].kind
-        if kind == "F":
+        if kind == "F":  # schedule actions' kinds are the schedule's letters
             lowering.forward(acts, g, i)
         elif kind in ("B", "I", "W"):
             lowering.backward(acts, g, i)
@@ -98,24 +98,23 @@ class _Lowering:
         self.n_of = [schedule.group_size(s) for s in range(S)]
         self.rr = [n > 1 for n in self.n_of]
         self.latest = [0] * S
-        self.state = [f"st{s}" for s in range(S)]
-        self.state_before: dict[tuple[int, int], str] = {}
+        self.state = [Slot(SlotKind.STATE, s) for s in range(S)]
+        self.state_before: dict[tuple[int, int], Slot] = {}
         self.forward_version: dict[tuple[int, int], int] = {}
         self.backward_version = {
             (a.stage, a.mb): a.version for g in schedule.actions for a in g if a.kind in "BI"
         }
-        self.acc: list[str | None] = [None] * S
+        self.acc: list[Slot | None] = [None] * S
         self.updates = [0] * S
         self.skip: set[tuple[int, int]] = set()  # (group, index) fused into an earlier op
         self.ops: list[Op] = [
             Op(
-                "KEYS",
+                OpKind.KEYS,
                 s,
                 outs=tuple(
-                    f"mkey{s}.{k}" if self.rr[s] else f"key{s}.{k}"
-                    for k in range(0, N, self.n_of[s])
+                    Slot(SlotKind.KEY, s, k, group=self.rr[s]) for k in range(0, N, self.n_of[s])
                 ),
-                ins=(f"rng{s}", "offset"),
+                ins=(Slot(SlotKind.RNG, s), OFFSET),
             )
             for s in range(S)
         ]
@@ -130,7 +129,7 @@ class _Lowering:
         self.forward_version[(s, k)] = v
         self.state_before[(s, k)] = self.state[s]
         if s > 0:
-            self.ops += self.gathered("x", s, k)
+            self.ops += self.gathered(SlotKind.X, s, k)
         if (
             s == self.last
             and self.fuse
@@ -140,23 +139,23 @@ class _Lowering:
         ):
             self.forward_backward(acts, g, i)
             return
-        new_state = f"st{s}.{k}"
+        new_state = Slot(SlotKind.STATE, s, k)
         recompute = self.remat[s] or self.backward_version[(s, k)] != v
-        out = self.loss_slot(s, k) if s == self.last else self.name("y", s, k)
+        out = self.loss_slot(s, k) if s == self.last else self.name(SlotKind.Y, s, k)
         tgt = (self.target(s, k),) if s == self.last else ()
-        res = () if recompute else (f"r{s}.{k}",)
+        res = () if recompute else (Slot(SlotKind.RESIDUALS, s, k),)
         self.ops.append(
             Op(
-                kind="F",
+                kind=OpKind.F,
                 stage=s,
                 mb=k,
                 version=v,
-                flags=frozenset({"recompute"}) if recompute else frozenset(),
+                flags=frozenset({OpFlag.RECOMPUTE}) if recompute else frozenset(),
                 ins=(
-                    f"w{s}v{v}",
+                    _w(s, v),
                     self.state[s],
-                    self.name("x", s, k),
-                    self.name("key", s, k),
+                    self.name(SlotKind.X, s, k),
+                    self.name(SlotKind.KEY, s, k),
                     *tgt,
                 ),
                 outs=(out, new_state, *res),
@@ -167,9 +166,12 @@ class _Lowering:
         if s == self.last:
             self.ops += self.losses(s, k) if self.rr[s] else self.loss_ops(k)
         else:
-            self.ops += self.parted(out, s, k, [f"y{s}.{j}" for j in self.covered(s, k)])
+            pieces = [Slot(SlotKind.Y, s, j) for j in self.covered(s, k)]
+            self.ops += self.parted(out, s, k, pieces)
             for j in self.covered(s, k):
-                self.ops += self.moved(f"y{s}.{j}", f"x{s + 1}.{j}", s, s + 1, j)
+                self.ops += self.moved(
+                    Slot(SlotKind.Y, s, j), Slot(SlotKind.X, s + 1, j), s, s + 1, j
+                )
 
     def forward_backward(self, acts: Sequence[Action], g: int, i: int) -> None:
         """The last stage's ``F`` and ``B`` of one microbatch as ``FB`` (``FBU`` with the
@@ -178,16 +180,16 @@ class _Lowering:
         nxt2 = acts[i + 2] if i + 2 < len(acts) else None
         s, k, v = a.stage, a.mb, a.version
         self.skip.add((g, i + 1))
-        new_state = f"st{s}.{k}"
+        new_state = Slot(SlotKind.STATE, s, k)
         acc = self.acc[s]
         g_in = (acc,) if acc else ()
-        flags = {"acc"} if acc else set()
-        e = () if s == 0 else (self.name("e", s, k),)
+        flags = {OpFlag.ACC} if acc else set()
+        e = () if s == 0 else (self.name(SlotKind.E, s, k),)
         ins = (
-            f"w{s}v{v}",
+            _w(s, v),
             self.state[s],
-            self.name("x", s, k),
-            self.name("key", s, k),
+            self.name(SlotKind.X, s, k),
+            self.name(SlotKind.KEY, s, k),
             self.target(s, k),
             *g_in,
         )
@@ -196,7 +198,7 @@ class _Lowering:
             tail, more = self.update_tail(s, v)
             w2, o2 = self.after_update(s)
             op = Op(
-                kind="FBU",
+                kind=OpKind.FBU,
                 stage=s,
                 mb=k,
                 version=v,
@@ -206,9 +208,9 @@ class _Lowering:
                 actions=(a, nxt, nxt2),
             )
         else:
-            self.acc[s] = gsum = f"g{s}.{k}"
+            self.acc[s] = gsum = Slot(SlotKind.GRADS, s, k)
             op = Op(
-                kind="FB",
+                kind=OpKind.FB,
                 stage=s,
                 mb=k,
                 version=v,
@@ -228,22 +230,22 @@ class _Lowering:
         a = acts[i]
         s, k, v = a.stage, a.mb, a.version
         recompute = self.remat[s] or self.forward_version[(s, k)] != v
-        flags = {"recompute"} if recompute else set()
-        reads = (f"w{s}v{v}", self.name("x", s, k), *self.residual_args(s, k, recompute))
-        d = () if s == self.last else (self.name("d", s, k),)
-        e = () if s == 0 else (self.name("e", s, k),)
+        flags = {OpFlag.RECOMPUTE} if recompute else set()
+        reads = (_w(s, v), self.name(SlotKind.X, s, k), *self.residual_args(s, k, recompute))
+        d = () if s == self.last else (self.name(SlotKind.D, s, k),)
+        e = () if s == 0 else (self.name(SlotKind.E, s, k),)
         if s < self.last:
-            self.ops += self.gathered("d", s, k)
+            self.ops += self.gathered(SlotKind.D, s, k)
         if a.kind == "I":
             self.ops.append(
                 Op(
-                    kind="I",
+                    kind=OpKind.I,
                     stage=s,
                     mb=k,
                     version=v,
                     flags=frozenset(flags),
                     ins=reads + d,
-                    outs=(*e, f"c{s}.{k}"),
+                    outs=(*e, Slot(SlotKind.COTANGENTS, s, k)),
                     actions=(a,),
                 )
             )
@@ -251,17 +253,17 @@ class _Lowering:
             acc = self.acc[s]
             g_in = (acc,) if acc else ()
             if acc:
-                flags.add("acc")
+                flags.add(OpFlag.ACC)
             if a.kind == "W":
-                self.acc[s] = gsum = f"g{s}.{k}"
+                self.acc[s] = gsum = Slot(SlotKind.GRADS, s, k)
                 self.ops.append(
                     Op(
-                        kind="W",
+                        kind=OpKind.W,
                         stage=s,
                         mb=k,
                         version=v,
                         flags=frozenset(flags),
-                        ins=(*reads, f"c{s}.{k}", *g_in),
+                        ins=(*reads, Slot(SlotKind.COTANGENTS, s, k), *g_in),
                         outs=(gsum,),
                         actions=(a,),
                     )
@@ -280,9 +282,9 @@ class _Lowering:
         *,
         nxt: Action | None,
         at: tuple[int, int],
-        flags: set[str],
-        ins: tuple[str, ...],
-        e: tuple[str, ...],
+        flags: set[OpFlag],
+        ins: tuple[Slot, ...],
+        e: tuple[Slot, ...],
     ) -> Op:
         """A ``B`` whose inputs are ``ins``: as ``BU`` with the update ``nxt`` where that
         follows on the same stage and may be fused (``at``: ``a``'s group and index)."""
@@ -298,7 +300,7 @@ class _Lowering:
             tail, more = self.update_tail(s, v)
             w2, o2 = self.after_update(s)
             return Op(
-                kind="BU",
+                kind=OpKind.BU,
                 stage=s,
                 mb=k,
                 version=v,
@@ -307,9 +309,9 @@ class _Lowering:
                 outs=(w2, o2, *e),
                 actions=(a, nxt),
             )
-        self.acc[s] = gsum = f"g{s}.{k}"
+        self.acc[s] = gsum = Slot(SlotKind.GRADS, s, k)
         return Op(
-            kind="B",
+            kind=OpKind.B,
             stage=s,
             mb=k,
             version=v,
@@ -334,98 +336,103 @@ class _Lowering:
         u = self.updates[s]
         owners, members = self.owners[s], self.members[s]
         if owners:  # this stage's tied gradients, to each owner of a group it holds
-            sums = tuple(f"pg{s}.{u}:{o}" for o in owners)
-            self.ops.append(Op("TG", s, u, ins=(grads,), outs=sums))
-            for o in owners:
-                self.ops += self.moved(f"pg{s}.{u}:{o}", f"pg{s}.{u}@{o}", s, o, u, part=False)
-        tied_in = tuple(f"pg{r}.{u}@{s}" for r in members)
-        new_in = tuple(f"nw{o}.{u}:{s}@{s}" for o in owners)
-        norms: tuple[str, ...] = ()
+            sums = tuple(Slot(SlotKind.TIED_GRADS, s, u, to=o) for o in owners)
+            self.ops.append(Op(OpKind.TG, s, u, ins=(grads,), outs=sums))
+            for o, made in zip(owners, sums, strict=True):
+                self.ops += self.moved(made, made.evolve(to=-1, at=o), s, o, u, part=False)
+        tied_in = tuple(Slot(SlotKind.TIED_GRADS, r, u, at=s) for r in members)
+        new_in = tuple(Slot(SlotKind.TIED_VALUES, o, u, to=s, at=s) for o in owners)
+        norms: tuple[Slot, ...] = ()
         if self.coupled:
             # every stage's sum of squares for this update, on this stage's devices
-            norms = tuple(f"q{r}.{u}@{s}" for r in range(self.S) if r != s)
-            self.ops.append(Op("SQ", s, u, ins=(grads, *tied_in), outs=(f"q{s}.{u}",)))
+            norms = tuple(Slot(SlotKind.SQUARES, r, u, at=s) for r in range(self.S) if r != s)
+            mine = Slot(SlotKind.SQUARES, s, u)
+            self.ops.append(Op(OpKind.SQ, s, u, ins=(grads, *tied_in), outs=(mine,)))
             for r in range(self.S):
                 if r != s:
-                    self.ops += self.moved(f"q{s}.{u}", f"q{s}.{u}@{r}", s, r, u, part=False)
+                    self.ops += self.moved(mine, mine.evolve(at=r), s, r, u, part=False)
         w2, o2 = self.after_update(s)
-        sent = tuple(f"nw{s}.{u}:{r}" for r in members)
+        sent = tuple(Slot(SlotKind.TIED_VALUES, s, u, to=r) for r in members)
         self.ops.append(
             Op(
-                kind="U",
+                kind=OpKind.U,
                 stage=s,
                 mb=a.mb,
                 version=n,
                 flags=frozenset(),
-                ins=(grads, f"w{s}v{n}", f"o{s}v{n}", *tied_in, *new_in, *norms),
+                ins=(grads, _w(s, n), _o(s, n), *tied_in, *new_in, *norms),
                 outs=(w2, o2, *sent),
                 actions=(a,),
             )
         )
-        for r in members:
-            self.ops += self.moved(f"nw{s}.{u}:{r}", f"nw{s}.{u}:{r}@{r}", s, r, u, part=False)
+        for r, value in zip(members, sent, strict=True):
+            self.ops += self.moved(value, value.evolve(at=r), s, r, u, part=False)
 
     # ------------------------------------------------------------------------- slots
 
-    def name(self, prefix: str, s: int, k: int) -> str:
+    def name(self, kind: SlotKind, s: int, k: int) -> Slot:
         """A stage's slot for microbatch ``k`` (a round-robin stage's: the group's)."""
-        return f"m{prefix}{s}.{k}" if self.rr[s] else f"{prefix}{s}.{k}"
+        return Slot(kind, s, k, group=self.rr[s])
 
-    def target(self, s: int, k: int) -> str:
-        return f"mt{s}.{k}" if self.rr[s] else f"t{k}"
+    def target(self, s: int, k: int) -> Slot:
+        return Slot(SlotKind.TARGET, s, k, group=self.rr[s])
 
-    def loss_slot(self, s: int, k: int) -> str:
-        return f"mloss{s}.{k}" if self.rr[s] else f"loss{k}"
+    def loss_slot(self, s: int, k: int) -> Slot:
+        return Slot(SlotKind.LOSS, s, k, group=self.rr[s])
 
     def covered(self, s: int, k: int) -> range:
         return range(k, k + self.n_of[s])
 
-    def residual_args(self, s: int, k: int, recompute: bool) -> tuple[str, ...]:
+    def residual_args(self, s: int, k: int, recompute: bool) -> tuple[Slot, ...]:
         if recompute:
             extra = (self.target(s, k),) if s == self.last else ()
-            return (self.state_before[(s, k)], self.name("key", s, k), *extra)
-        return (f"r{s}.{k}",)
+            return (self.state_before[(s, k)], self.name(SlotKind.KEY, s, k), *extra)
+        return (Slot(SlotKind.RESIDUALS, s, k),)
 
-    def update_tail(self, s: int, read_version: int) -> tuple[tuple[str, ...], frozenset[str]]:
+    def update_tail(self, s: int, read_version: int) -> tuple[tuple[Slot, ...], frozenset[OpFlag]]:
         """(extra inputs, flags) of a fused update after a backward at ``read_version``."""
         n = self.latest[s]
         if read_version == n:
-            return (f"o{s}v{n}",), frozenset({"newest"})
-        return (f"w{s}v{n}", f"o{s}v{n}"), frozenset()
+            return (_o(s, n),), frozenset({OpFlag.NEWEST})
+        return (_w(s, n), _o(s, n)), frozenset()
 
-    def after_update(self, s: int) -> tuple[str, str]:
+    def after_update(self, s: int) -> tuple[Slot, Slot]:
         self.latest[s] += 1
         self.updates[s] += 1
         self.acc[s] = None
-        return f"w{s}v{self.latest[s]}", f"o{s}v{self.latest[s]}"
+        return _w(s, self.latest[s]), _o(s, self.latest[s])
 
     # ------------------------------------------------------------------------- moves
 
     def moved(
-        self, slot_from: str, slot_to: str, src: int, dst: int, mb: int, part: bool = True
+        self, slot_from: Slot, slot_to: Slot, src: int, dst: int, mb: int, part: bool = True
     ) -> list[Op]:
         sp, dp = (mb % self.n_of[t] if part and self.rr[t] else -1 for t in (src, dst))
-        return [Op("MOVE", src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=(sp, dp))]
+        return [
+            Op(OpKind.MOVE, src, mb, ins=(slot_from,), outs=(slot_to,), peer=dst, part=(sp, dp))
+        ]
 
-    def gathered(self, prefix: str, s: int, k: int) -> list[Op]:
+    def gathered(self, kind: SlotKind, s: int, k: int) -> list[Op]:
         """A round-robin stage's group value from the pieces on its devices."""
         if not self.rr[s]:
             return []
-        pieces = tuple(f"{prefix}{s}.{j}" for j in range(k, k + self.n_of[s]))
-        return [Op("GATHER", s, k, ins=pieces, outs=(f"m{prefix}{s}.{k}",))]
+        pieces = tuple(Slot(kind, s, j) for j in range(k, k + self.n_of[s]))
+        return [Op(OpKind.GATHER, s, k, ins=pieces, outs=(Slot(kind, s, k, group=True),))]
 
-    def parted(self, slot: str, s: int, k: int, pieces: list[str]) -> list[Op]:
-        return [Op("PART", s, k, ins=(slot,), outs=tuple(pieces))] if self.rr[s] else []
+    def parted(self, slot: Slot, s: int, k: int, pieces: list[Slot]) -> list[Op]:
+        return [Op(OpKind.PART, s, k, ins=(slot,), outs=tuple(pieces))] if self.rr[s] else []
 
     def sent_back(self, s: int, k: int) -> list[Op]:
         """The input gradient of stage ``s > 0`` to stage ``s - 1``, piece by piece."""
-        out = self.parted(f"me{s}.{k}", s, k, [f"e{s}.{j}" for j in self.covered(s, k)])
+        pieces = [Slot(SlotKind.E, s, j) for j in self.covered(s, k)]
+        out = self.parted(Slot(SlotKind.E, s, k, group=True), s, k, pieces)
         for j in self.covered(s, k):
-            out += self.moved(f"e{s}.{j}", f"d{s - 1}.{j}", s, s - 1, j)
+            out += self.moved(Slot(SlotKind.E, s, j), Slot(SlotKind.D, s - 1, j), s, s - 1, j)
         return out
 
     def losses(self, s: int, k: int) -> list[Op]:
-        out = self.parted(f"mloss{s}.{k}", s, k, [f"loss{j}" for j in self.covered(s, k)])
+        pieces = [Slot(SlotKind.LOSS, self.last, j) for j in self.covered(s, k)]
+        out = self.parted(Slot(SlotKind.LOSS, s, k, group=True), s, k, pieces)
         for j in self.covered(s, k):
             out += self.loss_ops(j)
         return out
@@ -433,8 +440,18 @@ class _Lowering:
     def loss_ops(self, k: int) -> list[Op]:
         out = []
         if self.on_loss:
-            out.append(Op("LOSS", self.last, k, ins=(f"loss{k}",)))
+            out.append(Op(OpKind.LOSS, self.last, k, ins=(Slot(SlotKind.LOSS, self.last, k),)))
         if self.run_ahead is not None and k - self.run_ahead >= 0:
             k0 = k - self.run_ahead
-            out.append(Op("WAIT", self.last, k0, ins=(f"loss{k0}",)))
+            out.append(Op(OpKind.WAIT, self.last, k0, ins=(Slot(SlotKind.LOSS, self.last, k0),)))
         return out
+
+
+def _w(s: int, n: int) -> Slot:
+    """Stage ``s``'s weights, version ``n``."""
+    return Slot(SlotKind.WEIGHTS, s, n)
+
+
+def _o(s: int, n: int) -> Slot:
+    """Stage ``s``'s optimizer state after the update that made version ``n``."""
+    return Slot(SlotKind.OPT, s, n)

@@ -94,13 +94,21 @@ from collections.abc import Sequence
 
 from pdjax.errors import PipelineError
 from pdjax.pipeline.lowering.ops import global_ops
-from pdjax.pipeline.lowering.types import Op, Placement, Program
-from pdjax.schedules import STREAMING, Schedule
+from pdjax.pipeline.lowering.types import (
+    COMPUTE,
+    OFFSET,
+    Op,
+    OpFlag,
+    OpKind,
+    Placement,
+    Program,
+    Slot,
+    SlotKind,
+)
+from pdjax.pipeline.transport import TRANSPORTS
+from pdjax.schedules import Schedule, semantics
 
 __all__ = ["lower"]
-
-_COMPUTE = ("F", "B", "I", "W", "U", "BU", "FB", "FBU", "SQ", "TG", "KEYS")
-_TRANSPORTS = ("device_put", "collective")
 
 
 def lower(
@@ -211,9 +219,9 @@ def _tied_holders(schedule: Schedule, tied: Sequence[Sequence[int]]) -> tuple[tu
 
 
 def _check_transport(placement: Placement) -> None:
-    if placement.transport not in _TRANSPORTS:
+    if placement.transport not in TRANSPORTS:
         raise PipelineError(
-            f"unknown transport {placement.transport!r}; choose one of {_TRANSPORTS}"
+            f"unknown transport {placement.transport!r}; choose one of {tuple(TRANSPORTS)}"
         )
     used = sorted({p for st in placement.stages for p in st.processes})
     if placement.transport == "device_put" and placement.platform == "cpu" and len(used) > 2:
@@ -228,7 +236,7 @@ def _check_transport(placement: Placement) -> None:
 def _updates_in_lockstep(schedule: Schedule) -> bool:
     """Whether the stages update together, once per step each (flush schedules): update
     ``u`` of one stage then goes with update ``u`` of every other."""
-    if schedule.name in STREAMING:
+    if semantics(schedule.name).streams:
         return False
     counts = {
         sum(a.kind == "U" and a.stage == s for g in schedule.actions for a in g)
@@ -237,30 +245,35 @@ def _updates_in_lockstep(schedule: Schedule) -> bool:
     return len(counts) == 1
 
 
-def _caller_slots(schedule: Schedule) -> list[str]:
+def _caller_slots(schedule: Schedule) -> list[Slot]:
     """The slots the caller fills: every stage's weights, optimizer and model state and
     PRNG key, the microbatch offset, the inputs (stage 0) and the targets (last stage)."""
     S, N = schedule.num_stages, schedule.num_microbatches
-    slots = ["offset"]
+    slots = [OFFSET]
     for s in range(S):
-        slots += [f"w{s}v0", f"o{s}v0", f"st{s}", f"rng{s}"]
+        slots += [
+            Slot(SlotKind.WEIGHTS, s, 0),
+            Slot(SlotKind.OPT, s, 0),
+            Slot(SlotKind.STATE, s),
+            Slot(SlotKind.RNG, s),
+        ]
     first, last = schedule.group_size(0), schedule.group_size(S - 1)
-    xs = [f"mx0.{k}" for k in range(0, N, first)] if first > 1 else [f"x0.{k}" for k in range(N)]
-    ts = [f"mt{S - 1}.{k}" for k in range(0, N, last)] if last > 1 else [f"t{k}" for k in range(N)]
+    xs = [Slot(SlotKind.X, 0, k, group=first > 1) for k in range(0, N, first)]
+    ts = [Slot(SlotKind.TARGET, S - 1, k, group=last > 1) for k in range(0, N, last)]
     return slots + xs + ts
 
 
-def _in_dependency_order(ops: list[Op], given: Sequence[str]) -> list[Op]:
+def _in_dependency_order(ops: list[Op], given: Sequence[Slot]) -> list[Op]:
     """``ops`` reordered, as little as possible, so that every slot is written before it
     is read (needed only when updates wait for every stage's sum of squares)."""
-    writer: dict[str, int] = {}
+    writer: dict[Slot, int] = {}
     for i, op in enumerate(ops):
         for slot in op.outs:
             if slot in writer:
                 raise PipelineError(f"slot {slot} is written twice ({ops[writer[slot]]}, {op})")
             writer[slot] = i
     have = set(given)
-    waiting: dict[str, list[int]] = {}
+    waiting: dict[Slot, list[int]] = {}
     missing = [0] * len(ops)
     ready: list[int] = []
     for i, op in enumerate(ops):
@@ -291,8 +304,8 @@ def _one_at_a_time(ops: list[Op], stages: Sequence[bool]) -> list[Op]:
     out = []
     for op in ops:
         out.append(op)
-        if op.kind in _COMPUTE and op.kind != "KEYS" and stages[op.stage] and op.outs:
-            out.append(Op("SYNC", op.stage, op.mb, ins=op.outs))
+        if op.kind in COMPUTE and op.kind is not OpKind.KEYS and stages[op.stage] and op.outs:
+            out.append(Op(OpKind.SYNC, op.stage, op.mb, ins=op.outs))
     return out
 
 
@@ -302,18 +315,18 @@ def _donate_dropped_weights(ops: list[Op], schedule: Schedule) -> list[Op]:
     ``acc``) it is donated already and takes the new version's place, so donating the
     weights too would leave buffers XLA cannot use. The caller's version 0 is never
     donated (the caller may still hold it)."""
-    last_read: dict[str, int] = {}
+    last_read: dict[Slot, int] = {}
     for i, op in enumerate(ops):
         for slot in op.ins:
             last_read[slot] = i
     out = []
     for i, op in enumerate(ops):
-        if op.kind in ("BU", "FBU") and "acc" not in op.flags:
-            made = next(x for x in op.outs if x.startswith(f"w{op.stage}v"))
-            n = int(made.split("v")[-1]) - 1
-            newest = f"w{op.stage}v{n}"
+        if op.kind in (OpKind.BU, OpKind.FBU) and OpFlag.ACC not in op.flags:
+            made = next(x for x in op.outs if x.kind is SlotKind.WEIGHTS and x.stage == op.stage)
+            n = made.number - 1
+            newest = made.evolve(number=n)
             if n > 0 and last_read.get(newest) == i:
-                op = dataclasses.replace(op, flags=op.flags | {"donate_w"})
+                op = dataclasses.replace(op, flags=op.flags | {OpFlag.DONATE_W})
         out.append(op)
     del schedule
     return out
@@ -322,17 +335,16 @@ def _donate_dropped_weights(ops: list[Op], schedule: Schedule) -> list[Op]:
 def _peak_versions(ops: list[Op], S: int) -> tuple[int, ...]:
     """Per stage, the most weight versions alive after any operation (a version stays
     alive while it is the newest or a later operation reads it)."""
-    last_read: dict[str, int] = {}
+    last_read: dict[Slot, int] = {}
     for i, op in enumerate(ops):
         for slot in op.ins:
             last_read[slot] = i
-    alive: list[dict[str, int]] = [{f"w{s}v0": 0} for s in range(S)]
+    alive: list[dict[Slot, int]] = [{Slot(SlotKind.WEIGHTS, s, 0): 0} for s in range(S)]
     peak = [1] * S
     for i, op in enumerate(ops):
         for slot in op.outs:
-            if _is_weights(slot):
-                s, n = (int(x) for x in slot[1:].split("v"))
-                alive[s][slot] = n
+            if slot.kind is SlotKind.WEIGHTS:
+                alive[slot.stage][slot] = slot.number
         for s in range(S):
             newest = max(alive[s].values())
             alive[s] = {
@@ -342,21 +354,17 @@ def _peak_versions(ops: list[Op], S: int) -> tuple[int, ...]:
     return tuple(peak)
 
 
-def _is_weights(slot: str) -> bool:
-    return slot.startswith("w") and "v" in slot
-
-
-def _final_slots(ops: list[Op], schedule: Schedule) -> list[str]:
+def _final_slots(ops: list[Op], schedule: Schedule) -> list[Slot]:
     S = schedule.num_stages
     written = [o for op in ops for o in op.outs]
     out = []
     for s in range(S):
-        for prefix in (f"w{s}v", f"o{s}v"):
-            versions = [int(x[len(prefix) :]) for x in written if x.startswith(prefix)]
-            out.append(f"{prefix}{max(versions, default=0)}")
-        states = [x for x in written if x.startswith(f"st{s}.")]
-        out.append(states[-1] if states else f"st{s}")
-    out += [f"loss{k}" for k in range(schedule.num_microbatches)]
+        for kind in (SlotKind.WEIGHTS, SlotKind.OPT):
+            versions = [x.number for x in written if x.kind is kind and x.stage == s]
+            out.append(Slot(kind, s, max(versions, default=0)))
+        states = [x for x in written if x.kind is SlotKind.STATE and x.stage == s and x.number >= 0]
+        out.append(states[-1] if states else Slot(SlotKind.STATE, s))
+    out += [Slot(SlotKind.LOSS, S - 1, k) for k in range(schedule.num_microbatches)]
     return out
 
 
@@ -365,43 +373,30 @@ def _final_slots(ops: list[Op], schedule: Schedule) -> list[str]:
 
 def _split_by_process(
     ops: list[Op], schedule: Schedule, placement: Placement
-) -> tuple[tuple[tuple[Op, ...], ...], tuple[tuple[str, ...], ...], tuple[tuple[str, ...], ...]]:
+) -> tuple[tuple[tuple[Op, ...], ...], tuple[tuple[Slot, ...], ...], tuple[tuple[Slot, ...], ...]]:
     """Per process: its operations (with what each frees), the slots the caller fills and
     the slots the call returns."""
     per_process, inputs, outputs = [], [], []
     for p in range(placement.num_processes):
         mine = [op for op in ops if _runs_on(op, p, placement)]
         mine = [_for_process(op, p, placement) for op in mine]
-        ins = tuple(
-            slot for slot in _caller_slots(schedule) if _holds(slot, p, placement, schedule)
-        )
-        outs = tuple(
-            slot for slot in _final_slots(ops, schedule) if _holds(slot, p, placement, schedule)
-        )
+        ins = tuple(slot for slot in _caller_slots(schedule) if _holds(slot, p, placement))
+        outs = tuple(slot for slot in _final_slots(ops, schedule) if _holds(slot, p, placement))
         per_process.append(tuple(_with_frees(mine, set(outs))))
         inputs.append(ins)
         outputs.append(outs)
     return tuple(per_process), tuple(inputs), tuple(outputs)
 
 
-def _stage_of(slot: str, schedule: Schedule) -> int:
-    """The stage whose devices hold ``slot``."""
-    if slot.startswith(("loss", "t")) and not slot.startswith("st"):
-        return schedule.num_stages - 1
-    if "@" in slot:
-        return int(slot.split("@")[1])
-    head = slot.lstrip("abcdefghijklmnopqrstuvwxyz")
-    return int(head.split(".")[0].split("v")[0])
-
-
-def _holds(slot: str, p: int, placement: Placement, schedule: Schedule) -> bool:
-    if slot == "offset":
+def _holds(slot: Slot, p: int, placement: Placement) -> bool:
+    """Whether process ``p`` holds ``slot`` (on the devices of :attr:`Slot.home`)."""
+    if slot.kind is SlotKind.OFFSET:
         return True
-    return p in placement.stages[_stage_of(slot, schedule)].processes
+    return p in placement.stages[slot.home].processes
 
 
 def _runs_on(op: Op, p: int, placement: Placement) -> bool:
-    if op.kind == "MOVE":
+    if op.kind is OpKind.MOVE:
         return p in placement.stages[op.stage].processes or p in placement.stages[op.peer].processes
     return p in placement.stages[op.stage].processes
 
@@ -412,22 +407,22 @@ def _for_process(op: Op, p: int, placement: Placement) -> Op:
     ``interleaved`` with one group and ``zb-v``'s turn: every process already holds its
     part, the value only changes slot); a ``SEND`` and/or ``RECV`` otherwise (a stage
     spanning processes takes part on both)."""
-    if op.kind != "MOVE":
+    if op.kind is not OpKind.MOVE:
         return op
     here, there = placement.stages[op.stage], placement.stages[op.peer]
     src, dst = here.processes, there.processes
     if src == dst == (p,) or here.devices == there.devices:
         return op
     if p in src and p in dst:
-        return dataclasses.replace(op, kind="SENDRECV")
+        return dataclasses.replace(op, kind=OpKind.SENDRECV)
     if p in src:
-        return dataclasses.replace(op, kind="SEND", outs=())
-    return dataclasses.replace(op, kind="RECV", ins=())
+        return dataclasses.replace(op, kind=OpKind.SEND, outs=())
+    return dataclasses.replace(op, kind=OpKind.RECV, ins=())
 
 
-def _with_frees(ops: list[Op], keep: set[str]) -> list[Op]:
+def _with_frees(ops: list[Op], keep: set[Slot]) -> list[Op]:
     """Each op with the slots it reads for the last time (or writes and nothing reads)."""
-    last: dict[str, int] = {}
+    last: dict[Slot, int] = {}
     for i, op in enumerate(ops):
         for slot in op.ins:
             last[slot] = i

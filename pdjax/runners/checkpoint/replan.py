@@ -21,7 +21,7 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from pdjax._trees import key_str
 from pdjax.errors import CheckpointError
-from pdjax.pipeline.executor import PipelineState
+from pdjax.pipeline.executor import ParamLayout, PipelineState
 from pdjax.runners.checkpoint.arrays import _array_leaves, _is_key, _path_name
 from pdjax.runners.checkpoint.format import _shape_str
 
@@ -121,16 +121,15 @@ class _OptimizerView:
     treedef: Any  # the tree structure of what it sees
 
     @classmethod
-    def of(cls, stage: Any, index: int, params: Any) -> _OptimizerView:
-        hidden = stage.ties.hidden if stage.ties is not None else frozenset()
+    def of(cls, layout: ParamLayout, params: Any) -> _OptimizerView:
+        """From the pipeline's layout of the stage (:meth:`Pipeline.param_layout`) and
+        the stage's parameters in the template."""
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
-        view = stage.ties.view(params) if stage.ties is not None else params
-        phantom = bool(getattr(stage.optimizer, "needs_exchange", False))
         return cls(
-            stage=index,
-            visible=tuple(path for k, (path, _) in enumerate(flat) if k not in hidden),
-            phantom=phantom,
-            treedef=jax.tree.structure((view, 0) if phantom else view),
+            stage=layout.stage,
+            visible=tuple(path for k, (path, _) in enumerate(flat) if k not in layout.hidden),
+            phantom=layout.phantom,
+            treedef=layout.optimizer_structure(params),
         )
 
     def shaped(self, tree: Any) -> bool:
@@ -191,8 +190,9 @@ def _opt_state_sources(
 ) -> _Sources:
     """The optimizer state of each stage: a per-parameter subtree's leaves from their
     parameters' places, any other leaf from every saved stage."""
+    layouts = pipeline.param_layout()
     for s, (params, opt) in enumerate(zip(template.params, template.opt_state, strict=True)):
-        view = _OptimizerView.of(pipeline.stages[s], s, params)
+        view = _OptimizerView.of(layouts[s], params)
         for prefix, sub in jax.tree_util.tree_flatten_with_path(opt, is_leaf=view.shaped)[0]:
             if view.shaped(sub):
                 yield from _per_parameter_sources(view, prefix, sub, layout, saved)

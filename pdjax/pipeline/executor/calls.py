@@ -1,0 +1,239 @@
+"""One training call of a pipeline: the caller's values into the registers of bound code
+(:class:`Feeder`: weights, states, keys, the microbatches placed on their stages), the
+interpreter over them, and the state, losses and metrics read back (:func:`execute`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdjax import _xla_cpu
+from pdjax._sharding import held
+from pdjax.distributed import allgather_json
+from pdjax.layers import PyTree
+from pdjax.pipeline.executor.forward import Forward
+from pdjax.pipeline.executor.interpreter import (
+    Code,
+    interpret,
+    interpret_counting,
+    interpret_recording,
+)
+from pdjax.pipeline.executor.stages import StageSet
+from pdjax.pipeline.executor.state import PipelineState, RunMetrics
+from pdjax.pipeline.executor.trees import _concat, _loss_of
+from pdjax.pipeline.lowering.types import OFFSET, Slot, SlotKind
+from pdjax.pipeline.stage import Stage
+from pdjax.pipeline.transport import Transport
+from pdjax.schedules import Schedule
+from pdjax.simulator.timeline import Timeline
+
+__all__ = ["Feeder", "execute"]
+
+
+class Feeder:
+    """The caller's values as the slots a program starts from, with what it keeps to
+    place them fast: the caller's key on every stage (while it is the same object), and
+    the programs that split a batch on a stage's devices."""
+
+    def __init__(self, stage_set: StageSet) -> None:
+        self.stage_set = stage_set
+        self._rng: tuple[jax.Array, dict[Slot, jax.Array]] | None = None
+        self._splitters: dict[Any, Any] = {}
+
+    def inputs(
+        self, state: PipelineState, microbatches: list[tuple[PyTree, PyTree]]
+    ) -> dict[Slot, Any]:
+        """The caller's slots: weights, states, per-stage PRNG keys (placed once per call,
+        wherever the caller's key lives), the inputs and the targets (one transfer each)."""
+        ss = self.stage_set
+        last = ss.num_stages - 1
+        values: dict[Slot, Any] = {OFFSET: np.int32(state.microbatches)}
+        for s in range(ss.num_stages):
+            if not ss.local[s]:
+                continue
+            values[Slot(SlotKind.WEIGHTS, s, 0)] = state.params[s]
+            values[Slot(SlotKind.OPT, s, 0)] = state.opt_state[s]
+            values[Slot(SlotKind.STATE, s)] = state.model_state[s]
+        values.update(self._placed_rng(state.rng))
+        for s, i, kind in ((0, 0, SlotKind.X), (last, 1, SlotKind.TARGET)):
+            if not ss.local[s]:
+                continue
+            stage = ss.stages[s]
+            trees = [mb[i] for mb in microbatches]
+            if stage.round_robin:  # one array per group: microbatch k0 + d on device d
+                r = stage.num_replicas
+                groups = [_concat(trees[k : k + r]) for k in range(0, len(trees), r)]
+                placed = self._place_microbatches(stage, groups)
+                values.update((Slot(kind, s, k * r, group=True), v) for k, v in enumerate(placed))
+            else:
+                placed = self._place_microbatches(stage, trees)
+                values.update((Slot(kind, s, k), v) for k, v in enumerate(placed))
+        return values
+
+    def _placed_rng(self, rng: jax.Array) -> dict[Slot, jax.Array]:
+        """The caller's key on every local stage's devices; kept while the caller's key is
+        the same object (a state passes its key on), so a call moves it only when it is new."""
+        cached = self._rng
+        if cached is None or cached[0] is not rng:
+            ss = self.stage_set
+            placed = {
+                Slot(SlotKind.RNG, s): stage.place_weights(rng)
+                for s, stage in enumerate(ss.stages)
+                if ss.local[s]
+            }
+            self._rng = cached = (rng, placed)
+        return cached[1]
+
+    def _place_microbatches(self, stage: Stage, trees: list[PyTree]) -> list[PyTree]:
+        """Host microbatches (numpy) go over as one array per leaf and are split on the
+        devices by one cached program: two dispatches, not one transfer per microbatch."""
+        leaves = jax.tree.leaves(trees)
+        placed: list[PyTree]
+        if self.stage_set.multiprocess or not all(isinstance(a, np.ndarray) for a in leaves):
+            placed = stage.place_batch(trees)
+            return placed
+        treedef = jax.tree.structure(trees[0])
+        rows = [[np.shape(a)[0] for a in jax.tree.leaves(t)] for t in trees]
+        key = (id(stage), treedef, len(trees), tuple(map(tuple, rows)))
+        split = self._splitters.get(key)
+        if split is None:
+            if any(len(set(r)) != 1 for r in rows):
+                placed = stage.place_batch(trees)
+                return placed
+            bounds = tuple(int(b) for b in np.cumsum([0, *(r[0] for r in rows)]))
+            split = self._splitters[key] = _splitter(bounds, stage.batch_sharding)
+        whole = jax.tree.map(lambda *a: np.concatenate(a), *trees)
+        placed = split(jax.device_put(whole, stage.batch_sharding))
+        return placed
+
+
+@lru_cache(maxsize=256)
+def _splitter(bounds: tuple[int, ...], sharding: Any) -> Callable[..., Any]:
+    """The program that cuts a batch (each leaf the microbatches concatenated) at
+    ``bounds`` into microbatches placed by ``sharding``: it reads nothing of a pipeline,
+    so every pipeline of the process feeding the same rows to the same devices shares
+    it."""
+
+    def cut(whole: PyTree) -> list[PyTree]:
+        return [
+            jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], whole)
+            for lo, hi in itertools.pairwise(bounds)
+        ]
+
+    return jax.jit(cut, out_shardings=sharding)
+
+
+def execute(
+    code: Code,
+    state: PipelineState,
+    microbatches: list[tuple[PyTree, PyTree]],
+    *,
+    feeder: Feeder,
+    forward: Forward,
+    transport: Transport,
+    workarounds: _xla_cpu.Workarounds,
+    schedule: Schedule | None,
+    on_loss: Callable[[int, jax.Array], None] | None = None,
+    collectives: bool = False,
+) -> tuple[PipelineState, RunMetrics]:
+    """Runs ``code`` over ``microbatches`` from ``state``. ``schedule``: record each
+    operation's span (the call's schedule, for the timeline; None: do not)."""
+    ss = feeder.stage_set
+    prog, slots = code.program, code.slots
+    reg = code.registers()
+    for name, value in feeder.inputs(state, microbatches).items():
+        i = slots.get(name)
+        if i is not None:
+            reg[i] = value
+    t0 = time.perf_counter()
+    all_reduces = None
+    if schedule is not None:
+        spans, peaks = interpret_recording(code, reg, schedule, ss.stages, on_loss)
+    elif collectives:
+        all_reduces = interpret_counting(code, reg, on_loss)
+    else:
+        interpret(code, reg, on_loss)
+    host = time.perf_counter() - t0
+    transport.drain()  # the sender must outlive the transfer
+    new_state = _new_state(code, ss, state, reg, len(microbatches))
+    losses = _losses(code, forward, state, microbatches, reg)
+    aux = [v[1] for v in losses] if losses and isinstance(losses[0], tuple) else None
+    record = schedule is not None
+    metrics = RunMetrics(
+        losses=[_loss_of(v) for v in losses],
+        aux=aux,
+        peak_versions=prog.peak_versions,
+        actions=prog.actions,
+        host_seconds=host,
+        timeline=Timeline(prog.schedule, ss.num_groups, tuple(spans)) if record else None,
+        peak_bytes=tuple(peaks) if record else None,
+        ops=len(code.steps),
+        workarounds=workarounds.reasons,
+        all_reduces=all_reduces,
+    )
+    if ss.multiprocess:
+        # Return drained everywhere: this process's results are computed (so what it
+        # received has arrived) and so are every other process's (so what it sent has
+        # been taken). A process that went on at once could enter an XLA collective
+        # (data parallelism, a replicated stage) while a transfer its peer still needs
+        # waits behind it.
+        # jax leaves block_until_ready unannotated
+        jax.block_until_ready([a for a in jax.tree.leaves((new_state, metrics.losses)) if held(a)])
+        allgather_json("pipeline run drained")
+    return new_state, metrics
+
+
+def _new_state(
+    code: Code, ss: StageSet, state: PipelineState, reg: list[Any], num_microbatches: int
+) -> PipelineState:
+    """The state after a call: the program's outputs where it has them (the weights,
+    optimizer and model state of this process's stages), ``state``'s elsewhere."""
+    prog = code.program
+    found: dict[tuple[SlotKind, int], Any] = {}
+    for out in prog.outputs[ss.process_index]:
+        if out.kind in (SlotKind.WEIGHTS, SlotKind.OPT, SlotKind.STATE) and out in code.slots:
+            found.setdefault((out.kind, out.stage), reg[code.slots[out]])
+
+    def value(s: int, field: str, kind: SlotKind) -> Any:
+        key = (kind, s)
+        return found[key] if key in found else getattr(state, field)[s]
+
+    stages = range(ss.num_stages)
+    return PipelineState(
+        params=tuple(value(s, "params", SlotKind.WEIGHTS) for s in stages),
+        model_state=tuple(value(s, "model_state", SlotKind.STATE) for s in stages),
+        opt_state=tuple(value(s, "opt_state", SlotKind.OPT) for s in stages),
+        updates=tuple(u + n for u, n in zip(state.updates, prog.updates, strict=True)),
+        microbatches=state.microbatches + num_microbatches,
+        rng=state.rng,
+    )
+
+
+def _losses(
+    code: Code,
+    forward: Forward,
+    state: PipelineState,
+    microbatches: list[tuple[PyTree, PyTree]],
+    reg: list[Any],
+) -> list[Any]:
+    """Per microbatch, what the last stage's forward left: its loss, or ``(loss,
+    aux)``; across processes broadcast from the last stage's processes to all."""
+    ss = forward.stage_set
+    N, last = len(microbatches), ss.num_stages - 1
+    if ss.local[last]:
+        losses: list[Any] = [reg[code.slots[Slot(SlotKind.LOSS, last, k)]] for k in range(N)]
+    else:
+        losses = [None] * N
+    if ss.multiprocess:  # the losses live on the last stage's processes
+        if not ss.local[last]:  # their shapes: the loss and any aux of a microbatch
+            spec = forward.loss_spec(state, microbatches[0])
+            losses = [jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), spec)] * N
+        losses = forward.broadcast(last, losses)
+    return losses

@@ -1,0 +1,182 @@
+"""A schedule as one object: :class:`ScheduleKind`, what every part of pdjax reads of a
+schedule instead of branching on its name.
+
+Each schedule's kind is defined next to its generator, in the module of its family
+(:mod:`~pdjax.schedules.flush`, :mod:`~pdjax.schedules.streaming`,
+:mod:`~pdjax.schedules.zero_bubble`), which lists its kinds in ``FAMILY``;
+:mod:`~pdjax.schedules.registry` collects them. A kind holds its row of the semantics
+table (:class:`~pdjax.schedules.semantics.ScheduleSemantics`), its generator under one
+call signature (:class:`GenerateArgs`), where its stages sit (:class:`StagePlacement`), its
+chunk rule, and the facts the planner, simulator and applications need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from pdjax.schedules.semantics import ScheduleSemantics
+
+if TYPE_CHECKING:
+    from pdjax.schedules.actions import Schedule
+
+__all__ = [
+    "MODULO",
+    "V_SHAPE",
+    "GenerateArgs",
+    "ScheduleKind",
+    "StagePlacement",
+    "stages_from",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateArgs:
+    """The arguments of :func:`~pdjax.schedules.generate`, as every kind's
+    :attr:`ScheduleKind.build` takes them (each reads the ones it has)."""
+
+    num_stages: int
+    num_microbatches: int
+    stream: int | None = None
+    chunks: int = 2
+    steps: int = 1
+    vertical_sync: bool = False
+    weight_stashing: bool = True
+    num_layers: int | None = None
+    replicas: Sequence[int] | None = None
+    extra_in_flight: int = 0
+    replication: Sequence[str] | str | None = None
+
+
+def _modulo(groups: int, chunks: int) -> tuple[int, ...]:
+    return tuple(s % groups for s in range(groups * chunks))
+
+
+def _v(groups: int, chunks: int) -> tuple[int, ...]:
+    stages = groups * chunks
+    return tuple(min(s, stages - 1 - s) for s in range(stages))
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlacement:
+    """Where a schedule's (virtual) stages sit on its device groups.
+
+    Attributes:
+        groups: ``(P, v) -> `` the device group of each of the ``P v`` stages.
+        rule: the rule as the validator states it.
+    """
+
+    groups: Callable[[int, int], tuple[int, ...]]
+    rule: str
+
+
+MODULO = StagePlacement(_modulo, "stage s on group s % P")
+"""Stage ``s`` on group ``s % P`` (one stage per group, or interleaved's loop)."""
+V_SHAPE = StagePlacement(_v, "the V: stage s on group min(s, 2P - 1 - s)")
+"""Stages ``0 .. P - 1`` down the groups, ``P .. 2P - 1`` back up (``zb-v``)."""
+
+
+def stages_from(num_stages: int, stage: int) -> int:
+    """1F1B's depth: stage ``s`` of ``P`` holds ``P - s``."""
+    return num_stages - stage
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleKind:
+    """One schedule: what it computes, how it is generated, and what the rest of pdjax
+    reads of it.
+
+    Attributes:
+        semantics: its row of the semantics table (name, flags, formulas, update rule).
+        build: the generator under :func:`~pdjax.schedules.generate`'s arguments.
+        placement: where its stages sit on the device groups.
+        chunks: stages per device group: a fixed count (1; 2 for a V), or None where the
+            caller chooses ``v`` (``interleaved``'s ``chunks``).
+        needs_microbatches_per_stage: a step's ``M`` microbatches must be at least the
+            ``P`` stages (``2bw``: step ``t`` uses ``W(t - 1)`` at every stage).
+        planned_as: the schedule the planner's dynamic program prices in its place (None:
+            itself); the simulator then picks among the programme's partitions.
+        planner_depth: ``(P, s) -> count``, the microbatches the planner's memory model
+            charges stage ``s`` of ``P`` (at most ``M`` when the schedule flushes), or None
+            for all ``M`` of a step.
+        planner_round_trip: whether the ``pdjax`` cost model's objective has the
+            round-trip bound (not where the in-flight count is all ``M`` or depends on
+            chunks the planner does not know).
+        benched: whether ``pdjax bench`` runs it by default.
+    """
+
+    semantics: ScheduleSemantics
+    build: Callable[[GenerateArgs], Schedule]
+    placement: StagePlacement = MODULO
+    chunks: int | None = 1
+    needs_microbatches_per_stage: bool = False
+    planned_as: str | None = None
+    planner_depth: Callable[[int, int], int] | None = stages_from
+    planner_round_trip: bool = True
+    benched: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.semantics.name
+
+    @property
+    def default_chunks(self) -> int:
+        """Stages per device group when the caller gives none."""
+        return 1 if self.chunks is None else self.chunks
+
+    def chunks_for(self, chosen: int) -> int:
+        """Stages per device group with the caller's ``chosen`` ``v``: ``chosen`` where
+        the schedule takes it, else its own count."""
+        return chosen if self.chunks is None else self.chunks
+
+    @property
+    def priced_as(self) -> str:
+        """The schedule the planner's dynamic program prices (:attr:`planned_as`)."""
+        return self.planned_as or self.name
+
+    @property
+    def runs_plan_stages(self) -> bool:
+        """Training runs a plan's stages as they are: one stage per device group (a
+        chunked schedule cuts the model into equal chunks of its own)."""
+        return not self.semantics.chunked
+
+    @property
+    def stream_in_steps(self) -> bool:
+        """A streaming schedule whose stream is a whole number of steps of ``M``
+        (``2bw``); a streaming schedule that updates per microbatch counts steps of 1."""
+        row = self.semantics
+        return row.streams and not row.updates_per_microbatch
+
+    @property
+    def round_robin_by_default(self) -> bool:
+        """Round-robin replication is the cheaper mode (one all-reduce per group, not per
+        microbatch): the schedule takes it and updates every microbatch."""
+        row = self.semantics
+        return row.round_robin and row.updates_per_microbatch
+
+    def takes(self, option: str) -> bool:
+        """Whether ``option`` (a generator option such as ``"extra_in_flight"``) is this
+        schedule's."""
+        return option in self.semantics.options
+
+    def stage_groups(self, groups: int, chunks: int = 1) -> tuple[int, ...]:
+        """The device group of each of ``groups * chunks`` stages."""
+        return self.placement.groups(groups, chunks)
+
+    def label(self, schedule: Schedule) -> str:
+        """A short name of ``schedule`` (a schedule of this kind) for tables: the name,
+        ``rr`` with round-robin stages, the chunks where the caller chose them, the
+        options that are on."""
+        if self.chunks is None:
+            return f"{schedule.name} (v={schedule.chunks})"
+        rr = " rr" if "round-robin" in schedule.replication else ""
+        extras = [
+            x
+            for x, on in [
+                ("vsync", schedule.vertical_sync),
+                ("no stash", not schedule.weight_stashing),
+            ]
+            if on
+        ]
+        return schedule.name + rr + (f" ({', '.join(extras)})" if extras else "")
