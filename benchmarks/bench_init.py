@@ -38,7 +38,7 @@ import optax  # noqa: E402
 import pdjax  # noqa: E402
 from pdjax.layers import init_programs  # noqa: E402
 from pdjax.models import get_model  # noqa: E402
-from pdjax.pipeline.executor import Pipeline, even_stages  # noqa: E402
+from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
 
 
 class Block(nn.Module):

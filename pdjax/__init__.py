@@ -31,11 +31,11 @@ from pdjax.errors import (
 from pdjax.export import linen_variables, update_nnx
 from pdjax.layers import Fn, LayerSequence, sequential
 from pdjax.partition import Plan, Topology, plan_pipedream
-from pdjax.pipeline.executor import Pipeline, PipelineState, even_stages
+from pdjax.pipeline import Pipeline, PipelineState, even_stages
 from pdjax.profile import Profile, profile
 from pdjax.runners import Checkpointer, DataParallel, Runner, RunnerState
 from pdjax.schedules import Schedule, generate, validate
-from pdjax.simulator.engine import simulate
+from pdjax.simulator import simulate
 
 __version__ = "0.1.0"
 

@@ -269,7 +269,7 @@ def parse_json(text: str, what: str, error: type[PdjaxError]) -> Any:
 _MISSING: Any = object()
 
 
-def _kind(value: Any) -> str:
+def describe_value(value: Any) -> str:
     """A short description of a JSON value for messages: its type and a bounded repr."""
     if value is None:
         return "null"
@@ -314,19 +314,19 @@ class FieldReader:
 
     def mapping(self, value: Any, path: str) -> Mapping[str, Any]:
         if not isinstance(value, Mapping):
-            self.fail(path, f"expected an object, got {_kind(value)}")
+            self.fail(path, f"expected an object, got {describe_value(value)}")
         return value
 
     def array(self, value: Any, path: str, length: int | None = None) -> list[Any]:
         if not isinstance(value, list | tuple):
-            self.fail(path, f"expected a list, got {_kind(value)}")
+            self.fail(path, f"expected a list, got {describe_value(value)}")
         if length is not None and len(value) != length:
             self.fail(path, f"expected {length} entries, got {len(value)}")
         return list(value)
 
     def string(self, value: Any, path: str) -> str:
         if not isinstance(value, str):
-            self.fail(path, f"expected a string, got {_kind(value)}")
+            self.fail(path, f"expected a string, got {describe_value(value)}")
         return value
 
     def integer(self, value: Any, path: str, *, minimum: int | None = None) -> int:
@@ -334,7 +334,7 @@ class FieldReader:
         if isinstance(value, float) and math.isfinite(value) and value == int(value):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(path, f"expected an integer, got {_kind(value)}")
+            self.fail(path, f"expected an integer, got {describe_value(value)}")
         if abs(value) > MAX_INT:
             self.fail(path, f"an integer of {len(str(abs(value)))} digits is too large")
         if minimum is not None and value < minimum:
@@ -345,13 +345,13 @@ class FieldReader:
         """A finite number (int or float, returned as given so round trips stay exact), at
         least ``minimum`` (None: any sign)."""
         if isinstance(value, bool) or not isinstance(value, int | float):
-            self.fail(path, f"expected a number, got {_kind(value)}")
+            self.fail(path, f"expected a number, got {describe_value(value)}")
         try:
             finite = math.isfinite(value)
         except OverflowError:  # an int too large for a float
             finite = False
         if not finite:
-            self.fail(path, f"expected a finite number, got {_kind(value)}")
+            self.fail(path, f"expected a finite number, got {describe_value(value)}")
         if minimum is not None and value < minimum:
             self.fail(path, f"must be at least {minimum:g}, got {value!r}")
         return value
@@ -364,7 +364,7 @@ class FieldReader:
         it writes back as strict JSON: no NaN or infinity, which ``json.loads`` accepts but
         the files' writers refuse."""
         if isinstance(value, float) and not math.isfinite(value):
-            self.fail(path, f"expected a finite number, got {_kind(value)}")
+            self.fail(path, f"expected a finite number, got {describe_value(value)}")
         if isinstance(value, Mapping):
             for k, v in value.items():
                 self.plain(v, f"{path}.{k}")

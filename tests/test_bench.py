@@ -72,7 +72,7 @@ def test_shared_pool_prediction_is_the_work_over_the_pool_concurrency():
     seconds over the measured concurrency of their shared pool; elsewhere the makespan."""
     import jax
 
-    from pdjax.apps.bench import _predicted, pool_concurrency
+    from pdjax.apps.bench import pool_concurrency, predicted_call_seconds
     from pdjax.models import get_model
     from pdjax.schedules import generate
     from pdjax.simulator import simulate, unit_costs
@@ -84,6 +84,8 @@ def test_shared_pool_prediction_is_the_work_over_the_pool_concurrency():
     sim = simulate(generate("1f1b", 4, 8), unit_costs(4))
     work = 8 * 4 * 3  # every microbatch: F = 1, B = 2 at each of 4 stages
     devs = jax.devices()[:4]
-    assert _predicted(sim, devs, 1.0) == pytest.approx(max(sim.makespan, work))
-    assert _predicted(sim, devs, 4.0) == pytest.approx(sim.makespan)  # the pipeline bound
-    assert _predicted(sim, devs[:1], 1.0) == sim.makespan
+    assert predicted_call_seconds(sim, devs, 1.0) == pytest.approx(max(sim.makespan, work))
+    assert predicted_call_seconds(sim, devs, 4.0) == pytest.approx(
+        sim.makespan
+    )  # the pipeline bound
+    assert predicted_call_seconds(sim, devs[:1], 1.0) == sim.makespan

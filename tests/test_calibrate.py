@@ -18,18 +18,17 @@ from pdjax.calibrate import (
     AllReduceMeasure,
     Calibration,
     StageMeasure,
-    _with_timeout,
     calibrate,
     fit_latency_bandwidth,
     measure_stages,
     model_fingerprint,
     neighbours,
     rank_plans,
+    with_timeout,
 )
 from pdjax.errors import CalibrationError
 from pdjax.models import get_model
-from pdjax.partition import Topology, evaluate_partition
-from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition
 from pdjax.profile import LayerProfile, Profile
 
 
@@ -118,7 +117,7 @@ def test_unmeasured_stage_is_refused_or_priced_from_the_profile():
 def test_simulator_plays_the_calibrated_costs():
     """One worker: the stage's forward + backward + update per microbatch, exactly."""
     from pdjax.schedules import generate
-    from pdjax.simulator.engine import simulate
+    from pdjax.simulator import simulate
 
     plan = evaluate_partition(_profile(), Topology.flat(1, 1e6), [(0, 3, 1)],
                               schedule="pipedream", microbatch_size=8)  # fmt: skip
@@ -169,7 +168,7 @@ def test_a_link_that_does_not_answer_fails_in_time_naming_it():
     not when it ends: ordering, not a clock, is what is checked."""
     never = threading.Event()
     with pytest.raises(CalibrationError, match=r"link 3 -> 5 could not be measured within"):
-        _with_timeout("link 3 -> 5", 0.2, never.wait)
+        with_timeout("link 3 -> 5", 0.2, never.wait)
     assert not never.is_set()
     blocked = [t for t in threading.enumerate() if t.name == "pdjax-calibrate link 3 -> 5"]
     assert blocked and blocked[0].is_alive(), "the measurement should still be blocked"

@@ -13,13 +13,13 @@ from pdjax.apps.cluster import (
     ClusterError,
     ClusterResult,
     Row,
-    _bandwidth,
-    _launch,
-    _predict,
+    bandwidth,
     cluster_model,
     format_markdown,
+    launch,
     plot_cluster,
     plot_ranking,
+    predict,
 )
 from pdjax.apps.netem import network_support
 from pdjax.profile import LayerProfile, Profile
@@ -39,12 +39,12 @@ def _profile() -> Profile:
 
 
 def test_bandwidth_is_the_payload_rate():
-    assert _bandwidth(100.0) == pytest.approx(100e6 / 8 * PAYLOAD)
+    assert bandwidth(100.0) == pytest.approx(100e6 / 8 * PAYLOAD)
     assert PAYLOAD == pytest.approx(0.9564, abs=1e-4)
 
 
 def test_one_worker_prediction():
-    planner, sim = _predict(
+    planner, sim = predict(
         _profile(), [U] * 4, None, "single", [], units=10, microbatch=8, microbatches=4
     )
     assert planner == pytest.approx(4 * (F + B))  # the planner leaves out the update
@@ -53,17 +53,17 @@ def test_one_worker_prediction():
 
 def test_pipeline_prediction_compute_bound_and_link_bound():
     stages = [(0, 1), (2, 3)]
-    planner, sim = _predict(
+    planner, sim = predict(
         _profile(), [U] * 4, 1e6, "pipedream", stages, units=64, microbatch=8, microbatches=4
     )
     stage = 2 * (F + B)
     assert planner == pytest.approx(stage, rel=1e-3)  # a free link: the slowest stage
     # the simulator adds each stage's update and the stream's fill and drain
     assert stage + 2 * U < sim < (stage + 2 * U) * (1 + 3 / 64)
-    planner, sim = _predict(
+    planner, sim = predict(
         _profile(), [U] * 4, 1.0, "pipedream", stages, units=16, microbatch=8, microbatches=4
     )
-    link = ACT / _bandwidth(1.0)  # 0.84 s per activation (and per gradient back)
+    link = ACT / bandwidth(1.0)  # 0.84 s per activation (and per gradient back)
     # the planner and the simulator send activation and gradient each way on a
     # full-duplex link
     assert planner == pytest.approx(link + 2 * (F + B), rel=1e-3)  # the round trip over 2
@@ -71,10 +71,10 @@ def test_pipeline_prediction_compute_bound_and_link_bound():
 
 
 def test_data_parallel_prediction_pays_the_all_reduce():
-    planner, sim = _predict(
+    planner, sim = predict(
         _profile(), [U] * 4, 10.0, "dp", [], units=8, microbatch=8, microbatches=4
     )
-    ring = 2 * (2 - 1) / 2 * 4 * PARAMS / _bandwidth(10.0)  # ring all-reduce, 2 workers
+    ring = 2 * (2 - 1) / 2 * 4 * PARAMS / bandwidth(10.0)  # ring all-reduce, 2 workers
     step = 4 * (F + B + U) + ring  # one step = 2 microbatches (one per worker)
     assert sim == pytest.approx(step / 2, rel=1e-3)
     assert planner == pytest.approx((4 * (F + B) + ring) / 2, rel=0.05)
@@ -107,21 +107,21 @@ def _calibrated(L=4):
 
 
 def test_calibrated_predictions():
-    from pdjax.apps.cluster import _predict_calibrated
+    from pdjax.apps.cluster import predict_calibrated
 
     cal = _calibrated()
-    planner, sim = _predict_calibrated(
+    planner, sim = predict_calibrated(
         _profile(), cal, None, "single", [], units=10, microbatch=8, microbatches=4
     )
     assert sim == pytest.approx(4 * (F + B + U))  # the measured stage, every microbatch
     assert planner == pytest.approx(4 * (F + B + U))
     # data parallelism: each worker a whole microbatch per step, one measured all-reduce
-    planner, sim = _predict_calibrated(
+    planner, sim = predict_calibrated(
         _profile(), cal, None, "dp", [], units=8, microbatch=8, microbatches=4
     )
     assert sim == pytest.approx((4 * (F + B + U) + 0.05) / 2, rel=1e-3)
     # a pipeline bound by its slower stage (3F + 3B + 2U, stage 1) or by the round trip
-    planner, sim = _predict_calibrated(
+    planner, sim = predict_calibrated(
         _profile(), cal, None, "pipedream", [(0, 1), (2, 3)], units=64, microbatch=8, microbatches=4
     )
     slow = 3 * (F + B) + 2 * U
@@ -239,7 +239,7 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     }
     job["calibrate"] = True
     job["sizes"] = [4096, 262144]
-    got = _launch(job, 2, 100.0, reason is None, tmp_path)
+    got = launch(job, 2, 100.0, reason is None, tmp_path)
     cal = got.pop("_calibration")
     assert sorted(got) == ["1f1b", "dp", "pipedream"]
     assert all(len(v) == 1 and 0 < v[0] < 60 and math.isfinite(v[0]) for v in got.values())
@@ -248,7 +248,7 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     for ln in cal["links"]:
         assert ln["bandwidth"] > 0 and ln["latency"] >= 0 and ln["send_seconds"] > 0
         if reason is None:  # 100 Mbit/s: no faster than the rate, less one token bucket
-            from pdjax.apps.netem import _burst_bytes
+            from pdjax.apps.netem import burst_bytes
 
-            assert ln["seconds"][-1] >= (262144 - _burst_bytes(100.0)) / (100e6 / 8)
+            assert ln["seconds"][-1] >= (262144 - burst_bytes(100.0)) / (100e6 / 8)
     assert cal["allreduce_model"] > 0

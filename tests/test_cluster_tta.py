@@ -49,8 +49,8 @@ def test_runs_train_in_two_processes_and_a_rerun_resumes(tmp_path, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a rerun launched workers again")
 
-    monkeypatch.setattr("pdjax.apps.cluster._launch", no_launch)
-    monkeypatch.setattr("pdjax.apps.cluster._profile", no_launch)
+    monkeypatch.setattr("pdjax.apps.cluster.launch", no_launch)
+    monkeypatch.setattr("pdjax.apps.cluster.profile_on_workers", no_launch)
     again = run_tta(out, studies=[STUDY], seeds=(0,), runners=("single", "1f1b"), emulate=False)
     assert again == results
     paths = report(out)
@@ -121,8 +121,7 @@ def test_link_names():
 def test_a_pipeline_plan_that_is_not_two_stages_on_two_workers_is_refused():
     """A pipeline runner on a plan of one stage (or one worker) would be reported as a
     2-stage pipeline: the benchmark refuses it, naming where."""
-    from pdjax.partition import Topology
-    from pdjax.partition.partitioners import evaluate_partition
+    from pdjax.partition import Topology, evaluate_partition
     from pdjax.profile import LayerProfile, Profile
 
     layers = [LayerProfile(f"l{i}", forward_seconds=1e-3, backward_seconds=2e-3,
@@ -134,7 +133,7 @@ def test_a_pipeline_plan_that_is_not_two_stages_on_two_workers_is_refused():
                                   num_microbatches=4, partitioner="manual")  # fmt: skip
 
     two = plan([(0, 1, 1), (2, 3, 1)])
-    assert cluster_tta._two_stages(two, "here") is two
+    assert cluster_tta.two_stages(two, "here") is two
     for stages in ([(0, 3, 1)], [(0, 3, 2)]):
         with pytest.raises(ClusterError, match=r"^s on 100 Mbit/s, 1f1b: the planner's plan"):
-            cluster_tta._two_stages(plan(stages), "s on 100 Mbit/s, 1f1b")
+            cluster_tta.two_stages(plan(stages), "s on 100 Mbit/s, 1f1b")

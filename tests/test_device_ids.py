@@ -10,7 +10,7 @@ import pdjax
 from pdjax.errors import PipelineError
 from pdjax.models import get_model
 from pdjax.partition import Plan, Topology, evaluate_partition
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 from pdjax.profile import profile
 
 MB, M = 4, 2  # samples per microbatch, microbatches per step

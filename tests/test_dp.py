@@ -10,7 +10,7 @@ from pdjax.apps import data
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import DataParallel
 
 

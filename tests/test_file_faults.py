@@ -18,10 +18,15 @@ from hypothesis import strategies as st
 from pdjax.apps.commands import simulate as simulate_command
 from pdjax.calibrate import AllReduceMeasure, Calibration, LinkMeasure, StageMeasure
 from pdjax.errors import CalibrationError, GraphFormatError, PdjaxError, PlanError, ProfileError
-from pdjax.partition import Plan, Topology, evaluate_partition, plan_pipedream, plan_uniform
-from pdjax.partition.simulator_costs import costs_from_plan
-from pdjax.profile import LayerProfile, Profile
-from pdjax.profile.graph_txt import read_graph_txt
+from pdjax.partition import (
+    Plan,
+    Topology,
+    costs_from_plan,
+    evaluate_partition,
+    plan_pipedream,
+    plan_uniform,
+)
+from pdjax.profile import LayerProfile, Profile, read_graph_txt
 
 _VGG_GRAPH = Path(Profile.load("pipedream:vgg16").meta["source"])
 

@@ -16,7 +16,7 @@ from flax import nnx
 import pdjax
 from pdjax.layers import init_programs
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 _compiled: collections.Counter[str] = collections.Counter()
 

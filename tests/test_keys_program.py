@@ -10,7 +10,7 @@ import optax
 
 import pdjax
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 
 def _pipeline(width, stages, **kw):

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 
 def _live_bytes():

@@ -34,7 +34,7 @@ def _setup(schedule: str, span: bool = False, three: bool = False, transport: st
     stages on devices 0, 1, 2."""
     from pdjax.models import get_model
     from pdjax.partition import StagePlan
-    from pdjax.pipeline.executor import Pipeline, even_stages
+    from pdjax.pipeline import Pipeline, even_stages
 
     spec = get_model("mlp", "tiny")
     if span:

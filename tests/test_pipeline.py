@@ -14,7 +14,7 @@ from pdjax.errors import PipelineError, PlanError
 from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 # The MLP's schedules compile as users' programs are, at XLA's default optimization level
 # (conftest.py): the same checks as at the tests' low level, which the larger models use.

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition import Topology, plan_auto
+from pdjax.partition import Topology, evaluate_partition, plan_auto
 from pdjax.partition.auto import evaluate_candidate
-from pdjax.partition.partitioners import evaluate_partition
 from pdjax.profile import LayerProfile, Profile
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]

@@ -14,7 +14,7 @@ from reference import flush_training
 import pdjax
 from pdjax.errors import LayerError
 from pdjax.layers import Fn, PrecisionLayer, sequential
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 from pdjax.precision import Policy, get_policy
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)

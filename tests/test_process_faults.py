@@ -145,10 +145,10 @@ launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600)
 """,
     "cluster": """
 import os, sys
-from pdjax.apps.cluster import _run_processes
+from pdjax.apps.cluster import run_processes
 cmd = [sys.executable, "-c", sys.argv[2], sys.argv[1]]
 envs = [{**os.environ, "PDJAX_PROCESS_ID": str(i)} for i in range(2)]
-_run_processes([cmd, cmd], envs, "sleepers", timeout=600)
+run_processes([cmd, cmd], envs, "sleepers", timeout=600)
 """,
 }
 
@@ -204,9 +204,9 @@ launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600, pin=True)
     "cluster": """
 import sys
 from pathlib import Path
-from pdjax.apps.cluster.launcher import _launch
+from pdjax.apps.cluster.launcher import launch
 job = {"model": "sleepers", "runners": []}
-_launch(job, 2, None, False, Path(sys.argv[3]), module="pdjax_sleeper", timeout=600)
+launch(job, 2, None, False, Path(sys.argv[3]), module="pdjax_sleeper", timeout=600)
 """,
 }
 

@@ -13,7 +13,7 @@ from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -177,7 +177,7 @@ def test_each_device_keeps_its_own_rows_gradient():
     """The per-device sums are each device's own rows' gradient: device ``d`` of a stage
     holds the gradient of the microbatch loss restricted to the rows it holds (an
     independent single-device computation), and their sum is the whole gradient."""
-    from pdjax.pipeline.stage import Stage
+    from pdjax.pipeline import Stage
 
     layers = sequential(Dense32(), nn.Dense(10))
     x, t = _stream(1, 8)[0]

@@ -16,7 +16,7 @@ from reference import delayed_training, flush_training
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 
 class Dense32(nn.Module):
@@ -217,17 +217,17 @@ def test_gather_and_part_do_not_copy():
     """The group a round-robin stage computes on is assembled from the microbatches where
     they arrived (each device's shard is the piece's own buffer), and its outputs leave as
     the shards themselves."""
-    from pdjax.pipeline.executor.interpreter import _gather, _part
-    from pdjax.pipeline.stage import Stage
+    from pdjax.pipeline import Stage
+    from pdjax.pipeline.executor.interpreter import gather, part
 
     stage = Stage(0, [], 0, jax.devices()[:2], optax.sgd(0.1), round_robin=True)
     pieces = [jax.device_put(np.full((3, 2), d, np.float32), jax.devices()[d]) for d in range(2)]
-    (group,) = _gather(stage, *pieces)
+    (group,) = gather(stage, *pieces)
     assert group.shape == (6, 2) and group.sharding == stage.batch_sharding
     for sh in group.addressable_shards:
         d = stage.devices.index(sh.device)
         assert sh.data.unsafe_buffer_pointer() == pieces[d].unsafe_buffer_pointer()
-    back = _part(stage, False, group)
+    back = part(stage, False, group)
     assert [b.unsafe_buffer_pointer() for b in back] == [p.unsafe_buffer_pointer() for p in pieces]
 
 

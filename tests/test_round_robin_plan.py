@@ -19,12 +19,18 @@ from hypothesis import strategies as st
 
 from pdjax.apps.cli import main
 from pdjax.errors import PlanError
-from pdjax.partition import Plan, StagePlan, Topology, cost, evaluate_partition, plan_pipedream
-from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.partition import (
+    Plan,
+    StagePlan,
+    Topology,
+    cost,
+    costs_from_plan,
+    evaluate_partition,
+    plan_pipedream,
+)
 from pdjax.profile import LayerProfile, Profile
 from pdjax.schedules import generate, pipedream
-from pdjax.simulator import PipelineCosts, StageCosts, simulate
-from pdjax.simulator.engine import stream_length
+from pdjax.simulator import PipelineCosts, StageCosts, simulate, stream_length
 
 # ----------------------------------------------------------------------------- simulator
 

@@ -10,7 +10,7 @@ from reference import delayed_training, flush_training
 
 from pdjax.errors import PipelineError
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):

@@ -143,7 +143,7 @@ def test_launch_local_starts_argument_lists(popen):
 def test_cluster_starts_argument_lists(popen):
     commands = [(sys.executable, "-c", "pass; rm -rf /"), [sys.executable, "-V"]]
     with pytest.raises(Recorded):
-        cluster._run_processes(commands, [{}, {}], "a test", timeout=5)
+        cluster.run_processes(commands, [{}, {}], "a test", timeout=5)
     _argv_lists(popen)
     assert popen[0][0][0] == list(commands[0])  # one argument, not split or joined
 

@@ -786,7 +786,7 @@ def test_round_robin_groups_of_different_sizes_do_not_deadlock_and_run_at_full_r
     per 3 units (F = 1, B = 2 per microbatch on one device), like a pipeline of single
     devices."""
     from pdjax.schedules import round_robin_in_flight
-    from pdjax.simulator.engine import simulate, stream_length, unit_costs
+    from pdjax.simulator import simulate, stream_length, unit_costs
 
     s = generate("pipedream", 2, 12, replicas=(2, 3), replication="round-robin")
     validate(s)

@@ -9,7 +9,7 @@ import pytest
 from reference import delayed_training
 
 from pdjax.models import get_model
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adam": lambda: optax.adam(1e-2)}
 

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from pdjax.layers import sequential
-from pdjax.pipeline.stage import Stage
+from pdjax.pipeline import Stage
 
 
 def _xent(logits, labels):

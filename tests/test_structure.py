@@ -1,6 +1,7 @@
 """The package structure stays as docs/architecture.md draws it: packages import only the
 layers below them (no cycles, also not through imports inside functions), no module
-branches on a schedule's name outside the schedules package.
+branches on a schedule's name outside the schedules package, and no underscore name is
+imported from another module.
 
 Read by parsing the sources (nothing is imported), so every import counts, wherever it is.
 """
@@ -227,3 +228,19 @@ def test_the_branch_check_sees_a_branch() -> None:
     )
     got = sorted(_branch_literals(ast.parse(code)))
     assert got == [("1f1b", 5), ("2bw", 2), ("interleaved", 3), ("pipedream", 2), ("zb-v", 1)]
+
+
+def test_no_underscore_name_is_imported_from_another_module() -> None:
+    sources = _sources()
+    found = []
+    for module, (path, tree) in sources.items():
+        for target, name, line in _imports(module, path, tree):
+            if not target.startswith("pdjax") or not name.startswith("_") or name.startswith("__"):
+                continue
+            if f"{target}.{name}" in sources:
+                continue  # a private module, imported as a module
+            found.append(f"{path.relative_to(ROOT)}:{line} imports {name} from {target}")
+    assert not found, (
+        "a name used by other modules is public in its (possibly private) module:\n"
+        + "\n".join(found)
+    )

@@ -18,7 +18,7 @@ from user_model import mine_config as _mine
 from pdjax.apps import data
 from pdjax.apps.cli import main
 from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, build, train
-from pdjax.apps.train.outputs import _sync_metrics, read_metrics
+from pdjax.apps.train.outputs import read_metrics, sync_metrics
 from pdjax.errors import DataError, LayerError, PipelineError
 
 
@@ -187,30 +187,30 @@ def test_metrics_follow_the_checkpoint_by_appending_only(tmp_path):
 
     other = json.dumps({"run": "dp", "run_id": "b", "epoch": 1})
     path.write_text(f"{other}\n")
-    _sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # lines missing: written
+    sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # lines missing: written
     assert [json.loads(x).get("run") for x in path.read_text().splitlines()] == [
         "dp",
         "pipedream",
         "pipedream",
     ]
     before = path.read_text()
-    _sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # all there: unchanged
+    sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # all there: unchanged
     assert path.read_text() == before
     with path.open("a") as f:  # an epoch written after the checkpoint it never reached
         f.write(json.dumps({"run": "pipedream", "run_id": "a", "epoch": 3}) + "\n")
     grown = path.read_text()
-    _sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # epoch 2 again ends it
+    sync_metrics(path, "pipedream", "a", [rec(1), rec(2)])  # epoch 2 again ends it
     assert path.read_text().startswith(grown)  # kept, not rewritten
     assert epochs() == [(1, 1.0), (2, 1.0)]
     # another branch of the run (resumed from step 1): its epoch 2 differs, and stands
-    _sync_metrics(path, "pipedream", "a", [rec(1), rec(2, loss=0.5)])
+    sync_metrics(path, "pipedream", "a", [rec(1), rec(2, loss=0.5)])
     assert epochs() == [(1, 1.0), (2, 0.5)]
     assert [x["run_id"] for x in read_metrics(path) if x["run"] == "dp"] == ["b"]
     # a line a crash cut off is kept; the lines after it start on a line of their own
     with path.open("a") as f:
         f.write('{"run": "pipedream", "run_id": "a", "ep')
     cut = path.read_text()
-    _sync_metrics(path, "pipedream", "a", [rec(1), rec(2, loss=0.5), rec(3)])
+    sync_metrics(path, "pipedream", "a", [rec(1), rec(2, loss=0.5), rec(3)])
     assert path.read_text().startswith(cut + "\n")
     assert epochs() == [(1, 1.0), (2, 0.5), (3, 1.0)]
     assert len(path.read_text().splitlines()) == 8  # every line written is still there

@@ -33,7 +33,7 @@ from pdjax.apps.train import (
     train,
 )
 from pdjax.errors import CheckpointError, PdjaxError, PipelineError
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 from pdjax.runners import Checkpointer
 
 OTHER = "0" * 32  # another run's id

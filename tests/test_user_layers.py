@@ -15,7 +15,7 @@ from reference import flush_training
 import pdjax
 from pdjax.errors import LayerError
 from pdjax.layers import Fn, FnLayer, NnxLayer, as_layer, sequential
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 # -- nnx train/eval -------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from reference import flush_training
 import pdjax
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 from pdjax.schedules import (
     Schedule,
     generate,
@@ -37,8 +37,14 @@ from pdjax.schedules import (
     zb_h2,
     zb_v,
 )
-from pdjax.simulator import chrome_trace, plot_gantt
-from pdjax.simulator.engine import PipelineCosts, StageCosts, simulate, unit_costs
+from pdjax.simulator import (
+    PipelineCosts,
+    StageCosts,
+    chrome_trace,
+    plot_gantt,
+    simulate,
+    unit_costs,
+)
 
 # ----------------------------------------------------------------------------- helpers
 

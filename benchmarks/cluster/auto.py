@@ -75,11 +75,11 @@ def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) 
     from pdjax.apps.cluster import (
         MICROBATCH,
         RATES,
-        _calibration,
-        _launch,
-        _profile,
-        _topology,
+        calibration,
         cluster_model,
+        launch,
+        profile_on_workers,
+        topology,
     )
     from pdjax.apps.netem import network_support
     from pdjax.distributed import ending_on_signals
@@ -95,22 +95,22 @@ def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) 
                 st for c in range(L - 1) for st in [(0, c, 1, "split"), (c + 1, L - 1, 1, "split")]
             ]
             log(f"{model}: profiling and calibrating {len(wanted)} stages on one pinned worker")
-            prof, _, stages = _profile(model, mb, seed, work, wanted)
+            prof, _, stages = profile_on_workers(model, mb, seed, work, wanted)
             base = {"model": model, "microbatch": mb, "seed": seed, "repeats": repeats}
-            alone = _launch({**base, "runners": [{"name": "single", "units": units}]}, 1, None,
+            alone = launch({**base, "runners": [{"name": "single", "units": units}]}, 1, None,
                             False, work)  # fmt: skip
             single = statistics.median(alone["single"]) / units
             for rate in RATES[model] if emulate else [None]:
                 where = "loopback" if rate is None else f"{rate:g} Mbit/s"
                 log(f"{model} on {where}: measuring the link")
-                got = _launch({**base, "runners": [], "calibrate": True}, 2, rate, emulate, work)
-                cal = _calibration(prof, model, mb, stages, got["_calibration"])
-                auto, best = _plans(prof, _topology(cal, 2, rate), cal, mb)
+                got = launch({**base, "runners": [], "calibrate": True}, 2, rate, emulate, work)
+                cal = calibration(prof, model, mb, stages, got["_calibration"])
+                auto, best = _plans(prof, topology(cal, 2, rate), cal, mb)
                 runners = [_runner(name, plan, units) for name, plan in best.items()]
                 runners.append({"name": "dp", "label": "dp",
                                 "units": units if rate is None or rate >= 1000 else 8})  # fmt: skip
                 log(f"{model} on {where}: running {len(runners)} runners")
-                got = _launch({**base, "runners": runners}, 2, rate, emulate, work)
+                got = launch({**base, "runners": runners}, 2, rate, emulate, work)
                 out.append(
                     _report(model, rate, auto, best=best, runners=runners, got=got, single=single)
                 )

@@ -8,11 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from pdjax.errors import PlanError
-from pdjax.partition import Topology, evaluate_partition, plan_pipedream
-from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition, plan_pipedream
 from pdjax.profile import Profile
 from pdjax.schedules import generate
-from pdjax.simulator.engine import simulate, stream_length
+from pdjax.simulator import simulate, stream_length
 
 from .paper import PAPER_PLANS
 

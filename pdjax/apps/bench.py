@@ -45,21 +45,27 @@ import numpy as np
 import optax
 
 from pdjax.apps.bench_host import (
-    _shared_pool,
     driver_seconds_per_action,
     host_costs,
     pool_concurrency,
+    shared_pool,
 )
 from pdjax.apps.bench_report import BenchResult, BenchRow, format_table
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model
-from pdjax.partition import Plan, StagePlan, Topology, evaluate_partition, plan_pipedream
-from pdjax.partition.simulator_costs import costs_from_plan
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.partition import (
+    Plan,
+    StagePlan,
+    Topology,
+    costs_from_plan,
+    evaluate_partition,
+    plan_pipedream,
+)
+from pdjax.pipeline import Pipeline, even_stages
 from pdjax.profile import Profile, profile
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import BENCHED, STREAMING, generate, schedule_kind
-from pdjax.simulator.engine import PipelineCosts, Simulation, simulate
+from pdjax.simulator import PipelineCosts, Simulation, simulate
 
 __all__ = [
     "BENCH_SCHEDULES",
@@ -511,7 +517,7 @@ def _pipeline_runner(name: str, setup: _Setup) -> _Runner:
         calls, stream = setup.steps, batch
     sched = pipe.schedule(len(stream))  # fails here, before compiling, if it cannot run
     used = list(dict.fromkeys(d for st in pipe.stages for d in st.devices))
-    predicted = _predicted(simulate(sched, costs), used, setup.concurrency) * calls
+    predicted = predicted_call_seconds(simulate(sched, costs), used, setup.concurrency) * calls
     call = _Calls(pipe, pipe.init(jax.random.key(setup.seed), batch[0][0]), stream, calls)
     # the runtime runs a replicated stage's programs one at a time on CPU (pdjax._xla_cpu)
     if any(pipe.workarounds.one_at_a_time):
@@ -572,12 +578,14 @@ def _virtual_costs(
     return costs_from_plan(virtual, prof)
 
 
-def _predicted(sim: Simulation, devices: Sequence[jax.Device], concurrency: float) -> float:
+def predicted_call_seconds(
+    sim: Simulation, devices: Sequence[jax.Device], concurrency: float
+) -> float:
     """Seconds the simulation predicts for one call: its makespan, or on in-process CPU
     devices (one shared thread pool, whose every program the profile timed with the whole
     pool) the larger of that and the devices' summed busy seconds over the pool's measured
     ``concurrency`` (:func:`pool_concurrency`)."""
-    if not _shared_pool(devices):
+    if not shared_pool(devices):
         return sim.makespan
     replicas = sim.schedule.replicas
     work = math.fsum((sp.end - sp.start) * replicas[sp.group] for sp in sim.timeline.spans)
@@ -606,7 +614,7 @@ def _dp_runner(setup: _Setup) -> _Runner:
     )
     sched = generate("1f1b", 1, 1, replicas=(n,))
     simulation = simulate(sched, costs_from_plan(plan, setup.profile))
-    predicted = _predicted(simulation, devs, setup.concurrency) * steps
+    predicted = predicted_call_seconds(simulation, devs, setup.concurrency) * steps
     dp = DataParallel(spec.layers, spec.loss, setup.optimizer, devices=devs)
     call = _Calls(dp, dp.init(jax.random.key(setup.seed), x), [(x, y)] * steps, 1)  # a step a batch
     return _Runner(

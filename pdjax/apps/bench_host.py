@@ -20,12 +20,12 @@ import optax
 
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 
 __all__ = ["driver_seconds_per_action", "host_costs", "pool_concurrency"]
 
 
-def _shared_pool(devices: Sequence[jax.Device]) -> bool:
+def shared_pool(devices: Sequence[jax.Device]) -> bool:
     """Whether the devices are in-process CPU devices, which share one thread pool."""
     return len(devices) > 1 and all(d.platform == "cpu" for d in devices)
 
@@ -37,7 +37,7 @@ def pool_concurrency(
     forward-backward passes of the whole model on one device, over the seconds of ``n`` on
     each of two devices dispatched together (1.0: programs run one at a time; up to the
     cores). 1.0 where the devices do not share a pool."""
-    if not _shared_pool(devices):
+    if not shared_pool(devices):
         return 1.0
     x, y = sample
     params = jax.jit(spec.layers.init)(jax.random.key(0), x)
@@ -104,5 +104,5 @@ def host_costs(spec: ModelSpec, sample: tuple[Any, Any], devices: Sequence[jax.D
     forward-backward over ``sample`` (:func:`pool_concurrency`)."""
     from pdjax.partition import HostCosts
 
-    concurrency = pool_concurrency(spec, sample, devices) if _shared_pool(devices) else None
+    concurrency = pool_concurrency(spec, sample, devices) if shared_pool(devices) else None
     return HostCosts(driver_seconds_per_action(devices), concurrency)

@@ -19,12 +19,12 @@ from pdjax.apps.cluster.tta import RUNNERS as RUNNERS
 from pdjax.apps.cluster.tta import STUDIES as STUDIES
 from pdjax.apps.cluster.tta import M as M
 from pdjax.apps.cluster.tta import TTAStudy as TTAStudy
-from pdjax.apps.cluster.tta import _two_stages as _two_stages
 from pdjax.apps.cluster.tta import cluster_spec as cluster_spec
 from pdjax.apps.cluster.tta import link_key as link_key
 from pdjax.apps.cluster.tta import load_results as load_results
 from pdjax.apps.cluster.tta import main as main
 from pdjax.apps.cluster.tta import run_tta as run_tta
+from pdjax.apps.cluster.tta import two_stages as two_stages
 from pdjax.apps.cluster.tta_report import markdown as markdown
 from pdjax.apps.cluster.tta_report import plot as plot
 from pdjax.apps.cluster.tta_report import report as report

@@ -35,9 +35,9 @@ import numpy as np
 
 from pdjax.apps.dataset import (
     Dataset,
-    _generator,
     batches,
     eval_batches,
+    generator,
     num_batches,
     resume_point,
 )
@@ -109,7 +109,7 @@ def digits(seed: int = 0, test_fraction: float = 0.2, *, flatten: bool = False) 
     raw = load_digits()
     images = (raw.images.astype(np.float32) / np.float32(16.0))[..., None]
     labels = raw.target.astype(np.int32)
-    rng = _generator(seed)
+    rng = generator(seed)
     test = []
     for c in range(10):
         members = np.flatnonzero(labels == c)
@@ -195,7 +195,7 @@ def text(
             f"seq_len {seq_len} is too long: the corpus's blocks hold {block} characters"
         )
     num_test = max(1, round(test_fraction * _TEXT_BLOCKS))
-    test_blocks = np.sort(_generator(seed).permutation(_TEXT_BLOCKS)[:num_test])
+    test_blocks = np.sort(generator(seed).permutation(_TEXT_BLOCKS)[:num_test])
     train_blocks = np.setdiff1d(np.arange(_TEXT_BLOCKS), test_blocks)
     train = _windows(tokens, train_blocks, block, seq_len)
     test = _windows(tokens, test_blocks, block, seq_len)

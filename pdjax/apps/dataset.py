@@ -95,7 +95,7 @@ class Dataset:
 # -- batching ---------------------------------------------------------------------------------
 
 
-def _generator(*seeds: int) -> np.random.Generator:
+def generator(*seeds: int) -> np.random.Generator:
     if any(not isinstance(s, (int, np.integer)) or s < 0 for s in seeds):
         raise DataError(f"seeds and epochs must be non-negative integers, got {seeds}")
     return np.random.default_rng([int(s) for s in seeds])
@@ -176,7 +176,7 @@ def batches(
     count = num_batches(n, batch_size, drop_last=drop_last)
     if not 0 <= start <= count:
         raise DataError(f"start must lie in 0..{count} (batches per epoch), got {start}")
-    order = _generator(seed, epoch).permutation(n)
+    order = generator(seed, epoch).permutation(n)
 
     def generate() -> Iterator[tuple[np.ndarray, np.ndarray]]:
         for b in range(start, count):

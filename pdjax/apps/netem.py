@@ -156,14 +156,14 @@ def network_support(delay: bool = False) -> str | None:
     return None
 
 
-def _burst_bytes(rate_mbit: float) -> int:
+def burst_bytes(rate_mbit: float) -> int:
     """The token bucket's size: ``max(64 KiB, 1 ms at the rate)``."""
     return max(_MIN_BURST, math.ceil(rate_mbit * 1e6 / 8 * _BURST_TIME))
 
 
 def _tbf_args(rate_mbit: float) -> list[str]:
     """``tbf ...`` for a link of ``rate_mbit`` (see the module's docstring)."""
-    burst = _burst_bytes(rate_mbit)
+    burst = burst_bytes(rate_mbit)
     limit = burst + max(burst, math.ceil(rate_mbit * 1e6 / 8 * _QUEUE_TIME))
     rate_bit = round(rate_mbit * 1e6)
     return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)]
@@ -175,7 +175,7 @@ def _netem_args(rate_mbit: float | None, delay_ms: float) -> list[str]:
         limit = 100_000  # unshaped: veth is fast, and nothing but the delay holds packets
     else:
         rate = rate_mbit * 1e6 / 8
-        in_flight = rate * (delay_ms * 1e-3 + _QUEUE_TIME) + 2 * _burst_bytes(rate_mbit)
+        in_flight = rate * (delay_ms * 1e-3 + _QUEUE_TIME) + 2 * burst_bytes(rate_mbit)
         limit = max(1000, 2 * math.ceil(in_flight / _MTU))  # 2x: ACKs are small packets
     return ["netem", "delay", f"{delay_ms:g}ms", "limit", str(limit)]
 

@@ -59,8 +59,8 @@ from pdjax.calibrate.refinement import (
     refine,
 )
 from pdjax.calibrate.stages import measure_stages, model_fingerprint
-from pdjax.calibrate.timing import _with_timeout as _with_timeout  # tests time out with it
 from pdjax.calibrate.timing import fit_latency_bandwidth
+from pdjax.calibrate.timing import with_timeout as with_timeout  # tests time out with it
 
 __all__ = [
     "AllReduceMeasure",

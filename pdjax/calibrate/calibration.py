@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdjax._jsonio import FieldReader, _kind, parse_json, read_text, write_atomic
+from pdjax._jsonio import FieldReader, describe_value, parse_json, read_text, write_atomic
 from pdjax.errors import CalibrationError
 from pdjax.pipeline.transport import TRANSPORTS
 from pdjax.schedules import SEMANTICS
@@ -275,7 +275,7 @@ class Calibration:
         version = data.get("version")
         if isinstance(version, bool) or version != VERSION:
             raise CalibrationError(
-                f"{what} has version {_kind(version)}; this pdjax reads {VERSION}: "
+                f"{what} has version {describe_value(version)}; this pdjax reads {VERSION}: "
                 "re-create it with pdjax calibrate"
             )
         return _Reader(what).calibration(data)

@@ -12,7 +12,7 @@ from typing import Any
 
 from pdjax._timing import median_seconds
 from pdjax.calibrate.calibration import AllReduceMeasure, LinkMeasure
-from pdjax.calibrate.timing import _with_timeout, fit_latency_bandwidth
+from pdjax.calibrate.timing import fit_latency_bandwidth, with_timeout
 
 __all__ = ["SIZES", "measure_allreduce", "measure_link"]
 
@@ -79,7 +79,7 @@ def _link_in_process(
     for n in sizes:
         a = jax.device_put(jnp.ones(max(1, n // 4), jnp.float32), src)
         to = jax.sharding.SingleDeviceSharding(dst)
-        secs = _with_timeout(
+        secs = with_timeout(
             what,
             timeout,
             functools.partial(
@@ -136,7 +136,7 @@ def _link_across_processes(
                 statistics.median(r[1] for r in runs),
             )
 
-        total, host = _with_timeout(what, timeout, timed)
+        total, host = with_timeout(what, timeout, timed)
         points.append(total)
         hosts.append(host)
     if not sending:
@@ -232,14 +232,14 @@ def measure_allreduce(
         part = jax.ShapeDtypeStruct((max(1, n // 4),), "float32")
         call = _allreduce_fn(devices, part)
         points.append(
-            _with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats))
+            with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats))
         )
     lat, bw = fit_latency_bandwidth(sizes, points)
     exact = {}
     for k, tree in (trees or {}).items():
         call = _allreduce_fn(devices, tree)
         exact[k] = round(
-            _with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats)),
+            with_timeout(what, timeout, functools.partial(median_seconds, call, warmup, repeats)),
             9,
         )
     fit = AllReduceMeasure(

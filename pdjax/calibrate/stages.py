@@ -146,7 +146,7 @@ def _measure_stage(
     import jax.numpy as jnp
 
     from pdjax.layers import LayerSequence
-    from pdjax.pipeline.stage import Stage
+    from pdjax.pipeline import Stage
 
     device, warmup, repeats = run.device, run.warmup, run.repeats
     is_last, is_first = last == len(run.layers) - 1, first == 0

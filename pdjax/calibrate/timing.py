@@ -33,7 +33,7 @@ def fit_latency_bandwidth(sizes: Sequence[float], seconds: Sequence[float]) -> t
     return round(float(intercept), 12), round(float(1.0 / slope), 3)
 
 
-def _with_timeout(what: str, timeout: float, fn: Callable[[], _T]) -> _T:
+def with_timeout(what: str, timeout: float, fn: Callable[[], _T]) -> _T:
     """Runs ``fn`` in a thread; raises CalibrationError naming ``what`` after ``timeout``
     seconds (the thread is left behind: a transfer blocked in JAX cannot be cancelled)."""
     box: dict[str, Any] = {}

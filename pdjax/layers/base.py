@@ -60,7 +60,7 @@ class Layer(Protocol):
         ...
 
 
-def _mode_kwarg(fn: Callable[..., Any]) -> tuple[str, bool] | None:
+def mode_kwarg(fn: Callable[..., Any]) -> tuple[str, bool] | None:
     """Finds how a module's ``__call__`` is told train vs eval: ``(argname, inverted)``."""
     try:
         params = inspect.signature(fn).parameters

@@ -15,12 +15,12 @@ from flax import nnx
 
 from pdjax.errors import LayerError
 from pdjax.layers.base import Layer
-from pdjax.layers.fn_layer import Fn, FnLayer, _fn_name
+from pdjax.layers.fn_layer import Fn, FnLayer, fn_name
 from pdjax.layers.linen_layer import LinenLayer
-from pdjax.layers.nnx_layer import NnxLayer, _rngs_param, _signature
+from pdjax.layers.nnx_layer import NnxLayer, init_signature, rngs_param
 from pdjax.layers.precision_layer import PrecisionLayer
 from pdjax.layers.sequence import LayerSequence
-from pdjax.layers.tied import _normalise_tied
+from pdjax.layers.tied import normalise_tied
 from pdjax.precision import Policy, get_policy
 
 __all__ = ["as_layer", "sequential"]
@@ -48,7 +48,7 @@ def _classify(obj: Any) -> Any:
     if isinstance(obj, Layer) and not isinstance(obj, type):
         return obj
     what = getattr(obj, "__name__", type(obj).__name__)
-    param, others = _rngs_param(obj)
+    param, others = rngs_param(obj)
     if param is not None and not others:
         return obj  # a factory rngs -> nnx.Module (an nnx class taking only rngs included)
     if isinstance(obj, type) and issubclass(obj, nn.Module):
@@ -78,7 +78,7 @@ def _classify(obj: Any) -> Any:
     if inspect.isbuiltin(base) or package in _FUNCTION_PACKAGES:
         return Fn(obj)
     try:
-        signature = _signature(obj)
+        signature = init_signature(obj)
     except (TypeError, ValueError):
         return Fn(obj)
     try:
@@ -133,7 +133,7 @@ def _to_layer(module: Any, name: str) -> Layer:
 
 def _default_name(i: int, module: Any) -> str:
     if isinstance(module, Fn):
-        return f"{i:02d}_{_fn_name(module.fn)}"
+        return f"{i:02d}_{fn_name(module.fn)}"
     return f"{i:02d}_{type(module).__name__}"
 
 
@@ -212,4 +212,4 @@ def sequential(
         layers = tuple(
             PrecisionLayer(layer, policy, final=i == last) for i, layer in enumerate(layers)
         )
-    return LayerSequence(layers, _normalise_tied(tied))
+    return LayerSequence(layers, normalise_tied(tied))

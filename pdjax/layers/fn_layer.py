@@ -17,7 +17,7 @@ from pdjax.layers.base import PyTree, Variables
 __all__ = ["Fn", "FnLayer"]
 
 
-def _fn_name(fn: Callable[..., Any]) -> str:
+def fn_name(fn: Callable[..., Any]) -> str:
     """A function's name fit for a layer name: ``relu``, ``lambda`` (``functools.partial``
     unwrapped), else its type's name."""
     while isinstance(fn, functools.partial):
@@ -70,7 +70,7 @@ class FnLayer:
     @property
     def kind(self) -> str:
         """The function's name (for profiles and tables)."""
-        return _fn_name(self.fn)
+        return fn_name(self.fn)
 
     def init(self, rng: jax.Array, x: PyTree) -> Variables:
         """Returns no variables."""

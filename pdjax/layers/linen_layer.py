@@ -9,7 +9,7 @@ import flax.linen as nn
 import jax
 
 from pdjax.errors import LayerError
-from pdjax.layers.base import PyTree, Variables, _mode_kwarg
+from pdjax.layers.base import PyTree, Variables, mode_kwarg
 
 __all__ = ["LinenLayer"]
 
@@ -39,7 +39,7 @@ class LinenLayer:
     def _kwargs(self, train: bool) -> dict[str, Any]:
         # Any, not bool: spread into Module.init/apply, whose own keyword parameters
         # (method, mutable, ...) mypy would match a bool against
-        mode = _mode_kwarg(type(self.module).__call__)
+        mode = mode_kwarg(type(self.module).__call__)
         if mode is None:
             return {}
         arg, inverted = mode

@@ -12,7 +12,7 @@ import jax
 from flax import nnx
 
 from pdjax.errors import LayerError
-from pdjax.layers.base import PyTree, Variables, _mode_kwarg
+from pdjax.layers.base import PyTree, Variables, mode_kwarg
 
 __all__ = ["NnxLayer"]
 
@@ -25,7 +25,7 @@ def _nnx_collection(variable_type: type) -> str:
     return "state"
 
 
-def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+def init_signature(fn: Callable[..., Any]) -> inspect.Signature:
     """``inspect.signature``, but an nnx module class (or a ``functools.partial`` of one)
     gets its ``__init__``'s parameters, not its metaclass's ``(*args, **kwargs)``.
 
@@ -33,7 +33,7 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
       TypeError, ValueError: for a callable without signature (some builtins).
     """
     if isinstance(fn, functools.partial):
-        inner = _signature(fn.func)
+        inner = init_signature(fn.func)
 
         def proxy(*args: Any, **kwargs: Any) -> None:
             del args, kwargs
@@ -46,14 +46,14 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
 
 
-def _rngs_param(fn: Callable[..., Any]) -> tuple[inspect.Parameter | None, list[str]]:
+def rngs_param(fn: Callable[..., Any]) -> tuple[inspect.Parameter | None, list[str]]:
     """How a callable would take an ``nnx.Rngs``: ``(parameter, other required names)``.
 
     The parameter is the one named ``rngs`` or annotated ``nnx.Rngs`` (None if there is
     none, or if the callable has no signature, as builtins and ufuncs may not).
     """
     try:
-        params = _signature(fn).parameters.values()
+        params = init_signature(fn).parameters.values()
     except (TypeError, ValueError):
         return None, []
     found = None
@@ -76,7 +76,7 @@ def _rngs_param(fn: Callable[..., Any]) -> tuple[inspect.Parameter | None, list[
 def _call_factory(factory: Callable[..., nnx.Module], rngs: nnx.Rngs) -> Any:
     """Calls an nnx factory with ``rngs``, by keyword where its parameter is keyword-only
     (``functools.partial(nnx.Linear, 3, 4)``), else positionally."""
-    param, _ = _rngs_param(factory)
+    param, _ = rngs_param(factory)
     if param is not None and param.kind == inspect.Parameter.KEYWORD_ONLY:
         return factory(**{param.name: rngs})
     return factory(rngs)
@@ -182,7 +182,7 @@ class NnxLayer:
             }
         )
         call = type(template).__call__
-        self._mode = _mode_kwarg(call)
+        self._mode = mode_kwarg(call)
         try:
             self._takes_rngs = "rngs" in inspect.signature(call).parameters
         except (TypeError, ValueError):

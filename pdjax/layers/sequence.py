@@ -12,12 +12,12 @@ from pdjax.errors import LayerError
 from pdjax.layers.base import Layer, PyTree, TiedLeaf, Variables
 from pdjax.layers.precision_layer import PrecisionLayer
 from pdjax.layers.tied import (
-    _check_leaves,
-    _check_unshared,
-    _lookup,
-    _normalise_tied,
-    _replaced,
-    _resolve_tied,
+    check_leaves,
+    check_unshared,
+    lookup,
+    normalise_tied,
+    replaced,
+    resolve_tied,
 )
 from pdjax.precision import Policy
 
@@ -47,10 +47,10 @@ class LayerSequence:
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise LayerError(f"layer names must be unique; repeated: {dupes}")
-        tied = _normalise_tied(self.tied)
+        tied = normalise_tied(self.tied)
         object.__setattr__(self, "tied", tied)
-        object.__setattr__(self, "_tied_leaves", _resolve_tied(self.layers, tied))
-        _check_unshared(self.layers, tied)
+        object.__setattr__(self, "_tied_leaves", resolve_tied(self.layers, tied))
+        check_unshared(self.layers, tied)
 
     @property
     def tied_leaves(self) -> tuple[tuple[str, tuple[TiedLeaf, ...]], ...]:
@@ -65,16 +65,16 @@ class LayerSequence:
           LayerError: naming the group, the leaf and what is wrong.
         """
         if self.tied:
-            _check_leaves(self.layers, self.tied_leaves, lambda i: variables[i].get("params", {}))
+            check_leaves(self.layers, self.tied_leaves, lambda i: variables[i].get("params", {}))
 
     def tie(self, variables: Sequence[Variables]) -> list[Variables]:
         """``variables`` with every tied copy set to its group's first listed leaf."""
         out = [dict(v) for v in variables]
         for _, leaves in self.tied_leaves:
             i0, path0 = leaves[0]
-            value = _lookup(out[i0]["params"], path0)
+            value = lookup(out[i0]["params"], path0)
             for i, path in leaves[1:]:
-                out[i]["params"] = _replaced(out[i]["params"], path, value)
+                out[i]["params"] = replaced(out[i]["params"], path, value)
         return out
 
     def __len__(self) -> int:

@@ -20,7 +20,7 @@ from pdjax.layers.nnx_layer import NnxLayer
 from pdjax.layers.precision_layer import PrecisionLayer
 
 
-def _normalise_tied(tied: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+def normalise_tied(tied: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``tied`` (a mapping or pairs) as ``((name, (leaf, ...)), ...)``, types checked."""
     if tied is None:
         return ()
@@ -62,7 +62,7 @@ def _shareable(layer: Layer) -> Iterator[tuple[int, str, str]]:
             yield key, f"an nnx {type(var).__name__}", path
 
 
-def _check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]) -> None:
+def check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]) -> None:
     """Raises if two layers share a linen module instance, or an nnx variable that ``tied``
     does not declare as one parameter (both paths in the same group)."""
     group_of = {leaf: name for name, leaves in tied for leaf in leaves}
@@ -100,7 +100,7 @@ def _check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str
             )
 
 
-def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
+def lookup(tree: Any, path: tuple[str, ...]) -> Any:
     """The leaf at ``path`` (keys compared as text) in nested mappings, or None."""
     node = tree
     for part in path:
@@ -112,13 +112,13 @@ def _lookup(tree: Any, path: tuple[str, ...]) -> Any:
     return None if isinstance(node, Mapping) else node
 
 
-def _replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
+def replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
     """``tree`` (nested mappings) with the leaf at ``path`` replaced by ``value``."""
     if not path:
         return value
     items = dict(tree.items())
     key = next(k for k in items if str(k) == path[0])
-    items[key] = _replaced(items[key], path[1:], value)
+    items[key] = replaced(items[key], path[1:], value)
     return items if type(tree) is dict else type(tree)(items)
 
 
@@ -155,7 +155,7 @@ def _known_params(layer: Layer) -> PyTree | None:
     return None
 
 
-def _resolve_tied(
+def resolve_tied(
     layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str, ...]]]
 ) -> tuple[tuple[str, tuple[TiedLeaf, ...]], ...]:
     """``tied`` with every ``"<layer>/<path>"`` as ``(layer index, path keys)``, checked
@@ -204,11 +204,11 @@ def _resolve_tied(
         out.append((group, tuple(resolved)))
     result = tuple(out)
     known = [_known_params(layer) for layer in layers]
-    _check_leaves(layers, result, lambda i: known[i])
+    check_leaves(layers, result, lambda i: known[i])
     return result
 
 
-def _check_leaves(
+def check_leaves(
     layers: Sequence[Layer],
     groups: Sequence[tuple[str, tuple[TiedLeaf, ...]]],
     params_of: Callable[[int], Any],
@@ -222,7 +222,7 @@ def _check_leaves(
             if params is None:
                 continue
             text = f"{layers[i].name}/{'/'.join(path)}"
-            leaf = _lookup(params, path)
+            leaf = lookup(params, path)
             if leaf is None:
                 raise LayerError(
                     f"tied[{group!r}] names {text!r}, but layer {layers[i].name!r} has no "

@@ -11,7 +11,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdjax.errors import PlanError, ProfileError
-from pdjax.profile.profile import Profile
+from pdjax.profile import Profile
 
 __all__ = ["ModelArrays", "check_profile", "model_arrays"]
 

@@ -19,8 +19,8 @@ step, :func:`plan_auto` searches
   only if its device group would not fit the memory limit otherwise;
 * for ``pipedream``, the **in-flight depth** (``extra_in_flight``);
 
-and ranks every candidate by the simulator (:func:`pdjax.simulator.engine` over
-:func:`pdjax.pipeline.costs_from_plan`): predicted seconds per sample (a flush step's
+and ranks every candidate by the simulator (:func:`pdjax.simulator.simulate` over
+:func:`pdjax.partition.costs_from_plan`): predicted seconds per sample (a flush step's
 makespan, fill and drain included, over its ``B`` samples; the steady-state period of the
 asynchronous schedules), among those whose simulated peak memory fits. The dynamic program
 prunes; the simulator decides.
@@ -42,7 +42,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.candidates import (
@@ -88,6 +88,15 @@ class _Space:
     exhaustive: int
 
 
+class _Found(NamedTuple):
+    """The best fitting plan found for one (schedule, M, v, e), with the candidate that
+    priced it and whether its partitions were searched exhaustively (nothing to refine)."""
+
+    plan: Plan
+    candidate: Candidate
+    complete: bool
+
+
 @dataclasses.dataclass
 class _Tally:
     """The search's state: per schedule its best fitting candidate, the candidate of least
@@ -96,7 +105,7 @@ class _Tally:
     best: dict[str, Candidate] = dataclasses.field(default_factory=dict)
     closest: Candidate | None = None
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
-    plans: dict[tuple[str, int, int, int], Plan] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple[str, int, int, int], _Found] = dataclasses.field(default_factory=dict)
 
     def consider(self, c: Candidate) -> None:
         if self.closest is None or c.peak_memory < self.closest.peak_memory:
@@ -266,10 +275,7 @@ def _search(space: _Space, tally: _Tally, name: str, M: int) -> None:
                 tally.consider(c)
                 key = (name, M, v, e)
                 if c.fits and (key not in tally.plans or _better(c, tally.plans[key])):
-                    tally.plans[key] = dataclasses.replace(
-                        plan,
-                        options={**plan.options, "_candidate": c, "_complete": complete},
-                    )
+                    tally.plans[key] = _Found(plan, c, complete)
 
 
 def _refine_best(space: _Space, tally: _Tally, name: str, refine_top: int) -> None:
@@ -277,20 +283,18 @@ def _refine_best(space: _Space, tally: _Tally, name: str, refine_top: int) -> No
     plans = tally.plans
     mine = sorted(
         (k for k in plans if k[0] == name),
-        key=lambda k: plans[k].options["_candidate"].time_per_sample,
+        key=lambda k: plans[k].candidate.time_per_sample,
     )
     for key in mine[:refine_top]:
-        plan = plans[key]
-        if plan.options["_complete"]:
+        found = plans[key]
+        if found.complete:
             continue
         c, better = _refine(
-            space, plan.options["_candidate"], plan, name, v=key[2], e=key[3], reasons=tally.reasons
+            space, found.candidate, found.plan, name, v=key[2], e=key[3], reasons=tally.reasons
         )
         tally.consider(c)
-        if c.fits and c.time_per_sample < plan.options["_candidate"].time_per_sample:
-            plans[key] = dataclasses.replace(
-                better, options={**better.options, "_candidate": c, "_complete": False}
-            )
+        if c.fits and c.time_per_sample < found.candidate.time_per_sample:
+            plans[key] = _Found(better, c, False)
 
 
 def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
@@ -308,8 +312,8 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
             "the limit to at least that, or use more devices"
         )
     winner = min(best.values(), key=lambda c: (c.time_per_sample, c.peak_memory))
-    plan = next(p for p in tally.plans.values() if p.options["_candidate"] == winner)
-    options = {k: v for k, v in plan.options.items() if k not in ("_candidate", "_complete")}
+    plan = next(f.plan for f in tally.plans.values() if f.candidate == winner)
+    options = dict(plan.options)
     options["auto"] = winner.to_dict()
     if space.host is not None:
         options["auto"]["host"] = dataclasses.asdict(space.host)
@@ -325,9 +329,8 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
     return dataclasses.replace(plan, schedule=winner.schedule, options=options)
 
 
-def _better(c: Candidate, plan: Plan) -> bool:
-    old: Candidate = plan.options["_candidate"]
-    return c.time_per_sample < old.time_per_sample
+def _better(c: Candidate, found: _Found) -> bool:
+    return c.time_per_sample < found.candidate.time_per_sample
 
 
 def _dp_schedule(name: str) -> str:

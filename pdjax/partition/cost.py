@@ -516,6 +516,26 @@ def _cut_terms(
     return cut_terms
 
 
+def cut_bandwidth(topology: Topology, a: Sequence[int], b: Sequence[int]) -> float:
+    """Bytes/s between device groups ``a`` and ``b`` (positions) when each device talks to
+    its counterpart: the innermost level any pair shares, times the parallel links at that
+    level (the level's units both groups occupy). The simulator's what-if splits
+    (:func:`~pdjax.partition.costs_from_plan` with chunks) balance with it; the planner's
+    own cut term (:func:`partition_terms`) charges the level spanning both groups."""
+    level = min(topology.link_level(x, y) for x in a for y in b)
+    size = topology.group_size(level + 1)
+    parallel = len({x // size for x in a} & {y // size for y in b})
+    return topology.levels[level].bandwidth * max(1, parallel)
+
+
+def outer_allreduce_bandwidth(topology: Topology, group: Sequence[int]) -> float:
+    """Bytes/s of a ring all-reduce over ``group`` (positions) at its outermost level's
+    bandwidth: the simulator's what-if splits balance with it, where the planner prices
+    the all-reduce level by level (:func:`hierarchical_allreduce`)."""
+    level = max((topology.link_level(group[0], x) for x in group[1:]), default=0)
+    return topology.levels[level].bandwidth
+
+
 def hierarchical_allreduce(topology: Topology, positions: Iterable[int], weights: float) -> float:
     """Seconds of the all-reduce of ``weights`` bytes over the devices at ``positions``:
     at each level ``k`` up to the innermost one whose group holds them all, a ring over

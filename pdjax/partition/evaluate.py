@@ -13,7 +13,7 @@ from pdjax.errors import PlanError
 from pdjax.partition import cost
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import Topology
-from pdjax.profile.profile import Profile
+from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS
 
 __all__ = ["build_plan", "calibrated_options", "check_options", "pipeline_time"]

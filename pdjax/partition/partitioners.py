@@ -38,7 +38,7 @@ from pdjax.partition.evaluate import (
 )
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
-from pdjax.profile.profile import Profile
+from pdjax.profile import Profile
 
 __all__ = [
     "balanced_split",

@@ -71,7 +71,7 @@ from pdjax.partition.plan import Plan
 from pdjax.partition.round_trip import round_trip_exact, search_round_trip
 from pdjax.partition.search import Search
 from pdjax.partition.topology import Topology
-from pdjax.profile.profile import Profile
+from pdjax.profile import Profile
 
 __all__ = ["plan_pipedream", "solve"]
 

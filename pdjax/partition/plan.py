@@ -28,7 +28,7 @@ from pdjax.errors import PlanError
 from pdjax.partition.topology import Level, Topology
 
 if TYPE_CHECKING:
-    from pdjax.profile.profile import Profile
+    from pdjax.profile import Profile
 
 __all__ = ["Plan", "StagePlan"]
 

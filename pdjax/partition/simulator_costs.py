@@ -134,9 +134,8 @@ import numpy as np
 from pdjax.errors import CalibrationError, PlanError, ScheduleError
 from pdjax.partition import cost
 from pdjax.partition.plan import Plan
-from pdjax.partition.topology import Topology
-from pdjax.profile.profile import Profile
-from pdjax.simulator.costs import PipelineCosts, StageCosts
+from pdjax.profile import Profile
+from pdjax.simulator import PipelineCosts, StageCosts
 
 __all__ = ["costs_from_plan", "weight_grad_fraction"]
 
@@ -238,9 +237,9 @@ def costs_from_plan(
     arrays = cost.model_arrays(profile, plan.microbatch_size)
     P, K, topo = plan.num_stages, plan.num_stages * chunks, plan.topology
     groups = [plan.stages[k % P] for k in range(K)]
-    positions = [[_position(topo, d) for d in st.devices] for st in groups]
-    links = [_cut_bandwidth(topo, positions[k], positions[k + 1]) for k in range(K - 1)]
-    allreduce = [_allreduce_bandwidth(topo, pos) for pos in positions]
+    positions = [[topo.position(d) for d in st.devices] for st in groups]
+    links = [cost.cut_bandwidth(topo, positions[k], positions[k + 1]) for k in range(K - 1)]
+    allreduce = [cost.outer_allreduce_bandwidth(topo, pos) for pos in positions]
     if chunks == 1:
         ranges = [(st.first_layer, st.last_layer) for st in plan.stages]
     else:
@@ -408,33 +407,6 @@ def _send_seconds(plan: Plan, calibration: Any) -> list[float]:
         posted = [ln.send_seconds for ln in out if ln is not None]
         sends.append(sum(posted) / len(posted) if posted else 0.0)
     return sends
-
-
-def _position(topology: Topology, device: int) -> int:
-    """The topology position of a plan's device id."""
-    if topology.device_ids is None:
-        position = device
-    elif device in topology.device_ids:
-        position = topology.device_ids.index(device)
-    else:
-        raise PlanError(f"device {device} is not one of the topology's {topology.device_ids}")
-    if not 0 <= position < topology.num_devices:
-        raise PlanError(f"device {device} is outside the topology's {topology.num_devices}")
-    return position
-
-
-def _cut_bandwidth(topology: Topology, a: list[int], b: list[int]) -> float:
-    """Bytes/s of the cut between device groups ``a`` and ``b`` (see the module doc)."""
-    level = min(topology.link_level(x, y) for x in a for y in b)
-    size = topology.group_size(level + 1)
-    parallel = len({x // size for x in a} & {y // size for y in b})
-    return topology.levels[level].bandwidth * max(1, parallel)
-
-
-def _allreduce_bandwidth(topology: Topology, group: list[int]) -> float:
-    """Bytes/s of a ring all-reduce over ``group``: its outermost level's."""
-    level = max((topology.link_level(group[0], x) for x in group[1:]), default=0)
-    return topology.levels[level].bandwidth
 
 
 def _balanced_ranges(

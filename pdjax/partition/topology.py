@@ -255,6 +255,23 @@ class Topology:
         """The id of the device at ``position`` (0..N-1) in the topology's order."""
         return self.device_ids[position] if self.device_ids is not None else position
 
+    def position(self, device: int) -> int:
+        """The position (0..N-1) of the device with id ``device``: the inverse of
+        :meth:`device_id`.
+
+        Raises:
+          PlanError: for an id the topology does not hold.
+        """
+        if self.device_ids is None:
+            position = device
+        elif device in self.device_ids:
+            position = self.device_ids.index(device)
+        else:
+            raise PlanError(f"device {device} is not one of the topology's {self.device_ids}")
+        if not 0 <= position < self.num_devices:
+            raise PlanError(f"device {device} is outside the topology's {self.num_devices}")
+        return position
+
     def link_level(self, a: int, b: int) -> int:
         """The innermost level whose group holds device positions ``a`` and ``b``."""
         for k in range(self.num_levels):

@@ -44,7 +44,7 @@ import numpy as np
 import optax
 
 from pdjax.errors import PipelineError
-from pdjax.pipeline.optim_coupling import Coupling, _abstract, _keystr, _Stages, stage_coupling
+from pdjax.pipeline.optim_coupling import Coupling, Stages, abstract, keystr, stage_coupling
 
 __all__ = [
     "Coupling",
@@ -185,13 +185,13 @@ def exchange_mismatch(
     factors only large dimensions; muon treats matrices apart), so a stand-in could pass
     where the real model fails. The cost is one whole-model program on the host.
     """
-    stages = [_abstract(p) for p in stage_params]
+    stages = [abstract(p) for p in stage_params]
     n = len(stages)
     exchange = _PhantomExchange(optimizer)
     rng = np.random.default_rng(seed)
 
     def init(params: list[PyTree]) -> tuple[optax.OptState, list[optax.OptState]]:
-        return optimizer.init(_Stages(params)), [exchange.init(p) for p in params]
+        return optimizer.init(Stages(params)), [exchange.init(p) for p in params]
 
     def step(
         full_state: optax.OptState,
@@ -199,7 +199,7 @@ def exchange_mismatch(
         params: list[PyTree],
         grads: list[PyTree],
     ) -> tuple[Any, ...]:
-        updates, full_state = optimizer.update(_Stages(grads), full_state, _Stages(params))
+        updates, full_state = optimizer.update(Stages(grads), full_state, Stages(params))
         sums = [sum_squares(g) for g in grads]
         report = []
         for s in range(n):
@@ -229,7 +229,7 @@ def exchange_mismatch(
             "the optimizer fails on the check's inputs (the whole model, or a stage's tree "
             f"plus the phantom leaf): {type(err).__name__}: {err}"
         )
-    paths = [[_keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]] for s in stages]
+    paths = [[keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]] for s in stages]
     for k, (norm, per_stage) in enumerate(zip(_CHECK_NORMS, reports, strict=True)):
         for s, leaves in enumerate(per_stage):
             for i, (violation, rel) in enumerate(leaves):

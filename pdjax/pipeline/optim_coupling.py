@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend import core as jcore
 
-from pdjax.pipeline.optim_jaxpr import _deps, _ids, _Interner
+from pdjax.pipeline.optim_jaxpr import Interner, deps, ids
 
 __all__ = ["GRADIENTS", "PARAMS", "STATE", "Coupling", "stage_coupling"]
 
@@ -44,7 +44,7 @@ GRADIENTS, STATE, PARAMS = "gradients", "state", "params"
 # ---------------------------------------------------------------------------------------
 
 
-class _Stages:
+class Stages:
     """The whole model's parameters (or any tree that mirrors them): one child per stage.
 
     A private pytree node type rather than a tuple, so that a state subtree mirroring the
@@ -57,19 +57,19 @@ class _Stages:
         self.stages = tuple(stages)
 
     def __repr__(self) -> str:
-        return f"_Stages({self.stages!r})"
+        return f"Stages({self.stages!r})"
 
 
 jax.tree_util.register_pytree_with_keys(
-    _Stages,
+    Stages,
     lambda n: ([(jax.tree_util.GetAttrKey(f"stage{s}"), c) for s, c in enumerate(n.stages)], None),
-    lambda _, children: _Stages(children),
+    lambda _, children: Stages(children),
     flatten_func=lambda n: (n.stages, None),
 )
 
 
 def _is_stages(x: Any) -> bool:
-    return isinstance(x, _Stages)
+    return isinstance(x, Stages)
 
 
 class _Tag:
@@ -81,7 +81,7 @@ class _Tag:
         self.label = label
 
 
-def _abstract(tree: PyTree) -> PyTree:
+def abstract(tree: PyTree) -> PyTree:
     """``tree`` with ``jax.ShapeDtypeStruct`` leaves (arrays are accepted too)."""
     # jax leaves ShapeDtypeStruct.__init__ unannotated
     return jax.tree.map(
@@ -96,7 +96,7 @@ def _split(tree: PyTree, s: int) -> PyTree:
 
 
 # Not pdjax._trees.key_str: a whole path in jax's ['a'][0] form, for messages and labels.
-def _keystr(path: tuple[Any, ...]) -> str:
+def keystr(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
 
@@ -125,12 +125,12 @@ class _StateLayout:
                     sub = jax.tree_util.tree_flatten_with_path(child)[0]
                     for i, (p, _) in enumerate(sub):
                         labels.append(("st", mirror, s, i))
-                        paths.append(_keystr((*path, jax.tree_util.GetAttrKey(f"stage{s}"), *p)))
+                        paths.append(keystr((*path, jax.tree_util.GetAttrKey(f"stage{s}"), *p)))
                 mirror += 1
             else:
                 shared.append(len(labels))
                 labels.append(("sh", len(shared) - 1))
-                paths.append(_keystr(path))
+                paths.append(keystr(path))
         return _StateLayout(labels, paths, shared)
 
     def stage_of(self, k: int) -> int | None:
@@ -244,7 +244,7 @@ def stage_coupling(
       differs structurally (e.g. constants from the whole model's shapes), or the optimizer
       cannot be traced.
     """
-    stages = [_abstract(p) for p in stage_params]
+    stages = [abstract(p) for p in stage_params]
     n = len(stages)
     if n == 0:
         raise ValueError("stage_coupling needs at least one stage")
@@ -283,7 +283,7 @@ class _Traces:
 
     @staticmethod
     def of(optimizer: optax.GradientTransformation, stages: list[PyTree]) -> _Traces:
-        full = _Stages(stages)
+        full = Stages(stages)
         state = jax.eval_shape(optimizer.init, full)
         update, out_shapes = jax.make_jaxpr(optimizer.update, return_shape=True)(full, state, full)
         stage_states = [jax.eval_shape(optimizer.init, p) for p in stages]
@@ -303,7 +303,7 @@ class _Traces:
 
 def _analyse(traces: _Traces, stages: list[PyTree]) -> Coupling:
     n = len(stages)
-    full = _Stages(stages)
+    full = Stages(stages)
     upd_shape, new_shape = traces.out_shapes
     layout = _StateLayout.of(traces.state)
     if not (
@@ -428,8 +428,8 @@ class _Flow:
         sizes = [len(jax.tree.leaves(s)) for s in stages]
         param_stage = [s for s in range(len(stages)) for _ in range(sizes[s])]
         n_params, n_state = len(param_stage), len(layout.labels)
-        upd_deps = _deps(traces.update, [1 << k for k in range(2 * n_params + n_state)])
-        init_deps = _deps(traces.init, [1 << k for k in range(n_params)])
+        upd_deps = deps(traces.update, [1 << k for k in range(2 * n_params + n_state)])
+        init_deps = deps(traces.init, [1 << k for k in range(n_params)])
         masks: dict[Source, int] = {}
         init_masks: dict[Source, int] = {}
         for k in range(n_params):
@@ -486,7 +486,7 @@ def _foreign_sources(
     layout, n_params = flow.layout, flow.n_params
     offsets = [0, *itertools.accumulate(len(jax.tree.leaves(s)) for s in stages)]
     param_paths = [
-        _keystr(p) for st in stages for p, _ in jax.tree_util.tree_flatten_with_path(st)[0]
+        keystr(p) for st in stages for p, _ in jax.tree_util.tree_flatten_with_path(st)[0]
     ]
     sources: list[frozenset[Source]] = []
     summary: list[str] = []
@@ -528,7 +528,7 @@ def _structurally_equal(
     """Compares, by structural ids, each stage's own init/update jaxprs with its part of the
     whole-model ones. Inputs are labelled so that stage ``s``'s leaves get the same ids in
     both traces (and other stages' leaves ids that cannot occur in stage ``s``'s own)."""
-    intern = _Interner()
+    intern = Interner()
     n = len(stages)
     leaves = [jax.tree.leaves(s) for s in stages]
     state_leaves = jax.tree.leaves(traces.state)
@@ -539,8 +539,8 @@ def _structurally_equal(
     g_ids = [tag(("g", s, i), a) for s in range(n) for i, a in enumerate(leaves[s])]
     p_ids = [tag(("p", s, i), a) for s in range(n) for i, a in enumerate(leaves[s])]
     st_ids = [tag(lb, a) for lb, a in zip(layout.labels, state_leaves, strict=True)]
-    full_init = _ids(traces.init, None, p_ids, intern)
-    full_upd = _ids(traces.update, None, g_ids + st_ids + p_ids, intern)
+    full_init = ids(traces.init, None, p_ids, intern)
+    full_upd = ids(traces.update, None, g_ids + st_ids + p_ids, intern)
     position = {lb: k for k, lb in enumerate(layout.labels)}
     n_params = len(g_ids)
     offset = 0
@@ -549,8 +549,8 @@ def _structurally_equal(
         own_p = [tag(("p", s, i), a) for i, a in enumerate(leaves[s])]
         own_st_leaves = jax.tree.leaves(traces.stage_states[s])
         own_st = [tag(lb, a) for lb, a in zip(stage_labels[s], own_st_leaves, strict=True)]
-        own_init = _ids(traces.stage_inits[s], None, own_p, intern)
-        own_upd = _ids(traces.stage_updates[s], None, own_g + own_st + own_p, intern)
+        own_init = ids(traces.stage_inits[s], None, own_p, intern)
+        own_upd = ids(traces.stage_updates[s], None, own_g + own_st + own_p, intern)
         size = len(leaves[s])
         if own_upd[:size] != full_upd[offset : offset + size]:
             return False, f"stage {s}'s update"

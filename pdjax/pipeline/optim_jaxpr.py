@@ -60,7 +60,7 @@ def _open(body: jcore.ClosedJaxpr | jcore.Jaxpr) -> tuple[jcore.Jaxpr, list[Any]
     return body, []
 
 
-def _deps(body: jcore.ClosedJaxpr | jcore.Jaxpr, ins: Sequence[int]) -> list[int]:
+def deps(body: jcore.ClosedJaxpr | jcore.Jaxpr, ins: Sequence[int]) -> list[int]:
     """Per output of ``body``, the bitset (an int) of the inputs it depends on, given each
     input's own bitset ``ins``. Constants depend on nothing."""
     jaxpr, consts = _open(body)
@@ -97,19 +97,19 @@ def _eqn_deps(eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
         name = "<unknown>"
     body = _call_body(eqn)
     if body is not None:
-        return _deps(body, ins)
+        return deps(body, ins)
     if name == "cond":
         index, ops = ins[0], ins[1:]
         outs = [index] * len(eqn.outvars)
         for branch in eqn.params["branches"]:
-            outs = [o | d for o, d in zip(outs, _deps(branch, ops), strict=True)]
+            outs = [o | d for o, d in zip(outs, deps(branch, ops), strict=True)]
         return outs
     if name == "while":
         cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         cconsts, bconsts, carry = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
         while True:  # monotone over a finite lattice: terminates
-            (pred,) = _deps(eqn.params["cond_jaxpr"], cconsts + carry)
-            body_out = _deps(eqn.params["body_jaxpr"], bconsts + carry)
+            (pred,) = deps(eqn.params["cond_jaxpr"], cconsts + carry)
+            body_out = deps(eqn.params["body_jaxpr"], bconsts + carry)
             new = [c | b | pred for c, b in zip(carry, body_out, strict=True)]
             if new == carry:
                 return carry
@@ -118,7 +118,7 @@ def _eqn_deps(eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
         nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
         consts, carry, xs = ins[:nc], ins[nc : nc + nk], ins[nc + nk :]
         while True:
-            out = _deps(eqn.params["jaxpr"], consts + carry + xs)
+            out = deps(eqn.params["jaxpr"], consts + carry + xs)
             new = [c | o for c, o in zip(carry, out[:nk], strict=True)]
             if new == carry:
                 return carry + out[nk:]
@@ -129,7 +129,7 @@ def _eqn_deps(eqn: jcore.JaxprEqn, ins: list[int]) -> list[int]:
     return [every] * len(eqn.outvars)
 
 
-class _Interner:
+class Interner:
     """Hash-consing: equal keys get equal ids, different keys different ids (no collisions,
     unlike a hash), so equal ids mean structurally equal expressions."""
 
@@ -140,14 +140,14 @@ class _Interner:
         return self._ids.setdefault(key, len(self._ids))
 
 
-def _canon(x: Any, intern: _Interner) -> Hashable:
+def _canon(x: Any, intern: Interner) -> Hashable:
     """A hashable, exact stand-in for an equation parameter or a constant."""
     if isinstance(x, jcore.ClosedJaxpr | jcore.Jaxpr):
         jaxpr, consts = _open(x)
         args = [intern(("arg", k, str(v.aval))) for k, v in enumerate(jaxpr.invars)]
         cvars = [intern(("cvar", k, str(v.aval))) for k, v in enumerate(jaxpr.constvars)]
         known = [intern(("const", _canon(c, intern))) for c in consts]
-        return ("jaxpr", tuple(_ids(jaxpr, known + cvars[len(known) :], args, intern)))
+        return ("jaxpr", tuple(ids(jaxpr, known + cvars[len(known) :], args, intern)))
     if isinstance(x, tuple | list):
         return (type(x).__name__, tuple(_canon(v, intern) for v in x))
     if isinstance(x, dict):
@@ -166,11 +166,11 @@ def _canon(x: Any, intern: _Interner) -> Hashable:
     return (type(x).__module__, type(x).__qualname__, repr(x))
 
 
-def _ids(
+def ids(
     body: jcore.ClosedJaxpr | jcore.Jaxpr,
     const_ids: Sequence[int] | None,
     ins: Sequence[int],
-    intern: _Interner,
+    intern: Interner,
 ) -> list[int]:
     """Per output of ``body``, its structural id given the inputs' ids ``ins`` (and, for an
     open jaxpr, its constvars' ``const_ids``)."""
@@ -190,9 +190,9 @@ def _ids(
         args = [read(v) for v in eqn.invars]
         sub = _call_body(eqn)
         if sub is not None:
-            outs = _ids(sub, None, args, intern)
+            outs = ids(sub, None, args, intern)
         elif eqn.primitive.name == "cond" and "branches" in eqn.params:
-            branches = [_ids(b, None, args[1:], intern) for b in eqn.params["branches"]]
+            branches = [ids(b, None, args[1:], intern) for b in eqn.params["branches"]]
             outs = [
                 intern(("cond", args[0], tuple(b[j] for b in branches)))
                 for j in range(len(eqn.outvars))

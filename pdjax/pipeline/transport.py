@@ -37,7 +37,14 @@ if TYPE_CHECKING:
     from pdjax.pipeline._collective import CollectiveLink
     from pdjax.pipeline.stage import Stage
 
-__all__ = ["TRANSPORTS", "Collective", "DevicePut", "Transport", "make_transport"]
+__all__ = [
+    "TRANSPORTS",
+    "Collective",
+    "DevicePut",
+    "Transport",
+    "auto_transport",
+    "make_transport",
+]
 
 Link = Callable[[Any], Any]
 """A transfer: called with the value where this process holds the source (None elsewhere),
@@ -52,6 +59,13 @@ class Transport:
     """
 
     name = "transport"
+    #: The most processes it can join on CPU (None: any number).
+    cpu_processes: int | None = None
+    #: It moves values by XLA collectives (the XLA CPU workarounds for them apply).
+    collectives: bool = False
+    #: It moves values across processes by ``jax.device_put`` (whose CPU support is
+    #: checked before a pipeline across processes uses it).
+    cross_process_device_put: bool = False
 
     def __init__(self) -> None:
         self.me = jax.process_index()
@@ -211,6 +225,9 @@ class DevicePut(Transport):
     transfers: both processes call it, in the same order)."""
 
     name = "device_put"
+    # on CPU, sends and receives pair per sender: a process sending to two others hangs
+    cpu_processes = 2
+    cross_process_device_put = True
 
     def _single(
         self,
@@ -238,6 +255,7 @@ class Collective(Transport):
     (``pdjax.pipeline._collective``): any number of processes."""
 
     name = "collective"
+    collectives = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -285,6 +303,16 @@ TRANSPORTS: Mapping[str, type[Transport]] = types.MappingProxyType(
 """Every transport by name (:attr:`Transport.name`): what ``Pipeline(transport=...)``,
 the lowering's placement and the command line accept (besides ``auto``). A new transport
 is a :class:`Transport` subclass added here."""
+
+
+def auto_transport(platform: str, processes: int) -> str:
+    """The transport ``auto`` picks: the first of :data:`TRANSPORTS` that can join
+    ``processes`` processes on ``platform`` (``device_put``, unless more than 2 processes
+    on CPU: ``collective``)."""
+    for name, cls in TRANSPORTS.items():
+        if platform != "cpu" or cls.cpu_processes is None or processes <= cls.cpu_processes:
+            return name
+    return next(iter(TRANSPORTS))
 
 
 def make_transport(name: str) -> Transport:

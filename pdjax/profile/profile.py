@@ -70,7 +70,7 @@ class LayerProfile:
     ``I`` and ``W`` are separate programs, as zero bubble runs them: their FLOPs sum to
     ``backward_flops`` where the two share no work (a dense or convolution layer), and to
     more where ``W`` must go back through the layer's interior to reach inner weights (a
-    transformer block). Their ratio is what :func:`pdjax.pipeline.weight_grad_fraction`
+    transformer block). Their ratio is what :func:`pdjax.partition.weight_grad_fraction`
     reads.
     """
 

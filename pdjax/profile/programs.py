@@ -24,7 +24,7 @@ def cost_analysis(compiled: Any) -> dict[str, float]:
     return dict(ca or {})
 
 
-def _nbytes(tree: PyTree) -> int:
+def nbytes(tree: PyTree) -> int:
     return int(
         sum(
             np.prod(leaf.shape, dtype=np.int64) * leaf.dtype.itemsize
@@ -33,7 +33,7 @@ def _nbytes(tree: PyTree) -> int:
     )
 
 
-class _LayerFns:
+class LayerFns:
     """The jitted functions of one layer, lowered once each for counts and timing."""
 
     def __init__(self, layer: Layer, train: bool, rng: jax.Array, input_grad: bool) -> None:
@@ -65,7 +65,7 @@ class _LayerFns:
         self.weight_grad_only = jax.jit(weight_grad_only)
 
 
-def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tuple[Any, int]:
+def trace_vjp(fns: LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tuple[Any, int]:
     """One abstract trace of the VJP: its pullback (shapes) and the bytes of its residuals
     that are neither a parameter nor the layer's input."""
     found: list[int] = []
@@ -75,7 +75,7 @@ def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tu
         inputs = {id(leaf) for leaf in jax.tree.leaves((params, rest, x))}
         found.append(
             sum(
-                _nbytes(leaf)
+                nbytes(leaf)
                 for leaf in jax.tree.leaves(pullback)
                 if id(leaf) not in inputs and hasattr(leaf, "shape")
             )
@@ -86,7 +86,7 @@ def _trace_vjp(fns: _LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tu
     return pullback_spec, found[0]
 
 
-def _compile(lowered: Any, timed: bool) -> Any:
+def compile(lowered: Any, timed: bool) -> Any:
     """Compiles ``lowered``, once: the executable returned serves the cost analysis and,
     where ``timed``, the timing.
 
@@ -100,7 +100,7 @@ def _compile(lowered: Any, timed: bool) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Programs:
+class Programs:
     """The compiled programs of one layer and what XLA counted in them; identical layers
     share one.
 
@@ -161,7 +161,7 @@ class _Same:
         return id(self.obj)
 
 
-def _reuse_key(layer: Layer, train: bool, input_grad: bool, args: PyTree) -> Any:
+def reuse_key(layer: Layer, train: bool, input_grad: bool, args: PyTree) -> Any:
     """What makes two layers' programs the same, or None where pdjax cannot tell (a layer
     class of the user's own: it is always compiled).
 
@@ -192,18 +192,18 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def _find(cache: list[tuple[Any, _Programs]], key: Any) -> _Programs | None:
+def find(cache: list[tuple[Any, Programs]], key: Any) -> Programs | None:
     """The programs compiled under ``key``; None for a new key (or None)."""
     return next((programs for known, programs in cache if _same(known, key)), None)
 
 
-def _recurring(keys: list[Any]) -> list[bool]:
+def recurring(keys: list[Any]) -> list[bool]:
     """For each layer's reuse key, whether a later layer has the same."""
     return [any(_same(key, later) for later in keys[i + 1 :]) for i, key in enumerate(keys)]
 
 
-def _compile_programs(
-    fns: _LayerFns,
+def compile_programs(
+    fns: LayerFns,
     args: tuple[Any, ...],
     bwd_args: tuple[Any, ...],
     *,
@@ -211,18 +211,18 @@ def _compile_programs(
     timed: bool,
     residual_bytes: int,
     keep: bool,
-) -> _Programs:
+) -> Programs:
     """Compiles a layer's forward, backward and (where ``split``) its input- and
     weight-gradient halves, each once, on ``args`` and ``bwd_args`` (arrays or shapes);
     ``keep`` keeps ``bwd_args`` for the layers that will share the programs."""
-    fwd = _compile(fns.forward.lower(*args), timed)
-    bwd = _compile(fns.backward.lower(*bwd_args), timed)
-    igr = _compile(fns.input_grad_only.lower(*bwd_args), timed) if split else None
-    wgr = _compile(fns.weight_grad_only.lower(*bwd_args), timed) if split else None
+    fwd = compile(fns.forward.lower(*args), timed)
+    bwd = compile(fns.backward.lower(*bwd_args), timed)
+    igr = compile(fns.input_grad_only.lower(*bwd_args), timed) if split else None
+    wgr = compile(fns.weight_grad_only.lower(*bwd_args), timed) if split else None
     counts = {"fwd": cost_analysis(fwd), "bwd": cost_analysis(bwd)}
     if igr is not None and wgr is not None:
         counts["igr"], counts["wgr"] = cost_analysis(igr), cost_analysis(wgr)
-    return _Programs(
+    return Programs(
         fwd=fwd,
         bwd=bwd,
         igr=igr,

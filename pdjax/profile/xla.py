@@ -48,16 +48,16 @@ from pdjax.layers import Layer, LayerSequence, PyTree, Variables
 from pdjax.profile.devices import DeviceModel, get_device_model
 from pdjax.profile.profile import LayerProfile, Profile
 from pdjax.profile.programs import (
-    _compile,
-    _compile_programs,
-    _find,
-    _LayerFns,
-    _nbytes,
-    _Programs,
-    _recurring,
-    _reuse_key,
-    _trace_vjp,
+    LayerFns,
+    Programs,
+    compile,
+    compile_programs,
     cost_analysis,
+    find,
+    nbytes,
+    recurring,
+    reuse_key,
+    trace_vjp,
 )
 
 __all__ = ["ProgressCallback", "cost_analysis", "profile"]
@@ -262,7 +262,7 @@ def _real_inputs(
         device,
     )
     if any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in jax.tree.leaves(variables)):
-        init = _compile(jax.jit(layers.init).lower(rng, x_real), timed=False)
+        init = compile(jax.jit(layers.init).lower(rng, x_real), timed=False)
         variables = init(rng, x_real)
     return x_real, jax.device_put(variables, device)
 
@@ -318,7 +318,7 @@ def _steps(
         params = var_specs[i].get("params", {})
         rest = {k: v for k, v in var_specs[i].items() if k != "params"}
         input_grad = i > 0 and any(_is_float(leaf) for leaf in jax.tree.leaves(boundaries[i]))
-        key = _reuse_key(layer, train, input_grad, (params, rest, boundaries[i]))
+        key = reuse_key(layer, train, input_grad, (params, rest, boundaries[i]))
         steps.append(
             _Step(
                 params=params,
@@ -343,8 +343,8 @@ def _profile_layers(
 ) -> list[LayerProfile]:
     """Every layer's profile in turn; measuring, each layer runs on the previous one's
     real output (``x_real``: the sample's, for the first)."""
-    recurs = _recurring([step.key for step in steps])
-    cache: list[tuple[Any, _Programs]] = []
+    recurs = recurring([step.key for step in steps])
+    cache: list[tuple[Any, Programs]] = []
     results = []
     for i, layer in enumerate(layers):
         report(i, layer.name)
@@ -379,15 +379,15 @@ def _layer_programs(
     step: _Step,
     setup: _Setup,
     args: tuple[Any, ...],
-    cache: list[tuple[Any, _Programs]],
+    cache: list[tuple[Any, Programs]],
     keep: bool,
-) -> tuple[_Programs, tuple[Any, ...] | None, PyTree]:
+) -> tuple[Programs, tuple[Any, ...] | None, PyTree]:
     """Layer ``i``'s programs, from ``cache`` (an identical earlier layer's) or compiled
     and added there, with the backward's arguments and, measuring, the real output
     (``(programs, bwd_args, y_real)``; ``bwd_args`` None when the shared programs are
     only counted)."""
-    key = _reuse_key(layer, setup.train, step.input_grad, args)
-    programs = _find(cache, key)
+    key = reuse_key(layer, setup.train, step.input_grad, args)
+    programs = find(cache, key)
     if programs is not None and setup.measure and programs.bwd_args is None:
         programs = None  # not foreseen to recur (a weak type?): compile its own
     if programs is not None:
@@ -395,19 +395,19 @@ def _layer_programs(
             return programs, None, None
         assert programs.bwd_args is not None
         return programs, programs.bwd_args, programs.fwd(*args)
-    fns = _LayerFns(layer, setup.train, jax.random.fold_in(setup.rng, i), step.input_grad)
-    pullback_spec, residual_bytes = _trace_vjp(fns, step.params, step.rest, step.x_spec)
+    fns = LayerFns(layer, setup.train, jax.random.fold_in(setup.rng, i), step.input_grad)
+    pullback_spec, residual_bytes = trace_vjp(fns, step.params, step.rest, step.x_spec)
     y_real = None
     bwd_args: tuple[Any, ...]
     if setup.measure:
         # the forward returning the pullback only makes the backward's inputs, once: it
         # is not timed
-        vjp = _compile(fns.forward_vjp.lower(*args), timed=False)
+        vjp = compile(fns.forward_vjp.lower(*args), timed=False)
         y_real, pullback = vjp(*args)
         bwd_args = (pullback, _cotangent(y_real, setup.device))
     else:
         bwd_args = (pullback_spec, _cotangent_spec(step.y_spec))
-    programs = _compile_programs(
+    programs = compile_programs(
         fns,
         args,
         bwd_args,
@@ -422,7 +422,7 @@ def _layer_programs(
 
 
 def _layer_seconds(
-    programs: _Programs,
+    programs: Programs,
     args: tuple[Any, ...],
     bwd_args: tuple[Any, ...] | None,
     setup: _Setup,
@@ -453,7 +453,7 @@ def _layer_seconds(
 
 
 def _layer_profile(
-    layer: Layer, step: _Step, programs: _Programs, secs: dict[str, float | None]
+    layer: Layer, step: _Step, programs: Programs, secs: dict[str, float | None]
 ) -> LayerProfile:
     """One layer's :class:`LayerProfile` from its programs' counts and seconds."""
     counts = programs.counts
@@ -472,10 +472,10 @@ def _layer_profile(
         backward_flops=float(bwd_ca.get("flops", 0.0)),
         forward_bytes_accessed=float(fwd_ca.get("bytes accessed", 0.0)),
         backward_bytes_accessed=float(bwd_ca.get("bytes accessed", 0.0)),
-        param_bytes=_nbytes(step.params),
-        state_bytes=_nbytes(step.rest),
-        input_bytes=_nbytes(step.x_spec),
-        output_bytes=_nbytes(step.y_spec),
+        param_bytes=nbytes(step.params),
+        state_bytes=nbytes(step.rest),
+        input_bytes=nbytes(step.x_spec),
+        output_bytes=nbytes(step.y_spec),
         residual_bytes=programs.residual_bytes,
         peak_bytes=programs.peak_bytes,
         forward_seconds=secs["fwd"],

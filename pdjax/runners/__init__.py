@@ -7,7 +7,7 @@ written against. :class:`Pipeline` (``pdjax.pipeline``) and :class:`DataParallel
 ``jax.jit`` + ``NamedSharding`` baseline every comparison is against) implement it.
 """
 
-from pdjax.pipeline.executor import Pipeline, PipelineState
+from pdjax.pipeline import Pipeline, PipelineState
 from pdjax.runners.checkpoint import Checkpointer
 from pdjax.runners.dp import DataParallel, DPMetrics, DPState
 from pdjax.runners.protocol import ARRAY_FIELDS, Runner, RunnerState, RunResult, counter_fields

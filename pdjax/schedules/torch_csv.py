@@ -205,7 +205,7 @@ def read_torch_csv(
         replicas: devices per rank (default 1 each).
 
     Returns:
-        The schedule, validated with :func:`~pdjax.pipeline.validate`.
+        The schedule, validated with :func:`~pdjax.schedules.validate`.
 
     Raises:
         ScheduleError: naming the rank (row), the cell and its text, and what to do: a
@@ -216,7 +216,7 @@ def read_torch_csv(
             pdjax does not run (a stage ``s`` off rank ``s % P``, or off the V for
             ``zb-v``; several stages per rank but not ``interleaved`` or ``zb-v``), a step
             that starts before the previous one ended, or whatever
-            :func:`~pdjax.pipeline.validate` finds (more in flight than ``name`` allows, a
+            :func:`~pdjax.schedules.validate` finds (more in flight than ``name`` allows, a
             deadlock), with its positions translated to CSV cells.
 
     >>> import io

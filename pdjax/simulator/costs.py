@@ -2,7 +2,7 @@
 (:class:`StageCosts`) and what the links between stages cost (:class:`PipelineCosts`),
 with the what-if splits into interleaved chunks and ``zb-v``'s V, and :func:`unit_costs`.
 
-:func:`pdjax.simulator.engine` charges them; :func:`pdjax.pipeline.costs_from_plan` makes
+:func:`pdjax.simulator.simulate` charges them; :func:`pdjax.partition.costs_from_plan` makes
 them from a plan and its profile.
 """
 

@@ -82,7 +82,7 @@ The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
   ``benchmarks/bench_runtime.py --memory-only`` measures both ways and compares.
 
 :class:`PipelineCosts` is the seam to the planner: a Plan and its Profile become one
-(:func:`pdjax.pipeline.costs_from_plan`); :func:`unit_costs` makes one from numbers.
+(:func:`pdjax.partition.costs_from_plan`); :func:`unit_costs` makes one from numbers.
 """
 
 from __future__ import annotations
@@ -460,7 +460,7 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
     Args:
         schedule: the schedule; validated first unless ``check`` is false.
         costs: per-stage costs, one entry per (virtual) stage of ``schedule``.
-        check: run :func:`~pdjax.pipeline.validate` first. Turn it off only for a
+        check: run :func:`~pdjax.schedules.validate` first. Turn it off only for a
             schedule validated already: an invalid one then fails in no specified way
             (a ``KeyError`` or ``IndexError`` from deep inside), or plays wrongly.
 

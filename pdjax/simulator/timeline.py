@@ -1,6 +1,6 @@
 """Timelines: when each action ran on each device group, simulated or measured.
 
-The simulator (:func:`pdjax.simulator.engine`) returns one; the runtime records one from
+The simulator (:func:`pdjax.simulator.simulate`) returns one; the runtime records one from
 measured times. :mod:`pdjax.simulator.trace` turns either into a Chrome trace or a Gantt chart.
 """
 
@@ -11,7 +11,7 @@ import json
 from typing import NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.schedules.actions import Action
+from pdjax.schedules import Action
 
 __all__ = ["Span", "Timeline", "Transfer"]
 

@@ -22,7 +22,7 @@ report says so.
   worker alone (one jitted step, and a one-stage pipeline);
 - (c) for every run, the measured seconds per microbatch next to the planner's prediction
   (:func:`~pdjax.partition.evaluate_partition`) and the simulator's
-  (:func:`~pdjax.simulator.engine` of exactly the schedule that ran), both from
+  (:func:`~pdjax.simulator.simulate` of exactly the schedule that ran), both from
   *calibrated* costs (:mod:`pdjax.calibrate`): every candidate stage timed as compiled
   programs (forward, backward, SGD update) on one pinned worker, the link measured both
   ways through ``jax.device_put`` and the gradient all-reduce measured, in the run's own
@@ -60,19 +60,19 @@ from __future__ import annotations
 
 from pdjax.apps.cluster.experiments import run_cluster
 from pdjax.apps.cluster.launcher import LAUNCH_TIMEOUT as LAUNCH_TIMEOUT
-from pdjax.apps.cluster.launcher import _launch as _launch
-from pdjax.apps.cluster.launcher import _profile as _profile
-from pdjax.apps.cluster.launcher import _run_processes as _run_processes
+from pdjax.apps.cluster.launcher import launch as launch
+from pdjax.apps.cluster.launcher import profile_on_workers as profile_on_workers
+from pdjax.apps.cluster.launcher import run_processes as run_processes
 from pdjax.apps.cluster.models import CLUSTER_MODELS, cluster_model
 from pdjax.apps.cluster.models import MICROBATCH as MICROBATCH
 from pdjax.apps.cluster.models import RATES as RATES
 from pdjax.apps.cluster.predict import PAYLOAD as PAYLOAD
-from pdjax.apps.cluster.predict import _bandwidth as _bandwidth
-from pdjax.apps.cluster.predict import _calibration as _calibration
-from pdjax.apps.cluster.predict import _predict as _predict
-from pdjax.apps.cluster.predict import _predict_calibrated as _predict_calibrated
-from pdjax.apps.cluster.predict import _topology as _topology
+from pdjax.apps.cluster.predict import bandwidth as bandwidth
 from pdjax.apps.cluster.predict import kendall_tau
+from pdjax.apps.cluster.predict import predict as predict
+from pdjax.apps.cluster.predict import predict_calibrated as predict_calibrated
+from pdjax.apps.cluster.predict import stage_calibration as stage_calibration
+from pdjax.apps.cluster.predict import topology as topology
 from pdjax.apps.cluster.report import (
     ClusterResult,
     Row,
@@ -81,7 +81,7 @@ from pdjax.apps.cluster.report import (
     plot_ranking,
     write_results,
 )
-from pdjax.apps.cluster.report import _link as _link
+from pdjax.apps.cluster.report import link_label as link_label
 from pdjax.apps.cluster.worker import main as main
 from pdjax.errors import ClusterError
 

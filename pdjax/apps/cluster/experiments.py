@@ -15,16 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from pdjax.apps.cluster.launcher import _launch, _profile
+from pdjax.apps.cluster.launcher import launch, profile_on_workers
 from pdjax.apps.cluster.models import MICROBATCH, RATES, cluster_model
 from pdjax.apps.cluster.predict import (
-    _bandwidth,
-    _calibration,
-    _describe_plan,
-    _predict,
-    _predict_calibrated,
-    _topology,
+    bandwidth,
+    describe_plan,
     kendall_tau,
+    predict,
+    predict_calibrated,
+    stage_calibration,
+    topology,
 )
 from pdjax.apps.cluster.report import ClusterResult, Row
 from pdjax.errors import ClusterError
@@ -94,8 +94,8 @@ class _Link:
 
 
 class _Run(TypedDict):
-    """One run as :func:`~pdjax.apps.cluster.predict._predict` and
-    :func:`~pdjax.apps.cluster.predict._predict_calibrated` take it (after the costs)."""
+    """One run as :func:`~pdjax.apps.cluster.predict.predict` and
+    :func:`~pdjax.apps.cluster.predict.predict_calibrated` take it (after the costs)."""
 
     rate_mbit: float | None
     runner: str
@@ -243,7 +243,7 @@ def _profile_model(model: str, microbatch: int, s: _Settings) -> _Model:
     wanted += [(f, last, 1, "split") for cut in cuts for f, last in cut]
     s.log(f"({experiment}) {model}: profiling and calibrating {len(wanted)} stages on "
           "one pinned worker")  # fmt: skip
-    prof, updates, stages = _profile(model, microbatch, s.seed, s.work, wanted)
+    prof, updates, stages = profile_on_workers(model, microbatch, s.seed, s.work, wanted)
     job = {"model": model, "microbatch": microbatch, "seed": s.seed, "repeats": s.repeats}
     return _Model(
         name=model,
@@ -267,10 +267,10 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
         {"name": "pipedream", "label": "single-pipe", "units": s.units,
          "stages": [(0, m.num_layers - 1)]},
     ]  # fmt: skip
-    alone = _launch({**m.job, "runners": one}, 1, None, False, s.work)
+    alone = launch({**m.job, "runners": one}, 1, None, False, s.work)
     times = {k: statistics.median(v) / s.units for k, v in alone.items()}
     single = min(times.values())
-    cal0 = _calibration(m.prof, m.name, m.microbatch, m.stages, None)
+    cal0 = stage_calibration(m.prof, m.name, m.microbatch, m.stages, None)
     run = _Run(
         rate_mbit=None,
         runner="single",
@@ -304,8 +304,8 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
 def _predictions(m: _Model, cal: Any, run: _Run) -> tuple[float, float, float]:
     """``(planner, simulator, simulator from the profile alone)`` seconds per microbatch of
     ``run``: the first two from the calibration ``cal``."""
-    planner, simulated = _predict_calibrated(m.prof, cal, **run)
-    _, profile_only = _predict(m.prof, m.updates, **run)
+    planner, simulated = predict_calibrated(m.prof, cal, **run)
+    _, profile_only = predict(m.prof, m.updates, **run)
     return planner, simulated, profile_only
 
 
@@ -315,7 +315,7 @@ def _runners(m: _Model, rate: float | None, s: _Settings) -> list[dict[str, Any]
     link, ``pipedream+1``, ``pipedream/coll`` and ``1f1b``."""
     from pdjax.partition import Topology, plan_pipedream
 
-    topo = Topology.flat(2, _bandwidth(rate))
+    topo = Topology.flat(2, bandwidth(rate))
     straight = plan_pipedream(m.prof, topo, straight=True, microbatch_size=m.microbatch)
     split = [(st.first_layer, st.last_layer) for st in straight.stages]
     dpu = 8 if rate is not None and rate < 1000 else s.units
@@ -344,9 +344,9 @@ def _run_link(m: _Model, baseline: _Baseline, rate: float | None, s: _Settings) 
     where = "loopback" if rate is None else f"{rate:g} Mbit/s"
     s.log(f"({m.experiment}) {m.name}: {len(runners)} runners on {where}, links "
           "calibrated first")  # fmt: skip
-    got = _launch({**m.job, "runners": runners, "calibrate": True}, 2, rate, s.emulate, s.work)
+    got = launch({**m.job, "runners": runners, "calibrate": True}, 2, rate, s.emulate, s.work)
     meas = got.pop("_calibration")
-    cal = _calibration(m.prof, m.name, m.microbatch, m.stages, meas)
+    cal = stage_calibration(m.prof, m.name, m.microbatch, m.stages, meas)
     # everything the predictions came from, to predict again offline
     seen = {"model": m.name, "link_mbit": rate, "links": meas["links"],
             "allreduce": meas["allreduce"], "allreduce_model": meas["allreduce_model"],
@@ -371,7 +371,7 @@ def _measured_rows(
     """Per runner of a launch (``got``: its seconds per timed call) a row, measured and
     predicted; and the candidate plans among them (the plain 2-stage cuts and DP)."""
     L = m.num_layers
-    ring = sum(lp.param_bytes for lp in m.prof.layers) / _bandwidth(rate)
+    ring = sum(lp.param_bytes for lp in m.prof.layers) / bandwidth(rate)
     rows: list[Row] = []
     plans: list[dict[str, Any]] = []
     for r in runners:
@@ -427,11 +427,11 @@ def _rank_plans(
     from pdjax.partition import plan_pipedream
 
     chosen = plan_pipedream(
-        m.prof, _topology(cal, 2, rate), fewer_machines=True, microbatch_size=m.microbatch,
+        m.prof, topology(cal, 2, rate), fewer_machines=True, microbatch_size=m.microbatch,
         replication="round-robin", stage_seconds=cal.stage_seconds("pipedream", 1),
         allreduce_seconds=cal.allreduce_function(),
     )  # fmt: skip
-    runner, how = _describe_plan(chosen)
+    runner, how = describe_plan(chosen)
     pick = f"pipedream@{chosen.stages[0].last_layer}" if runner == "pipedream" else runner
     best = min(plans, key=lambda q: q["measured"])
     refined = min(plans, key=lambda q: q["simulated"])
@@ -467,11 +467,11 @@ def _curves(
     grid = [10 ** (k / 8) for k in range(8, 8 * 5 + 1)]  # 10 Mbit/s .. 100 Gbit/s
     curve: dict[str, list[tuple[float, float, float]]] = {"pipedream": [], "dp": []}
     for mbit in grid:
-        topo = Topology.flat(2, _bandwidth(mbit))
+        topo = Topology.flat(2, bandwidth(mbit))
         straight = plan_pipedream(m.prof, topo, straight=True, microbatch_size=m.microbatch)
         split = [(st.first_layer, st.last_layer) for st in straight.stages]
         for name in curve:
-            p, sim = _predict_calibrated(
+            p, sim = predict_calibrated(
                 m.prof,
                 baseline.calibration,
                 rate_mbit=mbit,

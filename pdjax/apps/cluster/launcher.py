@@ -49,7 +49,7 @@ def _python_env(extra: Mapping[str, str]) -> dict[str, str]:
     }
 
 
-def _run_processes(
+def run_processes(
     commands: Sequence[Sequence[str]],
     envs: Sequence[Mapping[str, str]],
     what: str,
@@ -96,7 +96,7 @@ def _run_processes(
     raise ClusterError(f"{what}: worker {i} failed ({why}):\n{tail}")
 
 
-def _profile(
+def profile_on_workers(
     model: str,
     microbatch: int,
     seed: int,
@@ -114,7 +114,7 @@ def _profile(
     job = {"model": model, "microbatch": microbatch, "seed": seed, "out": str(out),
            "stages": [list(st) for st in stages], "optimizer": optimizer[0],
            "learning_rate": optimizer[1]}  # fmt: skip
-    _run_processes(
+    run_processes(
         [
             [
                 "taskset",
@@ -133,7 +133,7 @@ def _profile(
     return Profile.from_json(data["profile"]), data["updates"], data["stages"]
 
 
-def _launch(
+def launch(
     job: dict[str, Any],
     workers: int,
     rate_mbit: float | None,
@@ -161,7 +161,7 @@ def _launch(
         return ["taskset", "-c", str(i % cores), *argv]
 
     if workers == 1:
-        _run_processes([pinned(0)], [_python_env({})], f"{job['model']} alone", timeout=timeout)
+        run_processes([pinned(0)], [_python_env({})], f"{job['model']} alone", timeout=timeout)
         alone: dict[str, Any] = json.loads(out.read_text())
         return alone
     what = f"{job['model']} on {workers} workers"
@@ -180,7 +180,7 @@ def _launch(
                 for i in range(workers)
             ]
             commands = [net.command(i, pinned(i)) for i in range(workers)]
-            _run_processes(commands, envs, what, timeout=timeout)
+            run_processes(commands, envs, what, timeout=timeout)
     else:
         port = free_port()
         envs = [
@@ -193,6 +193,6 @@ def _launch(
             )
             for i in range(workers)
         ]
-        _run_processes([pinned(i) for i in range(workers)], envs, what, timeout=timeout)
+        run_processes([pinned(i) for i in range(workers)], envs, what, timeout=timeout)
     result: dict[str, Any] = json.loads(out.read_text())
     return result

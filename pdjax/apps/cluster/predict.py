@@ -15,7 +15,7 @@ from pdjax.apps.cluster.models import cluster_model
 PAYLOAD = 1448 / 1514
 
 
-def _bandwidth(rate_mbit: float | None) -> float:
+def bandwidth(rate_mbit: float | None) -> float:
     """Bytes/s of TCP payload on a link of ``rate_mbit`` (None: loopback, taken as 2 GB/s,
     what unshaped veth measured here)."""
     return 2e9 if rate_mbit is None else rate_mbit * 1e6 / 8 * PAYLOAD
@@ -23,7 +23,7 @@ def _bandwidth(rate_mbit: float | None) -> float:
 
 def _stage_costs(prof: Any, updates: Sequence[float], plan: Any) -> Any:
     """The simulator's costs for ``plan``, with each stage's measured update seconds."""
-    from pdjax.partition.simulator_costs import costs_from_plan
+    from pdjax.partition import costs_from_plan
 
     costs = costs_from_plan(plan, prof)
     stages = tuple(
@@ -55,7 +55,7 @@ def _layout(runner: str, stages: Sequence[tuple[int, int]], L: int) -> list[tupl
     return [(f, last, 1) for f, last in stages]
 
 
-def _predict(
+def predict(
     prof: Any,
     updates: Sequence[float],
     rate_mbit: float | None,
@@ -71,10 +71,10 @@ def _predict(
     alone (no calibration; ``extra``: pipedream's extra microbatches in flight)."""
     from pdjax.partition import Topology, evaluate_partition
     from pdjax.schedules import generate
-    from pdjax.simulator.engine import simulate
+    from pdjax.simulator import simulate
 
     L = len(prof.layers)
-    bw = _bandwidth(rate_mbit)
+    bw = bandwidth(rate_mbit)
     layout = _layout(runner, stages, L)
     if runner in ("single", "dp"):
         # one stage on r workers, each taking a microbatch per step: the plan's microbatch
@@ -94,7 +94,7 @@ def _predict(
     return plan.time_per_microbatch, sim
 
 
-def _calibration(
+def stage_calibration(
     prof: Any, model: str, microbatch: int, stages: Sequence[Mapping[str, Any]],
     links: Mapping[str, Any] | None, optimizer: str = "sgd",
 ) -> Any:  # fmt: skip
@@ -131,20 +131,19 @@ def _calibration(
     return cal.with_profile_ratio(prof)
 
 
-def _topology(cal: Any, workers: int, rate_mbit: float | None) -> Any:
+def topology(cal: Any, workers: int, rate_mbit: float | None) -> Any:
     """A flat topology of ``workers`` with the calibrated link (both directions' mean
     bandwidth and latency), or the configured rate without measured links."""
-    from pdjax.partition import Topology
-    from pdjax.partition.topology import Level
+    from pdjax.partition import Level, Topology
 
     there, back = cal.link(0, 1), cal.link(1, 0)
     if workers < 2 or there is None or back is None:
-        return Topology.flat(max(1, workers), _bandwidth(rate_mbit))
+        return Topology.flat(max(1, workers), bandwidth(rate_mbit))
     bw = 2.0 / (1.0 / there.bandwidth + 1.0 / back.bandwidth)
     return Topology((Level(workers, bw, "worker", (there.latency + back.latency) / 2),))
 
 
-def _predict_calibrated(
+def predict_calibrated(
     prof: Any,
     cal: Any,
     rate_mbit: float | None,
@@ -159,9 +158,8 @@ def _predict_calibrated(
     """``(planner, simulator)`` seconds per microbatch of one run from calibrated costs:
     the stages' programs measured on a pinned worker, the link and the all-reduce measured
     in the run's own launch."""
-    from pdjax.partition import evaluate_partition
-    from pdjax.partition.simulator_costs import costs_from_plan
-    from pdjax.simulator.engine import simulate
+    from pdjax.partition import costs_from_plan, evaluate_partition
+    from pdjax.simulator import simulate
 
     L = len(prof.layers)
     layout = _layout(runner, stages, L)
@@ -171,7 +169,7 @@ def _predict_calibrated(
     mode = "round-robin" if runner == "dp" else "split"
     kw = {"stage_seconds": cal.stage_seconds(schedule, M),
           "allreduce_seconds": cal.allreduce_function()}  # fmt: skip
-    plan = evaluate_partition(prof, _topology(cal, n, rate_mbit), layout, schedule=schedule,
+    plan = evaluate_partition(prof, topology(cal, n, rate_mbit), layout, schedule=schedule,
                               num_microbatches=M, microbatch_size=microbatch,
                               partitioner="manual", replication=mode, **kw)  # fmt: skip
     sched = _schedule(runner, len(layout), units, microbatches, extra)
@@ -180,7 +178,7 @@ def _predict_calibrated(
     return plan.time_per_microbatch, sim
 
 
-def _describe_plan(plan: Any) -> tuple[str, str]:
+def describe_plan(plan: Any) -> tuple[str, str]:
     """``(runner, layout)`` of a planner's choice on 2 workers."""
     if len(plan.stages) == 1:
         return ("dp", "DP x2") if plan.stages[0].replicas == 2 else ("single", "1 worker")

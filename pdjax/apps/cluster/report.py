@@ -90,7 +90,7 @@ class ClusterResult:
         return json.dumps(dataclasses.asdict(self), indent=1)
 
 
-def _link(mbit: float | None) -> str:
+def link_label(mbit: float | None) -> str:
     if mbit is None:
         return "-"
     return f"{mbit / 1000:g} Gbit/s" if mbit >= 1000 else f"{mbit:g} Mbit/s"
@@ -133,7 +133,7 @@ def _runs_table(rows: Sequence[Row]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"| {r.experiment} | {r.model} | {_link(r.link_mbit)} | {r.runner} | {r.stages} | "
+            f"| {r.experiment} | {r.model} | {link_label(r.link_mbit)} | {r.runner} | {r.stages} | "
             f"{1e3 * r.measured:.1f} | {r.speedup:.2f}x | "
             f"{1e3 * r.simulated:.1f} ({_err(r.simulated, r.measured)}) | "
             f"{r.predicted_speedup:.2f}x | {1e3 * r.planner:.1f} ({_err(r.planner, r.measured)}) "
@@ -171,7 +171,7 @@ def _allreduce_table(rows: Sequence[Row]) -> list[str]:
         "|---|---|---:|---:|",
     ]
     lines += [
-        f"| {r.model} | {_link(r.link_mbit)} | {1e3 * r.allreduce:.1f} | "
+        f"| {r.model} | {link_label(r.link_mbit)} | {1e3 * r.allreduce:.1f} | "
         f"{1e3 * r.allreduce_predicted:.1f} |"
         for r in dp
     ]
@@ -199,7 +199,7 @@ def _links_table(links: Sequence[Mapping[str, Any]]) -> list[str]:
         ]
         host = [ln["send_seconds"] for ln in cal["links"]]
         lines.append(
-            f"| {cal['model']} | {_link(cal['link_mbit'])} | {cells[0]} | {cells[1]} | "
+            f"| {cal['model']} | {link_label(cal['link_mbit'])} | {cells[0]} | {cells[1]} | "
             f"{1e6 * statistics.mean(host) if host else math.nan:.0f} | "
             f"{1e3 * cal['allreduce_model']:.1f} |"
         )
@@ -216,7 +216,8 @@ def _choices_table(choices: Sequence[Mapping[str, Any]]) -> list[str]:
     ]
     for c in choices:
         lines.append(
-            f"| {c['model']} | {_link(c['link_mbit'])} | {c['planner']} ({c['planner_layout']}) "
+            f"| {c['model']} | {link_label(c['link_mbit'])} | "
+            f"{c['planner']} ({c['planner_layout']}) "
             f"| {1e3 * c['planner_seconds']:.1f} | {c['measured_best']} | "
             f"{1e3 * c['measured_best_seconds']:.1f} | "
             f"{1e3 * (c['measured_of_choice'] or math.nan):.1f} | "
@@ -229,7 +230,7 @@ def _ranking_table(rk: Mapping[str, Any]) -> list[str]:
     """One model and link's plans ranked: Kendall's taus, the picks, every plan."""
     lines = [
         "",
-        f"Plans ranked, {rk['model']} at {_link(rk['link_mbit'])}: Kendall tau (planner vs "
+        f"Plans ranked, {rk['model']} at {link_label(rk['link_mbit'])}: Kendall tau (planner vs "
         f"measured) {rk['tau_planner']:.2f}, (simulator vs measured) "
         f"{rk['tau_simulated']:.2f}; planner's pick {rk['pick']} measured "
         f"{1e3 * rk['pick_measured']:.1f} ms/mb against the best, {rk['best']}, "
@@ -279,7 +280,7 @@ def plot_ranking(result: ClusterResult, path: str | os.PathLike[str]) -> Path:
         ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_title(f"{rk['model']}, {_link(rk['link_mbit'])}: tau {rk['tau_planner']:.2f}",
+        ax.set_title(f"{rk['model']}, {link_label(rk['link_mbit'])}: tau {rk['tau_planner']:.2f}",
                      fontsize=8)  # fmt: skip
         ax.set_xlabel("measured ms / microbatch", fontsize=7)
         ax.set_ylabel("predicted ms / microbatch", fontsize=7)

@@ -55,8 +55,8 @@ from typing import Any
 
 from pdjax._jsonio import write_atomic
 from pdjax.apps.cluster.models import cluster_model
-from pdjax.apps.cluster.predict import _calibration, _topology
-from pdjax.apps.cluster.report import _link
+from pdjax.apps.cluster.predict import stage_calibration, topology
+from pdjax.apps.cluster.report import link_label
 from pdjax.errors import ClusterError, PdjaxError
 from pdjax.schedules import schedule_kind, semantics
 
@@ -180,8 +180,8 @@ def link_key(rate_mbit: float | None) -> str:
     return f"{rate_mbit:g}M"
 
 
-def _link_text(rate_mbit: float | None) -> str:
-    return "loopback" if rate_mbit is None else _link(rate_mbit)
+def link_text(rate_mbit: float | None) -> str:
+    return "loopback" if rate_mbit is None else link_label(rate_mbit)
 
 
 # -- inside a worker ----------------------------------------------------------------------
@@ -258,13 +258,13 @@ def _cuts(L: int) -> list[tuple[int, int, int, str]]:
 def _profiled(study: TTAStudy, folder: _Folder, work: Path, log: Callable[[str], None]) -> Any:
     """The study's profile and calibrated stages (measured once, then read back)."""
     # looked up on the package, where a test replaces it, when called
-    from pdjax.apps.cluster import _profile
+    from pdjax.apps.cluster import profile_on_workers
 
     path = folder.profile(study.name)
     if not path.is_file():
         L = len(cluster_model(study.name).layers)
         log(f"{study.name}: profiling and timing {2 * L - 1} stages on one pinned worker")
-        prof, updates, stages = _profile(
+        prof, updates, stages = profile_on_workers(
             study.name,
             study.microbatch,
             0,
@@ -285,14 +285,14 @@ def _linked(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The link and the all-reduce measured on the emulated link (once, then read back)."""
-    from pdjax.apps.cluster import _launch  # looked up on the package (see _profiled)
+    from pdjax.apps.cluster import launch  # looked up on the package (see _profiled)
 
     path = folder.links(study.name, rate)
     if not path.is_file():
-        log(f"{study.name} on {_link_text(rate)}: measuring the link and the all-reduce")
+        log(f"{study.name} on {link_text(rate)}: measuring the link and the all-reduce")
         job = {"model": study.name, "microbatch": study.microbatch, "seed": 0,
                "runners": [], "calibrate": True, "repeats": 1}  # fmt: skip
-        got = _launch(job, 2, rate, emulate, work)
+        got = launch(job, 2, rate, emulate, work)
         folder.write(path, got["_calibration"])
     links: dict[str, Any] = json.loads(path.read_text())
     return links
@@ -308,14 +308,14 @@ def _predictions(
     from pdjax.profile import Profile
 
     prof = Profile.from_json(prof_data["profile"])
-    cal = _calibration(
+    cal = stage_calibration(
         prof, study.name, study.microbatch, prof_data["stages"], links, optimizer="adam"
     )
     out: dict[str, dict[str, Any]] = {}
     for runner, stages in (("single", "1 worker"), ("single-mb", "1 worker"), ("dp", "DP x2")):
         predicted = _predict_whole(runner, study, prof_data, links)
         out[runner] = {"plan": None, "stages": stages, "predicted": predicted}
-    topo = _topology(cal, 2, rate)
+    topo = topology(cal, 2, rate)
     for schedule in PIPELINES:
         path = folder.plan(study.name, rate, schedule)
         if not path.is_file():
@@ -332,7 +332,7 @@ def _predictions(
             )
             path.parent.mkdir(parents=True, exist_ok=True)
             plan.save(path)
-        plan = _two_stages(Plan.load(path), f"{study.name} on {_link_text(rate)}, {schedule}")
+        plan = two_stages(Plan.load(path), f"{study.name} on {link_text(rate)}, {schedule}")
         auto = plan.options["auto"]
         out[schedule] = {
             "plan": str(path),
@@ -344,7 +344,7 @@ def _predictions(
     return out
 
 
-def _two_stages(plan: Any, where: str) -> Any:
+def two_stages(plan: Any, where: str) -> Any:
     """``plan`` if it is a 2-stage pipeline over both workers; else a ClusterError (a
     pipeline runner on fewer stages or workers would be reported as what it is not)."""
     if plan.num_stages != 2 or plan.num_devices != 2:
@@ -393,14 +393,14 @@ def _run_one(
     work: Path,
 ) -> dict[str, Any]:
     """One training run in its own launch; its result."""
-    from pdjax.apps.cluster import _launch  # looked up on the package (see _profiled)
+    from pdjax.apps.cluster import launch  # looked up on the package (see _profiled)
 
     cfg = study.config(runner, seed, plan=pred.get("plan") or "even", extra=pred.get("extra", 0))
     job = {"model": study.name, "runners": [runner], "config": dataclasses.asdict(cfg)}
     workers = 1 if runner in ALONE else 2
     t0 = time.monotonic()
     try:
-        got = _launch(
+        got = launch(
             job,
             workers,
             rate_mbit=rate,
@@ -480,7 +480,7 @@ def run_tta(
                         path = folder.run(name, runner, rate, seed)
                         if path.is_file():
                             continue
-                        log(f"{name} on {_link_text(rate)}, seed {seed}: {runner} "
+                        log(f"{name} on {link_text(rate)}, seed {seed}: {runner} "
                             f"({preds[runner]['stages']})")  # fmt: skip
                         res = _run_one(
                             study,

@@ -17,8 +17,8 @@ from pdjax.apps.cluster.tta import (
     STUDIES,
     M,
     TTAStudy,
-    _link_text,
     link_key,
+    link_text,
     load_results,
 )
 
@@ -138,7 +138,7 @@ def markdown(
         ]
         for r in (r for r in rows if r["study"] == study):
             cells = [
-                _link_text(r["link_mbit"]),
+                link_text(r["link_mbit"]),
                 r["runner"],
                 r["stages"] + (", no link" if r["runner"] in ALONE else ""),
                 _cell(r["time_to_target"], ".1f"),
@@ -153,7 +153,7 @@ def markdown(
             ]
             lines.append("| " + " | ".join(cells) + " |")
         failed = [(r, e) for r in rows if r["study"] == study for e in r["errors"] if e]
-        lines += [""] + [f"* {r['runner']} at {_link_text(r['link_mbit'])}: {e.splitlines()[-1]}"
+        lines += [""] + [f"* {r['runner']} at {link_text(r['link_mbit'])}: {e.splitlines()[-1]}"
                          for r, e in failed]  # fmt: skip
         lines.append("")
     if launched is not None:
@@ -191,7 +191,7 @@ def plot(
                        label="target")  # fmt: skip
             ax.set_xlabel("training seconds")
             ax.set_ylabel("test accuracy")
-            ax.set_title(f"{study}, {_link_text(rate)} (seed {seed})")
+            ax.set_title(f"{study}, {link_text(rate)} (seed {seed})")
             ax.legend()
             fig.tight_layout()
             path = folder / f"tta-{study}-{link_key(rate)}.png"

@@ -33,7 +33,7 @@ def _profile_job(job: Mapping[str, Any]) -> None:
     import jax
     import numpy as np
 
-    from pdjax.profile.xla import profile
+    from pdjax.profile import profile
 
     spec = cluster_model(job["model"])
     b = job["microbatch"]
@@ -151,7 +151,7 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
 
     from pdjax._sharding import held
     from pdjax.partition import StagePlan
-    from pdjax.pipeline.executor import Pipeline
+    from pdjax.pipeline import Pipeline
     from pdjax.runners import DataParallel, Runner
     from pdjax.schedules import STREAMING
 

@@ -32,7 +32,7 @@ from pdjax.apps.commands import (
     positive_int,
     seed_int,
 )
-from pdjax.apps.commands.profile import _WHY_BATCH, MAX_REPEATS
+from pdjax.apps.commands.profile import MAX_REPEATS, WHY_BATCH
 from pdjax.errors import CalibrationError
 
 __all__ = ["register", "run"]
@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_model_arguments(p, required=True)
     p.add_argument(
         "--microbatch-size",
-        action=positive_int(MAX_PROFILE_BATCH, _WHY_BATCH),
+        action=positive_int(MAX_PROFILE_BATCH, WHY_BATCH),
         required=True,
         help="samples per microbatch",
     )

@@ -429,8 +429,7 @@ def _calibrated_batch(args: argparse.Namespace, size: int, devices: int) -> tupl
 def _profile_model(args: argparse.Namespace) -> Profile:
     """``--model``: the model profiled at ``--microbatch-size`` samples."""
     from pdjax.models import get_model
-    from pdjax.profile import profile
-    from pdjax.profile.devices import get_device_model
+    from pdjax.profile import get_device_model, profile
 
     size = args.microbatch_size or _MODEL_BATCH
     if size < 1:

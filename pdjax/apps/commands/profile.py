@@ -28,7 +28,7 @@ from pdjax.profile import DEVICE_MODELS, Profile, profile
 __all__ = ["register", "render_profile", "run"]
 
 
-_WHY_BATCH = "the sample batch and every layer's activations are allocated at once"
+WHY_BATCH = "the sample batch and every layer's activations are allocated at once"
 #: ``--repeats``: timed runs per measurement.
 MAX_REPEATS = 1000
 
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_model_arguments(p, required=True)
     p.add_argument(
         "--batch-size",
-        action=positive_int(MAX_PROFILE_BATCH, _WHY_BATCH),
+        action=positive_int(MAX_PROFILE_BATCH, WHY_BATCH),
         default=32,
         help="samples in the profiled batch",
     )
@@ -78,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run(args: argparse.Namespace) -> int:
     """Profiles ``args.model`` and prints (or writes) the result."""
     from pdjax.models import get_model
-    from pdjax.profile.devices import get_device_model
+    from pdjax.profile import get_device_model
 
     if args.batch_size < 1:
         raise ProfileError(f"--batch-size must be >= 1, got {args.batch_size}")

@@ -38,11 +38,11 @@ from pdjax.apps.commands import (
     split_list,
 )
 from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition import Plan
 from pdjax.partition import simulator_costs as _costs
-from pdjax.partition.plan import Plan
-from pdjax.profile.profile import Profile
+from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STREAMING, Schedule, generate
-from pdjax.simulator.engine import (
+from pdjax.simulator import (
     PipelineCosts,
     Simulation,
     simulate,
@@ -71,7 +71,7 @@ def costs_from_files(
         profile_path: the profile it was made from: JSON, ``graph.txt`` or
             ``pipedream:NAME``.
         chunks: ``v`` for ``interleaved`` (``P v`` virtual stages, see
-            :func:`pdjax.pipeline.costs_from_plan`).
+            :func:`pdjax.partition.costs_from_plan`).
 
     Raises:
         PlanError, ProfileError: unreadable files, or a profile that does not match the plan.
@@ -495,12 +495,12 @@ def run(args: argparse.Namespace) -> int:
     results = _simulations(args)
     sims = [r for _, r in results if isinstance(r, Simulation)]
     if args.trace and sims:
-        from pdjax.simulator.trace import write_chrome_trace
+        from pdjax.simulator import write_chrome_trace
 
         Path(args.trace).parent.mkdir(parents=True, exist_ok=True)
         write_chrome_trace([s.timeline for s in sims], args.trace)
     if args.png and sims:
-        from pdjax.simulator.trace import plot_gantt
+        from pdjax.simulator import plot_gantt
 
         titles = [
             f"{_label(s)}: step {s.step_time:.4g} s, {s.time_per_microbatch:.4g} s/microbatch, "

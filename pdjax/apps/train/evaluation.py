@@ -14,7 +14,7 @@ import optax
 from pdjax.apps import data as data_lib
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 
 def evaluate(

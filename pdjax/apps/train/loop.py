@@ -29,22 +29,22 @@ from pdjax.apps.train.config import (
 from pdjax.apps.train.evaluation import evaluate_runner
 from pdjax.apps.train.model_data import build, check
 from pdjax.apps.train.outputs import (
-    _append_metrics,
-    _refuse_mixing,
-    _refuse_others,
-    _sync_metrics,
-    _TensorBoard,
+    TensorBoard,
+    append_metrics,
     new_run_id,
+    refuse_mixing,
+    refuse_others,
     require_tensorboard,
+    sync_metrics,
 )
 from pdjax.apps.train.planning import plan_of
 from pdjax.apps.train.resume import (
-    _identity,
-    _open_checkpoints,
-    _resume,
-    _save_plan,
-    _saved_plan,
-    _settle,
+    checkpoint_identity,
+    open_checkpoints,
+    resume,
+    save_plan,
+    saved_plan,
+    settle,
 )
 from pdjax.apps.train.runner import make_runner
 from pdjax.errors import PipelineError, TrainingDiverged
@@ -198,7 +198,7 @@ def _open_outputs(
         check_file(metrics_path, "metrics_path", PipelineError)
     if tensorboard_dir is not None:
         check_folder(tensorboard_dir, "tensorboard_dir", PipelineError)
-    ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+    ckpt, step = open_checkpoints(stack, checkpoint_dir, resume_step)
     if ckpt is not None:  # a second run writing the folder is refused before any work
         ckpt.claim()
     outputs = _Outputs(
@@ -226,20 +226,20 @@ def _set_up(
     written and its metrics synced with its checkpoint, and ``on_start`` called."""
     saved = None
     if step is not None and outputs.checkpoint_dir is not None:  # a step implies a dir
-        saved = _saved_plan(outputs.checkpoint_dir)
-    cfg, plan, plan_given = _settle(requested, spec, ds, saved, outputs.checkpoint_dir)
+        saved = saved_plan(outputs.checkpoint_dir)
+    cfg, plan, plan_given = settle(requested, spec, ds, saved, outputs.checkpoint_dir)
     check(cfg, spec, ds)
     if outputs.tensorboard_dir is not None:
         require_tensorboard()
     if step is None:
         run_id = new_run_id()
         if outputs.metrics_path is not None:
-            _refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
+            refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
     else:
-        identity = _identity(outputs.ckpt, step, chosen=chosen)
+        identity = checkpoint_identity(outputs.ckpt, step, chosen=chosen)
         run_id = identity.run_id
         if outputs.metrics_path is not None:
-            _refuse_others(
+            refuse_others(
                 outputs.metrics_path,
                 cfg.label,
                 run_id,
@@ -260,7 +260,7 @@ def _set_up(
     state = runner.init(jax.random.key(cfg.seed), sample)
     history: list[EpochRecord] = []
     if step is not None:
-        state, history = _resume(
+        state, history = resume(
             ckpt=outputs.ckpt,
             step=step,
             state=state,
@@ -276,7 +276,7 @@ def _set_up(
         if requested.schedule == "auto" and saved is None and written is not None:
             cfg = _plan_among_outputs(cfg, written)
     if outputs.metrics_path is not None and step is not None:
-        _sync_metrics(outputs.metrics_path, cfg.label, run_id, history)
+        sync_metrics(outputs.metrics_path, cfg.label, run_id, history)
     if hooks.on_start is not None:
         hooks.on_start(plan_text)
     return _Run(
@@ -299,13 +299,13 @@ def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> Pat
     the copy beside the metrics, else the checkpoint directory's, else None (none written)."""
     written = None
     if outputs.checkpoint_dir is not None and not saved:
-        written = _save_plan(Path(outputs.checkpoint_dir), plan)
+        written = save_plan(Path(outputs.checkpoint_dir), plan)
     if outputs.metrics_path is not None:
         # with or without checkpoints: a fresh plan="auto" run measures and may plan
         # other stages, so this file is how a run is repeated on the same ones
         folder = outputs.metrics_path.parent / run_folder(label)
         refuse_link(folder, "the plan in", PipelineError)
-        written = _save_plan(folder, plan)
+        written = save_plan(folder, plan)
     return written
 
 
@@ -344,7 +344,7 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
         board = None
         if outputs.tensorboard_dir is not None:
             folder = outputs.tensorboard_dir / run_folder(cfg.label)
-            board = stack.enter_context(contextlib.closing(_TensorBoard(folder, cfg)))
+            board = stack.enter_context(contextlib.closing(TensorBoard(folder, cfg)))
         state = run.state
         for epoch in range(start_epoch, cfg.epochs):
             state, record = _train_epoch(
@@ -370,7 +370,7 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
     return result
 
 
-def _commit(run: _Run, outputs: _Outputs, state: Any, board: _TensorBoard | None) -> None:
+def _commit(run: _Run, outputs: _Outputs, state: Any, board: TensorBoard | None) -> None:
     """Saves the epoch just trained (the last of ``run.history``, ``state`` after it): its
     checkpoint, then its metrics line and its TensorBoard step."""
     record = run.history[-1]
@@ -387,7 +387,7 @@ def _commit(run: _Run, outputs: _Outputs, state: Any, board: _TensorBoard | None
     # after the commit, so no line names an epoch no checkpoint holds; a crash in
     # between leaves the line to the resume (_sync_metrics writes missing ones)
     if outputs.metrics_path is not None:
-        _append_metrics(outputs.metrics_path, run.cfg.label, run.run_id, [record])
+        append_metrics(outputs.metrics_path, run.cfg.label, run.run_id, [record])
     if board is not None:
         board.write(record)
 

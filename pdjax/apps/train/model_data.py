@@ -93,7 +93,7 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
     return spec, data_lib.fit_to_sample(ds, sample, num_classes=spec.num_classes)
 
 
-def _check_devices(cfg: TrainConfig) -> None:
+def check_devices(cfg: TrainConfig) -> None:
     devices = jax.devices()
     if cfg.devices > len(devices):
         kind = devices[0].platform
@@ -122,7 +122,7 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
             "training samples"
         )
-    _check_devices(cfg)
+    check_devices(cfg)
     if cfg.target_accuracy is not None and not spec.has_accuracy:
         raise PipelineError(
             f"--target-accuracy needs an accuracy, and {spec.name} has none: give the model "

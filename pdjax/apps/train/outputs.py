@@ -54,7 +54,7 @@ def _metrics_line(label: str, run_id: str, record: EpochRecord) -> str:
     return json.dumps({"run": label, "run_id": run_id, **_values(record)}, allow_nan=False)
 
 
-def _append_metrics(path: Path, label: str, run_id: str, records: Sequence[EpochRecord]) -> None:
+def append_metrics(path: Path, label: str, run_id: str, records: Sequence[EpochRecord]) -> None:
     """Appends the lines of ``records`` (never through a symbolic link; a last line a
     crash cut off is kept, and the new lines start after it)."""
     if records:
@@ -106,7 +106,7 @@ def new_run_id() -> str:
     return run_id
 
 
-def _refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) -> None:
+def refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) -> None:
     """Refuses a fresh run of ``label`` into a metrics file holding lines of such a run."""
     if not any(entry.get("run") == label for entry in _entries(path)):
         return
@@ -122,7 +122,7 @@ def _refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) ->
     )
 
 
-def _refuse_others(
+def refuse_others(
     path: Path,
     label: str,
     run_id: str,
@@ -151,7 +151,7 @@ def _refuse_others(
         )
 
 
-def _sync_metrics(path: Path, label: str, run_id: str, history: Sequence[EpochRecord]) -> None:
+def sync_metrics(path: Path, label: str, run_id: str, history: Sequence[EpochRecord]) -> None:
     """Brings run ``run_id``'s lines in the metrics file in step with ``history`` (its
     checkpoint's), by appending only (:func:`read_metrics`' rule): from the first epoch
     whose line is missing or differs (another branch of the run, before a resume from an
@@ -163,10 +163,10 @@ def _sync_metrics(path: Path, label: str, run_id: str, history: Sequence[EpochRe
         line = mine.get(record.epoch)
         values = {"run": label, "run_id": run_id, **_values(record)}
         if line is None or any(line.get(k) != v for k, v in values.items()):
-            _append_metrics(path, label, run_id, history[i:])
+            append_metrics(path, label, run_id, history[i:])
             return
     if history and any(epoch > len(history) for epoch in mine):
-        _append_metrics(path, label, run_id, history[-1:])
+        append_metrics(path, label, run_id, history[-1:])
 
 
 def check_output_paths(
@@ -274,7 +274,7 @@ def require_tensorboard() -> None:
         ) from e
 
 
-class _TensorBoard:
+class TensorBoard:
     """One run's TensorBoard event files (tensorboardX), one step per epoch. The files are
     made by the first epoch written: a run that trains no epoch, or diverges in its first,
     leaves none. Each file is new (a random name), in a folder that is not a link."""

@@ -256,10 +256,10 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
     os.close(handle)  # the runner reads the plan from a file
     plan.save(path)
-    return _auto_choice(cfg, plan, path)
+    return auto_choice(cfg, plan, path)
 
 
-def _auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
+def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
     """``cfg`` (``schedule="auto"``) as ``plan_auto``'s ``plan`` (saved as ``path``) chose."""
     chosen = plan.options.get("auto")
     if not isinstance(chosen, dict):

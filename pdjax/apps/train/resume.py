@@ -21,11 +21,11 @@ import jax
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import EpochRecord, TrainConfig, runs_plan
-from pdjax.apps.train.outputs import _refuse_mixing, _refuse_others
-from pdjax.apps.train.planning import _auto_choice, resolve_auto
+from pdjax.apps.train.outputs import refuse_mixing, refuse_others
+from pdjax.apps.train.planning import auto_choice, resolve_auto
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.models import ModelSpec
-from pdjax.pipeline.executor import Pipeline
+from pdjax.pipeline import Pipeline
 
 #: The file in a run's checkpoint directory that holds the plan it runs
 #: (:func:`~pdjax.apps.train.train`).
@@ -65,15 +65,15 @@ def check_outputs(
       PipelineError: for the metrics (the message says what to do).
     """
     with contextlib.ExitStack() as stack:
-        ckpt, step = _open_checkpoints(stack, checkpoint_dir, resume_step)
+        ckpt, step = open_checkpoints(stack, checkpoint_dir, resume_step)
         if step is None:
             if metrics_path is not None:
-                _refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
+                refuse_mixing(Path(metrics_path), cfg.label, checkpoint_dir)
             return None
-        identity = _identity(ckpt, step, chosen=resume_step is not None)
+        identity = checkpoint_identity(ckpt, step, chosen=resume_step is not None)
     label = _resumed_label(cfg, checkpoint_dir)
     if metrics_path is not None and label is not None:
-        _refuse_others(Path(metrics_path), label, identity.run_id, checkpoint_dir, identity.legacy)
+        refuse_others(Path(metrics_path), label, identity.run_id, checkpoint_dir, identity.legacy)
     return identity.run_id
 
 
@@ -82,13 +82,13 @@ def _resumed_label(cfg: TrainConfig, checkpoint_dir: str | Path | None) -> str |
     that of the choice its saved plan records (None where only profiling would tell)."""
     if cfg.schedule != "auto":
         return cfg.label
-    saved = _saved_plan(str(checkpoint_dir))
+    saved = saved_plan(str(checkpoint_dir))
     if saved is None or cfg.plan not in ("auto", "even"):
         return None
-    return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE).label
+    return auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE).label
 
 
-def _identity(ckpt: Any, step: int, *, chosen: bool) -> _Identity:
+def checkpoint_identity(ckpt: Any, step: int, *, chosen: bool) -> _Identity:
     """The :class:`_Identity` of checkpoint ``step`` of ``ckpt``, from its metadata alone
     (no state is built): its ``extra["run_id"]``, else one made for a checkpoint of pdjax
     before run ids."""
@@ -128,7 +128,7 @@ def _hinted(ckpt: Any, step: int, chosen: bool, read: Callable[[], _T]) -> _T:
         raise
 
 
-def _open_checkpoints(
+def open_checkpoints(
     stack: contextlib.ExitStack, checkpoint_dir: str | Path | None, resume_step: int | None
 ) -> tuple[Any, int | None]:
     """The checkpointer of ``checkpoint_dir`` (or None) and the step to resume from (None
@@ -156,7 +156,7 @@ def _open_checkpoints(
     return ckpt, resume_step
 
 
-def _saved_plan(checkpoint_dir: str | Path) -> Any:
+def saved_plan(checkpoint_dir: str | Path) -> Any:
     """The plan saved in ``checkpoint_dir`` (:data:`PLAN_FILE`), or None; process 0 reads
     it (the others need not share the directory) and every process gets it."""
     from pdjax.distributed import broadcast_json
@@ -179,7 +179,7 @@ def _saved_plan(checkpoint_dir: str | Path) -> Any:
     return Plan.from_dict(got["plan"]) if "plan" in got else None
 
 
-def _save_plan(directory: Path, plan: Any) -> Path:
+def save_plan(directory: Path, plan: Any) -> Path:
     """Writes ``plan`` as ``directory``/:data:`PLAN_FILE` (from process 0); its path."""
     if jax.process_index() == 0:  # process 0 alone writes the checkpoint directory
         directory.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def _save_plan(directory: Path, plan: Any) -> Path:
     return directory / PLAN_FILE
 
 
-def _settle(
+def settle(
     requested: TrainConfig,
     spec: ModelSpec,
     ds: data_lib.Dataset,
@@ -201,7 +201,7 @@ def _settle(
     cfg = requested
     if cfg.schedule == "auto":
         if saved is not None and cfg.plan in ("auto", "even"):
-            return _auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE), saved, False
+            return auto_choice(cfg, saved, Path(str(checkpoint_dir)) / PLAN_FILE), saved, False
         return resolve_auto(cfg, spec, ds), None, False
     if saved is None or not runs_plan(cfg.schedule) or cfg.plan == "even":
         return cfg, None, False
@@ -221,7 +221,7 @@ def _settle(
     return cfg, saved, True
 
 
-def _resume(
+def resume(
     ckpt: Any,
     step: int,
     state: Any,

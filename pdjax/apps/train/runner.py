@@ -9,12 +9,12 @@ import jax
 import optax
 
 from pdjax.apps.train.config import TrainConfig, make_optimizer
-from pdjax.apps.train.model_data import _check_devices
+from pdjax.apps.train.model_data import check_devices
 from pdjax.apps.train.planning import plan_of
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
-from pdjax.pipeline.executor import Pipeline, even_stages
+from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
 
@@ -62,7 +62,7 @@ def make_runner(
     ``schedule="dp"``, else a :class:`Pipeline`), and its plan's text (``plan``: the
     :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s). The rest of the
     training loop is written against the protocol alone."""
-    _check_devices(cfg)
+    check_devices(cfg)
     devices = jax.devices()
     if cfg.schedule == "dp":  # the one place that picks the runner
         dp = DataParallel(spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices])

@@ -27,12 +27,12 @@ from pdjax.pipeline.executor.interpreter import (
 )
 from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
-from pdjax.pipeline.executor.trees import _concat, _loss_of
+from pdjax.pipeline.executor.trees import concat, loss_of
 from pdjax.pipeline.lowering.types import OFFSET, Slot, SlotKind
 from pdjax.pipeline.stage import Stage
 from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule
-from pdjax.simulator.timeline import Timeline
+from pdjax.simulator import Timeline
 
 __all__ = ["Feeder", "execute"]
 
@@ -69,7 +69,7 @@ class Feeder:
             trees = [mb[i] for mb in microbatches]
             if stage.round_robin:  # one array per group: microbatch k0 + d on device d
                 r = stage.num_replicas
-                groups = [_concat(trees[k : k + r]) for k in range(0, len(trees), r)]
+                groups = [concat(trees[k : k + r]) for k in range(0, len(trees), r)]
                 placed = self._place_microbatches(stage, groups)
                 values.update((Slot(kind, s, k * r, group=True), v) for k, v in enumerate(placed))
             else:
@@ -167,7 +167,7 @@ def execute(
     aux = [v[1] for v in losses] if losses and isinstance(losses[0], tuple) else None
     record = schedule is not None
     metrics = RunMetrics(
-        losses=[_loss_of(v) for v in losses],
+        losses=[loss_of(v) for v in losses],
         aux=aux,
         peak_versions=prog.peak_versions,
         actions=prog.actions,

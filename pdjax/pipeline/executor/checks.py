@@ -20,7 +20,7 @@ from pdjax.layers.init_programs import init_layers
 from pdjax.pipeline.executor.arguments import check_arrays
 from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract, _shapes_text
+from pdjax.pipeline.executor.trees import abstract, shapes_text
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import LossFn, split_loss
 
@@ -74,7 +74,7 @@ class Checker:
         Raises:
           PipelineError: naming the stage, the layer and the input shapes that fail.
         """
-        made, y = self._trace_layers(_abstract(sample), variables)
+        made, y = self._trace_layers(abstract(sample), variables)
         if self.stage_set.tied_stages:
             self.layers.check_tied(made if variables is None else variables)
         return y
@@ -156,7 +156,7 @@ class Checker:
                 "updated in place); pass the state that call returned"
             )
         problem = self._count_problem(state)
-        layout = None if problem else _state_layout(state)
+        layout = None if problem else state_layout(state)
         if problem is None and layout not in self._state_layouts:
             if not self._state_layouts:
                 # nothing made here to compare with (a state of an equal pipeline): the
@@ -232,7 +232,7 @@ class Checker:
     def _expected_layout(self, x: PyTree) -> Any:
         """The layout of the state init would make on a sample like ``x`` (shapes only;
         it settles the ties and the optimizer as :meth:`state_from_variables` does)."""
-        variables, _ = self._trace_layers(_abstract(x), None)
+        variables, _ = self._trace_layers(abstract(x), None)
         layers = [variables[sp.first_layer : sp.last_layer + 1] for sp in self.stage_set.specs]
         params = [[v.get("params", {}) for v in vs] for vs in layers]
         model_state = [[{k: a for k, a in v.items() if k != "params"} for v in vs] for vs in layers]
@@ -253,7 +253,7 @@ class Checker:
         shapes of its output, or raises naming the layer and the shapes that fail."""
         check_arrays((("inputs", x),), f"{where}: ")
         try:
-            return self.check_shapes(x, _abstract(self._state_variables(state)))
+            return self.check_shapes(x, abstract(self._state_variables(state)))
         except PipelineError as e:
             seen = self.init_shapes
             raise PipelineError(
@@ -286,7 +286,7 @@ class Checker:
                     parts = (("inputs", item[0]), ("targets", item[1]))
                 else:
                     parts = (("inputs", item),)
-                n = _rows(parts, f"{where}: ")
+                n = shared_rows(parts, f"{where}: ")
                 y = self._check_inputs(state, parts[0][1], where)
                 if with_targets:
                     _check_loss(self.loss_fn, y, item[1], where)
@@ -298,7 +298,7 @@ class Checker:
         return rows
 
 
-def _state_layout(state: PipelineState) -> Any:
+def state_layout(state: PipelineState) -> Any:
     """Per field (params, model state, optimizer state), per stage, the tree structure
     and the leaf shapes: what a state must share with the states a pipeline makes (not
     the dtypes, which a caller may change, as a cast to bfloat16 does)."""
@@ -332,7 +332,7 @@ def _naming(s: int, i: int, name: str, x: PyTree) -> Iterator[None]:
         what = "the inputs" if i == 0 else "the output of the layer before it"
         raise PipelineError(
             f"stage {s}, layer {i} ({name}) cannot take {what}, shapes "
-            f"[{_shapes_text(x)}]: {type(e).__name__}: {e}"
+            f"[{shapes_text(x)}]: {type(e).__name__}: {e}"
         ) from e
 
 
@@ -351,7 +351,7 @@ def _layout_key(tree: PyTree) -> Any:
     return treedef, tuple([(np.shape(a), getattr(a, "dtype", None)) for a in leaves])
 
 
-def _rows(parts: Sequence[tuple[str, PyTree]], where: str) -> int:
+def shared_rows(parts: Sequence[tuple[str, PyTree]], where: str) -> int:
     """The rows (leading dimension) that every leaf of the named trees ``parts`` (e.g.
     ``(("inputs", x), ("targets", t))``) shares. Targets with other rows than their
     inputs would be cut at other samples (trained on the wrong targets) or fail deep in
@@ -387,13 +387,13 @@ def _check_loss(loss_fn: LossFn, y: Any, t: PyTree, where: str) -> None:
     that is not a scalar raises :func:`split_loss`'s error, targets it cannot take raise
     one naming both shapes (rather than an XLA error from inside a stage program)."""
     try:
-        jax.eval_shape(lambda y, t: split_loss(loss_fn(y, t)), y, _abstract(t))
+        jax.eval_shape(lambda y, t: split_loss(loss_fn(y, t)), y, abstract(t))
     except PdjaxError:
         raise
     except Exception as e:
         raise PipelineError(
-            f"{where}: loss_fn cannot take the model's outputs [{_shapes_text(y)}] and the "
-            f"targets [{_shapes_text(t)}]: {type(e).__name__}: {str(e).rstrip('.')}. Give "
+            f"{where}: loss_fn cannot take the model's outputs [{shapes_text(y)}] and the "
+            f"targets [{shapes_text(t)}]: {type(e).__name__}: {str(e).rstrip('.')}. Give "
             "targets that fit "
             "the model's outputs, one row per input row"
         ) from e
@@ -405,7 +405,7 @@ def _brief(treedef: Any, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _check_pairs(items: Sequence[Any], call: str, what: str) -> None:
+def check_pairs(items: Sequence[Any], call: str, what: str) -> None:
     """Refuses an item of ``items`` that is not an ``(inputs, targets)`` pair: the whole
     batch passed where its microbatches belong would unpack as inputs and targets."""
     for k, item in enumerate(items):
@@ -435,7 +435,7 @@ def split_batch(
             + (f" of {len(batch)} items" if isinstance(batch, (tuple, list)) else "")
         )
     inputs, targets = batch
-    n = _rows((("inputs", inputs), ("targets", targets)), "")
+    n = shared_rows((("inputs", inputs), ("targets", targets)), "")
     if n < M:
         raise PipelineError(
             f"a batch of {n} samples cannot be split into {M} microbatches: every "

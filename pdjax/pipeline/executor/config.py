@@ -63,7 +63,7 @@ def even_stages(
     )
 
 
-def _check_cover(specs: Sequence[StagePlan], num_layers: int) -> None:
+def check_cover(specs: Sequence[StagePlan], num_layers: int) -> None:
     """Refuses stages that do not cover the model's layers contiguously, in order."""
     if not specs:
         raise PipelineError("the plan has no stages")
@@ -85,7 +85,7 @@ def _check_cover(specs: Sequence[StagePlan], num_layers: int) -> None:
         )
 
 
-def _stages_of(plan: Plan | Sequence[StagePlan]) -> tuple[StagePlan, ...]:
+def stages_of(plan: Plan | Sequence[StagePlan]) -> tuple[StagePlan, ...]:
     """The stages of ``plan`` (a :class:`~pdjax.partition.Plan`, or its stages alone);
     anything else is refused naming what to pass."""
     if isinstance(plan, Plan):
@@ -106,7 +106,7 @@ def _stages_of(plan: Plan | Sequence[StagePlan]) -> tuple[StagePlan, ...]:
     return tuple(plan)
 
 
-def _check_options(
+def check_options(
     schedule: str,
     *,
     chunks: int,
@@ -148,7 +148,7 @@ def _check_options(
         raise PipelineError(f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}")
 
 
-def _integer(name: str, value: Any, least: int, most: int | None = None, why: str = "") -> int:
+def integer(name: str, value: Any, least: int, most: int | None = None, why: str = "") -> int:
     """``value`` of the constructor argument ``name`` as an ``int`` >= ``least`` (and <=
     ``most``, ``why`` saying why). Bools, floats and strings are refused rather than rounded:
     ``microbatches=2.5`` or ``"2"`` is a mistake that would otherwise surface as a raw
@@ -175,7 +175,7 @@ MICROBATCHES_WHY = (
 )
 
 
-def _remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
+def remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
     """``remat`` as one flag per stage (a bool for all, or a sequence of bools)."""
     if isinstance(remat, (bool, np.bool_)):
         return (bool(remat),) * num_stages
@@ -189,7 +189,7 @@ def _remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
-def _tied_stages(
+def tied_stage_groups(
     layers: LayerSequence, specs: Sequence[StagePlan]
 ) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """Per tied group of ``layers``, its name and the stages (``specs``) holding copies."""
@@ -202,7 +202,7 @@ def _tied_stages(
     )
 
 
-def _replication_of(
+def replication_of(
     replication: str | Sequence[str] | None, specs: Sequence[StagePlan], groups: int
 ) -> tuple[str, ...]:
     """Per device group ``"split"`` or ``"round-robin"`` (see :class:`Pipeline`)."""
@@ -228,7 +228,7 @@ def _replication_of(
     return modes
 
 
-def _stage_devices(
+def plan_stage_devices(
     plan: Plan | Sequence[StagePlan],
     specs: Sequence[StagePlan],
     devices: Sequence[jax.Device] | None,
@@ -280,7 +280,7 @@ def _id_list(ids: Sequence[int]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-def _scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:
+def scale(schedule: str, microbatches: int, replicas: int, round_robin: bool) -> float:
     """The factor on a stage's summed gradients before its update: the mean over the
     microbatches one update applies (``M``; a round-robin group under ``pipedream``)."""
     if semantics(schedule).updates_per_microbatch:

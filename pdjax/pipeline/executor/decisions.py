@@ -19,10 +19,10 @@ from pdjax._trees import key_str
 from pdjax.distributed import allgather_json
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree
-from pdjax.pipeline.executor.config import _scale
+from pdjax.pipeline.executor.config import scale
 from pdjax.pipeline.executor.stages import Replication, StageSet
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract
+from pdjax.pipeline.executor.trees import abstract
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import StageTies
 from pdjax.schedules import FLUSHING, semantics
@@ -136,7 +136,7 @@ class Decisions:
                     "replication='split' for this stage"
                 )
             st.round_robin = False
-            st.scale = _scale(self.schedule, self.microbatches, st.num_replicas, False)
+            st.scale = scale(self.schedule, self.microbatches, st.num_replicas, False)
             st.whole_reason = "not checked yet"
             self.replication.notes.append(
                 f"the plan's round-robin stage {s} runs split: its layers keep model state"
@@ -179,7 +179,7 @@ class Decisions:
                 ss.stages[s].whole_reason = "asked for (grad_allreduce='backward')"
             self.parts_checked = True
             return
-        inputs = [_abstract(x), *self.stage_outputs(state, x)]
+        inputs = [abstract(x), *self.stage_outputs(state, x)]
         for s in replicated:
             stage = ss.stages[s]
             if not ss.local[s]:
@@ -205,7 +205,7 @@ class Decisions:
         Returns whether it decided now (the programs lowered before must be made anew)."""
         if self.stage_optimizer is not None:
             return False
-        opt = StageOptimizer(self.optimizer, _abstract(stage_params), scope=self.optimizer_scope)
+        opt = StageOptimizer(self.optimizer, abstract(stage_params), scope=self.optimizer_scope)
         if opt.needs_exchange and semantics(self.schedule).updates_per_microbatch:
             raise PipelineError(
                 "the optimizer couples the stages through the gradients' global norm "
@@ -226,7 +226,7 @@ class Decisions:
         """The shapes of every stage's output but the last's, for a microbatch like ``x``
         (what a process receives from another process's stage, or sends back as a
         gradient)."""
-        x = _abstract(x)
+        x = abstract(x)
         key = jax.tree.structure(x), tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(x))
         if key not in self._specs:
             specs = []
@@ -234,8 +234,8 @@ class Decisions:
             for s, stage in enumerate(self.stage_set.stages[:-1]):
                 x = jax.eval_shape(
                     stage.microbatch_output,
-                    _abstract(state.params[s]),
-                    _abstract(state.model_state[s]),
+                    abstract(state.params[s]),
+                    abstract(state.model_state[s]),
                     x,
                     rng,
                 )

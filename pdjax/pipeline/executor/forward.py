@@ -17,12 +17,12 @@ from pdjax._sharding import shard_on
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.executor.arguments import check_callback, check_stream
-from pdjax.pipeline.executor.checks import Checker, _check_pairs, _rows
-from pdjax.pipeline.executor.config import _integer
+from pdjax.pipeline.executor.checks import Checker, check_pairs, shared_rows
+from pdjax.pipeline.executor.config import integer
 from pdjax.pipeline.executor.decisions import Decisions
 from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _abstract, _plain
+from pdjax.pipeline.executor.trees import abstract, plain
 from pdjax.pipeline.stage import split_loss, with_aux
 from pdjax.pipeline.transport import Transport
 
@@ -120,7 +120,7 @@ class Forward:
         check_callback("metrics", metrics, "metrics(outputs, targets) -> {name: scalar}")
         if not batches:
             raise PipelineError("evaluate needs at least one (inputs, targets) batch")
-        _check_pairs(batches, "evaluate", "batches")
+        check_pairs(batches, "evaluate", "batches")
         self._check_forward(state, batches[0][0])
         sizes = np.array(self.checker.check_items(state, batches, "batch", True), np.float64)
         outs = self._forward_stream(
@@ -131,7 +131,7 @@ class Forward:
         extra: dict[str, Any] = {}
         if metrics is not None:  # (loss, aux, metrics) per batch
             extra = jax.tree.map(
-                lambda *a: _plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
+                lambda *a: plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
                 *[v[2] for v in values],
             )
             values = [with_aux(v[0], v[1]) for v in values]
@@ -142,7 +142,7 @@ class Forward:
         }
         if values and isinstance(values[0], tuple):
             aux = jax.tree.map(
-                lambda *a: _plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
+                lambda *a: plain(np.tensordot(weights, np.stack(a).astype(np.float64), axes=1)),
                 *[v[1] for v in values],
             )
             if isinstance(aux, Mapping) and not {"loss", "samples"} & set(aux):
@@ -159,10 +159,10 @@ class Forward:
         stages (see :meth:`evaluate`), in batches of ``batch_size`` rows (default: all
         at once), concatenated: arrays on the last stage's devices. ``state`` is not
         consumed."""
-        n = _rows((("inputs", inputs),), "")
+        n = shared_rows((("inputs", inputs),), "")
         if n < 1:
             raise PipelineError("predict needs inputs of at least one row, got 0 rows")
-        size = n if batch_size is None else _integer("batch_size", batch_size, 1)
+        size = n if batch_size is None else integer("batch_size", batch_size, 1)
         chunks = [jax.tree.map(lambda a, k=k: a[k : k + size], inputs) for k in range(0, n, size)]
         self._check_forward(state, chunks[0])
         self.checker.check_items(state, chunks, "batch", with_targets=False)
@@ -214,7 +214,7 @@ class Forward:
     def loss_spec(self, state: PipelineState, mb: tuple[PyTree, PyTree]) -> Any:
         """The shapes of what the last stage's forward leaves for a microbatch like ``mb``:
         its loss, or ``(loss, aux)``."""
-        x, t = _abstract(mb[0]), _abstract(mb[1])
+        x, t = abstract(mb[0]), abstract(mb[1])
         S = self.stage_set.num_stages
         y = self.decisions.stage_outputs(state, x)[-1] if S > 1 else x
         layers = self.stage_set.stages[-1]
@@ -227,7 +227,7 @@ class Forward:
 
         last = S - 1
         return jax.eval_shape(
-            loss, _abstract(state.params[last]), _abstract(state.model_state[last]), y, t
+            loss, abstract(state.params[last]), abstract(state.model_state[last]), y, t
         )
 
     def broadcast(self, s: int, tree: PyTree) -> PyTree:

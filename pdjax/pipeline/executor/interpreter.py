@@ -21,12 +21,12 @@ import jax.numpy as jnp
 
 from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
-from pdjax.pipeline.executor.trees import _loss_of, _shape_key
+from pdjax.pipeline.executor.trees import loss_of, shape_key
 from pdjax.pipeline.lowering import Op, OpKind, Program, Slot, SlotKind
 from pdjax.pipeline.stage import Stage
 from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule
-from pdjax.simulator.timeline import Span
+from pdjax.simulator import Span
 
 __all__ = ["Code", "bind", "interpret", "interpret_counting", "interpret_recording"]
 
@@ -99,9 +99,9 @@ def _function(
     """What the interpreter calls for ``op``: always ``fn(*inputs) -> outputs``."""
     kind = op.kind
     if kind is OpKind.GATHER:
-        return partial(_gather, stages[op.stage])
+        return partial(gather, stages[op.stage])
     if kind is OpKind.PART:
-        return partial(_part, stages[op.stage], op.outs[0].kind is SlotKind.LOSS)
+        return partial(part, stages[op.stage], op.outs[0].kind is SlotKind.LOSS)
     if kind is OpKind.MOVE and op.part != (-1, -1):
         return transport.piece(stages[op.stage], stages[op.peer], op.part)
     if kind in (OpKind.MOVE, OpKind.SEND, OpKind.RECV, OpKind.SENDRECV):
@@ -150,7 +150,7 @@ def _transfer(
 
 def _report_loss(k: int, on_loss: Callable[[int, jax.Array], None], loss: Any) -> tuple[()]:
     """A ``LOSS`` operation: hands microbatch ``k``'s loss to the call's callback."""
-    on_loss(k, _loss_of(loss))
+    on_loss(k, loss_of(loss))
     return ()
 
 
@@ -227,7 +227,7 @@ def interpret_counting(
     for op, (fn, ins, outs, frees) in zip(code.ops, code.steps, strict=True):
         args = [reg[i] for i in ins]
         if hasattr(fn, "lower"):
-            key = (id(fn), _shape_key(args))
+            key = (id(fn), shape_key(args))
             if key not in texts:
                 texts[key] = len(_ALL_REDUCE.findall(fn.lower(*args).compile().as_text()))
             kind = op.kind.value
@@ -240,7 +240,7 @@ def interpret_counting(
     return counts
 
 
-def _gather(stage: Stage, *pieces: PyTree) -> tuple[PyTree]:
+def gather(stage: Stage, *pieces: PyTree) -> tuple[PyTree]:
     """A round-robin group from its microbatches, each already on its device (piece ``d``
     on device ``d``): one array per leaf, sharded over the stage's devices, no copy."""
     leaves = [jax.tree.leaves(p) for p in pieces]
@@ -252,7 +252,7 @@ def _gather(stage: Stage, *pieces: PyTree) -> tuple[PyTree]:
     return (jax.tree.unflatten(treedef, out),)
 
 
-def _part(stage: Stage, scalars: bool, group: PyTree) -> tuple[PyTree, ...]:
+def part(stage: Stage, scalars: bool, group: PyTree) -> tuple[PyTree, ...]:
     """A round-robin group's value as one piece per microbatch, each on its own device (no
     copy); ``scalars``: the group's losses, one scalar per microbatch."""
     leaves, treedef = jax.tree.flatten(group)

@@ -32,15 +32,15 @@ from pdjax.pipeline.executor.arguments import (
     check_stream,
 )
 from pdjax.pipeline.executor.calls import Feeder, execute
-from pdjax.pipeline.executor.checks import Checker, _check_pairs, _state_layout, split_batch
+from pdjax.pipeline.executor.checks import Checker, check_pairs, split_batch, state_layout
 from pdjax.pipeline.executor.config import (
     MAX_MICROBATCHES,
     MICROBATCHES_WHY,
-    _check_cover,
-    _check_options,
-    _integer,
-    _remat_flags,
-    _stages_of,
+    check_cover,
+    check_options,
+    integer,
+    remat_flags,
+    stages_of,
 )
 from pdjax.pipeline.executor.decisions import Decisions
 from pdjax.pipeline.executor.forward import Forward
@@ -50,11 +50,11 @@ from pdjax.pipeline.executor.programs import ProgramCache, ScheduleOptions
 from pdjax.pipeline.executor.stages import build_stages, place
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 from pdjax.pipeline.executor.trees import (
-    _abstract,
-    _compose,
-    _remote,
-    _shapes_text,
-    _unaliased,
+    abstract,
+    compose,
+    remote,
+    shapes_text,
+    unaliased,
 )
 from pdjax.pipeline.lowering import Program, Slot
 from pdjax.pipeline.optim import StageOptimizer
@@ -179,12 +179,12 @@ class Pipeline:
         if not isinstance(schedule, str) or schedule not in SCHEDULES:
             raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
         most, why = MAX_MICROBATCHES, MICROBATCHES_WHY
-        microbatches = _integer("microbatches", microbatches, 1, most, why)
+        microbatches = integer("microbatches", microbatches, 1, most, why)
         if chunks is None:
             chunks = schedule_kind(schedule).default_chunks
-        chunks = _integer("chunks", chunks, 1, most, why)
-        extra_in_flight = _integer("extra_in_flight", extra_in_flight, 0, most, why)
-        _check_options(
+        chunks = integer("chunks", chunks, 1, most, why)
+        extra_in_flight = integer("extra_in_flight", extra_in_flight, 0, most, why)
+        check_options(
             schedule,
             chunks=chunks,
             vertical_sync=vertical_sync,
@@ -204,10 +204,10 @@ class Pipeline:
         self.optimizer_scope = optimizer_scope
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        specs = _stages_of(plan)
+        specs = stages_of(plan)
         self.stage_specs = specs
-        _check_cover(specs, len(layers))
-        self.remat = _remat_flags(remat, len(specs))
+        check_cover(specs, len(layers))
+        self.remat = remat_flags(remat, len(specs))
         #: the stages and where they run (fixed from here on)
         self.stage_set, rep = build_stages(
             layers,
@@ -369,10 +369,10 @@ class Pipeline:
         """Settles the ties and the optimizer on a state's per-stage parameters, once
         (dropping programs lowered before the optimizer was known); returns the parameters
         as each stage's optimizer sees them, and it."""
-        self.decisions.settle_ties(_abstract(stage_params))
+        self.decisions.settle_ties(abstract(stage_params))
         # the optimizer sees each stage's parameters less its tied copies but one per group
         views = [
-            st.ties.view(_abstract(p)) if st.ties is not None else p
+            st.ties.view(abstract(p)) if st.ties is not None else p
             for st, p in zip(self.stages, stage_params, strict=True)
         ]
         if self.decisions.analyse_optimizer(views):
@@ -408,7 +408,7 @@ class Pipeline:
         check_key(rng, "init")
         check_arrays((("sample", sample),), "init: ")
         self.check_shapes(sample)
-        self.checker.init_shapes = _shapes_text(sample)
+        self.checker.init_shapes = shapes_text(sample)
         key = jax.random.fold_in(rng, 0)
         if self.multiprocess:  # every process builds the whole model (same key, same values)
             variables = jax.jit(self.layers.init)(key, sample)
@@ -454,21 +454,21 @@ class Pipeline:
             vs = variables[spec.first_layer : spec.last_layer + 1]
             # another process's stage: global arrays with no shard here (shapes only: they
             # size the transfers; orbax saves each process's own shards)
-            place = stage.place_weights if self.local[s] else partial(_remote, stage.replicated)
+            place = stage.place_weights if self.local[s] else partial(remote, stage.replicated)
             p = place([v.get("params", {}) for v in vs])
             if stage.ties is not None and self.local[s]:
-                p = _unaliased(p, [])  # tied copies here: one buffer each (donated apart)
+                p = unaliased(p, [])  # tied copies here: one buffer each (donated apart)
             params.append(p)
             model_state.append(place([{k: x for k, x in v.items() if k != "params"} for v in vs]))
             init: Callable[[PyTree], optax.OptState] = (
                 optimizer.init if self.local[s] else partial(jax.eval_shape, optimizer.init)
             )
             if stage.ties is not None:
-                init = _compose(init, stage.ties.view)
+                init = compose(init, stage.ties.view)
             o = place(init(p))
             # an optimizer state that holds the parameters' own buffers (cocob, dog,
             # schedule-free keep the initial parameters) would be donated with them
-            opt_state.append(_unaliased(o, p) if self.local[s] else o)
+            opt_state.append(unaliased(o, p) if self.local[s] else o)
         state = PipelineState(
             params=tuple(params),
             model_state=tuple(model_state),
@@ -477,7 +477,7 @@ class Pipeline:
             microbatches=0,
             rng=rng,
         )
-        self.checker.accept_layout(_state_layout(state))
+        self.checker.accept_layout(state_layout(state))
         return state
 
     # -- running ----------------------------------------------------------------------------
@@ -553,7 +553,7 @@ class Pipeline:
         check_callback("on_loss", on_loss, "on_loss(k, loss)")
         if not microbatches:
             raise PipelineError("run needs at least one microbatch")
-        _check_pairs(microbatches, "run", "microbatches")
+        check_pairs(microbatches, "run", "microbatches")
         self.checker.check_state(state, microbatches[0][0])
         rows = self.checker.check_items(state, microbatches, "microbatch", with_targets=True)
         if self.decisions.settle_replication(state):

@@ -16,7 +16,7 @@ from pdjax.pipeline.executor.decisions import Decisions
 from pdjax.pipeline.executor.interpreter import Code, bind
 from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
-from pdjax.pipeline.executor.trees import _shape_key
+from pdjax.pipeline.executor.trees import shape_key
 from pdjax.pipeline.lowering import Placement, Program, lower
 from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule, generate, semantics, validate
@@ -126,7 +126,7 @@ class ProgramCache:
         """``prog`` bound for this process (cached per program, and across processes per
         layout of a microbatch input like ``x``: the receiving side binds shapes)."""
         ss = self.stage_set
-        shapes = _shape_key(x) if ss.multiprocess else None
+        shapes = shape_key(x) if ss.multiprocess else None
         key = (id(prog), shapes)
         hit = self._bound.get(key)
         if hit is not None and hit[0] is prog:

@@ -16,14 +16,14 @@ from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.pipeline.executor.config import (
-    _replication_of,
-    _scale,
-    _stage_devices,
-    _tied_stages,
+    plan_stage_devices,
+    replication_of,
+    scale,
+    tied_stage_groups,
 )
 from pdjax.pipeline.lowering import Placement, StagePlace
 from pdjax.pipeline.stage import LossFn, Stage
-from pdjax.pipeline.transport import Transport, make_transport
+from pdjax.pipeline.transport import Transport, auto_transport, make_transport
 from pdjax.schedules import ROUND_ROBIN, semantics, stage_groups
 
 __all__ = ["Replication", "StageSet", "build_stages", "place"]
@@ -127,7 +127,7 @@ def build_stages(
     num_groups = len(specs) // chunks
     stage_device = stage_groups(schedule, num_groups, chunks)
     rep, round_robin = _round_robin(schedule, microbatches, specs, num_groups, replication)
-    stage_devices = _stage_devices(plan, specs, devices)
+    stage_devices = plan_stage_devices(plan, specs, devices)
     stages = []
     for s, spec in enumerate(specs):
         g = stage_device[s]
@@ -148,7 +148,7 @@ def build_stages(
                 optimizer=optimizer,
                 loss_fn=loss_fn if s == len(specs) - 1 else None,
                 remat=remat[s],
-                scale=_scale(schedule, microbatches, len(spec.devices), round_robin[g]),
+                scale=scale(schedule, microbatches, len(spec.devices), round_robin[g]),
                 round_robin=round_robin[g],
             )
         )
@@ -167,7 +167,7 @@ def build_stages(
         process_index=process_index,
         owners=owners,
         local=tuple(process_index in o for o in owners),
-        tied_stages=_tied_stages(layers, specs),
+        tied_stages=tied_stage_groups(layers, specs),
     )
     return stage_set, rep
 
@@ -182,7 +182,7 @@ def _round_robin(
     """The replication modes per device group and whether each runs round-robin,
     refusing round-robin where the schedule or ``M`` cannot run it."""
     row = semantics(schedule)
-    modes = _replication_of(replication, specs, num_groups)
+    modes = replication_of(replication, specs, num_groups)
     # the plan's choice (not the caller's) falls back to split where round-robin cannot
     # run; for flush schedules and 2bw the two compute the same
     rep = Replication(modes, replication is not None, [])
@@ -222,8 +222,7 @@ def place(
     platform = stages[0].devices[0].platform
     processes = sorted({p for owners in stage_set.owners for p in owners})
     if transport == "auto":
-        many = platform == "cpu" and len(processes) > 2
-        transport = "collective" if many else "device_put"
+        transport = auto_transport(platform, len(processes))
     placement = Placement(
         tuple(
             StagePlace(tuple(int(d.id) for d in st.devices), tuple(sorted(owners)))
@@ -240,8 +239,8 @@ def place(
         tuple(len(st.devices) for st in stages),
         1 if semantics(schedule).updates_per_microbatch else microbatches,
         stage_set.num_groups,
-        collectives=multiprocess and transport == "collective",
+        collectives=multiprocess and made.collectives,
     )
-    if multiprocess and transport == "device_put":
+    if multiprocess and made.cross_process_device_put:
         check_cpu_transfers("a pipeline across processes")
     return placement, made, workarounds

@@ -13,16 +13,16 @@ import numpy as np
 from pdjax.layers import PyTree
 
 
-def _compose(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def compose(f: Callable[[Any], Any], g: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return lambda x: f(g(x))
 
 
-def _shape_key(tree: PyTree) -> Any:
+def shape_key(tree: PyTree) -> Any:
     leaves = jax.tree.leaves(tree)
     return jax.tree.structure(tree), tuple((np.shape(a), str(jnp.result_type(a))) for a in leaves)
 
 
-def _unaliased(tree: PyTree, other: PyTree) -> PyTree:
+def unaliased(tree: PyTree, other: PyTree) -> PyTree:
     """``tree`` with every array that shares a buffer with an array of ``other``, or with
     an earlier array of ``tree``, copied: donating the tree must not donate ``other``'s
     buffers or one buffer twice."""
@@ -45,25 +45,25 @@ def _unaliased(tree: PyTree, other: PyTree) -> PyTree:
     return jax.tree.map(one, tree)
 
 
-def _concat(trees: list[PyTree]) -> PyTree:
+def concat(trees: list[PyTree]) -> PyTree:
     """Microbatches concatenated along axis 0 (on the host when they are numpy)."""
     if all(isinstance(a, np.ndarray) for a in jax.tree.leaves(trees)):
         return jax.tree.map(lambda *a: np.concatenate(a), *trees)
     return jax.tree.map(lambda *a: jnp.concatenate(a), *trees)
 
 
-def _plain(a: np.ndarray) -> Any:
+def plain(a: np.ndarray) -> Any:
     """A 0-d array as a Python float; others as they are."""
     return float(a) if np.ndim(a) == 0 else a
 
 
-def _loss_of(value: Any) -> jax.Array:
+def loss_of(value: Any) -> jax.Array:
     """The loss in a ``loss`` slot's value (the loss, or ``(loss, aux)``)."""
     loss: jax.Array = value[0] if isinstance(value, tuple) else value
     return loss
 
 
-def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
+def remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
     """``tree`` as global arrays on another process's devices: shapes, no local data."""
     return jax.tree.map(
         lambda a: jax.make_array_from_single_device_arrays(
@@ -73,7 +73,7 @@ def _remote(sharding: jax.sharding.Sharding, tree: PyTree) -> PyTree:
     )
 
 
-def _abstract(tree: PyTree) -> PyTree:
+def abstract(tree: PyTree) -> PyTree:
     """``tree`` with every leaf replaced by its ``jax.ShapeDtypeStruct``."""
     # jax leaves ShapeDtypeStruct.__init__ unannotated
     return jax.tree.map(
@@ -82,6 +82,6 @@ def _abstract(tree: PyTree) -> PyTree:
     )
 
 
-def _shapes_text(tree: PyTree) -> str:
+def shapes_text(tree: PyTree) -> str:
     """``float32[4, 8], int32[4]``: the leaves' dtypes and shapes."""
     return ", ".join(f"{jnp.result_type(a)}{list(np.shape(a))}" for a in jax.tree.leaves(tree))

@@ -224,7 +224,8 @@ def _check_transport(placement: Placement) -> None:
             f"unknown transport {placement.transport!r}; choose one of {tuple(TRANSPORTS)}"
         )
     used = sorted({p for st in placement.stages for p in st.processes})
-    if placement.transport == "device_put" and placement.platform == "cpu" and len(used) > 2:
+    most = TRANSPORTS[placement.transport].cpu_processes
+    if placement.platform == "cpu" and most is not None and len(used) > most:
         raise PipelineError(
             f"this pipeline spans {len(used)} processes ({used}) and moves values between "
             "them with jax.device_put, which on CPU pairs sends and receives per sender (a "

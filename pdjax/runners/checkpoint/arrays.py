@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdjax.errors import CheckpointError
-from pdjax.pipeline.executor import PipelineState
-from pdjax.runners.checkpoint.format import _checksum
+from pdjax.pipeline import PipelineState
+from pdjax.runners.checkpoint.format import array_checksum
 from pdjax.runners.protocol import ARRAY_FIELDS, RunnerState, counter_fields
 
-_State = TypeVar("_State", bound=RunnerState)
+State = TypeVar("State", bound=RunnerState)
 
 
-def _check_state(state: Any, what: str) -> None:
+def check_state(state: Any, what: str) -> None:
     """Refuses what is not a runner's state with its arrays in fields of their own."""
     if isinstance(state, RunnerState) and set(ARRAY_FIELDS) <= set(state._fields):
         return
@@ -36,7 +36,7 @@ def _check_state(state: Any, what: str) -> None:
 
 
 # Not pdjax._trees.key_str: names stored in checkpoints, so a custom key is kept as str(key).
-def _path_name(path: tuple[Any, ...]) -> str:
+def path_name(path: tuple[Any, ...]) -> str:
     parts = []
     for k in path:
         if isinstance(k, jax.tree_util.DictKey):
@@ -52,7 +52,7 @@ def _path_name(path: tuple[Any, ...]) -> str:
     return ".".join(parts)
 
 
-def _stage_layers(state: RunnerState) -> list[int] | None:
+def stage_layers(state: RunnerState) -> list[int] | None:
     """A pipeline state's layers per stage (the shape of its plan), else None."""
     if not isinstance(state, PipelineState):
         return None
@@ -60,7 +60,7 @@ def _stage_layers(state: RunnerState) -> list[int] | None:
     return [len(p) for p in params]
 
 
-def _array_leaves(state: RunnerState) -> dict[str, Any]:
+def array_leaves(state: RunnerState) -> dict[str, Any]:
     """The state's array leaves (or the template's abstract ones), keyed by path, in
     tree order; raises for a leaf that is not an array."""
     out: dict[str, Any] = {}
@@ -69,7 +69,7 @@ def _array_leaves(state: RunnerState) -> dict[str, Any]:
         if field not in ARRAY_FIELDS:
             continue
         for path, leaf in jax.tree_util.tree_flatten_with_path(getattr(state, field))[0]:
-            name = _path_name((jax.tree_util.GetAttrKey(field), *path))
+            name = path_name((jax.tree_util.GetAttrKey(field), *path))
             if not (hasattr(leaf, "shape") and hasattr(leaf, "dtype")):
                 raise CheckpointError(
                     f"{name} is a {type(leaf).__name__}, not an array; a {cls.__name__} "
@@ -85,7 +85,7 @@ def _array_leaves(state: RunnerState) -> dict[str, Any]:
     return out
 
 
-def _assemble(template: _State, leaves: list[Any], ints: Mapping[str, Any]) -> _State:
+def assemble(template: State, leaves: list[Any], ints: Mapping[str, Any]) -> State:
     """A state of ``template``'s type from its array leaves (in ``template``'s tree order)
     and ints."""
     it = iter(leaves)
@@ -98,10 +98,10 @@ def _assemble(template: _State, leaves: list[Any], ints: Mapping[str, Any]) -> _
             template_leaves, treedef = jax.tree.flatten(getattr(template, field))
             values = [next(it) for _ in template_leaves]
             fields[field] = jax.tree.unflatten(treedef, values)
-    return cast(_State, cast(Any, template)._replace(**fields))
+    return cast(State, cast(Any, template)._replace(**fields))
 
 
-def _counters(state: RunnerState) -> dict[str, Any]:
+def counters(state: RunnerState) -> dict[str, Any]:
     """The state's counters as JSON (an int, or a list of ints); raises for another value."""
     out = {}
     for field in counter_fields(state):
@@ -112,16 +112,16 @@ def _counters(state: RunnerState) -> dict[str, Any]:
                 f"{field} is a {type(value).__name__}; a {type(state).__name__} holds Python "
                 f"ints (or tuples of them) outside its array fields {', '.join(ARRAY_FIELDS)}"
             )
-        out[field] = _jsonable(value, field)
+        out[field] = jsonable(value, field)
     return out
 
 
-def _manifest(state: RunnerState) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+def state_manifest(state: RunnerState) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """The arrays to save (a PRNG key as its key data) and their manifest entries (shape,
     dtype, key implementation), keyed by path."""
     arrays: dict[str, Any] = {}
     manifest: dict[str, dict[str, Any]] = {}
-    for name, leaf in _array_leaves(state).items():
+    for name, leaf in array_leaves(state).items():
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise CheckpointError(
                 f"{name} has been deleted: the state was donated to a later step "
@@ -129,7 +129,7 @@ def _manifest(state: RunnerState) -> tuple[dict[str, Any], dict[str, dict[str, A
                 "passing it on, or build the runner with donate=False"
             )
         entry: dict[str, Any] = {}
-        if _is_key(leaf):
+        if is_key(leaf):
             entry["key_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
         entry.update(shape=list(np.shape(leaf)), dtype=str(leaf.dtype))
@@ -138,24 +138,24 @@ def _manifest(state: RunnerState) -> tuple[dict[str, Any], dict[str, dict[str, A
     return arrays, manifest
 
 
-def _add_checksums(manifest: Mapping[str, dict[str, Any]], arrays: Mapping[str, Any]) -> None:
+def add_checksums(manifest: Mapping[str, dict[str, Any]], arrays: Mapping[str, Any]) -> None:
     """Adds each array's checksum to its manifest entry, from the host bytes orbax is
     given (on process 0, after the gather); an entry stored as another (``same_as``: equal
     bits, dtype and shape) gets that one's."""
     for name, entry in manifest.items():
         if name in arrays:
-            entry["checksum"] = _checksum(arrays[name])
+            entry["checksum"] = array_checksum(arrays[name])
     for entry in manifest.values():
         if "same_as" in entry:
             entry["checksum"] = manifest[entry["same_as"]]["checksum"]
 
 
-def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
+def same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
     """Parameters bit for bit equal to an earlier one (a tied parameter's copies, also any
     other equal arrays: storing them once loses nothing): name -> the first one's name."""
     groups: dict[Any, list[str]] = {}
     for name, a in arrays.items():
-        if name.startswith("params.") and not _is_key(a):
+        if name.startswith("params.") and not is_key(a):
             groups.setdefault((tuple(np.shape(a)), str(a.dtype)), []).append(name)
     out: dict[str, str] = {}
     for names in groups.values():
@@ -172,11 +172,11 @@ def _same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _is_key(leaf: Any) -> bool:
+def is_key(leaf: Any) -> bool:
     return jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key)
 
 
-def _jsonable(value: Any, where: str) -> Any:
+def jsonable(value: Any, where: str) -> Any:
     """``value`` as plain JSON types (numpy scalars become Python numbers)."""
     if isinstance(value, Mapping):
         out = {}
@@ -185,10 +185,10 @@ def _jsonable(value: Any, where: str) -> Any:
                 raise CheckpointError(
                     f"{where} has the key {k!r} ({type(k).__name__}); JSON keys are strings"
                 )
-            out[k] = _jsonable(v, f"{where}[{k!r}]")
+            out[k] = jsonable(v, f"{where}[{k!r}]")
         return out
     if isinstance(value, list | tuple):
-        return [_jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return [jsonable(v, f"{where}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, np.generic) or (isinstance(value, np.ndarray) and value.ndim == 0):
         return value.item()
     if value is None or isinstance(value, bool | int | float | str):

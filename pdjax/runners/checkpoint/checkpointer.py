@@ -24,49 +24,49 @@ import orbax.checkpoint as ocp
 
 from pdjax.distributed import allgather_json, broadcast_json, check_cpu_transfers
 from pdjax.errors import CheckpointError
-from pdjax.pipeline.executor import Pipeline, PipelineState
+from pdjax.pipeline import Pipeline, PipelineState
 from pdjax.runners.checkpoint.arrays import (
-    _add_checksums,
-    _array_leaves,
-    _assemble,
-    _check_state,
-    _counters,
-    _is_key,
-    _jsonable,
-    _manifest,
-    _same_values,
-    _stage_layers,
-    _State,
+    State,
+    add_checksums,
+    array_leaves,
+    assemble,
+    check_state,
+    counters,
+    is_key,
+    jsonable,
+    same_values,
+    stage_layers,
+    state_manifest,
 )
 from pdjax.runners.checkpoint.folder import (
-    _TMP_SUFFIX,
-    _check_folder,
-    _check_target,
-    _delete_step,
-    _MarkedTemporaryPath,
-    _PdjaxSteps,
-    _remove_leftovers,
-    _WriterLock,
+    TMP_SUFFIX,
+    MarkedTemporaryPath,
+    PdjaxSteps,
+    WriterLock,
+    check_folder,
+    check_target,
+    delete_step,
+    remove_leftovers,
 )
 from pdjax.runners.checkpoint.format import (
-    _FORMAT,
-    _FORMAT_VERSION,
-    _ITEMS,
-    _META_FILE,
-    _check_meta,
-    _checksum,
-    _Damage,
-    _meta_checksums,
-    _shape_str,
+    FORMAT,
+    FORMAT_VERSION,
+    ITEMS,
+    META_FILE,
+    Damage,
+    array_checksum,
+    check_meta,
+    meta_checksums,
+    shape_str,
 )
 from pdjax.runners.checkpoint.reads import (
-    _drop_late_wakeups,
-    _failed_array,
-    _quiet_abandoned_reads,
-    _reason,
+    drop_late_wakeups,
+    failed_array,
+    quiet_abandoned_reads,
+    reason,
 )
-from pdjax.runners.checkpoint.replan import _check_replannable, _replanned_leaves, replan_names
-from pdjax.runners.checkpoint.transfer import _collective_transfers, _gather_to_0, _move
+from pdjax.runners.checkpoint.replan import check_replannable, replan_names, replanned_leaves
+from pdjax.runners.checkpoint.transfer import collective_transfers, gather_to_0, move
 from pdjax.runners.protocol import RunnerState, counter_fields
 
 # A damaged step's error lists the steps that verify, newest first; it stops after this
@@ -143,11 +143,11 @@ class Checkpointer:
         # several processes: process 0 alone reads and writes the directory
         self._process = jax.process_index()
         self._multi = jax.process_count() > 1
-        if self._multi and not _collective_transfers():
+        if self._multi and not collective_transfers():
             check_cpu_transfers("a checkpoint across processes (gathered on process 0)")
         self._manager = None
-        self._lock = _WriterLock(self.directory)  # process 0's
-        self._from_0(lambda: _check_folder(self.directory))
+        self._lock = WriterLock(self.directory)  # process 0's
+        self._from_0(lambda: check_folder(self.directory))
         self._manager = self._new_manager()
 
     def _new_manager(self) -> ocp.CheckpointManager | None:
@@ -161,9 +161,9 @@ class Checkpointer:
                 max_to_keep=None,
                 cleanup_tmp_directories=False,
                 # lists only folders that hold pdjax's marker (or metadata) as steps
-                step_name_format=_PdjaxSteps(),
+                step_name_format=PdjaxSteps(),
                 # marks each step's temporary folder as pdjax's as it is made
-                temporary_path_class=_MarkedTemporaryPath,
+                temporary_path_class=MarkedTemporaryPath,
                 # Created by the first save, so restoring from a mistyped path does not
                 # leave an empty directory behind.
                 create=False,
@@ -171,7 +171,7 @@ class Checkpointer:
                     primary_host=0, active_processes={0}
                 ),
             ),
-            item_names=_ITEMS,
+            item_names=ITEMS,
         )
 
     def __enter__(self) -> Checkpointer:
@@ -207,7 +207,7 @@ class Checkpointer:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock.take()
         try:
-            _remove_leftovers(self.directory)
+            remove_leftovers(self.directory)
         except OSError as e:
             self._lock.release()
             raise CheckpointError(
@@ -270,10 +270,10 @@ class Checkpointer:
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise CheckpointError(f"step must be an int >= 0, got {step!r}")
         step = int(step)
-        _check_state(state, "state")
+        check_state(state, "state")
 
-        extra = _jsonable({} if extra is None else extra, "extra")
-        arrays, manifest = _manifest(state)
+        extra = jsonable({} if extra is None else extra, "extra")
+        arrays, manifest = state_manifest(state)
         self.claim()
         steps = self.all_steps()
         if steps and step <= steps[-1]:
@@ -282,30 +282,30 @@ class Checkpointer:
                 "steps must increase; save with a larger step, or delete the newer steps "
                 "(or use another directory) to branch off an older one"
             )
-        self._from_0(lambda: _check_target(self.directory, step))
+        self._from_0(lambda: check_target(self.directory, step))
         if not self._multi:  # a tied parameter's copies (equal bits) are stored once
-            for name, first in _same_values(arrays).items():
+            for name, first in same_values(arrays).items():
                 manifest[name]["same_as"] = first
                 del arrays[name]
         meta = {
-            "format": _FORMAT,
-            "version": _FORMAT_VERSION,
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
             "step": step,
             "state": type(state).__name__,
-            "ints": _counters(state),
+            "ints": counters(state),
             "arrays": manifest,
             "extra": extra,
         }
-        layers = _stage_layers(state)
+        layers = stage_layers(state)
         if layers is not None:  # the plan's shape, to restore into another plan
             meta["stage_layers"] = layers
         if self._multi:
-            arrays = _gather_to_0(arrays)
+            arrays = gather_to_0(arrays)
 
         def write() -> None:
             assert self._manager is not None
-            _add_checksums(manifest, arrays)
-            meta["checksums"] = _meta_checksums(meta)
+            add_checksums(manifest, arrays)
+            meta["checksums"] = meta_checksums(meta)
             with _quiet_orbax_errors():
                 try:
                     saved = self._manager.save(
@@ -337,9 +337,9 @@ class Checkpointer:
         self._manager = self._new_manager()
         where = f"cannot save step {step} in {self.directory}"
         try:
-            removed = _remove_leftovers(self.directory, step)
+            removed = remove_leftovers(self.directory, step)
         except OSError as gone:
-            removed = [f"(not: {gone}; delete {step}{_TMP_SUFFIX} by hand)"]
+            removed = [f"(not: {gone}; delete {step}{TMP_SUFFIX} by hand)"]
         assert self._manager is not None
         self._manager.reload()
         kept = sorted(self._manager.all_steps())
@@ -349,7 +349,7 @@ class Checkpointer:
         if _is_ours(e):
             return CheckpointError(f"{e}; {after}")
         if not _out_of_space(e):
-            return CheckpointError(f"{where}: {_reason(e)}; {after}")
+            return CheckpointError(f"{where}: {reason(e)}; {after}")
         need = len(json.dumps(meta)) + sum(
             int(np.prod(entry["shape"])) * np.dtype(entry["dtype"]).itemsize
             for entry in meta["arrays"].values()
@@ -358,7 +358,7 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         return CheckpointError(
             f"{where}: the disk is full: the step needs about {need:,} bytes (before "
-            f"compression), and {free:,} bytes are free there ({_reason(e)}); {after}; free "
+            f"compression), and {free:,} bytes are free there ({reason(e)}); {after}; free "
             "some space (or keep fewer steps: max_to_keep), or checkpoint to another disk"
         )
 
@@ -372,7 +372,7 @@ class Checkpointer:
         old = sorted(self._manager.all_steps())[: -self._max_to_keep]
         try:
             for s in old:
-                _delete_step(self.directory, s)
+                delete_step(self.directory, s)
         except OSError as e:
             raise CheckpointError(
                 f"saved step {step} in {self.directory}, but cannot delete its old step "
@@ -384,8 +384,8 @@ class Checkpointer:
     # -- restoring --------------------------------------------------------------------------
 
     def restore(
-        self, template: _State, step: int | None = None, *, pipeline: Pipeline | None = None
-    ) -> tuple[_State, dict[str, Any]]:
+        self, template: State, step: int | None = None, *, pipeline: Pipeline | None = None
+    ) -> tuple[State, dict[str, Any]]:
         """Restores checkpoint ``step`` (default: the newest) into ``template``'s layout.
 
         A pipeline checkpoint restores into *another plan* of the same model and optimizer
@@ -414,18 +414,18 @@ class Checkpointer:
             the checkpoint does not match the template (names the first array that
             differs, with both shapes), or the step is damaged (see :meth:`verify`).
         """
-        _check_state(template, "template")
+        check_state(template, "template")
         step = self._pick_step(step)
         expect = (type(template).__name__, counter_fields(template))
         meta = self._from_0(lambda: self._read_meta(step, expect=expect))
         ints = meta["ints"]
-        wanted = _array_leaves(template)
+        wanted = array_leaves(template)
         saved_layers = meta.get("stage_layers")
-        mine = _stage_layers(template)  # None but for a pipeline's (as saved_layers)
+        mine = stage_layers(template)  # None but for a pipeline's (as saved_layers)
         if saved_layers is not None and mine is not None and saved_layers != mine:
             assert isinstance(template, PipelineState)  # what _stage_layers took it for
             replanned = self._restore_replanned(template, step, meta, pipeline)
-            return cast(tuple[_State, dict[str, Any]], replanned)
+            return cast(tuple[State, dict[str, Any]], replanned)
         self._check_match(step, type(template).__name__, meta, wanted)
         abstract: dict[str, jax.ShapeDtypeStruct] = {}
         for name, leaf in wanted.items():
@@ -435,7 +435,7 @@ class Checkpointer:
                     f"the template's {name} has no sharding; pass a state of the runner "
                     "(e.g. pipe.init(...)) or jax.ShapeDtypeStruct leaves with sharding=..."
                 )
-            data = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+            data = jax.eval_shape(jax.random.key_data, leaf) if is_key(leaf) else leaf
             # jax leaves ShapeDtypeStruct.__init__ unannotated
             abstract[name] = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
         restored = (
@@ -452,7 +452,7 @@ class Checkpointer:
                 # devices; orbax commits what it restores, which jit would then refuse.
                 array = jnp.asarray(np.asarray(array))
             leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
-        return _assemble(template, leaves, ints), meta["extra"]
+        return assemble(template, leaves, ints), meta["extra"]
 
     def extra(self, step: int | None = None) -> dict[str, Any]:
         """The ``extra`` saved with checkpoint ``step`` (default: the newest), read from its
@@ -511,7 +511,7 @@ class Checkpointer:
         }
         self._read_arrays(step, stored, saved, explain=explain)
 
-    def _damage_error(self, step: int, damage: _Damage) -> CheckpointError:
+    def _damage_error(self, step: int, damage: Damage) -> CheckpointError:
         """The error for a damaged step: what is wrong, and the steps to restore instead
         (process 0; verifies the others, newest first, up to ``_GOOD_STEPS_LISTED``)."""
         assert self._manager is not None
@@ -525,7 +525,7 @@ class Checkpointer:
             checked += 1
             try:
                 self._verify_local(other, explain=False)
-            except (_Damage, CheckpointError):
+            except (Damage, CheckpointError):
                 continue
             good.append(other)
         where = f"step {step} in {self.directory}"
@@ -551,7 +551,7 @@ class Checkpointer:
     ) -> tuple[PipelineState, dict[str, Any]]:
         """Restores a pipeline checkpoint saved under another plan (see :meth:`restore`)."""
         where = f"step {step} in {self.directory}"
-        _check_replannable(where, meta, template, pipeline, multi=self._multi)
+        check_replannable(where, meta, template, pipeline, multi=self._multi)
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
         sources = replan_names(pipeline, template, list(meta["stage_layers"]), saved)
         host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
@@ -559,10 +559,10 @@ class Checkpointer:
             {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
             saved,
         )
-        leaves = _replanned_leaves(where, template, sources, host, saved)
+        leaves = replanned_leaves(where, template, sources, host, saved)
         updates = list(meta["ints"]["updates"])
         ints = {**meta["ints"], "updates": [updates[0]] * len(template.params)}
-        return _assemble(template, leaves, ints), meta["extra"]
+        return assemble(template, leaves, ints), meta["extra"]
 
     def _read_arrays(
         self,
@@ -585,28 +585,28 @@ class Checkpointer:
             stored[src] = np.empty(e["shape"], np.dtype(e["dtype"]))
         try:
             failed = None
-            with _quiet_abandoned_reads():
+            with quiet_abandoned_reads():
                 try:
                     out = self._manager.restore(
                         step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(stored))
                     )["arrays"]
                 except Exception as e:  # TensorStore's errors carry no type to tell apart
-                    name = _failed_array(e, list(stored))
+                    name = failed_array(e, list(stored))
                     what = f"array {name}" if name else "its arrays"
-                    failed = f"{what} cannot be read ({_reason(e)})"
+                    failed = f"{what} cannot be read ({reason(e)})"
                 if failed is not None:
                     gc.collect()
             if failed is not None:  # raised here: the error no longer holds orbax's reads
-                _drop_late_wakeups()
-                raise _Damage(failed)
+                drop_late_wakeups()
+                raise Damage(failed)
             for name in stored:
                 want = saved.get(name, {}).get("checksum")
-                if want is not None and _checksum(out[name]) != want:
-                    raise _Damage(
+                if want is not None and array_checksum(out[name]) != want:
+                    raise Damage(
                         f"array {name} does not match its checksum (its bytes on disk "
                         "changed after the save)"
                     )
-        except _Damage as damage:
+        except Damage as damage:
             if not explain:
                 raise
             raise self._damage_error(step, damage) from damage
@@ -643,7 +643,7 @@ class Checkpointer:
             whole = np.asarray(host[name]) if me == 0 else None
             for q in range(1, table.shape[0]):
                 if table[q, j] and me in (0, q):
-                    got = _move(whole, a, src=0, dst=q)
+                    got = move(whole, a, src=0, dst=q)
                     whole = whole if me == 0 else got
             if table[me, j]:
                 assert whole is not None
@@ -687,16 +687,16 @@ class Checkpointer:
         the template's state type and counters, see :func:`_check_meta`). A damaged one
         raises :class:`CheckpointError` (``explain``) or :class:`_Damage`."""
         assert self._manager is not None
-        file = self.directory / str(step) / Path(*_META_FILE)
+        file = self.directory / str(step) / Path(*META_FILE)
         try:
             try:
                 meta = self._manager.restore(
                     step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
                 )["meta"]
             except Exception as e:  # a missing file, or not JSON
-                raise _Damage(f"its metadata {file} cannot be read ({_reason(e)})") from e
-            _check_meta(meta, file, expect, step)
-        except _Damage as damage:
+                raise Damage(f"its metadata {file} cannot be read ({reason(e)})") from e
+            check_meta(meta, file, expect, step)
+        except Damage as damage:
             if not explain:
                 raise
             raise self._damage_error(step, damage) from damage
@@ -717,7 +717,7 @@ class Checkpointer:
             "the run that saved it: build the template with the same ones"
         )
         for name, leaf in wanted.items():
-            if _is_key(leaf):
+            if is_key(leaf):
                 data = jax.eval_shape(jax.random.key_data, leaf)
                 mine = {"shape": list(data.shape), "dtype": str(data.dtype)}
             else:
@@ -726,19 +726,19 @@ class Checkpointer:
             if theirs is None:
                 raise CheckpointError(
                     f"{where} does not match the template: the template has {name} "
-                    f"({_shape_str(mine)}), the checkpoint has no such array{hint}"
+                    f"({shape_str(mine)}), the checkpoint has no such array{hint}"
                 )
             if list(theirs["shape"]) != mine["shape"] or theirs["dtype"] != mine["dtype"]:
                 raise CheckpointError(
                     f"{where} does not match the template: {name} is "
-                    f"{_shape_str(theirs)} in the checkpoint and {_shape_str(mine)} in the "
+                    f"{shape_str(theirs)} in the checkpoint and {shape_str(mine)} in the "
                     f"template{hint}"
                 )
         for name, theirs in saved.items():
             if name not in wanted:
                 raise CheckpointError(
                     f"{where} does not match the template: the checkpoint has {name} "
-                    f"({_shape_str(theirs)}), the template has no such array{hint}"
+                    f"({shape_str(theirs)}), the template has no such array{hint}"
                 )
 
     def __repr__(self) -> str:

@@ -37,7 +37,7 @@ from typing import IO, Any
 import orbax.checkpoint as ocp
 
 from pdjax.errors import CheckpointError
-from pdjax.runners.checkpoint.format import _FORMAT, _META_FILE
+from pdjax.runners.checkpoint.format import FORMAT, META_FILE
 
 # The file that marks a folder as a pdjax step (or the temporary folder of one).
 _MARKER = "pdjax-step.json"
@@ -48,8 +48,8 @@ _LOCK_FORMAT = "pdjax.checkpoint.lock"
 # A folder name orbax's CheckpointManager takes for a step (its standard name format).
 _STEP_NAME = re.compile(r"0|[1-9]\d*")
 # orbax's temporary folder of a step being written (``-<timestamp>`` in some versions).
-_TMP_SUFFIX: str = ocp.path.atomicity.TMP_DIR_SUFFIX
-_UNFINISHED = re.compile(rf"(0|[1-9]\d*){re.escape(_TMP_SUFFIX)}(-\d+)?")
+TMP_SUFFIX: str = ocp.path.atomicity.TMP_DIR_SUFFIX
+_UNFINISHED = re.compile(rf"(0|[1-9]\d*){re.escape(TMP_SUFFIX)}(-\d+)?")
 # A step being deleted by pdjax's retention.
 _DELETING = re.compile(r"(0|[1-9]\d*)\.pdjax-deleting-\d+-\d+")
 
@@ -65,16 +65,16 @@ def _read_json(file: Path) -> Any:
 def _marker_step(folder: Path) -> int | None:
     """The step that ``folder``'s pdjax marker names, or None without a pdjax marker."""
     got = _read_json(folder / _MARKER)
-    if not isinstance(got, dict) or got.get("format") != _FORMAT:
+    if not isinstance(got, dict) or got.get("format") != FORMAT:
         return None
     step = got.get("step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
-def _has_pdjax_meta(folder: Path, item: str = _META_FILE[0]) -> bool:
+def _has_pdjax_meta(folder: Path, item: str = META_FILE[0]) -> bool:
     """Whether ``folder`` holds metadata with pdjax's format tag (a step of any version)."""
-    got = _read_json(folder / item / _META_FILE[1])
-    return isinstance(got, dict) and got.get("format") == _FORMAT
+    got = _read_json(folder / item / META_FILE[1])
+    return isinstance(got, dict) and got.get("format") == FORMAT
 
 
 def _is_dir(entry: Path) -> bool:
@@ -99,11 +99,11 @@ def _is_pdjax_leftover(entry: Path) -> bool:
     if marked is not None:
         return marked == int(match[1])
     if not (entry / _MARKER).exists():  # written before markers: its metadata's tag
-        return any(_has_pdjax_meta(entry, item) for item in ("meta", "meta" + _TMP_SUFFIX))
+        return any(_has_pdjax_meta(entry, item) for item in ("meta", "meta" + TMP_SUFFIX))
     return False
 
 
-def _check_folder(directory: Path) -> None:
+def check_folder(directory: Path) -> None:
     """Refuses a folder holding step-named entries that pdjax did not write: orbax would
     take them for steps."""
     if not directory.exists():
@@ -121,7 +121,7 @@ def _check_folder(directory: Path) -> None:
         raise CheckpointError(
             f"{directory} holds {', '.join(repr(n) for n in strangers)}, named like "
             f"checkpoint steps but without pdjax's marker ({_MARKER}) or metadata "
-            f"({'/'.join(_META_FILE)}): not pdjax checkpoints, which orbax would take for "
+            f"({'/'.join(META_FILE)}): not pdjax checkpoints, which orbax would take for "
             "steps; pick an empty or new folder for the checkpoints, or move them out of "
             "this one"
         )
@@ -137,7 +137,7 @@ def _remove_entry(entry: Path) -> None:
 def _remove_pdjax_folder(folder: Path) -> None:
     """Deletes a folder pdjax wrote (a step, or a leftover): its metadata, then its
     marker, last, so that a deletion cut short leaves a folder still recognisably pdjax's."""
-    last = ("meta", "meta" + _TMP_SUFFIX, _MARKER)
+    last = ("meta", "meta" + TMP_SUFFIX, _MARKER)
     for entry in sorted(folder.iterdir()):
         if entry.name not in last:
             _remove_entry(entry)
@@ -147,7 +147,7 @@ def _remove_pdjax_folder(folder: Path) -> None:
     folder.rmdir()
 
 
-def _delete_step(directory: Path, step: int) -> None:
+def delete_step(directory: Path, step: int) -> None:
     """Deletes pdjax's step ``step`` (retention): renamed out of the steps first, so that
     no reader lists it half deleted. Leaves alone a step folder that is not pdjax's."""
     folder = directory / str(step)
@@ -158,7 +158,7 @@ def _delete_step(directory: Path, step: int) -> None:
     _remove_pdjax_folder(doomed)
 
 
-def _remove_leftovers(directory: Path, step: int | None = None) -> list[str]:
+def remove_leftovers(directory: Path, step: int | None = None) -> list[str]:
     """Deletes the leftovers of pdjax's unfinished saves and deletions (of ``step`` only,
     if given); returns their names. Only the writer (holding the lock) calls it."""
     removed = []
@@ -172,7 +172,7 @@ def _remove_leftovers(directory: Path, step: int | None = None) -> list[str]:
     return removed
 
 
-def _check_target(directory: Path, step: int) -> None:
+def check_target(directory: Path, step: int) -> None:
     """Refuses to save ``step`` where something pdjax did not write is in the way: a
     folder or file named ``step`` (orbax would replace an empty folder), or orbax's
     temporary folder of ``step`` (orbax deletes it before writing)."""
@@ -197,10 +197,10 @@ def _check_target(directory: Path, step: int) -> None:
 
 
 def _write_marker(folder: Path, step: int) -> None:
-    (folder / _MARKER).write_text(json.dumps({"format": _FORMAT, "step": step}))
+    (folder / _MARKER).write_text(json.dumps({"format": FORMAT, "step": step}))
 
 
-class _MarkedTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):  # type: ignore[misc]
+class MarkedTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):  # type: ignore[misc]
     """orbax's atomic-rename temporary folder of a step, marked as pdjax's (the marker
     is written first, before any of the step's items), and never made over a folder that
     is not pdjax's (orbax would delete it). The folders of a step's items are orbax's own."""
@@ -220,12 +220,12 @@ class _MarkedTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):  # typ
         return path
 
 
-class _PdjaxSteps(ocp.path.step.NameFormat):  # type: ignore[misc]
+class PdjaxSteps(ocp.path.step.NameFormat):  # type: ignore[misc]
     """orbax's standard step names (``0``, ``1``, ...), listing only pdjax's steps: a
     folder of another name, or without pdjax's marker or metadata, is no step to orbax."""
 
     def __init__(self) -> None:
-        self._standard = ocp.path.step.standard_name_format(temporary_path_cls=_MarkedTemporaryPath)
+        self._standard = ocp.path.step.standard_name_format(temporary_path_cls=MarkedTemporaryPath)
 
     def build_name(self, step: int) -> str:
         return str(self._standard.build_name(step))
@@ -240,7 +240,7 @@ class _PdjaxSteps(ocp.path.step.NameFormat):  # type: ignore[misc]
         return found
 
 
-class _WriterLock:
+class WriterLock:
     """The advisory lock of the one run that writes a checkpoint folder: ``flock`` on the
     file :data:`_LOCK_FILE` there, which holds the holder's pid and host. The lock goes
     with the process that holds it (even killed), so a file left behind blocks nobody;

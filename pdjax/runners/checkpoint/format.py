@@ -22,29 +22,29 @@ import numpy as np
 from pdjax.errors import CheckpointError
 
 # The format tag and layout version in every checkpoint's ``meta`` item.
-_FORMAT = "pdjax.checkpoint"
+FORMAT = "pdjax.checkpoint"
 # 2: parameters stored once per value ("same_as"); 3: a checksum per array ("checksum");
 # 4: the step ("step") and a checksum of each other metadata field ("checksums")
-_FORMAT_VERSION = 4
+FORMAT_VERSION = 4
 _READABLE_VERSIONS = (1, 2, 3, 4)
 # The metadata fields of version 4 that earlier versions lack.
 _V4_FIELDS = ("step", "checksums")
 # The orbax item and file holding the metadata, inside a step's folder.
-_META_FILE = ("meta", "metadata")
+META_FILE = ("meta", "metadata")
 # The orbax items of a step: every array, and the metadata.
-_ITEMS = ("arrays", "meta")
+ITEMS = ("arrays", "meta")
 
 
-def _shape_str(entry: Mapping[str, Any]) -> str:
+def shape_str(entry: Mapping[str, Any]) -> str:
     return f"{entry['dtype']}{list(entry['shape'])}"
 
 
-class _Damage(Exception):
+class Damage(Exception):
     """A step whose files are damaged (what is wrong, without the way out): the public
     methods turn it into a :class:`CheckpointError` that also lists the steps that verify."""
 
 
-def _checksum(array: Any) -> str:
+def array_checksum(array: Any) -> str:
     """The checksum of an array's host bytes (C order), its dtype and its shape. CRC-32:
     any flipped bit or burst of up to 32 changes it, and it runs at memory speed."""
     data = np.ascontiguousarray(np.asarray(array))
@@ -61,12 +61,12 @@ def _field_checksum(field: str, value: Any) -> str:
     return f"crc32:{zlib.crc32(text.encode()):08x}"
 
 
-def _meta_checksums(meta: Mapping[str, Any]) -> dict[str, str]:
+def meta_checksums(meta: Mapping[str, Any]) -> dict[str, str]:
     """The checksum of every field of ``meta`` but ``checksums`` itself."""
     return {k: _field_checksum(k, v) for k, v in meta.items() if k != "checksums"}
 
 
-def _check_meta(
+def check_meta(
     meta: Any, file: Path, expect: tuple[str, tuple[str, ...]] | None, step: int | None = None
 ) -> None:
     """Raises :class:`_Damage` naming ``file`` and the field, for metadata that a restore
@@ -77,12 +77,12 @@ def _check_meta(
     counters it holds are checked)."""
 
     def bad(field: str, problem: str) -> NoReturn:
-        raise _Damage(f"its metadata {file} {problem} (field {field!r})")
+        raise Damage(f"its metadata {file} {problem} (field {field!r})")
 
     if not isinstance(meta, Mapping):
         bad("<top level>", f"is a JSON {type(meta).__name__}, not an object")
-    if meta.get("format") != _FORMAT:
-        bad("format", f"lacks pdjax's format tag {_FORMAT!r}: pdjax did not write it")
+    if meta.get("format") != FORMAT:
+        bad("format", f"lacks pdjax's format tag {FORMAT!r}: pdjax did not write it")
     version = meta.get("version")
     if version not in _READABLE_VERSIONS:
         raise CheckpointError(

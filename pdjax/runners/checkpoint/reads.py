@@ -13,7 +13,7 @@ from typing import Any
 
 
 @contextlib.contextmanager
-def _quiet_abandoned_reads() -> Iterator[None]:
+def quiet_abandoned_reads() -> Iterator[None]:
     """Silences the reads orbax abandons when another read of the same restore fails: it
     drops their coroutines unfinished, and each, collected, prints its whole TensorStore
     spec to stderr as an "Exception ignored". Collects them here, so that a damaged step
@@ -47,7 +47,7 @@ def _late_wakeup(unraisable: Any) -> bool:
     return tb is not None and tb.tb_frame.f_code.co_name == "call_soon_threadsafe"
 
 
-def _drop_late_wakeups() -> None:
+def drop_late_wakeups() -> None:
     """Once a restore has abandoned reads, silences their late wake-ups (see
     :func:`_late_wakeup`) for the rest of the process: installed once, on top of the
     hook in place then; every other unraisable error still reaches it."""
@@ -82,7 +82,7 @@ def _error_texts(e: BaseException) -> list[str]:
     return texts
 
 
-def _failed_array(e: BaseException, names: Sequence[str]) -> str | None:
+def failed_array(e: BaseException, names: Sequence[str]) -> str | None:
     """The array a TensorStore read error is about (its messages name the array's key in
     the OCDBT database, ``"<name>/<chunk>"``), if it is one of ``names``."""
     for text in _error_texts(e):
@@ -93,7 +93,7 @@ def _failed_array(e: BaseException, names: Sequence[str]) -> str | None:
     return None
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     """One line on why a read failed: TensorStore's own status line when there is one
     (orbax wraps it in a dump of the whole TensorStore spec), else the first line."""
     texts = _error_texts(e)

@@ -22,8 +22,8 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from pdjax._trees import key_str
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import ParamLayout, PipelineState
-from pdjax.runners.checkpoint.arrays import _array_leaves, _is_key, _path_name
-from pdjax.runners.checkpoint.format import _shape_str
+from pdjax.runners.checkpoint.arrays import array_leaves, is_key, path_name
+from pdjax.runners.checkpoint.format import shape_str
 
 # A tied group's copy: (its global layer, its path in the layer as text keys).
 _Copy = tuple[int, tuple[str, ...]]
@@ -95,7 +95,7 @@ class _Layout:
     def saved_name(self, field: str, layer: int, rest: tuple[Any, ...]) -> str:
         """The saved name of ``field``'s leaf at ``rest`` in global layer ``layer``."""
         s, j = self.old_at[layer]
-        return _path_name((GetAttrKey(field), SequenceKey(s), SequenceKey(j), *rest))
+        return path_name((GetAttrKey(field), SequenceKey(s), SequenceKey(j), *rest))
 
     def saved_place(self, layer: int, rest: tuple[Any, ...]) -> tuple[int, int, tuple[Any, ...]]:
         """Where the optimizer state of the parameter at ``rest`` in global layer ``layer``
@@ -172,7 +172,7 @@ def _checked(name: str, sources: list[str], saved: Mapping[str, Any]) -> list[st
 
 
 def _opt_name(stage: int, *path: Any) -> str:
-    return _path_name((GetAttrKey("opt_state"), SequenceKey(stage), *path))
+    return path_name((GetAttrKey("opt_state"), SequenceKey(stage), *path))
 
 
 def _layer_sources(template: PipelineState, layout: _Layout) -> _Sources:
@@ -180,7 +180,7 @@ def _layer_sources(template: PipelineState, layout: _Layout) -> _Sources:
     for field in ("params", "model_state"):
         for s, tree in enumerate(getattr(template, field)):
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                name = _path_name((GetAttrKey(field), SequenceKey(s), *path))
+                name = path_name((GetAttrKey(field), SequenceKey(s), *path))
                 layer = layout.new_first[s] + path[0].idx
                 yield name, [layout.saved_name(field, layer, path[1:])]
 
@@ -246,7 +246,7 @@ def _per_parameter_sources(
         )
 
 
-def _check_replannable(
+def check_replannable(
     where: str, meta: Mapping[str, Any], template: PipelineState, pipeline: Any, *, multi: bool
 ) -> None:
     """Refuses a move into another plan that cannot be done: without the template's
@@ -278,7 +278,7 @@ def _check_replannable(
         )
 
 
-def _replanned_leaves(
+def replanned_leaves(
     where: str,
     template: PipelineState,
     sources: Mapping[str, list[str]],
@@ -289,7 +289,7 @@ def _replanned_leaves(
     ``host`` (by ``sources``), checked to agree and to fit, placed on the template's
     shardings."""
     leaves = []
-    for name, leaf in _array_leaves(template).items():
+    for name, leaf in array_leaves(template).items():
         names = sources[name]
         if names == [_TEMPLATE]:
             leaves.append(leaf)
@@ -303,11 +303,11 @@ def _replanned_leaves(
                     "cannot be moved between plans"
                 )
         entry = saved[names[0]]
-        mine = jax.eval_shape(jax.random.key_data, leaf) if _is_key(leaf) else leaf
+        mine = jax.eval_shape(jax.random.key_data, leaf) if is_key(leaf) else leaf
         if list(entry["shape"]) != list(mine.shape) or entry["dtype"] != str(mine.dtype):
             raise CheckpointError(
-                f"{where}: {name} ({_shape_str({'shape': mine.shape, 'dtype': mine.dtype})}) "
-                f"would come from {names[0]} ({_shape_str(entry)}); the model or the "
+                f"{where}: {name} ({shape_str({'shape': mine.shape, 'dtype': mine.dtype})}) "
+                f"would come from {names[0]} ({shape_str(entry)}); the model or the "
                 "optimizer differ from the run that saved it"
             )
         sharding = getattr(leaf, "sharding", None)

@@ -27,12 +27,12 @@ def _whole(leaf: Any) -> Any:
     return None
 
 
-def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
+def move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
     """``value`` (an array of ``spec``'s shape and dtype, real on process ``src``) sent to
     process ``dst``; the two processes call it together. Returns it on ``dst`` (as host
     memory), None on ``src``. Through ``jax.device_put``, or, with more than 2 processes on
     CPU (where JAX's CPU transfers cannot tell receivers apart), an XLA collective."""
-    if _collective_transfers():
+    if collective_transfers():
         from pdjax.pipeline.transport import Collective
 
         global _LINKS
@@ -66,14 +66,14 @@ def _move(value: Any, spec: Any, *, src: int, dst: int) -> np.ndarray | None:
 _LINKS: Any = None  # the collective links of checkpoint transfers (made on first use)
 
 
-def _collective_transfers() -> bool:
+def collective_transfers() -> bool:
     if jax.process_count() <= 2:
         return False
     platform: str = jax.devices()[0].platform
     return platform == "cpu"
 
 
-def _gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
+def gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
     """Several processes: every array in host memory on process 0 (empty elsewhere). Each
     comes from process 0 when it holds all of it, else from the first process that does.
     Every process calls it, with the same names in the same order."""
@@ -95,7 +95,7 @@ def _gather_to_0(arrays: Mapping[str, Any]) -> dict[str, Any]:
             if me == 0:
                 out[name] = np.asarray(whole[name])
         elif me in (0, src):
-            got = _move(whole[name], arrays[name], src=src, dst=0)
+            got = move(whole[name], arrays[name], src=src, dst=0)
             if me == 0:
                 out[name] = got
     return out
