@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-quick lint setup clean
+.PHONY: run test test-quick lint docs setup clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,10 +20,17 @@ run: $(STAMP)
 	$(BIN)/python -m pdjax train --model cnn --dataset digits --schedule pipedream --devices 4 \
 		--plan auto --straight --epochs 10 --target-accuracy 0.95 --compare dp --out out/main
 
+# the API reference must build without a warning (docs/api.md): rendered into a temporary
+# folder without the source views, about 12 s on 2 cores
 lint: $(STAMP)
-	$(BIN)/ruff check pdjax tests benchmarks
-	$(BIN)/ruff format --check pdjax tests benchmarks
+	$(BIN)/ruff check pdjax tests benchmarks tools
+	$(BIN)/ruff format --check pdjax tests benchmarks tools
 	$(BIN)/mypy
+	$(BIN)/python tools/api_docs.py --check
+
+# the HTML API reference of every public module, in build/api/ (index.html); fails on a warning
+docs: $(STAMP)
+	$(BIN)/python tools/api_docs.py --out build/api
 
 # Test workers: two more than the CPUs this process may use, at most 8. The suite is mostly
 # XLA compiling on the CPUs, but a worker also waits on the processes its tests launch and
@@ -38,4 +45,4 @@ test-quick: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not slow" pdjax tests
 
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) out .pytest_cache build/api

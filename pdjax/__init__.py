@@ -29,7 +29,7 @@ from pdjax.errors import (
     ScheduleError,
 )
 from pdjax.export import linen_variables, update_nnx
-from pdjax.layers import Fn, LayerSequence, sequential
+from pdjax.layers import Fn, LayerSequence, sequential, split_model
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline import Pipeline, PipelineState, even_stages
 from pdjax.profile import Profile, profile
@@ -68,6 +68,7 @@ __all__ = [
     "profile",
     "sequential",
     "simulate",
+    "split_model",
     "update_nnx",
     "validate",
 ]

@@ -32,6 +32,7 @@ from flax import nnx
 
 from pdjax.errors import LayerError
 from pdjax.layers import FnLayer, LayerSequence, LinenLayer, NnxLayer, Variables
+from pdjax.layers.tied import leaf_positions
 
 __all__ = ["linen_variables", "update_nnx"]
 
@@ -104,6 +105,25 @@ def update_nnx(
     return model
 
 
+def _only_tied_copies(
+    layers: LayerSequence, i: int, variables: Variables, chosen: Sequence[str | None]
+) -> bool:
+    """Whether all layer ``i`` holds (``variables``) are tied copies (``sequential(...,
+    tied=...)``) of parameters that another layer, one with a name in ``chosen``, holds."""
+    if any(jax.tree.leaves(tree) for coll, tree in variables.items() if coll != "params"):
+        return False
+    params = variables.get("params", {})
+    where = leaf_positions(params)
+    copies = {
+        where.get(path)
+        for _, leaves in layers.tied_leaves
+        if any(j != i and chosen[j] is not None for j, _ in leaves)
+        for j, path in leaves
+        if j == i
+    }
+    return copies >= set(range(len(jax.tree.leaves(params))))
+
+
 def linen_variables(
     layers: LayerSequence,
     variables: Sequence[Variables],
@@ -118,14 +138,19 @@ def linen_variables(
       layers: the layer sequence.
       variables: per layer, its variables.
       names: the name of each layer's submodule in the user's parent module: one per layer
-        (``None`` for a layer without variables), or a mapping from pdjax layer names
-        (``layers.names``); default: the layers' names, so name the layers as your
-        parent module names its submodules (``sequential(..., names=["encoder", ...])``;
-        ``nn.Sequential`` names them ``layers_0``, ``layers_1``, ...).
+        (``None`` for a layer without variables, or for one holding only tied copies of
+        parameters a named layer exports: the user's model holds them once), or a
+        mapping from pdjax layer names (``layers.names``); default: the layers' names, so
+        name the layers as your parent module names its submodules (``sequential(...,
+        names=["encoder", ...])``; ``nn.Sequential`` names them ``layers_0``,
+        ``layers_1``, ...).
 
     Raises:
       LayerError: for a name list of another length, two layers with variables under one
-        name, or a layer with variables and no name.
+        name, or a layer with variables (other than tied copies) and no name.
+
+    Parameters in flax metadata boxes (``nn.with_logical_partitioning``) stay boxed, their
+    sharding annotations kept.
     """
     if len(variables) != len(layers):
         raise LayerError(f"got variables for {len(variables)} layers, the model has {len(layers)}")
@@ -144,8 +169,14 @@ def linen_variables(
     for layer, v, name in zip(layers, _on(device, list(variables)), chosen, strict=True):
         if not jax.tree.leaves(v):
             continue
+        if name is None and _only_tied_copies(layers, layers.names.index(layer.name), v, chosen):
+            continue  # the user's model holds the parameter once, under another layer's name
         if name is None:
-            raise LayerError(f"layer {layer.name!r} has variables but no name in names")
+            raise LayerError(
+                f"layer {layer.name!r} has variables but no name in names (a layer may go "
+                "without a name only if all it holds are tied copies of parameters that "
+                "a named layer exports)"
+            )
         for coll, tree in v.items():
             if not jax.tree.leaves(tree):
                 continue

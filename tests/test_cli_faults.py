@@ -500,3 +500,59 @@ def test_calibrate_refuses_inputs_it_cannot_read_before_any_work(capsys, tmp_pat
         rc, err = _run([*base, *argv], capsys)
         assert rc == 2 and f"pdjax calibrate: error: {option} " in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+# -- train's optimizer of your own and --min-stages: refused as one line (issue 36) ---------
+
+OPTIMIZERS = """
+import sys
+
+import optax
+
+def raises(learning_rate):
+    raise ValueError("bad\\nrate")
+
+def exits():
+    sys.exit("bye")
+
+def not_one():
+    return "adam"
+
+def plain():
+    return optax.sgd(0.1)
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--optimizer", "opts:raises"], ["opts:raises failed: ValueError: bad rate",
+                                          "PDJAX_DEBUG=1"]),
+        (["--optimizer", "opts:exits"], ["opts:exits failed", "sys.exit('bye')"]),
+        (["--optimizer", "opts:not_one"], ["gave a str, not an optax.GradientTransformation"]),
+        (["--optimizer", "opts:missing"], ["opts has no attribute 'missing'"]),
+        (["--optimizer", "opts:plain", "--lr-schedule", "warmup-cosine"],
+         ["takes no learning_rate"]),
+        (["--optimizer", "no_such_module:make"], ["no module 'no_such_module' on the path"]),
+        (["--min-stages", "3"], ["--min-stages 3 needs at least 3 devices"]),
+        (["--min-stages", "2", "--plan", "even"], ["--plan even makes none"]),
+        (["--min-stages", "2", "--schedule", "dp"], ["--schedule dp"]),
+        (["--min-stages", "0"], ["--min-stages must be >= 1"]),
+    ],
+)  # fmt: skip
+def test_train_refuses_a_broken_optimizer_or_min_stages_as_one_line(
+    tmp_path, monkeypatch, capsys, extra, words
+):
+    (tmp_path / "opts.py").write_text(OPTIMIZERS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "opts", raising=False)
+    argv = ["train", "--model", "mlp", "--devices", "2", "--epochs", "1", "--out", "o", *extra]
+    rc, err = _run(argv, capsys)
+    sys.modules.pop("opts", None)
+    assert rc == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdjax train: error: "), err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert not (tmp_path / "o").exists()

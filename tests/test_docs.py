@@ -6,8 +6,11 @@ document that lived outside it, and the "where each rule is tested" table of
 
 from __future__ import annotations
 
+import doctest
 import functools
+import importlib.util
 import re
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,3 +166,33 @@ def test_the_tests_table_covers_every_test_file_and_module():
     assert not uncovered, f"modules in no row: {uncovered}"
     stale = [p.pattern for p in compiled if not any(p.fullmatch(name) for name in modules)]
     assert not stale, f"rows naming no module: {stale}"
+
+
+def _api_docs() -> types.ModuleType:
+    """``tools/api_docs.py``, the API reference's build (``make docs``; docs/api.md)."""
+    spec = importlib.util.spec_from_file_location("api_docs", ROOT / "tools" / "api_docs.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_turns_sphinx_roles_into_code_spans():
+    """The roles pdjax's docstrings use become the code spans pdoc links (the whole build,
+    with its links, is checked by ``make lint``: ``tools/api_docs.py --check``)."""
+    api_docs = _api_docs()
+    assert doctest.testmod(api_docs).failed == 0
+    targets: set[str] = set()
+    short: set[str] = set()
+    text = (
+        ":func:`~pdjax.partition.plan_auto`, :class:`Pipeline <pdjax.pipeline.Pipeline>`, "
+        ":meth:`Schedule.grid()`, :attr:`Plan.stages`, :mod:`pdjax.schedules`, :data:`X`, "
+        ":exc:`~pdjax.errors.PlanError`, :math:`x`, :func:`pdjax.layers.\n   sequential`"
+    )
+    assert api_docs.roles_to_markdown(text, targets, short) == (
+        "`pdjax.partition.plan_auto()`, `pdjax.pipeline.Pipeline`, `Schedule.grid()`, "
+        "`Plan.stages`, `pdjax.schedules`, `X`, `pdjax.errors.PlanError`, :math:`x`, "
+        "`pdjax.layers.sequential()`"
+    )
+    assert short == {"pdjax.partition.plan_auto", "pdjax.errors.PlanError"}
+    assert "Schedule.grid" in targets and "pdjax.layers.sequential" in targets

@@ -84,3 +84,14 @@ def test_linen_model_example_runs_tiny_and_its_own_model_agrees(capsys, monkeypa
     evaluated = float(out.split("test accuracy ")[1].split()[0])
     assert result["accuracy"] == pytest.approx(evaluated, abs=1e-3)
     assert result["accuracy"] > 0.15  # one short epoch learns something (chance: 0.1)
+
+
+def test_split_transformer_example_runs_tiny_and_its_own_model_agrees(capsys, monkeypatch):
+    result, out = _run_example("split_transformer.py", capsys, monkeypatch)
+    assert math.isfinite(result["loss"]) and 0.0 <= result["accuracy"] <= 1.0
+    assert "tied ['decoder/Embed_0/embedding']" in out  # the shared embedding, found
+    # the user's own TransformerLM.apply on the trained variables, as the pipeline evaluates
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("first test batch: your model ")
+    own, piped = (float(w) for w in line.replace(",", "").split() if w[0].isdigit())
+    assert abs(own - piped) < 1e-3

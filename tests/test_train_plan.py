@@ -121,3 +121,114 @@ def test_the_measured_plan_wins_where_the_counts_are_wrong(monkeypatch, devices)
     loose = _auto(monkeypatch, prof, devices)
     assert _stages(loose) != _stages(best)
     assert loose.time_per_microbatch > (1 + PLAN_TOLERANCE) * best.time_per_microbatch
+
+
+# -- one data-parallel stage where a pipeline was asked for; --min-stages (issue 36) -------
+
+
+def _transfer_bound(num_layers=6):
+    """Six layers whose activations are costly to send and parameters cheap to
+    all-reduce: the optimizer finds one data-parallel stage fastest."""
+    layers = [
+        LayerProfile(
+            f"layer{k}",
+            forward_flops=1e6,
+            backward_flops=2e6,
+            forward_bytes_accessed=1e4,
+            backward_bytes_accessed=2e4,
+            param_bytes=1e3,
+            input_bytes=1e8,
+            output_bytes=1e8,
+            forward_seconds=1e-3,
+            backward_seconds=2e-3,
+        )
+        for k in range(num_layers)
+    ]
+    return Profile.chain(layers, batch_size=16, time_source="measured:cpu")
+
+
+def _auto_min(monkeypatch, prof, devices, schedule="pipedream", min_stages=1):
+    monkeypatch.setattr(importlib.import_module("pdjax.profile"), "profile", lambda *a, **k: prof)
+    spec = types.SimpleNamespace(layers=None)
+    return auto_plan(spec, None, devices, schedule, 4, min_stages=min_stages)
+
+
+def test_a_single_data_parallel_stage_is_recorded_and_said(monkeypatch, devices):
+    plan = _auto_min(monkeypatch, _transfer_bound(), devices, schedule="1f1b")
+    assert len(plan.stages) == 1 and plan.stages[0].replicas == 4
+    single = plan.options["single_stage"]
+    assert single["asked"] == "1f1b" and single["devices"] == 4
+    assert single["predicted"] == plan.time_per_microbatch
+    assert single["pipeline_stages"] >= 2
+    assert single["pipeline_predicted"] > single["predicted"]
+    note = planning.single_stage_note(plan)
+    for words in ("no pipeline: --schedule 1f1b asked for one", "single data-parallel stage",
+                  "on 4 devices", "ms per microbatch predicted", "best pipeline",
+                  "--min-stages 2", "--straight"):  # fmt: skip
+        assert words in note, note
+    # a pipeline's plan says nothing
+    assert planning.single_stage_note(_auto(monkeypatch, _vgg16(), devices)) is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_min_stages_restricts_the_plan(monkeypatch, devices, n):
+    prof = _transfer_bound()
+    plan = _auto_min(monkeypatch, prof, devices, min_stages=n)
+    assert len(plan.stages) >= n and "single_stage" not in plan.options
+    # the fastest of the candidates: no straight pipeline of n..P stages is faster
+    for k in range(n, 5):
+        straight = plan_pipedream(
+            prof, Topology.from_devices(devices[:k]), schedule="pipedream",
+            num_microbatches=4, straight=True, replication="split",
+        )  # fmt: skip
+        assert plan.time_per_microbatch <= straight.time_per_microbatch * (1 + PLAN_TOLERANCE)
+
+
+def test_min_stages_that_no_plan_meets_is_refused(monkeypatch, devices):
+    from pdjax.errors import PipelineError
+
+    with pytest.raises(PipelineError, match="--min-stages 3: no plan of 3 stages or more"):
+        _auto_min(monkeypatch, _transfer_bound(2), devices, min_stages=3)
+
+
+def test_min_stages_is_checked_before_any_work():
+    from pdjax.apps.train import TrainConfig
+    from pdjax.errors import PipelineError
+
+    TrainConfig(devices=4, min_stages=4)
+    for kw, words in [
+        (dict(devices=2, min_stages=3), "needs at least 3 devices"),
+        (dict(min_stages=2, plan="even"), "--plan even makes none"),
+        (dict(min_stages=2, schedule="dp"), "--schedule dp"),
+        (dict(min_stages=2, schedule="zb-v"), "--schedule zb-v"),
+        (dict(min_stages=2, schedule="auto"), "--schedule auto"),
+        (dict(min_stages=0), "min_stages must be an integer >= 1"),
+    ]:
+        with pytest.raises(PipelineError, match=words):
+            TrainConfig(**kw)
+
+
+def test_pdjax_train_says_it_ran_no_pipeline_and_min_stages_forces_one(
+    monkeypatch, tmp_path, capsys
+):
+    import json
+
+    from pdjax.apps.cli import main
+
+    prof = _transfer_bound(4)  # the mlp's 4 layers, as a profile that makes DP fastest
+    monkeypatch.setattr(importlib.import_module("pdjax.profile"), "profile", lambda *a, **k: prof)
+    base = ["train", "--model", "mlp", "--devices", "4", "--epochs", "1", "--schedule", "1f1b",
+            "--plan", "auto", "--no-plots", "--progress", "lines"]  # fmt: skip
+    assert main([*base, "--out", str(tmp_path / "dp")]) == 0
+    out = capsys.readouterr().out
+    assert "note: no pipeline: --schedule 1f1b asked for one" in out, out
+    (summary,) = json.loads((tmp_path / "dp" / "summary.json").read_text())
+    assert summary["plan"].startswith("4: stage 0 = layers 0-3 x4")
+    assert "single data-parallel stage on 4 devices" in summary["plan_note"]
+    assert "--min-stages 2" in summary["plan_note"]
+
+    assert main([*base, "--min-stages", "2", "--out", str(tmp_path / "pipe")]) == 0
+    assert "note:" not in capsys.readouterr().out
+    (summary,) = json.loads((tmp_path / "pipe" / "summary.json").read_text())
+    assert summary["plan_note"] is None and summary["config"]["min_stages"] == 2
+    assert summary["plan"].count("stage") >= 2

@@ -32,8 +32,10 @@ The package's modules: :mod:`~pdjax.layers.base` (the :class:`Layer` protocol an
 :mod:`~pdjax.layers.fn_layer` and :mod:`~pdjax.layers.precision_layer` (the layer kinds),
 :mod:`~pdjax.layers.tied` (tied parameters), :mod:`~pdjax.layers.sequence` (the
 :class:`LayerSequence`), :mod:`~pdjax.layers.build` (:func:`sequential`,
-:func:`as_layer`) and :mod:`~pdjax.layers.init_programs` (initialising on given devices
-by programs that identical layers share).
+:func:`as_layer`), :mod:`~pdjax.layers.split` (:func:`split_model`: a whole linen
+model cut into layers at submodule calls, its variables kept in the model's own tree) and
+:mod:`~pdjax.layers.init_programs` (initialising on given devices by programs that
+identical layers share).
 """
 
 from pdjax.layers.base import Layer, LossFn, PyTree, TiedLeaf, Variables, count_traces
@@ -43,6 +45,7 @@ from pdjax.layers.linen_layer import LinenLayer
 from pdjax.layers.nnx_layer import NnxLayer
 from pdjax.layers.precision_layer import PrecisionLayer
 from pdjax.layers.sequence import LayerSequence
+from pdjax.layers.split import SplitLayer, SplitLayers, split_model
 
 __all__ = [
     "Fn",
@@ -54,9 +57,12 @@ __all__ = [
     "NnxLayer",
     "PrecisionLayer",
     "PyTree",
+    "SplitLayer",
+    "SplitLayers",
     "TiedLeaf",
     "Variables",
     "as_layer",
     "count_traces",
     "sequential",
+    "split_model",
 ]

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax.core import meta
 
 from pdjax._trees import key_str
 from pdjax.errors import LayerError
@@ -66,6 +67,12 @@ def check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str,
     """Raises if two layers share a linen module instance, or an nnx variable that ``tied``
     does not declare as one parameter (both paths in the same group)."""
     group_of = {leaf: name for name, leaves in tied for leaf in leaves}
+    group_of |= {  # an nnx variable's path also spelled with its field, '<path>/value'
+        leaf.removesuffix("/value"): name
+        for name, leaves in tied
+        for leaf in leaves
+        if leaf.endswith("/value") and leaf.removesuffix("/value") not in group_of
+    }
     seen: dict[int, tuple[str, str]] = {}
     for layer in layers:
         for key, what, where in _shareable(layer):
@@ -100,32 +107,78 @@ def check_unshared(layers: Sequence[Layer], tied: Sequence[tuple[str, tuple[str,
             )
 
 
-def lookup(tree: Any, path: tuple[str, ...]) -> Any:
-    """The leaf at ``path`` (keys compared as text) in nested mappings, or None."""
+def _boxed(node: Any) -> bool:
+    """Whether ``node`` is a parameter in a flax metadata box (``nn.Partitioned``,
+    ``nn.LogicallyPartitioned``: ``nn.with_partitioning``, ``nn.with_logical_partitioning``)."""
+    return isinstance(node, meta.AxisMetadata)
+
+
+def unboxed(node: Any) -> Any:
+    """A boxed parameter's value (no sharding constraint applied), else ``node``."""
+    if isinstance(node, meta.Partitioned):
+        return node.value
+    if isinstance(node, meta.AxisMetadata):
+        return node.unbox()
+    return node
+
+
+def locate(tree: Any, path: tuple[str, ...]) -> tuple[Any, tuple[str, ...]] | None:
+    """The parameter at ``path`` (keys compared as text) in nested mappings, and its path
+    as ``tied=`` names it, or None. A boxed parameter (:func:`_boxed`) is found at its own
+    path (``embed/embedding``) and at its box's field (``embed/embedding/value``, as
+    ``jax.tree_util`` paths spell it), and returned with its box."""
     node = tree
-    for part in path:
+    for n, part in enumerate(path):
+        if _boxed(node):
+            return (node, path[:n]) if path[n:] == ("value",) else None
         if not isinstance(node, Mapping):
             return None
         node = next((v for k, v in node.items() if str(k) == part), None)
         if node is None:
             return None
-    return None if isinstance(node, Mapping) else node
+    return None if isinstance(node, Mapping) else (node, path)
+
+
+def lookup(tree: Any, path: tuple[str, ...]) -> Any:
+    """The parameter at ``path`` (see :func:`locate`; boxed ones in their box), or None."""
+    found = locate(tree, path)
+    return None if found is None else found[0]
 
 
 def replaced(tree: Any, path: tuple[str, ...], value: Any) -> Any:
-    """``tree`` (nested mappings) with the leaf at ``path`` replaced by ``value``."""
+    """``tree`` (nested mappings) with the parameter at ``path`` (see :func:`locate`) set to
+    ``value``'s value; a boxed one keeps its own box (its metadata), with the value in it."""
+    if _boxed(tree):
+        return tree.replace_boxed(unboxed(value))
     if not path:
-        return value
+        return unboxed(value)
     items = dict(tree.items())
     key = next(k for k in items if str(k) == path[0])
     items[key] = replaced(items[key], path[1:], value)
     return items if type(tree) is dict else type(tree)(items)
 
 
+def leaf_positions(params: Any) -> dict[tuple[str, ...], int]:
+    """Each parameter of ``params`` by its path (keys as text) -> its index in
+    ``jax.tree.leaves(params)``; a boxed one by its own path and by its box's field's
+    (``.../embedding`` and ``.../embedding/value``)."""
+    out: dict[tuple[str, ...], int] = {}
+    n = 0
+    for path, node in jax.tree_util.tree_flatten_with_path(params, is_leaf=_boxed)[0]:
+        keys = tuple(key_str(k) for k in path)
+        inner = jax.tree_util.tree_flatten_with_path(node)[0]
+        if _boxed(node) and len(inner) == 1:
+            out[keys] = n
+        for j, (sub, _) in enumerate(inner):
+            out[(*keys, *(key_str(k) for k in sub))] = n + j
+        n += len(inner)
+    return out
+
+
 def _param_paths(params: Any) -> list[str]:
     return [
         "/".join(key_str(k) for k in path)
-        for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        for path, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_boxed)[0]
     ]
 
 
@@ -153,6 +206,14 @@ def _known_params(layer: Layer) -> PyTree | None:
     if isinstance(layer, NnxLayer):
         return layer._to_collections(layer._template).get("params", {})
     return None
+
+
+def _own_path(params: Any, path: tuple[str, ...]) -> tuple[str, ...]:
+    """``path`` without a trailing ``value`` (an nnx variable's or a metadata box's field)
+    where ``params`` are known and the path names a parameter without it."""
+    if params is None or path[-1] != "value" or lookup(params, path) is not None:
+        return path
+    return path[:-1] if lookup(params, path[:-1]) is not None else path
 
 
 def resolve_tied(
@@ -202,8 +263,11 @@ def resolve_tied(
             where[leaf] = group
             resolved.append(leaf)
         out.append((group, tuple(resolved)))
-    result = tuple(out)
     known = [_known_params(layer) for layer in layers]
+    result = tuple(
+        (group, tuple((i, _own_path(known[i], path)) for i, path in leaves))
+        for group, leaves in out
+    )
     check_leaves(layers, result, lambda i: known[i])
     return result
 
@@ -214,7 +278,9 @@ def check_leaves(
     params_of: Callable[[int], Any],
 ) -> None:
     """Every tied leaf exists in its layer's params (where ``params_of(i)`` is known, not
-    None) and has the first leaf's shape and dtype."""
+    None), is listed once (a boxed parameter's two spellings are one leaf) and has the
+    first leaf's shape and dtype."""
+    seen: dict[tuple[int, tuple[str, ...]], tuple[str, str]] = {}
     for group, leaves in groups:
         first: tuple[str, Any] | None = None
         for i, path in leaves:
@@ -222,13 +288,22 @@ def check_leaves(
             if params is None:
                 continue
             text = f"{layers[i].name}/{'/'.join(path)}"
-            leaf = lookup(params, path)
-            if leaf is None:
+            found = locate(params, path)
+            if found is None:
                 raise LayerError(
                     f"tied[{group!r}] names {text!r}, but layer {layers[i].name!r} has no "
                     f"parameter at {'/'.join(path)!r}; its parameters are "
                     f"{_param_paths(params)}"
                 )
+            leaf, canonical = unboxed(found[0]), (i, found[1])
+            if canonical in seen:
+                other, other_text = seen[canonical]
+                again = "twice" if other == group else f"in groups {other!r} and {group!r}"
+                raise LayerError(
+                    f"{other_text!r} and {text!r} name one parameter, listed {again} of "
+                    "tied=; a parameter belongs to one group, listed once"
+                )
+            seen[canonical] = (group, text)
             dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
             sig = (tuple(np.shape(leaf)), str(dtype))
             if first is None:

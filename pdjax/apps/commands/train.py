@@ -123,7 +123,17 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="'auto' (profile + plan now), 'even', or plan.json",
     )
     p.add_argument(
-        "--straight", action="store_true", help="--plan auto without replication: a pure pipeline"
+        "--straight",
+        action="store_true",
+        help="--plan auto without replication: a pure pipeline, one stage per device",
+    )
+    p.add_argument(
+        "--min-stages",
+        action=positive_int(MAX_DEVICES, "each stage needs a device"),
+        default=1,
+        metavar="N",
+        help="--plan auto: the fastest plan of at least N stages (the planner may find one "
+        "data-parallel stage fastest, and says so; --min-stages 2 forces a pipeline)",
     )
 
 
@@ -143,13 +153,7 @@ def _add_step_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--chunks", action=CHUNKS, default=2, help="v: model chunks per device (interleaved)"
     )
-    p.add_argument(
-        "--optimizer",
-        default="adam",
-        choices=("adam", "sgd", "momentum"),
-        help="adam, sgd, or sgd with momentum 0.9",
-    )
-    p.add_argument("--lr", action=positive_float(), default=1e-3, help="learning rate")
+    _add_optimizer_options(p)
     p.add_argument(
         "--seed",
         action=seed_int,
@@ -160,6 +164,56 @@ def _add_step_options(p: argparse.ArgumentParser) -> None:
         "--target-accuracy",
         action=float_range(0.0, 1.0, lo_open=True),
         help="stop at this test accuracy (0-1]",
+    )
+
+
+def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
+    """The optimizer: its kind (or your own), learning rate and schedule, weight decay
+    and gradient clipping."""
+    g = p.add_argument_group(
+        "optimizer", "the optimizer, its learning rate schedule and gradient clipping"
+    )
+    g.add_argument(
+        "--optimizer",
+        default="adam",
+        metavar="NAME|pkg.module:fn",
+        help="adam, adamw, sgd, momentum (sgd with momentum 0.9), or your own: a function "
+        "returning an optax.GradientTransformation (given learning_rate, a number or "
+        "schedule, if it takes it), imported as --model factories are",
+    )
+    g.add_argument("--lr", action=positive_float(), default=1e-3, help="learning rate (peak)")
+    g.add_argument(
+        "--weight-decay",
+        action=float_range(0.0, 1e6),
+        metavar="W",
+        help="adamw: decoupled weight decay (default: optax's, 1e-4)",
+    )
+    g.add_argument(
+        "--clip-norm",
+        action=positive_float(),
+        metavar="C",
+        help="clip the gradients to global norm C before the optimizer",
+    )
+    g.add_argument(
+        "--lr-schedule",
+        default="constant",
+        choices=("constant", "warmup-cosine"),
+        help="constant, or warmup-cosine: linear from 0 to --lr over --warmup-steps updates, "
+        "then a cosine decay to 0 at the end of the run (or of --decay-steps)",
+    )
+    g.add_argument(
+        "--warmup-steps",
+        action=int_range(0, 10**9, "a schedule's updates are counted in 32 bits"),
+        default=0,
+        metavar="N",
+        help="warmup-cosine: warmup updates",
+    )
+    g.add_argument(
+        "--decay-steps",
+        action=positive_int(10**9, "a schedule's updates are counted in 32 bits"),
+        metavar="N",
+        help="warmup-cosine: the schedule's length in updates, warmup included (default: "
+        "the run's updates, stage 0's)",
     )
 
 
@@ -376,6 +430,7 @@ def _configs(args: argparse.Namespace) -> list[Any]:
     each a run of its own: two variants of one label (one run folder) are refused, as they
     would share their checkpoints and metrics."""
     from pdjax.apps.train import TrainConfig, run_folder
+    from pdjax.apps.train.config import runs_plan
     from pdjax.errors import PipelineError
 
     common = dict(
@@ -390,6 +445,12 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         chunks=args.chunks,
         optimizer=args.optimizer,
         learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        clip_norm=args.clip_norm,
+        lr_schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        decay_steps=args.decay_steps,
+        min_stages=args.min_stages,
         seed=args.seed,
         target_accuracy=args.target_accuracy,
         seq_len=args.seq_len,
@@ -397,7 +458,11 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         transport=args.transport,
         replication=args.replication,
     )
-    configs = [TrainConfig(**{**common, **variant}) for variant in _variants(args)]
+    variants = _variants(args)
+    for variant in variants[1:]:  # --min-stages restricts the plans of those that run one
+        if not runs_plan(variant["schedule"]):
+            variant["min_stages"] = 1
+    configs = [TrainConfig(**{**common, **variant}) for variant in variants]
     seen: dict[str, str] = {}
     for cfg in configs:
         folder = run_folder(cfg.label)
@@ -648,6 +713,8 @@ def _result_dict(result: Any) -> dict[str, Any]:
         "run": result.config.label,
         "run_id": result.run_id,
         "plan": result.plan,
+        "plan_note": result.plan_note,
+        "optimizer": result.optimizer,
         "stopped": result.stopped,
         "target_epoch": result.target_epoch,
         "time_to_target": result.time_to_target,
@@ -686,6 +753,9 @@ def _summary(console: Any, results: list[Any]) -> None:
             f"{sps:,.0f}",
         )
     console.print(table)
+    for r in results:
+        if r.plan_note:
+            console.print(f"{r.config.label}: {r.plan_note}", highlight=False, markup=False)
     if any(r.config.target_accuracy for r in results):
         missed = [r.config.label for r in results if r.target_epoch is None]
         if missed:

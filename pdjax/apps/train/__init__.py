@@ -43,12 +43,12 @@ from pdjax.apps.train.config import (
     EpochRecord,
     TrainConfig,
     TrainResult,
-    make_optimizer,
     run_folder,
 )
 from pdjax.apps.train.evaluation import evaluate, evaluate_runner
 from pdjax.apps.train.loop import train
 from pdjax.apps.train.model_data import build, check, model_spec
+from pdjax.apps.train.optimizers import LR_SCHEDULES, OPTIMIZERS, build_optimizer, make_optimizer
 from pdjax.apps.train.outputs import (
     METRICS_FILE,
     SUMMARY_FILE,
@@ -64,7 +64,9 @@ from pdjax.errors import TrainingDiverged
 
 __all__ = [
     "DATASETS",
+    "LR_SCHEDULES",
     "METRICS_FILE",
+    "OPTIMIZERS",
     "PLAN_FILE",
     "PLAN_TOLERANCE",
     "SCHEDULE_CHOICES",
@@ -76,6 +78,7 @@ __all__ = [
     "TrainingDiverged",
     "auto_plan",
     "build",
+    "build_optimizer",
     "check",
     "check_output_paths",
     "check_outputs",

@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import optax
-
+from pdjax.apps.train.optimizers import check_settings
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
@@ -67,8 +66,21 @@ class TrainConfig:
       batch_size: samples per optimizer step (``M`` microbatches for a pipeline).
       microbatches: ``M``.
       chunks: ``v`` for ``interleaved``.
-      optimizer: ``"adam"``, ``"sgd"`` or ``"momentum"``.
-      learning_rate: the optimizer's step size.
+      optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"momentum"``, or
+        ``package.module:fn``, a function returning an :class:`optax.GradientTransformation`
+        (given ``learning_rate``, a number or a schedule, if it takes it):
+        :mod:`pdjax.apps.train.optimizers`.
+      learning_rate: the optimizer's step size (a schedule's peak).
+      weight_decay: ``adamw``'s decoupled weight decay (None: optax's default, 1e-4).
+      clip_norm: clip the gradients to this global norm before the optimizer (None: no
+        clipping).
+      lr_schedule: ``"constant"``, or ``"warmup-cosine"``: linear from 0 to
+        ``learning_rate`` over ``warmup_steps`` updates, then a cosine decay to 0.
+      warmup_steps: ``warmup-cosine``'s warmup, in optimizer updates.
+      decay_steps: ``warmup-cosine``'s length in optimizer updates, warmup included (None:
+        the run's updates in ``epochs`` epochs, stage 0's).
+      min_stages: ``plan="auto"``: the planner's fastest plan of at least this many
+        stages (1: any, a single data-parallel stage too).
       seed: seeds initialisation, dropout and the data order.
       target_accuracy: stop once the test accuracy reaches this (0-1), or None.
       vertical_sync: ``pipedream`` option.
@@ -113,6 +125,12 @@ class TrainConfig:
     transport: str = "auto"
     replication: str = "plan"
     allow_stale: bool = False
+    weight_decay: float | None = None
+    clip_norm: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    decay_steps: int | None = None
+    min_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -127,8 +145,7 @@ class TrainConfig:
                 f"unknown dataset {self.dataset!r}; choose digits or text, or give the path of "
                 "an .npz file with x_train, y_train, x_test and y_test"
             )
-        if self.optimizer not in ("adam", "sgd", "momentum"):
-            raise PipelineError(f"unknown optimizer {self.optimizer!r}; adam, sgd or momentum")
+        check_settings(self)
         for name in ("devices", "epochs", "batch_size", "microbatches", "chunks"):
             if getattr(self, name) < 1:
                 raise PipelineError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -165,6 +182,27 @@ class TrainConfig:
             )
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
+        self._check_min_stages()
+
+    def _check_min_stages(self) -> None:
+        n = self.min_stages
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise PipelineError(f"min_stages must be an integer >= 1, got {n!r}")
+        if n == 1:
+            return
+        if self.plan != "auto" or not runs_plan(self.schedule) or self.schedule == "auto":
+            raise PipelineError(
+                f"--min-stages {n} restricts the plan --plan auto makes for a pipeline "
+                f"schedule; --schedule {self.schedule} --plan {self.plan} makes none: use "
+                "--plan auto with a schedule that runs a plan's stages (1f1b, gpipe, "
+                "pipedream, ...), or drop --min-stages"
+            )
+        if n > self.devices:
+            raise PipelineError(
+                f"--min-stages {n} needs at least {n} devices (one stage per device at "
+                f"least), and the run has --devices {self.devices}: pass --devices {n} or "
+                f"more, or a smaller --min-stages"
+            )
 
     @property
     def microbatch_size(self) -> int:
@@ -232,6 +270,11 @@ class TrainResult:
         for a fresh run.
       run_id: the run's id (32 hex digits): made when it started fresh, kept in its
         checkpoints, written in each of its metrics lines.
+      optimizer: the optimizer in words (its learning rate, schedule and clipping:
+        :func:`~pdjax.apps.train.optimizers.describe`).
+      plan_note: where ``plan="auto"`` chose a single data-parallel stage for a pipeline
+        schedule, what was asked, what was chosen and the predicted times
+        (:func:`~pdjax.apps.train.planning.single_stage_note`); else None.
     """
 
     config: TrainConfig
@@ -243,19 +286,12 @@ class TrainResult:
     state: Any = None
     resumed_epoch: int | None = None
     run_id: str | None = None
+    optimizer: str = ""
+    plan_note: str | None = None
 
     @property
     def final_accuracy(self) -> float:
         return self.history[-1].test_accuracy if self.history else float("nan")
-
-
-def make_optimizer(name: str, learning_rate: float) -> optax.GradientTransformation:
-    """The optimizer a CLI name means: ``adam``, ``momentum`` (SGD, 0.9) or ``sgd``."""
-    if name == "adam":
-        return optax.adam(learning_rate)
-    if name == "momentum":
-        return optax.sgd(learning_rate, momentum=0.9)
-    return optax.sgd(learning_rate)
 
 
 def run_folder(label: str) -> str:

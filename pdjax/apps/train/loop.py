@@ -28,6 +28,8 @@ from pdjax.apps.train.config import (
 )
 from pdjax.apps.train.evaluation import evaluate_runner
 from pdjax.apps.train.model_data import build, check
+from pdjax.apps.train.optimizers import describe as describe_optimizer
+from pdjax.apps.train.optimizers import run_updates
 from pdjax.apps.train.outputs import (
     TensorBoard,
     append_metrics,
@@ -37,7 +39,7 @@ from pdjax.apps.train.outputs import (
     require_tensorboard,
     sync_metrics,
 )
-from pdjax.apps.train.planning import plan_of
+from pdjax.apps.train.planning import plan_of, single_stage_note
 from pdjax.apps.train.resume import (
     checkpoint_identity,
     open_checkpoints,
@@ -88,6 +90,7 @@ class _Run:
     ds: data_lib.Dataset
     runner: Runner[Any]
     plan_text: str
+    plan_note: str | None
     state: Any
     history: list[EpochRecord]
     resumed: bool
@@ -138,7 +141,9 @@ def train(
       on_resume: called with ``(epochs, step)`` when the run resumes from a checkpoint
         holding that many epochs, ``step`` the optimizer updates (stage 0's) so far.
       on_start: called with the plan's text once every setting is checked and the state is
-        made, before compiling (where a display starts).
+        made, before compiling (where a display starts); where ``plan="auto"`` chose a
+        single data-parallel stage for a pipeline schedule, the text has a second line,
+        ``note: ...``, saying so (:attr:`TrainResult.plan_note`).
       tensorboard_dir: write TensorBoard event files under ``tensorboard_dir/<run>``
         (:func:`run_folder` of the label; needs ``tensorboardX``): per epoch (the step),
         ``train/loss``, ``test/loss``, ``test/accuracy``, ``train/samples_per_second``,
@@ -256,7 +261,10 @@ def _set_up(
     sample = ds.train_x[: cfg.microbatch_size]
     if plan is None:
         plan = plan_of(cfg, spec, sample)
-    runner, plan_text = make_runner(cfg, spec, sample, plan)
+    note = single_stage_note(plan)
+    runner, plan_text = make_runner(
+        cfg, spec, sample, plan, total_updates=run_updates(cfg, ds.num_train)
+    )
     state = runner.init(jax.random.key(cfg.seed), sample)
     history: list[EpochRecord] = []
     if step is not None:
@@ -278,7 +286,7 @@ def _set_up(
     if outputs.metrics_path is not None and step is not None:
         sync_metrics(outputs.metrics_path, cfg.label, run_id, history)
     if hooks.on_start is not None:
-        hooks.on_start(plan_text)
+        hooks.on_start(plan_text if note is None else f"{plan_text}\nnote: {note}")
     return _Run(
         run_id=run_id,
         requested=requested,
@@ -287,6 +295,7 @@ def _set_up(
         ds=ds,
         runner=runner,
         plan_text=plan_text,
+        plan_note=note,
         state=state,
         history=history,
         resumed=step is not None,
@@ -330,11 +339,13 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
     result = TrainResult(
         config=cfg,
         plan=run.plan_text,
+        plan_note=run.plan_note,
         history=history,
         stopped="epochs",
         state=run.state,
         resumed_epoch=start_epoch if run.resumed and history else None,
         run_id=run.run_id,
+        optimizer=describe_optimizer(cfg, run_updates(cfg, run.ds.num_train)),
     )
     _mark_target(result)
     if result.target_epoch is not None:

@@ -12,6 +12,7 @@ import numpy as np
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
+from pdjax.apps.train.optimizers import build_optimizer, run_updates
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.models import ModelSpec, get_model, is_model_ref, load_model
 from pdjax.schedules import SCHEDULE_KINDS
@@ -109,8 +110,9 @@ def check_devices(cfg: TrainConfig) -> None:
 
 def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
     """Checks what would fail later without compiling or running anything: sizes against
-    the dataset and the devices, the schedule against the model's layers, a plan file,
-    and a target accuracy for a model without accuracy.
+    the dataset and the devices, the optimizer (a factory of your own is called), the
+    schedule and ``min_stages`` against the model's layers, a plan file, and a target
+    accuracy for a model without accuracy.
 
     Raises:
       PipelineError: saying what to change (also: a model whose outputs the dataset's
@@ -129,7 +131,13 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             "an accuracy function (CustomModel(accuracy=...)), or drop --target-accuracy"
         )
     check_model_on_data(spec, ds)
+    build_optimizer(cfg, run_updates(cfg, ds.num_train))  # a factory's failure, now
     L = len(spec.layers)
+    if cfg.min_stages > L:
+        raise PipelineError(
+            f"--min-stages {cfg.min_stages}: {spec.name} has {L} layer{'s' if L > 1 else ''}, "
+            f"and each stage needs one: pass --min-stages {L} or fewer"
+        )
     if cfg.schedule == "dp":
         if cfg.batch_size % cfg.devices:
             raise PipelineError(

@@ -37,6 +37,7 @@ def auto_plan(
     microbatches: int,
     straight: bool = False,
     replication: str = "split",
+    min_stages: int = 1,
 ) -> Any:
     """Profiles ``spec`` on one microbatch (measured on ``devices[0]``) and plans it over
     ``devices`` with PipeDream's optimizer (``pdjax`` cost model). ``replication``:
@@ -55,18 +56,48 @@ def auto_plan(
     stages do not follow the noise, is returned when it is predicted on the measured
     profile within :data:`PLAN_TOLERANCE` of the measured plan (recorded as
     ``plan.options["stable"]``); else the measured plan. A run that must repeat a plan
-    exactly reads it from a file (``pdjax train`` writes the plan it ran)."""
+    exactly reads it from a file (``pdjax train`` writes the plan it ran).
+
+    ``min_stages``: the fastest plan of at least that many stages, among the optimizer's
+    over the first ``n`` devices for each ``n`` and the straight pipelines of
+    ``min_stages .. P`` stages (PipeDream's optimizer has no bound on the stage count).
+    A plan of one stage (data parallelism) where ``schedule`` is a pipeline's records the
+    choice and the best pipeline's prediction as ``plan.options["single_stage"]``
+    (:func:`single_stage_note`)."""
     from pdjax.errors import PlanError
     from pdjax.profile import profile
 
     prof = profile(spec.layers, sample, measure=True, device=devices[0], repeats=5)
     args = (devices, schedule, microbatches, straight, replication)
-    measured = _runnable_plan(prof, *args)
+    chosen = _stable_plan(prof, args, min_stages)
+    if len(chosen.stages) > 1:
+        return chosen
+    try:  # what a pipeline was predicted to take, for the note
+        pipeline = _runnable_plan(prof, *args, min_stages=2)
+    except (PlanError, PipelineError):
+        pipeline = None
+    single = {
+        "asked": schedule,
+        "chosen": "data parallelism",
+        "devices": chosen.stages[0].replicas,
+        "predicted": chosen.time_per_microbatch,
+        "pipeline_predicted": None if pipeline is None else pipeline.time_per_microbatch,
+        "pipeline_stages": None if pipeline is None else len(pipeline.stages),
+    }
+    return dataclasses.replace(chosen, options={**chosen.options, "single_stage": single})
+
+
+def _stable_plan(prof: Any, args: tuple[Any, ...], min_stages: int) -> Any:
+    """The plan :func:`auto_plan` returns: the counted profile's where it is predicted
+    within :data:`PLAN_TOLERANCE` of the measured optimum, else the measured one."""
+    from pdjax.errors import PlanError
+
+    measured = _runnable_plan(prof, *args, min_stages=min_stages)
     counted = _counted_profile(prof)
     if counted is None:
         return measured
     try:
-        reference = _measured_as(_runnable_plan(counted, *args), prof)
+        reference = _measured_as(_runnable_plan(counted, *args, min_stages=min_stages), prof)
     except (PlanError, PipelineError):
         return measured
     if reference is None:
@@ -77,6 +108,28 @@ def auto_plan(
     return dataclasses.replace(reference, options={**reference.options, "stable": stable})
 
 
+def single_stage_note(plan: Any) -> str | None:
+    """What a plan of one data-parallel stage made for a pipeline schedule says on the
+    console and in the summary: what was asked, what was chosen and why (the predicted
+    times), and how to force a pipeline; None for any other plan."""
+    single = getattr(plan, "options", {}).get("single_stage")
+    if not isinstance(single, dict):
+        return None
+    asked, n = single["asked"], single["devices"]
+    stage = f"a single data-parallel stage on {n} devices" if n > 1 else "a single stage"
+    text = (
+        f"no pipeline: --schedule {asked} asked for one, and the planner (--plan auto) found "
+        f"{stage} fastest, {single['predicted'] * 1e3:.4g} ms per microbatch predicted"
+    )
+    if single.get("pipeline_predicted") is None:
+        return text + "; no pipeline of 2 stages or more runs on these devices and layers"
+    k = single["pipeline_stages"]
+    return (
+        f"{text} against {single['pipeline_predicted'] * 1e3:.4g} ms for its best pipeline "
+        f"({k} stages); pass --min-stages 2 (or --straight) to run a pipeline"
+    )
+
+
 def _runnable_plan(
     prof: Any,
     devices: Sequence[jax.Device],
@@ -84,9 +137,12 @@ def _runnable_plan(
     microbatches: int,
     straight: bool,
     replication: str,
+    *,
+    min_stages: int = 1,
 ) -> Any:
     """The optimizer's plan of ``prof`` over ``devices``, or where the runtime cannot split
-    its microbatches so, the fastest that it can (:func:`auto_plan`)."""
+    its microbatches so, or it has fewer than ``min_stages`` stages, the fastest that
+    runs (:func:`auto_plan`)."""
     from pdjax.errors import PlanError
     from pdjax.partition import Topology, plan_pipedream
 
@@ -101,8 +157,11 @@ def _runnable_plan(
             replication=replication if round_robin_by_default(schedule) else "split",
         )
 
+    def enough(p: Any) -> bool:
+        return _splits_evenly(p) and len(p.stages) >= min_stages
+
     best = plan(devices, straight)
-    if _splits_evenly(best):
+    if enough(best):
         return best
     runnable = []
     for n in range(len(devices) - 1, 0, -1):
@@ -110,7 +169,17 @@ def _runnable_plan(
             runnable.append(plan(devices[:n], False))
     with contextlib.suppress(PlanError):
         runnable.append(plan(devices, True, fewer=True))
-    runnable = [p for p in runnable if _splits_evenly(p)]
+    for n in range(min_stages, len(devices) + 1) if min_stages > 1 else ():
+        with contextlib.suppress(PlanError):  # a straight pipeline of n stages
+            runnable.append(plan(devices[:n], True))
+    runnable = [p for p in runnable if enough(p)]
+    if not runnable and min_stages > 1:
+        raise PipelineError(
+            f"--min-stages {min_stages}: no plan of {min_stages} stages or more runs on "
+            f"{len(devices)} devices (each stage needs a layer, and a replicated stage a "
+            "device count dividing the microbatch): lower --min-stages, or pick "
+            "--batch-size and --microbatches so that batch_size / microbatches divides"
+        )
     if not runnable:
         raise PipelineError(
             f"the plan for {len(devices)} devices replicates a stage over a device count "
@@ -292,6 +361,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
             microbatches=cfg.microbatches,
             straight=cfg.straight,
             replication="round-robin" if cfg.replication == "round-robin" else "split",
+            min_stages=cfg.min_stages,
         )
     from pdjax.partition import Plan
 

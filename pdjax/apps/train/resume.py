@@ -232,13 +232,33 @@ def resume(
 ) -> tuple[Any, list[EpochRecord]]:
     """``state`` and the history restored from ``step``, checked to be of the same run;
     the steps after it are set aside."""
+    # the settings first: another optimizer (or clipping) has a state of another shape,
+    # which restoring would refuse in words that do not say which setting changed
+    metadata = _hinted(ckpt, step, chosen, lambda: ckpt.extra(step))
+    _same_settings(ckpt, metadata, requested, plan_given)
     # a run with another plan (a re-planned one) may cut the stages elsewhere
     pipeline = runner if isinstance(runner, Pipeline) else None
     state, extra = _hinted(
         ckpt, step, chosen, lambda: ckpt.restore(state, step=step, pipeline=pipeline)
     )
+    history: list[EpochRecord] = []
+    for r in extra["history"]:
+        fields: dict[str, Any] = {k: math.nan if v is None else v for k, v in r.items()}
+        history.append(EpochRecord(**fields))
+    _set_aside_after(ckpt, step)
+    return state, history
+
+
+def _same_settings(
+    ckpt: Any, extra: dict[str, Any], requested: TrainConfig, plan_given: bool
+) -> None:
+    """Refuses a checkpoint (its metadata ``extra``) of a run with other settings."""
     saved = _resumable(extra.get("config", {}))
     ours = _resumable(dataclasses.asdict(requested))
+    if requested.lr_schedule != "constant" and requested.decay_steps is None:
+        # the schedule's length is the run's updates in its epochs: more would stretch it
+        saved["epochs"] = extra.get("config", {}).get("epochs")
+        ours["epochs"] = requested.epochs
     if plan_given:  # the same plan under another file name (checked by _settle)
         saved.pop("plan", None)
         ours.pop("plan", None)
@@ -248,12 +268,6 @@ def resume(
             f"{ckpt.directory} holds a checkpoint of a different run (it differs in "
             f"{changed}); use another --checkpoint-dir, or the same settings"
         )
-    history: list[EpochRecord] = []
-    for r in extra["history"]:
-        fields: dict[str, Any] = {k: math.nan if v is None else v for k, v in r.items()}
-        history.append(EpochRecord(**fields))
-    _set_aside_after(ckpt, step)
-    return state, history
 
 
 def _set_aside_after(ckpt: Any, step: int) -> None:
@@ -269,5 +283,13 @@ def _set_aside_after(ckpt: Any, step: int) -> None:
 
 def _resumable(config: dict[str, Any]) -> dict[str, Any]:
     """The settings a resumed run must share with its checkpoint (all but the stopping
-    rule: more epochs, or another target, continue the same run)."""
-    return {k: v for k, v in config.items() if k not in ("epochs", "target_accuracy")}
+    rule: more epochs, or another target, continue the same run); a setting a checkpoint
+    of an older pdjax does not hold has its default (that pdjax had only that)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    full = {k: v for k, v in defaults.items() if k in _ADDED} | dict(config)
+    return {k: v for k, v in full.items() if k not in ("epochs", "target_accuracy")}
+
+
+#: Settings added after checkpoints were first written: an older checkpoint, without
+#: them, ran their defaults.
+_ADDED = ("weight_decay", "clip_norm", "lr_schedule", "warmup_steps", "decay_steps", "min_stages")

@@ -8,12 +8,12 @@ from typing import Any
 import jax
 import optax
 
-from pdjax.apps.train.config import TrainConfig, make_optimizer
+from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.model_data import check_devices
+from pdjax.apps.train.optimizers import build_optimizer
 from pdjax.apps.train.planning import plan_of
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
-from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
@@ -25,8 +25,11 @@ def _chunks_chosen(schedule: str) -> bool:
     return kind is not None and kind.chunks is None
 
 
-def _optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    return make_optimizer(cfg.optimizer, cfg.learning_rate)
+def _optimizer(cfg: TrainConfig, total_updates: int | None) -> optax.GradientTransformation:
+    """``cfg``'s optimizer for a run of ``total_updates`` updates (None: as many as a
+    ``warmup-cosine`` schedule needs to run past its warmup, where ``decay_steps`` is not
+    given)."""
+    return build_optimizer(cfg, cfg.warmup_steps + 1 if total_updates is None else total_updates)
 
 
 def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) -> tuple[Any, str]:
@@ -37,11 +40,7 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
     if kind is not None and not kind.runs_plan_stages:  # equal chunks, placed by the schedule
         P = cfg.devices  # sizes checked by check()
         chunks = kind.chunks_for(cfg.chunks)
-        groups = kind.stage_groups(P, chunks)
-        virtual = even_stages(L, P * chunks)
-        stages = tuple(
-            StagePlan(s.first_layer, s.last_layer, (groups[i],)) for i, s in enumerate(virtual)
-        )
+        stages = even_stages(L, P * chunks, placement=kind.name, chunks=chunks)
         if kind.semantics.v_shaped:
             text = f"{kind.name}: {len(stages)} chunks of {L} layers in a V over {P} devices"
         else:
@@ -56,23 +55,32 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
 
 
 def make_runner(
-    cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None
+    cfg: TrainConfig,
+    spec: ModelSpec,
+    sample: Any,
+    plan: Any = None,
+    total_updates: int | None = None,
 ) -> tuple[Runner[Any], str]:
     """The :class:`~pdjax.runners.Runner` for ``cfg`` (a :class:`DataParallel` for
     ``schedule="dp"``, else a :class:`Pipeline`), and its plan's text (``plan``: the
-    :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s). The rest of the
-    training loop is written against the protocol alone."""
+    :class:`~pdjax.partition.Plan` to run, instead of :func:`plan_of`'s).
+    ``total_updates``: the run's optimizer updates, the length of a ``warmup-cosine``
+    learning rate without ``decay_steps``
+    (:func:`~pdjax.apps.train.optimizers.run_updates`). The rest of the training loop is
+    written against the protocol alone."""
     check_devices(cfg)
     devices = jax.devices()
     if cfg.schedule == "dp":  # the one place that picks the runner
-        dp = DataParallel(spec.layers, spec.loss, _optimizer(cfg), devices=devices[: cfg.devices])
+        dp = DataParallel(
+            spec.layers, spec.loss, _optimizer(cfg, total_updates), devices=devices[: cfg.devices]
+        )
         return dp, f"data parallel on {cfg.devices} devices"
     stages, text = _stages(cfg, spec, sample, plan)
     runner = Pipeline(
         spec.layers,
         stages,
         spec.loss,
-        _optimizer(cfg),
+        _optimizer(cfg, total_updates),
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,
         chunks=cfg.chunks if _chunks_chosen(cfg.schedule) else None,

@@ -23,7 +23,13 @@ _COUNTS = {2: "two", 3: "three", 4: "four"}
 
 
 def even_stages(
-    num_layers: int, num_stages: int, replicas: int = 1, first_device: int = 0
+    num_layers: int,
+    num_stages: int,
+    replicas: int = 1,
+    first_device: int = 0,
+    *,
+    placement: str | None = None,
+    chunks: int | None = None,
 ) -> tuple[StagePlan, ...]:
     """Splits ``num_layers`` layers into ``num_stages`` near-equal contiguous stages, stage
     ``s`` on devices ``first_device + s*replicas ..`` (``replicas`` each): a plan for
@@ -32,10 +38,25 @@ def even_stages(
     >>> [(s.first_layer, s.last_layer, s.devices) for s in even_stages(5, 2)]
     [(0, 2, (0,)), (3, 4, (1,))]
 
+    A chunked schedule runs several stages per device group: ``placement`` names the
+    schedule whose placement the stages follow (its kind's
+    :attr:`~pdjax.schedules.ScheduleKind.placement`): ``"interleaved"`` puts stage ``s`` on
+    group ``s % P`` (with ``chunks=v``, as given to the pipeline: ``P = num_stages / v``),
+    ``"zb-v"`` the V, stage ``s`` on group ``min(s, 2P - 1 - s)`` (``P = num_stages / 2``);
+    group ``g`` is devices ``first_device + g*replicas ..``. A schedule of one stage per
+    group places them as without ``placement``.
+
+    >>> [s.devices[0] for s in even_stages(8, 4, placement="zb-v")]
+    [0, 1, 1, 0]
+    >>> [s.devices[0] for s in even_stages(8, 4, placement="interleaved", chunks=2)]
+    [0, 1, 0, 1]
+
     Raises:
       PipelineError: for an argument that is not an integer (``num_layers``,
-        ``num_stages``, ``replicas`` >= 1, ``first_device`` >= 0), or more stages than
-        layers.
+        ``num_stages``, ``replicas`` >= 1, ``first_device`` >= 0), more stages than
+        layers, an unknown ``placement``, ``chunks`` without a chunked placement (or not
+        the schedule's own count), ``interleaved`` without ``chunks``, or a stage count
+        that is not a multiple of the chunks.
     """
     args = {"num_layers": num_layers, "num_stages": num_stages, "replicas": replicas}
     for name, value in {**args, "first_device": first_device}.items():
@@ -52,15 +73,57 @@ def even_stages(
             f"num_stages must be in 1..{num_layers} (one layer at least per stage), "
             f"got {num_stages}"
         )
+    groups = _placed_groups(num_stages, placement, chunks)
     bounds = [-(-s * num_layers // num_stages) for s in range(num_stages + 1)]  # ceil
     return tuple(
         StagePlan(
             first_layer=bounds[s],
             last_layer=bounds[s + 1] - 1,
-            devices=tuple(range(first_device + s * replicas, first_device + (s + 1) * replicas)),
+            devices=tuple(
+                range(
+                    first_device + groups[s] * replicas, first_device + (groups[s] + 1) * replicas
+                )
+            ),
         )
         for s in range(num_stages)
     )
+
+
+def _placed_groups(num_stages: int, placement: Any, chunks: Any) -> tuple[int, ...]:
+    """The device group of each stage of :func:`even_stages` under ``placement``."""
+    if placement is None:
+        if chunks is not None:
+            raise PipelineError(
+                f"even_stages chunks={chunks!r} goes with a chunked placement: pass "
+                "placement='interleaved' (or 'zb-v') too, or drop chunks"
+            )
+        return tuple(range(num_stages))
+    if not isinstance(placement, str) or placement not in SCHEDULES:
+        raise PipelineError(
+            f"even_stages placement must be a schedule name, one of {', '.join(SCHEDULES)} "
+            f"(its stages' placement: 'interleaved' s % P, 'zb-v' the V), got {placement!r}"
+        )
+    kind = schedule_kind(placement)
+    if kind.chunks is None:  # the caller's v
+        if chunks is None:
+            raise PipelineError(
+                f"even_stages placement={placement!r} takes the chunks per device group: "
+                f"pass chunks=v, the same as the pipeline's (num_stages = P * v)"
+            )
+        v = integer("even_stages chunks", chunks, 1)
+    else:
+        if chunks is not None and chunks != kind.chunks:
+            raise PipelineError(
+                f"{placement} runs {kind.chunks} stage{'s' if kind.chunks > 1 else ''} per "
+                f"device group: even_stages chunks must be {kind.chunks} or None, got {chunks!r}"
+            )
+        v = kind.chunks
+    if num_stages % v:
+        raise PipelineError(
+            f"even_stages placement={placement!r} puts {v} stages on each device group "
+            f"({kind.placement.rule}): num_stages must be a multiple of {v}, got {num_stages}"
+        )
+    return kind.stage_groups(num_stages // v, v)
 
 
 def check_cover(specs: Sequence[StagePlan], num_layers: int) -> None:

@@ -15,10 +15,10 @@ import jax
 import optax
 
 from pdjax._sharding import shard_on
-from pdjax._trees import key_str
 from pdjax.distributed import allgather_json
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree
+from pdjax.layers.tied import leaf_positions
 from pdjax.pipeline.executor.config import scale
 from pdjax.pipeline.executor.stages import Replication, StageSet
 from pdjax.pipeline.executor.state import PipelineState
@@ -94,27 +94,48 @@ class Decisions:
         ss = self.stage_set
         if not ss.tied_stages or any(st.ties is not None for st in ss.stages):
             return
+        # per stage, (layer in the stage, path) -> leaf index; a parameter in a flax
+        # metadata box (nn.with_logical_partitioning) by both its spellings
         where = [
-            {
-                (path[0].idx, tuple(key_str(k) for k in path[1:])): n
-                for n, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(p)[0])
-            }
+            {(int(keys[0]), keys[1:]): n for keys, n in leaf_positions(list(p)).items()}
             for p in stage_params
         ]
         for s, (stage, spec) in enumerate(zip(ss.stages, ss.specs, strict=True)):
             names, copies, holders = [], [], []
             for (name, leaves), (_, h) in zip(self.layers.tied_leaves, ss.tied_stages, strict=True):
                 mine = tuple(
-                    where[s][(i - spec.first_layer, path)]
+                    self._leaf(where[s], i, spec.first_layer, path, name)
                     for i, path in leaves
                     if spec.first_layer <= i <= spec.last_layer
                 )
+                if len(set(mine)) < len(mine):
+                    raise PipelineError(
+                        f"tied[{name!r}] lists one parameter of stage {s} twice (as "
+                        "'<path>' and '<path>/value'?); list each copy once"
+                    )
                 if mine:
                     names.append(name)
                     copies.append(mine)
                     holders.append(h)
             if names:
                 stage.ties = StageTies(s, tuple(names), tuple(copies), tuple(holders))
+
+    def _leaf(
+        self,
+        where: dict[tuple[int, tuple[str, ...]], int],
+        i: int,
+        first: int,
+        path: tuple[str, ...],
+        group: str,
+    ) -> int:
+        """The leaf index in its stage's parameters of layer ``i``'s tied copy at ``path``."""
+        try:
+            return where[(i - first, path)]
+        except KeyError:  # check_tied refuses a missing leaf before; kept for clarity
+            raise PipelineError(
+                f"tied[{group!r}] names {self.layers.names[i]}/{'/'.join(path)}, which is "
+                f"not a parameter of layer {self.layers.names[i]!r}"
+            ) from None
 
     def settle_replication(self, state: PipelineState) -> bool:
         """Before the first run: a round-robin stage whose layers keep model state

@@ -1,7 +1,7 @@
-"""The pipeline's forward-only calls: the newest weights read out (:meth:`variables`,
-:meth:`params`, into the user's nnx or linen model), evaluation and prediction through
-the stages in eval mode, and the values that cross processes to reach every one of them
-(the last stage's losses, a stage's weights)."""
+"""The pipeline's forward-only calls: the newest weights read out
+(:meth:`Forward.variables`, :meth:`Forward.params`, into the user's nnx or linen model),
+evaluation and prediction through the stages in eval mode, and the values that cross
+processes to reach every one of them (the last stage's losses, a stage's weights)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ class Forward:
     def variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables (params and state) of the newest weights.
 
-        In a multi-process run (:attr:`multiprocess`) this is collective: every process
+        In a multi-process run (:attr:`Pipeline.multiprocess`) this is collective: every process
         must call it, and each gets all the variables, another process's stages copied to
         its own first device."""
         out: list[Variables] = []
@@ -113,7 +113,7 @@ class Forward:
 
         Raises:
           PipelineError: for no batches, or a pipeline spanning processes (not supported
-          yet: evaluate on :meth:`variables` there); and as :meth:`run` does for a state
+          yet: evaluate on :meth:`variables` there); and as :meth:`Pipeline.run` does for a state
           or batches that do not fit.
         """
         batches = check_stream("batches", batches, "evaluate")

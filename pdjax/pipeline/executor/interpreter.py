@@ -42,7 +42,7 @@ class Code:
     Attributes:
       program: the lowered program.
       ops: this process's operations (``program.ops[process]``).
-      steps: per operation, its :data:`Step`.
+      steps: per operation, its ``Step`` (one bound operation).
       slots: the register of every slot.
       callback: the register of the call's ``on_loss`` callback (read by ``LOSS``).
     """

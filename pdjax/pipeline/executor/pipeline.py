@@ -76,7 +76,9 @@ class Pipeline:
         stage ``s`` runs on the devices of stage ``s % P``. For ``zb-v`` give ``2P``
         stages, placed in a V: stage ``s`` runs on the devices of stage ``min(s, 2P - 1 -
         s)`` (stages ``P .. 2P - 1`` go back over the groups of stages ``P - 1 .. 0``; the
-        schedule's ``stage_device``). How stage devices are read:
+        schedule's ``stage_device``); ``even_stages(L, P * v, placement="interleaved",
+        chunks=v)`` and ``even_stages(L, 2 * P, placement="zb-v")`` make them. How stage
+        devices are read:
         a ``Plan`` whose topology has ``device_ids`` (planned on
         :meth:`Topology.from_devices <pdjax.partition.Topology.from_devices>`, also after
         a JSON round trip) names real devices by ``jax.Device.id``, looked up among

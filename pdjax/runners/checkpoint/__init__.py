@@ -78,9 +78,9 @@ a file left behind blocks nobody. Readers take no lock.
 
 Several processes (``jax.distributed``): every method is collective — every process
 calls it, in the same order, with the same arguments. Process 0 writes and reads the
-directory alone (so it need not be shared); :meth:`save` first moves each array that it
+directory alone (so it need not be shared); :meth:`Checkpointer.save` first moves each array that it
 does not hold to it (another process's pipeline stage, with ``jax.device_put`` across
-processes, the same transport as the activations), and :meth:`restore` sends each
+processes, the same transport as the activations), and :meth:`Checkpointer.restore` sends each
 process the arrays it holds. The checkpoint is the same as a single process writes: a run
 saved by 2 processes restores in 1 process with the same plan, and the other way round.
 The write itself and the commit rename are orbax's (a ``CheckpointManager`` active on

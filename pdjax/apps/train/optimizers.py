@@ -1,0 +1,309 @@
+"""A run's optimizer (:func:`build_optimizer`): a named optax optimizer (``adam``,
+``adamw``, ``sgd``, ``momentum``) or one of your own (``package.module:fn`` returning an
+:class:`optax.GradientTransformation`), its learning rate constant or a schedule
+(``warmup-cosine``), with global-norm clipping of the gradients before it."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import optax
+
+from pdjax.errors import LaunchInterrupted, PdjaxError, PipelineError
+from pdjax.models.spec import DEBUG_HINT, describe_failure
+
+if TYPE_CHECKING:
+    from pdjax.apps.train.config import TrainConfig
+
+#: The optimizers a name gives (any other ``optimizer`` is ``package.module:fn``).
+OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
+#: The learning-rate schedules: ``constant``, or a linear warmup from 0 to the learning
+#: rate over ``warmup_steps`` updates then a cosine decay to 0 (``warmup-cosine``).
+LR_SCHEDULES = ("constant", "warmup-cosine")
+
+
+def is_optimizer_ref(name: str) -> bool:
+    """Whether ``name`` names an optimizer factory (``package.module:fn``)."""
+    return ":" in name
+
+
+def check_optimizer_name(name: str) -> None:
+    """Checks the form of ``name`` without importing anything.
+
+    Raises:
+      PipelineError: naming the optimizers and the factory form.
+    """
+    if is_optimizer_ref(name):
+        module, _, attr = name.rpartition(":")
+        if not module.strip() or not attr.strip():
+            raise PipelineError(
+                f"--optimizer {name!r}: an optimizer factory is written package.module:fn "
+                "(or path/to/file.py:fn), with both parts"
+            )
+        return
+    if name not in OPTIMIZERS:
+        raise PipelineError(
+            f"unknown optimizer {name!r}; choose {', '.join(OPTIMIZERS[:-1])} or "
+            f"{OPTIMIZERS[-1]}, or give your own as package.module:fn, a function returning "
+            "an optax.GradientTransformation"
+        )
+
+
+def make_optimizer(
+    name: str, learning_rate: float | optax.Schedule, weight_decay: float | None = None
+) -> optax.GradientTransformation:
+    """The optimizer a CLI name means: ``adam``, ``adamw`` (decoupled ``weight_decay``,
+    optax's default 1e-4 when None), ``momentum`` (SGD, 0.9) or ``sgd``."""
+    if name == "adam":
+        return optax.adam(learning_rate)
+    if name == "adamw":
+        if weight_decay is None:
+            return optax.adamw(learning_rate)
+        return optax.adamw(learning_rate, weight_decay=weight_decay)
+    if name == "momentum":
+        return optax.sgd(learning_rate, momentum=0.9)
+    return optax.sgd(learning_rate)
+
+
+def learning_rate(cfg: TrainConfig, total_updates: int) -> float | optax.Schedule:
+    """``cfg``'s learning rate: a number (``constant``), or for ``warmup-cosine`` a
+    schedule over ``cfg.decay_steps`` updates (warmup included), else ``total_updates``."""
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
+    length = decay_length(cfg, total_updates)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=cfg.warmup_steps,
+        decay_steps=length,
+        end_value=0.0,
+    )
+
+
+def decay_length(cfg: TrainConfig, total_updates: int) -> int:
+    """The updates a ``warmup-cosine`` schedule runs over, warmup included:
+    ``cfg.decay_steps``, else the run's ``total_updates`` (at least ``warmup_steps + 1``).
+
+    Raises:
+      PipelineError: the run's updates do not outlast the warmup (without ``decay_steps``).
+    """
+    if cfg.decay_steps is not None:
+        return cfg.decay_steps
+    if total_updates <= cfg.warmup_steps:
+        raise PipelineError(
+            f"--lr-schedule warmup-cosine: the run makes {total_updates} optimizer updates "
+            f"in its {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''}, not more than "
+            f"--warmup-steps {cfg.warmup_steps}, "
+            "so no decay would follow the warmup: lower --warmup-steps, train more epochs, "
+            "or give --decay-steps"
+        )
+    return total_updates
+
+
+def build_optimizer(cfg: TrainConfig, total_updates: int) -> optax.GradientTransformation:
+    """``cfg``'s optimizer for a run of ``total_updates`` updates: the named one or the
+    factory's (:func:`load_optimizer`) with :func:`learning_rate`, after global-norm
+    clipping of the gradients (``cfg.clip_norm``).
+
+    Raises:
+      PipelineError: a factory that cannot be loaded or returns no transformation, or a
+        schedule the run's updates do not outlast.
+    """
+    lr = learning_rate(cfg, total_updates)
+    if is_optimizer_ref(cfg.optimizer):
+        base = load_optimizer(cfg.optimizer, lr, scheduled=cfg.lr_schedule != "constant")
+    else:
+        base = make_optimizer(cfg.optimizer, lr, cfg.weight_decay)
+    if cfg.clip_norm is None:
+        return base
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), base)
+
+
+def describe(cfg: TrainConfig, total_updates: int) -> str:
+    """``cfg``'s optimizer in words, for the summary: ``"adamw (lr 0.001, weight decay
+    0.0001), warmup-cosine (10 warmup of 500 updates), clipped at global norm 1"``."""
+    what = [f"lr {cfg.learning_rate:g}"]
+    if cfg.optimizer == "adamw":
+        wd = 1e-4 if cfg.weight_decay is None else cfg.weight_decay
+        what.append(f"weight decay {wd:g}")
+    text = f"{cfg.optimizer} ({', '.join(what)})"
+    if cfg.lr_schedule != "constant":
+        length = cfg.decay_steps if cfg.decay_steps is not None else total_updates
+        text += f", {cfg.lr_schedule} ({cfg.warmup_steps} warmup of {length} updates)"
+    if cfg.clip_norm is not None:
+        text += f", clipped at global norm {cfg.clip_norm:g}"
+    return text
+
+
+def load_optimizer(
+    ref: str, lr: float | optax.Schedule, *, scheduled: bool = False
+) -> optax.GradientTransformation:
+    """Imports ``package.module:fn`` (or ``path/to/file.py:fn``), as ``--model`` factories
+    are (the current directory first on the path), and calls ``fn``, giving it
+    ``learning_rate=lr`` if it takes it; an attribute that is not callable is taken as the
+    transformation itself.
+
+    Raises:
+      PipelineError: one line: the module cannot be imported, has no such attribute, the
+        function needs arguments it is not given, fails, or returns something that is not
+        an :class:`optax.GradientTransformation`; or a learning-rate schedule (``scheduled``)
+        for a function that takes no ``learning_rate``.
+    """
+    check_optimizer_name(ref)
+    target, _, attr = ref.rpartition(":")
+    obj: Any = _import(target, ref)
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PipelineError(
+                f"--optimizer {ref!r}: {target} has no attribute {part!r}; give one as "
+                f"{target}:NAME"
+            )
+        obj = getattr(obj, part)
+    if callable(obj) and not isinstance(obj, optax.GradientTransformation):
+        takes = _takes_learning_rate(obj)
+        if scheduled and not takes:
+            raise PipelineError(
+                f"--optimizer {ref!r} takes no learning_rate, so --lr-schedule cannot reach "
+                "it: give the function a learning_rate parameter, or drop --lr-schedule"
+            )
+        args = {"learning_rate": lr} if takes else {}
+        try:
+            inspect.signature(obj).bind(**args)
+        except TypeError as e:
+            raise PipelineError(
+                f"--optimizer {ref!r}: cannot call it: {e}. pdjax calls it with no arguments "
+                "but learning_rate (by keyword, if it takes it): give its other parameters "
+                "defaults"
+            ) from e
+        except ValueError:  # no signature to check
+            pass
+        try:
+            result = obj(**args)
+        except (KeyboardInterrupt, LaunchInterrupted):
+            raise
+        except BaseException as e:  # the user's function, as one line
+            raise PipelineError(
+                f"--optimizer {ref!r}: {ref} failed: {describe_failure(e)}{DEBUG_HINT}"
+            ) from e
+    else:
+        result = obj
+    if not isinstance(result, optax.GradientTransformation):
+        raise PipelineError(
+            f"--optimizer {ref!r} gave a {type(result).__name__}, not an "
+            "optax.GradientTransformation: return one, e.g. optax.adam(learning_rate)"
+        )
+    return result
+
+
+def _takes_learning_rate(fn: Any) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return True
+    p = params.get("learning_rate")
+    return p is not None and p.kind in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+        inspect.Parameter.KEYWORD_ONLY,
+    )
+
+
+def _import(target: str, ref: str) -> Any:
+    """The module ``target`` names: a dotted module name, or a ``.py`` file; any failure as
+    one :class:`PipelineError` naming ``ref``."""
+    is_file = target.endswith(".py") or "/" in target or os.sep in target
+    try:
+        if is_file:
+            if not os.path.isfile(target):
+                raise PipelineError(f"--optimizer {ref!r}: no file {target!r}")
+            name = "_pdjax_optimizer_" + str(abs(hash(os.path.abspath(target))))
+            if name in sys.modules:
+                return sys.modules[name]
+            spec = importlib.util.spec_from_file_location(name, target)
+            if spec is None or spec.loader is None:
+                raise PipelineError(f"--optimizer {ref!r}: cannot load {target!r} as Python")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            sys.modules[name] = module
+            return module
+        cwd = os.getcwd()
+        if "" not in sys.path and cwd not in sys.path:
+            sys.path.insert(0, cwd)  # as python -m does
+        return importlib.import_module(target)
+    except (KeyboardInterrupt, LaunchInterrupted, PdjaxError):
+        raise
+    except ModuleNotFoundError as e:
+        raise PipelineError(
+            f"--optimizer {ref!r}: cannot import {target!r}: no module {e.name!r} on the path "
+            f"(the current directory, {os.getcwd()}, is searched as with python -m); install "
+            "it, add its folder to PYTHONPATH, or give the file: path/to/module.py:fn"
+        ) from e
+    except SyntaxError as e:
+        raise PipelineError(
+            f"--optimizer {ref!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}"
+        ) from e
+    except BaseException as e:  # the module's own code failed while importing
+        raise PipelineError(
+            f"--optimizer {ref!r}: importing {target!r} failed: {describe_failure(e)}{DEBUG_HINT}"
+        ) from e
+
+
+def check_settings(cfg: TrainConfig) -> None:
+    """Refuses optimizer settings that do not go together (``TrainConfig`` calls it).
+
+    Raises:
+      PipelineError: saying what to change.
+    """
+    check_optimizer_name(cfg.optimizer)
+    if cfg.weight_decay is not None:
+        if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
+            raise PipelineError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
+        if cfg.optimizer != "adamw":
+            raise PipelineError(
+                f"--weight-decay is an option of --optimizer adamw (decoupled weight decay), "
+                f"not of {cfg.optimizer}: use adamw, or put the decay in your own optimizer"
+            )
+    if cfg.clip_norm is not None and not (math.isfinite(cfg.clip_norm) and cfg.clip_norm > 0):
+        raise PipelineError(f"clip_norm must be > 0, got {cfg.clip_norm}")
+    if cfg.lr_schedule not in LR_SCHEDULES:
+        raise PipelineError(
+            f"unknown lr_schedule {cfg.lr_schedule!r}; choose {' or '.join(LR_SCHEDULES)}"
+        )
+    if cfg.warmup_steps < 0:
+        raise PipelineError(f"warmup_steps must be >= 0, got {cfg.warmup_steps}")
+    if cfg.decay_steps is not None and cfg.decay_steps < 1:
+        raise PipelineError(f"decay_steps must be >= 1, got {cfg.decay_steps}")
+    if cfg.lr_schedule == "constant":
+        given = (("--warmup-steps", cfg.warmup_steps), ("--decay-steps", cfg.decay_steps))
+        for option, value in given:
+            if value:
+                raise PipelineError(
+                    f"{option} is an option of --lr-schedule warmup-cosine; the learning "
+                    "rate is constant: add --lr-schedule warmup-cosine, or drop it"
+                )
+    elif cfg.decay_steps is not None and cfg.decay_steps <= cfg.warmup_steps:
+        raise PipelineError(
+            f"--decay-steps {cfg.decay_steps} counts the whole schedule, warmup included: it "
+            f"must be more than --warmup-steps {cfg.warmup_steps}"
+        )
+
+
+def run_updates(cfg: TrainConfig, num_train: int) -> int:
+    """The optimizer updates (stage 0's) a run of ``cfg`` makes in ``cfg.epochs`` epochs
+    of ``num_train`` samples: one per step of ``batch_size`` samples, or per microbatch
+    for a schedule that updates per microbatch (``pipedream``; a round-robin stage 0
+    makes fewer, once per group). At least 1."""
+    from pdjax.apps.train.config import updates_per_microbatch
+
+    microbatches = num_train // cfg.microbatch_size
+    per_epoch = (
+        microbatches if updates_per_microbatch(cfg.schedule) else microbatches // cfg.microbatches
+    )
+    return max(1, per_epoch * cfg.epochs)
