@@ -95,3 +95,14 @@ def test_split_transformer_example_runs_tiny_and_its_own_model_agrees(capsys, mo
     assert line.startswith("first test batch: your model ")
     own, piped = (float(w) for w in line.replace(",", "").split() if w[0].isdigit())
     assert abs(own - piped) < 1e-3
+
+
+def test_split_resnet_example_runs_tiny_and_its_own_model_agrees(capsys, monkeypatch):
+    result, out = _run_example("split_resnet.py", capsys, monkeypatch)
+    assert math.isfinite(result["loss"]) and 0.0 <= result["accuracy"] <= 1.0
+    assert "'01_ResNetBlock_0'" in out  # cut before each block, the glue in its own layer
+    # the user's own ResNet.apply(train=False) on the trained params and batch_stats
+    line = out.strip().splitlines()[-1]
+    assert line.startswith("first test batch: your model ")
+    own, piped = (float(w) for w in line.replace(",", "").split() if w[0].isdigit())
+    assert abs(own - piped) < 1e-3

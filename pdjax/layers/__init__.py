@@ -32,8 +32,9 @@ The package's modules: :mod:`~pdjax.layers.base` (the :class:`Layer` protocol an
 :mod:`~pdjax.layers.fn_layer` and :mod:`~pdjax.layers.precision_layer` (the layer kinds),
 :mod:`~pdjax.layers.tied` (tied parameters), :mod:`~pdjax.layers.sequence` (the
 :class:`LayerSequence`), :mod:`~pdjax.layers.build` (:func:`sequential`,
-:func:`as_layer`), :mod:`~pdjax.layers.split` (:func:`split_model`: a whole linen
-model cut into layers at submodule calls, its variables kept in the model's own tree) and
+:func:`as_layer`), the package :mod:`~pdjax.layers.split` (:func:`split_model`: a whole
+linen or nnx model cut into layers at submodule calls, its variables kept in the model's
+own tree) and
 :mod:`~pdjax.layers.init_programs` (initialising on given devices by programs that
 identical layers share).
 """

@@ -594,7 +594,8 @@ class Pipeline:
     # -- the weights out, evaluation and prediction (:mod:`.forward`) ------------------------
 
     def variables(self, state: PipelineState) -> list[Variables]:
-        """The per-layer variables (params and state) of the newest weights.
+        """The per-layer variables (params and state) of the newest weights, each layer's
+        on its stage's devices (``state`` is not consumed).
 
         In a multi-process run (:attr:`multiprocess`) this is collective: every process
         must call it, and each gets all the variables, another process's stages copied to
@@ -602,7 +603,8 @@ class Pipeline:
         return self.forward.variables(state)
 
     def params(self, state: PipelineState) -> dict[str, Any]:
-        """The full parameter tree ``{layer name: params}`` of the newest weights."""
+        """The full parameter tree ``{layer name: params}`` of the newest weights, each
+        layer's arrays on its stage's devices. ``state`` is not consumed."""
         return self.forward.params(state)
 
     def update_nnx(

@@ -1,0 +1,449 @@
+"""The traced ``flax.nnx`` model that the layers of one :func:`~pdjax.layers.split_model`
+share (:class:`NnxSplitter`).
+
+An nnx model is traced as a pure function of its state: ``nnx.merge`` of the model's
+graph with the variables given, the call, ``nnx.split`` of the state after it. The split
+units are the model's *children*: the modules it reaches without passing through another
+module (``self.embed``, each of ``self.blocks``, ``self.head``), named by their path
+(``"blocks/1"``). While the model is traced, the ``__call__`` of the children's classes is
+wrapped so that a call of a child made while no other child's call runs records the call
+and binds the marker equation; the classes are restored after the trace.
+
+Variables are the model's ``nnx.State`` leaves but its RNG streams (``nnx.RngKey``,
+``nnx.RngCount``): ``nnx.Param`` in ``"params"``, ``nnx.BatchStat`` in ``"batch_stats"``,
+any other in ``"state"``, each under its path. The RNG streams are no variable of any
+layer: with a layer's ``rng`` given, every stream of the model is reseeded from it at the
+start of the trace (as :class:`~pdjax.layers.NnxLayer` does), and what derives from the RNG
+alone (the dropout keys and masks) is recomputed in the layer where it is used, from that
+layer's ``rng``; without ``rng`` the streams are the model's as they were when split,
+held as constants (they do not advance).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pdjax.errors import LayerError
+from pdjax.layers.base import PyTree, Variables
+from pdjax.layers.split.calls import MODE_NAMES, control_flow_error, marked
+from pdjax.layers.split.cuts import (
+    Program,
+    evaluate_cut,
+    leaf_path,
+    plan_cuts,
+    replace_leaves,
+)
+
+__all__ = ["NnxSplitter", "collection_of", "nnx_units"]
+
+
+def collection_of(variable: Any) -> str:
+    """The collection pdjax files an nnx variable under."""
+    if isinstance(variable, nnx.Param):
+        return "params"
+    if isinstance(variable, nnx.BatchStat):
+        return "batch_stats"
+    return "state"
+
+
+def callable_module(node: nnx.Module) -> bool:
+    """Whether a module is called (has a ``__call__``); containers (``nnx.List``,
+    ``nnx.Dict``) and holders of modules without one are looked through."""
+    if isinstance(node, (nnx.List, nnx.Dict)):
+        return False
+    return any("__call__" in c.__dict__ for c in type(node).__mro__ if c is not object)
+
+
+def children_of(model: nnx.Module) -> dict[int, str]:
+    """The model's children by ``id``: the called modules reached from it through no other
+    called module, named by their path."""
+    paths: dict[tuple[Any, ...], int] = {}
+    for path, node in nnx.iter_graph(model):
+        if path and isinstance(node, nnx.Module) and callable_module(node):
+            paths.setdefault(tuple(path), id(node))
+    return {
+        i: "/".join(map(str, p))
+        for p, i in paths.items()
+        if not any(p[:n] in paths for n in range(1, len(p)))
+    }
+
+
+@contextlib.contextmanager
+def marking(model: nnx.Module, calls: list[tuple[str, str]]) -> Iterator[None]:
+    """Within: the model's children's calls made while no other child's call runs are
+    recorded as ``(name, class name)`` in ``calls`` and start with a marker equation."""
+    children = children_of(model)
+    classes = {type(node) for _, node in nnx.iter_graph(model) if id(node) in children}
+    saved = {cls: cls.__dict__.get("__call__") for cls in classes}
+    depth = [0]
+
+    def wrap(original: Any) -> Any:
+        def call(module: Any, *a: Any, **kw: Any) -> Any:
+            name = children.get(id(module))
+            if name is None or depth[0]:
+                return original(module, *a, **kw)
+            calls.append((name, type(module).__name__))
+            leaves, tree = jax.tree.flatten((a, kw))
+            arrays = [n for n, v in enumerate(leaves) if isinstance(v, jax.Array)]
+            if not arrays:
+                marked((jnp.zeros((), jnp.float32),), name)
+            else:
+                new = marked(tuple(leaves[n] for n in arrays), name)
+                for n, v in zip(arrays, new, strict=True):
+                    leaves[n] = v
+                a, kw = jax.tree.unflatten(tree, leaves)
+            depth[0] += 1
+            try:
+                return original(module, *a, **kw)
+            finally:
+                depth[0] -= 1
+
+        return call
+
+    try:
+        for cls in classes:
+            cls.__call__ = wrap(cls.__call__)
+        yield
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__call__
+            else:
+                cls.__call__ = original
+
+
+def nnx_units(calls: list[tuple[str, str]], at: Any) -> tuple[list[str], list[str]]:
+    """``(children in first-call order, the cut units)`` from the recorded calls."""
+    order: list[str] = []
+    kinds: dict[str, str] = {}
+    for name, kind in calls:
+        if name not in kinds:
+            order.append(name)
+            kinds[name] = kind
+    if not order:
+        raise LayerError(
+            "split_model: the nnx model calls no submodule to cut at; build its layers "
+            "with pdjax.sequential(...) instead"
+        )
+    if at is None or at == "blocks":
+        counts: dict[str, int] = {}
+        for name in order:
+            counts[kinds[name]] = counts.get(kinds[name], 0) + 1
+        best = max(counts, key=lambda k: counts[k], default=None)
+        if best is None or counts[best] < 2:
+            raise LayerError(
+                "split_model(at='blocks') found no repeated submodule (two or more of one "
+                f"class called by the model); name the cuts: at=['<submodule>', ...] of {order}"
+            )
+        units = [n for n in order if kinds[n] == best]
+        if units[0] == order[0]:
+            units = units[1:]
+    elif isinstance(at, str):
+        raise LayerError(
+            f"at={at!r}: give 'blocks' (cut before each repeated block) or a list of "
+            "submodule names, e.g. at=['blocks/2']"
+        )
+    else:
+        units = []
+        for name in at:
+            if not isinstance(name, str) or not name:
+                raise LayerError(f"at= lists submodule names as strings, got {name!r}")
+            hits = [p for p in order if p == name or p.endswith("/" + name)]
+            if len(hits) != 1:
+                what = "names no submodule" if not hits else f"is ambiguous ({hits})"
+                raise LayerError(
+                    f"split_model(at=...): {name!r} {what}; the submodules the model calls "
+                    f"are {order} (write one, or its path with '/')"
+                )
+            units.append(hits[0])
+        positions = [order.index(u) for u in units]
+        if len(set(units)) != len(units) or positions != sorted(positions):
+            raise LayerError(
+                f"split_model(at={units}): each cut once, in the order the model calls "
+                f"them ({order})"
+            )
+        if positions and positions[0] == 0:
+            raise LayerError(
+                f"split_model: the cut {units[0]!r} is the model's first submodule call, "
+                f"so the layer before it would be empty; drop it from at= ({units})"
+            )
+    if not units:
+        raise LayerError("split_model: no cut left; the model would be one layer")
+    return order, units
+
+
+def resolve_nnx_mode(model: nnx.Module, mode: Mapping[str, str] | None) -> dict[str, str]:
+    """``mode=`` for an nnx model: the ``__call__`` arguments that switch train/eval."""
+    try:
+        args = list(inspect.signature(type(model).__call__).parameters)[1:]
+    except (TypeError, ValueError):
+        args = []
+    if mode is None:
+        return {a: MODE_NAMES[a] for a in args if a in MODE_NAMES}
+    if not isinstance(mode, Mapping):
+        raise LayerError(
+            f"mode= maps a __call__ argument to 'train' or 'eval' (when it is True), e.g. "
+            f"{{'deterministic': 'eval'}}; got {mode!r}"
+        )
+    for name, when in mode.items():
+        if when not in ("train", "eval"):
+            raise LayerError(
+                f"mode[{name!r}] = {when!r}: say when the flag is True, 'train' or 'eval'"
+            )
+        if name not in args:
+            raise LayerError(
+                f"mode names {name!r}, which is no argument of "
+                f"{type(model).__name__}.__call__ ({args})"
+            )
+    return dict(mode)
+
+
+class NnxSplitter:
+    """The traced nnx model shared by the layers of one :func:`split_model`."""
+
+    def __init__(
+        self, model: nnx.Module, sample: PyTree, at: Any, mode: Mapping[str, str] | None
+    ) -> None:
+        self.model = model
+        #: the ``__call__`` arguments switched; ``train()``/``eval()`` run unless mode={}
+        self.mode = resolve_nnx_mode(model, mode)
+        self.switch = mode is None or bool(mode)
+        self.graphdef, state = nnx.split(model)
+        #: (nnx path, pdjax leaf path, template variable) of each variable, RNG left out
+        self.entries: list[tuple[tuple[Any, ...], tuple[str, ...], Any]] = []
+        self.rng_state: list[tuple[tuple[Any, ...], Any]] = []
+        for path, var in nnx.to_flat_state(state):
+            if isinstance(var, nnx.RngState):
+                self.rng_state.append((tuple(path), var))
+            else:
+                lp = (collection_of(var), *map(str, path))
+                self.entries.append((tuple(path), lp, var))
+        self.streams = sorted(
+            {v.tag for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngStream)}
+        )
+        self.x_tree = jax.tree.structure(sample)
+        self.x_dtypes = [jnp.asarray(a).dtype for a in jax.tree.leaves(sample)]
+        x_spec = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), sample
+        )
+        self._cache: dict[Any, Program] = {}
+        self.units: list[str] = []
+        key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+        _, _, calls = self._trace(x_spec, False, key_spec)
+        order, self.units = nnx_units(calls, at)
+        self.names = ["00_" + order[0].replace("/", "_")] + [
+            f"{k + 1:02d}_{u.replace('/', '_')}" for k, u in enumerate(self.units)
+        ]
+        self.parent_calls = order
+        readers: dict[tuple[str, ...], set[int]] = {lp: set() for _, lp, _ in self.entries}
+        for train in (False, True):
+            prog = self._program(x_spec, train, key_spec, owner=None)
+            for k, cut in enumerate(prog.cuts):
+                for p in cut.reads:
+                    readers[p].add(k)
+        self.owners: dict[tuple[str, ...], tuple[int, ...]] = {}
+        tied: dict[str, list[str]] = {}
+        for p, ks_set in readers.items():
+            ks = tuple(sorted(ks_set)) or (0,)
+            self.owners[p] = ks
+            if len(ks) > 1:
+                coll, rest = p[0], "/".join(p[1:])
+                if coll != "params":
+                    raise LayerError(
+                        f"split_model: {rest!r} (collection {coll!r}) is used in layers "
+                        f"{[self.names[k] for k in ks]}; a non-parameter variable (BatchNorm "
+                        "statistics) cannot be tied across layers: cut so that its uses "
+                        "fall in one layer (move or drop a cut in at=)"
+                    )
+                tied[rest] = [f"{self.names[k]}/{rest}" for k in ks]
+        self.tied = tied
+        self._cache.clear()  # traced before ownership was known
+
+    def _run(self, values: list[Any], x: Any, train: bool, rng: Any, calls: list[Any]) -> Any:
+        pairs = [(p, var.replace(v)) for (p, _, var), v in zip(self.entries, values, strict=True)]
+        rngs = [(p, var.replace(var.get_value())) for p, var in self.rng_state]  # fresh, here
+        state = nnx.from_flat_state([*pairs, *rngs])
+        model = nnx.merge(self.graphdef, state)
+        if self.switch:
+            if train:
+                model.train()
+            else:
+                model.eval()
+        if rng is not None and self.streams:
+            keys: dict[str, Any] = {
+                s: jax.random.fold_in(rng, i) for i, s in enumerate(self.streams)
+            }
+            nnx.reseed(model, policy="match_shape", **keys)
+        kwargs = {a: (train if when == "train" else not train) for a, when in self.mode.items()}
+        with marking(model, calls):
+            y = model(x, **kwargs)
+        if not train:
+            return y, []
+        after = dict(nnx.to_flat_state(nnx.state(model)))
+        return y, [after[p].get_value() for p, lp, _ in self.entries if lp[0] != "params"]
+
+    def _trace(self, x_spec: Any, train: bool, rng_spec: Any) -> tuple[Any, Any, list[Any]]:
+        calls: list[tuple[str, str]] = []
+        specs = [
+            jax.ShapeDtypeStruct(jnp.shape(v.get_value()), jnp.asarray(v.get_value()).dtype)
+            for *_, v in self.entries
+        ]
+        try:
+            closed, out_shape = jax.make_jaxpr(
+                lambda v, x, r: self._run(v, x, train, r, calls), return_shape=True
+            )(specs, x_spec, rng_spec)
+        except (
+            jax.errors.ConcretizationTypeError,
+            jax.errors.TracerBoolConversionError,
+            jax.errors.TracerIntegerConversionError,
+        ) as e:
+            raise control_flow_error(e) from e
+        except Exception as e:
+            if "rng" in str(e).lower() and (rng_spec is None or not self.streams):
+                which = "train" if train else "eval"
+                raise LayerError(
+                    f"split_model: {type(self.model).__name__} needs random numbers in "
+                    f"{which} mode (dropout?) and "
+                    + (
+                        "the layer was given no rng: pass rng=jax.random.key(...) "
+                        "(pipelines do in training), or run it in eval mode"
+                        if rng_spec is None
+                        else "has no RNG stream for pdjax to seed: build its random modules "
+                        "with rngs (nnx.Dropout(rate, rngs=rngs))"
+                    )
+                ) from e
+            raise
+        return closed, out_shape, calls
+
+    def _program(self, x_spec: Any, train: bool, rng_spec: Any, owner: Any = True) -> Program:
+        key = (
+            jax.tree.structure(x_spec),
+            tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(x_spec)),
+            train,
+            None if rng_spec is None else str(rng_spec.dtype),
+        )
+        if key in self._cache:
+            return self._cache[key]
+        closed, out_shape, _ = self._trace(x_spec, train, rng_spec)
+        jaxpr = closed.jaxpr
+        n_var, n_x = len(self.entries), len(jax.tree.leaves(x_spec))
+        var_paths = [lp for _, lp, _ in self.entries]
+        var_vars = list(jaxpr.invars[:n_var])
+        x_vars = list(jaxpr.invars[n_var : n_var + n_x])
+        rng_var = jaxpr.invars[n_var + n_x] if rng_spec is not None else None
+        y_shape, _ = out_shape
+        n_y = len(jax.tree.leaves(y_shape))
+        y_vars = list(jaxpr.outvars[:n_y])
+        state_paths = [lp for _, lp, _ in self.entries if lp[0] != "params"] if train else []
+        state_out = dict(zip(state_paths, jaxpr.outvars[n_y:], strict=True))
+        var_of = dict(zip(var_vars, var_paths, strict=True))
+
+        def owner_of(p: tuple[str, ...]) -> int | None:
+            return None if owner is None else self.owners[p][-1]
+
+        cuts = plan_cuts(
+            jaxpr,
+            self.units,
+            len(self.units) + 1,
+            y_vars,
+            state_out,
+            owner_of,
+            var_of,
+            x_vars,
+            free=frozenset() if rng_var is None else frozenset({rng_var}),
+        )
+        prog = Program(
+            jaxpr,
+            list(closed.consts),
+            list(zip(var_paths, var_vars, strict=True)),
+            x_vars,
+            rng_var,
+            jax.tree.structure(y_shape),
+            y_vars,
+            state_out,
+            cuts,
+        )
+        self._cache[key] = prog
+        return prog
+
+    # the variables: per-layer collections <-> the model's nnx.State
+    def collections(self, state: Any) -> dict[tuple[str, ...], Any]:
+        """An ``nnx.State`` of the model (or part of it) as leaves by pdjax path."""
+        flat = dict(nnx.to_flat_state(state))
+        return {lp: flat[p].get_value() for p, lp, _ in self.entries if p in flat}
+
+    def subset(self, k: int, tree: Any) -> Variables:
+        """Layer ``k``'s variables from an ``nnx.State`` of the model."""
+        out: dict[str, Any] = {}
+        for p, leaf in self.collections(tree).items():
+            if k in self.owners.get(p, (0,)):
+                node = out
+                for part in p[:-1]:
+                    node = node.setdefault(part, {})
+                node[p[-1]] = leaf
+        return out
+
+    def model_tree(self, flat: Mapping[tuple[str, ...], Any], device: Any) -> Any:
+        """The model's ``nnx.State`` (its RNG streams left out) from its leaves by path, on
+        ``device``, for ``nnx.update(model, state)``."""
+        missing = [lp for _, lp, _ in self.entries if lp not in flat]
+        if missing:
+            raise LayerError(f"the layers' variables lack {['/'.join(p) for p in missing[:5]]}")
+        pairs = [(p, var.replace(jax.device_put(flat[lp], device))) for p, lp, var in self.entries]
+        return nnx.from_flat_state(pairs)
+
+    # the layers' work
+    def _x_spec(self, k: int, x: PyTree) -> Any:
+        if k == 0:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), x)
+        shapes = [jnp.shape(w)[:-1] for w in x["inputs"]]
+        return jax.tree.unflatten(
+            self.x_tree,
+            [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, self.x_dtypes, strict=True)],
+        )
+
+    def init_cut(self, k: int, rng: jax.Array, x: PyTree) -> Variables:
+        """Layer ``k``'s share of the model's current variables (``rng`` is not used: an
+        nnx model holds its variables)."""
+        del rng, x
+        return self.subset(k, nnx.state(self.model))
+
+    def apply_cut(
+        self, k: int, variables: Variables, x: PyTree, train: bool, rng: jax.Array | None
+    ) -> tuple[PyTree, Variables]:
+        """Evaluates layer ``k``'s equations."""
+        x_spec = self._x_spec(k, x)
+        rng_spec = None if rng is None else jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
+        prog = self._program(x_spec, train, rng_spec)
+        cut = prog.cuts[k]
+        env: dict[Any, Any] = dict(zip(prog.jaxpr.constvars, prog.consts, strict=True))
+        flat = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(variables)[0]}
+        for path, var in prog.var_leaves:
+            if path in flat:
+                env[var] = flat[path]
+        if prog.rng_var is not None:
+            env[prog.rng_var] = rng
+        values = jax.tree.leaves(x) if k == 0 else list(x["live"])
+        if len(values) != len(cut.inputs):
+            raise LayerError(
+                f"layer {self.names[k]!r} got {len(values)} values, expected {len(cut.inputs)}"
+            )
+        env.update(zip(cut.inputs, values, strict=True))
+        read = evaluate_cut(cut, env, self.names[k])
+        if k == len(self.units):
+            y = jax.tree.unflatten(prog.y_tree, [read(a) for a in cut.outputs])
+        else:
+            witness = [jnp.zeros((*s.shape, 0), jnp.float32) for s in jax.tree.leaves(x_spec)]
+            y = {"live": tuple(read(a) for a in cut.outputs), "inputs": witness}
+        state = {c: v for c, v in variables.items() if c != "params"}
+        if train and state:
+            updates = {p: read(a) for p, a in prog.state_out.items() if p in flat}
+            state = replace_leaves(state, updates)
+        return y, state
