@@ -6,22 +6,28 @@ boundary and which variable leaves each layer reads, all by data flow from the m
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 from pdjax._trees import key_str
 from pdjax.errors import LayerError
-from pdjax.layers.base import Variables
+from pdjax.layers.base import PyTree, Variables
 from pdjax.layers.split.calls import MARK
 
 __all__ = [
     "Cut",
     "Program",
     "evaluate_cut",
+    "input_spec",
     "is_var",
     "leaf_path",
+    "owners_and_ties",
     "plan_cuts",
     "replace_leaves",
+    "run_cut",
 ]
 
 
@@ -181,3 +187,80 @@ def evaluate_cut(cut: Cut, env: dict[Any, Any], name: str) -> Callable[[Any], An
                 outs = [outs]
         env.update(zip(e.outvars, outs, strict=True))
     return read
+
+
+def input_spec(k: int, x: PyTree, x_tree: Any, x_dtypes: Sequence[Any]) -> Any:
+    """The model input's shapes and dtypes as layer ``k`` sees them: ``x`` itself at the
+    first layer, else read from the zero-size witnesses that cross every boundary (one per
+    model input, its shape plus a trailing 0) with the model's input tree and dtypes."""
+    if k == 0:
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), x)
+    shapes = [jnp.shape(w)[:-1] for w in x["inputs"]]
+    return jax.tree.unflatten(
+        x_tree, [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, x_dtypes, strict=True)]
+    )
+
+
+def run_cut(
+    prog: Program,
+    k: int,
+    name: str,
+    variables: Variables,
+    x: PyTree,
+    x_spec: Any,
+    train: bool,
+    rng: jax.Array | None,
+) -> tuple[PyTree, Variables]:
+    """Layer ``k`` (called ``name``) of ``prog`` on its variables and input: its output
+    (the model's output at the last cut, else the values crossing the boundary and the
+    input witnesses) and its non-parameter collections (updated in train mode)."""
+    cut = prog.cuts[k]
+    env: dict[Any, Any] = dict(zip(prog.jaxpr.constvars, prog.consts, strict=True))
+    flat = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(variables)[0]}
+    for path, var in prog.var_leaves:
+        if path in flat:
+            env[var] = flat[path]
+    if prog.rng_var is not None:
+        env[prog.rng_var] = rng
+    values = jax.tree.leaves(x) if k == 0 else list(x["live"])
+    if len(values) != len(cut.inputs):
+        raise LayerError(f"layer {name!r} got {len(values)} values, expected {len(cut.inputs)}")
+    env.update(zip(cut.inputs, values, strict=True))
+    read = evaluate_cut(cut, env, name)
+    if k == len(prog.cuts) - 1:
+        y = jax.tree.unflatten(prog.y_tree, [read(a) for a in cut.outputs])
+    else:
+        witness = [jnp.zeros((*s.shape, 0), jnp.float32) for s in jax.tree.leaves(x_spec)]
+        y = {"live": tuple(read(a) for a in cut.outputs), "inputs": witness}
+    state = {c: v for c, v in variables.items() if c != "params"}
+    if train and state:
+        updates = {p: read(a) for p, a in prog.state_out.items() if p in flat}
+        state = replace_leaves(state, updates)
+    return y, state
+
+
+def owners_and_ties(
+    readers: Mapping[tuple[str, ...], set[int]], names: Sequence[str]
+) -> tuple[dict[tuple[str, ...], tuple[int, ...]], dict[str, list[str]]]:
+    """Per variable leaf, the layers that hold it (those whose equations read it; the first
+    layer when none does), and the ``tied=`` groups of the parameters held by several.
+
+    Raises:
+      LayerError: for a non-parameter variable (BatchNorm statistics) read by two layers.
+    """
+    owners: dict[tuple[str, ...], tuple[int, ...]] = {}
+    tied: dict[str, list[str]] = {}
+    for p, ks_set in readers.items():
+        ks = tuple(sorted(ks_set)) or (0,)
+        owners[p] = ks
+        if len(ks) > 1:
+            coll, rest = p[0], "/".join(p[1:])
+            if coll != "params":
+                raise LayerError(
+                    f"split_model: {rest!r} (collection {coll!r}) is used in layers "
+                    f"{[names[k] for k in ks]}; a non-parameter variable (BatchNorm "
+                    "statistics) cannot be tied across layers: cut so that its uses "
+                    "fall in one layer (move or drop a cut in at=)"
+                )
+            tied[rest] = [f"{names[k]}/{rest}" for k in ks]
+    return owners, tied

@@ -27,10 +27,11 @@ from pdjax.layers.split.calls import (
 )
 from pdjax.layers.split.cuts import (
     Program,
-    evaluate_cut,
+    input_spec,
     leaf_path,
+    owners_and_ties,
     plan_cuts,
-    replace_leaves,
+    run_cut,
 )
 
 __all__ = ["LinenSplitter"]
@@ -110,22 +111,7 @@ class LinenSplitter:
             for k, cut in enumerate(prog.cuts):
                 for p in cut.reads:
                     readers[p].add(k)
-        self.owners: dict[tuple[str, ...], tuple[int, ...]] = {}
-        tied: dict[str, list[str]] = {}
-        for p in leaves:
-            ks = tuple(sorted(readers[p])) or (0,)
-            self.owners[p] = ks
-            if len(ks) > 1:
-                coll, rest = p[0], "/".join(p[1:])
-                if coll != "params":
-                    raise LayerError(
-                        f"split_model: {rest!r} (collection {coll!r}) is used in layers "
-                        f"{[self.names[k] for k in ks]}; a non-parameter variable (BatchNorm "
-                        "statistics) cannot be tied across layers: cut so that its uses "
-                        "fall in one layer (move or drop a cut in at=)"
-                    )
-                tied[rest] = [f"{self.names[k]}/{rest}" for k in ks]
-        self.tied = tied
+        self.owners, self.tied = owners_and_ties(readers, self.names)
         self._cache.clear()  # traced before ownership was known
 
     # the mode -> module and call arguments
@@ -261,13 +247,7 @@ class LinenSplitter:
 
     # the layers' work
     def _x_spec(self, k: int, x: PyTree) -> Any:
-        if k == 0:
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), a.dtype), x)
-        shapes = [jnp.shape(w)[:-1] for w in x["inputs"]]
-        return jax.tree.unflatten(
-            self.x_tree,
-            [jax.ShapeDtypeStruct(s, d) for s, d in zip(shapes, self.x_dtypes, strict=True)],
-        )
+        return input_spec(k, x, self.x_tree, self.x_dtypes)
 
     def _sample_input(self, k: int, x: PyTree) -> Any:
         spec = self._x_spec(k, x)
@@ -312,33 +292,4 @@ class LinenSplitter:
         x_spec = self._x_spec(k, x)
         rng_spec = None if rng is None else jax.ShapeDtypeStruct(jnp.shape(rng), rng.dtype)
         prog = self._program(x_spec, train, rng_spec)
-        cut = prog.cuts[k]
-        env: dict[Any, Any] = dict(zip(prog.jaxpr.constvars, prog.consts, strict=True))
-        flat = {leaf_path(p): v for p, v in jax.tree_util.tree_flatten_with_path(variables)[0]}
-        for path, var in prog.var_leaves:
-            if path in flat:
-                env[var] = flat[path]
-        if prog.rng_var is not None:
-            env[prog.rng_var] = rng
-        values = jax.tree.leaves(x) if k == 0 else list(x["live"])
-        if len(values) != len(cut.inputs):
-            raise LayerError(
-                f"layer {self._name(k)!r} got {len(values)} values, expected {len(cut.inputs)}"
-            )
-        env.update(zip(cut.inputs, values, strict=True))
-
-        read = evaluate_cut(cut, env, self._name(k))
-        last = k == len(self.units)
-        if last:
-            y = jax.tree.unflatten(prog.y_tree, [read(a) for a in cut.outputs])
-        else:
-            witness = [jnp.zeros((*s.shape, 0), jnp.float32) for s in jax.tree.leaves(x_spec)]
-            y = {"live": tuple(read(a) for a in cut.outputs), "inputs": witness}
-        state = {c: v for c, v in variables.items() if c != "params"}
-        if train and state:
-            updates = {p: read(a) for p, a in prog.state_out.items() if p in flat}
-            state = replace_leaves(state, updates)
-        return y, state
-
-    def _name(self, k: int) -> str:
-        return self.names[k]
+        return run_cut(prog, k, self.names[k], variables, x, x_spec, train, rng)
