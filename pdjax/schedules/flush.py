@@ -78,6 +78,29 @@ def one_f_one_b_order(
     return order
 
 
+def _checked_sizes(
+    num_stages: int,
+    num_microbatches: int,
+    steps: int,
+    replicas: Sequence[int] | None,
+    replication: Sequence[str] | str | None,
+) -> tuple[int, int, tuple[str, ...], tuple[int, ...]]:
+    """A one-stage-per-group flush schedule's arguments, checked: ``P``, ``M``, the
+    replication modes and each group's microbatches per action (``M`` a multiple of each).
+
+    Raises:
+        ScheduleError: for a parameter out of range.
+    """
+    P = positive("num_stages (P)", num_stages)
+    M = positive("num_microbatches (M)", num_microbatches)
+    positive("steps", steps)
+    reps = replicas_of(replicas, P)
+    mode = replication_of(replication, reps)
+    units = group_sizes(reps, mode)
+    check_multiple("num_microbatches (M)", M, units)
+    return P, M, mode, units
+
+
 def gpipe(
     num_stages: int,
     num_microbatches: int,
@@ -105,13 +128,7 @@ def gpipe(
     g0: 0F0 0F1 0B1 0B0 0U0
     g1: 1F0 1F1 1B1 1B0 1U0
     """
-    P = positive("num_stages (P)", num_stages)
-    M = positive("num_microbatches (M)", num_microbatches)
-    positive("steps", steps)
-    reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps)
-    units = group_sizes(reps, mode)
-    check_multiple("num_microbatches (M)", M, units)
+    P, M, mode, units = _checked_sizes(num_stages, num_microbatches, steps, replicas, replication)
 
     def order(s: int) -> list[tuple[str, int, int]]:
         ks = range(0, M, units[s])
@@ -151,13 +168,7 @@ def one_f_one_b(
     Raises:
         ScheduleError: for a parameter out of range.
     """
-    P = positive("num_stages (P)", num_stages)
-    M = positive("num_microbatches (M)", num_microbatches)
-    positive("steps", steps)
-    reps = replicas_of(replicas, P)
-    mode = replication_of(replication, reps)
-    units = group_sizes(reps, mode)
-    check_multiple("num_microbatches (M)", M, units)
+    P, M, mode, units = _checked_sizes(num_stages, num_microbatches, steps, replicas, replication)
 
     q = round_robin_in_flight(units)
 
