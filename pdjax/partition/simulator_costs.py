@@ -306,8 +306,9 @@ def _calibrated(
     latency, forward_bw, back_bw = _calibrated_links(plan, costs, calibration, partial)
     sends = _send_seconds(plan, calibration)
     stages = [dataclasses.replace(c, send_seconds=x) for c, x in zip(stages, sends, strict=True)]
-    # across processes on CPU (links with a sender's host time) a receive is posted in
-    # program order: XLA's CPU client runs each program on the thread that dispatches it
+    # across processes on CPU (links with a sender's host time) the simulator takes each
+    # receive as posted in program order: the model that fitted the cluster runs (a fit,
+    # see PipelineCosts.posted_receives; the runtime's receives are asynchronous)
     across = any(x > 0 for x in sends)
     return dataclasses.replace(
         costs,

@@ -40,8 +40,8 @@ def play(
             directed pair of groups is one link that carries one tensor at a time, in the
             order the sender produced them.
         posted: a transfer starts only once the receiving group has reached the action that
-            needs it (a receive posted in program order, by a host thread that was busy
-            with the actions before); else as soon as the sender has produced it.
+            needs it (as if each receive were posted in program order); else as soon as
+            the sender has produced it.
 
     Returns:
         Start times and end times per group (parallel to ``s.actions``), and the transfers

@@ -119,9 +119,11 @@ class PipelineCosts:
             holds: gradient sums, the call's starting weights, inputs placed up front, zero
             bubble's cotangents, activations in transit; see the module doc).
         posted_receives: a transfer starts only when the receiving group reaches the action
-            that needs it, not when the sender has produced it: what pdjax's runtime does
-            across processes on CPU, where XLA runs each program on the thread that
-            dispatches it, so a receive is posted only after the programs before it.
+            that needs it, not when the sender has produced it. Calibrations of CPU
+            processes turn it on: it fitted the cluster benchmark's runs better (see
+            ``benchmarks/results/cluster.md``, which reports both models). It is a fit,
+            not the runtime's mechanism: dispatch and receives are asynchronous on XLA's
+            CPU client (``pdjax._xla_cpu``).
     """
 
     stages: tuple[StageCosts, ...]

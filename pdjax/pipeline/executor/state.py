@@ -44,9 +44,10 @@ class RunMetrics:
       losses: per microbatch, its loss (a device array on the last stage).
       peak_versions: per stage, the most weight versions held at once.
       actions: actions dispatched.
-      host_seconds: wall time of the driver's loop over the program (dispatching; on CPU
-        also what XLA runs inline on the dispatching thread, and any waits the program
-        holds: run-ahead bounds, one-at-a-time stages).
+      host_seconds: wall time of the driver's loop over the program (dispatching, and any
+        waits: the program's run-ahead bounds and one-at-a-time stages, and a device's
+        limit of about 32 programs in flight, which makes a driver that runs that far
+        ahead wait for its devices).
       timeline: per-action measured spans, when asked for (``timeline=True``).
       peak_bytes: with ``timeline=True``, per device group the most bytes of live arrays
         seen on one of its devices after any action (weights, versions, optimizer state,
