@@ -127,6 +127,15 @@ def test_calibrated_predictions():
     slow = 3 * (F + B) + 2 * U
     assert slow < sim < slow * 1.15
     assert planner >= slow
+    # the other receive model: a transfer that starts once sent is never later
+    run = dict(units=64, microbatch=8, microbatches=4)
+    _, posted = predict_calibrated(
+        _profile(), cal, 10.0, "pipedream", [(0, 1), (2, 3)], **run, posted_receives=True
+    )
+    _, unposted = predict_calibrated(
+        _profile(), cal, 10.0, "pipedream", [(0, 1), (2, 3)], **run, posted_receives=False
+    )
+    assert unposted <= posted
 
 
 def test_kendall_tau():
@@ -167,6 +176,8 @@ def test_report_and_plot(tmp_path):
             simulated=0.028,
             speedup=1.67,
             predicted_speedup=1.6,
+            simulated_unposted=0.0335,
+            cpu=((0.002, 0.025, 0.03), (0.001, 0.02, 0.03)),
         ),
         Row(
             experiment="b",
@@ -179,6 +190,7 @@ def test_report_and_plot(tmp_path):
             simulated=1.15,
             speedup=0.04,
             predicted_speedup=0.04,
+            simulated_unposted=1.15,
         ),
     )
     curves = {"vgg-fc": {"pipedream": [(10.0, 1.0, 1.2), (100.0, 1.6, 1.9)],
@@ -220,6 +232,12 @@ def test_report_and_plot(tmp_path):
     assert "28.0 (-7%)" in text and "| yes |" in text
     assert plot_cluster(result, tmp_path / "c.png").stat().st_size > 10_000
     assert '"rows"' in result.to_json()
+    # both receive models side by side, over the rows that have both
+    assert "reaches them 2 of 2, transfers starting once sent 1 of 2" in text
+    # where each worker's time goes: driver, other threads, idle, busy
+    row = "| vgg-fc | 100 Mbit/s | pipedream | 0-6 / 7-15 | 0 | 2.00 | 25.00 | 3.00 | 90% |"
+    assert row in text
+    assert "| 1 | 1.00 | 20.00 | 9.00 | 70% |" in text
 
 
 def test_workers_run_every_runner_across_processes(tmp_path):
@@ -241,8 +259,16 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     job["sizes"] = [4096, 262144]
     got = launch(job, 2, 100.0, reason is None, tmp_path)
     cal = got.pop("_calibration")
+    cpu = got.pop("_cpu")
     assert sorted(got) == ["1f1b", "dp", "pipedream"]
     assert all(len(v) == 1 and 0 < v[0] < 60 and math.isfinite(v[0]) for v in got.values())
+    # each worker's CPU seconds per runner: its driver thread, its other threads, the wall
+    assert len(cpu) == 2
+    for per_runner in cpu:
+        assert sorted(per_runner) == ["1f1b", "dp", "pipedream"]
+        for name, (driver, others, wall) in per_runner.items():
+            assert 0 < driver and 0 < others and wall == pytest.approx(got[name][0], rel=0.2)
+            assert driver + others < 1.2 * wall  # one pinned core each
     # the link measured both ways through the runtime's transport, and the all-reduce
     assert sorted((ln["src"], ln["dst"]) for ln in cal["links"]) == [(0, 1), (1, 0)]
     for ln in cal["links"]:

@@ -268,6 +268,7 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
          "stages": [(0, m.num_layers - 1)]},
     ]  # fmt: skip
     alone = launch({**m.job, "runners": one}, 1, None, False, s.work)
+    cpu = alone.pop("_cpu", [])
     times = {k: statistics.median(v) / s.units for k, v in alone.items()}
     single = min(times.values())
     cal0 = stage_calibration(m.prof, m.name, m.microbatch, m.stages, None)
@@ -280,7 +281,7 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
         microbatches=_M,
         extra=0,
     )
-    p_single, s_single, s_prof = _predictions(m, cal0, run)
+    p_single, s_single, s_prof, _ = _predictions(m, cal0, run)
     rows = [
         Row(
             experiment=m.experiment,
@@ -295,18 +296,36 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
             predicted_speedup=1.0,
             repeats=tuple(t / s.units for t in alone[k]),
             simulated_profile=s_prof,
+            simulated_unposted=s_single,
+            cpu=_per_microbatch(cpu, k, s.units * len(alone[k])),
         )
         for k, how in [("single", "1 worker, one jit"), ("single-pipe", "1 worker, 1 stage")]
     ]
     return _Baseline(measured=single, planner=p_single, simulated=s_single, calibration=cal0), rows
 
 
-def _predictions(m: _Model, cal: Any, run: _Run) -> tuple[float, float, float]:
-    """``(planner, simulator, simulator from the profile alone)`` seconds per microbatch of
-    ``run``: the first two from the calibration ``cal``."""
+def _per_microbatch(
+    cpu: Sequence[Mapping[str, Sequence[float]]], label: str, microbatches: int
+) -> tuple[tuple[float, float, float], ...]:
+    """Per process, ``(driver, other threads, wall)`` seconds per microbatch of one runner
+    (empty where the workers could not read their threads' CPU time)."""
+    out = []
+    for per_runner in cpu:
+        if label not in per_runner:
+            return ()
+        driver, others, wall = per_runner[label]
+        out.append((driver / microbatches, others / microbatches, wall / microbatches))
+    return tuple(out)
+
+
+def _predictions(m: _Model, cal: Any, run: _Run) -> tuple[float, float, float, float]:
+    """``(planner, simulator, simulator from the profile alone, simulator with receives
+    not posted)`` seconds per microbatch of ``run``: all but the third from the calibration
+    ``cal``; the last with every transfer starting once its sender has produced it."""
     planner, simulated = predict_calibrated(m.prof, cal, **run)
+    _, unposted = predict_calibrated(m.prof, cal, **run, posted_receives=False)
     _, profile_only = predict(m.prof, m.updates, **run)
-    return planner, simulated, profile_only
+    return planner, simulated, profile_only, unposted
 
 
 def _runners(m: _Model, rate: float | None, s: _Settings) -> list[dict[str, Any]]:
@@ -346,12 +365,15 @@ def _run_link(m: _Model, baseline: _Baseline, rate: float | None, s: _Settings) 
           "calibrated first")  # fmt: skip
     got = launch({**m.job, "runners": runners, "calibrate": True}, 2, rate, s.emulate, s.work)
     meas = got.pop("_calibration")
+    cpu = got.pop("_cpu", [])
     cal = stage_calibration(m.prof, m.name, m.microbatch, m.stages, meas)
     # everything the predictions came from, to predict again offline
     seen = {"model": m.name, "link_mbit": rate, "links": meas["links"],
             "allreduce": meas["allreduce"], "allreduce_model": meas["allreduce_model"],
             "device_ids": meas["device_ids"], "stages": m.stages}  # fmt: skip
-    rows, plans = _measured_rows(m, baseline=baseline, rate=rate, runners=runners, got=got, cal=cal)
+    rows, plans = _measured_rows(
+        m, baseline=baseline, rate=rate, runners=runners, got=got, cal=cal, cpu=cpu
+    )
     # one worker alone is a candidate too (measured in its own launch)
     plans.append({"runner": "single", "layout": "1 worker", "measured": baseline.measured,
                   "planner": baseline.planner, "simulated": baseline.simulated})  # fmt: skip
@@ -367,9 +389,12 @@ def _measured_rows(
     runners: Sequence[Mapping[str, Any]],
     got: Mapping[str, list[float]],
     cal: Any,
+    cpu: Sequence[Mapping[str, Sequence[float]]] = (),
 ) -> tuple[list[Row], list[dict[str, Any]]]:
-    """Per runner of a launch (``got``: its seconds per timed call) a row, measured and
-    predicted; and the candidate plans among them (the plain 2-stage cuts and DP)."""
+    """Per runner of a launch (``got``: its seconds per timed call; ``cpu``: per process,
+    per runner, its driver's and other threads' CPU seconds and the calls' wall seconds) a
+    row, measured and predicted; and the candidate plans among them (the plain 2-stage
+    cuts and DP)."""
     L = m.num_layers
     ring = sum(lp.param_bytes for lp in m.prof.layers) / bandwidth(rate)
     rows: list[Row] = []
@@ -388,7 +413,7 @@ def _measured_rows(
             microbatches=_M,
             extra=r.get("extra", 0),
         )
-        p, sim, s_old = _predictions(m, cal, run)
+        p, sim, s_old, s_unposted = _predictions(m, cal, run)
         layout = "DP x2" if r["name"] == "dp" else " / ".join(f"{f}-{last}" for f, last in st)
         allreduce, allreduce_predicted = (
             (cal.stage(0, L - 1, 2, "round-robin").allreduce, ring)
@@ -409,6 +434,8 @@ def _measured_rows(
                 allreduce=allreduce,
                 allreduce_predicted=allreduce_predicted,
                 simulated_profile=s_old,
+                simulated_unposted=s_unposted,
+                cpu=_per_microbatch(cpu, label, n * len(got[label])),
             )
         )
         if r["name"] == "dp" or (r["name"] == "pipedream" and not r.get("extra")

@@ -154,10 +154,12 @@ def predict_calibrated(
     microbatch: int,
     microbatches: int,
     extra: int = 0,
+    posted_receives: bool | None = None,
 ) -> tuple[float, float]:
     """``(planner, simulator)`` seconds per microbatch of one run from calibrated costs:
     the stages' programs measured on a pinned worker, the link and the all-reduce measured
-    in the run's own launch."""
+    in the run's own launch. ``posted_receives``: the simulator's receive model
+    (:class:`~pdjax.simulator.PipelineCosts`); None: what the calibration implies."""
     from pdjax.partition import costs_from_plan, evaluate_partition
     from pdjax.simulator import simulate
 
@@ -174,6 +176,8 @@ def predict_calibrated(
                               partitioner="manual", replication=mode, **kw)  # fmt: skip
     sched = _schedule(runner, len(layout), units, microbatches, extra)
     costs = costs_from_plan(plan, prof, calibration=cal, partial=not cal.links)
+    if posted_receives is not None:
+        costs = dataclasses.replace(costs, posted_receives=posted_receives)
     sim = simulate(sched, costs).makespan / units
     return plan.time_per_microbatch, sim
 

@@ -39,6 +39,14 @@ class Row:
         calibration.
       simulated_profile: the simulator's prediction from the per-layer profile alone (no
         calibration; the ring all-reduce at the link rate): what calibration corrects.
+      simulated_unposted: the simulator's prediction from the same calibrated costs, but
+        every transfer starting once its sender has produced it (no posted receives): the
+        other receive model, to say which one the runs follow.
+      cpu: per worker process, ``(driver, other threads, wall)`` seconds per microbatch in
+        the timed calls: the CPU time of the thread that dispatches (pdjax's driver) and
+        of every other thread (XLA's programs, its transfers), from Linux's per-thread
+        accounting; empty where unavailable. A worker has one core: wall minus both is
+        the time it sat idle.
     """
 
     experiment: str
@@ -55,6 +63,8 @@ class Row:
     allreduce: float = math.nan
     allreduce_predicted: float = math.nan
     simulated_profile: float = math.nan
+    simulated_unposted: float = math.nan
+    cpu: tuple[tuple[float, float, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +124,7 @@ def format_markdown(result: ClusterResult) -> str:
         "",
         *_runs_table(result.rows),
         *_prediction_errors(result.rows),
+        *_cpu_table(result.rows),
         *_allreduce_table(result.rows),
         *_links_table(result.links),
         *_choices_table(result.choices),
@@ -153,6 +164,49 @@ def _prediction_errors(rows: Sequence[Row]) -> list[str]:
         f"{len(errs)} (largest error {100 * max(e[0] for e in errs):.0f}%); the planner "
         f"within 15%: {sum(e[1] <= 0.15 for e in errs)} of {len(errs)} (largest "
         f"{100 * max(e[1] for e in errs):.0f}%).",
+        *_receive_models(rows),
+    ]
+
+
+def _cpu_table(rows: Sequence[Row]) -> list[str]:
+    """Where each worker's time goes, per run: its driver thread, its other threads, idle."""
+    timed = [r for r in rows if r.cpu]
+    if not timed:
+        return []
+    lines = [
+        "",
+        "Where each worker's time goes (ms per microbatch of the timed calls, from Linux's "
+        "per-thread CPU accounting; one core per worker: idle is wall minus both):",
+        "",
+        "| model | link | runner | stages | worker | driver thread | XLA and transfer "
+        "threads | idle | busy |",
+        "|---|---|---|---|---|---:|---:|---:|---:|",
+    ]
+    for r in timed:
+        for p, (driver, others, wall) in enumerate(r.cpu):
+            idle = max(0.0, wall - driver - others)
+            busy = (driver + others) / wall if wall > 0 else math.nan
+            lines.append(
+                f"| {r.model} | {link_label(r.link_mbit)} | {r.runner} | {r.stages} | {p} "
+                f"| {1e3 * driver:.2f} | {1e3 * others:.2f} | {1e3 * idle:.2f} | {busy:.0%} |"
+            )
+    return lines
+
+
+def _receive_models(rows: Sequence[Row]) -> list[str]:
+    """The rows within 10% under each of the simulator's receive models."""
+    both = [r for r in rows if math.isfinite(r.simulated_unposted)]
+    if not both:
+        return []
+
+    def within(attr: str) -> int:
+        return sum(abs(getattr(r, attr) / r.measured - 1) <= 0.10 for r in both)
+
+    return [
+        "",
+        f"The simulator's receive models, rows within 10%: receives posted when the "
+        f"receiving stage reaches them {within('simulated')} of {len(both)}, transfers "
+        f"starting once sent {within('simulated_unposted')} of {len(both)}.",
     ]
 
 

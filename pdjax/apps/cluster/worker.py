@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -126,10 +128,22 @@ def _worker_job(job: Mapping[str, Any]) -> None:
             allgather_json(name)  # every process done with the runner before
             call()
     times: dict[str, list[float]] = {name: [] for name, _ in runners}
+    # per runner, this process's CPU seconds in the timed calls: the driver's thread, the
+    # other threads (XLA's programs and transfers), and the calls' wall seconds
+    cpu: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name, _ in runners}
+    driver = threading.get_native_id()
     for _ in range(job["repeats"]):
         for name, call in runners:
             allgather_json(name)  # start together
+            before = thread_seconds()
             times[name].append(call())
+            after = thread_seconds()
+            spent = {t: after[t] - before.get(t, 0.0) for t in after}
+            mine = spent.pop(driver, 0.0)
+            cpu[name][0] += mine
+            cpu[name][1] += sum(spent.values())
+            cpu[name][2] += times[name][-1]
+    cpu_all = allgather_json(cpu if thread_seconds() else {})
     for r, (name, call) in zip(job["runners"], runners, strict=True):
         if r.get("timeline"):  # one more call, each action timed (diagnosis)
             allgather_json(name)
@@ -140,7 +154,33 @@ def _worker_job(job: Mapping[str, Any]) -> None:
         out: dict[str, Any] = dict(times)
         if calibration is not None:
             out["_calibration"] = calibration
+        out["_cpu"] = cpu_all
         Path(job["out"]).write_text(json.dumps(out))
+
+
+def thread_seconds() -> dict[int, float]:
+    """CPU seconds per thread of this process, by thread id, from Linux's
+    ``/proc/self/task``: the scheduler's nanoseconds on a CPU (``schedstat``), else user
+    and system ticks (``stat``); empty where neither exists."""
+    out: dict[int, float] = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0]) / 1e9
+            continue
+        except (OSError, IndexError, ValueError):
+            pass
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, IndexError, ValueError):
+            continue  # a thread that ended meanwhile
+    return out
 
 
 def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Callable[[], float]]:
