@@ -69,7 +69,7 @@ from pdjax.schedules.actions import (
 from pdjax.schedules.arguments import REPLICATION
 from pdjax.schedules.flush import gpipe, one_f_one_b
 from pdjax.schedules.generate import generate
-from pdjax.schedules.inflight import group_sizes, round_robin_in_flight
+from pdjax.schedules.inflight import IN_FLIGHT, group_sizes, paper_in_flight, round_robin_in_flight
 from pdjax.schedules.interleaved_1f1b import interleaved
 from pdjax.schedules.kind import MODULO, V_SHAPE, GenerateArgs, ScheduleKind, StagePlacement
 from pdjax.schedules.play import live_versions, play
@@ -97,6 +97,7 @@ __all__ = [
     "BENCHED",
     "CHUNKED",
     "FLUSHING",
+    "IN_FLIGHT",
     "KINDS",
     "MODULO",
     "REPLICATION",
@@ -122,6 +123,7 @@ __all__ = [
     "interleaved",
     "live_versions",
     "one_f_one_b",
+    "paper_in_flight",
     "parse_actions",
     "parse_grid",
     "pipedream",

@@ -87,6 +87,10 @@ _PARSED: dict[str, Action] = {}
 few thousand actions over and over (an action is immutable, so one object serves)."""
 _PARSED_MOST = 1 << 15
 """Texts :data:`_PARSED` keeps at most (it starts over when full)."""
+_WRITTEN_IF_SET = ("in_flight",)
+"""Fields :meth:`Schedule.to_json` leaves out at their default: added after the format's
+first version, so that every schedule written before keeps its text (and reads back the
+same, the default filling in)."""
 
 
 def format_actions(actions: Sequence[Sequence[Action]]) -> str:
@@ -174,6 +178,9 @@ class Schedule:
             (``False``: it uses the newest weights, the paper's inconsistent baseline).
         extra_in_flight: ``pipedream`` only: microbatches in flight per stage beyond
             ``P - s`` (latency hiding; see :func:`~pdjax.schedules.streaming.pipedream`).
+        in_flight: ``pipedream`` only: the groups in flight at round-robin stages,
+            ``"full-rate"`` (the default) or ``"paper"`` (PipeDream's NOAM at the input
+            stage; see :func:`~pdjax.schedules.inflight.paper_in_flight`).
     """
 
     name: str
@@ -189,6 +196,7 @@ class Schedule:
     weight_stashing: bool = True
     extra_in_flight: int = 0
     replication: tuple[str, ...] = ()
+    in_flight: str = "full-rate"
 
     @functools.cached_property
     def _derived(self) -> dict[str, Any]:
@@ -294,6 +302,8 @@ class Schedule:
         lines = [f'  "format": {json.dumps(_JSON_FORMAT)}']
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
+            if field.name in _WRITTEN_IF_SET and value == field.default:
+                continue
             if field.name == "actions":
                 groups = ",\n".join(f"    {json.dumps(' '.join(map(str, g)))}" for g in value)
                 text = f"[\n{groups}\n  ]"

@@ -28,6 +28,7 @@ def generate(
     replicas: Sequence[int] | None = None,
     extra_in_flight: int = 0,
     replication: Sequence[str] | str | None = None,
+    in_flight: str = "full-rate",
 ) -> Schedule:
     """Builds the schedule called ``name``
     (one of :data:`~pdjax.schedules.registry.SCHEDULES`).
@@ -48,6 +49,8 @@ def generate(
         extra_in_flight: ``pipedream`` option (latency hiding).
         replication: per device group ``"split"`` or ``"round-robin"`` (one word: all);
             round-robin for ``gpipe``, ``1f1b``, ``pipedream`` and ``2bw``.
+        in_flight: ``pipedream`` option: ``"full-rate"`` (default) or ``"paper"``, the
+            groups in flight at round-robin stages.
 
     Raises:
         ScheduleError: for an unknown name or a parameter out of range.
@@ -56,6 +59,11 @@ def generate(
     if extra_in_flight and (kind is None or not kind.takes("extra_in_flight")):
         takes = [k.name for k in SCHEDULE_KINDS.values() if k.takes("extra_in_flight")]
         raise ScheduleError(f"extra_in_flight is a {', '.join(takes)} option, not of {name}")
+    if in_flight != "full-rate" and (kind is None or not kind.takes("in_flight")):
+        takes = [k.name for k in SCHEDULE_KINDS.values() if k.takes("in_flight")]
+        raise ScheduleError(
+            f"in_flight={in_flight!r} is a {', '.join(takes)} option, not of {name}"
+        )
     if name not in ROUND_ROBIN and replication is not None:
         replication_of(replication, replicas_of(replicas, num_stages), name, ROUND_ROBIN)
     if kind is None:
@@ -73,5 +81,6 @@ def generate(
             replicas=replicas,
             extra_in_flight=extra_in_flight,
             replication=replication,
+            in_flight=in_flight,
         )
     )

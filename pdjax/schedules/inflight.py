@@ -5,6 +5,11 @@ the semantics table states; the validator checks them against the least counts h
 A stage ``s`` on ``r`` round-robin devices runs ``n_s = r`` consecutive microbatches at
 once (one per device); a split stage has ``n_s = 1``. ``q_s`` is the number of such groups
 in flight at stage ``s``.
+
+Two counts are offered (:data:`IN_FLIGHT`, ``pipedream``'s ``in_flight``):
+:func:`round_robin_in_flight`'s default, ``"full-rate"``, which adds groups until a
+balanced pipeline runs at full rate, and :func:`paper_in_flight`, ``"paper"``: PipeDream's
+own count, NOAM groups at the input stage.
 """
 
 from __future__ import annotations
@@ -16,14 +21,22 @@ from collections.abc import Sequence
 from pdjax.errors import ScheduleError
 
 __all__ = [
+    "IN_FLIGHT",
     "group_order",
     "group_sizes",
     "least_groups_in_flight",
+    "paper_in_flight",
     "round_robin_in_flight",
     "unit_rate",
     "unit_stream",
     "unstuck",
 ]
+
+IN_FLIGHT = ("full-rate", "paper")
+"""``pipedream``'s ``in_flight`` option: the groups each round-robin stage keeps in flight.
+``"full-rate"`` (the default): enough for a balanced pipeline to run at full rate
+(:func:`round_robin_in_flight`); ``"paper"``: PipeDream's NOAM at the input stage
+(:func:`paper_in_flight`). With no round-robin stage both are ``P - s``."""
 
 
 def group_sizes(replicas: Sequence[int], replication: Sequence[str]) -> tuple[int, ...]:
@@ -73,8 +86,13 @@ def group_order(groups: int, warmup: int) -> list[tuple[str, int]]:
     return order
 
 
-def round_robin_in_flight(units: Sequence[int], extra: int = 0) -> tuple[int, ...]:
+def round_robin_in_flight(
+    units: Sequence[int], extra: int = 0, in_flight: str = "full-rate"
+) -> tuple[int, ...]:
     """``q_s`` per stage: the groups in flight each stage of a round-robin pipeline keeps.
+
+    ``in_flight="paper"`` returns :func:`paper_in_flight` (which takes no ``extra``); the
+    rest of this docstring is the default, ``"full-rate"``.
 
     ``units[s] = n_s``: the microbatches one action of stage ``s`` covers (its replicas if
     round-robin, else 1). Starting from the least counts (:func:`least_groups_in_flight`:
@@ -94,10 +112,76 @@ def round_robin_in_flight(units: Sequence[int], extra: int = 0) -> tuple[int, ..
     ((4, 1), (3, 3, 2, 1))
     """
     units = tuple(int(n) for n in units)
+    if in_flight not in IN_FLIGHT:
+        raise ScheduleError(f"in_flight must be one of {IN_FLIGHT}; got {in_flight!r}")
+    if in_flight == "paper":
+        if extra:
+            raise ScheduleError(
+                f"in_flight='paper' keeps PipeDream's own count, NOAM at the input stage; "
+                f"extra_in_flight={extra} would add to it: pass extra_in_flight=0, or "
+                "in_flight='full-rate' for latency hiding"
+            )
+        return paper_in_flight(units)
     q = list(_searched_in_flight(units))
     for st in range(len(units) - 1):
         q[st] += extra
     return unstuck(units, q)
+
+
+def paper_in_flight(units: Sequence[int]) -> tuple[int, ...]:
+    """``q_s`` per stage with PipeDream's own count: NOAM groups at the input stage.
+
+    PipeDream admits ``NOAM = ceil(W / n_0)`` microbatches per input-stage worker
+    (``W = n_0 + ... + n_{P-1}`` workers), and each worker of stage ``s`` keeps
+    ``ceil(W_s / n_s)`` (its runtime's warm-up, ``(W_s - 1) // n_s``, plus one), ``W_s =
+    n_s + ... + n_{P-1}``. Here a stage's group of ``n_s`` microbatches moves at once, so:
+
+    - ``q_0 = NOAM``: ``n_0 NOAM`` microbatches in flight at the input stage;
+    - ``q_s = max(lo_s, min(ceil(W_s / n_s), cap_s))`` for ``s >= 1``, with ``cap_s =
+      floor((n_{s-1} q_{s-1} - c_{s-1}) / n_s)`` the most groups stage ``s - 1`` can feed
+      in the group-by-group 1F1B order without a deadlock (``c_s = n_s - 1 - ((n_s - 1)
+      mod gcd(n_s, n_{s+1}))``, as in :func:`least_groups_in_flight`), and ``lo_s`` the
+      least the stages after ``s`` need (:func:`unstuck` from one group everywhere).
+
+    Each stage runs 1F1B over its groups with these counts; group ``g`` of stage ``s``
+    uses version ``max(0, g - q_s + 1)``, ``q_s - 1`` updates stale (``NOAM - 1`` at the
+    input stage). A group enters stage ``s`` only once stage ``s - 1`` has forwarded all of
+    it, and stage ``s - 1`` holds ``n_{s-1} q_{s-1}`` microbatches from the start of one of
+    its groups, so ``cap_s`` is the most groups stage ``s`` can hold at every alignment of
+    its groups with stage ``s - 1``'s, whatever the order (1-3-1: stage 0's 5 hold one
+    group of 3, not PipeDream's 2); an order that held one more group only where the
+    groups happen to line up would give each group its own staleness.
+
+    Raises:
+        ScheduleError: where ``NOAM < lo_0``: a later stage's groups straddle the earlier
+            stages' so that the input stage must hold more than NOAM groups (replicas
+            ``(1, 5, 2)``: stage 2's group ``{4, 5}`` needs stage 1's groups ``0..4`` and
+            ``5..9`` forwarded, so stage 0 holds 10 microbatches, NOAM is 8). The message
+            names the full-rate counts to pass instead.
+
+    >>> paper_in_flight([1, 3, 1]), paper_in_flight([2, 2]), paper_in_flight([1, 1, 1])
+    ((5, 1, 1), (2, 1), (3, 2, 1))
+    """
+    units = tuple(int(n) for n in units)
+    P = len(units)
+    least = unstuck(units, [1] * P)
+    noam = -(-sum(units) // units[0])
+    if noam < least[0]:
+        raise ScheduleError(
+            f"in_flight='paper' cannot run round-robin groups {units}: PipeDream's NOAM is "
+            f"{noam} groups of {units[0]} at the input stage, but later stages' groups "
+            f"straddle earlier ones', so stage 0 must hold at least {least[0]} groups for "
+            f"the pipeline not to deadlock; pass in_flight='full-rate' (q = "
+            f"{round_robin_in_flight(units)} groups per stage)"
+        )
+    q = [noam]
+    for s in range(1, P):
+        n, before = units[s], units[s - 1]
+        slack = before - 1 - ((before - 1) % math.gcd(before, n))
+        cap = (before * q[-1] - slack) // n
+        busy = -(-sum(units[s:]) // n)
+        q.append(max(least[s], min(busy, cap)))
+    return tuple(q)
 
 
 def unstuck(units: Sequence[int], q: list[int]) -> tuple[int, ...]:

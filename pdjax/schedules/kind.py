@@ -47,6 +47,7 @@ class GenerateArgs:
     replicas: Sequence[int] | None = None
     extra_in_flight: int = 0
     replication: Sequence[str] | str | None = None
+    in_flight: str = "full-rate"
 
 
 def _modulo(groups: int, chunks: int) -> tuple[int, ...]:
@@ -176,6 +177,7 @@ class ScheduleKind:
             for x, on in [
                 ("vsync", schedule.vertical_sync),
                 ("no stash", not schedule.weight_stashing),
+                ("paper in flight", schedule.in_flight == "paper"),
             ]
             if on
         ]

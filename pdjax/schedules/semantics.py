@@ -16,8 +16,9 @@ per step, ``N`` the stream length, ``v`` chunks per group, ``e`` pipedream's
 ``extra_in_flight`` and ``e_s`` its part at stage ``s`` (``e`` for ``s < P - 1``, 0 at the
 last stage), ``n_s`` the microbatches one action of stage ``s`` covers (its replicas
 under round-robin, else 1) and ``q_s`` the groups in flight there
-(:func:`~pdjax.schedules.inflight.round_robin_in_flight`; ``P - s + e_s`` when
-every ``n_s = 1``).
+(:func:`~pdjax.schedules.inflight.round_robin_in_flight`, or
+:func:`~pdjax.schedules.inflight.paper_in_flight` under pipedream's ``in_flight="paper"``;
+``P - s + e_s`` when every ``n_s = 1``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class Shape:
         extra_in_flight: ``e``, pipedream's latency hiding.
         vertical_sync: pipedream's option.
         weight_stashing: pipedream's option.
+        in_flight: pipedream's option, ``"full-rate"`` or ``"paper"``: the groups in flight
+            at round-robin stages (:data:`~pdjax.schedules.inflight.IN_FLIGHT`).
     """
 
     groups: int
@@ -64,6 +67,7 @@ class Shape:
     extra_in_flight: int = 0
     vertical_sync: bool = False
     weight_stashing: bool = True
+    in_flight: str = "full-rate"
 
     @classmethod
     def of(cls, schedule: Schedule) -> Shape:
@@ -77,6 +81,7 @@ class Shape:
             extra_in_flight=schedule.extra_in_flight,
             vertical_sync=schedule.vertical_sync,
             weight_stashing=schedule.weight_stashing,
+            in_flight=schedule.in_flight,
         )
 
     def unit(self, group: int) -> int:
@@ -88,8 +93,8 @@ class Shape:
         return self.extra_in_flight if stage < self.groups - 1 else 0
 
     def groups_in_flight(self, extra: int = 0) -> tuple[int, ...]:
-        """``q_s`` per stage (with ``extra`` latency hiding)."""
-        return round_robin_in_flight(self.units or (1,) * self.groups, extra)
+        """``q_s`` per stage (with ``extra`` latency hiding), by :attr:`in_flight`."""
+        return round_robin_in_flight(self.units or (1,) * self.groups, extra, self.in_flight)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,17 @@ whose backwards ran before its forward. Versions kept: ``min(q_s, N / n_s)``; in
 :func:`pipedream`'s docstring (``q_s = P - s + e``). ``N`` must be a multiple of every
 ``n_s``; vertical sync and ``weight_stashing=False`` are not defined with round-robin
 stages.
+
+``in_flight="paper"`` keeps PipeDream's own count instead
+(:func:`~pdjax.schedules.inflight.paper_in_flight`): ``q_0 = NOAM = ceil(W_0 / n_0)`` at the
+input stage, and at each later stage PipeDream's ``ceil(W_s / n_s)``, or fewer where the
+stage before cannot feed that many whole groups; the same 1F1B order over groups and the
+same formulas with these ``q_s``, so stage ``s`` is ``q_s - 1`` updates stale (``NOAM - 1``
+at the input stage, against ``q_0 - 1`` at full rate: 1-3-1 gives ``q = (5, 1, 1)``
+against ``(9, 2, 1)``). It runs below full rate where the counts differ (a group moves at
+once, and fewer of them fill the pipeline), and is refused where the input stage would
+need more than NOAM groups not to deadlock. Without round-robin stages the two counts
+are the same, ``P - s``.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from pdjax.schedules.arguments import (
     replication_of,
 )
 from pdjax.schedules.flush import one_f_one_b_order
-from pdjax.schedules.inflight import group_order, group_sizes, round_robin_in_flight
+from pdjax.schedules.inflight import IN_FLIGHT, group_order, group_sizes, round_robin_in_flight
 from pdjax.schedules.kind import GenerateArgs, ScheduleKind
 from pdjax.schedules.semantics import ScheduleSemantics, Shape
 
@@ -60,6 +71,7 @@ def pipedream(
     replicas: Sequence[int] | None = None,
     extra_in_flight: int = 0,
     replication: Sequence[str] | str | None = None,
+    in_flight: str = "full-rate",
 ) -> Schedule:
     """PipeDream: asynchronous 1F1B over a stream, an update after every backward.
 
@@ -99,22 +111,42 @@ def pipedream(
         replicas: devices per stage (default 1 each).
         extra_in_flight: ``e >= 0``, microbatches in flight beyond 1F1B's ``P - s``.
         replication: per stage ``"split"`` or ``"round-robin"`` (or one word for all).
+        in_flight: the groups in flight at round-robin stages: ``"full-rate"`` (enough
+            for full rate) or ``"paper"`` (PipeDream's NOAM at the input stage); see the
+            module docstring. The same ``P - s`` without round-robin stages.
 
     Raises:
-        ScheduleError: for a parameter out of range.
+        ScheduleError: for a parameter out of range, ``in_flight="paper"`` with
+            ``extra_in_flight``, or round-robin groups that cannot run with NOAM groups
+            at the input stage under ``in_flight="paper"``.
     """
     P = positive("num_stages (P)", num_stages)
     N = positive("num_microbatches (N, the stream length)", num_microbatches)
     e = positive("extra_in_flight", extra_in_flight, minimum=0)
+    if in_flight not in IN_FLIGHT:
+        raise ScheduleError(f"in_flight must be one of {IN_FLIGHT}; got {in_flight!r}")
+    if in_flight == "paper" and e:
+        raise ScheduleError(
+            f"in_flight='paper' keeps PipeDream's own count, NOAM at the input stage; "
+            f"extra_in_flight={e} would add to it: pass extra_in_flight=0, or "
+            "in_flight='full-rate' for latency hiding"
+        )
     reps = replicas_of(replicas, P)
     mode = replication_of(replication, reps)
     if mode:
         return _pipedream_round_robin(
-            P, N, e, reps, mode, vertical_sync=vertical_sync, weight_stashing=weight_stashing
+            P,
+            N,
+            e,
+            reps,
+            mode,
+            vertical_sync=vertical_sync,
+            weight_stashing=weight_stashing,
+            in_flight=in_flight,
         )
     shape = Shape(P, 1, N, extra_in_flight=e, vertical_sync=vertical_sync,
-                  weight_stashing=weight_stashing)  # fmt: skip
-    in_flight, versions = _bounds(PIPEDREAM, shape)
+                  weight_stashing=weight_stashing, in_flight=in_flight)  # fmt: skip
+    bound, versions = _bounds(PIPEDREAM, shape)
     return Schedule(
         name="pipedream",
         num_stages=P,
@@ -126,8 +158,9 @@ def pipedream(
         vertical_sync=vertical_sync,
         weight_stashing=weight_stashing,
         extra_in_flight=e,
-        in_flight_bound=in_flight,
+        in_flight_bound=bound,
         version_bound=versions,
+        in_flight=in_flight,
     )
 
 
@@ -161,6 +194,7 @@ def _pipedream_round_robin(
     *,
     vertical_sync: bool,
     weight_stashing: bool,
+    in_flight: str,
 ) -> Schedule:
     """:func:`pipedream` with round-robin stages (the formulas in the module docstring)."""
     if vertical_sync or not weight_stashing:
@@ -170,7 +204,7 @@ def _pipedream_round_robin(
         )
     units = group_sizes(replicas, replication)
     check_multiple("num_microbatches (N, the stream length)", N, units)
-    qs = round_robin_in_flight(units, e)
+    qs = round_robin_in_flight(units, e, in_flight)
     actions = []
     for s in range(P):
         n, q = units[s], qs[s]
@@ -181,7 +215,8 @@ def _pipedream_round_robin(
             if kind == "B":
                 acts.append(Action("U", s, g, g))
         actions.append(tuple(acts))
-    in_flight, versions = _bounds(PIPEDREAM, Shape(P, 1, N, units=units, extra_in_flight=e))
+    shape = Shape(P, 1, N, units=units, extra_in_flight=e, in_flight=in_flight)
+    bound, versions = _bounds(PIPEDREAM, shape)
     return Schedule(
         name="pipedream",
         num_stages=P,
@@ -192,8 +227,9 @@ def _pipedream_round_robin(
         replicas=replicas,
         extra_in_flight=e,
         replication=replication,
-        in_flight_bound=in_flight,
+        in_flight_bound=bound,
         version_bound=versions,
+        in_flight=in_flight,
     )
 
 
@@ -302,10 +338,13 @@ _PIPEDREAM = ScheduleSemantics(
     round_robin=True,
     split_backward=False,
     updates_per_microbatch=True,
-    options=("vertical_sync", "weight_stashing", "extra_in_flight"),
+    options=("vertical_sync", "weight_stashing", "extra_in_flight", "in_flight"),
     in_flight=_pipedream_in_flight,
     versions=_pipedream_versions,
-    in_flight_formula="min(P - s + e_s, N); round-robin: min(q_s n_s, N)",
+    in_flight_formula=(
+        "min(P - s + e_s, N); round-robin: min(q_s n_s, N), q_0 = NOAM = ceil(W_0 / n_0) "
+        "under in_flight='paper'"
+    ),
     versions_formula=(
         "P - s + e_s (weight stashing); P + e (vertical sync); 1 (no weight stashing); "
         "round-robin: min(q_s, N / n_s)"
@@ -352,6 +391,7 @@ def _build_pipedream(a: GenerateArgs) -> Schedule:
         replicas=a.replicas,
         extra_in_flight=a.extra_in_flight,
         replication=a.replication,
+        in_flight=a.in_flight,
     )
 
 

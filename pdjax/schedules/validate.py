@@ -12,6 +12,8 @@ round-robin replication.
 
 from __future__ import annotations
 
+import functools
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 
@@ -61,6 +63,9 @@ def _extra(e: int, stage: int, num_stages: int) -> int:
 def expected_in_flight(s: Schedule, group: int) -> int:
     """In-flight bound of ``group`` under ``s.name``'s semantics (independent of generators)."""
     P, S, M, N = s.num_groups, s.num_stages, s.microbatches_per_step, s.num_microbatches
+    if s.replication and s.name == "pipedream" and s.in_flight == "paper":
+        sizes = tuple(s.group_size(st) for st in range(P))
+        return min(_paper_groups_or_refuse(sizes)[group] * sizes[group], N)
     if s.replication and s.name != "gpipe":
         # round-robin: the schedule's own q_s (see round_robin_in_flight), if it is at least
         # the least count and whole groups (or every microbatch there is)
@@ -95,9 +100,66 @@ def expected_in_flight(s: Schedule, group: int) -> int:
 
 
 def _semantic_groups_in_flight(s: Schedule, units: Sequence[int], stage: int) -> int:
-    """``q_s``, the groups in flight of a round-robin schedule's stage: its in-flight bound
-    in groups (checked against the least count by the header checks)."""
+    """``q_s``, the groups in flight of a round-robin schedule's stage: PipeDream's count
+    recomputed under ``in_flight="paper"``, else its in-flight bound in groups (checked
+    against the least count by the header checks)."""
+    if s.in_flight == "paper" and s.name == "pipedream":
+        return _paper_groups_or_refuse(tuple(units))[stage]
     return -(-s.in_flight_bound[s.stage_device[stage]] // units[stage])
+
+
+def _feeds(n: int, after: int, up: int, down: int) -> bool:
+    """Whether a stage running 1F1B over groups of ``n`` with ``up`` in flight and the
+    next one, over groups of ``after`` with ``down`` in flight, cannot deadlock.
+
+    The next stage's forward of its group ``g`` waits for this stage's forward of the
+    group ``h`` holding ``g``'s last microbatch. In 1F1B that forward follows this stage's
+    backward of group ``h - up``, which waits for the next stage's backward of the group
+    ``j`` holding that group's last microbatch, and the next stage runs backward ``j``
+    before forward ``g`` only if ``j <= g - down``. Both sides repeat every
+    ``lcm(n, after)`` microbatches, so the first ``up`` groups of this stage and two
+    periods after them decide it."""
+    period = math.lcm(n, after) // after
+    for g in range(up * n // after + 2 * period + 2):
+        h = ((g + 1) * after - 1) // n
+        if h >= up and ((h - up + 1) * n - 1) // after > g - down:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _paper_groups(units: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``q_s`` under ``pipedream``'s ``in_flight="paper"``, from
+    ``docs/semantics.md#round-robin``: ``NOAM = ceil(W / n_0)`` groups at the input stage;
+    at a later stage PipeDream's ``ceil(W_s / n_s)``, lowered while the stage before cannot
+    feed that many (:func:`_feeds`) but not below what the stages after it need. None
+    where the input stage would need more than NOAM groups."""
+    P = len(units)
+    need = [1] * P
+    for st in range(P - 2, -1, -1):
+        while not _feeds(units[st], units[st + 1], need[st], need[st + 1]):
+            need[st] += 1
+    noam = -(-sum(units) // units[0])
+    if noam < need[0]:
+        return None
+    q = [noam]
+    for st in range(1, P):
+        count = -(-sum(units[st:]) // units[st])
+        while count > need[st] and not _feeds(units[st - 1], units[st], q[-1], count):
+            count -= 1
+        q.append(max(count, need[st]))
+    return tuple(q)
+
+
+def _paper_groups_or_refuse(units: tuple[int, ...]) -> tuple[int, ...]:
+    q = _paper_groups(units)
+    if q is None:
+        raise ScheduleError(
+            f"pipedream with in_flight='paper' has no in-flight counts for round-robin groups "
+            f"{units}: the input stage would need more than NOAM = "
+            f"{-(-sum(units) // units[0])} groups not to deadlock; use in_flight='full-rate'"
+        )
+    return q
 
 
 def expected_versions(s: Schedule, stage: int) -> int:
@@ -196,6 +258,15 @@ def _check_sizes(s: Schedule) -> None:
     if s.extra_in_flight and s.name != "pipedream":
         raise ScheduleError("extra_in_flight is a pipedream option only")
     positive("extra_in_flight", s.extra_in_flight, minimum=0)
+    if s.in_flight not in ("full-rate", "paper"):
+        raise ScheduleError(f"in_flight must be 'full-rate' or 'paper'; got {s.in_flight!r}")
+    if s.in_flight != "full-rate" and s.name != "pipedream":
+        raise ScheduleError("in_flight='paper' is a pipedream option only")
+    if s.in_flight == "paper" and s.extra_in_flight:
+        raise ScheduleError(
+            "in_flight='paper' keeps PipeDream's NOAM at the input stage; it takes no "
+            "extra_in_flight"
+        )
 
 
 def _check_placement(s: Schedule) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
-from pdjax.schedules import SCHEDULES, schedule_kind, semantics
+from pdjax.schedules import IN_FLIGHT, SCHEDULES, schedule_kind, semantics
 
 __all__ = ["even_stages"]
 
@@ -178,6 +178,7 @@ def check_options(
     extra_in_flight: int,
     grad_allreduce: str,
     optimizer_scope: str,
+    in_flight: str = "full-rate",
 ) -> None:
     """Refuses options that ``schedule`` does not have, or values out of their range."""
     if schedule not in SCHEDULES:
@@ -193,6 +194,15 @@ def check_options(
     if extra_in_flight and "extra_in_flight" not in row.options:
         raise PipelineError(
             f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
+        )
+    if in_flight not in IN_FLIGHT:
+        raise PipelineError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
+    if in_flight != "full-rate" and "in_flight" not in row.options:
+        raise PipelineError(f"in_flight={in_flight!r} is an option of pipedream, not of {schedule}")
+    if in_flight == "paper" and extra_in_flight:
+        raise PipelineError(
+            f"in_flight='paper' keeps PipeDream's own count (NOAM at the input stage); "
+            f"extra_in_flight={extra_in_flight} would add to it: pass one of them"
         )
     if grad_allreduce not in ("update", "backward"):
         raise PipelineError(

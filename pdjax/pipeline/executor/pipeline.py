@@ -107,6 +107,10 @@ class Pipeline:
         ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
         each costs one more stashed weight version and activation per stage and one more
         update of staleness (:func:`pdjax.schedules.pipedream`).
+      in_flight: ``pipedream`` option, for round-robin stages: ``"full-rate"`` (default:
+        the groups in flight that keep a balanced pipeline at full rate) or ``"paper"``
+        (PipeDream's own count, NOAM = ceil(workers / input-stage workers) at the input
+        stage: less stale, slower where the counts differ; see docs/semantics.md).
       replication: how a replicated stage's devices share its work: ``"split"`` (each
         microbatch split across them) or ``"round-robin"`` (PipeDream's: each device
         takes whole microbatches, ``r`` consecutive ones at once, the gradients
@@ -171,6 +175,7 @@ class Pipeline:
         extra_in_flight: int = 0,
         grad_allreduce: str = "update",
         replication: str | Sequence[str] | None = None,
+        in_flight: str = "full-rate",
     ) -> None:
         layers = check_layers(layers, "Pipeline")
         check_loss_fn(loss_fn, "Pipeline")
@@ -194,6 +199,7 @@ class Pipeline:
             extra_in_flight=extra_in_flight,
             grad_allreduce=grad_allreduce,
             optimizer_scope=optimizer_scope,
+            in_flight=in_flight,
         )
         self.layers = layers
         self.schedule_name = schedule
@@ -202,6 +208,7 @@ class Pipeline:
         self.vertical_sync = vertical_sync
         self.weight_stashing = weight_stashing
         self.extra_in_flight = extra_in_flight
+        self.in_flight = in_flight
         self.grad_allreduce = grad_allreduce
         self.optimizer_scope = optimizer_scope
         self.optimizer = optimizer
@@ -244,7 +251,13 @@ class Pipeline:
             self.stage_set, transport, schedule, microbatches
         )
         options = ScheduleOptions(
-            schedule, microbatches, vertical_sync, weight_stashing, extra_in_flight, self.remat
+            schedule,
+            microbatches,
+            vertical_sync,
+            weight_stashing,
+            extra_in_flight,
+            self.remat,
+            in_flight,
         )
         self.programs = ProgramCache(
             options,

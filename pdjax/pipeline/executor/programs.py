@@ -26,7 +26,10 @@ __all__ = ["ProgramCache", "ScheduleOptions"]
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleOptions:
-    """What the pipeline's schedules are generated from, besides the call's length."""
+    """What the pipeline's schedules are generated from, besides the call's length.
+
+    ``in_flight``: ``pipedream``'s count of groups in flight at round-robin stages
+    (``"full-rate"`` or ``"paper"``, :data:`pdjax.schedules.inflight.IN_FLIGHT`)."""
 
     name: str
     microbatches: int
@@ -34,6 +37,7 @@ class ScheduleOptions:
     weight_stashing: bool
     extra_in_flight: int
     remat: tuple[bool, ...]
+    in_flight: str = "full-rate"
 
 
 class ProgramCache:
@@ -89,6 +93,7 @@ class ProgramCache:
                 replicas=ss.replicas,
                 extra_in_flight=o.extra_in_flight,
                 replication=ss.schedule_replication,
+                in_flight=o.in_flight,
             )
             validate(sched)
             self._schedules[key] = sched
