@@ -264,10 +264,14 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     assert all(len(v) == 1 and 0 < v[0] < 60 and math.isfinite(v[0]) for v in got.values())
     # each worker's CPU seconds per runner: its driver thread, its other threads, the wall
     assert len(cpu) == 2
-    for per_runner in cpu:
+    for p, per_runner in enumerate(cpu):
         assert sorted(per_runner) == ["1f1b", "dp", "pipedream"]
         for name, (driver, others, wall) in per_runner.items():
-            assert 0 < driver and 0 < others and wall == pytest.approx(got[name][0], rel=0.2)
+            assert 0 < driver and 0 < others
+            if p == 0:  # the very calls timed
+                assert wall == pytest.approx(got[name][0])
+            else:  # its own calls, started together with process 0's
+                assert 0.5 < wall / got[name][0] < 2
             assert driver + others < 1.2 * wall  # one pinned core each
     # the link measured both ways through the runtime's transport, and the all-reduce
     assert sorted((ln["src"], ln["dst"]) for ln in cal["links"]) == [(0, 1), (1, 0)]
