@@ -257,6 +257,7 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     }
     job["calibrate"] = True
     job["sizes"] = [4096, 262144]
+    job["stages"] = [[0, 3, 1, "split"]]  # calibrated in the launch, beside the runners
     got = launch(job, 2, 100.0, reason is None, tmp_path)
     cal = got.pop("_calibration")
     cpu = got.pop("_cpu")
@@ -282,3 +283,5 @@ def test_workers_run_every_runner_across_processes(tmp_path):
 
             assert ln["seconds"][-1] >= (262144 - burst_bytes(100.0)) / (100e6 / 8)
     assert cal["allreduce_model"] > 0
+    (stage,) = cal["stages"]
+    assert (stage["first"], stage["last"], stage["replicas"]) == (0, 3, 1)

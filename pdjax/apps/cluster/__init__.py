@@ -24,9 +24,13 @@ report says so.
   (:func:`~pdjax.partition.evaluate_partition`) and the simulator's
   (:func:`~pdjax.simulator.simulate` of exactly the schedule that ran), both from
   *calibrated* costs (:mod:`pdjax.calibrate`): every candidate stage timed as compiled
-  programs (forward, backward, SGD update) on one pinned worker, the link measured both
-  ways through ``jax.device_put`` and the gradient all-reduce measured, in the run's own
-  launch before its runners; next to them the simulator from the per-layer profile alone;
+  programs (forward, backward, SGD update) on worker 0, the link measured both ways
+  through ``jax.device_put`` and the gradient all-reduce measured, all in the run's own
+  launch before its runners (the launch's workers, allocator and machine state); next to
+  them the simulator from the per-layer profile alone, and the simulator under its other
+  receive model;
+- (f) per run and worker, where the time goes: the CPU time of the driver's thread and of
+  the other threads (XLA's programs, transfers) per microbatch, and the idle rest;
 - (d) per link, the planner's choice from the calibrated costs
   (:func:`~pdjax.partition.plan_pipedream`: a pipeline, data parallel, or one worker)
   against the measured best;

@@ -363,14 +363,19 @@ def _run_link(m: _Model, baseline: _Baseline, rate: float | None, s: _Settings) 
     where = "loopback" if rate is None else f"{rate:g} Mbit/s"
     s.log(f"({m.experiment}) {m.name}: {len(runners)} runners on {where}, links "
           "calibrated first")  # fmt: skip
-    got = launch({**m.job, "runners": runners, "calibrate": True}, 2, rate, s.emulate, s.work)
+    # the candidate stages are calibrated again in this launch, beside the runners (the
+    # profile worker's measures are the fallback of a launch that did not return them)
+    wanted = [[st["first"], st["last"], st["replicas"], st["replication"]] for st in m.stages]
+    job = {**m.job, "runners": runners, "calibrate": True, "stages": wanted}
+    got = launch(job, 2, rate, s.emulate, s.work)
     meas = got.pop("_calibration")
     cpu = got.pop("_cpu", [])
-    cal = stage_calibration(m.prof, m.name, m.microbatch, m.stages, meas)
+    stages = meas.get("stages") or m.stages
+    cal = stage_calibration(m.prof, m.name, m.microbatch, stages, meas)
     # everything the predictions came from, to predict again offline
     seen = {"model": m.name, "link_mbit": rate, "links": meas["links"],
             "allreduce": meas["allreduce"], "allreduce_model": meas["allreduce_model"],
-            "device_ids": meas["device_ids"], "stages": m.stages}  # fmt: skip
+            "device_ids": meas["device_ids"], "stages": stages}  # fmt: skip
     rows, plans = _measured_rows(
         m, baseline=baseline, rate=rate, runners=runners, got=got, cal=cal, cpu=cpu
     )

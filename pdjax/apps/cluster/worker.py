@@ -111,6 +111,33 @@ def _measure_links(job: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def _measure_stages_here(job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every process: process 0 times ``job["stages"]`` (``(first, last, replicas,
+    replication)``) on its device, as the profile job does, while the others wait; all
+    get the measures."""
+    import jax
+    import numpy as np
+
+    from pdjax.calibrate import measure_stages
+    from pdjax.distributed import broadcast_json
+
+    measured: list[dict[str, Any]] = []
+    if jax.process_index() == 0:
+        spec = cluster_model(job["model"])
+        sample = jax.tree.map(np.asarray, spec.sample_batch(job["microbatch"], job["seed"]))
+        stages = [tuple(st) for st in job["stages"]]
+        opt = _optimizer(job.get("optimizer", "sgd"), job.get("learning_rate", 1e-3))
+        measured = [
+            dataclasses.asdict(m)
+            for m in measure_stages(
+                spec.layers, sample, spec.loss, opt, stages, device=jax.local_devices()[0],
+                repeats=7,
+            )
+        ]  # fmt: skip
+    got: list[dict[str, Any]] = broadcast_json(measured, timeout=1800.0)
+    return got
+
+
 def _worker_job(job: Mapping[str, Any]) -> None:
     """Every process of a launch: builds the runners, warms them up, times them round-robin;
     process 0 writes ``{runner: [seconds per timed call]}``."""
@@ -122,6 +149,10 @@ def _worker_job(job: Mapping[str, Any]) -> None:
     import jax
 
     calibration = _measure_links(job) if job.get("calibrate") else None
+    if job.get("stages"):  # the candidate stages, in this launch, beside its runners
+        measured = _measure_stages_here(job)
+        if calibration is not None:
+            calibration["stages"] = measured
     runners = [_make_runner(job, r) for r in job["runners"]]
     for _ in range(2):  # compile, first transfers; the first call after is slow still
         for name, call in runners:
