@@ -199,6 +199,53 @@ def test_measure_and_calibrate_a_tiny_model():
     assert cal.allreduce([1, 0]).bandwidth > 0
 
 
+@pytest.mark.parametrize("versions", [1, 3])
+def test_the_update_is_timed_after_the_backward_on_its_gradient(monkeypatch, versions):
+    """As the runtime runs them: each U takes the gradient the B just before it made
+    (donated) and the newest weights, and B reads the oldest of ``versions`` versions
+    kept alive (the weights U replaced are not dropped at once)."""
+    from pdjax.pipeline import Stage
+
+    calls: list[tuple[str, tuple, object]] = []
+    build = Stage.program
+
+    def program(self, kind, flags=frozenset()):
+        fn = build(self, kind, flags)
+        if kind not in ("B", "U"):
+            return fn
+
+        def recorded(*args):
+            out = fn(*args)
+            calls.append((kind, args, out))
+            return out
+
+        return recorded
+
+    monkeypatch.setattr(Stage, "program", program)
+    spec = get_model("mlp", "tiny")
+    sample = spec.sample_batch(8)
+    (m,) = measure_stages(spec.layers, sample, spec.loss, optax.sgd(0.1), [(1, 2, 1, "split")],
+                          repeats=4, warmup=1, versions=versions)  # fmt: skip
+    assert m.backward > 0 and m.update > 0
+    kinds = "".join(k for k, _, _ in calls)
+    assert kinds == "BU" * 5
+    written = []  # the weights each U wrote
+    for i in range(0, len(calls), 2):
+        (_, b_args, b_out), (_, u_args, u_out) = calls[i], calls[i + 1]
+        assert u_args[0] is b_out[0]  # the gradient B made
+        # donated: its buffers hold the new weights
+        assert all(a.is_deleted() for a in jax.tree.leaves(u_args[0]))
+        if written:
+            assert u_args[1] is written[-1]  # U replaces the newest weights
+            back = written[-versions] if len(written) >= versions else None
+            if back is not None:
+                assert b_args[0] is back  # B reads the oldest version held
+        written.append(u_out[0])
+    with pytest.raises(CalibrationError, match="versions must be"):
+        measure_stages(spec.layers, sample, spec.loss, optax.sgd(0.1), [(0, 1, 1, "split")],
+                       versions=0)  # fmt: skip
+
+
 def test_the_command_line_calibrates_and_plan_and_simulate_read_it(tmp_path, capsys):
     """``pdjax calibrate`` end to end: a plan's stages, links and replicated all-reduce
     measured on this machine's devices and written as JSON that ``pdjax plan`` and

@@ -7,8 +7,9 @@ replicated stage. :func:`calibrate` measures those directly and writes them as p
 
 - **stages**: each candidate stage (a layer range, its replica count and replication mode)
   as the runtime's own compiled programs (:class:`~pdjax.pipeline.stage.Stage`: the
-  forward that keeps its residuals, the backward from them, the update that writes new
-  weights beside the old ones, as a schedule that stashes versions runs it) at the size one
+  forward that keeps its residuals, the backward from them, and the update timed right
+  after that backward on the gradient it made, writing new weights beside older versions
+  kept alive, as a schedule that stashes versions runs it) at the size one
   of its devices runs, each the median of several timed runs after warm-up. A split stage
   on ``r`` devices runs ``b / r`` rows of a ``b``-sample microbatch on each device; a
   round-robin stage runs whole microbatches, ``r`` at a time, so its time per microbatch

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdjax._allocator import ENVIRONMENT
 from pdjax.errors import ClusterError
 
 #: XLA flags for a worker that computes on one core.
@@ -26,8 +27,8 @@ _ONE_CORE = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 LAUNCH_TIMEOUT = 300.0  # seconds for one launch of the workers
 
 #: glibc allocator settings for every worker (see :func:`_python_env`): blocks up to 32 MB
-#: from the heap, which is never trimmed below 1 GB.
-_FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+#: from the heap, which is never trimmed below 1 GB (what ``pdjax train`` sets by itself).
+_FIXED_MALLOC = dict(ENVIRONMENT)
 
 
 def _python_env(extra: Mapping[str, str]) -> dict[str, str]:

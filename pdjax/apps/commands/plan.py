@@ -12,6 +12,11 @@ split across its devices), ``round-robin`` (PipeDream's: whole microbatches per 
 all-reduce per group; the planner prices it for ``pipedream``), or ``auto`` (default: the
 cheaper, round-robin under ``pipedream``, split under the other schedules).
 
+``--calibration`` (``pdjax calibrate``) prices the optimizer's search with measured stages
+and all-reduces and, when it measured links, prices each level's transfers from the links
+that cross it (the slowest: lowest bandwidth, highest latency) instead of ``--bandwidths``,
+which is then refused rather than silently preferred or ignored.
+
 ``--model`` (a bundled model or ``package.module:factory``) profiles the model first, at
 ``--microbatch-size`` samples (default 32), with times measured on this machine's first
 device or estimated for ``--device-model``. A plan predicted to be slower than the whole
@@ -21,6 +26,7 @@ model on one device (from the same profile and cost model) is printed with a war
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from typing import IO, Any
@@ -57,7 +63,7 @@ from pdjax.partition import (
 from pdjax.profile import DEVICE_MODELS, Profile
 from pdjax.schedules import stage_groups
 
-__all__ = ["auto_summary", "register", "render_plan", "run"]
+__all__ = ["auto_summary", "calibrated_topology", "register", "render_plan", "run"]
 
 _OPTIMIZER = "pipedream"
 """The partitioner that is PipeDream's optimizer (a partitioner's name, not a schedule's)."""
@@ -128,7 +134,8 @@ def _add_topology_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bandwidths",
         help=f"bytes/s per level, innermost first, comma-separated (default "
-        f"{_DEFAULT_BANDWIDTH:g} = 10 Gbit/s for every level)",
+        f"{_DEFAULT_BANDWIDTH:g} = 10 Gbit/s for every level; not with a --calibration "
+        "that measured links, which price the levels instead)",
     )
 
 
@@ -217,7 +224,8 @@ def _add_workload_options(p: argparse.ArgumentParser) -> None:
         "--calibration",
         action=PathOption,
         help="a calibration JSON (pdjax calibrate) for this model and microbatch size: "
-        "measured stage seconds and all-reduces replace the profile's where measured",
+        "measured stage seconds and all-reduces replace the profile's where measured, and "
+        "its measured links (the slowest crossing each level) replace --bandwidths",
     )
 
 
@@ -287,10 +295,12 @@ def run(args: argparse.Namespace) -> int:
     """Plans and prints (or writes) the result. Raises PdjaxError on bad input."""
     check_writable("--out", args.out, PlanError)
     topology = topology_from_args(args)  # validate the cheap arguments first
+    cal = _load_calibration(args)
+    topology = calibrated_topology(args, topology, cal)
     check_size(args, topology)
     profile = _load_profile(args)
     check_size(args, topology, len(profile.layers))
-    common, cal = _pricing(args, profile, topology)
+    common = _pricing(args, profile, topology, cal)
     plan = _make_plan(args, profile, topology, common, cal)
     # Record the profile in the file (plan_pipedream and plan_auto do not yet), so that
     # `pdjax simulate` refuses this plan with another model's profile of equal layer count.
@@ -308,11 +318,105 @@ def _load_profile(args: argparse.Namespace) -> Profile:
     return Profile.load(args.profile)
 
 
+def _load_calibration(args: argparse.Namespace) -> Any:
+    """The ``--calibration`` (a :class:`~pdjax.calibrate.Calibration`), or None.
+
+    Raises:
+      PlanError: ``--calibration`` with a partitioner other than the optimizer.
+      CalibrationError: a file that is not a calibration this pdjax reads.
+    """
+    if not args.calibration:
+        return None
+    if args.partitioner != _OPTIMIZER:
+        raise PlanError("--calibration prices the optimizer's search: use --partitioner pipedream")
+    from pdjax.calibrate import Calibration
+
+    return Calibration.load(args.calibration)
+
+
+def calibrated_topology(args: argparse.Namespace, topology: Topology, cal: Any) -> Topology:
+    """``topology`` with each level's bandwidth and latency taken from the measured links of
+    ``cal`` (a :class:`~pdjax.calibrate.Calibration`, or None) that cross that level.
+
+    A level is crossed by the links between two of the topology's devices whose innermost
+    common group is that level's (:meth:`Topology.link_level`), in either direction. Where
+    those links differ, the level takes the slowest: the lowest bandwidth and the highest
+    latency among them, each on its own, since a cut or an all-reduce at that level may
+    land on any of its links and the stage that waits for it waits for the slowest. A
+    level of one worker joins no two devices, so no transfer is priced at it; it keeps its
+    bandwidth. A calibration without links (or no calibration) leaves ``topology`` as it is.
+
+    Args:
+      args: the parsed ``pdjax plan`` arguments (``--bandwidths``, ``--preset``).
+      topology: the devices planned for, from ``--workers``, ``--levels`` or ``--preset``.
+      cal: the ``--calibration``, or None.
+
+    Returns:
+      The topology the planner prices cuts and all-reduces on, named ``"calibrated"`` when
+      its levels are measured.
+
+    Raises:
+      PlanError: links in the calibration and ``--bandwidths`` (or ``--preset``, which fixes
+        its bandwidths) too; devices planned for that the calibration did not measure; a
+        level that no measured link crosses.
+    """
+    if cal is None or not cal.links:
+        return topology
+    source = f"--calibration {args.calibration}"
+    if args.bandwidths:
+        raise PlanError(
+            f"{source} holds measured links, which price the transfers between stages, and "
+            "--bandwidths prices them too: drop --bandwidths to plan with the measured "
+            "links, or drop --calibration to plan with --bandwidths"
+        )
+    if args.preset:
+        raise PlanError(
+            f"{source} holds measured links, and --preset fixes its own bandwidths: plan "
+            "the calibrated devices with --workers or --levels instead of --preset"
+        )
+    ids = [topology.device_id(p) for p in range(topology.num_devices)]
+    missing = sorted(set(ids) - set(cal.devices))
+    if missing:
+        raise PlanError(
+            f"{source} measured devices {list(cal.devices)}, but the plan is for devices "
+            f"{ids}: {missing} were not measured. Plan for the calibrated devices "
+            f"(--workers {len(cal.devices)}) or calibrate on all {len(ids)} "
+            f"(pdjax calibrate --devices {len(ids)})"
+        )
+    crossing: dict[int, list[Any]] = {k: [] for k in range(topology.num_levels)}
+    for ln in cal.links:
+        if ln.src in ids and ln.dst in ids:
+            k = topology.link_level(topology.position(ln.src), topology.position(ln.dst))
+            crossing[k].append(ln)
+    levels = []
+    for k, level in enumerate(topology.levels):
+        links = crossing[k]
+        if level.workers == 1:
+            levels.append(level)
+            continue
+        if not links:
+            size = topology.group_size(k)
+            a, b = ids[0], ids[size]  # the first devices of two units of level k
+            raise PlanError(
+                f"{source} measured no link across level {k} of {topology.describe()} (e.g. "
+                f"between devices {a} and {b}); calibrate with a plan that uses such a link "
+                "(pdjax calibrate --devices measures every pair)"
+            )
+        levels.append(
+            dataclasses.replace(
+                level,
+                bandwidth=min(ln.bandwidth for ln in links),
+                latency=max(ln.latency for ln in links),
+            )
+        )
+    return dataclasses.replace(topology, levels=tuple(levels), name="calibrated")
+
+
 def _pricing(
-    args: argparse.Namespace, profile: Profile, topology: Topology
-) -> tuple[dict[str, Any], Any]:
-    """The partitioners' pricing keywords and the ``--calibration`` (a Calibration, or
-    None) whose measured stages and all-reduces they include."""
+    args: argparse.Namespace, profile: Profile, topology: Topology, cal: Any
+) -> dict[str, Any]:
+    """The partitioners' pricing keywords, with the measured stages and all-reduces of
+    ``cal`` (the ``--calibration``, or None), which is checked against the profile."""
     common: dict[str, Any] = dict(
         cost_model=args.cost_model,
         schedule=args.schedule,
@@ -321,19 +425,14 @@ def _pricing(
         optimizer_state_factor=args.optimizer_state_factor,
         replication=args.replication,
     )
-    if not args.calibration:
-        return common, None
-    if args.partitioner != _OPTIMIZER:
-        raise PlanError("--calibration prices the optimizer's search: use --partitioner pipedream")
-    from pdjax.calibrate import Calibration
-
-    cal = Calibration.load(args.calibration)
+    if cal is None:
+        return common
     size = args.microbatch_size or profile.batch_size
     cal.check(layers=[layer.name for layer in profile.layers], microbatch_size=size)
     M = args.microbatches or topology.num_devices
     common["stage_seconds"] = cal.stage_seconds(args.schedule, M)
     common["allreduce_seconds"] = cal.allreduce_function()
-    return common, cal
+    return common
 
 
 def _make_plan(

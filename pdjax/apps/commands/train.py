@@ -364,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from rich.console import Console
 
+    from pdjax._allocator import fix_thresholds
     from pdjax.apps.train import (
         METRICS_FILE,
         build,
@@ -375,6 +376,10 @@ def run(args: argparse.Namespace) -> int:
         run_folder,
     )
 
+    # Before the dataset and the runs allocate: the thresholds the cluster workers get
+    # from their environment (pdjax._allocator), so that a stage's time does not depend
+    # on what the process freed before it.
+    allocator = fix_thresholds(jax.default_backend())
     # Every configuration is checked before the first run trains, and before anything is
     # written: settings, output paths, model, dataset, sizes, devices, plan files.
     configs = _configs(args)
@@ -407,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
 
     bar = args.progress == "bar" or (args.progress == "auto" and sys.stdout.isatty())
     console = Console(width=None if sys.stdout.isatty() else 140)
+    print(f"allocator: {allocator}", flush=True)
     results = [
         _train_one(
             cfg,
@@ -421,7 +427,7 @@ def run(args: argparse.Namespace) -> int:
         for cfg, ckpt in zip(configs, folders, strict=True)
     ]
     _summary(console, results)
-    _write_results(console, args, results, metrics_path)
+    _write_results(console, args, results, metrics_path, allocator)
     return 0
 
 
@@ -481,18 +487,23 @@ def _configs(args: argparse.Namespace) -> list[Any]:
 
 
 def _write_results(
-    console: Any, args: argparse.Namespace, results: list[Any], metrics_path: Path
+    console: Any,
+    args: argparse.Namespace,
+    results: list[Any],
+    metrics_path: Path,
+    allocator: str,
 ) -> None:
-    """Writes ``summary.json`` and the plots (unless ``--no-plots``) into ``--out``
-    (atomically, never through a symbolic link), and says where they and the metrics
-    are."""
+    """Writes ``summary.json`` (each run's entry with ``allocator``, the process's malloc
+    settings: :func:`pdjax._allocator.fix_thresholds`) and the plots (unless
+    ``--no-plots``) into ``--out`` (atomically, never through a symbolic link), and says
+    where they and the metrics are."""
     from pdjax._jsonio import write_atomic
     from pdjax.apps.train import SUMMARY_FILE
     from pdjax.errors import PipelineError
 
     out = Path(args.out)
     summary_path = out / SUMMARY_FILE
-    summary = [_result_dict(r) for r in results]
+    summary = [{**_result_dict(r), "allocator": allocator} for r in results]
     text = json.dumps(_strict_json(summary), indent=1, allow_nan=False)
     write_atomic(summary_path, text, what="summary", error=PipelineError)
     console.print(f"metrics: {metrics_path}  summary: {summary_path}", highlight=False)
