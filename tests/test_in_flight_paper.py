@@ -339,3 +339,15 @@ def test_pipeline_refuses_an_in_flight_it_cannot_run():
         Pipeline(layers, plan, _xent, optax.sgd(0.1), schedule="pipedream", in_flight="noam")
     with pytest.raises(PipelineError, match="option of pipedream, not of 1f1b"):
         Pipeline(layers, plan, _xent, optax.sgd(0.1), schedule="1f1b", in_flight="paper")
+
+
+def test_train_takes_in_flight_for_pipedream_only():
+    """``pdjax train --in-flight`` (TrainConfig.in_flight): checked before any work."""
+    from pdjax.apps.train import TrainConfig
+
+    cfg = TrainConfig(schedule="pipedream", in_flight="paper", replication="round-robin")
+    assert "paper in flight" in cfg.label
+    with pytest.raises(PipelineError, match="option of pipedream"):
+        TrainConfig(schedule="1f1b", in_flight="paper")
+    with pytest.raises(PipelineError, match="in_flight must be one of"):
+        TrainConfig(schedule="pipedream", in_flight="noam")

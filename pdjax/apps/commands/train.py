@@ -233,6 +233,14 @@ def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
         "one more stashed version and activation each)",
     )
     p.add_argument(
+        "--in-flight",
+        default="full-rate",
+        choices=("full-rate", "paper"),
+        help="pipedream with round-robin stages: full-rate (enough groups in flight to keep "
+        "a balanced pipeline busy) or paper (PipeDream's NOAM at the input stage: less "
+        "stale, slower where the counts differ)",
+    )
+    p.add_argument(
         "--replication",
         default="plan",
         choices=("plan", "split", "round-robin"),
@@ -342,6 +350,7 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
         "vertical_sync": args.vertical_sync,
         "weight_stashing": not args.no_weight_stashing,
         "extra_in_flight": args.extra_in_flight,
+        "in_flight": args.in_flight,
         "allow_stale": args.allow_stale,
     }
     runs: list[dict[str, Any]] = [base]

@@ -13,7 +13,7 @@ from pdjax.apps.train.optimizers import check_settings
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
-from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES
+from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES
 
 SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
@@ -88,6 +88,8 @@ class TrainConfig:
       seq_len: tokens per window for ``text`` (a factory that takes ``seq_len`` gets it).
       extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
         (latency hiding).
+      in_flight: ``pipedream`` option for round-robin stages: ``"full-rate"`` or
+        ``"paper"`` (PipeDream's NOAM; :class:`~pdjax.pipeline.Pipeline`).
       transport: how values cross processes (``auto``, ``device_put``, ``collective``).
       straight: ``plan="auto"`` without replication (a pure pipeline, one stage per
         device), as PipeDream's optimizer offers.
@@ -122,6 +124,7 @@ class TrainConfig:
     seq_len: int = 16
     straight: bool = False
     extra_in_flight: int = 0
+    in_flight: str = "full-rate"
     transport: str = "auto"
     replication: str = "plan"
     allow_stale: bool = False
@@ -169,6 +172,12 @@ class TrainConfig:
             )
         if self.extra_in_flight < 0:
             raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
+        if self.in_flight not in IN_FLIGHT:
+            raise PipelineError(f"in_flight must be one of {IN_FLIGHT}, got {self.in_flight!r}")
+        if self.in_flight != "full-rate" and not self._takes("in_flight"):
+            raise PipelineError(
+                f"in_flight={self.in_flight!r} is an option of {_having('in_flight')}"
+            )
         if self.allow_stale and self.schedule != "auto":
             raise PipelineError("allowing stale weights is an option of --schedule auto")
         if self.replication not in ("plan", "split", "round-robin"):
@@ -223,6 +232,8 @@ class TrainConfig:
             name += " (vertical sync)"
         if self.extra_in_flight:
             name += f" (+{self.extra_in_flight} in flight)"
+        if self.in_flight != "full-rate":
+            name += f" ({self.in_flight} in flight)"
         if self.replication != "plan":
             name += f" ({self.replication})"
         return name

@@ -88,6 +88,7 @@ def make_runner(
         weight_stashing=cfg.weight_stashing,
         devices=devices,
         extra_in_flight=cfg.extra_in_flight,
+        in_flight=cfg.in_flight,
         transport=cfg.transport,
         replication=None if cfg.replication == "plan" else cfg.replication,
         # plan_auto's per-stage recomputation, where it chose some to fit a memory limit
