@@ -15,8 +15,9 @@ as the pipeline without a pipeline: the honest floor of the machinery):
   plan: measured with the unfused program one operation at a time, after each operation
   (``RunMetrics.peak_bytes``) and while it runs (its results next to the inputs it frees);
   predicted by the simulator's ``planner`` memory model and its ``runtime`` one, with the
-  inputs placed up front and zero bubble's cotangents filled in (``--memory-only`` runs
-  this table alone, for the schedules in ``--memory-schedules``).
+  inputs placed up front and zero bubble's cotangents filled in, and by the planner's own
+  ``pdjax`` memory terms for a call of the same microbatches (``--memory-only`` runs this
+  table alone, for the schedules in ``--memory-schedules``).
 
     python benchmarks/bench_runtime.py [--width 512] [--layers 8] [--batch 128] [--rounds 5]
     python benchmarks/bench_runtime.py --memory-only --memory-schedules 1f1b,pipedream,2bw
@@ -40,7 +41,8 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from pdjax.layers import LayerSequence, sequential  # noqa: E402
-from pdjax.partition import Topology, costs_from_plan, evaluate_partition  # noqa: E402
+from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition  # noqa: E402
+from pdjax.partition.evaluate import stage_memory_bytes  # noqa: E402
 from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
 from pdjax.simulator import simulate  # noqa: E402
@@ -374,14 +376,17 @@ def _memory_table(layers, xs, mb: int, configs: dict, microbatches: list) -> Non
     same plan and schedule: its ``planner`` memory model (weights x versions, optimizer
     state, stash x in flight) and its ``runtime`` one (also the gradient sum, the call's
     starting weights, the inputs placed up front, zero bubble's cotangents and the
-    activations in transit). Measured with the unfused program of ``timeline=True``, one
-    operation at a time: after each operation (what ``RunMetrics.peak_bytes`` records) and
-    while it runs (its outputs next to the inputs it frees, which the simulator counts)."""
+    activations in transit); and the planner's own figure, its ``pdjax`` memory terms
+    (:func:`pdjax.partition.evaluate.stage_memory_bytes`) for a call of these
+    microbatches. Measured with the unfused program of ``timeline=True``, one operation at
+    a time: after each operation (what ``RunMetrics.peak_bytes`` records) and while it runs
+    (its outputs next to the inputs it frees, which the simulator counts)."""
     print(
         "| runner | group | measured, after each op | measured, during each op | "
-        "predicted, planner model | predicted, runtime model | during / runtime |"
+        "predicted, planner model | predicted, runtime model | planner's terms | "
+        "during / runtime | planner / during |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     prof = profile(layers, jnp.asarray(xs[0, :mb]), measure=True)
     topology = Topology.from_devices(jax.devices())
     for key, (pipe, state) in configs.items():
@@ -400,10 +405,26 @@ def _memory_table(layers, xs, mb: int, configs: dict, microbatches: list) -> Non
         runtime = _runtime_costs(planner, plan, prof, microbatches[0])
         old = simulate(sched, planner, check=False).peak_memory
         new = simulate(sched, runtime, check=False).peak_memory
+        ours = stage_memory_bytes(
+            cost.model_arrays(prof, plan.microbatch_size),
+            [
+                (s.first_layer, s.last_layer, [topology.position(d) for d in s.devices])
+                for s in plan.stages
+            ],
+            plan.replication,
+            topology=topology,
+            cost_model="pdjax",
+            schedule=name,
+            num_microbatches=M,
+            optimizer_state_factor=2.0,  # Adam
+            microbatches_per_call=len(microbatches),
+        )
         after, during = _measure(pipe, state, microbatches)
         for g in range(len(new)):
-            cells = [f"{b / 2**20:.2f} MiB" for b in (after[g], during[g], old[g], new[g])]
-            print(f"| {key} | {g} | " + " | ".join(cells) + f" | {during[g] / new[g]:.2f} |")
+            sizes = (after[g], during[g], old[g], new[g], ours[g])
+            cells = [f"{b / 2**20:.2f} MiB" for b in sizes]
+            ratios = f" | {during[g] / new[g]:.2f} | {ours[g] / during[g]:.2f} |"
+            print(f"| {key} | {g} | " + " | ".join(cells) + ratios)
 
 
 def _measure(pipe, state, microbatches) -> tuple[list[int], list[int]]:

@@ -272,22 +272,23 @@ def test_planner_and_simulator_agree_on_vgg16(vgg16):
 
 @pytest.mark.parametrize("schedule", ["pipedream", "1f1b", "gpipe", "2bw"])
 def test_simulated_memory_is_the_planners(vgg16, schedule):
-    plan = plan_pipedream(vgg16, Topology.flat(4, 1.25e9), schedule=schedule, straight=True)
-    sim = simulate(
-        generate(schedule, plan.num_stages, plan.num_microbatches, stream=16),
-        costs_from_plan(plan, vgg16),
-    )
-    assert sim.peak_in_flight == plan.in_flight
-    # the planner adds the gradient sum and the update's transient copies
-    from pdjax.partition import cost as _cost
+    """The plan's memory per device covers the simulator's runtime model of the call it
+    prices (never below any device's peak), within 10% on the fullest device."""
+    import dataclasses
 
-    k = float(plan.options.get("optimizer_state_factor", 2.0))
-    extra = [
-        st.param_bytes * _cost.update_copies(schedule, k)
-        for st in costs_from_plan(plan, vgg16).stages
-    ]
-    want = [m - e for m, e in zip(plan.memory_per_device, extra, strict=True)]
-    assert sim.peak_memory == pytest.approx(want, rel=1e-6)
+    from pdjax.schedules import STREAMING
+
+    plan = plan_pipedream(vgg16, Topology.flat(4, 1.25e9), schedule=schedule, straight=True)
+    N, M, P = plan.options["microbatches_per_call"], plan.num_microbatches, plan.num_stages
+    if schedule in STREAMING:
+        sched = generate(schedule, P, M, stream=N)
+    else:
+        sched = generate(schedule, P, M, steps=N // M)
+    costs = costs_from_plan(plan, vgg16)
+    assert simulate(sched, costs).peak_in_flight == plan.in_flight
+    runtime = simulate(sched, dataclasses.replace(costs, memory_model="runtime")).peak_memory
+    assert all(s <= p for s, p in zip(runtime, plan.memory_per_device, strict=True))
+    assert max(plan.memory_per_device) <= 1.10 * max(runtime)
 
 
 # ------------------------------------------------------------------------------------ CLI

@@ -46,6 +46,10 @@ class Ref:
     schedule: str = "pipedream"
     opt: float = 2.0
     replication: str = "split"
+    inputs: float = 0.0  # the model's input per microbatch, placed up front on stage 0
+    targets: float = 0.0  # the targets, on the last stage
+    forward: tuple[float, ...] = ()  # forward seconds per layer
+    backward: tuple[float, ...] = ()  # backward seconds per layer
 
     @property
     def round_robin(self) -> bool:
@@ -59,10 +63,42 @@ class Ref:
         """pdjax's ring all-reduce of w bytes over r units of level k: 2 (r-1) messages."""
         return 2 * (r - 1) / r * w / self.levels[k][1] + 2 * (r - 1) * self.lat(k)
 
-    @property
-    def update_copies(self) -> float:
-        """Gradient accumulator (not under pipedream) + the update's new weights and state."""
-        return (0.0 if self.schedule == "pipedream" else 1.0) + 1.0 + self.opt
+    def runtime_memory(self, w, stash, count, versions, r, *, placed, transit) -> float:
+        """pdjax's bytes per device of a stage as the runtime holds them, for a call of
+        the steady length (2 M, 3 M under 2bw): until the first update version 0 and the
+        gradient sum, then the versions, the gradient sum and the call's starting weights;
+        the inputs placed up front for the call's N microbatches, each until forwarded,
+        next to the stash of at most ``count`` in flight (the largest at 1 or ``count``
+        forwarded, or at one update's microbatches after the first update); two copies of
+        each value crossing a cut."""
+        M = self.num_microbatches
+        N = (3 if self.schedule == "2bw" else 2) * M
+        per_update = 1 if self.schedule == "pipedream" else M
+
+        def held(f):
+            T = min(count, N)
+            at_f = (N - f) * placed + min(f, T) * stash
+            return max(at_f, (N - T) * placed + T * stash) if f <= T else at_f
+
+        first = w * (2 + self.opt) + held(1) / r
+        later = w * (versions + self.opt + 2) + held(per_update) / r
+        return max(first, later) + transit / r
+
+    def transit(self, a, b, count, *, before, after, sharing, group=1) -> float:
+        """Bytes in transit at a stage of layers a..b: per cut a received copy, and the
+        copies it sent, ``count`` of them where the transfer (``before``/``after``
+        seconds) is slower than the action that makes them on ``sharing`` devices (the
+        forward; the backward for a gradient sent back), else one."""
+        fwd = sum(self.forward[a : b + 1]) / sharing
+        bwd = sum(self.backward[a : b + 1]) / sharing
+        sent_before = count if a > 0 and before > bwd else 1
+        sent_after = count if b < len(self.compute) - 1 and after > fwd else 1
+        cut_before = self.cut[a - 1] if a > 0 else 0.0
+        return group * (cut_before * (1 + sent_before) + self.cut[b] * (1 + sent_after))
+
+    def seconds(self, k: int, nbytes: float) -> float:
+        """pdjax's transfer of nbytes at level k."""
+        return nbytes / self.levels[k][1] + self.lat(k)
 
     @property
     def has_round_trip(self) -> bool:
@@ -79,6 +115,7 @@ def ref_from(
     replication="split",
 ):
     n_total = math.prod(lv[0] for lv in levels)
+    inputs = float(layers[0].input_bytes)
     return Ref(
         compute=[lp.forward_seconds + lp.backward_seconds for lp in layers],
         params=[float(lp.param_bytes) for lp in layers],
@@ -92,6 +129,10 @@ def ref_from(
         limit=limit,
         schedule=schedule,
         replication=replication,
+        inputs=inputs,
+        targets=min(float(layers[-1].output_bytes), inputs),
+        forward=tuple(lp.forward_seconds for lp in layers),
+        backward=tuple(lp.backward_seconds for lp in layers),
     )
 
 
@@ -132,25 +173,37 @@ def ref_memory(ref: Ref, k: int, a: int, b: int, r: int, *, after: int) -> float
         return 0.0
     n_total = math.prod(lv[0] for lv in ref.levels)
     outer = n_total - ref.levels[0][0]
-    extra = ref.update_copies if ref.model == "pdjax" else 0.0
+    last = len(ref.compute) - 1
+    placed = (ref.inputs if a == 0 else 0.0) + (ref.targets if b == last else 0.0)
+    stash = sum(ref.stash[a : b + 1])
+    # the slowest level's transfers, the stage's compute shared by every device it may have
+    K = range(len(ref.levels))
+    t_before = max(ref.seconds(k, ref.cut[a - 1]) for k in K) if a > 0 else 0.0
+    t_after = max(ref.seconds(k, ref.cut[b]) for k in K)
+    sharing = r * (n_total // ref.levels[0][0])
     if ref.round_robin:
         # pipedream, whole microbatches per device: q of them stashed and q versions, q
-        # bounded by the devices from this stage on (any mix of modes after it).
-        q = 1 if b == len(ref.compute) - 1 else max(1, (2 * (r + after + outer) - 2) // r)
-        return w * (q + ref.opt + extra) + sum(ref.stash[a : b + 1]) * q
-    bound = 1 + min(after + outer, len(ref.compute) - 1 - b)
+        # bounded by the devices from this stage on (any mix of modes after it); a
+        # neighbour's group may hold every other device.
+        q = 1 if b == last else max(1, (2 * (r + after + outer) - 2) // r)
+        group = max(r, n_total - r)
+        transit = ref.transit(
+            a, b, q * r, before=t_before, after=t_after, sharing=sharing, group=group
+        )
+        return ref.runtime_memory(w, stash, q * r, q, r, placed=placed, transit=transit)
+    bound = 1 + min(after + outer, last - b)
     if ref.schedule == "gpipe":
         inflight = ref.num_microbatches
     elif ref.schedule in ("1f1b", "interleaved", "zb-h1"):
         inflight = min(bound, ref.num_microbatches)
     else:
         inflight = bound
-    stash = sum(ref.stash[a : b + 1])
     if ref.model == "paper":
         q = math.ceil(inflight / r)
         return w * (q + ref.opt) + stash * q
     versions = {"pipedream": inflight, "2bw": 2}.get(ref.schedule, 1)
-    return w * (versions + ref.opt + extra) + stash * inflight / r
+    transit = ref.transit(a, b, inflight, before=t_before, after=t_after, sharing=sharing)
+    return ref.runtime_memory(w, stash, inflight, versions, r, placed=placed, transit=transit)
 
 
 def flat_stages(ref: Ref, tree, k: int | None = None, base: int = 0):
@@ -205,10 +258,33 @@ def exact_counts(ref: Ref, replicas):
 def exact_memory(ref: Ref, stages) -> float:
     """Peak bytes per device of a final pipeline under the pdjax model."""
     counts = exact_counts(ref, [len(p) for _, _, p in stages])
+    units = [1, *(n for _, _, n in counts), 1]  # a round-robin group moves n at once
+    P = len(stages)
+    seconds = [
+        ref.seconds(link_level(ref, [*here[2], *there[2]]), ref.cut[here[1]])
+        for here, there in itertools.pairwise(stages)
+    ]
+    own_forward = [sum(ref.forward[a : b + 1]) / len(pos) for a, b, pos in stages]
+    own_gradient = [sum(ref.backward[a : b + 1]) / len(pos) for a, b, pos in stages]
     peak = 0.0
-    for (a, b, pos), (c, v, _) in zip(stages, counts, strict=True):
+    for s, ((a, b, pos), (c, v, _)) in enumerate(zip(stages, counts, strict=True)):
         w, stash = sum(ref.params[a : b + 1]), sum(ref.stash[a : b + 1])
-        peak = max(peak, w * (v + ref.opt + ref.update_copies) + stash * c / len(pos))
+        placed = (ref.inputs if s == 0 else 0.0) + (ref.targets if s == P - 1 else 0.0)
+        r = len(pos)
+        # per cut, one received copy and the sent ones: c of them where the transfer (at
+        # the innermost level holding both stages) is slower than the stages and cuts
+        # that feed it (before the stage for activations, after it for gradients)
+        transit = 0.0
+        if s > 0:
+            feed = max(own_gradient[s:] + seconds[s:])
+            sent = c if seconds[s - 1] > feed else 1
+            transit += ref.cut[a - 1] * max(units[s : s + 2]) * (1 + sent)
+        if s < P - 1:
+            feed = max(own_forward[: s + 1] + seconds[:s])
+            sent = c if seconds[s] > feed else 1
+            transit += ref.cut[b] * max(units[s + 1 : s + 3]) * (1 + sent)
+        memory = ref.runtime_memory(w, stash, c, v, r, placed=placed, transit=transit)
+        peak = max(peak, memory)
     return peak
 
 
@@ -740,24 +816,51 @@ def test_in_flight_per_schedule(schedule, expected):
     assert plan.schedule == schedule and plan.num_microbatches == 3
 
 
+def _runtime_memory(w, stash, count, versions, k, *, N, per_update, placed, transit):
+    """The pdjax memory of a one-device stage (pdjax.partition.cost.stage_memory): until
+    the first update version 0 and the gradient sum, then the versions, the sum and the
+    call's starting weights; the call's N inputs placed up front next to the stash."""
+
+    def held(f):  # the inputs still waiting after f forwards, and the stash
+        at_f = (N - f) * placed + min(f, count) * stash
+        return max(at_f, (N - count) * placed + count * stash) if f <= count else at_f
+
+    first = w * (2 + k) + held(1)
+    later = w * (versions + k + 2) + held(per_update)
+    return max(first, later) + transit
+
+
 def test_memory_per_device_formula():
-    profile = _toy(4)
+    profile = _toy(4)  # inputs and outputs 1e6 B, stash 1.5e6 B per layer
     plan = plan_pipedream(profile, Topology.flat(4, 1e9), straight=True, optimizer_state_factor=0)
+    assert plan.options["microbatches_per_call"] == 8  # two steps of M = 4
     for s, stage in enumerate(plan.stages):
         lp = profile.layers[stage.first_layer]
         inflight = 4 - s
-        # inflight versions, no optimizer state, no accumulator (pipedream), and the
-        # update's transient new weights (1 + k = 1).
+        # inflight versions, no optimizer state, the gradient sum and the starting weights;
+        # the call's 8 inputs on the first stage, its targets on the last, and two copies
+        # of each activation or gradient crossing a cut
         assert stage.memory_bytes == pytest.approx(
-            lp.param_bytes * (inflight + 1) + lp.stash_bytes * inflight
+            _runtime_memory(
+                lp.param_bytes,
+                lp.stash_bytes,
+                inflight,
+                inflight,
+                0,
+                N=8,
+                per_update=1,
+                placed=1e6 if s in (0, 3) else 0.0,
+                transit=2e6 * ((s > 0) + (s < 3)),
+            )
         )
     adam = plan_pipedream(profile, Topology.flat(4, 1e9), straight=True)
-    # Adam: the state (2) and the transient new state (2).
+    # Adam: the state (2).
     assert adam.stages[-1].memory_bytes == pytest.approx(
-        plan.stages[-1].memory_bytes + 4 * profile.layers[-1].param_bytes
+        plan.stages[-1].memory_bytes + 2 * profile.layers[-1].param_bytes
     )
-    # Flush schedules and 2bw also keep a gradient accumulator.
-    for schedule, versions in (("1f1b", 1), ("2bw", 2)):
+    # Flush schedules and 2bw update once per step of M = 4: a call of 2 steps (3 under
+    # 2bw, whose two versions span two steps).
+    for schedule, versions, steps in (("1f1b", 1, 2), ("2bw", 2, 3)):
         flush = plan_pipedream(
             profile,
             Topology.flat(4, 1e9),
@@ -768,7 +871,17 @@ def test_memory_per_device_formula():
         for s, stage in enumerate(flush.stages):
             lp = profile.layers[stage.first_layer]
             assert stage.memory_bytes == pytest.approx(
-                lp.param_bytes * (versions + 1 + 1) + lp.stash_bytes * (4 - s)
+                _runtime_memory(
+                    lp.param_bytes,
+                    lp.stash_bytes,
+                    4 - s,
+                    versions,
+                    0,
+                    N=4 * steps,
+                    per_update=4,
+                    placed=1e6 if s in (0, 3) else 0.0,
+                    transit=2e6 * ((s > 0) + (s < 3)),
+                )
             ), schedule
 
 
@@ -779,10 +892,13 @@ def test_microbatch_size_scales_time_and_activations_not_weights():
     half = plan_pipedream(profile, topo, microbatch_size=8)
     assert half.time_per_microbatch == pytest.approx(full.time_per_microbatch / 2)
     assert half.microbatch_size == 8 and full.microbatch_size == 16
-    weights = sum(lp.param_bytes for lp in profile.layers) * (1 + 2 + 1 + 2)
+    # a version, Adam's state, the gradient sum and the call's starting weights
+    weights = sum(lp.param_bytes for lp in profile.layers) * (1 + 2 + 1 + 1)
     stash = sum(lp.stash_bytes for lp in profile.layers)
-    assert full.stages[0].memory_bytes == pytest.approx(weights + stash)
-    assert half.stages[0].memory_bytes == pytest.approx(weights + stash / 2)
+    # a call of 2 microbatches: the second one's input and targets wait, placed up front
+    placed = profile.layers[0].input_bytes + profile.layers[-1].output_bytes
+    assert full.stages[0].memory_bytes == pytest.approx(weights + stash + placed)
+    assert half.stages[0].memory_bytes == pytest.approx(weights + (stash + placed) / 2)
 
 
 def test_update_frequency_matters_only_for_pdjax_replication():

@@ -224,15 +224,15 @@ def test_planner_simulator_and_memory_agree_for_round_robin(vgg16, workers):
     )
     assert sim.time_per_microbatch == pytest.approx(plan.time_per_microbatch, rel=1e-9)
     assert sim.peak_in_flight == plan.in_flight
-    # The plan also counts the update's transient new weights and optimizer state (1 + k
-    # parameter-sized buffers; pipedream keeps no accumulator), which the simulator does not.
-    params = cost.model_arrays(vgg16).params
-    extra = cost.update_copies("pipedream", 2.0)
-    assert extra == 3.0
-    transient = [extra * float(params[s.first_layer : s.last_layer + 1].sum()) for s in plan.stages]
-    assert [m + t for m, t in zip(sim.peak_memory, transient, strict=True)] == pytest.approx(
-        plan.memory_per_device, rel=1e-9
-    )
+    # The plan charges what the runtime holds for a call of its microbatches_per_call;
+    # this stream is longer: without the inputs placed up front, the plan covers the
+    # simulator's runtime model of it, within 10%.
+    unplaced = [dataclasses.replace(st, input_bytes=0) for st in free.stages]
+    runtime = dataclasses.replace(free, stages=tuple(unplaced), memory_model="runtime")
+    sched = generate("pipedream", P, 1, stream=N, replicas=plan.replicas, replication=rep)
+    peak = simulate(sched, runtime).peak_memory
+    for planned, simulated in zip(plan.memory_per_device, peak, strict=True):
+        assert simulated <= planned <= 1.10 * simulated
 
 
 def test_round_robin_all_reduces_less_than_split(vgg16):
@@ -285,7 +285,8 @@ def test_auto_keeps_split_when_round_robin_does_not_fit():
             backward_seconds=0.6,
             param_bytes=10**8,
             output_bytes=10**3,
-            input_bytes=4 * 10**9,
+            input_bytes=10**3,
+            residual_bytes=4 * 10**9,
         ),
         LayerProfile("b", forward_seconds=0.05, backward_seconds=0.1, param_bytes=10**6),
     ]

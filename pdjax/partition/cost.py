@@ -112,29 +112,61 @@ profiles) cost nothing and hold no activation across a cut (:func:`model_arrays`
 
 Memory per device (bytes):
 
-* ``pdjax``: ``W (versions + k + g + 1 + k) + stash * in_flight / r`` with ``r`` the
-  devices of the stage, ``k`` the optimizer-state factor (2 for Adam), ``versions`` the
-  weight versions the schedule keeps (``pipedream``: the in-flight count, ``2bw``: 2, flush
-  schedules: 1), ``stash`` the layers' :attr:`~pdjax.profile.LayerProfile.stash_bytes`,
-  ``g`` the gradient accumulator (1 under the flush schedules and ``2bw``, which sum the
-  gradients of ``M`` microbatches in one parameter-sized buffer; 0 under ``pipedream``,
-  whose gradient lives only until its update) and ``1 + k`` the update's transient (the
-  new weights and the new optimizer state exist next to the old ones until the old are
-  freed). The transient is charged at the stage's peak of stashed activations, which is
-  conservative by at most one microbatch's stash (a 1F1B update follows a backward)
-  (:func:`update_copies`). A round-robin
-  stage holds ``q`` groups of ``r`` microbatches (``in_flight = q r``, :func:`groups_in_flight`),
-  i.e. ``q`` whole stashes per device, and under ``pipedream`` keeps ``q`` versions: the
-  same formula;
+* ``pdjax``: what pdjax's runtime holds, as the simulator's ``runtime`` memory model
+  (:mod:`pdjax.simulator.engine`) counts it, for one call of ``N`` microbatches
+  (``Pipeline.run``; :func:`microbatches_per_call`: by default the least that reaches the
+  steady state, ``(v + 1) M`` for a schedule that updates once per step and keeps ``v``
+  versions, ``2 M`` for ``pipedream``; ``plan.options["microbatches_per_call"]``)::
+
+      held(f) = max over f' >= f of (N - f') p + min(f', T) w      (at f' = f or f' = T)
+      memory  = max( W (2 + k)     + held(1) / r,                  (before the first update)
+                     W (v + k + c) + held(u) / r )                 (after it)
+                + (a_before (1 + q_before) + a_after (1 + q_after)) n / r   (in transit)
+
+  with ``r`` the devices of the stage, ``k`` the optimizer-state factor (2 for Adam),
+  ``v`` the weight versions the schedule keeps (``pipedream``: the in-flight count,
+  ``2bw``: 2, flush schedules: 1), ``c`` the copies besides them (:func:`weight_copies`:
+  the step's gradient sum, which the update donates, so it is also the update's
+  transient, and the weights the call started from, alive until it returns: 2, or 1 for
+  a call too short to update past its versions), ``T`` the semantics table's in-flight
+  count (:func:`memory_in_flight`: ``P - s``, at most ``M`` if the schedule flushes, ``M``
+  for ``gpipe``, ``min(P, M)`` for ``zb-h1`` and ``min(2P - 1, M)`` for ``zb-h2``, whose
+  stash lives until ``W``), ``w`` the bytes a microbatch in flight holds (the layers'
+  :attr:`~pdjax.profile.LayerProfile.stash_bytes`, plus under zero bubble the cotangents
+  at the layers' outputs that ``I`` keeps for ``W``, charged for every microbatch in
+  flight: :func:`waiting_bytes`), ``p`` the bytes per microbatch the call places up front
+  (:class:`CallArrays`: the model's input on the first stage, which becomes part of the
+  stash when forwarded, the targets on the last), ``u`` the microbatches forwarded before
+  the first update (``M``, or 1 under ``pipedream``), ``a_before`` and ``a_after`` the cut
+  bytes on either side and ``n`` the larger round-robin group across the cut (1 if
+  split): per cut one received copy waiting for its action and ``q`` sent ones whose
+  transfers have not ended, ``q = 1`` where the transfer takes no longer than what
+  feeds it, else ``T`` (a link slower than its stage queues what the stage makes, up to
+  what it holds in flight; :func:`transit_bytes`). What feeds an activation sent on is
+  the stage's forward on its devices and every stage and cut before it; a gradient sent
+  back, its backward (zero bubble's ``I``, taken as no longer than the forward) and every
+  stage and cut after it: a plan knows them all, the dynamic program only the stage's
+  own time (on every device it may have) and the slowest level's link (the optimistic
+  check: no queue). Each term is charged at its own
+  peak (the two phases apart), so the figure is at least the runtime model's peak; on the
+  profiles of ``tests/test_planner_memory.py`` it is within 10% of it (zero bubble's
+  cotangents, charged for every microbatch in flight, are the largest excess). A
+  round-robin stage holds ``q`` groups of ``r`` microbatches (``in_flight = q r``,
+  :func:`groups_in_flight`), i.e. ``q`` whole stashes per device, and under ``pipedream``
+  keeps ``q`` versions: the same formula;
 * ``paper`` (weight stashing, whole microbatches per replica): with ``q = ceil(in_flight /
   r)``, ``W (q + k) + stash * q``;
 * ``pipedream-code`` (the original's pruning rule): ``ceil(d / m) (A + W)``, with ``A`` the
   sum of the stage's output activations and ``d`` the units after the stage at this level.
 
 The schedule's in-flight count is ``P - s`` (1F1B-style: ``pipedream``, ``1f1b``, ``2bw``,
-``interleaved``, ``zb-h1``; at most ``M`` for the flush schedules) or ``M`` (``gpipe``). The
-dynamic program does not know ``P - s`` while it builds a prefix, so its memory check bounds
-it by ``1 +`` the devices after the stage (and the layers after it); inside a server of a
+``interleaved``, and ``zb-h1`` under ``paper``; at most ``M`` for the flush schedules) or
+``M`` (``gpipe``); under ``pdjax`` the semantics table's (above). The dynamic program does
+not know ``P - s`` while it builds a prefix, so its memory check bounds it by ``1 +`` the
+devices after the stage (and the layers after it), taking the table's largest count over
+the pipelines that allows (:func:`memory_in_flight_bounds`; for zero bubble, whose count
+depends on ``P``, ``min(devices, M)``), and charges the values in transit of a round-robin
+stage as if a neighbour's group held every other device; inside a server of a
 hierarchical topology the devices of other servers count as "after" and replication across
 servers is not credited. The check is sound (a plan it accepts fits) and can be
 conservative. Under ``pdjax`` the planner therefore first runs the program with an
@@ -161,6 +193,8 @@ other two.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
@@ -168,7 +202,8 @@ from typing import Literal
 import numpy as np
 
 from pdjax.errors import PlanError
-from pdjax.partition.arrays import ModelArrays, check_profile, model_arrays
+from pdjax.partition.arrays import ModelArrays, check_profile
+from pdjax.partition.arrays import model_arrays as layer_arrays
 from pdjax.partition.topology import Topology
 from pdjax.partition.traits import (
     REPLICATION_OPTIONS,
@@ -187,6 +222,8 @@ from pdjax.partition.traits import (
     updates_per_microbatch,
     versions_kept,
 )
+from pdjax.profile import Profile
+from pdjax.schedules import SEMANTICS, Shape
 
 # The schedules' traits (pdjax.partition.traits) and the profile's arrays
 # (pdjax.partition.arrays) are re-exported: the cost terms are read as ``cost.<name>``.
@@ -195,8 +232,10 @@ __all__ = [
     "REPLICATION_OPTIONS",
     "SCHEDULE_TRAITS",
     "AllreduceSeconds",
+    "CallArrays",
     "CostModel",
     "ModelArrays",
+    "RuntimeCall",
     "ScheduleTraits",
     "StageSeconds",
     "allreduces_per_microbatch",
@@ -213,6 +252,9 @@ __all__ = [
     "has_round_trip",
     "hierarchical_allreduce",
     "in_flight",
+    "memory_in_flight",
+    "memory_in_flight_bounds",
+    "microbatches_per_call",
     "model_arrays",
     "partition_terms",
     "resolve_replication",
@@ -223,9 +265,13 @@ __all__ = [
     "stage_memory",
     "stage_time",
     "stage_units",
+    "transit_bytes",
     "update_copies",
+    "update_microbatches",
     "updates_per_microbatch",
     "versions_kept",
+    "waiting_bytes",
+    "weight_copies",
 ]
 
 CostModel = Literal["pdjax", "paper", "pipedream-code"]
@@ -351,30 +397,48 @@ def stage_memory(
     versions: np.ndarray | int,
     optimizer_state_factor: float,
     units_after: np.ndarray | int = 0,
-    update_copies: float = 0.0,
+    weight_copies: float = 0.0,
+    call: RuntimeCall | None = None,
 ) -> np.ndarray:
     """Bytes per device of a stage (see the module doc).
 
     Args:
       model: the cost model.
       weights: parameter bytes of the stage.
-      stash: bytes stashed per in-flight microbatch (already scaled to the microbatch).
+      stash: bytes held per in-flight microbatch (already scaled to the microbatch; under
+        ``pdjax`` with zero bubble's cotangents, :func:`waiting_bytes`).
       act: sum of the stage's output activations (``pipedream-code``).
       replicas: devices (``pdjax``, ``paper``) or units (``pipedream-code``) of the stage.
       in_flight_count: microbatches in flight at the stage.
       versions: weight versions kept (``pdjax``).
       optimizer_state_factor: optimizer state bytes per parameter byte (Adam: 2, SGD: 0).
       units_after: units after the stage at this level (``pipedream-code``).
-      update_copies: parameter-sized buffers of the gradient accumulator and the update's
-        transient (``pdjax``; :func:`update_copies`).
+      weight_copies: parameter-sized buffers the runtime holds besides the versions and
+        the optimizer state once the stage has updated (``pdjax``; :func:`weight_copies`).
+      call: what one call of the runtime places on the stage and moves through it
+        (``pdjax``; :class:`RuntimeCall`); None: nothing.
     """
     weights = np.asarray(weights, dtype=np.float64)
     bytes_per_device: np.ndarray
     if model == "pdjax":
-        bytes_per_device = (
-            weights * (np.asarray(versions) + optimizer_state_factor + update_copies)
-            + np.asarray(stash) * np.asarray(in_flight_count) / replicas
-        )
+        count = np.asarray(in_flight_count)
+        stash = np.asarray(stash, dtype=np.float64)
+        k = optimizer_state_factor
+        steady = weights * (np.asarray(versions) + k + weight_copies)
+        if call is None:
+            bytes_per_device = steady + stash * count / replicas
+            return bytes_per_device
+        # Until its first update a stage holds version 0 and the gradient sum; from then
+        # on its steady versions and copies, with at least one update's microbatches
+        # forwarded (their inputs no longer wait).
+        later = steady + call.held(stash, count, call.update_microbatches) / replicas
+        if np.ndim(call.placed) == 0 and call.placed == 0:
+            # nothing placed: the first phase holds no more (v + c >= 2)
+            bytes_per_device = later
+        else:
+            first = weights * (2.0 + k) + call.held(stash, count, 1) / replicas
+            bytes_per_device = np.maximum(first, later)
+        bytes_per_device = bytes_per_device + call.transit(count) / replicas
     elif model == "paper":
         q = -(-np.asarray(in_flight_count) // replicas)
         bytes_per_device = weights * (q + optimizer_state_factor) + np.asarray(stash) * q
@@ -382,6 +446,251 @@ def stage_memory(
         q = -(-np.asarray(units_after) // replicas)
         bytes_per_device = q * (np.asarray(act) + weights)
     return bytes_per_device
+
+
+# -- what the runtime holds besides (the pdjax memory model) ----------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CallArrays(ModelArrays):
+    """:class:`~pdjax.partition.arrays.ModelArrays` with the bytes per microbatch a call
+    places up front (:func:`model_arrays`).
+
+    Attributes:
+      inputs: the model's input, placed on the first stage.
+      targets: the targets, placed on the last stage: the smaller of the model's output and
+        its input (a profile records no targets; labels are no larger than the logits, the
+        targets of a language model are its input tokens shifted).
+      forward: per layer, forward seconds of one microbatch (0 for a free layer); with
+        ``backward``, what tells whether a link keeps up with the stage that feeds it
+        (:func:`transit_bytes`).
+      backward: per layer, backward seconds of one microbatch.
+    """
+
+    inputs: float = 0.0
+    targets: float = 0.0
+    forward: np.ndarray | None = None
+    backward: np.ndarray | None = None
+
+
+def model_arrays(profile: Profile, microbatch_size: int | None = None) -> CallArrays:
+    """The profile's per-layer costs for one microbatch
+    (:func:`pdjax.partition.arrays.model_arrays`), with what a call places up front
+    (:class:`CallArrays`).
+
+    Raises:
+      PlanError: a bad profile, missing times, or a non-positive microbatch size.
+    """
+    arrays = layer_arrays(profile, microbatch_size)
+    first, last = profile.layers[0], profile.layers[-1]
+    # an Input source layer (PipeDream's profiles) is the data: its output is the input
+    inputs = first.output_bytes if first.kind.startswith("Input") else first.input_bytes
+    targets = min(last.output_bytes, inputs)
+    fields = {f.name: getattr(arrays, f.name) for f in dataclasses.fields(arrays)}
+    priced = arrays.compute > 0  # (free layers cost nothing, as in compute)
+    return CallArrays(
+        **fields,
+        inputs=float(inputs) * arrays.scale,
+        targets=float(targets) * arrays.scale,
+        forward=np.where(priced, profile.forward_seconds(), 0.0) * arrays.scale,
+        backward=np.where(priced, profile.backward_seconds(), 0.0) * arrays.scale,
+    )
+
+
+def microbatches_per_call(schedule: str, num_microbatches: int, calls: int | None = None) -> int:
+    """``N``, the microbatches of one call of the runtime (``Pipeline.run``) that the
+    ``pdjax`` memory model charges: ``calls``, or the least that reaches the steady state
+    of the weights a call holds (:func:`weight_copies`): one step more than the weight
+    versions the schedule keeps (``(v + 1) M``: ``2 M`` for the flush schedules, ``3 M``
+    for ``2bw``), ``2 M`` under a schedule that updates every microbatch.
+
+    >>> microbatches_per_call("1f1b", 4), microbatches_per_call("2bw", 4)
+    (8, 12)
+
+    Raises:
+      PlanError: ``calls`` below 1.
+    """
+    if calls is None:
+        return (_steps_held(schedule) + 1) * int(num_microbatches)
+    if isinstance(calls, bool) or not isinstance(calls, int | np.integer) or calls < 1:
+        raise PlanError(f"microbatches_per_call must be an integer >= 1, got {calls!r}")
+    return int(calls)
+
+
+def _steps_held(schedule: str) -> int:
+    """Steps of updates a stage's weight versions span: the versions kept under a schedule
+    that updates once per step (1, or 2 for ``2bw``), 1 under one that updates every
+    microbatch."""
+    versions = schedule_traits(schedule).versions
+    return 1 if versions == "in_flight" else int(versions)
+
+
+def weight_copies(schedule: str, num_microbatches: int, calls: int) -> float:
+    """Parameter-sized buffers a ``pdjax`` stage holds besides its weight versions and
+    optimizer state, as the runtime holds them (the simulator's ``runtime`` memory model):
+    the step's gradient sum (the update donates it and the optimizer state, so it is also
+    the update's transient) and the weights the call started from, alive until it returns,
+    once the stage no longer computes with them: a call of ``calls`` microbatches longer
+    than the steps its versions span (``v M``: ``M``, ``2 M`` under ``2bw``; one
+    microbatch under ``pipedream``).
+
+    >>> weight_copies("1f1b", 4, 8), weight_copies("2bw", 4, 8), weight_copies("2bw", 4, 12)
+    (2.0, 1.0, 2.0)
+    """
+    traits = schedule_traits(schedule)
+    step = 1 if traits.update_per_microbatch else num_microbatches
+    return 2.0 if calls > _steps_held(schedule) * step else 1.0
+
+
+def waiting_bytes(schedule: str, stash: np.ndarray | float, act: np.ndarray | float) -> np.ndarray:
+    """Bytes a microbatch in flight holds at a stage: its stash, plus, under a schedule
+    that splits the backward (zero bubble), the cotangents at the stage's layer outputs
+    that ``I`` keeps for ``W`` (``act``; charged for every microbatch in flight, of which
+    those between ``I`` and ``W`` are a part)."""
+    stash = np.asarray(stash, dtype=np.float64)
+    if schedule_traits(schedule).semantics.split_backward:
+        return stash + np.asarray(act, dtype=np.float64)
+    return stash
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeCall:
+    """What one call of the runtime (``Pipeline.run`` over ``calls`` microbatches) places
+    on a stage and moves through it, for the ``pdjax`` memory model: bytes over all the
+    stage's devices (:func:`stage_memory` divides them by its replicas).
+
+    Attributes:
+      calls: ``N``, the call's microbatches (:func:`microbatches_per_call`).
+      placed: bytes per microbatch placed up front for all ``N`` microbatches, each until
+        the stage forwards it (the model's input on the first stage, from there part of
+        the stash; the targets on the last): per range, or one number.
+      cut_before: bytes per microbatch crossing the cut before the stage (an activation
+        in, its gradient out), times the larger round-robin group across it.
+      cut_after: the same for the cut after it.
+      slow_before: whether the link before the stage takes longer than the action that
+        makes the gradients it sends back (the backward, zero bubble's ``I``).
+      slow_after: whether the link after it takes longer than its forward.
+      update_microbatches: microbatches the stage forwards before its first update, at
+        least (``M`` under a schedule that updates once per step, else 1).
+    """
+
+    calls: int
+    placed: np.ndarray | float = 0.0
+    cut_before: np.ndarray | float = 0.0
+    cut_after: np.ndarray | float = 0.0
+    slow_before: np.ndarray | bool = False
+    slow_after: np.ndarray | bool = False
+    update_microbatches: int = 1
+
+    def transit(self, in_flight_count: np.ndarray | int) -> np.ndarray:
+        """Bytes in transit the stage holds at once (:func:`transit_bytes`), with
+        ``in_flight_count`` sent copies queued behind a slow link."""
+        # a link slower than the action that feeds it queues what the stage makes, up to
+        # what it holds in flight; one that keeps up holds one copy
+        return transit_bytes(
+            self.cut_before,
+            self.cut_after,
+            sent_before=np.where(self.slow_before, in_flight_count, 1),
+            sent_after=np.where(self.slow_after, in_flight_count, 1),
+        )
+
+    def held(self, stash: np.ndarray, in_flight_count: np.ndarray, forwarded: int) -> np.ndarray:
+        """The most bytes of the placed inputs and the stash once at least ``forwarded``
+        microbatches are forwarded: after ``f`` forwards ``(N - f) placed + min(f, T)
+        stash`` (``T``: the in-flight count), whose largest value over ``f >= forwarded``
+        is at ``f = forwarded`` or ``f = T``.
+
+        >>> float(RuntimeCall(calls=8, placed=10.0).held(np.array(3.0), np.array(4), 1))
+        73.0
+        """
+        N = self.calls
+        T = np.minimum(in_flight_count, N)
+        if np.ndim(self.placed) == 0 and self.placed == 0:  # (most stages: only the stash)
+            stash_only: np.ndarray = T * stash
+            return stash_only
+        placed = np.asarray(self.placed, dtype=np.float64)
+        f = min(forwarded, N)
+        # (N - f) placed + f stash rises to f = T where the stash is the larger, then falls
+        rising = np.maximum(T - f, 0) * np.maximum(stash - placed, 0.0)
+        held: np.ndarray = (N - f) * placed + np.minimum(f, T) * stash + rising
+        return held
+
+
+def transit_bytes(
+    cut_before: np.ndarray | float,
+    cut_after: np.ndarray | float,
+    *,
+    sent_before: np.ndarray | float = 1.0,
+    sent_after: np.ndarray | float = 1.0,
+) -> np.ndarray:
+    """Bytes in transit a stage holds at once: per microbatch crossing each of its cuts
+    (``cut_before``, ``cut_after``; a round-robin neighbour's group sends or takes its
+    whole group at once, so the caller multiplies by the larger group) one received copy
+    waiting for its action, and the copies it sent whose transfers have not ended: one
+    where the link keeps up with the action that makes them, else up to the stage's
+    in-flight count (``sent_before``: gradients sent back, ``sent_after``: activations
+    sent on; :meth:`RuntimeCall.transit`).
+
+    >>> float(transit_bytes(0.0, 3.0)), float(transit_bytes(2.0, 3.0, sent_after=4))
+    (6.0, 19.0)
+    """
+    before = np.asarray(cut_before, dtype=np.float64)
+    after = np.asarray(cut_after, dtype=np.float64)
+    transit: np.ndarray = before * (1.0 + np.asarray(sent_before)) + after * (
+        1.0 + np.asarray(sent_after)
+    )
+    return transit
+
+
+def update_microbatches(schedule: str, num_microbatches: int) -> int:
+    """Microbatches a stage forwards before its first update, at least: a step's ``M``
+    under a schedule that updates once per step, else 1."""
+    return 1 if schedule_traits(schedule).update_per_microbatch else int(num_microbatches)
+
+
+def memory_in_flight(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Microbatches stage ``stage`` of ``num_stages`` (one device each, split) holds between
+    its forward and the end of its backward (``B``, or zero bubble's ``W``): the semantics
+    table's in-flight bound, what the runtime stashes.
+
+    >>> memory_in_flight("zb-h1", 4, 3, 8), memory_in_flight("1f1b", 4, 3, 8)
+    (4, 1)
+    """
+    steady = 4 * max(num_stages, num_microbatches)  # a stream that reaches every bound
+    shape = Shape(groups=num_stages, microbatches=num_microbatches, stream=steady)
+    return int(SEMANTICS[schedule].in_flight(shape, stage))
+
+
+@functools.lru_cache(maxsize=256)
+def memory_in_flight_bounds(
+    schedule: str, num_microbatches: int, most_stages: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(upper, lower)``, read-only, indexed by ``b`` in ``1..most_stages`` (index 0:
+    unused): the most :func:`memory_in_flight` of a stage with at most ``b - 1`` stages
+    after it, and the least of one with at least ``b - 1``, over pipelines of up to
+    ``most_stages`` stages. The dynamic program knows bounds on the stages after a stage
+    but not the stages before it: zero bubble holds ``min(P, M)`` microbatches at every
+    stage, the others ``P - s`` (at most ``M`` if they flush) or ``M``.
+
+    >>> [int(x) for x in memory_in_flight_bounds("zb-h1", 8, 4)[0][1:]]
+    [4, 4, 4, 4]
+    """
+    most = {}
+    least = {}
+    for b in range(1, most_stages + 1):
+        counts = [
+            memory_in_flight(schedule, P, P - b, num_microbatches)
+            for P in range(b, most_stages + 1)
+        ]
+        most[b], least[b] = max(counts), min(counts)
+    upper = np.zeros(most_stages + 1, dtype=np.int64)
+    lower = np.zeros(most_stages + 1, dtype=np.int64)
+    for b in range(1, most_stages + 1):
+        upper[b] = max(most[c] for c in range(1, b + 1))
+        lower[b] = min(least[c] for c in range(b, most_stages + 1))
+    upper.setflags(write=False)
+    lower.setflags(write=False)
+    return upper, lower
 
 
 def calibrated(value: object, what: str) -> float | None:

@@ -6,6 +6,7 @@ the plan with exact in-flight counts and memory (:func:`build_plan`). Shared by
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -16,7 +17,13 @@ from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS
 
-__all__ = ["build_plan", "calibrated_options", "check_options", "pipeline_time"]
+__all__ = [
+    "build_plan",
+    "calibrated_options",
+    "check_options",
+    "pipeline_time",
+    "stage_memory_bytes",
+]
 
 #: Pipeline stages ``(first, last, device positions)``.
 Flat = list[tuple[int, int, list[int]]]
@@ -113,12 +120,15 @@ def build_plan(
     options: dict[str, Any],
     microbatch_size: int | None,
     replication: list[str] | tuple[str, ...] | None = None,
+    microbatches_per_call: int | None = None,
 ) -> Plan:
     """Builds a :class:`Plan` from flattened stages, with exact in-flight and memory.
 
     ``replication``: per stage ``"split"`` or ``"round-robin"`` (None: all split); the
     in-flight counts and versions are those of the schedule with these modes
-    (:func:`pdjax.partition.cost.exact_in_flight`)."""
+    (:func:`pdjax.partition.cost.exact_in_flight`). ``microbatches_per_call``: ``N``, the
+    microbatches of one runtime call the ``pdjax`` memory charges (None: a steady call;
+    :func:`pdjax.partition.cost.microbatches_per_call`), recorded in the plan's options."""
     P = len(flat)
     kind = SCHEDULE_KINDS.get(schedule)
     if kind is not None and kind.needs_microbatches_per_stage and num_microbatches < P:
@@ -130,16 +140,33 @@ def build_plan(
     modes = tuple(replication) if replication is not None else ("split",) * P
     modes = tuple("split" if r == 1 else m for m, r in zip(modes, replicas, strict=True))
     _check_groups_fill_steps(schedule, replicas, modes, num_microbatches)
-    stages = _stage_plans(
+    calls = cost.microbatches_per_call(schedule, num_microbatches, microbatches_per_call)
+    memory = stage_memory_bytes(
         arrays,
-        topology,
         flat,
         modes,
+        topology=topology,
         cost_model=cost_model,
         schedule=schedule,
         num_microbatches=num_microbatches,
         optimizer_state_factor=optimizer_state_factor,
+        microbatches_per_call=calls,
     )
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
+    stages = tuple(
+        StagePlan(
+            first_layer=first,
+            last_layer=last,
+            devices=tuple(topology.device_id(p) for p in positions),
+            in_flight=counts[s][0],
+            compute_seconds=math.fsum(arrays.compute[first : last + 1]) / len(positions),
+            memory_bytes=memory[s],
+            replication=modes[s],
+        )
+        for s, (first, last, positions) in enumerate(flat)
+    )
+    if cost_model == "pdjax":
+        options = {**options, "microbatches_per_call": calls}
     used = sum(len(p) for _, _, p in flat)
     source = profile.meta.get("source", "") if hasattr(profile, "meta") else ""
     return Plan(
@@ -179,50 +206,117 @@ def _check_groups_fill_steps(
             )
 
 
-def _stage_plans(
+def stage_memory_bytes(
     arrays: cost.ModelArrays,
-    topology: Topology,
     flat: Flat,
-    modes: tuple[str, ...],
+    modes: list[str] | tuple[str, ...],
     *,
+    topology: Topology,
     cost_model: str,
     schedule: str,
     num_microbatches: int,
     optimizer_state_factor: float,
-) -> tuple[StagePlan, ...]:
-    """Each stage's :class:`StagePlan`: its devices, exact in-flight count and memory (the
-    ``pdjax`` formula under ``pdjax``, the ``paper`` one under the other models)."""
+    microbatches_per_call: int | None = None,
+) -> list[float]:
+    """Bytes per device of each stage ``(first, last, device positions)`` with its
+    replication mode: the ``pdjax`` memory model under ``pdjax`` (weights x versions,
+    optimizer state, the gradient sum and the call's starting weights, stash and zero
+    bubble's cotangents x the semantics table's in-flight count, the call's inputs placed
+    up front and the values in transit, more of them behind a link slower than the stage
+    that feeds it, at the bandwidth and latency of the innermost level holding both
+    stages of ``topology``: :mod:`pdjax.partition.cost`), the ``paper`` one under the
+    other models. ``microbatches_per_call``: ``N`` (None: a steady call,
+    :func:`pdjax.partition.cost.microbatches_per_call`)."""
+    P = len(flat)
     replicas = [len(positions) for _, _, positions in flat]
     counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
-    memory_model = "pdjax" if cost_model == "pdjax" else "paper"
-    copies = (
-        cost.update_copies(schedule, optimizer_state_factor) if memory_model == "pdjax" else 0.0
-    )
-    stages = []
-    for s, (first, last, positions) in enumerate(flat):
-        r = len(positions)
+    calls = cost.microbatches_per_call(schedule, num_microbatches, microbatches_per_call)
+    inputs, targets = getattr(arrays, "inputs", 0.0), getattr(arrays, "targets", 0.0)
+    # a round-robin group sends (and takes) a whole group of microbatches at once
+    units = [1, *cost.stage_units(replicas, modes), 1]
+    seconds = _cut_seconds(arrays, topology, flat)
+    forward, gradient = _intervals(arrays, schedule, flat, seconds)
+    out = []
+    for s, (first, last, _) in enumerate(flat):
         inflight, versions = counts[s]
         sl = slice(first, last + 1)
+        weights, stash = math.fsum(arrays.params[sl]), math.fsum(arrays.stash[sl])
+        act = math.fsum(arrays.act[sl])
+        if cost_model != "pdjax":
+            memory = cost.stage_memory(
+                "paper",
+                weights=weights,
+                stash=stash,
+                act=act,
+                replicas=replicas[s],
+                in_flight_count=inflight,
+                versions=versions,
+                optimizer_state_factor=optimizer_state_factor,
+            )
+            out.append(float(memory))
+            continue
+        if "round-robin" not in modes:  # (with round-robin the counts are the table's)
+            inflight = cost.memory_in_flight(schedule, P, s, num_microbatches)
+            versions = cost.versions_kept(schedule, inflight)
+        call = cost.RuntimeCall(
+            calls=calls,
+            placed=(inputs if s == 0 else 0.0) + (targets if s == P - 1 else 0.0),
+            cut_before=float(arrays.cut[first - 1]) * max(units[s : s + 2]) if s > 0 else 0.0,
+            cut_after=float(arrays.cut[last]) * max(units[s + 1 : s + 3]) if s < P - 1 else 0.0,
+            slow_before=s > 0 and seconds[s - 1] > gradient[s],
+            slow_after=s < P - 1 and seconds[s] > forward[s],
+            update_microbatches=cost.update_microbatches(schedule, num_microbatches),
+        )
         memory = cost.stage_memory(
-            memory_model,
-            weights=math.fsum(arrays.params[sl]),
-            stash=math.fsum(arrays.stash[sl]),
-            act=math.fsum(arrays.act[sl]),
-            replicas=r,
+            "pdjax",
+            weights=weights,
+            stash=cost.waiting_bytes(schedule, stash, act),
+            act=act,
+            replicas=replicas[s],
             in_flight_count=inflight,
             versions=versions,
             optimizer_state_factor=optimizer_state_factor,
-            update_copies=copies,
+            weight_copies=cost.weight_copies(schedule, num_microbatches, calls),
+            call=call,
         )
-        stages.append(
-            StagePlan(
-                first_layer=first,
-                last_layer=last,
-                devices=tuple(topology.device_id(p) for p in positions),
-                in_flight=inflight,
-                compute_seconds=math.fsum(arrays.compute[sl]) / r,
-                memory_bytes=float(memory),
-                replication=modes[s],
-            )
+        out.append(float(memory))
+    return out
+
+
+def _cut_seconds(arrays: cost.ModelArrays, topology: Topology, flat: Flat) -> list[float]:
+    """Seconds of each cut's transfer, at the bandwidth and latency of the innermost level
+    holding both stages (as the planner's cut term)."""
+    out = []
+    for (_, last, here), (_, _, there) in itertools.pairwise(flat):
+        both = [*here, *there]
+        level = topology.levels[topology.link_level(min(both), max(both))]
+        seconds = cost.cut_time(
+            "pdjax", float(arrays.cut[last]), 0.0, 1, level.bandwidth, level.latency
         )
-    return tuple(stages)
+        out.append(float(seconds))
+    return out
+
+
+def _intervals(
+    arrays: cost.ModelArrays, schedule: str, flat: Flat, seconds: list[float]
+) -> tuple[list[float], list[float]]:
+    """Per stage, the least seconds between two activations it sends on and between two
+    gradients it sends back: no less than its own forward (backward; zero bubble's ``I``,
+    taken as no longer than the forward or the backward) on its devices, nor than any
+    stage or cut before it (after it, for gradients) takes per microbatch."""
+    own_forward, own_gradient = [], []
+    for first, last, positions in flat:
+        sl = slice(first, last + 1)
+        f = getattr(arrays, "forward", None)
+        b = getattr(arrays, "backward", None)
+        if f is None or b is None:  # a plain ModelArrays: the whole compute
+            f = b = arrays.compute
+        fwd, bwd = math.fsum(f[sl]), math.fsum(b[sl])
+        if cost.schedule_traits(schedule).semantics.split_backward:
+            bwd = min(fwd, bwd)
+        own_forward.append(fwd / len(positions))
+        own_gradient.append(bwd / len(positions))
+    P = len(flat)
+    forward = [max(own_forward[: s + 1] + seconds[:s]) for s in range(P)]
+    gradient = [max(own_gradient[s:] + seconds[s:]) for s in range(P)]
+    return forward, gradient

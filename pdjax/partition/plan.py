@@ -61,9 +61,12 @@ class StagePlan:
       compute_seconds: forward + backward seconds per microbatch on one of its devices
         (the stage's compute divided by its replicas).
       memory_bytes: predicted bytes per device (weights x versions + optimizer state +
-        stashed activations; see :mod:`pdjax.partition.cost`), with the plan's exact
-        in-flight count: under the ``pdjax`` cost model for the stage's replication mode,
-        PipeDream's whole microbatches per replica (the ``paper`` formula) under the others.
+        stashed activations, and under ``pdjax`` what the runtime holds besides: the
+        gradient sum, the call's starting weights, its inputs placed up front, values in
+        transit, zero bubble's cotangents; see :mod:`pdjax.partition.cost`), with the
+        plan's exact in-flight count: under the ``pdjax`` cost model for the stage's
+        replication mode, PipeDream's whole microbatches per replica (the ``paper``
+        formula) under the others.
       replication: how the stage's devices share its work: ``"split"`` (each microbatch
         split across them; the default) or ``"round-robin"`` (PipeDream's: each device takes
         whole microbatches, ``r`` consecutive ones at once, and the stage all-reduces once

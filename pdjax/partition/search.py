@@ -6,6 +6,7 @@ tree and as flat pipeline stages.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ class Search:
         memory_mode: str = "bound",
         stage_seconds: cost.StageSeconds | None = None,
         allreduce_seconds: cost.AllreduceSeconds | None = None,
+        microbatches_per_call: int | None = None,
     ) -> None:
         self.arrays = arrays
         self.schedule = schedule
@@ -45,7 +47,6 @@ class Search:
         self.allreduce_seconds = allreduce_seconds if model == "pdjax" else None
         self.calibrated = self.stage_seconds is not None or self.allreduce_seconds is not None
         self._cal: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
-        self.update_copies = cost.update_copies(schedule, optimizer_state_factor)
         self.microbatch_size: int | None = None
         self.topology = topology
         self.model = model
@@ -70,10 +71,53 @@ class Search:
         self.u = 1.0 if self.traits.update_per_microbatch else 1.0 / num_microbatches
         self.cut_ok = arrays.cut_ok
         self.cut = arrays.cut
+        self._runtime_terms(microbatches_per_call)
         self._shift_level: int | None = None
         self._shift: tuple[np.ndarray, np.ndarray, np.ndarray] = ()  # type: ignore[assignment]
         self._whole_num: dict[int, np.ndarray] = {}
         self._whole_shift: dict[int, np.ndarray] = {}
+
+    def _runtime_terms(self, calls: int | None) -> None:
+        """The ``pdjax`` memory model's terms of what the runtime holds (see
+        :mod:`pdjax.partition.cost`): per range, the bytes per microbatch in flight (with
+        zero bubble's cotangents) and the call's inputs and values in transit; the
+        parameter-sized copies; the in-flight bounds from the semantics table."""
+        L, arrays = self.L, self.arrays
+        self.calls = cost.microbatches_per_call(self.schedule, self.M, calls)
+        self.weight_copies = cost.weight_copies(self.schedule, self.M, self.calls)
+        self.waiting = cost.waiting_bytes(self.schedule, self.stash, self.act)
+        # a plain ModelArrays (no profile behind it) places nothing up front
+        placed = np.zeros((L, L))
+        placed[0, :] += getattr(arrays, "inputs", 0.0)
+        placed[:, L - 1] += getattr(arrays, "targets", 0.0)
+        self.placed = placed
+        before = np.concatenate([[0.0], self.cut[:-1]])
+        self.cut_before, self.cut_after = before[:, None], self.cut[None, :]
+        # Transfer seconds of each cut: the slowest level's (the program does not know
+        # where a cut falls).
+        taus = [
+            cost.cut_time("pdjax", self.cut, 0.0, 1, level.bandwidth, level.latency)
+            for level in self.topology.levels
+        ]
+        tau = np.max(taus, axis=0)
+        tau_before = np.concatenate([[0.0], tau[:-1]])
+        self.tau_before, self.tau_after = tau_before[:, None], tau[None, :]
+        # The actions that feed the links: the forward, and the backward (zero bubble's
+        # I, no longer than the forward or the backward) that sends a gradient back.
+        forward = getattr(arrays, "forward", None)
+        backward = getattr(arrays, "backward", None)
+        if forward is None or backward is None:  # a plain ModelArrays: the whole compute
+            forward = backward = arrays.compute
+        if self.traits.semantics.split_backward:
+            backward = np.minimum(forward, backward)
+        self.forward_seconds = arrays.range_sum(forward)
+        self.gradient_seconds = arrays.range_sum(backward)
+        self.outer_units = self.topology.num_devices // self.topology.levels[0].workers
+        self.update_microbatches = cost.update_microbatches(self.schedule, self.M)
+        most = min(self.topology.num_devices, L)
+        self._depth_upper, self._depth_lower = cost.memory_in_flight_bounds(
+            self.schedule, self.M, most
+        )
 
     def _u(self, m: int) -> float:
         """All-reduces per microbatch of a stage on ``m`` units (see pdjax.partition.cost)."""
@@ -142,12 +186,18 @@ class Search:
         if self.rr:
             return self._round_robin_memory(r, units_after + outer)
         inflight, versions = self._in_flight(1 + np.minimum(units_after + outer, self.layers_after))
-        return self._memory(self.model, r, inflight, versions)
+        # (replicated across the outer levels too, a stage computes faster than on r devices)
+        return self._memory(self.model, r, inflight, versions, sharing=r * self.outer_units)
 
-    def _in_flight(self, bound: np.ndarray) -> tuple[np.ndarray, Any]:
-        """``(in flight, versions)`` per range under the schedule, from the microbatches a
-        pipelined stage holds (``bound``)."""
-        if not self.traits.pipelined_in_flight:
+    def _in_flight(self, bound: np.ndarray, *, least: bool = False) -> tuple[np.ndarray, Any]:
+        """``(in flight, versions)`` per range under the schedule, for a stage with at most
+        (``least``: at least) ``bound - 1`` stages after it: under ``pdjax`` the semantics
+        table's count, what the runtime stashes
+        (:func:`pdjax.partition.cost.memory_in_flight_bounds`); under ``paper`` the
+        planner's depth (``P - s``, at most ``M`` if the schedule flushes, or ``M``)."""
+        if self.model == "pdjax":
+            inflight = (self._depth_lower if least else self._depth_upper)[bound]
+        elif not self.traits.pipelined_in_flight:
             inflight = np.full_like(bound, self.M)
         elif self.traits.flush:
             inflight = np.minimum(bound, self.M)
@@ -156,18 +206,75 @@ class Search:
         versions = inflight if self.traits.versions == "in_flight" else int(self.traits.versions)
         return inflight, versions
 
-    def _memory(self, model: str, replicas: int, inflight: Any, versions: Any) -> np.ndarray:
-        """:func:`pdjax.partition.cost.stage_memory` of every range on ``replicas`` devices."""
-        return cost.stage_memory(
-            model,
-            weights=self.weights,
-            stash=self.stash,
-            act=self.act,
-            replicas=replicas,
-            in_flight_count=inflight,
-            versions=versions,
-            optimizer_state_factor=self.opt,
-            update_copies=self.update_copies if model == "pdjax" else 0.0,
+    def _memory(
+        self,
+        model: str,
+        replicas: int,
+        inflight: Any,
+        versions: Any,
+        *,
+        group: int = 1,
+        sharing: int | None = None,
+    ) -> np.ndarray:
+        """:func:`pdjax.partition.cost.stage_memory` of every range on ``replicas`` devices,
+        its neighbours sending or taking up to ``group`` microbatches at once (round-robin
+        groups), its compute shared by ``sharing`` devices (default ``replicas``) where it
+        decides whether a link keeps up (:class:`pdjax.partition.cost.RuntimeCall`)."""
+        if model != "pdjax":
+            return cost.stage_memory(
+                model,
+                weights=self.weights,
+                stash=self.stash,
+                act=self.act,
+                replicas=replicas,
+                in_flight_count=inflight,
+                versions=versions,
+                optimizer_state_factor=self.opt,
+            )
+        call = self._call(group, replicas if sharing is None else sharing)
+        terms: dict[str, Any] = {
+            "weights": self.weights,
+            "stash": self.waiting,
+            "in_flight_count": inflight,
+            "versions": versions,
+        }
+        common: dict[str, Any] = {
+            "act": 0.0,
+            "replicas": replicas,
+            "optimizer_state_factor": self.opt,
+            "weight_copies": self.weight_copies,
+        }
+        memory = cost.stage_memory("pdjax", **terms, **common, call=call)
+        # What the call places up front sits on the first stage (ranges from layer 0) and
+        # the last (ranges to layer L - 1): priced there alone, the rest has only stash.
+        shape = (self.L, self.L)
+        for where in ((0, slice(None)), (slice(None), self.L - 1)):
+            part = {name: _part(value, shape, where) for name, value in terms.items()}
+            edge = dataclasses.replace(
+                call,
+                placed=self.placed[where],
+                cut_before=_part(call.cut_before, shape, where),
+                cut_after=_part(call.cut_after, shape, where),
+                slow_before=_part(call.slow_before, shape, where),
+                slow_after=_part(call.slow_after, shape, where),
+            )
+            memory[where] = cost.stage_memory("pdjax", **part, **common, call=edge)
+        return memory
+
+    def _call(self, group: int, sharing: int) -> cost.RuntimeCall:
+        """The call's terms of every range: its neighbours' groups at most ``group``, its
+        compute shared by ``sharing`` devices. The sound check queues sent values behind
+        every link slower than the stage's own compute (the stages around it may be
+        slower still and feed it less: the plan's exact memory knows); the optimistic
+        one queues none."""
+        queues = self.memory_mode == "bound"
+        return cost.RuntimeCall(
+            calls=self.calls,
+            cut_before=self.cut_before * group,
+            cut_after=self.cut_after * group,
+            slow_before=queues & (self.tau_before > self.gradient_seconds / sharing),
+            slow_after=queues & (self.tau_after > self.forward_seconds / sharing),
+            update_microbatches=self.update_microbatches,
         )
 
     def _optimistic_memory(self, r: int) -> np.ndarray:
@@ -176,12 +283,11 @@ class Search:
         model's last stage (1 for it), and replicated on at most ``r`` devices of each unit
         of the outer levels. A plan the program finds under it must be verified."""
         last = self.layers_after == 0
-        bound = np.where(last, 1, 2)
+        bound = np.where(last, 1, min(2, len(self._depth_lower) - 1))
         if self.rr:
             return self._memory("pdjax", r, bound * r, bound)
-        inflight, versions = self._in_flight(bound)
-        outer = self.topology.num_devices // self.topology.levels[0].workers
-        return self._memory("pdjax", r * outer, inflight, versions)
+        inflight, versions = self._in_flight(bound, least=True)
+        return self._memory("pdjax", r * self.outer_units, inflight, versions, sharing=r)
 
     def _round_robin_memory(self, r: int, after: int) -> np.ndarray:
         """Bytes per device of a stage on ``r`` devices of the innermost level, ``after``
@@ -190,7 +296,9 @@ class Search:
         versions per device)."""
         # pipedream only (the planner has no round-robin for the other schedules).
         q = np.where(self.layers_after == 0, 1, max(1, (2 * (r + after) - 2) // r))
-        return self._memory("pdjax", r, q * r, q)
+        # a neighbour's group may be as large as all the other devices
+        group = max(r, self.topology.num_devices - r)
+        return self._memory("pdjax", r, q * r, q, group=group, sharing=r * self.outer_units)
 
     def _calibrated(self, m: int) -> tuple[np.ndarray, np.ndarray | None]:
         """Innermost level, ``m`` devices: ``(inner, allreduce)``, the ranges' compute as
@@ -449,3 +557,10 @@ class Search:
             stage_seconds=self.stage_seconds,
             allreduce_seconds=self.allreduce_seconds,
         )
+
+
+def _part(value: Any, shape: tuple[int, int], where: tuple[Any, Any]) -> Any:
+    """``value`` (a scalar, or an array broadcasting to ``shape``) at ``where``."""
+    if np.ndim(value) == 0:
+        return value
+    return np.broadcast_to(value, shape)[where]

@@ -18,7 +18,16 @@ samples and a profile of batch ``B`` (``scale = b / B``):
 ``param_bytes``        ``sum_l param_bytes[l]`` (a whole copy on every replica)
 ``stash_bytes``        ``sum_l stash_bytes[l] * scale / r`` (each replica keeps its share)
 ``optimizer_bytes``    ``param_bytes * optimizer_state_factor`` (``plan.options``, default 2)
+``input_bytes``        the model's input per microbatch at the first stage, its targets at
+                       the last (:class:`~pdjax.partition.cost.CallArrays`: the smaller of
+                       the model's output and input), both at a single stage; 0 between
+``cotangent_bytes``    ``sum_l output_bytes[l] * scale / r``: zero bubble's cotangents at
+                       the layers' outputs
 =====================  =====================================================================
+
+The last two are counted by the simulator's ``runtime`` memory model only
+(``dataclasses.replace(costs, memory_model="runtime")``), which then counts what the
+planner's ``pdjax`` memory terms charge (:mod:`pdjax.partition.cost`).
 
 ``w_l``, the weight-gradient share of layer ``l``'s backward (:func:`weight_grad_fraction`;
 only ``zb-h1``, which defers ``W``, depends on it). The runtime computes zero bubble's ``I``
@@ -279,9 +288,12 @@ def _stage_costs(
     weight_grad = backward * w_share
     factor = float(plan.options.get("optimizer_state_factor", DEFAULT_OPTIMIZER_STATE_FACTOR))
     stages = []
-    for (first, last), r in zip(ranges, replicas, strict=True):
+    K = len(ranges)
+    inputs, targets = getattr(arrays, "inputs", 0.0), getattr(arrays, "targets", 0.0)
+    for k, ((first, last), r) in enumerate(zip(ranges, replicas, strict=True)):
         sl = slice(first, last + 1)
         params = math.fsum(arrays.params[sl])
+        placed = (inputs if k == 0 else 0.0) + (targets if k == K - 1 else 0.0)
         stages.append(
             StageCosts(
                 forward=math.fsum(forward[sl]) / r,
@@ -291,6 +303,8 @@ def _stage_costs(
                 param_bytes=round(params),
                 stash_bytes=round(math.fsum(arrays.stash[sl]) / r),
                 optimizer_bytes=round(params * factor),
+                input_bytes=round(placed),
+                cotangent_bytes=round(math.fsum(arrays.act[sl]) / r),
             )
         )
     return stages
