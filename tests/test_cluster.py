@@ -176,7 +176,7 @@ def test_report_and_plot(tmp_path):
             simulated=0.028,
             speedup=1.67,
             predicted_speedup=1.6,
-            simulated_unposted=0.0335,
+            simulated_posted=0.0335,
             cpu=((0.002, 0.025, 0.03), (0.001, 0.02, 0.03)),
         ),
         Row(
@@ -190,7 +190,7 @@ def test_report_and_plot(tmp_path):
             simulated=1.15,
             speedup=0.04,
             predicted_speedup=0.04,
-            simulated_unposted=1.15,
+            simulated_posted=1.15,
         ),
     )
     curves = {"vgg-fc": {"pipedream": [(10.0, 1.0, 1.2), (100.0, 1.6, 1.9)],
@@ -233,7 +233,10 @@ def test_report_and_plot(tmp_path):
     assert plot_cluster(result, tmp_path / "c.png").stat().st_size > 10_000
     assert '"rows"' in result.to_json()
     # both receive models side by side, over the rows that have both
-    assert "reaches them 2 of 2, transfers starting once sent 1 of 2" in text
+    assert (
+        "starting once sent (the default) 2 of 2, receives posted when the receiving stage" in text
+    )
+    assert "reaches them 1 of 2" in text
     # where each worker's time goes: driver, other threads, idle, busy
     row = "| vgg-fc | 100 Mbit/s | pipedream | 0-6 / 7-15 | 0 | 2.00 | 25.00 | 3.00 | 90% |"
     assert row in text

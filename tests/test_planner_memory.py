@@ -200,6 +200,24 @@ def test_the_call_length_is_what_the_inputs_cost():
     assert arrays.targets == min(profile.layers[-1].output_bytes, arrays.inputs)
 
 
+def test_plan_pipedream_prices_the_call_it_is_given():
+    """``plan_pipedream(microbatches_per_call=N)``: the plan's memory holds the inputs of a
+    call of ``N`` microbatches (recorded in its options), and a cap that the default call
+    fits but the longer one does not refuses the longer call's plan."""
+    profile, topo = _profile(), Topology.flat(3, 1e9)
+    common = dict(schedule="1f1b", num_microbatches=4, straight=True)
+    short = plan_pipedream(profile, topo, **common)
+    long = plan_pipedream(profile, topo, microbatches_per_call=40, **common)
+    assert short.options["microbatches_per_call"] == 8
+    assert long.options["microbatches_per_call"] == 40
+    inputs = cost.model_arrays(profile).inputs
+    assert long.stages[0].memory_bytes == pytest.approx(short.stages[0].memory_bytes + 32 * inputs)
+    cap = max(short.memory_per_device) * 1.0001
+    assert max(long.memory_per_device) > cap  # the longer call's inputs do not fit
+    with pytest.raises(PlanError):
+        plan_pipedream(profile, topo.with_memory(cap), microbatches_per_call=40, **common)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_costs_from_plan_fill_in_what_the_runtime_model_counts(schedule):
     """``costs_from_plan`` places the call's inputs, targets and cotangents, so that the

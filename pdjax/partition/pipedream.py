@@ -91,6 +91,7 @@ def plan_pipedream(
     replication: str = "auto",
     stage_seconds: cost.StageSeconds | None = None,
     allreduce_seconds: cost.AllreduceSeconds | None = None,
+    microbatches_per_call: int | None = None,
 ) -> Plan:
     """The optimal pipeline configuration by PipeDream's dynamic program.
 
@@ -119,6 +120,9 @@ def plan_pipedream(
       stage_seconds, allreduce_seconds: calibration (``pdjax`` only; the module doc):
         measured seconds of a stage's compute share and of one all-reduce, or None for the
         formulas.
+      microbatches_per_call: ``pdjax``'s memory terms: the microbatches of one
+        ``Pipeline.run`` call, whose inputs the runtime places up front (None: the shortest
+        steady call, :func:`pdjax.partition.cost.microbatches_per_call`).
 
     Returns:
       The plan; ``plan.time_per_microbatch`` is its period under the cost model: the
@@ -151,6 +155,7 @@ def plan_pipedream(
         optimizer_state_factor=optimizer_state_factor,
         stage_seconds=stage_seconds,
         allreduce_seconds=allreduce_seconds,
+        microbatches_per_call=microbatches_per_call,
     )
     options = {"straight": straight, "fewer_machines": fewer_machines, "replication": replication}
     options.update(calibrated_options(stage_seconds, allreduce_seconds))
@@ -294,6 +299,7 @@ def _finish(
         options=options,
         microbatch_size=search.microbatch_size,
         replication=modes,
+        microbatches_per_call=search.calls,
     )
 
 
@@ -313,6 +319,7 @@ def solve(
     memory_mode: str = "bound",
     stage_seconds: cost.StageSeconds | None = None,
     allreduce_seconds: cost.AllreduceSeconds | None = None,
+    microbatches_per_call: int | None = None,
 ) -> tuple[Search, list[Table]]:
     """Validates, checks the memory limit, and runs the program (see :func:`plan_pipedream`).
 
@@ -347,6 +354,7 @@ def solve(
         optimizer_state_factor=float(optimizer_state_factor),
         round_robin=replication == "round-robin",
         memory_mode=memory_mode,
+        microbatches_per_call=microbatches_per_call,
     )
     if limit is not None:
         mem_search = Search(

@@ -119,11 +119,10 @@ class PipelineCosts:
             holds: gradient sums, the call's starting weights, inputs placed up front, zero
             bubble's cotangents, activations in transit; see the module doc).
         posted_receives: a transfer starts only when the receiving group reaches the action
-            that needs it, not when the sender has produced it. Calibrations of CPU
-            processes turn it on: it fitted the cluster benchmark's runs better (see
-            ``benchmarks/results/cluster.md``, which reports both models). It is a fit,
-            not the runtime's mechanism: dispatch and receives are asynchronous on XLA's
-            CPU client (``pdjax._xla_cpu``).
+            that needs it, not when the sender has produced it (default off: pdjax's
+            runtime posts receives ahead of its devices, ``pdjax._xla_cpu``). Calibrations
+            of CPU processes turned it on until the cluster benchmark measured both models
+            side by side (``benchmarks/results/cluster.md``) and the other fitted better.
     """
 
     stages: tuple[StageCosts, ...]

@@ -296,7 +296,7 @@ def _run_alone(m: _Model, s: _Settings) -> tuple[_Baseline, list[Row]]:
             predicted_speedup=1.0,
             repeats=tuple(t / s.units for t in alone[k]),
             simulated_profile=s_prof,
-            simulated_unposted=s_single,
+            simulated_posted=s_single,
             cpu=_per_microbatch(cpu, k, s.units * len(alone[k])),
         )
         for k, how in [("single", "1 worker, one jit"), ("single-pipe", "1 worker, 1 stage")]
@@ -319,13 +319,13 @@ def _per_microbatch(
 
 
 def _predictions(m: _Model, cal: Any, run: _Run) -> tuple[float, float, float, float]:
-    """``(planner, simulator, simulator from the profile alone, simulator with receives
-    not posted)`` seconds per microbatch of ``run``: all but the third from the calibration
-    ``cal``; the last with every transfer starting once its sender has produced it."""
+    """``(planner, simulator, simulator from the profile alone, simulator with posted
+    receives)`` seconds per microbatch of ``run``: all but the third from the calibration
+    ``cal``; the last with each receive posted when the receiving stage reaches it."""
     planner, simulated = predict_calibrated(m.prof, cal, **run)
-    _, unposted = predict_calibrated(m.prof, cal, **run, posted_receives=False)
+    _, posted = predict_calibrated(m.prof, cal, **run, posted_receives=True)
     _, profile_only = predict(m.prof, m.updates, **run)
-    return planner, simulated, profile_only, unposted
+    return planner, simulated, profile_only, posted
 
 
 def _runners(m: _Model, rate: float | None, s: _Settings) -> list[dict[str, Any]]:
@@ -418,7 +418,7 @@ def _measured_rows(
             microbatches=_M,
             extra=r.get("extra", 0),
         )
-        p, sim, s_old, s_unposted = _predictions(m, cal, run)
+        p, sim, s_old, s_posted = _predictions(m, cal, run)
         layout = "DP x2" if r["name"] == "dp" else " / ".join(f"{f}-{last}" for f, last in st)
         allreduce, allreduce_predicted = (
             (cal.stage(0, L - 1, 2, "round-robin").allreduce, ring)
@@ -439,7 +439,7 @@ def _measured_rows(
                 allreduce=allreduce,
                 allreduce_predicted=allreduce_predicted,
                 simulated_profile=s_old,
-                simulated_unposted=s_unposted,
+                simulated_posted=s_posted,
                 cpu=_per_microbatch(cpu, label, n * len(got[label])),
             )
         )

@@ -39,9 +39,10 @@ class Row:
         calibration.
       simulated_profile: the simulator's prediction from the per-layer profile alone (no
         calibration; the ring all-reduce at the link rate): what calibration corrects.
-      simulated_unposted: the simulator's prediction from the same calibrated costs, but
-        every transfer starting once its sender has produced it (no posted receives): the
-        other receive model, to say which one the runs follow.
+      simulated_posted: the simulator's prediction from the same calibrated costs, but
+        with each receive posted when the receiving stage reaches it
+        (``PipelineCosts.posted_receives``): the other receive model, to say which one the
+        runs follow.
       cpu: per worker process, ``(driver, other threads, wall)`` seconds per microbatch in
         the timed calls: the CPU time of the thread that dispatches (pdjax's driver) and
         of every other thread (XLA's programs, its transfers), from Linux's per-thread
@@ -63,7 +64,7 @@ class Row:
     allreduce: float = math.nan
     allreduce_predicted: float = math.nan
     simulated_profile: float = math.nan
-    simulated_unposted: float = math.nan
+    simulated_posted: float = math.nan
     cpu: tuple[tuple[float, float, float], ...] = ()
 
 
@@ -195,7 +196,7 @@ def _cpu_table(rows: Sequence[Row]) -> list[str]:
 
 def _receive_models(rows: Sequence[Row]) -> list[str]:
     """The rows within 10% under each of the simulator's receive models."""
-    both = [r for r in rows if math.isfinite(r.simulated_unposted)]
+    both = [r for r in rows if math.isfinite(r.simulated_posted)]
     if not both:
         return []
 
@@ -204,9 +205,9 @@ def _receive_models(rows: Sequence[Row]) -> list[str]:
 
     return [
         "",
-        f"The simulator's receive models, rows within 10%: receives posted when the "
-        f"receiving stage reaches them {within('simulated')} of {len(both)}, transfers "
-        f"starting once sent {within('simulated_unposted')} of {len(both)}.",
+        f"The simulator's receive models, rows within 10%: transfers starting once sent "
+        f"(the default) {within('simulated')} of {len(both)}, receives posted when the "
+        f"receiving stage reaches them {within('simulated_posted')} of {len(both)}.",
     ]
 
 
