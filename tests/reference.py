@@ -204,3 +204,30 @@ def delayed_training(
                 history[s].append(new)
                 pending[s] = []
     return [h[-1] for h in history]
+
+
+def random_stream(n, mb=4, seed=0):
+    """``n`` microbatches ``(x, labels)`` of ``mb`` rows: 16 standard-normal features and
+    one of 10 integer classes each (numpy, seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            rng.standard_normal((mb, 16)).astype(np.float32),
+            rng.integers(0, 10, mb).astype(np.int32),
+        )
+        for _ in range(n)
+    ]
+
+
+def replica_plan(bounds, replicas):
+    """Stages over layers ``[lo, hi)`` of ``bounds``, stage ``s`` on the next
+    ``replicas[s]`` devices (ids from 0)."""
+    from pdjax.partition import StagePlan
+
+    devices, first = [], 0
+    for r in replicas:
+        devices.append(tuple(range(first, first + r)))
+        first += r
+    return tuple(StagePlan(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))

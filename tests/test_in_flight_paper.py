@@ -19,11 +19,10 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training
+from reference import delayed_training, random_stream, replica_plan
 
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.layers import sequential
-from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 from pdjax.schedules import Schedule, generate, paper_in_flight, pipedream, validate
 from pdjax.schedules.validate import expected_in_flight
@@ -248,25 +247,6 @@ def _xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def _stream(n, mb=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.standard_normal((mb, 16)).astype(np.float32),
-            rng.integers(0, 10, mb).astype(np.int32),
-        )
-        for _ in range(n)
-    ]
-
-
-def _plan(bounds, replicas):
-    devices, first = [], 0
-    for r in replicas:
-        devices.append(tuple(range(first, first + r)))
-        first += r
-    return tuple(StagePlan(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
-
-
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_paper_round_robin_equals_its_recurrence(opt_name):
     """1-3-1 with ``in_flight="paper"``: group ``g`` of stage ``s`` runs forward and
@@ -277,9 +257,9 @@ def test_paper_round_robin_equals_its_recurrence(opt_name):
     layers = sequential(Dense32(), DenseDropout(), Dense32(), nn.Dense(10))
     opt = optax.sgd(0.1) if opt_name == "sgd" else optax.adam(1e-2)
     N = 3 * 3 * math.lcm(*replicas)  # at least 3P groups at every stage
-    stream = _stream(N)
+    stream = random_stream(N)
     pipe = Pipeline(
-        layers, _plan(bounds, replicas), _xent, opt, schedule="pipedream",
+        layers, replica_plan(bounds, replicas), _xent, opt, schedule="pipedream",
         replication="round-robin", in_flight="paper",
     )  # fmt: skip
     assert pipe.in_flight == "paper"
@@ -334,7 +314,7 @@ def test_pipeline_options_check_in_flight():
 def test_pipeline_refuses_an_in_flight_it_cannot_run():
     """The constructor checks the option before it builds anything."""
     layers = sequential(Dense32(), nn.Dense(10))
-    plan = _plan(((0, 1), (1, 2)), (1, 1))
+    plan = replica_plan(((0, 1), (1, 2)), (1, 1))
     with pytest.raises(PipelineError, match="in_flight must be one of"):
         Pipeline(layers, plan, _xent, optax.sgd(0.1), schedule="pipedream", in_flight="noam")
     with pytest.raises(PipelineError, match="option of pipedream, not of 1f1b"):

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training, flush_training
+from reference import delayed_training, flush_training, random_stream, replica_plan
 
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
@@ -39,25 +39,6 @@ class DenseBN(nn.Module):
 
 def xent(logits, labels):
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
-def _stream(n, mb=4, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.standard_normal((mb, 16)).astype(np.float32),
-            rng.integers(0, 10, mb).astype(np.int32),
-        )
-        for _ in range(n)
-    ]
-
-
-def _plan(bounds, replicas):
-    devices, first = [], 0
-    for r in replicas:
-        devices.append(tuple(range(first, first + r)))
-        first += r
-    return tuple(StagePlan(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -94,10 +75,10 @@ def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name)
     P = len(n)
     groups = 3 * P
     N = groups * math.lcm(*n)
-    stream = _stream(N)
+    stream = random_stream(N)
     pipe = Pipeline(
         layers,
-        _plan(bounds, replicas),
+        replica_plan(bounds, replicas),
         xent,
         opt,
         schedule="pipedream",
@@ -136,10 +117,10 @@ def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name)
 def test_flush_round_robin_equals_sequential_training(schedule, replicas):
     layers = sequential(Dense32(), DenseDropout(), Dense32(), nn.Dense(10))
     M = 6 if 3 in replicas else 4
-    stream = _stream(2 * M)
+    stream = random_stream(2 * M)
     pipe = Pipeline(
         layers,
-        _plan(((0, 2), (2, 4)), replicas),
+        replica_plan(((0, 2), (2, 4)), replicas),
         xent,
         optax.adam(1e-2),
         schedule=schedule,
@@ -162,10 +143,10 @@ def test_flush_round_robin_equals_sequential_training(schedule, replicas):
 def test_2bw_round_robin_equals_its_recurrence():
     layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
     M, bounds = 4, ((0, 2), (2, 4))
-    stream = _stream(3 * M)
+    stream = random_stream(3 * M)
     pipe = Pipeline(
         layers,
-        _plan(bounds, (2, 1)),
+        replica_plan(bounds, (2, 1)),
         xent,
         optax.sgd(0.1),
         schedule="2bw",
@@ -195,10 +176,10 @@ def test_round_robin_all_reduces_once_per_update(schedule, M):
     round-robin stage, one per update (per step of M under 1f1b, per group of r under
     pipedream); the single-device stage none."""
     layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
-    stream = _stream(8)
+    stream = random_stream(8)
     pipe = Pipeline(
         layers,
-        _plan(((0, 2), (2, 4)), (2, 1)),
+        replica_plan(((0, 2), (2, 4)), (2, 1)),
         xent,
         optax.sgd(0.1),
         schedule=schedule,
@@ -233,7 +214,7 @@ def test_gather_and_part_do_not_copy():
 
 def test_round_robin_refuses_what_it_cannot_do_exactly():
     layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
-    plan = _plan(((0, 2), (2, 4)), (2, 1))
+    plan = replica_plan(((0, 2), (2, 4)), (2, 1))
     with pytest.raises(PipelineError, match="zb-h1"):
         Pipeline(
             layers,
@@ -259,14 +240,14 @@ def test_round_robin_refuses_what_it_cannot_do_exactly():
     pipe = Pipeline(
         layers, plan, xent, optax.sgd(0.1), schedule="pipedream", replication="round-robin"
     )
-    stream = _stream(3)
+    stream = random_stream(3)
     state = pipe.init(jax.random.key(0), stream[0][0])
     with pytest.raises(PipelineError, match="multiple of 2"):
         pipe.run(state, stream)
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
     pipe = Pipeline(
         bn,
-        _plan(((0, 1), (1, 3)), (2, 1)),
+        replica_plan(((0, 1), (1, 3)), (2, 1)),
         xent,
         optax.sgd(0.1),
         schedule="pipedream",
@@ -283,7 +264,7 @@ def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
     caller's explicit choice raises instead (above)."""
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
     plan = (StagePlan(0, 0, (0, 1), replication="round-robin"), StagePlan(1, 2, (2,)))
-    stream = _stream(4)
+    stream = random_stream(4)
     pipe = Pipeline(bn, plan, xent, optax.sgd(0.1), schedule="pipedream")
     assert pipe.stages[0].round_robin
     state = pipe.init(jax.random.key(0), stream[0][0])
@@ -312,10 +293,10 @@ def test_round_robin_next_to_a_split_replicated_stage_and_retries():
     """A round-robin stage before a split replicated one (the shapes each stage passes on
     are one microbatch's), and a refusal that stays a refusal when the call is retried."""
     layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
-    stream = _stream(4)
+    stream = random_stream(4)
     pipe = Pipeline(
         layers,
-        _plan(((0, 2), (2, 4)), (2, 2)),
+        replica_plan(((0, 2), (2, 4)), (2, 2)),
         xent,
         optax.sgd(0.1),
         schedule="1f1b",
@@ -332,7 +313,7 @@ def test_round_robin_next_to_a_split_replicated_stage_and_retries():
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
     pipe = Pipeline(
         bn,
-        _plan(((0, 1), (1, 3)), (2, 1)),
+        replica_plan(((0, 1), (1, 3)), (2, 1)),
         xent,
         optax.sgd(0.1),
         schedule="gpipe",
