@@ -9,6 +9,7 @@ Each microbatch's gradient and each update are one jitted program: run op by op,
 own (most of these tests' compile time).
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -231,3 +232,24 @@ def replica_plan(bounds, replicas):
         devices.append(tuple(range(first, first + r)))
         first += r
     return tuple(StagePlan(lo, hi - 1, d) for (lo, hi), d in zip(bounds, devices, strict=True))
+
+
+def xent(logits, labels):
+    """Mean softmax cross-entropy over integer labels."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+class Dense32(nn.Module):
+    """A 32-wide dense layer with tanh."""
+
+    @nn.compact
+    def __call__(self, x):
+        return nn.tanh(nn.Dense(32)(x))
+
+
+class DenseDropout(nn.Module):
+    """A 32-wide dense layer with ReLU and dropout 0.25 (in training)."""
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        return nn.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(32)(x)))

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training, random_stream, replica_plan
+from reference import Dense32, DenseDropout, delayed_training, random_stream, replica_plan, xent
 
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.layers import sequential
@@ -231,22 +231,6 @@ def test_2_2_paper_is_the_full_rate_schedule(fb):
 # ----------------------------------------------------------------------------- runtime
 
 
-class Dense32(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.tanh(nn.Dense(32)(x))
-
-
-class DenseDropout(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        return nn.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
-
-
-def _xent(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-
 @pytest.mark.parametrize("opt_name", ["sgd", "adam"])
 def test_paper_round_robin_equals_its_recurrence(opt_name):
     """1-3-1 with ``in_flight="paper"``: group ``g`` of stage ``s`` runs forward and
@@ -259,7 +243,7 @@ def test_paper_round_robin_equals_its_recurrence(opt_name):
     N = 3 * 3 * math.lcm(*replicas)  # at least 3P groups at every stage
     stream = random_stream(N)
     pipe = Pipeline(
-        layers, replica_plan(bounds, replicas), _xent, opt, schedule="pipedream",
+        layers, replica_plan(bounds, replicas), xent, opt, schedule="pipedream",
         replication="round-robin", in_flight="paper",
     )  # fmt: skip
     assert pipe.in_flight == "paper"
@@ -275,7 +259,7 @@ def test_paper_round_robin_equals_its_recurrence(opt_name):
     def reference(counts):
         return delayed_training(
             layers,
-            _xent,
+            xent,
             opt,
             start,
             stream,
@@ -316,9 +300,9 @@ def test_pipeline_refuses_an_in_flight_it_cannot_run():
     layers = sequential(Dense32(), nn.Dense(10))
     plan = replica_plan(((0, 1), (1, 2)), (1, 1))
     with pytest.raises(PipelineError, match="in_flight must be one of"):
-        Pipeline(layers, plan, _xent, optax.sgd(0.1), schedule="pipedream", in_flight="noam")
+        Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="pipedream", in_flight="noam")
     with pytest.raises(PipelineError, match="option of pipedream, not of 1f1b"):
-        Pipeline(layers, plan, _xent, optax.sgd(0.1), schedule="1f1b", in_flight="paper")
+        Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="1f1b", in_flight="paper")
 
 
 def test_train_takes_in_flight_for_pipedream_only():

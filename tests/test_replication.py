@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import flush_training
+from reference import flush_training, random_stream, xent
 
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
@@ -18,21 +18,6 @@ from pdjax.pipeline import Pipeline
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
-
-
-def _stream(n, mb, seed=0):
-    rng = np.random.default_rng(seed)
-    return [
-        (
-            rng.standard_normal((mb, 16)).astype(np.float32),
-            rng.integers(0, 10, mb).astype(np.int32),
-        )
-        for _ in range(n)
-    ]
-
-
-def xent(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 class Centre(nn.Module):
@@ -83,7 +68,7 @@ def test_one_all_reduce_per_update_none_in_a_backward(schedule, M, steps):
     backward programs (B, I, W, FB) hold no all-reduce, its updates one each; asked to
     all-reduce in every backward, each backward holds one."""
     layers = sequential(Dense32(), Dense32(), Dense32(), nn.Dense(10))
-    stream = _stream(2 * M, 12)
+    stream = random_stream(2 * M, 12)
     counts = {}
     for where in ("update", "backward"):
         pipe = _pipe(layers, schedule, M, grad_allreduce=where)
@@ -113,7 +98,7 @@ def test_per_device_sums_equal_sequential_training(schedule):
         plan = tuple(StagePlan(i, i, (0, 1) if i % 2 == 0 else (2,)) for i in range(4))
         kwargs["chunks"] = 2
     pipe = _pipe(layers, schedule, M, plan=plan, opt=opt, **kwargs)
-    stream = _stream(M * steps, 6)
+    stream = random_stream(M * steps, 6)
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
     for t in range(steps):
@@ -137,7 +122,7 @@ def test_stages_that_mix_rows_stay_whole_and_exact(layer, why):
     it keeps the whole-microbatch programs (an all-reduce in each backward), says why, and
     trains exactly like the unreplicated pipeline."""
     layers = sequential(layer(), layer(), Dense32(), nn.Dense(10))
-    stream = _stream(4, 6)
+    stream = random_stream(4, 6)
 
     def train(plan):
         pipe = _pipe(layers, "1f1b", 2, plan=plan)
@@ -180,7 +165,7 @@ def test_each_device_keeps_its_own_rows_gradient():
     from pdjax.pipeline import Stage
 
     layers = sequential(Dense32(), nn.Dense(10))
-    x, t = _stream(1, 8)[0]
+    x, t = random_stream(1, 8)[0]
     variables = [
         jax.jit(layer.init)(jax.random.key(j), x if j == 0 else np.zeros((8, 32), np.float32))
         for j, layer in enumerate(layers.layers)

@@ -11,7 +11,15 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training, flush_training, random_stream, replica_plan
+from reference import (
+    Dense32,
+    DenseDropout,
+    delayed_training,
+    flush_training,
+    random_stream,
+    replica_plan,
+    xent,
+)
 
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
@@ -19,26 +27,10 @@ from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 
 
-class Dense32(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        return nn.tanh(nn.Dense(32)(x))
-
-
-class DenseDropout(nn.Module):
-    @nn.compact
-    def __call__(self, x, train: bool = False):
-        return nn.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
-
-
 class DenseBN(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         return nn.BatchNorm(use_running_average=not train)(nn.Dense(32)(x))
-
-
-def xent(logits, labels):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
