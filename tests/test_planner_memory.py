@@ -88,7 +88,9 @@ def _old_estimate(plan, profile: Profile) -> list[float]:
     in-flight count, nothing of the call."""
     arrays = cost.model_arrays(profile, plan.microbatch_size)
     k = plan.options["optimizer_state_factor"]
-    copies = cost.update_copies(plan.schedule, k)
+    # the accumulator (none under pipedream) and the update's new weights and state
+    accumulator = 0.0 if cost.schedule_traits(plan.schedule).update_per_microbatch else 1.0
+    copies = accumulator + 1.0 + k
     out = []
     for st in plan.stages:
         sl = slice(st.first_layer, st.last_layer + 1)

@@ -218,7 +218,6 @@ from pdjax.partition.traits import (
     resolve_replication,
     schedule_traits,
     stage_units,
-    update_copies,
     updates_per_microbatch,
     versions_kept,
 )
@@ -266,7 +265,6 @@ __all__ = [
     "stage_time",
     "stage_units",
     "transit_bytes",
-    "update_copies",
     "update_microbatches",
     "updates_per_microbatch",
     "versions_kept",

@@ -205,20 +205,6 @@ def allreduces_per_microbatch(
     return 1.0 / num_microbatches
 
 
-def update_copies(schedule: str, optimizer_state_factor: float) -> float:
-    """Parameter-sized buffers a ``pdjax`` stage holds besides its weight versions and
-    optimizer state, at the moment of an update: the gradient accumulator (1 under the
-    schedules that update once per step, 0 under ``pipedream``, whose gradient lives only
-    until its update) plus the update's transient new weights and new optimizer state
-    (``1 + k``).
-
-    >>> update_copies("pipedream", 2.0), update_copies("1f1b", 2.0), update_copies("2bw", 0.0)
-    (3.0, 4.0, 2.0)
-    """
-    accumulator = 0.0 if schedule_traits(schedule).update_per_microbatch else 1.0
-    return accumulator + 1.0 + float(optimizer_state_factor)
-
-
 def has_round_trip(schedule: str, model: str = "pdjax") -> bool:
     """Whether the ``model``'s objective has the round-trip bound under ``schedule``
     (:attr:`ScheduleTraits.round_trip`, ``pdjax`` only)."""
