@@ -65,16 +65,7 @@ def _profile_job(job: Mapping[str, Any]) -> None:
             params, state = jax.block_until_ready(fn(params, state, grads))
             times.append(time.perf_counter() - t0)
         updates.append(statistics.median(times[2:]))
-    measured = []
-    if job.get("stages"):
-        from pdjax.calibrate import measure_stages
-
-        sample = jax.tree.map(np.asarray, spec.sample_batch(b, job["seed"]))
-        stages = [tuple(st) for st in job["stages"]]
-        measured = [
-            dataclasses.asdict(m)
-            for m in measure_stages(spec.layers, sample, spec.loss, opt, stages, repeats=7)
-        ]
+    measured = _stage_measures(job, jax.devices()[0]) if job.get("stages") else []
     Path(job["out"]).write_text(
         json.dumps({"profile": prof.to_json(), "updates": updates, "stages": measured})
     )
@@ -111,29 +102,31 @@ def _measure_links(job: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _measure_stages_here(job: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Every process: process 0 times ``job["stages"]`` (``(first, last, replicas,
-    replication)``) on its device, as the profile job does, while the others wait; all
-    get the measures."""
+def _stage_measures(job: Mapping[str, Any], device: Any) -> list[dict[str, Any]]:
+    """``job["stages"]`` (``(first, last, replicas, replication)``) timed on ``device`` as
+    the runtime's programs (:func:`pdjax.calibrate.measure_stages`), as plain data."""
     import jax
     import numpy as np
 
     from pdjax.calibrate import measure_stages
+
+    spec = cluster_model(job["model"])
+    sample = jax.tree.map(np.asarray, spec.sample_batch(job["microbatch"], job["seed"]))
+    stages = [tuple(st) for st in job["stages"]]
+    opt = _optimizer(job.get("optimizer", "sgd"), job.get("learning_rate", 1e-3))
+    measures = measure_stages(spec.layers, sample, spec.loss, opt, stages, device=device,
+                              repeats=7)  # fmt: skip
+    return [dataclasses.asdict(m) for m in measures]
+
+
+def _measure_stages_here(job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every process: process 0 times ``job["stages"]`` on its device
+    (:func:`_stage_measures`) while the others wait; all get the measures."""
+    import jax
+
     from pdjax.distributed import broadcast_json
 
-    measured: list[dict[str, Any]] = []
-    if jax.process_index() == 0:
-        spec = cluster_model(job["model"])
-        sample = jax.tree.map(np.asarray, spec.sample_batch(job["microbatch"], job["seed"]))
-        stages = [tuple(st) for st in job["stages"]]
-        opt = _optimizer(job.get("optimizer", "sgd"), job.get("learning_rate", 1e-3))
-        measured = [
-            dataclasses.asdict(m)
-            for m in measure_stages(
-                spec.layers, sample, spec.loss, opt, stages, device=jax.local_devices()[0],
-                repeats=7,
-            )
-        ]  # fmt: skip
+    measured = _stage_measures(job, jax.local_devices()[0]) if jax.process_index() == 0 else []
     got: list[dict[str, Any]] = broadcast_json(measured, timeout=1800.0)
     return got
 
