@@ -10,7 +10,9 @@ as the pipeline without a pipeline: the honest floor of the machinery):
 * throughput ratios, rounds interleaved (the machine's noise hits every runner alike);
 * host microseconds per schedule action (the driver's loop over the program, divided by
   the actions it carries out), on the compute-bound model and on a width-16 one where
-  compute is negligible (``--host-width``);
+  compute is negligible (``--host-width``): wall time, which includes the driver's waits
+  for its devices (a device takes about 32 programs in flight) and for a core, and the
+  driver thread's own CPU time (``RunMetrics.host_cpu_seconds``), what the driver costs;
 * peak live bytes per device group against the simulator's memory prediction for the same
   plan: measured with the unfused program one operation at a time, after each operation
   (``RunMetrics.peak_bytes``) and while it runs (its results next to the inputs it frees);
@@ -208,7 +210,9 @@ def _pipeline_runner(configs, key: str, microbatches, host_per_action) -> Callab
         state, metrics = pipe.run(state, microbatches)
         jax.block_until_ready(state)
         configs[key][1] = state
-        host_per_action[key].append(metrics.host_seconds / metrics.actions)
+        host_per_action[key].append(
+            (metrics.host_seconds / metrics.actions, metrics.host_cpu_seconds / metrics.actions)
+        )
 
     return run_pipeline
 
@@ -239,23 +243,31 @@ def _print_throughput(times, host_per_action, host_only, args) -> None:
     )
     print()
     print(
-        f"| runner | samples/s | vs one jit | vs its loop of M jits | host us / action | "
-        f"host us / action, width {args.host_width} |"
+        f"| runner | samples/s | vs one jit | vs its loop of M jits | host us / action "
+        f"(wall, driver CPU) | host us / action, width {args.host_width} (wall, driver CPU) |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for key, ts in times.items():
         t = statistics.median(ts)
         # the floor with the same work: PipeDream updates after every microbatch
         floor = floors["each" if "pipedream" in key or "update each" in key else "flush"]
-        host = statistics.median(host_per_action[key]) * 1e6 if key in host_per_action else None
+        host = _medians(host_per_action[key]) if key in host_per_action else None
         tiny = host_only.get(key)
         print(
             f"| {key} | {samples / t:,.0f} | {base / t:.2f}x | {floor / t:.2f}x | "
-            + ("-" if host is None else f"{host:.0f}")
+            + ("-" if host is None else f"{host[0]:.0f}, {host[1]:.0f}")
             + " | "
-            + ("-" if tiny is None else f"{tiny:.0f}")
+            + ("-" if tiny is None else f"{tiny[0]:.0f}, {tiny[1]:.0f}")
             + " |"
         )
+
+
+def _medians(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median wall and driver-CPU microseconds per action of ``(wall, cpu)`` seconds."""
+    return (
+        statistics.median(p[0] for p in pairs) * 1e6,
+        statistics.median(p[1] for p in pairs) * 1e6,
+    )
 
 
 def main() -> None:
@@ -466,9 +478,10 @@ def _measure(pipe, state, microbatches) -> tuple[list[int], list[int]]:
     return after, during
 
 
-def _host_per_action(args: argparse.Namespace) -> dict[str, float]:
-    """Median host microseconds per schedule action on a width-``host_width`` model (compute
-    negligible: what is left is the driver, dispatch and transfers)."""
+def _host_per_action(args: argparse.Namespace) -> dict[str, tuple[float, float]]:
+    """Median host microseconds per schedule action, wall and driver CPU, on a
+    width-``host_width`` model (compute negligible: what is left is the driver, dispatch,
+    transfers, and XLA's per-program cost on the devices)."""
     W, L, M = args.host_width, args.layers, args.microbatches
     layers = sequential(*[Block(W) for _ in range(L - 1)], nn.Dense(10))
     rng = np.random.default_rng(1)
@@ -489,8 +502,13 @@ def _host_per_action(args: argparse.Namespace) -> dict[str, float]:
                 state, metrics = pipe.run(state, stream)
                 jax.block_until_ready(state)
                 if r >= 2:  # after compiling
-                    per.append(metrics.host_seconds / metrics.actions * 1e6)
-            out[f"{name} P={P}"] = statistics.median(per)
+                    per.append(
+                        (
+                            metrics.host_seconds / metrics.actions,
+                            metrics.host_cpu_seconds / metrics.actions,
+                        )
+                    )
+            out[f"{name} P={P}"] = _medians(per)
     return out
 
 

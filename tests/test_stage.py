@@ -10,6 +10,7 @@ import pytest
 
 from pdjax.layers import sequential
 from pdjax.pipeline import Stage
+from pdjax.pipeline import stage as stage_module
 
 
 def _xent(logits, labels):
@@ -55,8 +56,12 @@ def test_two_stages_match_whole_model_vjp(remat, replicas):
     assert g0[0]["kernel"].sharding.device_set == set(devs[:replicas])
     # residuals hold no copy of the weights or of the stage input
     if not remat:
-        kept = {a.shape for a in jax.tree.leaves(res0)}
-        assert (4, 16) not in kept and (16, 16) not in kept and (8, 4) not in kept
+        layout = next(iter(s0._layout.values()))  # one-device stages pack their residuals
+        (res,) = res0
+        unpacked = res if layout.packed is None else stage_module._unpack(res, layout.packed)
+        assert layout.packed is None or replicas == 1  # a sharded stage's are not packed
+        kept = {a.shape for a in unpacked}
+        assert kept and (4, 16) not in kept and (16, 16) not in kept and (8, 4) not in kept
 
 
 def test_fused_programs_equal_their_parts():
@@ -133,3 +138,19 @@ def test_each_program_compiles_once_per_shape():
         _, cts = st.program("I")(params, x, res, ct)
         st.program("W")(params, x, res, cts)
     assert st.trace_counts == {"F": 1, "B": 1, "I": 1, "W": 1}
+
+
+def test_a_single_device_forward_returns_its_residuals_packed():
+    """A one-device stage's forward returns its residuals as one array per dtype (each
+    array a program returns costs the driver host time on XLA's CPU client), and its
+    backward unpacks them (the gradients: the test above)."""
+    seq = sequential(*[nn.Dense(8) for _ in range(3)], nn.Dense(4))
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    params = [v["params"] for v in jax.jit(seq.init)(jax.random.key(1), x)]
+    st = Stage(0, seq.layers, 0, jax.devices()[:1], optax.sgd(0.1))
+    _, _, kept = st.program("F")(params, [{}] * 4, x, jax.random.key(2))
+    layout = next(iter(st._layout.values()))
+    assert layout.packed is not None and len(kept) == 1, [a.shape for a in kept]
+    unpacked = stage_module._unpack(kept, layout.packed)
+    assert len(unpacked) >= 3  # what the forward kept, one array each, before packing
+    assert sum(a.size for a in unpacked) == kept[0].size

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -83,6 +84,50 @@ class _ResidualLayout:
 
     treedef: Any
     sources: list[int]  # per VJP leaf: >= 0 index into flat (params, x); < 0: -1 - kept index
+    # per kept residual: (packed array, first element, shape), or None where kept as itself
+    packed: list[tuple[int, int, tuple[int, ...]] | None] | None = None
+
+
+def _pack(kept: list[jax.Array]) -> tuple[list[jax.Array], list[Any] | None]:
+    """A single-device stage's kept residuals as one flat array per dtype (and the
+    others, of extended dtypes such as keys, as themselves), and where each went.
+
+    Why: every array a program returns costs the dispatching thread a few microseconds
+    on XLA's CPU client (measured: 16 outputs about 4x the host time of one), and a
+    forward keeps a dozen residuals or more; XLA writes the parts straight into the
+    concatenation and the backward's slices fuse into their readers. Values are
+    unchanged (a copy, no arithmetic)."""
+    groups: dict[Any, list[int]] = {}
+    for k, a in enumerate(kept):
+        if not jnp.issubdtype(a.dtype, jax.dtypes.extended):
+            groups.setdefault(a.dtype, []).append(k)
+    if len(groups) == sum(len(g) for g in groups.values()):
+        return kept, None  # one array per dtype already: nothing to gain
+    out: list[jax.Array] = []
+    where: list[Any] = [None] * len(kept)
+    for members in groups.values():
+        offset = 0
+        for k in members:
+            where[k] = (len(out), offset, tuple(kept[k].shape))
+            offset += kept[k].size
+        out.append(jnp.concatenate([jnp.ravel(kept[k]) for k in members]))
+    out.extend(a for k, a in enumerate(kept) if where[k] is None)
+    return out, where
+
+
+def _unpack(residuals: list[jax.Array], where: list[Any]) -> list[jax.Array]:
+    """The kept residuals back from :func:`_pack`'s arrays."""
+    packed_count = len({w[0] for w in where if w is not None})
+    others = iter(residuals[packed_count:])
+    out = []
+    for w in where:
+        if w is None:
+            out.append(next(others))
+            continue
+        g, offset, shape = w
+        size = math.prod(shape)
+        out.append(residuals[g][offset : offset + size].reshape(shape))
+    return out
 
 
 _Pullbacks = list[Callable[..., Any]]
@@ -458,12 +503,17 @@ class Stage:
                 where[id(leaf)] = len(kept)
                 kept.append(leaf)
             sources.append(-1 - where[id(leaf)])
-        self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources)
+        packed = None
+        if len(self.devices) == 1:  # a sharded stage's would be resharded by the ravel
+            kept, packed = _pack(kept)
+        self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources, packed)
         return kept
 
     def rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
         params, x = self._view(params, x, self.parts)
         layout = self._layout[self._key(params, x, residuals)]
+        if layout.packed is not None:
+            residuals = _unpack(residuals, layout.packed)
         flat = jax.tree.leaves((params, x))
         leaves = [flat[s] if s >= 0 else residuals[-1 - s] for s in layout.sources]
         pbs: _Pullbacks = jax.tree.unflatten(layout.treedef, leaves)

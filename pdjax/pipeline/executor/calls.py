@@ -152,7 +152,7 @@ def execute(
         i = slots.get(name)
         if i is not None:
             reg[i] = value
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     all_reduces = None
     if schedule is not None:
         spans, peaks = interpret_recording(code, reg, schedule, ss.stages, on_loss)
@@ -160,7 +160,7 @@ def execute(
         all_reduces = interpret_counting(code, reg, on_loss)
     else:
         interpret(code, reg, on_loss)
-    host = time.perf_counter() - t0
+    host, host_cpu = time.perf_counter() - t0, time.thread_time() - c0
     transport.drain()  # the sender must outlive the transfer
     new_state = _new_state(code, ss, state, reg, len(microbatches))
     losses = _losses(code, forward, state, microbatches, reg)
@@ -172,6 +172,7 @@ def execute(
         peak_versions=prog.peak_versions,
         actions=prog.actions,
         host_seconds=host,
+        host_cpu_seconds=host_cpu,
         timeline=Timeline(prog.schedule, ss.num_groups, tuple(spans)) if record else None,
         peak_bytes=tuple(peaks) if record else None,
         ops=len(code.steps),

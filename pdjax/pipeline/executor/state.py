@@ -48,6 +48,10 @@ class RunMetrics:
         waits: the program's run-ahead bounds and one-at-a-time stages, and a device's
         limit of about 32 programs in flight, which makes a driver that runs that far
         ahead wait for its devices).
+      host_cpu_seconds: CPU time of the driver's thread over the same loop: what the
+        driver itself costs (host work, and any program XLA's CPU client runs inline on
+        the dispatching thread), without its waits; ``host_seconds`` minus this is
+        mostly time the driver spent waiting for its devices or for a core.
       timeline: per-action measured spans, when asked for (``timeline=True``).
       peak_bytes: with ``timeline=True``, per device group the most bytes of live arrays
         seen on one of its devices after any action (weights, versions, optimizer state,
@@ -66,6 +70,7 @@ class RunMetrics:
     peak_versions: tuple[int, ...]
     actions: int
     host_seconds: float
+    host_cpu_seconds: float = 0.0
     timeline: Timeline | None = None
     peak_bytes: tuple[int, ...] | None = None
     ops: int = 0
