@@ -17,7 +17,13 @@ step, :func:`plan_auto` searches
   its optimum may not be the simulator's, chiefly in how many replicas a stage gets);
 * per-stage **recomputation** (remat): a stage recomputes its forward in its backward
   only if its device group would not fit the memory limit otherwise;
-* for ``pipedream``, the **in-flight depth** (``extra_in_flight``);
+* for ``pipedream``, the **in-flight depth** (``extra_in_flight``) and, for round-robin
+  stages, the **groups in flight** (``in_flight``: ``"full-rate"``, and PipeDream's own
+  ``"paper"`` count on request; the two differ only at round-robin stages, where paper
+  keeps fewer groups, so less memory and staleness, and runs slower where they differ).
+  The combinations the schedule refuses (``"paper"`` with ``extra_in_flight``, ``"paper"``
+  for round-robin groups it would deadlock on, e.g. replicas 1-5-2) are skipped, not
+  raised: why is in ``plan.options["refused"]``;
 
 and ranks every candidate by the simulator (:func:`pdjax.simulator.simulate` over
 :func:`pdjax.partition.costs_from_plan`): predicted seconds per sample (a flush step's
@@ -26,12 +32,26 @@ asynchronous schedules), among those whose simulated peak memory fits. The dynam
 prunes; the simulator decides.
 
 The returned :class:`~pdjax.partition.Plan` records the choice in ``plan.options["auto"]``
-(schedule, M, chunks, remat per stage, in-flight depth, predicted time per sample, peak
-memory overall and per device group, peak microbatches in flight per stage, the memory
-limit held to: the simulator's figures; the plan's own per-stage ``in_flight`` and
-``memory_bytes`` are the dynamic program's, priced for another schedule) and, under
-``"alternatives"``, the best candidate of every other schedule (or why none fits), so a
-user sees why.
+(schedule, M, chunks, remat per stage, in-flight depth and ``in_flight_option``, predicted
+time per sample, peak memory overall and per device group, peak microbatches in flight per
+stage, the memory limit held to: the simulator's figures; the plan's own per-stage
+``in_flight`` and ``memory_bytes`` are the dynamic program's, priced for another schedule
+or at full rate) and, under ``"alternatives"``, the best candidate of every other schedule
+(or why none fits), so a user sees why; where ``in_flight`` lists more than one value,
+``"alternatives"`` also holds the best candidate of each other value of the winner's
+schedule (keyed ``"<schedule> in_flight=<value>"``).
+
+Memory: a candidate fits where the simulator's peak per device group fits the limit. The
+simulator prices its planner memory model over the schedule's own stream (one step of
+``M``; a ``pipedream`` stream long enough for a steady state), which leaves out what the
+runtime holds for a call besides (:mod:`pdjax.simulator.engine`): the inputs and targets
+of every microbatch of the call, placed up front, the gradient sum and the weights the
+call started from. A caller whose calls are long (``pdjax train`` runs an epoch per call)
+gives ``samples_per_call``: each candidate must then also fit by the ``pdjax`` memory
+model of its partition for a call of that many samples
+(:func:`pdjax.partition.evaluate.stage_memory_bytes`, the dynamic program's terms, as it
+prices the schedule, with the candidate's recomputation and ``in_flight``), recorded per
+plan stage as ``call_memory``; the cap holds the larger of the two.
 
 The simulator's pricing of one candidate is in :mod:`pdjax.partition.candidates`.
 """
@@ -44,7 +64,10 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from pdjax.errors import PlanError, ScheduleError
+from pdjax.partition import cost
 from pdjax.partition.candidates import (
     Candidate,
     HostCosts,
@@ -52,12 +75,13 @@ from pdjax.partition.candidates import (
     price,
     stage_specs,
 )
+from pdjax.partition.evaluate import stage_memory_bytes
 from pdjax.partition.partitioners import evaluate_partition
 from pdjax.partition.pipedream import plan_pipedream
 from pdjax.partition.plan import Plan
 from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
-from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STALE
+from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES, STALE
 
 __all__ = [
     "Candidate",
@@ -85,12 +109,33 @@ class _Space:
     calibration: Any
     chunks: Sequence[int]
     extra_in_flight: Sequence[int]
+    in_flight: Sequence[str]
     exhaustive: int
+    samples_per_call: int | None = None
+    arrays: dict[int, cost.CallArrays] = dataclasses.field(default_factory=dict)
+
+    def calls(self, name: str, M: int) -> int | None:
+        """``N``, the microbatches of one call of schedule ``name`` with ``M`` per step
+        (:attr:`samples_per_call` over the microbatch size; whole steps of ``M`` where the
+        schedule updates per step, as ``pdjax train`` cuts its epochs), or None."""
+        if self.samples_per_call is None:
+            return None
+        n = self.samples_per_call // (self.batch // M)
+        if not SCHEDULE_KINDS[name].semantics.updates_per_microbatch:
+            n -= n % M
+        return max(n, 1)
+
+    def arrays_of(self, microbatch_size: int) -> cost.CallArrays:
+        """The profile's arrays for one microbatch of ``microbatch_size`` samples (kept)."""
+        if microbatch_size not in self.arrays:
+            self.arrays[microbatch_size] = cost.model_arrays(self.profile, microbatch_size)
+        return self.arrays[microbatch_size]
 
 
 class _Found(NamedTuple):
-    """The best fitting plan found for one (schedule, M, v, e), with the candidate that
-    priced it and whether its partitions were searched exhaustively (nothing to refine)."""
+    """The best fitting plan found for one (schedule, M, v, e, in_flight), with the
+    candidate that priced it and whether its partitions were searched exhaustively
+    (nothing to refine)."""
 
     plan: Plan
     candidate: Candidate
@@ -99,22 +144,34 @@ class _Found(NamedTuple):
 
 @dataclasses.dataclass
 class _Tally:
-    """The search's state: per schedule its best fitting candidate, the candidate of least
-    peak memory, why schedules have none, and the best plan per (schedule, M, v, e)."""
+    """The search's state: per schedule its best fitting candidate (and per schedule and
+    ``in_flight`` option), the candidate of least peak memory, why schedules have none,
+    the option combinations refused and why, and the best plan per (schedule, M, v, e,
+    in_flight)."""
 
     best: dict[str, Candidate] = dataclasses.field(default_factory=dict)
     closest: Candidate | None = None
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)
-    plans: dict[tuple[str, int, int, int], _Found] = dataclasses.field(default_factory=dict)
+    refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    plans: dict[tuple[str, int, int, int, str], _Found] = dataclasses.field(default_factory=dict)
+    by_option: dict[tuple[str, str], Candidate] = dataclasses.field(default_factory=dict)
+
+    def refuse(self, what: str, why: str) -> None:
+        """Records why the option combination ``what`` was skipped (the first reason)."""
+        self.refused.setdefault(what, why)
 
     def consider(self, c: Candidate) -> None:
-        if self.closest is None or c.peak_memory < self.closest.peak_memory:
+        if self.closest is None or c.held_memory < self.closest.held_memory:
             self.closest = c
         if not c.fits:
             return
         old = self.best.get(c.schedule)
         if old is None or c.time_per_sample < old.time_per_sample:
             self.best[c.schedule] = c
+        key = (c.schedule, c.in_flight_option)
+        mine = self.by_option.get(key)
+        if mine is None or c.time_per_sample < mine.time_per_sample:
+            self.by_option[key] = c
 
 
 def _divisors(n: int) -> list[int]:
@@ -136,11 +193,13 @@ def plan_auto(
     optimizer_state_factor: float = 2.0,
     chunks: Sequence[int] = (2,),
     extra_in_flight: Sequence[int] = (0, 1, 2),
+    in_flight: Sequence[str] = ("full-rate",),
     refine: bool = True,
     exhaustive: int = 256,
     refine_top: int = 3,
     host: HostCosts | None = None,
     calibration: Any = None,
+    samples_per_call: int | None = None,
 ) -> Plan:
     """The fastest configuration the simulator finds that fits the memory limit.
 
@@ -160,6 +219,9 @@ def plan_auto(
       optimizer_state_factor: optimizer state bytes per parameter byte.
       chunks: ``v`` candidates for ``interleaved``.
       extra_in_flight: candidates for ``pipedream``'s extra depth.
+      in_flight: candidates for ``pipedream``'s ``in_flight`` option (``"full-rate"``,
+        ``"paper"``; :data:`pdjax.schedules.IN_FLIGHT`), searched for the schedules that
+        take it; combinations the schedule refuses are skipped (``options["refused"]``).
       refine: improve the ``refine_top`` fastest configurations of each schedule by moving one
         stage boundary at a time while the simulator finds them faster.
       host: rank candidates no faster than their driver and shared pool allow (:class:`HostCosts`;
@@ -171,6 +233,15 @@ def plan_auto(
       exhaustive: search every configuration of stages and replicas on all the devices when there
         are at most this many (the module doc counts them): small cases are then exact; beyond it,
         the dynamic program's partitions and ``refine``.
+      samples_per_call: the samples of one ``Pipeline.run`` call, whose inputs and targets
+        the runtime places up front (``pdjax train`` calls it once per epoch, on the whole
+        training split): a candidate of ``M`` microbatches of ``B / M`` samples then runs
+        calls of ``N = samples_per_call // (B / M)`` microbatches (whole steps of ``M``
+        where the schedule updates per step), the dynamic program plans for them, and each
+        candidate must fit by the ``pdjax`` memory of such a call too (the module doc).
+        None: the dynamic program's shortest steady call
+        (:func:`pdjax.partition.cost.microbatches_per_call`) and the simulator's peak
+        alone. Recorded in ``options["auto"]``.
 
     Returns:
       The plan of the best candidate (its ``schedule`` and ``num_microbatches`` set),
@@ -183,6 +254,13 @@ def plan_auto(
     """
     B = _batch(profile, topology, batch_size)
     names = _schedule_names(schedules, allow_stale)
+    counts_in_flight = _in_flight_options(in_flight)
+    if samples_per_call is not None and (
+        isinstance(samples_per_call, bool) or not isinstance(samples_per_call, int)
+    ):
+        raise PlanError(f"samples_per_call must be an integer, got {samples_per_call!r}")
+    if samples_per_call is not None and samples_per_call < B:
+        raise PlanError(f"samples_per_call={samples_per_call} is less than one step of {B} samples")
     space = _Space(
         profile=profile,
         topology=topology,
@@ -196,7 +274,9 @@ def plan_auto(
         calibration=calibration,
         chunks=chunks,
         extra_in_flight=extra_in_flight,
+        in_flight=counts_in_flight,
         exhaustive=exhaustive,
+        samples_per_call=samples_per_call,
     )
     counts = _microbatch_counts(B, microbatches, topology.num_devices)
     tally = _searched(space, names, counts, refine=refine, refine_top=refine_top)
@@ -209,6 +289,17 @@ def _batch(profile: Profile, topology: Topology, batch_size: int | None) -> int:
     if B < 1:
         raise PlanError(f"batch_size must be >= 1, got {batch_size}")
     return B
+
+
+def _in_flight_options(in_flight: Sequence[str]) -> tuple[str, ...]:
+    """The ``in_flight`` candidates, each once, in order; PlanError for an unknown one."""
+    if isinstance(in_flight, str):
+        in_flight = (in_flight,)
+    out = tuple(dict.fromkeys(in_flight))
+    bad = [x for x in out if x not in IN_FLIGHT]
+    if bad or not out:
+        raise PlanError(f"in_flight must list values of {IN_FLIGHT}; got {list(in_flight)}")
+    return out
 
 
 def _schedule_names(schedules: Sequence[str] | None, allow_stale: bool) -> list[str]:
@@ -266,16 +357,25 @@ def _search(space: _Space, tally: _Tally, name: str, M: int) -> None:
         tally.reasons.setdefault(name, str(err))
         return
     kind = SCHEDULE_KINDS[name]
+    counts = space.in_flight if kind.takes("in_flight") else ("full-rate",)
     for v in space.chunks if kind.chunks is None else (1,):  # the chunks it takes
         for e in space.extra_in_flight if kind.takes("extra_in_flight") else (0,):
-            for plan in partitions:
-                c = _evaluate(space, plan, name, v=v, e=e, reasons=tally.reasons)
-                if c is None:
+            for f in counts:
+                if f != "full-rate" and e:  # the schedule refuses it: skipped, said why
+                    tally.refuse(
+                        f"{name} in_flight={f} +{e}",
+                        f"in_flight={f!r} keeps PipeDream's own count; extra_in_flight={e} "
+                        "would add to it (the schedule refuses the pair)",
+                    )
                     continue
-                tally.consider(c)
-                key = (name, M, v, e)
-                if c.fits and (key not in tally.plans or _better(c, tally.plans[key])):
-                    tally.plans[key] = _Found(plan, c, complete)
+                for plan in partitions:
+                    c = _evaluate(space, plan, name, v=v, e=e, f=f, tally=tally)
+                    if c is None:
+                        continue
+                    tally.consider(c)
+                    key = (name, M, v, e, f)
+                    if c.fits and (key not in tally.plans or _better(c, tally.plans[key])):
+                        tally.plans[key] = _Found(plan, c, complete)
 
 
 def _refine_best(space: _Space, tally: _Tally, name: str, refine_top: int) -> None:
@@ -290,7 +390,7 @@ def _refine_best(space: _Space, tally: _Tally, name: str, refine_top: int) -> No
         if found.complete:
             continue
         c, better = _refine(
-            space, found.candidate, found.plan, name, v=key[2], e=key[3], reasons=tally.reasons
+            space, found.candidate, found.plan, name, v=key[2], e=key[3], f=key[4], tally=tally
         )
         tally.consider(c)
         if c.fits and c.time_per_sample < found.candidate.time_per_sample:
@@ -308,8 +408,13 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
             )
         raise PlanError(
             f"no configuration fits {limit:.4g} bytes per device; the smallest peak memory "
-            f"found is {tally.closest.peak_memory:.4g} bytes ({tally.closest.label}): raise "
-            "the limit to at least that, or use more devices"
+            f"found is {tally.closest.held_memory:.4g} bytes ({tally.closest.label}"
+            + (
+                f", for calls of {space.samples_per_call} samples"
+                if space.samples_per_call is not None
+                else ""
+            )
+            + "): raise the limit to at least that, or use more devices"
         )
     winner = min(best.values(), key=lambda c: (c.time_per_sample, c.peak_memory))
     plan = next(f.plan for f in tally.plans.values() if f.candidate == winner)
@@ -319,6 +424,7 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
         options["auto"]["host"] = dataclasses.asdict(space.host)
     options["auto"]["calibrated"] = space.calibration is not None
     options["auto"]["memory_limit"] = limit  # the limit every candidate was held to
+    options["auto"]["samples_per_call"] = space.samples_per_call
     options["alternatives"] = {
         name: (
             best[name].to_dict() if name in best else {"none": tally.reasons.get(name, "no fit")}
@@ -326,6 +432,18 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
         for name in names
         if name != winner.schedule
     }
+    if len(space.in_flight) > 1 and SCHEDULE_KINDS[winner.schedule].takes("in_flight"):
+        for f in space.in_flight:  # the winner's schedule with each other in-flight count
+            if f == winner.in_flight_option:
+                continue
+            other = tally.by_option.get((winner.schedule, f))
+            options["alternatives"][f"{winner.schedule} in_flight={f}"] = (
+                other.to_dict()
+                if other is not None
+                else {"none": tally.refused.get(f"{winner.schedule} in_flight={f}", "no fit")}
+            )
+    if tally.refused:
+        options["refused"] = dict(tally.refused)
     return dataclasses.replace(plan, schedule=winner.schedule, options=options)
 
 
@@ -372,6 +490,7 @@ def _partitions(
                 memory_limit=limit,
                 partitioner="auto",
                 replication=mode,
+                microbatches_per_call=space.calls(name, M),
             )
         except (PlanError, ScheduleError):  # a form the schedule has not: the others
             continue
@@ -398,6 +517,7 @@ def _partitions(
                     microbatch_size=size,
                     optimizer_state_factor=factor,
                     replication=mode,
+                    microbatches_per_call=space.calls(name, M),
                 )
             except PlanError as e:
                 error = e
@@ -437,10 +557,12 @@ def _configurations(
 
 
 def _evaluate(
-    space: _Space, plan: Plan, name: str, *, v: int, e: int, reasons: dict[str, str]
+    space: _Space, plan: Plan, name: str, *, v: int, e: int, f: str, tally: _Tally
 ) -> Candidate | None:
-    """The candidate of ``plan`` run with schedule ``name``, ``v`` chunks and in-flight
-    depth ``e``, with the least recomputation that fits (or none; ``reasons`` says why)."""
+    """The candidate of ``plan`` run with schedule ``name``, ``v`` chunks, in-flight depth
+    ``e`` and ``in_flight`` option ``f``, with the least recomputation that fits (or none;
+    ``tally.reasons`` says why, and ``tally.refused`` where ``f`` is not full rate)."""
+    reasons = tally.reasons
     limit = space.limit
     P = plan.num_stages
     flags = [False] * P
@@ -467,18 +589,31 @@ def _evaluate(
             batch_size=space.batch,
             host=space.host,
             calibration=space.calibration,
+            in_flight=f,
         )
+
+    def held(peaks: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per plan stage the call's ``pdjax`` memory (empty without a call length), and
+        the larger of it and the simulated peak."""
+        if space.samples_per_call is None:
+            return (), peaks
+        call = _call_memory(space, plan, name, flags, f)
+        return call, tuple(max(a, b) for a, b in zip(peaks, call, strict=True))
 
     try:
         seconds, peaks, in_flight = run()
+        call, most = held(peaks)
         if limit is not None and space.remat:
-            over = [d for d, b in enumerate(peaks) if b > limit]
+            over = [d for d, b in enumerate(most) if b > limit]
             if over:  # recompute only on the device groups over the limit
                 for d in over:
                     flags[d] = True
                 seconds, peaks, in_flight = run()
+                call, most = held(peaks)
     except (PlanError, ScheduleError) as err:
         reasons.setdefault(name, str(err))
+        if f != "full-rate":
+            tally.refuse(f"{name} in_flight={f}", str(err))
         return None
     peak = max(peaks)
     return Candidate(
@@ -490,10 +625,54 @@ def _evaluate(
         stages=stage_specs(plan),
         time_per_sample=seconds,
         peak_memory=peak,
-        fits=limit is None or peak <= limit,
         group_peak_memory=peaks,
         in_flight=in_flight,
+        in_flight_option=f,
+        call_memory=call,
+        fits=limit is None or max(most) <= limit,
     )
+
+
+def _call_memory(
+    space: _Space, plan: Plan, name: str, remat: Sequence[bool], in_flight: str
+) -> tuple[float, ...]:
+    """Bytes per device of each plan stage for one call of :attr:`_Space.samples_per_call`
+    samples by the ``pdjax`` memory model, as the dynamic program prices schedule ``name``
+    (:func:`~pdjax.partition.evaluate.stage_memory_bytes`): with the inputs and targets of
+    the whole call placed up front, which the simulated stream leaves out. A stage that
+    recomputes keeps only its input per microbatch in flight, as the simulator's costs
+    have it."""
+    priced = SCHEDULE_KINDS[name].priced_as
+    arrays = space.arrays_of(plan.microbatch_size)
+    if any(remat):
+        stash = np.array(arrays.stash, dtype=np.float64)
+        for st, on in zip(plan.stages, remat, strict=True):
+            if on:
+                sl = slice(st.first_layer, st.last_layer + 1)
+                before = arrays.cut[st.first_layer - 1] if st.first_layer else arrays.inputs
+                kept = min(float(before), float(stash[sl].sum()))
+                stash[sl] = 0.0
+                stash[st.first_layer] = kept
+        arrays = dataclasses.replace(arrays, stash=stash)
+    topology = plan.topology
+    flat = [
+        (st.first_layer, st.last_layer, [topology.position(d) for d in st.devices])
+        for st in plan.stages
+    ]
+    takes = SCHEDULE_KINDS[priced].takes("in_flight")
+    memory = stage_memory_bytes(
+        arrays,
+        flat,
+        plan.replication,
+        topology=topology,
+        cost_model="pdjax",
+        schedule=priced,
+        num_microbatches=plan.num_microbatches,
+        optimizer_state_factor=space.factor,
+        microbatches_per_call=space.calls(name, plan.num_microbatches),
+        in_flight=in_flight if takes else "full-rate",
+    )
+    return tuple(memory)
 
 
 def _refine(
@@ -504,7 +683,8 @@ def _refine(
     *,
     v: int,
     e: int,
-    reasons: dict[str, str],
+    f: str,
+    tally: _Tally,
 ) -> tuple[Candidate, Plan]:
     """Moves one stage boundary by one layer at a time while the simulator finds the
     result faster (or, not fitting yet, smaller)."""
@@ -538,10 +718,11 @@ def _refine(
                         memory_limit=space.limit,
                         partitioner="auto",
                         replication=list(plan.replication),
+                        microbatches_per_call=space.calls(name, plan.num_microbatches),
                     )
                 except (PlanError, ScheduleError):
                     continue
-                d = _evaluate(space, other, name, v=v, e=e, reasons=reasons)
+                d = _evaluate(space, other, name, v=v, e=e, f=f, tally=tally)
                 if d is not None and key(d) < key(c):
                     c, plan, improved = d, other, True
                     break

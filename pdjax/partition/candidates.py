@@ -1,7 +1,12 @@
 """Pricing a plan by the simulator, as :func:`~pdjax.partition.plan_auto` ranks it: the
 :class:`Candidate` it records, the host costs a run may be bound by (:class:`HostCosts`),
-and :func:`evaluate_candidate` (a plan run with a schedule, chunks, recomputation and
-in-flight depth, simulated).
+and :func:`evaluate_candidate` (a plan run with a schedule, chunks, recomputation,
+in-flight depth and ``pipedream``'s ``in_flight`` count, simulated).
+
+The simulator plays the schedule the runtime would run, generated with these options, so
+a candidate under ``in_flight="paper"`` is priced exactly (its time, peak memory and peak
+in flight per stage), where the dynamic program's round-trip bound is not
+(:func:`~pdjax.partition.plan_pipedream`).
 
 Recomputation in the costs: the stage's backward also runs its forward again (added to the
 input-gradient part, which the previous stage waits for), and a microbatch in flight keeps
@@ -53,6 +58,14 @@ class Candidate:
       in_flight: simulated peak microbatches in flight per (virtual) stage: one per plan
         stage, ``P v`` under ``interleaved`` (virtual stage ``k`` on group ``k mod P``),
         ``2 P`` under ``zb-v`` (the V's halves; ``k`` and ``2 P - 1 - k`` share a group).
+      in_flight_option: ``pipedream``'s ``in_flight`` option, the groups in flight of
+        round-robin stages: ``"full-rate"`` (the default, and that of every schedule
+        without the option) or ``"paper"`` (PipeDream's NOAM at the input stage). Named
+        apart from ``in_flight``, the simulated counts.
+      call_memory: per plan stage, bytes per device of one call of the caller's length by
+        the ``pdjax`` memory model (``plan_auto``'s ``samples_per_call``; empty without it):
+        what the runtime places up front for the call, which the simulated stream leaves
+        out. ``fits`` holds the larger of it and ``group_peak_memory``.
     """
 
     schedule: str
@@ -66,6 +79,8 @@ class Candidate:
     fits: bool
     group_peak_memory: tuple[float, ...] = ()
     in_flight: tuple[int, ...] = ()
+    in_flight_option: str = "full-rate"
+    call_memory: tuple[float, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -73,12 +88,22 @@ class Candidate:
         out["stages"] = [list(s) for s in self.stages]
         out["group_peak_memory"] = list(self.group_peak_memory)
         out["in_flight"] = list(self.in_flight)
+        out["call_memory"] = list(self.call_memory)
         return out
+
+    @property
+    def held_memory(self) -> float:
+        """The bytes the memory limit is held to: the simulated peak, or the call's
+        ``pdjax`` memory where larger."""
+        return max((self.peak_memory, *self.call_memory))
 
     @property
     def label(self) -> str:
         extra = f" v={self.chunks}" if self.chunks > 1 else ""
         extra += f" +{self.extra_in_flight}" if self.extra_in_flight else ""
+        extra += (
+            f" in_flight={self.in_flight_option}" if self.in_flight_option != "full-rate" else ""
+        )
         remat = "".join("r" if r else "-" for r in self.remat)
         config = "-".join(str(r) for _, _, r in self.stages)
         return f"{self.schedule}{extra} M={self.microbatches} {config} remat={remat}"
@@ -142,6 +167,7 @@ def evaluate_candidate(
     batch_size: int | None = None,
     host: HostCosts | None = None,
     calibration: Any = None,
+    in_flight: str = "full-rate",
 ) -> tuple[float, tuple[float, ...]]:
     """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
     with ``schedule`` and the given recomputation per plan stage; with ``host``, no less
@@ -149,6 +175,8 @@ def evaluate_candidate(
     ``calibration`` (:class:`pdjax.calibrate.Calibration`), the stages, links and
     all-reduces it measured replace the profile's (stages it lacks are priced from the
     profile times its profile ratio); ``interleaved`` cannot be calibrated.
+    ``in_flight``: ``pipedream``'s option (``"full-rate"`` or ``"paper"``), the schedule
+    generated with it; ignored by a schedule that does not take it, as ``extra_in_flight``.
 
     Raises:
       ScheduleError / PlanError: a configuration the schedule or the costs cannot take.
@@ -163,6 +191,7 @@ def evaluate_candidate(
         batch_size=batch_size,
         host=host,
         calibration=calibration,
+        in_flight=in_flight,
     )
     return seconds, peaks
 
@@ -178,6 +207,7 @@ def price(
     batch_size: int | None = None,
     host: HostCosts | None = None,
     calibration: Any = None,
+    in_flight: str = "full-rate",
 ) -> tuple[float, tuple[float, ...], tuple[int, ...]]:
     """:func:`evaluate_candidate`'s figures and the simulated peak microbatches in flight
     per (virtual) stage."""
@@ -195,14 +225,16 @@ def price(
     if any(flags):
         costs = _with_remat(costs, flags, schedule, plan.replicas)
     M = plan.num_microbatches
+    takes = kind.takes if kind is not None else (lambda option: False)
     sched = _validated_schedule(
         schedule,
         P,
         M,
         v,
-        extra_in_flight if kind is not None and kind.takes("extra_in_flight") else 0,
+        extra_in_flight if takes("extra_in_flight") else 0,
         plan.replicas,
         plan.replication,
+        in_flight if takes("in_flight") else "full-rate",
     )
     sim = simulate(sched, costs, check=False)  # validated above
     samples = batch_size if batch_size is not None else M * plan.microbatch_size
@@ -225,6 +257,7 @@ def _validated_schedule(
     extra_in_flight: int,
     replicas: tuple[int, ...],
     replication: tuple[str, ...],
+    in_flight: str = "full-rate",
 ) -> Schedule:
     """The schedule :func:`price` simulates, generated and validated.
 
@@ -240,7 +273,10 @@ def _validated_schedule(
         kwargs["replication"] = replication
     if extra_in_flight:
         kwargs["extra_in_flight"] = extra_in_flight
+    if in_flight != "full-rate":
+        kwargs["in_flight"] = in_flight
     if schedule in STREAMING:  # a stream long enough for a steady state
+        # (full rate's counts, at least paper's: long enough for either)
         n = stream_length(schedule, P, M, replicas=replicas, replication=replication)
         sched = generate(schedule, P, M, stream=n, **kwargs)
     else:

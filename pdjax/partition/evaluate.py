@@ -68,11 +68,18 @@ def pipeline_time(
     num_microbatches: int,
     stage_seconds: cost.StageSeconds | None = None,
     allreduce_seconds: cost.AllreduceSeconds | None = None,
+    in_flight: str = "full-rate",
 ) -> tuple[float, float]:
     """``(slowest term, round-trip bound)`` of the stages ``(first, last, positions)``
     with their replication modes (:func:`pdjax.partition.cost.partition_terms`,
     :func:`~pdjax.partition.cost.round_trip_time`; the bound is 0 where the model and
-    schedule have none)."""
+    schedule have none), with the in-flight counts of ``pipedream``'s ``in_flight``.
+
+    Under ``in_flight="paper"`` with round-robin stages the bound is Little's law over
+    paper's counts, a lower bound only: a group moves all at once, and where a stage holds
+    few groups each group's round trip serialises (1-3-1 with unit costs: 4 here, 7
+    simulated). Only the simulator prices that schedule exactly
+    (:func:`~pdjax.partition.evaluate_candidate`)."""
     stage_terms, cut_terms = cost.partition_terms(
         arrays,
         topology,
@@ -88,7 +95,7 @@ def pipeline_time(
     if not cost.has_round_trip(schedule, cost_model):
         return slowest, 0.0
     replicas = [len(pos) for _, _, pos in flat]
-    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)
     units = cost.stage_units(replicas, modes)
     return slowest, cost.round_trip_time(stage_terms, cut_terms, [c for c, _ in counts], units)
 
@@ -121,14 +128,17 @@ def build_plan(
     microbatch_size: int | None,
     replication: list[str] | tuple[str, ...] | None = None,
     microbatches_per_call: int | None = None,
+    in_flight: str = "full-rate",
 ) -> Plan:
     """Builds a :class:`Plan` from flattened stages, with exact in-flight and memory.
 
     ``replication``: per stage ``"split"`` or ``"round-robin"`` (None: all split); the
-    in-flight counts and versions are those of the schedule with these modes
-    (:func:`pdjax.partition.cost.exact_in_flight`). ``microbatches_per_call``: ``N``, the
-    microbatches of one runtime call the ``pdjax`` memory charges (None: a steady call;
-    :func:`pdjax.partition.cost.microbatches_per_call`), recorded in the plan's options."""
+    in-flight counts and versions are those of the schedule with these modes and
+    ``pipedream``'s ``in_flight`` (:func:`pdjax.partition.cost.exact_in_flight`; a value
+    other than ``"full-rate"`` is recorded as ``plan.options["in_flight"]``).
+    ``microbatches_per_call``: ``N``, the microbatches of one runtime call the ``pdjax``
+    memory charges (None: a steady call; :func:`pdjax.partition.cost.microbatches_per_call`),
+    recorded in the plan's options."""
     P = len(flat)
     kind = SCHEDULE_KINDS.get(schedule)
     if kind is not None and kind.needs_microbatches_per_stage and num_microbatches < P:
@@ -151,8 +161,9 @@ def build_plan(
         num_microbatches=num_microbatches,
         optimizer_state_factor=optimizer_state_factor,
         microbatches_per_call=calls,
+        in_flight=in_flight,
     )
-    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)
     stages = tuple(
         StagePlan(
             first_layer=first,
@@ -167,6 +178,8 @@ def build_plan(
     )
     if cost_model == "pdjax":
         options = {**options, "microbatches_per_call": calls}
+    if in_flight != "full-rate":
+        options = {**options, "in_flight": in_flight}
     used = sum(len(p) for _, _, p in flat)
     source = profile.meta.get("source", "") if hasattr(profile, "meta") else ""
     return Plan(
@@ -217,6 +230,7 @@ def stage_memory_bytes(
     num_microbatches: int,
     optimizer_state_factor: float,
     microbatches_per_call: int | None = None,
+    in_flight: str = "full-rate",
 ) -> list[float]:
     """Bytes per device of each stage ``(first, last, device positions)`` with its
     replication mode: the ``pdjax`` memory model under ``pdjax`` (weights x versions,
@@ -226,10 +240,12 @@ def stage_memory_bytes(
     that feeds it, at the bandwidth and latency of the innermost level holding both
     stages of ``topology``: :mod:`pdjax.partition.cost`), the ``paper`` one under the
     other models. ``microbatches_per_call``: ``N`` (None: a steady call,
-    :func:`pdjax.partition.cost.microbatches_per_call`)."""
+    :func:`pdjax.partition.cost.microbatches_per_call`). ``in_flight``: ``pipedream``'s
+    option, the groups in flight of round-robin stages
+    (:func:`pdjax.partition.cost.exact_in_flight`)."""
     P = len(flat)
     replicas = [len(positions) for _, _, positions in flat]
-    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches)
+    counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)
     calls = cost.microbatches_per_call(schedule, num_microbatches, microbatches_per_call)
     inputs, targets = getattr(arrays, "inputs", 0.0), getattr(arrays, "targets", 0.0)
     # a round-robin group sends (and takes) a whole group of microbatches at once

@@ -124,6 +124,8 @@ def evaluate_partition(
     replication: str | Sequence[str] = "auto",
     stage_seconds: cost.StageSeconds | None = None,
     allreduce_seconds: cost.AllreduceSeconds | None = None,
+    microbatches_per_call: int | None = None,
+    in_flight: str = "full-rate",
 ) -> Plan:
     """A plan for the given stages, with the cost model's predictions.
 
@@ -144,6 +146,14 @@ def evaluate_partition(
       stage_seconds, allreduce_seconds: calibration (``pdjax`` only), as for
         :func:`~pdjax.partition.plan_pipedream`; ``allreduce_seconds`` gets the tuple of
         the stage's device positions.
+      microbatches_per_call: ``pdjax``'s memory terms: the microbatches of one
+        ``Pipeline.run`` call, as for :func:`~pdjax.partition.plan_pipedream`.
+      in_flight: ``pipedream``'s option (``"full-rate"`` or ``"paper"``): the groups in
+        flight of round-robin stages, which set the plan's in-flight counts, versions and
+        memory exactly; under ``"paper"`` the round-trip bound is a lower bound only
+        (:func:`~pdjax.partition.evaluate.pipeline_time`; the plan records
+        ``options["round_trip"] = "lower bound"`` where paper's counts differ from full
+        rate's).
 
     Returns:
       The plan; its ``time_per_microbatch`` is the slowest stage or cut term, and at least
@@ -163,6 +173,7 @@ def evaluate_partition(
         memory_limit=memory_limit,
     )
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
+    cost.check_in_flight(schedule, in_flight)
     modes = _replication_modes(replication, stages, schedule, cost_model)
     arrays = cost.model_arrays(profile, microbatch_size)
     stages = [(int(a), int(b), int(r)) for a, b, r in stages]
@@ -183,6 +194,8 @@ def evaluate_partition(
         microbatch_size=microbatch_size,
         stage_seconds=stage_seconds,
         allreduce_seconds=allreduce_seconds,
+        microbatches_per_call=microbatches_per_call,
+        in_flight=in_flight,
     )
     # Record which profile priced the plan, so a later use with another model's profile of
     # the same layer count is refused (Plan.check_profile).
@@ -205,6 +218,8 @@ def _priced_plan(
     microbatch_size: int | None,
     stage_seconds: cost.StageSeconds | None,
     allreduce_seconds: cost.AllreduceSeconds | None,
+    microbatches_per_call: int | None = None,
+    in_flight: str = "full-rate",
 ) -> Plan:
     """The plan of the placed stages ``flat`` with the cost model's predictions: the
     slowest stage or cut term (at least the round-trip bound) per microbatch, and the
@@ -220,8 +235,16 @@ def _priced_plan(
         cost_model=cost_model,
         schedule=schedule,
         num_microbatches=num_microbatches,
+        in_flight=in_flight,
         **calibration,
     )
+    options: dict[str, Any] = dict(calibrated_options(stage_seconds, allreduce_seconds))
+    if in_flight == "paper" and "round-robin" in modes:
+        replicas = [len(pos) for _, _, pos in flat]
+        units = cost.stage_units(replicas, modes)
+        if cost.groups_in_flight(units, "paper") != cost.groups_in_flight(units):
+            # Little's law over paper's counts: its groups serialise beyond it
+            options["round_trip"] = "lower bound"
     return build_plan(
         profile,
         topology,
@@ -242,9 +265,11 @@ def _priced_plan(
         ),
         memory_limit=memory_limit,
         optimizer_state_factor=float(optimizer_state_factor),
-        options=calibrated_options(stage_seconds, allreduce_seconds),
+        options=options,
         microbatch_size=microbatch_size,
         replication=modes,
+        microbatches_per_call=microbatches_per_call,
+        in_flight=in_flight,
     )
 
 

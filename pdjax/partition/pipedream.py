@@ -92,6 +92,7 @@ def plan_pipedream(
     stage_seconds: cost.StageSeconds | None = None,
     allreduce_seconds: cost.AllreduceSeconds | None = None,
     microbatches_per_call: int | None = None,
+    in_flight: str = "full-rate",
 ) -> Plan:
     """The optimal pipeline configuration by PipeDream's dynamic program.
 
@@ -123,6 +124,15 @@ def plan_pipedream(
       microbatches_per_call: ``pdjax``'s memory terms: the microbatches of one
         ``Pipeline.run`` call, whose inputs the runtime places up front (None: the shortest
         steady call, :func:`pdjax.partition.cost.microbatches_per_call`).
+      in_flight: ``pipedream``'s option, ``"full-rate"`` (default) or ``"paper"``. The
+        two counts differ only at round-robin stages, and there the program's round-trip
+        bound (Little's law over microbatches) does not price paper's: its groups move
+        whole and serialise (replicas 1-3-1 with unit costs: the bound gives 4 with
+        paper's counts, 3 with full rate's; the schedule runs at 7). So ``"paper"`` is
+        planned only without round-robin stages (``replication="split"``, or ``straight``;
+        the counts are then ``P - s`` either way); for round-robin, plan at full rate and
+        let the simulator price paper (:func:`~pdjax.partition.plan_auto` with
+        ``in_flight=("paper",)``, :func:`~pdjax.partition.evaluate_candidate`).
 
     Returns:
       The plan; ``plan.time_per_microbatch`` is its period under the cost model: the
@@ -144,6 +154,7 @@ def plan_pipedream(
     """
     cost.check_replication(replication, schedule, cost_model)
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
+    cost.check_in_flight(schedule, in_flight)
     common: dict[str, Any] = dict(  # forwarded to solve
         cost_model=cost_model,
         schedule=schedule,
@@ -160,7 +171,25 @@ def plan_pipedream(
     options = {"straight": straight, "fewer_machines": fewer_machines, "replication": replication}
     options.update(calibrated_options(stage_seconds, allreduce_seconds))
     modes = _modes_to_try(replication, schedule, cost_model, memory_limit, topology)
+    if in_flight != "full-rate":
+        _check_paper_priced(modes, straight, topology)
+        options["in_flight"] = in_flight
     return _fastest(profile, topology, modes, options, common)
+
+
+def _check_paper_priced(modes: tuple[str, ...], straight: bool, topology: Topology) -> None:
+    """Raises PlanError where the program would plan round-robin stages for ``in_flight=
+    "paper"``: its round-trip bound cannot price paper's groups (:func:`plan_pipedream`)."""
+    if straight or topology.num_devices == 1 or "round-robin" not in modes:
+        return
+    raise PlanError(
+        "in_flight='paper' cannot be planned by the dynamic program with round-robin "
+        "stages: its round-trip bound (Little's law over microbatches) does not price "
+        "paper's whole groups (replicas 1-3-1 with unit costs: a bound of 4 against 7 "
+        "simulated). Plan with in_flight='full-rate', or replication='split' (the counts "
+        "are then P - s either way), or let the simulator price paper: plan_auto(..., "
+        "in_flight=('paper',)) or evaluate_candidate(..., in_flight='paper')"
+    )
 
 
 def _modes_to_try(
@@ -300,6 +329,7 @@ def _finish(
         microbatch_size=search.microbatch_size,
         replication=modes,
         microbatches_per_call=search.calls,
+        in_flight=str(options.get("in_flight", "full-rate")),
     )
 
 

@@ -21,8 +21,9 @@ import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
 
-from pdjax.errors import PlanError
+from pdjax.errors import PlanError, ScheduleError
 from pdjax.schedules import (
+    IN_FLIGHT,
     ROUND_ROBIN,
     SCHEDULE_KINDS,
     SEMANTICS,
@@ -38,6 +39,7 @@ __all__ = [
     "REPLICATION_OPTIONS",
     "SCHEDULE_TRAITS",
     "ScheduleTraits",
+    "check_in_flight",
     "in_flight",
     "versions_kept",
 ]
@@ -141,15 +143,42 @@ def versions_kept(schedule: str, in_flight_count: int) -> int:
     return in_flight_count if v == "in_flight" else int(v)
 
 
-def groups_in_flight(units: tuple[int, ...] | list[int]) -> tuple[int, ...]:
+def groups_in_flight(
+    units: tuple[int, ...] | list[int], in_flight: str = "full-rate"
+) -> tuple[int, ...]:
     """``q_s``: groups in flight at each stage of a 1F1B-style order over groups, as the
     schedule generators keep them (:func:`pdjax.schedules.round_robin_in_flight`,
-    without ``pipedream``'s ``extra_in_flight``). With every ``n_s = 1`` it is ``P - s``.
+    without ``pipedream``'s ``extra_in_flight``), by ``pipedream``'s ``in_flight``
+    (``"paper"``: PipeDream's NOAM at the input stage, fewer groups where the stage
+    before cannot feed more). With every ``n_s = 1`` it is ``P - s`` either way.
 
     >>> groups_in_flight([15, 1]), groups_in_flight([1, 1, 1]), groups_in_flight([1, 15])
     ((2, 1), (3, 2, 1), (30, 1))
+    >>> groups_in_flight([1, 3, 1]), groups_in_flight([1, 3, 1], "paper")
+    ((9, 2, 1), (5, 1, 1))
+
+    Raises:
+      PlanError: an unknown ``in_flight``, or ``"paper"`` for groups it cannot run without
+        a deadlock (replicas 1-5-2: the message names the full-rate counts).
     """
-    return round_robin_in_flight(units)
+    try:
+        return round_robin_in_flight(units, in_flight=in_flight)
+    except ScheduleError as err:  # the planner's callers handle PlanError
+        raise PlanError(str(err)) from None
+
+
+def check_in_flight(schedule: str, in_flight: str) -> None:
+    """Raises PlanError for an ``in_flight`` the planner cannot price under ``schedule``:
+    not one of :data:`pdjax.schedules.IN_FLIGHT`, or ``"paper"`` under a schedule that
+    does not take the option (``pipedream`` alone does)."""
+    if in_flight not in IN_FLIGHT:
+        raise PlanError(f"in_flight must be one of {IN_FLIGHT}; got {in_flight!r}")
+    kind = SCHEDULE_KINDS.get(schedule)
+    if in_flight != "full-rate" and (kind is None or not kind.takes("in_flight")):
+        takes = [n for n, k in SCHEDULE_KINDS.items() if k.takes("in_flight")]
+        raise PlanError(
+            f"in_flight={in_flight!r} is an option of {', '.join(takes)}, not of {schedule}"
+        )
 
 
 def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int]:
@@ -158,34 +187,53 @@ def stage_units(replicas: Sequence[int], replication: Sequence[str]) -> list[int
     return list(group_sizes(replicas, replication))
 
 
+def _split_in_flight(schedule: str, P: int, num_microbatches: int) -> list[tuple[int, int]]:
+    """:func:`exact_in_flight` without round-robin stages: :func:`in_flight` per stage."""
+    out = []
+    for s in range(P):
+        count = in_flight(schedule, P, s, num_microbatches)
+        out.append((count, versions_kept(schedule, count)))
+    return out
+
+
 def exact_in_flight(
     schedule: str,
     replicas: Sequence[int],
     replication: Sequence[str],
     num_microbatches: int,
+    in_flight: str = "full-rate",
 ) -> list[tuple[int, int]]:
     """Per stage ``(in_flight, versions)``: microbatches in flight over the stage's devices
     and weight versions kept, as the schedule ``schedule`` with these replication modes
     holds them (a ``pipedream`` stream of at least ``in_flight`` microbatches). With
-    round-robin stages, the semantics table's bounds.
+    round-robin stages, the semantics table's bounds, with the groups in flight of
+    ``pipedream``'s ``in_flight`` option (:func:`groups_in_flight`; the same counts the
+    validator recomputes for a ``"paper"`` schedule).
 
     >>> exact_in_flight("pipedream", [15, 1], ("round-robin", "split"), 16)
     [(30, 2), (1, 1)]
     >>> exact_in_flight("1f1b", [2, 1, 1], ("split",) * 3, 2)
     [(2, 1), (2, 1), (1, 1)]
+    >>> rr = ("split", "round-robin", "split")
+    >>> exact_in_flight("pipedream", [1, 3, 1], rr, 1, "paper")
+    [(5, 5), (3, 1), (1, 1)]
+
+    Raises:
+      PlanError: ``in_flight`` the schedule does not take, or ``"paper"`` for groups it
+        cannot run (:func:`groups_in_flight`).
     """
+    check_in_flight(schedule, in_flight)
     P = len(replicas)
-    if "round-robin" not in replication:
-        out = []
-        for s in range(P):
-            count = in_flight(schedule, P, s, num_microbatches)
-            out.append((count, versions_kept(schedule, count)))
-        return out
+    if "round-robin" not in replication:  # (both counts are P - s without groups)
+        return _split_in_flight(schedule, P, num_microbatches)
     _check_round_robin(schedule, "use replication='split'")
     units = tuple(stage_units(replicas, replication))
     # a stream long enough for every stage to reach its bound
-    steady = max(q * n for q, n in zip(groups_in_flight(units), units, strict=True))
-    shape = Shape(groups=P, microbatches=num_microbatches, stream=steady, units=units)
+    q = groups_in_flight(units, in_flight)
+    steady = max(x * n for x, n in zip(q, units, strict=True))
+    shape = Shape(
+        groups=P, microbatches=num_microbatches, stream=steady, units=units, in_flight=in_flight
+    )
     row = SEMANTICS[schedule]
     return [(row.in_flight(shape, s), row.versions(shape, s)) for s in range(P)]
 

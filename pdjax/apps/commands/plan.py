@@ -61,7 +61,7 @@ from pdjax.partition import (
     plan_uniform,
 )
 from pdjax.profile import DEVICE_MODELS, Profile
-from pdjax.schedules import stage_groups
+from pdjax.schedules import IN_FLIGHT, stage_groups
 
 __all__ = ["auto_summary", "calibrated_topology", "register", "render_plan", "run"]
 
@@ -160,6 +160,13 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
         "--allow-stale",
         action="store_true",
         help="--schedule auto: also search pipedream and 2bw (stale weights)",
+    )
+    p.add_argument(
+        "--in-flight",
+        nargs="+",
+        choices=IN_FLIGHT,
+        help="--schedule auto: pipedream's groups in flight at round-robin stages to search "
+        "(default: full-rate; 'paper': PipeDream's own count, NOAM at the input stage)",
     )
     p.add_argument(
         "--batch-size",
@@ -443,8 +450,12 @@ def _make_plan(
     cal: Any,
 ) -> Plan:
     """The plan of the partitioner (or ``plan_auto``) the arguments choose."""
-    if args.schedule != "auto" and (args.allow_stale or args.batch_size is not None):
-        raise PlanError("--allow-stale and --batch-size are options of --schedule auto")
+    if args.schedule != "auto" and (
+        args.allow_stale or args.batch_size is not None or args.in_flight is not None
+    ):
+        raise PlanError(
+            "--allow-stale, --batch-size and --in-flight are options of --schedule auto"
+        )
     if args.schedule == "auto":
         if args.partitioner != _OPTIMIZER:
             raise PlanError("--schedule auto searches the stages itself: drop --partitioner")
@@ -462,6 +473,7 @@ def _make_plan(
             cost_model=args.cost_model,
             optimizer_state_factor=args.optimizer_state_factor,
             calibration=cal,
+            in_flight=tuple(args.in_flight or ("full-rate",)),
         )
     if args.partitioner == _OPTIMIZER:
         if args.stages is not None:
@@ -561,8 +573,9 @@ def render_auto(plan: Plan, file: IO[str] | None = None) -> None:
         if "none" in c:
             table.add_row(name, "", "", "", "", "", f"none fits: {c['none'][:60]}")
             continue
-        label = name + (f" v={c['chunks']}" if c["chunks"] > 1 else "")
+        label = c["schedule"] + (f" v={c['chunks']}" if c["chunks"] > 1 else "")
         label += f" +{c['extra_in_flight']}" if c["extra_in_flight"] else ""
+        label += _in_flight_label(c)
         table.add_row(
             label,
             str(c["microbatches"]),
@@ -674,6 +687,13 @@ def _group_in_flight(auto: dict[str, Any], P: int) -> list[str]:
     ]
 
 
+def _in_flight_label(candidate: dict[str, Any]) -> str:
+    """`` in_flight=paper`` for a candidate of PipeDream's own count, else nothing (a plan
+    written before the option records none: full rate)."""
+    option = candidate.get("in_flight_option", "full-rate")
+    return "" if option == "full-rate" else f" in_flight={option}"
+
+
 def auto_summary(plan: Plan) -> str:
     """The chosen configuration of a ``plan_auto`` plan, as the simulator priced it: time
     per sample, in flight, peak memory per device (and per device group) and the limit."""
@@ -682,6 +702,7 @@ def auto_summary(plan: Plan) -> str:
     a = plan.options["auto"]
     name = a["schedule"] + (f" v={a['chunks']}" if a["chunks"] > 1 else "")
     name += f" +{a['extra_in_flight']}" if a["extra_in_flight"] else ""
+    name += _in_flight_label(a)
     remat = [s for s, r in enumerate(a["remat"]) if r]
     groups = ", ".join(fmt_bytes(b) for b in a["group_peak_memory"])
     text = (

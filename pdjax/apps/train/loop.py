@@ -39,7 +39,7 @@ from pdjax.apps.train.outputs import (
     require_tensorboard,
     sync_metrics,
 )
-from pdjax.apps.train.planning import plan_of, single_stage_note
+from pdjax.apps.train.planning import epoch_microbatches, plan_of, single_stage_note
 from pdjax.apps.train.resume import (
     checkpoint_identity,
     open_checkpoints,
@@ -259,8 +259,8 @@ def _set_up(
                 stacklevel=3,
             )
     sample = ds.train_x[: cfg.microbatch_size]
-    if plan is None:
-        plan = plan_of(cfg, spec, sample)
+    if plan is None:  # planned for the run's calls: an epoch each, placed up front
+        plan = plan_of(cfg, spec, sample, calls=epoch_microbatches(cfg, ds.num_train))
     note = single_stage_note(plan)
     runner, plan_text = make_runner(
         cfg, spec, sample, plan, total_updates=run_updates(cfg, ds.num_train)

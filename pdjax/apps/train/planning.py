@@ -1,6 +1,13 @@
 """The plan a pipeline run follows: ``plan="auto"`` profiles and plans now, stable under
 measurement noise (:func:`auto_plan`); ``schedule="auto"`` lets the planner choose the
-schedule and microbatches too (:func:`resolve_auto`); else a plan file (:func:`plan_of`)."""
+schedule and microbatches too (:func:`resolve_auto`); else a plan file (:func:`plan_of`).
+
+A run calls its runner once per epoch with the whole epoch's microbatches
+(:func:`epoch_microbatches`), and a pipeline places every one of their inputs and targets
+on its first and last stages before the first action. The planner's ``pdjax`` memory
+model charges them for the call length it is given, so both planners are given this one
+(``microbatches_per_call``, ``samples_per_call``): planned for the default, shortest
+steady call, a plan that fits the memory limit may not fit the run."""
 
 from __future__ import annotations
 
@@ -17,7 +24,12 @@ import jax
 import numpy as np
 
 from pdjax.apps import data as data_lib
-from pdjax.apps.train.config import TrainConfig, round_robin_by_default, runs_plan
+from pdjax.apps.train.config import (
+    TrainConfig,
+    round_robin_by_default,
+    runs_plan,
+    updates_per_microbatch,
+)
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.schedules import FLUSHING, STALE
@@ -29,6 +41,17 @@ from pdjax.schedules import FLUSHING, STALE
 PLAN_TOLERANCE = 0.05
 
 
+def epoch_microbatches(cfg: TrainConfig, num_train: int) -> int:
+    """``N``, the microbatches of one runtime call in a run of ``cfg`` on a training split
+    of ``num_train`` samples: the whole epoch's (``loop._epoch_batches``: microbatches of
+    ``batch_size / microbatches`` samples, the remainder dropped, cut to whole updates of
+    ``microbatches`` unless the schedule updates every microbatch), at least 1."""
+    n = num_train // cfg.microbatch_size
+    if not updates_per_microbatch(cfg.schedule):
+        n -= n % cfg.microbatches
+    return max(n, 1)
+
+
 def auto_plan(
     spec: ModelSpec,
     sample: Any,
@@ -38,6 +61,7 @@ def auto_plan(
     straight: bool = False,
     replication: str = "split",
     min_stages: int = 1,
+    calls: int | None = None,
 ) -> Any:
     """Profiles ``spec`` on one microbatch (measured on ``devices[0]``) and plans it over
     ``devices`` with PipeDream's optimizer (``pdjax`` cost model). ``replication``:
@@ -63,12 +87,16 @@ def auto_plan(
     ``min_stages .. P`` stages (PipeDream's optimizer has no bound on the stage count).
     A plan of one stage (data parallelism) where ``schedule`` is a pipeline's records the
     choice and the best pipeline's prediction as ``plan.options["single_stage"]``
-    (:func:`single_stage_note`)."""
+    (:func:`single_stage_note`).
+
+    ``calls``: the microbatches of one runtime call (:func:`epoch_microbatches`), which
+    the optimizer's memory model charges (its inputs and targets are placed up front);
+    None: its default, the shortest steady call."""
     from pdjax.errors import PlanError
     from pdjax.profile import profile
 
     prof = profile(spec.layers, sample, measure=True, device=devices[0], repeats=5)
-    args = (devices, schedule, microbatches, straight, replication)
+    args = (devices, schedule, microbatches, straight, replication, calls)
     chosen = _stable_plan(prof, args, min_stages)
     if len(chosen.stages) > 1:
         return chosen
@@ -137,12 +165,14 @@ def _runnable_plan(
     microbatches: int,
     straight: bool,
     replication: str,
+    calls: int | None = None,
     *,
     min_stages: int = 1,
 ) -> Any:
     """The optimizer's plan of ``prof`` over ``devices``, or where the runtime cannot split
     its microbatches so, or it has fewer than ``min_stages`` stages, the fastest that
-    runs (:func:`auto_plan`)."""
+    runs (:func:`auto_plan`); ``calls``: the runtime call's microbatches, for the memory
+    terms."""
     from pdjax.errors import PlanError
     from pdjax.partition import Topology, plan_pipedream
 
@@ -155,6 +185,7 @@ def _runnable_plan(
             straight=pure,
             fewer_machines=fewer,
             replication=replication if round_robin_by_default(schedule) else "split",
+            microbatches_per_call=calls,
         )
 
     def enough(p: Any) -> bool:
@@ -268,6 +299,7 @@ def _measured_as(plan: Any, prof: Any) -> Any:
         memory_limit=plan.memory_limit,
         partitioner=plan.partitioner,
         replication=[st.replication for st in plan.stages],
+        microbatches_per_call=plan.options.get("microbatches_per_call"),
     )
     if [st.devices for st in got.stages] != [st.devices for st in plan.stages]:
         return None
@@ -294,7 +326,8 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
     shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
     simulator alone would pick many small microbatches whose dispatch and shared cores it
-    does not see.
+    does not see. Each candidate must fit the devices' memory for a call of the whole
+    training split (``samples_per_call``: an epoch per call, its inputs placed up front).
 
     Raises:
       PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
@@ -321,6 +354,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
         host=host,
+        samples_per_call=max(ds.num_train, cfg.batch_size),
     )
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
     os.close(handle)  # the runner reads the plan from a file
@@ -341,15 +375,18 @@ def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
         schedule=chosen["schedule"],
         microbatches=chosen["microbatches"],
         extra_in_flight=chosen["extra_in_flight"],
+        in_flight=chosen.get("in_flight_option", "full-rate"),
         plan=str(path),
         allow_stale=False,
     )
 
 
-def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
+def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any, calls: int | None = None) -> Any:
     """The :class:`~pdjax.partition.Plan` a pipeline run of ``cfg`` follows: made now
-    (:func:`auto_plan`) for ``plan="auto"``, read from ``cfg.plan``'s file; None where the
-    stages follow from the settings alone (``"even"``, ``interleaved``, ``zb-v``, ``dp``)."""
+    (:func:`auto_plan`, for runtime calls of ``calls`` microbatches:
+    :func:`epoch_microbatches`) for ``plan="auto"``, read from ``cfg.plan``'s file; None
+    where the stages follow from the settings alone (``"even"``, ``interleaved``,
+    ``zb-v``, ``dp``)."""
     if not runs_plan(cfg.schedule) or cfg.plan == "even":
         return None
     if cfg.plan == "auto":
@@ -362,6 +399,7 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> Any:
             straight=cfg.straight,
             replication="round-robin" if cfg.replication == "round-robin" else "split",
             min_stages=cfg.min_stages,
+            calls=calls,
         )
     from pdjax.partition import Plan
 
