@@ -30,6 +30,7 @@ DROPOUT_FIELDS = {
     "alexnet": ("dropout",),
     "gnmt": ("dropout",),
     "gpt": ("dropout",),
+    "llama": ("dropout",),
     "awd_lm": ("dropout_e", "dropout_i", "dropout_h", "dropout_o"),
 }
 
@@ -42,6 +43,7 @@ LAYER_COUNTS = {  # name: (tiny, paper)
     "gnmt": (10, 10),
     "awd_lm": (5, 5),
     "gpt": (4, 14),
+    "llama": (4, 26),
 }
 
 
@@ -233,7 +235,7 @@ def test_dropout_only_in_train_mode(name: str) -> None:
         np.testing.assert_allclose(run["seq_dropout"], run["seq_eval"], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["gnmt", "awd_lm", "gpt"])
+@pytest.mark.parametrize("name", ["gnmt", "awd_lm", "gpt", "llama"])
 def test_dropout_needs_an_rng_in_train_mode(name: str) -> None:
     spec, x, variables = (_abstract(name)[k] for k in ("spec", "x", "seq"))
     with pytest.raises(LayerError, match="rng"):
@@ -268,7 +270,17 @@ def test_loss_and_accuracy() -> None:
 
 
 def test_registry() -> None:
-    assert MODELS == ("mlp", "cnn", "vgg16", "alexnet", "resnet50", "gnmt", "awd_lm", "gpt")
+    assert MODELS == (
+        "mlp",
+        "cnn",
+        "vgg16",
+        "alexnet",
+        "resnet50",
+        "gnmt",
+        "awd_lm",
+        "gpt",
+        "llama",
+    )
     assert CONFIGS == ("tiny", "paper")
     spec = get_model("awd-lm")
     assert spec.name == "awd_lm" and spec.config == "tiny"
@@ -333,6 +345,9 @@ PAPER_PARAMS = {
     "gnmt": _gnmt_params(32000, 1024),
     "awd_lm": _awd_params(33278, 400, 1150),
     "mlp": 784 * 1024 + 1024 + 2 * (1024 * 1024 + 1024) + 1024 * 10 + 10,
+    # untied 32000 x 1024 embedding and head; 24 blocks of q, o 1024^2, k, v 1024 x 256,
+    # SwiGLU 3 x 1024 x 2816 and two norms; the final norm
+    "llama": 2 * 32000 * 1024 + 24 * (2 * 1024**2 + 2 * 1024 * 256 + 3 * 1024 * 2816 + 2048) + 1024,
 }
 
 

@@ -17,6 +17,7 @@ name          task            paper config                               layers
 ``gnmt``      seq2seq         GNMT-8, hidden 1024, vocabulary 32000      10 (tiny 10)
 ``awd_lm``    language_model  AWD-LSTM, WikiText-2, vocabulary 33278     5 (tiny 5)
 ``gpt``       language_model  GPT-2 small (untied head), context 1024   14 (tiny 4)
+``llama``     language_model  Llama-style (nnx), GQA, 336.1M params      26 (tiny 4)
 ============  ==============  =========================================  ============
 
 >>> import jax
@@ -50,12 +51,13 @@ from pathlib import Path
 from typing import Any
 
 from pdjax.errors import LaunchInterrupted, LayerError
-from pdjax.models import alexnet, awd_lm, cnn, gnmt, gpt, mlp, resnet, vgg
+from pdjax.models import alexnet, awd_lm, cnn, gnmt, gpt, llama, mlp, resnet, vgg
 from pdjax.models.alexnet import AlexNetConfig
 from pdjax.models.awd_lm import AWDLMConfig
 from pdjax.models.cnn import CNNConfig
 from pdjax.models.gnmt import GNMTConfig
 from pdjax.models.gpt import GPTConfig
+from pdjax.models.llama import LlamaConfig
 from pdjax.models.mlp import MLPConfig
 from pdjax.models.resnet import ResNetConfig
 from pdjax.models.spec import (
@@ -78,6 +80,7 @@ __all__ = [
     "CustomModel",
     "GNMTConfig",
     "GPTConfig",
+    "LlamaConfig",
     "MLPConfig",
     "ModelSpec",
     "ResNetConfig",
@@ -100,6 +103,7 @@ _FAMILIES: dict[str, tuple[type, Callable[[Any, str], ModelSpec]]] = {
     "gnmt": (GNMTConfig, gnmt.make_spec),
     "awd_lm": (AWDLMConfig, awd_lm.make_spec),
     "gpt": (GPTConfig, gpt.make_spec),
+    "llama": (LlamaConfig, llama.make_spec),
 }
 
 #: Registry names accepted by :func:`get_model` (``"awd-lm"`` is accepted too).
