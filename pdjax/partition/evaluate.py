@@ -79,7 +79,7 @@ def pipeline_time(
     paper's counts, a lower bound only: a group moves all at once, and where a stage holds
     few groups each group's round trip serialises (1-3-1 with unit costs: 4 here, 7
     simulated). Only the simulator prices that schedule exactly
-    (:func:`~pdjax.partition.evaluate_candidate`)."""
+    (:func:`~pdjax.partition.candidates.evaluate_candidate`)."""
     stage_terms, cut_terms = cost.partition_terms(
         arrays,
         topology,

@@ -132,7 +132,7 @@ def plan_pipedream(
         planned only without round-robin stages (``replication="split"``, or ``straight``;
         the counts are then ``P - s`` either way); for round-robin, plan at full rate and
         let the simulator price paper (:func:`~pdjax.partition.plan_auto` with
-        ``in_flight=("paper",)``, :func:`~pdjax.partition.evaluate_candidate`).
+        ``in_flight=("paper",)``, :func:`~pdjax.partition.candidates.evaluate_candidate`).
 
     Returns:
       The plan; ``plan.time_per_microbatch`` is its period under the cost model: the
