@@ -414,3 +414,23 @@ def test_moves_between_single_device_stages_copy_through_jaxlib():
     (k,) = transport._receiver(target)(key)
     assert k.devices() == {dst}
     np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(key))
+
+
+def test_a_long_call_places_its_microbatches_in_chunks_of_one_program():
+    """An epoch-long call's host microbatches are split on the device by programs of at
+    most SPLIT_CHUNK outputs (XLA's compile time grows faster than a splitter's outputs),
+    equal chunks sharing one: every microbatch arrives whole, in order, on its stage."""
+    from pdjax.pipeline.executor import calls
+
+    spec = get_model("mlp", "tiny")
+    pipe = Pipeline(spec.layers, even_stages(len(spec.layers), 2), spec.loss, optax.sgd(0.1))
+    n = 2 * calls.SPLIT_CHUNK + 5
+    rng = np.random.default_rng(0)
+    trees = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(n)]
+    stage = pipe.stages[0]
+    placed = pipe.feeder._place_microbatches(stage, trees)
+    assert len(placed) == n
+    for got, want in zip(placed, trees, strict=True):
+        assert got.sharding == stage.batch_sharding
+        np.testing.assert_array_equal(np.asarray(got), want)
+    assert len(pipe.feeder._splitters) == 2  # a full chunk's program and the rest's

@@ -37,6 +37,10 @@ from pdjax.simulator import Timeline
 __all__ = ["Feeder", "execute"]
 
 
+SPLIT_CHUNK = 64
+"""Microbatches placed by one splitting program at most (:meth:`Feeder._place_microbatches`)."""
+
+
 class Feeder:
     """The caller's values as the slots a program starts from, with what it keeps to
     place them fast: the caller's key on every stage (while it is the same object), and
@@ -93,7 +97,18 @@ class Feeder:
 
     def _place_microbatches(self, stage: Stage, trees: list[PyTree]) -> list[PyTree]:
         """Host microbatches (numpy) go over as one array per leaf and are split on the
-        devices by one cached program: two dispatches, not one transfer per microbatch."""
+        devices by one cached program: two dispatches, not one transfer per microbatch;
+        in chunks of :data:`SPLIT_CHUNK` microbatches, since XLA's compile time of a
+        splitter grows faster than its outputs (measured on CPU: 64 outputs 1.6 s, 256
+        7 s, 1024 57 s; an epoch-long call of ``pdjax train`` has thousands). Chunks of
+        equal rows share one program."""
+        placed: list[PyTree] = []
+        for lo in range(0, len(trees), SPLIT_CHUNK):
+            placed.extend(self._place_chunk(stage, trees[lo : lo + SPLIT_CHUNK]))
+        return placed
+
+    def _place_chunk(self, stage: Stage, trees: list[PyTree]) -> list[PyTree]:
+        """:meth:`_place_microbatches` of at most :data:`SPLIT_CHUNK` microbatches."""
         leaves = jax.tree.leaves(trees)
         placed: list[PyTree]
         if self.stage_set.multiprocess or not all(isinstance(a, np.ndarray) for a in leaves):
