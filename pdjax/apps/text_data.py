@@ -460,28 +460,31 @@ def pack(token_docs: Sequence[np.ndarray], eot_id: int, seq_len: int) -> np.ndar
     return np.asarray(stream[index])
 
 
-def _corpus_and_tokenizer(
+@dataclasses.dataclass(frozen=True)
+class _Encoded:
+    """The split corpus, its tokenizer, each set's documents encoded, and the facts both
+    :func:`text_bpe` and :func:`text_bpe_buckets` put in their ``info``."""
+
+    train: tuple[Document, ...]
+    test: tuple[Document, ...]
+    tok: BPETokenizer
+    train_ids: list[np.ndarray]
+    test_ids: list[np.ndarray]
+    info: dict[str, Any]
+
+
+def _encoded_corpus(
     seed: int,
     test_fraction: float,
     vocab_size: int,
     cache_dir: str | os.PathLike[str] | None,
     cache: bool,
-) -> tuple[tuple[Document, ...], tuple[Document, ...], BPETokenizer]:
+) -> _Encoded:
     train, test = split_documents(documents(), seed, test_fraction)
     tok = train_tokenizer([d.text for d in train], vocab_size, cache_dir=cache_dir, cache=cache)
-    return train, test, tok
-
-
-def _info(
-    tok: BPETokenizer,
-    train: Sequence[Document],
-    test: Sequence[Document],
-    train_tokens: int,
-    test_tokens: int,
-    seed: int,
-    test_fraction: float,
-) -> dict[str, Any]:
-    return {
+    train_ids = tok.encode_batch([d.text for d in train])
+    test_ids = tok.encode_batch([d.text for d in test])
+    info = {
         "source": f"pydoc_data.topics (Python {platform.python_version()})",
         "tokenizer": "byte-level BPE (tokenizers), trained on the training documents",
         "tokenizer_json": tok.json,
@@ -492,11 +495,13 @@ def _info(
         "documents": len(train) + len(test),
         "corpus_chars": sum(len(d.text) for d in (*train, *test)),
         "test_documents": tuple(d.key for d in test),
-        "train_tokens": train_tokens,
-        "test_tokens": test_tokens,
+        # the documents' tokens and one EOT each
+        "train_tokens": sum(map(len, train_ids)) + len(train),
+        "test_tokens": sum(map(len, test_ids)) + len(test),
         "seed": seed,
         "test_fraction": test_fraction,
     }
+    return _Encoded(train, test, tok, train_ids, test_ids, info)
 
 
 def text_bpe(
@@ -539,21 +544,11 @@ def text_bpe(
     """
     if seq_len < 1:
         raise DataError(f"seq_len must be at least 1, got {seq_len}")
-    train, test, tok = _corpus_and_tokenizer(seed, test_fraction, vocab_size, cache_dir, cache)
-    train_ids = tok.encode_batch([d.text for d in train])
-    test_ids = tok.encode_batch([d.text for d in test])
-    train_w = pack(train_ids, tok.eot_id, seq_len)
-    test_w = pack(test_ids, tok.eot_id, seq_len)
-    info = _info(
-        tok,
-        train,
-        test,
-        sum(map(len, train_ids)) + len(train),
-        sum(map(len, test_ids)) + len(test),
-        seed,
-        test_fraction,
-    )
-    info["seq_len"] = seq_len
+    enc = _encoded_corpus(seed, test_fraction, vocab_size, cache_dir, cache)
+    tok = enc.tok
+    train_w = pack(enc.train_ids, tok.eot_id, seq_len)
+    test_w = pack(enc.test_ids, tok.eot_id, seq_len)
+    info = {**enc.info, "seq_len": seq_len}
     return Dataset(
         name="text-bpe",
         train_x=train_w[:, :-1],
@@ -818,11 +813,10 @@ def text_bpe_buckets(
         longer than the largest bucket, checked before the examples are made.
     """
     lengths = _check_lengths(lengths)
-    train, test, tok = _corpus_and_tokenizer(seed, test_fraction, vocab_size, cache_dir, cache)
-    train_ids = tok.encode_batch([d.text for d in train])
-    test_ids = tok.encode_batch([d.text for d in test])
+    enc = _encoded_corpus(seed, test_fraction, vocab_size, cache_dir, cache)
+    tok, train_ids, test_ids = enc.tok, enc.train_ids, enc.test_ids
     if not split_long:  # refuse before cutting or padding either set
-        for doc, ids in zip((*train, *test), (*train_ids, *test_ids), strict=True):
+        for doc, ids in zip((*enc.train, *enc.test), (*train_ids, *test_ids), strict=True):
             if len(ids) + 1 > lengths[-1]:
                 raise DataError(
                     f"document {doc.key!r} has {len(ids) + 1} positions, longer than the "
@@ -833,16 +827,7 @@ def text_bpe_buckets(
         bucket_examples(document_examples(ids, tok.eot_id, lengths[-1]), lengths, pad_id=tok.pad_id)
         for ids in (train_ids, test_ids)
     ]
-    info = _info(
-        tok,
-        train,
-        test,
-        sum(map(len, train_ids)) + len(train),
-        sum(map(len, test_ids)) + len(test),
-        seed,
-        test_fraction,
-    )
-    info["buckets"] = lengths
+    info = {**enc.info, "buckets": lengths}
     info["padding_fraction"] = {
         "train": sets[0].padding_fraction,
         "test": sets[1].padding_fraction,
