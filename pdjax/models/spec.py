@@ -134,11 +134,18 @@ class ModelSpec:
           targets: int labels of shape ``outputs.shape[:-1]`` (a custom model: its targets).
 
         Returns:
-          A float32 scalar, averaged over every label position (a custom loss: what it
-          returns, the scalar mean loss or ``(loss, aux)``).
+          A float32 scalar, averaged over every label position; a language model's
+          negative targets (padding, ``IGNORE = -1``) are left out of the mean (a custom
+          loss: what it returns, the scalar mean loss or ``(loss, aux)``).
         """
         if self.loss_fn is not None:
             return self.loss_fn(outputs, targets)
+        if self.task == "language_model":
+            kept = targets >= 0  # a negative target (IGNORE, -1) is padding: no loss
+            per = optax.softmax_cross_entropy_with_integer_labels(
+                outputs, jnp.where(kept, targets, 0)
+            )
+            return _kept_mean(per, kept)
         return optax.softmax_cross_entropy_with_integer_labels(outputs, targets).mean()
 
     @property
@@ -149,7 +156,8 @@ class ModelSpec:
 
     def accuracy(self, outputs: Any, targets: Any) -> jax.Array:
         """Fraction of label positions whose arg-max logit is the target (a scalar in
-        [0, 1]), or :attr:`accuracy_fn`'s value if the model has its own.
+        [0, 1]; a language model's negative targets, padding, are left out), or
+        :attr:`accuracy_fn`'s value if the model has its own.
 
         Raises:
           LayerError: for a custom model without an accuracy function.
@@ -162,7 +170,10 @@ class ModelSpec:
                 f"model {self.name!r} has no accuracy function; give one as "
                 "CustomModel(accuracy=...) (a function (outputs, targets) -> scalar in [0, 1])"
             )
-        return jnp.mean(jnp.argmax(outputs, axis=-1) == targets)
+        correct = jnp.argmax(outputs, axis=-1) == targets
+        if self.task == "language_model":
+            return _kept_mean(correct, targets >= 0)
+        return jnp.mean(correct)
 
     def abstract_variables(self, batch_size: int = 1) -> list[Variables]:
         """Per-layer variables as ``jax.ShapeDtypeStruct`` trees, with no FLOPs or allocation."""
@@ -174,6 +185,13 @@ class ModelSpec:
         """Number of parameters (the ``"params"`` collections), computed abstractly."""
         variables = self.abstract_variables()
         return sum(leaf.size for v in variables for leaf in jax.tree.leaves(v.get("params", {})))
+
+
+def _kept_mean(values: jax.Array, kept: jax.Array) -> jax.Array:
+    """The mean of ``values`` over the positions ``kept`` (0 when none is): with every
+    position kept, the plain mean, summed in the same order."""
+    total = jnp.sum(jnp.where(kept, values, 0), dtype=jnp.float32)
+    return total / jnp.maximum(jnp.sum(kept, dtype=jnp.float32), 1.0)
 
 
 # Samplers are frozen dataclasses rather than closures so that two specs built from the

@@ -77,7 +77,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--seq-len",
         action=positive_int(2**16, "a window's activations are allocated at once"),
         default=16,
-        help="tokens per window (text); passed to a factory that takes seq_len",
+        help="tokens per window (text, text-bpe); passed to a factory that takes seq_len",
+    )
+    p.add_argument(
+        "--vocab-size",
+        action=positive_int(2**20, "the tokenizer's table is trained and held in memory"),
+        default=None,
+        metavar="N",
+        help="text-bpe: the tokenizer's vocabulary (at least 258; default: 1024 for a "
+        "bundled language model, built with it; a model of your own: its num_classes)",
+    )
+    p.add_argument(
+        "--precision",
+        default="float32",
+        choices=("float32", "bf16"),
+        help="bf16: every layer computes in bfloat16, parameters, optimizer and loss stay float32",
     )
     p.add_argument(
         "--compare",
@@ -100,7 +114,8 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         default="digits",
         metavar="NAME|PATH.npz",
         help="digits (8x8 images, or 64 features for a model taking them), text "
-        "(characters, for language models), or an .npz file with arrays x_train, y_train, "
+        "(characters, for language models), text-bpe (byte-level BPE tokens of the same "
+        "documents, packed; needs the text extra), or an .npz file with arrays x_train, y_train, "
         "x_test, y_test whose rows fit the model's sample batch",
     )
     p.add_argument(
@@ -469,6 +484,8 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         seed=args.seed,
         target_accuracy=args.target_accuracy,
         seq_len=args.seq_len,
+        vocab_size=args.vocab_size,
+        precision=args.precision,
         straight=args.straight,
         transport=args.transport,
         replication=args.replication,
@@ -614,9 +631,16 @@ def epoch_line(cfg: Any, record: Any) -> str:
     """One epoch as a log line: ``"pipedream epoch 2/10: train loss 0.4321, test loss
     0.3810, test accuracy 0.912, 5,120 samples/s, 0.41 s"``."""
     parts = [f"train loss {record.train_loss:.4f}", f"test loss {record.test_loss:.4f}"]
+    if math.isfinite(record.perplexity):
+        parts.append(f"perplexity {record.perplexity:.2f}")
     if math.isfinite(record.test_accuracy):
         parts.append(f"test accuracy {record.test_accuracy:.3f}")
-    parts += [f"{record.samples_per_second:,.0f} samples/s", f"{record.seconds:.2f} s"]
+    parts.append(f"{record.samples_per_second:,.0f} samples/s")
+    if math.isfinite(record.tokens_per_second):
+        parts.append(f"{record.tokens_per_second:,.0f} tokens/s")
+    if math.isfinite(record.mfu):
+        parts.append(f"MFU {100 * record.mfu:.2f}%")
+    parts.append(f"{record.seconds:.2f} s")
     return f"{cfg.label} epoch {record.epoch}/{cfg.epochs}: " + ", ".join(parts)
 
 
@@ -747,21 +771,23 @@ def _summary(console: Any, results: list[Any]) -> None:
     from rich.table import Table
 
     table = Table(title="summary (epoch times exclude compilation and evaluation)")
-    for col in (
-        "run",
-        "plan",
-        "epochs",
-        "final acc",
-        "epochs to target",
-        "s/epoch",
-        "time to target",
-        "samples/s",
-    ):
+    lm = any(math.isfinite(x.perplexity) for r in results for x in r.history)
+    columns = ["run", "plan", "epochs", "final acc", "epochs to target", "s/epoch"]
+    columns += ["time to target", "samples/s", "MFU"]
+    if lm:
+        columns += ["final perplexity", "tokens/s"]
+    for col in columns:
         table.add_column(col, justify="left" if col in ("run", "plan") else "right")
     for r in results:
         h = r.history
         mean_epoch = sum(x.seconds for x in h) / len(h) if h else float("nan")
         sps = sum(x.samples_per_second for x in h) / len(h) if h else float("nan")
+        mfu = sum(x.mfu for x in h) / len(h) if h else float("nan")
+        extra = [f"{100 * mfu:.2f}%" if math.isfinite(mfu) else "-"]
+        if lm:
+            tps = sum(x.tokens_per_second for x in h) / len(h) if h else float("nan")
+            ppl = h[-1].perplexity if h else float("nan")
+            extra += [f"{ppl:.2f}" if math.isfinite(ppl) else "-", f"{tps:,.0f}"]
         table.add_row(
             r.config.label,
             r.plan,
@@ -771,6 +797,7 @@ def _summary(console: Any, results: list[Any]) -> None:
             f"{mean_epoch:.2f}",
             "-" if r.time_to_target is None else f"{r.time_to_target:.2f} s",
             f"{sps:,.0f}",
+            *extra,
         )
     console.print(table)
     for r in results:

@@ -5,6 +5,7 @@ them (the optimizer, the run's folder)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,9 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 """``auto`` (``device_put`` up to 2 processes on CPU, collectives beyond) or a transport."""
 """``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
-DATASETS = ("digits", "text")
+DATASETS = ("digits", "text", "text-bpe")
+#: ``precision``: float32 throughout, or bfloat16 compute with float32 parameters.
+PRECISIONS = ("float32", "bf16")
 
 
 def runs_plan(schedule: str) -> bool:
@@ -55,9 +58,11 @@ class TrainConfig:
       model: a name from :data:`pdjax.models.MODELS`, or ``package.module:factory``
         for a model of your own (:func:`pdjax.models.load_model`).
       config: ``"tiny"`` or ``"paper"`` (a factory that takes ``config`` gets it as is).
-      dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs), or
-        the path of an ``.npz`` file with ``x_train``, ``y_train``, ``x_test``,
-        ``y_test`` (:func:`pdjax.apps.data.load_npz`).
+      dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs),
+        ``"text-bpe"`` (the same documents as byte-level BPE tokens, packed:
+        :func:`pdjax.apps.text_data.text_bpe`), or the path of an ``.npz`` file with
+        ``x_train``, ``y_train``, ``x_test``, ``y_test``
+        (:func:`pdjax.apps.data.load_npz`).
       schedule: a pipeline schedule, or ``"dp"`` for the data-parallel baseline.
       devices: how many of ``jax.devices()`` to use.
       plan: ``"auto"`` (profile and plan now), ``"even"`` (equal layer counts, one device
@@ -85,7 +90,12 @@ class TrainConfig:
       target_accuracy: stop once the test accuracy reaches this (0-1), or None.
       vertical_sync: ``pipedream`` option.
       weight_stashing: ``pipedream`` option.
-      seq_len: tokens per window for ``text`` (a factory that takes ``seq_len`` gets it).
+      seq_len: tokens per window for ``text`` and ``text-bpe`` (a factory that takes
+        ``seq_len`` gets it).
+      vocab_size: ``text-bpe``'s tokenizer vocabulary (None: a bundled language model is
+        built with 1024 tokens; a model of your own gets its own ``num_classes``).
+      precision: ``"float32"``, or ``"bf16"``: every layer computes in bfloat16 with its
+        parameters, optimizer and loss in float32 (:mod:`pdjax.precision`).
       extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
         (latency hiding).
       in_flight: ``pipedream`` option for round-robin stages: ``"full-rate"`` or
@@ -134,6 +144,8 @@ class TrainConfig:
     warmup_steps: int = 0
     decay_steps: int | None = None
     min_stages: int = 1
+    vocab_size: int | None = None
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -145,8 +157,23 @@ class TrainConfig:
             self.dataset.endswith(".npz") or Path(self.dataset).is_file()
         ):
             raise PipelineError(
-                f"unknown dataset {self.dataset!r}; choose digits or text, or give the path of "
-                "an .npz file with x_train, y_train, x_test and y_test"
+                f"unknown dataset {self.dataset!r}; choose digits, text or text-bpe, or give "
+                "the path of an .npz file with x_train, y_train, x_test and y_test"
+            )
+        if self.precision not in PRECISIONS:
+            raise PipelineError(
+                f"unknown precision {self.precision!r}; choose {' or '.join(PRECISIONS)} "
+                "(float16 needs loss scaling, which pdjax train does not do)"
+            )
+        if self.vocab_size is not None and self.dataset != "text-bpe":
+            raise PipelineError(
+                "vocab_size is the text-bpe tokenizer's size; the "
+                f"{self.dataset} dataset has none: drop --vocab-size"
+            )
+        if self.vocab_size is not None and self.vocab_size < 258:
+            raise PipelineError(
+                f"vocab_size {self.vocab_size}: a byte-level BPE tokenizer needs at least 258 "
+                "tokens (256 bytes and 2 special tokens)"
             )
         check_settings(self)
         for name in ("devices", "epochs", "batch_size", "microbatches", "chunks"):
@@ -253,6 +280,12 @@ class EpochRecord:
       elapsed: cumulative training seconds up to the end of this epoch.
       samples_per_second: training samples / seconds.
       updates: optimizer updates of stage 0 so far.
+      tokens_per_second: training target tokens / seconds, padding left out (language
+        models; NaN otherwise).
+      perplexity: ``exp(test_loss)`` for a language model (NaN otherwise).
+      mfu: model FLOPs utilisation: the model's training FLOPs per sample (XLA's cost
+        analysis of one forward and backward) times ``samples_per_second``, over the
+        devices' peak (:func:`pdjax.apps.train.throughput.peak_flops`); NaN where unknown.
     """
 
     epoch: int
@@ -263,6 +296,9 @@ class EpochRecord:
     elapsed: float
     samples_per_second: float
     updates: int
+    tokens_per_second: float = math.nan
+    perplexity: float = math.nan
+    mfu: float = math.nan
 
 
 @dataclasses.dataclass

@@ -42,13 +42,21 @@ from pdjax.apps.train.outputs import (
 from pdjax.apps.train.planning import epoch_microbatches, plan_of, single_stage_note
 from pdjax.apps.train.resume import (
     checkpoint_identity,
+    data_identity,
     open_checkpoints,
+    refuse_other_data,
     resume,
     save_plan,
     saved_plan,
     settle,
 )
 from pdjax.apps.train.runner import make_runner
+from pdjax.apps.train.throughput import (
+    Peak,
+    model_flops_per_sample,
+    peak_flops,
+    tokens_per_sample,
+)
 from pdjax.errors import PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec
 from pdjax.runners import Runner
@@ -94,6 +102,25 @@ class _Run:
     state: Any
     history: list[EpochRecord]
     resumed: bool
+    speed: _Speed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Speed:
+    """What turns a run's samples per second into tokens per second and MFU
+    (:mod:`pdjax.apps.train.throughput`): None or NaN where it does not apply."""
+
+    tokens_per_sample: float | None
+    flops_per_sample: float
+    peak: Peak
+
+    @staticmethod
+    def of(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> _Speed:
+        b = cfg.microbatch_size
+        flops = model_flops_per_sample(spec, ds.train_x[:b], ds.train_y[:b])
+        dtype = "bfloat16" if cfg.precision == "bf16" else "float32"
+        peak = peak_flops(jax.devices()[: cfg.devices], dtype)
+        return _Speed(tokens_per_sample(spec, ds), flops, peak)
 
 
 def train(
@@ -242,6 +269,7 @@ def _set_up(
             refuse_mixing(outputs.metrics_path, cfg.label, outputs.checkpoint_dir)
     else:
         identity = checkpoint_identity(outputs.ckpt, step, chosen=chosen)
+        refuse_other_data(outputs.ckpt, step, chosen, ds)
         run_id = identity.run_id
         if outputs.metrics_path is not None:
             refuse_others(
@@ -299,6 +327,7 @@ def _set_up(
         state=state,
         history=history,
         resumed=step is not None,
+        speed=_Speed.of(cfg, spec, ds),
     )
 
 
@@ -368,6 +397,7 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
                 elapsed=history[-1].elapsed if history else 0.0,
                 ckpt=outputs.ckpt,
                 on_progress=hooks.on_progress,
+                speed=run.speed,
             )
             history.append(record)
             result.state = state
@@ -393,6 +423,7 @@ def _commit(run: _Run, outputs: _Outputs, state: Any, board: TensorBoard | None)
                 "config": dataclasses.asdict(run.requested),
                 "history": [dataclasses.asdict(r) for r in run.history],
                 "run_id": run.run_id,
+                "data": data_identity(run.ds),
             },
         )
     # after the commit, so no line names an epoch no checkpoint holds; a crash in
@@ -413,6 +444,7 @@ def _train_epoch(
     elapsed: float,
     ckpt: Any,
     on_progress: Callable[[int, int], None] | None,
+    speed: _Speed,
 ) -> tuple[Any, EpochRecord]:
     """Trains and evaluates epoch ``epoch`` (0-based).
 
@@ -451,6 +483,8 @@ def _train_epoch(
         raise _diverged(cfg, epoch + 1, "the optimizer state holds NaN or infinite values", ckpt)
     samples = len(batches) * b
     updates = state.updates[0]
+    sps = samples / seconds
+    tokens = speed.tokens_per_sample
     return state, EpochRecord(
         epoch=epoch + 1,
         train_loss=train_loss,
@@ -458,8 +492,11 @@ def _train_epoch(
         test_accuracy=test_acc,
         seconds=seconds,
         elapsed=elapsed + seconds,
-        samples_per_second=samples / seconds,
+        samples_per_second=sps,
         updates=int(updates),
+        tokens_per_second=math.nan if tokens is None else tokens * sps,
+        perplexity=math.exp(min(test_loss, 700.0)) if spec.task == "language_model" else math.nan,
+        mfu=speed.flops_per_sample * sps / speed.peak.flops,
     )
 
 

@@ -3,6 +3,7 @@ of the settings against them and the devices that need no compiling (:func:`chec
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,20 +11,64 @@ import jax
 import numpy as np
 
 from pdjax.apps import data as data_lib
+from pdjax.apps import text_data
 from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
 from pdjax.apps.train.optimizers import build_optimizer, run_updates
 from pdjax.errors import PdjaxError, PipelineError
+from pdjax.layers import sequential
 from pdjax.models import ModelSpec, get_model, is_model_ref, load_model
 from pdjax.schedules import SCHEDULE_KINDS
+
+#: The tokenizer size of a bundled language model trained on ``text-bpe`` (its own
+#: vocabulary is replaced by the tokenizer's).
+BPE_VOCAB = 1024
 
 
 def model_spec(cfg: TrainConfig) -> ModelSpec:
     """The model of ``cfg``: a bundled one, or a factory's (which gets ``config`` and
-    ``seq_len`` if it takes them)."""
+    ``seq_len`` if it takes them), under ``cfg.precision``.
+
+    On ``text-bpe`` a bundled language model is built for the tokenizer: its vocabulary
+    is ``cfg.vocab_size`` (default :data:`BPE_VOCAB`), its sample windows ``seq_len``
+    tokens and its context at least that."""
     if is_model_ref(cfg.model):
-        return load_model(cfg.model, offer={"config": cfg.config, "seq_len": cfg.seq_len})
-    return get_model(cfg.model, cfg.config)
+        spec = load_model(cfg.model, offer={"config": cfg.config, "seq_len": cfg.seq_len})
+    else:
+        spec = get_model(cfg.model, cfg.config)
+        if cfg.dataset == "text-bpe" and spec.task == "language_model":
+            spec = get_model(cfg.model, cfg.config, **_bpe_overrides(cfg, spec))
+    return with_precision(spec, cfg.precision)
+
+
+def _bpe_overrides(cfg: TrainConfig, spec: ModelSpec) -> dict[str, Any]:
+    """A bundled language model's config fields for ``text-bpe``."""
+    fields = {f.name for f in dataclasses.fields(spec.model_config)}
+    out: dict[str, Any] = {"vocab_size": cfg.vocab_size or BPE_VOCAB}
+    if "seq_len" in fields:
+        out["seq_len"] = cfg.seq_len
+    if "context" in fields:
+        out["context"] = max(spec.model_config.context, cfg.seq_len)
+    return {k: v for k, v in out.items() if k in fields}
+
+
+def with_precision(spec: ModelSpec, precision: str) -> ModelSpec:
+    """``spec`` with every layer computing under ``precision`` (``"float32"``: as it is;
+    ``"bf16"``: :func:`pdjax.precision.get_policy`), its names and ties kept.
+
+    Raises:
+      LayerError: for a model whose layers already compute under a policy of their own.
+    """
+    if precision == "float32":
+        return spec
+    layers = spec.layers
+    seq = sequential(
+        list(layers.layers),
+        names=[layer.name for layer in layers.layers],
+        tied=layers.tied or None,
+        precision=precision,
+    )
+    return dataclasses.replace(spec, layers=seq)
 
 
 def _row_shape(tree: Any, what: str, cfg: TrainConfig) -> tuple[int, ...]:
@@ -71,6 +116,25 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
                 + (", or a model taking (B, 8, 8, 1) or (B, 64)" if custom else "")
             )
         ds = data_lib.digits(seed=cfg.seed, flatten=shape == (64,))
+    elif cfg.dataset == "text-bpe":
+        if not custom and spec.task != "language_model":
+            raise PipelineError(
+                f"{cfg.model} is a {spec.task} model; the text-bpe dataset needs a language "
+                "model (llama, gpt)"
+            )
+        vocab = cfg.vocab_size or (spec.num_classes if custom else BPE_VOCAB)
+        if custom:
+            shape = _row_shape(sample[0], "inputs", cfg)
+            if shape != (cfg.seq_len,) or spec.num_classes < 258:
+                raise PipelineError(
+                    f"{cfg.model}'s sample batch has inputs of rows {shape} and "
+                    f"{spec.num_classes} output classes; text-bpe gives windows of --seq-len "
+                    f"{cfg.seq_len} BPE tokens of a vocabulary of its num_classes (at least "
+                    "258): match --seq-len and the model's vocabulary"
+                )
+        ds = text_data.text_bpe(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
+        if not custom:
+            return spec, ds
     elif cfg.dataset == "text":
         if not custom and spec.task != "language_model":
             raise PipelineError(

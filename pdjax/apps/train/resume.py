@@ -270,6 +270,38 @@ def _same_settings(
         )
 
 
+def data_identity(ds: data_lib.Dataset) -> dict[str, Any]:
+    """What a checkpoint records of its training data beyond the run's settings: the
+    dataset's name and, for tokenised text, its tokenizer's fingerprint (the tokenizer is
+    trained on the bundled documents, which another Python's documentation or another
+    ``tokenizers`` may change: the same settings then mean other token ids)."""
+    out: dict[str, Any] = {"dataset": ds.name}
+    fingerprint = ds.info.get("tokenizer_fingerprint") if ds.info else None
+    if fingerprint is not None:
+        out["tokenizer_fingerprint"] = fingerprint
+    return out
+
+
+def refuse_other_data(ckpt: Any, step: int, chosen: bool, ds: data_lib.Dataset) -> None:
+    """Refuses checkpoint ``step`` if its tokenizer is not the dataset's, from its
+    metadata alone, before any work (a checkpoint without one, of a pdjax before it was
+    recorded, is taken as it is).
+
+    Raises:
+      PipelineError: naming both fingerprints and what to do.
+    """
+    extra = _hinted(ckpt, step, chosen, lambda: ckpt.extra(step))
+    saved = (extra.get("data") or {}).get("tokenizer_fingerprint")
+    ours = data_identity(ds).get("tokenizer_fingerprint")
+    if saved is not None and saved != ours:
+        raise PipelineError(
+            f"{ckpt.directory} was trained with tokenizer {saved}, and the {ds.name} data "
+            f"here is tokenised by {ours}: the same token ids would mean other text. "
+            "Resume where the checkpoint's tokenizer is made (the same Python documentation "
+            "and tokenizers version), or start a run in another --checkpoint-dir"
+        )
+
+
 def _set_aside_after(ckpt: Any, step: int) -> None:
     """Moves the steps after ``step`` into a folder beside them: the run goes on from
     ``step``, and a checkpointer saves only steps above its newest."""
@@ -292,4 +324,13 @@ def _resumable(config: dict[str, Any]) -> dict[str, Any]:
 
 #: Settings added after checkpoints were first written: an older checkpoint, without
 #: them, ran their defaults.
-_ADDED = ("weight_decay", "clip_norm", "lr_schedule", "warmup_steps", "decay_steps", "min_stages")
+_ADDED = (
+    "weight_decay",
+    "clip_norm",
+    "lr_schedule",
+    "warmup_steps",
+    "decay_steps",
+    "min_stages",
+    "vocab_size",
+    "precision",
+)
