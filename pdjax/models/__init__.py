@@ -73,6 +73,7 @@ from pdjax.models.vgg import VGGConfig
 
 __all__ = [
     "CONFIGS",
+    "EXTRA_CONFIGS",
     "MODELS",
     "AWDLMConfig",
     "AlexNetConfig",
@@ -108,8 +109,10 @@ _FAMILIES: dict[str, tuple[type, Callable[[Any, str], ModelSpec]]] = {
 
 #: Registry names accepted by :func:`get_model` (``"awd-lm"`` is accepted too).
 MODELS: tuple[str, ...] = tuple(_FAMILIES)
-#: Configuration names accepted by :func:`get_model`.
+#: Configuration names accepted by :func:`get_model` for every family.
 CONFIGS: tuple[str, ...] = ("tiny", "paper")
+#: Configurations some families have besides :data:`CONFIGS`.
+EXTRA_CONFIGS: dict[str, tuple[str, ...]] = {"llama": ("small",)}
 
 
 def is_model_ref(name: str) -> bool:
@@ -157,7 +160,8 @@ def get_model(name: str, config: str = "tiny", **overrides: Any) -> ModelSpec:
         Or ``package.module:factory``: :func:`load_model` (``config`` is passed to the
         factory if it takes it, ``overrides`` always).
       config: ``"tiny"`` (for tests: runs in well under a second on a CPU) or
-        ``"paper"`` (the size the PipeDream paper trains).
+        ``"paper"`` (the size the PipeDream paper trains); some families have more
+        (:data:`EXTRA_CONFIGS`: ``llama`` has ``"small"``).
       **overrides: fields of the family's config dataclass to replace, e.g.
         ``get_model("gpt", num_layers=4, dropout=0.0)``.
 
@@ -174,8 +178,9 @@ def get_model(name: str, config: str = "tiny", **overrides: Any) -> ModelSpec:
     key = name.strip().lower().replace("-", "_")
     if key not in _FAMILIES:
         raise LayerError(_unknown_model(name))
-    if config not in CONFIGS:
-        raise LayerError(f"unknown config {config!r} for {key!r}; choose one of {CONFIGS}")
+    configs = CONFIGS + EXTRA_CONFIGS.get(key, ())
+    if config not in configs:
+        raise LayerError(f"unknown config {config!r} for {key!r}; choose one of {configs}")
     config_cls, make_spec = _FAMILIES[key]
     model_config = getattr(config_cls, config)()
     if overrides:

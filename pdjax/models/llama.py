@@ -199,8 +199,8 @@ class LlamaConfig:
     def small(cls) -> LlamaConfig:
         """4 blocks, d=128, 4 heads over 2 key/value heads, SwiGLU width 384, context 128,
         vocabulary 256, dropout 0.1: 853,120 parameters, trains on a CPU in minutes.
-        Not one of :data:`pdjax.models.CONFIGS`: build it with
-        ``make_spec(LlamaConfig.small(), "small")``.
+        ``get_model("llama", "small")`` (one of :data:`pdjax.models.EXTRA_CONFIGS`;
+        ``pdjax train --config small``).
 
         >>> LlamaConfig.small().num_params()
         853120

@@ -93,8 +93,8 @@ def add_model_arguments(
     parser.add_argument(
         "--config",
         default="tiny",
-        help="model size for bundled models, tiny or paper; passed to a factory that "
-        "takes config as config=",
+        help="model size for bundled models, tiny or paper (llama: also small); passed to "
+        "a factory that takes config as config=",
     )
 
 

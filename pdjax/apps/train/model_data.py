@@ -65,7 +65,7 @@ def with_precision(spec: ModelSpec, precision: str) -> ModelSpec:
     seq = sequential(
         list(layers.layers),
         names=[layer.name for layer in layers.layers],
-        tied=layers.tied or None,
+        tied=dict(layers.tied) or None,
         precision=precision,
     )
     return dataclasses.replace(spec, layers=seq)
