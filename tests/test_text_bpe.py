@@ -127,12 +127,21 @@ def test_cache_reuse_and_corruption(tmp_path, split, monkeypatch):
         assert redo.origin == "retrained" and redo.json == first.json
         assert json.loads(path.read_text()) == entry  # replaced by a good file
 
-    bad_file(path.read_text()[:1000])  # truncated
+    def foreign_file(text):  # not a pdjax entry for this key: never rewritten
+        path.write_text(text)
+        with pytest.warns(UserWarning, match="not a pdjax cache entry"):
+            redo = td.train_tokenizer(texts, 300, cache_dir=cache)
+        assert redo.origin == "trained" and redo.json == first.json
+        assert path.read_text() == text
+
     edited = entry["tokenizer"].replace('"Ġt', '"Ġq', 1)
     assert edited != entry["tokenizer"]
     bad_file(json.dumps({**entry, "tokenizer": edited}))  # edited, stale fingerprint
+    foreign_file(path.read_text()[:1000])  # cut short (pdjax writes whole files)
     fake = {**entry, "tokenizer": edited, "fingerprint": td.tokenizer_fingerprint(edited)}
-    bad_file(json.dumps({**fake, "key": "0" * 64}))  # another key's file under this name
+    foreign_file(json.dumps({**fake, "key": "0" * 64}))  # another key's file under this name
+    foreign_file("my notes\n")  # another program's
+    path.write_text(json.dumps(entry))
 
     def no_training(*args):
         raise AssertionError("trained although cached")

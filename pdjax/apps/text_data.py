@@ -52,6 +52,7 @@ import json
 import os
 import platform
 import tempfile
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -311,6 +312,18 @@ def _read_cache(path: Path, key: str) -> str | None:
     return tok_json
 
 
+def _ours(path: Path, key: str) -> bool:
+    """Whether ``path`` is a cache entry pdjax wrote for ``key`` (a regular file whose
+    JSON names the key and the recipe), which a stale or damaged one may be replaced."""
+    try:
+        if path.is_symlink() or not path.is_file():
+            return False
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        return isinstance(entry, dict) and entry.get("key") == key and "recipe" in entry
+    except (OSError, ValueError):
+        return False
+
+
 def _write_cache(path: Path, entry: dict[str, Any]) -> None:
     """Writes ``entry`` to ``path`` atomically (a temporary file, then ``os.replace``);
     a cache that cannot be written is skipped (the tokenizer is still returned)."""
@@ -351,8 +364,10 @@ def train_tokenizer(
     being a SHA-256 of the texts, the settings, the recipe and the ``tokenizers``
     version; a later call with the same inputs reads it instead of training. A cached
     file is used only if it names that key and its JSON has the fingerprint recorded
-    with it; otherwise (truncated, edited, foreign) it is retrained and replaced. Files
-    are written atomically, so concurrent processes see a whole file or none.
+    with it; otherwise it is retrained, and the file replaced only if it is a pdjax entry
+    for that key (stale or edited); a file that is not one (another program's, a link) is
+    left untouched, with a warning, and the tokenizer is not cached. Files are written
+    atomically, so concurrent processes see a whole file or none.
 
     Args:
       texts: the training texts (documents), in a fixed order.
@@ -376,12 +391,20 @@ def train_tokenizer(
         return BPETokenizer(_train(texts, vocab_size))
     key = _cache_key(texts, vocab_size, str(tk.__version__))
     path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"bpe-{key}.json"
-    found = path.exists()
+    found = path.exists() or path.is_symlink()
     if found:
         cached = _read_cache(path, key)
         if cached is not None:
             return BPETokenizer(cached, origin="cache")
     tok_json = _train(texts, vocab_size)
+    if found and not _ours(path, key):
+        warnings.warn(
+            f"{path} is in the way of the tokenizer cache and is not a pdjax cache entry "
+            "for these texts; it is left as it is and the tokenizer is not cached (move "
+            "it away, or pass another cache_dir)",
+            stacklevel=2,
+        )
+        return BPETokenizer(tok_json, origin="trained")
     entry = {
         "key": key,
         "fingerprint": tokenizer_fingerprint(tok_json),
