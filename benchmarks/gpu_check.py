@@ -3,11 +3,14 @@
 Two questions that a CPU-only machine cannot answer, each measured on the one device the
 script finds (``jax.devices()[0]``; an NVIDIA H200 in the full run):
 
-1. **Machinery overhead.** A GPT of ~350M parameters (``GPTConfig.medium()``, float32:
-   pdjax's GPT layers have no dtype option; XLA may run float32 matmuls as TF32 on the
-   GPU, see ``matmul_precision`` in the output) is split into 4 stages, *all on the same
-   device*, and trained with ``schedule="1f1b"`` (``Pipeline.step``, M microbatches per
-   step) and ``schedule="pipedream"`` (``Pipeline.run`` over a stream of microbatches).
+1. **Machinery overhead.** A model of ~350M parameters (``--model gpt``, the default:
+   ``GPTConfig.medium()``, 369M; ``--model llama``: ``LlamaConfig.paper()``, 336M; float32,
+   where XLA may run float32 matmuls as TF32 on the GPU, see ``matmul_precision`` in the
+   output, or ``--precision bf16``: every layer under pdjax's mixed policy, float32
+   weights, bfloat16 compute, the one-jit baseline and floors included) is split into 4
+   stages, *all on the same device*, and trained with ``schedule="1f1b"``
+   (``Pipeline.step``, M microbatches per step) and ``schedule="pipedream"``
+   (``Pipeline.run`` over a stream of microbatches).
    With one device there is no parallelism to gain, so any slowdown against the same
    model as ONE jitted train step (``value_and_grad`` + optax update over the whole batch,
    parameters and optimizer state donated) is the cost of the machinery: per-action
@@ -18,7 +21,12 @@ script finds (``jax.devices()[0]``; an NVIDIA H200 in the full run):
    the same weights and sees the same batches; runners are timed in interleaved rounds
    (the machine's noise hits all alike), medians are reported, and the clock stops only
    after ``jax.block_until_ready`` on the round's results. Host seconds per action come
-   from ``RunMetrics.host_seconds / RunMetrics.actions``.
+   from ``RunMetrics.host_seconds / RunMetrics.actions``. **MFU** per runner: the model's
+   training FLOPs per sample (``pdjax.apps.train.throughput.model_flops_per_sample``: XLA's
+   cost analysis of the whole model's forward and backward, the figure ``pdjax train``
+   reports) times its samples/s over the device's peak for the compute dtype
+   (``peak_flops``: the roofline preset the device kind names, e.g. H200 float32 67
+   TFLOP/s, bfloat16 989; on a CPU a measured matmul rate).
 2. **Roofline accuracy.** ``pdjax.profile(..., device_model="h200")`` (what ``pdjax
    profile --device-model h200`` prints) against ``pdjax.profile(..., measure=True)`` on
    this device: per layer, per stage of the 4-stage split and in total, predicted vs
@@ -26,11 +34,12 @@ script finds (``jax.devices()[0]``; an NVIDIA H200 in the full run):
 
 Results: a markdown table printed and written to ``OUT/results.md``, and every figure in
 ``OUT/results.json`` (rewritten after each phase, so a run cut short keeps what it
-measured). ``--tiny`` runs the very same functions on pdjax's tiny GPT with a small batch
-(seconds on a CPU; the test suite runs it so that the script cannot rot).
+measured). ``--tiny`` runs the very same functions on the family's tiny config with a
+small batch (seconds on a CPU; the test suite runs it so that the script cannot rot).
 
-    python benchmarks/gpu_check.py [--tiny] [--out out/gpu_check] [--batch 16]
-        [--microbatches 4] [--steps 4] [--rounds 5] [--device-model h200]
+    python benchmarks/gpu_check.py [--model gpt|llama] [--precision float32|bf16] [--tiny]
+        [--out out/gpu_check] [--batch 16] [--microbatches 4] [--steps 4] [--rounds 5]
+        [--device-model h200 | --skip-profile] [--budget-s 420]
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ import jax
 import optax
 
 import pdjax
+from pdjax.apps.train.throughput import Peak, model_flops_per_sample, peak_flops
 from pdjax.layers import PyTree
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
@@ -61,7 +71,7 @@ if _HERE not in sys.path:
 from gpucheck.placement import make_pipeline, shared_plan, spread_plan  # noqa: E402
 from gpucheck.progress import CompileCounter, Log  # noqa: E402
 from gpucheck.report import render_markdown, write_outputs  # noqa: E402
-from gpucheck.roofline import compare_profiles, flops_per_sample, roofline_check  # noqa: E402
+from gpucheck.roofline import compare_profiles, roofline_check  # noqa: E402
 from gpucheck.runners import (  # noqa: E402
     Batch,
     Dispatched,
@@ -76,8 +86,10 @@ from gpucheck.runners import (  # noqa: E402
 from gpucheck.sizes import (  # noqa: E402
     BASELINE,
     FULL,
+    MODELS,
     OVERHEAD_GOAL,
     PIPELINES,
+    PRECISIONS,
     TINY,
     Sizes,
     build_spec,
@@ -95,8 +107,10 @@ from gpucheck.throughput import (  # noqa: E402
 __all__ = [
     "BASELINE",
     "FULL",
+    "MODELS",
     "OVERHEAD_GOAL",
     "PIPELINES",
+    "PRECISIONS",
     "TINY",
     "Batch",
     "CompileCounter",
@@ -112,12 +126,14 @@ __all__ = [
     "build_runners",
     "build_spec",
     "compare_profiles",
+    "compute_dtype",
     "environment",
     "loss_agreement",
     "main",
     "make_data",
     "make_pipeline",
     "measure_throughput",
+    "mfu_rows",
     "parse_args",
     "render_markdown",
     "resolve_sizes",
@@ -150,7 +166,22 @@ def environment(device: jax.Device) -> dict[str, Any]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    ap.add_argument("--tiny", action="store_true", help="tiny GPT, small batch (CPU, tests)")
+    ap.add_argument(
+        "--model",
+        default="gpt",
+        choices=MODELS,
+        help="model family: gpt (GPTConfig.medium, 369M) or llama (LlamaConfig.paper, 336M)",
+    )
+    ap.add_argument(
+        "--precision",
+        default="float32",
+        choices=PRECISIONS,
+        help="float32, or bf16: every layer (and the one-jit baseline) under the mixed "
+        "policy (float32 weights and layer outputs, bfloat16 compute)",
+    )
+    ap.add_argument(
+        "--tiny", action="store_true", help="the family's tiny config, small batch (CPU, tests)"
+    )
     ap.add_argument("--out", default="out/gpu_check", help="folder for results.md/.json")
     ap.add_argument("--batch", type=int, help="samples per optimizer step")
     ap.add_argument("--microbatches", type=int, help="M, microbatches per step")
@@ -162,6 +193,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default="h200",
         choices=sorted(DEVICE_MODELS),
         help="roofline preset to check against the measured times",
+    )
+    ap.add_argument(
+        "--skip-profile",
+        action="store_true",
+        help="part 1 only (overhead, MFU): no roofline profile (its ~3 programs per "
+        "distinct layer are a large share of the compile time)",
     )
     ap.add_argument("--lr", type=float, default=1e-4, help="Adam learning rate")
     ap.add_argument("--seed", type=int, default=0)
@@ -224,11 +261,17 @@ def describe_config(
     once the runners are built and timed)."""
     return {
         "mode": "tiny" if args.tiny else "full",
+        "family": args.model,
         "model": sizes.model,
         "model_config": dataclasses.asdict(spec.model_config),
         "num_params": spec.num_params(),
         "num_layers": len(spec.layers),
-        "dtype": "float32 params and compute (pdjax's GPT layers have no dtype option)",
+        "precision": args.precision,
+        "dtype": (
+            "float32 params and compute"
+            if args.precision == "float32"
+            else "float32 params and layer outputs, bfloat16 compute (every runner)"
+        ),
         "batch": sizes.batch,
         "microbatches": sizes.microbatches,
         "microbatch": sizes.microbatch,
@@ -238,7 +281,7 @@ def describe_config(
         "stage_layers": ", ".join(f"{s.first_layer}-{s.last_layer}" for s in plan),
         "placement": "",
         "optimizer": f"adam({args.lr:g})",
-        "device_model": args.device_model,
+        "device_model": "" if args.skip_profile else args.device_model,
         "compile_cache": cache or "off",
     }
 
@@ -252,14 +295,14 @@ class ThroughputCheck:
       compilation: the results' ``compilation`` so far (warm-up and timed rounds).
       placement: per pipeline, where its stages went.
       rounds: timed rounds every runner got (fewer than asked if the budget ran out).
-      sample: one microbatch's input, for the profile.
+      sample: one microbatch ``(inputs, targets)``, for the FLOP count and the profile.
     """
 
     throughput: dict[str, Any]
     compilation: dict[str, Any]
     placement: str
     rounds: int
-    sample: PyTree
+    sample: Batch
 
 
 def check_throughput(
@@ -303,8 +346,35 @@ def check_throughput(
         compilation=compile_info,
         placement="; ".join(f"{k}: {v}" for k, v in notes.items()),
         rounds=min(len(ts) for ts in rounds.values()),
-        sample=split[0][0][0],
+        sample=split[0][0],
     )
+
+
+def compute_dtype(precision: str) -> str:
+    """The dtype the layers compute in under ``--precision``, whose peak MFU is taken
+    against (as ``pdjax train`` does)."""
+    return "bfloat16" if precision == "bf16" else "float32"
+
+
+def mfu_rows(
+    rows: list[dict[str, Any]], spec: ModelSpec, sample: Batch, peak: Peak
+) -> dict[str, Any]:
+    """Adds ``model_tflops`` and ``mfu`` to every throughput row; returns the figures
+    they come from (the results' ``mfu``).
+
+    Model FLOPs per sample are XLA's cost analysis of the whole model's forward and
+    backward on ``sample`` (lowered, not run; the optimizer's update left out), the same
+    for every runner: MFU compares runners doing the same work, whatever each executes.
+    """
+    per_sample = model_flops_per_sample(spec, *sample)
+    for r in rows:
+        r["model_tflops"] = r["samples_per_second"] * per_sample / 1e12
+        r["mfu"] = r["samples_per_second"] * per_sample / peak.flops
+    return {
+        "flops_per_sample": per_sample,
+        "peak_tflops": peak.flops / 1e12,
+        "peak_source": peak.source,
+    }
 
 
 def measure_profiles(
@@ -333,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     cache = use_compile_cache(args.compile_cache, out)
     device = jax.devices()[0]
-    spec = build_spec(sizes.model)
+    spec = build_spec(sizes.model, args.model, args.precision)
+    dtype = compute_dtype(args.precision)
     optimizer = optax.adam(args.lr)
     plan = shared_plan(len(spec.layers), sizes.stages)
     cfg = describe_config(args, sizes, spec, plan, cache)
@@ -343,8 +414,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "config": cfg,
     }
     log(
-        f"{device.device_kind}: GPT {sizes.model}, {cfg['num_params']:,} params, "
-        f"{len(spec.layers)} layers"
+        f"{device.device_kind}: {args.model} {sizes.model} ({args.precision}), "
+        f"{cfg['num_params']:,} params, {len(spec.layers)} layers"
     )
     with CompileCounter() as compiles:
         part1 = check_throughput(
@@ -354,33 +425,39 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         cfg["rounds"] = part1.rounds
         results["throughput"] = part1.throughput
         results["compilation"] = part1.compilation
+        log("model FLOPs (XLA cost analysis) and the device's peak")
+        results["mfu"] = {
+            "dtype": dtype,
+            **mfu_rows(part1.throughput["rows"], spec, part1.sample, peak_flops([device], dtype)),
+        }
         results["wall_seconds"] = log.elapsed
         write_outputs(out, results)  # partial: kept if the profile does not finish
 
-        before = compiles.snapshot()
-        measured, predicted = measure_profiles(
-            spec,
-            part1.sample,
-            device=device,
-            sizes=sizes,
-            device_model=args.device_model,
-            log=log,
-        )
-        results["compilation"]["profile"] = compiles.since(before)
-    rows = part1.throughput["rows"]
-    floor = next(r for r in rows if r["runner"] == "jit per microbatch, accumulate")
-    results["profile"] = roofline_check(
-        measured,
-        predicted,
-        plan,
-        device_model=args.device_model,
-        floor_ms_per_microbatch=floor["ms_per_step"] / sizes.microbatches,
-    )
-    per_sample = flops_per_sample(measured)
-    for r in rows:
-        r["model_tflops"] = r["samples_per_second"] * per_sample / 1e12
-    measured.save(out / "profile-measured.json")
-    predicted.save(out / "profile-predicted.json")
+        if args.skip_profile:
+            log("profile skipped (--skip-profile)")
+        else:
+            before = compiles.snapshot()
+            measured, predicted = measure_profiles(
+                spec,
+                part1.sample[0],
+                device=device,
+                sizes=sizes,
+                device_model=args.device_model,
+                log=log,
+            )
+            results["compilation"]["profile"] = compiles.since(before)
+            rows = part1.throughput["rows"]
+            floor = next(r for r in rows if r["runner"] == "jit per microbatch, accumulate")
+            results["profile"] = roofline_check(
+                measured,
+                predicted,
+                plan,
+                device_model=args.device_model,
+                floor_ms_per_microbatch=floor["ms_per_step"] / sizes.microbatches,
+                dtype=dtype,
+            )
+            measured.save(out / "profile-measured.json")
+            predicted.save(out / "profile-predicted.json")
 
     results["wall_seconds"] = log.elapsed
     results["complete"] = True

@@ -34,6 +34,7 @@ REQUIRED = {
     "simulate": [],
     "train": [],
     "bench": [],
+    "generate": ["--checkpoint", "ckpt", "--prompt", "a"],
 }
 
 
@@ -354,6 +355,7 @@ PATH_OPTIONS = {
     },
     "train": {"--dataset", "--plan", "--checkpoint-dir", "--out", "--tensorboard"},
     "bench": {"--plan", "--out"},
+    "generate": {"--checkpoint"},
 }  # fmt: skip
 
 

@@ -477,6 +477,7 @@ PATH_CASES = [
      REFUSED_INPUT),
     ("bench", ["bench", "--cluster"], "--out", [], REFUSED_FOLDER),
     ("bench", ["bench", "--devices", "2"], "--plan", [], REFUSED_INPUT),
+    ("generate", ["generate", "--prompt", "a"], "--checkpoint", [], REFUSED_INPUT),
 ]  # fmt: skip
 
 
@@ -525,7 +526,8 @@ WORDS = ["0", "1", "2", "-1", "nan", "1e308", "abc", "", " ", "all", "auto", "ev
 #: Expensive commands get this after the option drawn, refused while parsing, so that
 #: nothing runs whatever the option drawn does.
 POISON = {"profile": ["--seed", "-1"], "calibrate": ["--seed", "-1"],
-          "train": ["--seed", "-1"], "bench": ["--seed", "-1"]}  # fmt: skip
+          "train": ["--seed", "-1"], "bench": ["--seed", "-1"],
+          "generate": ["--step", "-1"]}  # fmt: skip
 BASES = {
     "plan": PLAN,
     "simulate": SIMULATE,
@@ -534,6 +536,7 @@ BASES = {
                   "--profile", "pipedream:alexnet", "--out", "c.json"],
     "train": ["train"],
     "bench": ["bench"],
+    "generate": ["generate", "--checkpoint", "ckpt", "--prompt", "a"],
 }  # fmt: skip
 
 

@@ -1,14 +1,16 @@
 """``benchmarks/gpu_check.py --tiny``: every code path of the GPU check, on CPU.
 
 The full check runs only on an accelerator, rarely; running its tiny mode here (the same
-functions on pdjax's tiny GPT) keeps it from rotting. One run in a subprocess, because
-the script sets process-wide JAX options (the persistent compilation cache) that must
-not leak into other tests; the whole file stays within :data:`BUDGET` on 2 cores
-(~20 s on an idle 2-core machine).
+functions on pdjax's tiny GPT, and on the tiny Llama under ``--precision bf16``) keeps it
+from rotting. Each run in a subprocess, because the script sets process-wide JAX options
+(the persistent compilation cache) that must not leak into other tests; each run stays
+within :data:`BUDGET` on 2 cores (~20 s each on an idle 2-core machine; the Llama run
+skips the profile, which the GPT run covers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -20,9 +22,11 @@ from types import ModuleType
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from pdjax.errors import PipelineError
+from pdjax.models import LlamaConfig
 
 # counts XLA's compilations: no persistent cache (tests/xla_cache.py)
 pytestmark = pytest.mark.no_xla_cache
@@ -62,15 +66,16 @@ def _finite_positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
-def _run_tiny(out: Path) -> str:
-    """``gpu_check.py --tiny --out OUT`` in a subprocess, within :data:`BUDGET`; its stdout."""
+def _run_tiny(out: Path, *extra: str) -> str:
+    """``gpu_check.py --tiny --out OUT [extra]`` in a subprocess, within :data:`BUDGET`;
+    its stdout."""
     # XLA:CPU's backend optimisation level 0 halves its compile times, which are nearly
     # all of this run; the tiny run's CPU timings mean nothing either way.
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags}
     try:
         proc = subprocess.run(
-            [sys.executable, str(SCRIPT), "--tiny", "--out", str(out)],
+            [sys.executable, str(SCRIPT), "--tiny", "--out", str(out), *extra],
             capture_output=True,
             text=True,
             timeout=BUDGET,
@@ -95,6 +100,63 @@ def test_tiny_run_writes_well_formed_results(tmp_path: Path) -> None:
     _check_losses_agree(results)
     _check_compilation(results)
     _check_profile(results)
+    _check_mfu(results, reference_flops=None)
+    assert results["config"]["family"] == "gpt" and results["config"]["precision"] == "float32"
+    assert results["mfu"]["dtype"] == "float32"
+
+
+def _llama_tiny_flops_per_sample() -> float:
+    """An independent count of the tiny Llama's training FLOPs per sample: 6 per matmul
+    weight and token (forward 2, backward 4) plus the attention's two ``T x T``
+    products per layer (forward 2 * 2 * T^2 * d, backward twice that); elementwise work
+    (norms, softmax, SwiGLU's product) left out, which XLA's count includes."""
+    c = LlamaConfig.tiny()
+    kv = c.num_kv_heads * c.head_dim
+    block = 2 * c.d_model**2 + 2 * c.d_model * kv + 3 * c.d_model * c.hidden_dim
+    matmul_weights = c.num_layers * block + c.d_model * c.vocab_size  # the head; embed gathers
+    attention = c.num_layers * 3 * 2 * 2 * c.seq_len**2 * c.d_model
+    return 6.0 * matmul_weights * c.seq_len + attention
+
+
+def test_tiny_llama_bf16_run(tmp_path: Path) -> None:
+    # The Llama family under the mixed policy, part 1 only (overhead and MFU): the
+    # profile's code is the GPT run's, and skipping it keeps this run short.
+    stdout = _run_tiny(
+        tmp_path, "--model", "llama", "--precision", "bf16", "--skip-profile", "--rounds", "1"
+    )
+    md = (tmp_path / "results.md").read_text()
+    assert md.strip() == stdout.strip()
+    for word in (*RUNNERS, "Llama tiny", "bfloat16 compute", "MFU", "bfloat16 peak"):
+        assert word in md, word
+    assert "Roofline" not in md and not (tmp_path / "profile-measured.json").exists()
+    results = _strict_json(tmp_path / "results.json")
+    _check_environment_and_config(results)
+    cfg = results["config"]
+    assert cfg["family"] == "llama" and cfg["precision"] == "bf16" and cfg["device_model"] == ""
+    assert cfg["rounds"] == 1
+    assert cfg["num_params"] == 28_832  # LlamaConfig.tiny(): the docstring's count
+    _check_throughput(results)
+    _check_losses_agree(results)
+    assert "profile" not in results and "profile" not in results["compilation"]
+    assert results["compilation"]["timed_rounds"]["compiles"] == 0
+    assert results["mfu"]["dtype"] == "bfloat16"
+    _check_mfu(results, reference_flops=_llama_tiny_flops_per_sample())
+
+
+def _check_mfu(results: dict[str, Any], reference_flops: float | None) -> None:
+    mfu = results["mfu"]
+    per_sample, peak = mfu["flops_per_sample"], mfu["peak_tflops"] * 1e12
+    assert _finite_positive(per_sample) and _finite_positive(peak)
+    assert mfu["peak_source"].startswith("measured matmul (cpu")
+    if reference_flops is not None:  # XLA's count: the analytic one plus elementwise work
+        assert reference_flops <= per_sample <= 1.25 * reference_flops, (
+            per_sample,
+            reference_flops,
+        )
+    for r in results["throughput"]["rows"]:
+        achieved = r["samples_per_second"] * per_sample
+        assert math.isclose(r["model_tflops"], achieved / 1e12, rel_tol=1e-9), r["runner"]
+        assert math.isclose(r["mfu"], achieved / peak, rel_tol=1e-9), r["runner"]
 
 
 def _check_outputs(out: Path, stdout: str) -> None:
@@ -102,7 +164,7 @@ def _check_outputs(out: Path, stdout: str) -> None:
         assert (out / name).stat().st_size > 0, name
     md = (out / "results.md").read_text()
     assert md.strip() == stdout.strip()  # printed and written alike
-    for word in (*RUNNERS, *LAYERS, "Roofline (model:h200)", "Total error", "cpu"):
+    for word in (*RUNNERS, *LAYERS, "Roofline (model:h200)", "Total error", "cpu", "MFU"):
         assert word in md, word
 
 
@@ -128,6 +190,7 @@ def _check_throughput(results: dict[str, Any]) -> None:
             "ratio_vs_jit",
             "dispatches_per_step",
             "model_tflops",
+            "mfu",
         ):
             assert _finite_positive(r[key]), (name, key, r[key])
         assert math.isfinite(r["final_loss"]), name
@@ -202,3 +265,33 @@ def test_stages_share_device_zero_and_fall_back_if_refused() -> None:
     assert pipe == "pipeline" and "refused (two stages on one device)" in note
     n = len(jax.devices())
     assert built == [[(s % n,) for s in range(4)]]
+
+
+def test_build_spec_families_and_precisions() -> None:
+    gpu_check = _load_script()
+    llama = gpu_check.build_spec("350m", "llama")
+    assert llama.name == "llama" and len(llama.layers) == 26
+    # LlamaConfig.paper() (336,118,784 params, by its docstring), without dropout
+    assert llama.model_config == dataclasses.replace(LlamaConfig.paper(), dropout=0.0)
+
+    # Every runner takes the spec's layers: under bf16 they (and so the one-jit baseline)
+    # compute in bfloat16 on the same float32 weights; in float32 nothing is bfloat16.
+    def jaxpr(family: str, precision: str) -> str:
+        spec = gpu_check.build_spec("tiny", family, precision)
+        x, _ = spec.sample_batch(2, 0)
+        variables = jax.eval_shape(spec.layers.init, jax.random.key(0), x)
+        assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(variables))
+
+        def forward(v: Any) -> Any:
+            return spec.layers.apply(v, x, train=True, rng=jax.random.key(1))[0]
+
+        return str(jax.make_jaxpr(forward)(variables))
+
+    for family in gpu_check.MODELS:
+        assert "bf16[" in jaxpr(family, "bf16") and "bf16[" not in jaxpr(family, "float32")
+    assert gpu_check.compute_dtype("bf16") == "bfloat16"
+    assert gpu_check.compute_dtype("float32") == "float32"
+    with pytest.raises(ValueError, match="family"):
+        gpu_check.build_spec("tiny", "bert")
+    with pytest.raises(ValueError, match="precision"):
+        gpu_check.build_spec("tiny", "gpt", "fp8")

@@ -1,5 +1,9 @@
 """Mixed precision: parameters float32, compute (and activations between layers and stages)
-bfloat16, the model's output float32; float16 refused until pdjax does loss scaling."""
+bfloat16, the model's output float32; the backward recomputes the casts instead of keeping
+bfloat16 weight copies; replicated stages sum float32 gradients; float16 only with loss
+scaling (tests/test_loss_scaling.py)."""
+
+import re
 
 import flax.linen as nn
 import jax
@@ -9,12 +13,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from reference import flush_training
+from reference import flush_training, random_stream, xent
 
 import pdjax
-from pdjax.errors import LayerError
+from pdjax.errors import LayerError, PipelineError
 from pdjax.layers import Fn, PrecisionLayer, sequential
+from pdjax.models import get_model
+from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.pipeline.executor import interpreter
 from pdjax.precision import Policy, get_policy
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -94,13 +101,20 @@ def test_bad_policies_say_what_to_write(spec, match):
 
 
 @pytest.mark.parametrize(
-    "spec", ["f16", "float16", "params=float32,compute=float16,output=float32", "p=f16,c=bf16"]
+    "spec, policy",
+    [
+        ("f16", Policy(jnp.float32, jnp.float16, jnp.float32)),
+        ("float16", Policy(jnp.float32, jnp.float16, jnp.float32)),
+        ("p=f16,c=bf16", Policy(jnp.float16, jnp.bfloat16, jnp.bfloat16)),
+    ],
 )
-def test_float16_is_refused_until_loss_scaling(spec):
-    with pytest.raises(LayerError, match=r"float16 needs loss scaling.*use bfloat16"):
-        sequential(nn.Dense(2), precision=spec)
-    with pytest.raises(LayerError, match="loss scaling"):
-        sequential(nn.Dense(2), precision=Policy(jnp.float32, jnp.float16, jnp.float32))
+def test_float16_trains_only_loss_scaled(spec, policy):
+    """float16 policies parse; a pipeline refuses them without a loss-scaled optimizer
+    (tests/test_loss_scaling.py trains them with one)."""
+    seq = sequential(nn.Dense(2), precision=spec)
+    assert seq.precision == policy
+    with pytest.raises(PipelineError, match=r"float16.*loss_scaled"):
+        Pipeline(seq, even_stages(len(seq), 1), _mse, optax.sgd(0.1))
 
 
 def test_precision_is_given_once():
@@ -297,3 +311,183 @@ def test_pipeline_1f1b_equals_a_single_device_loop(build):
     ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert np.mean(losses[-M:]) < np.mean(losses[:M])
+
+
+# -- the backward keeps no compute-dtype weight copy -----------------------------------------
+
+
+def _residuals(f, *args):
+    """``(shape, dtype)`` of each residual of ``jax.vjp(f, *args)`` that is not an argument."""
+    found = []
+
+    def probe(*args):
+        y, pullback = jax.vjp(f, *args)
+        given = {id(a) for a in jax.tree.leaves(args)}
+        found.extend(
+            (a.shape, np.dtype(a.dtype)) for a in jax.tree.leaves(pullback) if id(a) not in given
+        )
+        return y
+
+    jax.eval_shape(probe, *args)
+    return found
+
+
+def _cast_by_hand(layer):
+    """``layer`` (a PrecisionLayer) as it was: its casts differentiated directly, so the
+    VJP keeps their compute-dtype copies."""
+    policy = layer.policy
+    out = policy.cast_to_output if layer.final else policy.cast_to_compute
+
+    def apply(variables, x, **kw):
+        cast = {**variables, "params": policy.cast_to_compute(variables.get("params", {}))}
+        y, state = layer.layer.apply(cast, policy.cast_to_compute(x), **kw)
+        return out(y), state
+
+    return apply
+
+
+def _llama_bf16():
+    spec = get_model("llama", num_layers=1)
+    x, _ = spec.sample_batch(2, jax.random.key(0))
+    return sequential(*spec.layers.layers, precision="bf16"), x
+
+
+@pytest.mark.parametrize("build", [lambda: (_linen_mlp(), _xy(n=8)[0]), _llama_bf16])
+def test_backward_recomputes_the_casts_instead_of_keeping_bf16_weights(build):
+    seq, x = build()
+    variables = jax.jit(seq.init)(jax.random.key(0), x)
+    x0, removed = x, 0
+    for layer, v in zip(seq.layers, variables, strict=True):
+        if not v.get("params"):
+            x, _ = jax.eval_shape(layer.apply, v, x)
+            continue
+        kw = {"train": True, "rng": jax.random.key(5)}
+        by_hand = _cast_by_hand(layer)
+
+        def new(p, h, v=v, layer=layer, kw=kw):
+            return layer.apply({**v, "params": p}, h, **kw)[0]
+
+        def old(p, h, v=v, by_hand=by_hand, kw=kw):
+            return by_hand({**v, "params": p}, h, **kw)[0]
+
+        # the residuals are the casts' by hand less the compute-dtype copies of the weights
+        # (and of a float32 input)
+        cast_x = [a for a in jax.tree.leaves(x) if a.dtype == F32]
+        copies = {a.shape for a in jax.tree.leaves((v["params"], cast_x))}
+        kept_by_hand = _residuals(old, v["params"], x)
+        expected = [r for r in kept_by_hand if not (r[1] == BF16 and r[0] in copies)]
+        removed += len(kept_by_hand) - len(expected)
+        assert sorted(_residuals(new, v["params"], x), key=str) == sorted(expected, key=str)
+
+        x, _ = jax.eval_shape(layer.apply, v, x)
+    assert removed >= 2  # the test can fail: the casts by hand kept copies
+
+    # and the values are those of differentiating the casts: bit for bit, the whole model
+    def run(by_hand, params, x):
+        def f(params, x):
+            for layer, v, p in zip(seq.layers, variables, params, strict=True):
+                apply = _cast_by_hand(layer) if by_hand else layer.apply
+                x, _ = apply({**v, "params": p}, x, train=True, rng=jax.random.key(5))
+            return x
+
+        y, pullback = jax.vjp(f, params, x)
+        ct = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape).astype(y.dtype)
+        return y, pullback(ct)
+
+    params = [v.get("params", {}) for v in variables]
+    got = jax.jit(run, static_argnums=0)(False, params, x0)
+    want = jax.jit(run, static_argnums=0)(True, params, x0)
+    assert _dtypes(got) == _dtypes(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        if a.dtype != jax.dtypes.float0:
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_profile_residuals_have_no_bf16_weight_copy():
+    x, _ = _xy(n=8)
+    seq = sequential(nn.Dense(64), precision="bf16")
+    variables = seq.init(jax.random.key(0), x)
+    (layer,) = seq.layers
+    by_hand = _residuals(
+        lambda p, h: _cast_by_hand(layer)({"params": p}, h)[0], variables[0]["params"], x
+    )
+    # by hand: the bfloat16 kernel and input; now neither
+    kernel = variables[0]["params"]["kernel"]
+    assert sorted(by_hand, key=str) == sorted([(kernel.shape, BF16), (x.shape, BF16)], key=str)
+    assert pdjax.profile(seq, x).layers[0].residual_bytes == 0
+
+
+# -- replicated stages sum gradients in float32 ----------------------------------------------
+
+_ALL_REDUCE_LINE = re.compile(r"=\s*(.*?)\ball-reduce(?:-start)?\(")
+
+
+def test_replicated_bf16_stage_all_reduces_float32_gradients(monkeypatch):
+    """A bfloat16 stage replicated on two devices, its gradients summed per device and
+    all-reduced at the update: the all-reduce carries float32 (each device's partial sum is
+    cast back to float32 through the parameter cast before the sum), and the result is
+    that of a plain loop computing the same: each microbatch's stage-0 weight gradient as
+    the float32 sum of its two halves' (each from the whole microbatch's cotangent)."""
+    texts = []
+    real = interpreter._ALL_REDUCE
+
+    class Recorder:
+        def findall(self, text):
+            texts.append(text)
+            return real.findall(text)
+
+    monkeypatch.setattr(interpreter, "_ALL_REDUCE", Recorder())
+    layers = sequential(nn.Dense(32), nn.tanh, nn.Dense(32), nn.Dense(10), precision="bf16")
+    stream = random_stream(4, 12)
+    opt = optax.sgd(0.05)
+    plan = (StagePlan(0, 1, (0, 1)), StagePlan(2, 3, (2,)))
+    pipe = Pipeline(layers, plan, xent, opt, schedule="1f1b", microbatches=2)
+    state = pipe.init(jax.random.key(0), stream[0][0])
+    start = pipe.variables(state)
+    state, metrics = pipe.run(state, stream, collectives=True)
+    assert pipe.grad_allreduce_at[0] == "update"
+    assert metrics.all_reduces["BU"] == 2  # one per update of the replicated stage
+    types = [m.group(1) for t in texts for m in _ALL_REDUCE_LINE.finditer(t)]
+    assert len(types) == 1  # one compiled update program holds it
+    dtypes = set(re.findall(r"\b([a-z]+\d+)\[", types[0]))
+    assert dtypes == {"f32"}, types
+    ref = _halves_reference(layers, opt, [v["params"] for v in start], stream, M=2)
+    got = [v["params"] for v in pipe.variables(state)]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _halves_reference(layers, opt, params, stream, M):
+    """Plain single-device training of layers 0-1 | 2-3 where layers 0-1's weight gradient
+    of each microbatch is the float32 sum of its two halves' (what two replicas compute)."""
+
+    def head(p, x):
+        for layer, q in zip(layers.layers[:2], p, strict=True):
+            x, _ = layer.apply({"params": q}, x)
+        return x
+
+    def tail(p, h, y):
+        for layer, q in zip(layers.layers[2:], p, strict=True):
+            h, _ = layer.apply({"params": q}, h)
+        return xent(h, y)
+
+    @jax.jit
+    def grad(params, x, y):
+        h, _ = jax.vjp(head, params[:2], x)
+        g_tail, ct = jax.grad(tail, argnums=(0, 1))(params[2:], h, y)
+        n = x.shape[0] // 2
+        halves = [jax.vjp(head, params[:2], x[k : k + n])[1](ct[k : k + n])[0] for k in (0, n)]
+        return jax.tree.map(jnp.add, *halves) + g_tail
+
+    @jax.jit
+    def update(grads, opt_state, params):
+        acc = jax.tree.map(lambda *g: sum(g[1:], g[0]) * jnp.float32(1 / len(g)), *grads)
+        updates, opt_state = opt.update(acc, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.device_put(params, jax.devices()[0])
+    opt_state = opt.init(params)
+    for t in range(0, len(stream), M):
+        grads = [grad(params, jnp.asarray(x), jnp.asarray(y)) for x, y in stream[t : t + M]]
+        params, opt_state = update(grads, opt_state, params)
+    return params

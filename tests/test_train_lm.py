@@ -15,11 +15,13 @@ import pytest
 
 from pdjax.apps.train import TrainConfig, train
 from pdjax.apps.train.model_data import build, with_precision
+from pdjax.apps.train.optimizers import build_optimizer, describe
 from pdjax.apps.train.throughput import model_flops_per_sample, peak_flops
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import CustomModel, get_model
 from pdjax.models.spec import as_model_spec
+from pdjax.precision import LossScaled
 
 pytest.importorskip("tokenizers")
 
@@ -127,11 +129,24 @@ def test_bf16_model_computes_in_bfloat16() -> None:
     assert with_precision(spec, "float32") is spec
 
 
+def test_f16_trains_under_a_loss_scaled_optimizer() -> None:
+    cfg = TrainConfig(**{**LM, "precision": "f16", "clip_norm": 1.0})
+    spec, _ = build(cfg)
+    assert spec.layers.precision.compute_dtype == jnp.float16
+    opt = build_optimizer(cfg, 10)
+    assert isinstance(opt, LossScaled)
+    assert "dynamic loss scaling" in describe(cfg, 10)
+    assert not isinstance(build_optimizer(TrainConfig(**LM), 10), LossScaled)
+
+
 def test_precision_and_vocab_are_checked() -> None:
     with pytest.raises(PipelineError, match="unknown precision 'fp8'"):
         TrainConfig(**{**LM, "precision": "fp8"})
-    with pytest.raises(PipelineError, match="float16 needs loss scaling"):
-        TrainConfig(**{**LM, "precision": "fp16"})
+    for schedule in ("pipedream", "2bw", "dp"):
+        with pytest.raises(PipelineError, match=f"--schedule {schedule} cannot do that exactly"):
+            TrainConfig(**{**LM, "precision": "f16", "schedule": schedule})
+    with pytest.raises(PipelineError, match="--allow-stale cannot"):
+        TrainConfig(**{**LM, "precision": "f16", "schedule": "auto", "allow_stale": True})
     with pytest.raises(PipelineError, match="at least 258"):
         TrainConfig(**{**LM, "vocab_size": 100})
     with pytest.raises(PipelineError, match="drop --vocab-size"):

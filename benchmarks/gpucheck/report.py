@@ -11,6 +11,9 @@ import numpy as np
 
 from .sizes import OVERHEAD_GOAL
 
+#: How the report names ``config.family``.
+_FAMILIES = {"gpt": "GPT", "llama": "Llama"}
+
 
 def _clean(value: Any) -> Any:
     """JSON-safe: non-finite floats become ``None`` (strict JSON has no NaN)."""
@@ -50,7 +53,7 @@ def render_markdown(results: dict[str, Any]) -> str:
     """The report: environment, throughput, loss agreement, profile comparison."""
     lines = _header(results)
     if tp := results.get("throughput"):
-        lines += _throughput_section(tp)
+        lines += _throughput_section(tp, results.get("mfu"))
     if comp := results.get("compilation"):
         lines += _compilation_section(comp)
     if pr := results.get("profile"):
@@ -70,7 +73,8 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"| jax / jaxlib | {env['jax']} / {env['jaxlib']} |",
         f"| platform version | {env['platform_version']} |",
         f"| matmul precision | {env['matmul_precision']} |",
-        f"| model | GPT {cfg['model']}: {cfg['num_params']:,} params, {cfg['num_layers']} "
+        f"| model | {_FAMILIES.get(cfg.get('family', 'gpt'), cfg.get('family'))} "
+        f"{cfg['model']}: {cfg['num_params']:,} params, {cfg['num_layers']} "
         "layers; " + ", ".join(f"{k}={v}" for k, v in cfg["model_config"].items()) + " |",
         f"| dtype | {cfg['dtype']} |",
         f"| batch | {cfg['batch']} samples per step = {cfg['microbatches']} microbatches of "
@@ -83,14 +87,14 @@ def _header(results: dict[str, Any]) -> list[str]:
     ]
 
 
-def _throughput_section(tp: dict[str, Any]) -> list[str]:
-    """Machinery overhead per runner, the goal, and the first step's loss agreement."""
+def _throughput_section(tp: dict[str, Any], mfu: dict[str, Any] | None) -> list[str]:
+    """Machinery overhead per runner, MFU, the goal, and the first step's loss agreement."""
     lines = [
         "## Machinery overhead (same device, same samples)",
         "",
         "| runner | dispatches / step | ms / step | samples/s | vs one jit | "
-        "overhead vs jit | vs its floor | host us / action | model TFLOP/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "overhead vs jit | vs its floor | host us / action | model TFLOP/s | MFU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in tp["rows"]:
         lines.append(
@@ -98,10 +102,25 @@ def _throughput_section(tp: dict[str, Any]) -> list[str]:
             f"{r['samples_per_second']:,.1f} | {r['ratio_vs_jit']:.3f}x | "
             f"{r['overhead_vs_jit'] * 100:+.1f}% | "
             f"{_f(r['ratio_vs_floor'], '.3f', 'x')} | "
-            f"{_f(r['host_us_per_action'], '.0f')} | {_f(r.get('model_tflops'), '.3g')} |"
+            f"{_f(r['host_us_per_action'], '.0f')} | {_f(r.get('model_tflops'), '.3g')} | "
+            f"{_f(_pct(r.get('mfu')), '.1f', '%')} |"
         )
+    lines += [""]
+    if mfu:
+        lines += [
+            f"MFU = model FLOPs per sample ({mfu['flops_per_sample'] / 1e9:.4g} GFLOP: XLA's "
+            "cost analysis of the whole model's forward + backward, the optimizer left out) "
+            f"x samples/s / the {mfu['dtype']} peak ({mfu['peak_tflops']:.4g} TFLOP/s, "
+            f"{mfu['peak_source']})."
+            + (
+                " Float32 dots run as TF32 (NVIDIA GPUs since Ampere, by default) can "
+                "exceed the float32 peak: MFU over 100%."
+                if mfu["dtype"] == "float32"
+                else ""
+            ),
+            "",
+        ]
     lines += [
-        "",
         "Overhead = time per sample / one jit's - 1. "
         f"Goal: overhead vs one jit <= {OVERHEAD_GOAL:.0%}: "
         + ", ".join(f"{k} {'met' if v else 'NOT met'}" for k, v in tp["goal_met"].items())
@@ -114,6 +133,10 @@ def _throughput_section(tp: dict[str, Any]) -> list[str]:
         "",
     ]
     return lines
+
+
+def _pct(value: Any) -> Any:
+    return None if value is None else 100 * value
 
 
 def _compilation_section(comp: dict[str, Any]) -> list[str]:

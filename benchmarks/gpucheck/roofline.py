@@ -69,16 +69,22 @@ def roofline_check(
     plan: Sequence[StagePlan],
     device_model: str,
     floor_ms_per_microbatch: float,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """:func:`compare_profiles`, with the device model's figures and the sum of the
     measured layers against the accumulation loop's milliseconds per microbatch (the same
-    work timed whole, which says what timing layer by layer misses)."""
+    work timed whole, which says what timing layer by layer misses).
+
+    ``dtype``: the compute dtype whose peak the report states (default: the profile's,
+    its parameters' dtype, which a mixed precision policy keeps in float32).
+    """
     comparison = compare_profiles(measured, predicted, plan)
     model = get_device_model(device_model)
+    dtype = dtype or predicted.dtype
     comparison["device_model"] = {
         "name": model.name,
-        "dtype": predicted.dtype,
-        "peak_tflops": model.flops_per_second(predicted.dtype) / 1e12,
+        "dtype": dtype,
+        "peak_tflops": model.flops_per_second(dtype) / 1e12,
         "memory_tb_per_s": model.memory_bandwidth / 1e12,
         "efficiency": model.efficiency,
     }
@@ -87,11 +93,3 @@ def roofline_check(
         "floor_ms_per_microbatch": floor_ms_per_microbatch,
     }
     return comparison
-
-
-def flops_per_sample(measured: Profile) -> float:
-    """XLA's forward + backward FLOPs for one sample through the whole model."""
-    return (
-        sum((lp.forward_flops or 0.0) + (lp.backward_flops or 0.0) for lp in measured.layers)
-        / measured.batch_size
-    )

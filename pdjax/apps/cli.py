@@ -1,4 +1,5 @@
-"""``pdjax`` command line: ``pdjax profile | calibrate | plan | simulate | train | bench``.
+"""``pdjax`` command line: ``pdjax profile | calibrate | plan | simulate | train | bench
+| generate``.
 
 The logic lives in the library; each subcommand in :mod:`pdjax.apps.commands` only parses
 arguments, calls it and prints.

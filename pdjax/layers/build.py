@@ -164,6 +164,8 @@ def sequential(
         :class:`PrecisionLayer`, computing in the compute dtype with its parameters kept
         in the parameter dtype, activations between layers (and pipeline stages) in the
         compute dtype, and the last layer's output in the output dtype, for the loss.
+        float16 (``"f16"``) trains only with a loss-scaled optimizer
+        (:func:`pdjax.precision.loss_scaled`).
 
     Returns:
       The layer sequence.
@@ -173,8 +175,7 @@ def sequential(
         module instance or nnx variable shared by two layers and not declared tied, or a
         ``tied`` entry naming no layer, no parameter (checked where shapes are known: nnx
         layers here, linen ones at ``init``), copies of different shapes or dtypes, or a
-        leaf in two groups; a ``precision`` that is not a policy, holds float16 (it
-        needs loss scaling, which pdjax does not do yet: use bfloat16), or is given for a
+        leaf in two groups; a ``precision`` that is not a policy, or is given for a
         layer that already has one.
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn

@@ -15,6 +15,28 @@ from pdjax.precision import Policy
 __all__ = ["PrecisionLayer"]
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Recast:
+    """In a kept pullback, the place of leaf ``index`` of the compute-dtype casts
+    (parameters, then input): a pytree with no leaves, filled again in the backward."""
+
+    index: int
+
+
+def _cast_back(grads: PyTree, like: PyTree) -> PyTree:
+    """The cotangents of a cast's outputs as cotangents of its inputs (``like``): each
+    float leaf cast to its input's dtype, as the transpose of ``convert_element_type``
+    does; others (``float0``) as they are."""
+
+    def back(g: Any, a: Any) -> Any:
+        if jnp.issubdtype(jnp.result_type(a), jnp.floating) and g.dtype != a.dtype:
+            return g.astype(a.dtype)
+        return g
+
+    return jax.tree.map(back, grads, like)
+
+
 def _in_dtypes_of(new: Variables, old: Variables) -> Variables:
     """``new`` (a layer's collections after a call) with each float leaf cast back to the
     dtype of the same leaf in ``old`` where that differs (collections alike in structure)."""
@@ -47,9 +69,14 @@ class PrecisionLayer:
     come back in their own dtypes; integer and PRNG-key leaves are never cast. ``init``
     casts the float parameters to the parameter dtype.
 
-    The backward keeps the compute-dtype copy of the parameters among its residuals (as
-    ``jax.vjp`` of any cast does), so a pipeline stage holds one such copy per microbatch
-    in flight; the profiler's ``residual_bytes`` counts it.
+    The backward does not keep the compute-dtype copies of the parameters (or of the
+    input) among its residuals: ``apply`` is a ``jax.custom_vjp`` whose forward keeps the
+    wrapped layer's residuals but those copies, and whose backward casts the
+    parameter-dtype weights and input (which a pipeline stage holds anyway) again. So a
+    stage holds no compute-dtype weight copy per microbatch in flight, the profiler's
+    ``residual_bytes`` has none, and the values computed are those of differentiating the
+    casts directly. Being a ``custom_vjp``, it has no forward-mode derivative
+    (``jax.jvp``).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> from pdjax.layers import sequential
@@ -101,10 +128,51 @@ class PrecisionLayer:
         rng: jax.Array | None = None,
     ) -> tuple[PyTree, Variables]:
         """Applies the wrapped layer in the compute dtype; see the class docstring."""
-        policy = self.policy
-        cast = dict(variables)
-        if "params" in cast:
-            cast["params"] = policy.cast_to_compute(cast["params"])
-        y, state = self.layer.apply(cast, policy.cast_to_compute(x), train=train, rng=rng)
-        y = policy.cast_to_output(y) if self.final else policy.cast_to_compute(y)
+        policy, layer, final = self.policy, self.layer, self.final
+        has_params = "params" in variables
+
+        def run(params: PyTree, others: Variables, x: PyTree) -> Any:
+            inner = {**others, "params": params} if has_params else others
+            y, state = layer.apply(inner, x, train=train, rng=rng)
+            y = policy.cast_to_output(y) if final else policy.cast_to_compute(y)
+            return y, state
+
+        def casts(variables: Variables, x: PyTree) -> tuple[PyTree, Variables, PyTree]:
+            others = {k: v for k, v in variables.items() if k != "params"}
+            params = policy.cast_to_compute(variables.get("params", {}))
+            return params, others, policy.cast_to_compute(x)
+
+        # the backward recomputes the casts from the parameter-dtype weights and the input
+        # (held anyway) instead of keeping their compute-dtype copies among the residuals
+        @jax.custom_vjp
+        def recast(variables: Variables, x: PyTree) -> Any:
+            return run(*casts(variables, x))
+
+        def fwd(variables: Variables, x: PyTree) -> Any:
+            params, others, xc = casts(variables, x)
+            out, pullback = jax.vjp(lambda p, h: run(p, others, h), params, xc)
+            recomputed = {id(a): k for k, a in enumerate(jax.tree.leaves((params, xc)))}
+            kept = jax.tree.map(
+                lambda a: _Recast(recomputed[id(a)]) if id(a) in recomputed else a, pullback
+            )
+            return out, (variables, x, kept)
+
+        def bwd(res: Any, ct: Any) -> Any:
+            variables, x, kept = res
+            params, _, xc = casts(variables, x)
+            leaves = jax.tree.leaves((params, xc))
+            pullback = jax.tree.map(
+                lambda a: leaves[a.index] if isinstance(a, _Recast) else a,
+                kept,
+                is_leaf=lambda a: isinstance(a, _Recast),
+            )
+            g_params, g_x = pullback(ct)
+            # the model state (BatchNorm statistics, RNG counters) gets no gradient
+            grads: dict[str, Any] = dict.fromkeys(variables)
+            if has_params:
+                grads["params"] = _cast_back(g_params, variables["params"])
+            return grads, _cast_back(g_x, x)
+
+        recast.defvjp(fwd, bwd)
+        y, state = recast(dict(variables), x)
         return y, _in_dtypes_of(state, variables)

@@ -7,6 +7,14 @@
 """
 
 from pdjax.partition.auto import HostCosts, plan_auto
+from pdjax.partition.buckets import (
+    bucket_weights,
+    mix_profiles,
+    mix_time_per_microbatch,
+    plan_buckets,
+    profile_buckets,
+    simulate_buckets,
+)
 from pdjax.partition.cost import COST_MODELS, CostModel
 from pdjax.partition.partitioners import (
     balanced_split,
@@ -35,14 +43,20 @@ __all__ = [
     "StagePlan",
     "Topology",
     "balanced_split",
+    "bucket_weights",
     "costs_from_plan",
     "evaluate_partition",
+    "mix_profiles",
+    "mix_time_per_microbatch",
     "parse_levels",
     "plan_auto",
     "plan_balanced_params",
     "plan_balanced_time",
+    "plan_buckets",
     "plan_pipedream",
     "plan_uniform",
+    "profile_buckets",
+    "simulate_buckets",
     "uniform_split",
     "weight_grad_fraction",
 ]

@@ -15,8 +15,12 @@ step, :func:`plan_auto` searches
   each partition then improved by moving one stage boundary at a time while the simulator
   says it is faster (the program prices stages apart, the simulator the whole schedule:
   its optimum may not be the simulator's, chiefly in how many replicas a stage gets);
-* per-stage **recomputation** (remat): a stage recomputes its forward in its backward
-  only if its device group would not fit the memory limit otherwise;
+* per-stage **memory policies** (remat, :mod:`pdjax._memory_policy`): a stage whose
+  device group would not fit the memory limit keeps less for its backward, taking the
+  policies in order of the time they add (least first, each kept only where it saves more
+  than the ones before it): the named ``jax.checkpoint`` policies the profile prices
+  (``"dots"``, ``"dots-no-batch"``; ``"offload"`` on request: the planner does not price
+  its host transfers), then ``"full"`` recomputation, until it fits;
 * for ``pipedream``, the **in-flight depth** (``extra_in_flight``) and, for round-robin
   stages, the **groups in flight** (``in_flight``: ``"full-rate"``, and PipeDream's own
   ``"paper"`` count on request; the two differ only at round-robin stages, where paper
@@ -32,7 +36,8 @@ asynchronous schedules), among those whose simulated peak memory fits. The dynam
 prunes; the simulator decides.
 
 The returned :class:`~pdjax.partition.Plan` records the choice in ``plan.options["auto"]``
-(schedule, M, chunks, remat per stage, in-flight depth and ``in_flight_option``, predicted
+(schedule, M, chunks, memory policy per stage (``policies``; ``remat``: whether each is
+other than ``"none"``), in-flight depth and ``in_flight_option``, predicted
 time per sample, peak memory overall and per device group, peak microbatches in flight per
 stage, the memory limit held to: the simulator's figures; the plan's own per-stage
 ``in_flight`` and ``memory_bytes`` are the dynamic program's, priced for another schedule
@@ -66,12 +71,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from pdjax._memory_policy import CHECKPOINTED, MEMORY_POLICIES, OFFLOADED
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import cost
 from pdjax.partition.candidates import (
     Candidate,
     HostCosts,
     evaluate_candidate,
+    policy_arrays,
+    policy_deltas,
     price,
     stage_specs,
 )
@@ -100,7 +108,7 @@ class _Space:
     profile: Profile
     topology: Topology
     limit: float | None
-    remat: bool
+    remat: tuple[str, ...]
     batch: int
     straight: bool
     cost_model: str
@@ -187,7 +195,7 @@ def plan_auto(
     allow_stale: bool = False,
     microbatches: Sequence[int] | None = None,
     memory_limit: float | None = None,
-    remat: bool = True,
+    remat: bool | Sequence[str] = True,
     straight: bool = False,
     cost_model: str = "pdjax",
     optimizer_state_factor: float = 2.0,
@@ -213,7 +221,10 @@ def plan_auto(
       allow_stale: also search ``pipedream`` and ``2bw`` (stale weights: not sequential training).
       microbatches: candidate ``M`` (default: every divisor of ``B`` up to ``4 x`` the devices).
       memory_limit: bytes per device (None: ``topology.memory_per_device``; no limit if that is).
-      remat: allow per-stage recomputation to fit the limit.
+      remat: the memory policies a stage may take to fit the limit besides ``"none"``:
+        ``True`` (``"dots"`` and ``"dots-no-batch"`` where the profile prices them, and
+        ``"full"``), ``False`` (none), or their names (``"offload"`` only so: its host
+        transfers are not priced). A policy the profile does not price is refused.
       straight: no replication.
       cost_model: the dynamic program's cost model.
       optimizer_state_factor: optimizer state bytes per parameter byte.
@@ -265,7 +276,7 @@ def plan_auto(
         profile=profile,
         topology=topology,
         limit=topology.memory_per_device if memory_limit is None else memory_limit,
-        remat=remat,
+        remat=_allowed_policies(remat, profile),
         batch=B,
         straight=straight,
         cost_model=cost_model,
@@ -281,6 +292,51 @@ def plan_auto(
     counts = _microbatch_counts(B, microbatches, topology.num_devices)
     tally = _searched(space, names, counts, refine=refine, refine_top=refine_top)
     return _chosen(space, tally, names)
+
+
+def _allowed_policies(remat: Any, profile: Profile) -> tuple[str, ...]:
+    """The memory policies besides ``"none"`` that :func:`plan_auto`'s ``remat`` allows
+    (see there); PlanError for an unknown one, or a named one the profile does not price."""
+    priced = [
+        p for p in CHECKPOINTED if all(layer.policy(p) is not None for layer in profile.layers)
+    ]
+    if isinstance(remat, (bool, np.bool_)):
+        return (*[p for p in priced if p not in OFFLOADED], "full") if remat else ()
+    names = (remat,) if isinstance(remat, str) else tuple(remat)
+    bad = [p for p in names if p not in MEMORY_POLICIES]
+    if bad:
+        raise PlanError(f"remat must be a bool or memory policies of {MEMORY_POLICIES}; got {bad}")
+    unpriced = [p for p in names if p in CHECKPOINTED and p not in priced]
+    if unpriced:
+        raise PlanError(
+            f"the profile does not price memory policies {unpriced}: profile the model with "
+            "memory_policies=True, or allow only 'full'"
+        )
+    return tuple(dict.fromkeys(p for p in names if p != "none"))
+
+
+def _ladders(space: _Space, plan: Plan, name: str, v: int) -> list[list[str]]:
+    """Per plan stage, the policies to try in turn while its group does not fit: the
+    allowed named ones by the time they add (each only where it keeps less than the ones
+    before it), then ``"full"``. Named policies only where each plan stage is one
+    simulated stage."""
+    kind = SCHEDULE_KINDS[name]
+    one = kind.chunks_for(v) == 1 and not kind.semantics.v_shaped
+    named = [p for p in space.remat if p != "full"] if one else []
+    P = plan.num_stages
+    deltas = {p: policy_deltas(plan, space.profile, (p,) * P) for p in named}
+    ladders = []
+    for s in range(P):
+        ladder: list[str] = []
+        best = 0.0
+        for p in sorted(named, key=lambda p: (deltas[p][s][1], -deltas[p][s][0])):
+            if deltas[p][s][0] > best:
+                ladder.append(p)
+                best = deltas[p][s][0]
+        if "full" in space.remat:
+            ladder.append("full")
+        ladders.append(ladder)
+    return ladders
 
 
 def _batch(profile: Profile, topology: Topology, batch_size: int | None) -> int:
@@ -565,7 +621,7 @@ def _evaluate(
     reasons = tally.reasons
     limit = space.limit
     P = plan.num_stages
-    flags = [False] * P
+    policies = ["none"] * P
     uneven = [
         st.replicas
         for st in plan.stages
@@ -584,7 +640,7 @@ def _evaluate(
             space.profile,
             name,
             chunks=v,
-            remat=flags,
+            remat=policies,
             extra_in_flight=e,
             batch_size=space.batch,
             host=space.host,
@@ -597,17 +653,23 @@ def _evaluate(
         the larger of it and the simulated peak."""
         if space.samples_per_call is None:
             return (), peaks
-        call = _call_memory(space, plan, name, flags, f)
+        call = _call_memory(space, plan, name, policies, f)
         return call, tuple(max(a, b) for a, b in zip(peaks, call, strict=True))
 
     try:
         seconds, peaks, in_flight = run()
         call, most = held(peaks)
         if limit is not None and space.remat:
-            over = [d for d, b in enumerate(most) if b > limit]
-            if over:  # recompute only on the device groups over the limit
+            # only the device groups over the limit keep less: the next policy of each
+            ladders = _ladders(space, plan, name, v)
+            step = [0] * P
+            while True:
+                over = [d for d, b in enumerate(most) if b > limit and step[d] < len(ladders[d])]
+                if not over:
+                    break
                 for d in over:
-                    flags[d] = True
+                    policies[d] = ladders[d][step[d]]
+                    step[d] += 1
                 seconds, peaks, in_flight = run()
                 call, most = held(peaks)
     except (PlanError, ScheduleError) as err:
@@ -621,7 +683,8 @@ def _evaluate(
         microbatches=plan.num_microbatches,
         chunks=v,
         extra_in_flight=e,
-        remat=tuple(flags),
+        remat=tuple(p != "none" for p in policies),
+        policies=tuple(policies),
         stages=stage_specs(plan),
         time_per_sample=seconds,
         peak_memory=peak,
@@ -634,26 +697,18 @@ def _evaluate(
 
 
 def _call_memory(
-    space: _Space, plan: Plan, name: str, remat: Sequence[bool], in_flight: str
+    space: _Space, plan: Plan, name: str, remat: Sequence[str], in_flight: str
 ) -> tuple[float, ...]:
     """Bytes per device of each plan stage for one call of :attr:`_Space.samples_per_call`
     samples by the ``pdjax`` memory model, as the dynamic program prices schedule ``name``
     (:func:`~pdjax.partition.evaluate.stage_memory_bytes`): with the inputs and targets of
     the whole call placed up front, which the simulated stream leaves out. A stage that
-    recomputes keeps only its input per microbatch in flight, as the simulator's costs
-    have it."""
+    recomputes keeps only its input per microbatch in flight, and one under a named policy
+    each layer's input and the residuals the policy keeps, as the simulator's costs have
+    it."""
     priced = SCHEDULE_KINDS[name].priced_as
     arrays = space.arrays_of(plan.microbatch_size)
-    if any(remat):
-        stash = np.array(arrays.stash, dtype=np.float64)
-        for st, on in zip(plan.stages, remat, strict=True):
-            if on:
-                sl = slice(st.first_layer, st.last_layer + 1)
-                before = arrays.cut[st.first_layer - 1] if st.first_layer else arrays.inputs
-                kept = min(float(before), float(stash[sl].sum()))
-                stash[sl] = 0.0
-                stash[st.first_layer] = kept
-        arrays = dataclasses.replace(arrays, stash=stash)
+    arrays = policy_arrays(arrays, plan, space.profile, remat)
     topology = plan.topology
     flat = [
         (st.first_layer, st.last_layer, [topology.position(d) for d in st.devices])

@@ -8,9 +8,19 @@ a candidate under ``in_flight="paper"`` is priced exactly (its time, peak memory
 in flight per stage), where the dynamic program's round-trip bound is not
 (:func:`~pdjax.partition.plan_pipedream`).
 
-Recomputation in the costs: the stage's backward also runs its forward again (added to the
-input-gradient part, which the previous stage waits for), and a microbatch in flight keeps
-only the stage's input instead of its saved activations.
+Memory policies in the costs (:mod:`pdjax._memory_policy`, one per plan stage):
+
+* ``"full"`` (recomputation): the stage's backward also runs its forward again (added to
+  the input-gradient part, which the previous stage waits for), and a microbatch in flight
+  keeps only the stage's input instead of its saved activations;
+* a named policy (``"dots"``, ``"dots-no-batch"``, ``"offload"``): each layer keeps its
+  input and the residuals the policy saves (:class:`~pdjax.profile.PolicyCost`'s
+  ``residual_bytes``, the device's share: offloaded bytes are not counted against the
+  device), and the backward recomputes ``recompute`` of each layer's forward seconds,
+  added to the input-gradient part. The transfers of offloaded residuals to and from the
+  host are not priced. Named policies are priced per plan stage, so only where each plan
+  stage is one simulated stage (not ``interleaved``'s chunks or ``zb-v``'s V); the
+  profile must price them (``profile(..., memory_policies=True)``).
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
+from pdjax._memory_policy import memory_policies, policy_name
 from pdjax.errors import PlanError
 from pdjax.partition.plan import Plan
 from pdjax.partition.simulator_costs import costs_from_plan
@@ -37,7 +50,17 @@ from pdjax.schedules import (
 )
 from pdjax.simulator import simulate, stream_length
 
-__all__ = ["Candidate", "HostCosts", "evaluate_candidate", "price", "stage_specs"]
+__all__ = [
+    "Candidate",
+    "HostCosts",
+    "costs_under",
+    "evaluate_candidate",
+    "policy_arrays",
+    "policy_deltas",
+    "policy_letters",
+    "price",
+    "stage_specs",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +72,11 @@ class Candidate:
       microbatches: ``M`` per step (``pipedream``: the microbatch count of a step's batch).
       chunks: ``v`` (``interleaved``; 1 otherwise).
       extra_in_flight: ``pipedream``'s extra depth (0 otherwise).
-      remat: per plan stage, whether it recomputes its forward in the backward.
+      remat: per plan stage, whether its memory policy is other than ``"none"`` (it
+        saves memory by recomputing some or all of its forward).
+      policies: per plan stage, its memory policy (``"none"``, ``"full"``, or a named
+        policy, :data:`pdjax._memory_policy.MEMORY_POLICIES`); what ``Pipeline(remat=)``
+        takes.
       stages: per plan stage, ``(first_layer, last_layer, replicas)``.
       time_per_sample: simulated seconds per sample.
       peak_memory: simulated bytes on the fullest device.
@@ -81,10 +108,17 @@ class Candidate:
     in_flight: tuple[int, ...] = ()
     in_flight_option: str = "full-rate"
     call_memory: tuple[float, ...] = ()
+    policies: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # a candidate made with remat flags only: True is "full", False "none"
+        if not self.policies:
+            object.__setattr__(self, "policies", tuple(policy_name(r) for r in self.remat))
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["remat"] = list(self.remat)
+        out["policies"] = list(self.policies)
         out["stages"] = [list(s) for s in self.stages]
         out["group_peak_memory"] = list(self.group_peak_memory)
         out["in_flight"] = list(self.in_flight)
@@ -104,7 +138,7 @@ class Candidate:
         extra += (
             f" in_flight={self.in_flight_option}" if self.in_flight_option != "full-rate" else ""
         )
-        remat = "".join("r" if r else "-" for r in self.remat)
+        remat = policy_letters(self.policies)
         config = "-".join(str(r) for _, _, r in self.stages)
         return f"{self.schedule}{extra} M={self.microbatches} {config} remat={remat}"
 
@@ -162,7 +196,7 @@ def evaluate_candidate(
     schedule: str,
     *,
     chunks: int = 1,
-    remat: Sequence[bool] | None = None,
+    remat: Sequence[bool | str] | None = None,
     extra_in_flight: int = 0,
     batch_size: int | None = None,
     host: HostCosts | None = None,
@@ -170,7 +204,8 @@ def evaluate_candidate(
     in_flight: str = "full-rate",
 ) -> tuple[float, tuple[float, ...]]:
     """Simulated ``(seconds per sample, peak bytes per device group)`` of ``plan`` run
-    with ``schedule`` and the given recomputation per plan stage; with ``host``, no less
+    with ``schedule`` and the given memory policy per plan stage (``remat``: a bool, ``True``
+    for ``"full"``, or a policy name each; see the module doc); with ``host``, no less
     than what the driver and a shared pool need (:class:`HostCosts`). With a
     ``calibration`` (:class:`pdjax.calibrate.Calibration`), the stages, links and
     all-reduces it measured replace the profile's (stages it lacks are priced from the
@@ -202,7 +237,7 @@ def price(
     schedule: str,
     *,
     chunks: int = 1,
-    remat: Sequence[bool] | None = None,
+    remat: Sequence[bool | str] | None = None,
     extra_in_flight: int = 0,
     batch_size: int | None = None,
     host: HostCosts | None = None,
@@ -221,9 +256,9 @@ def price(
         costs = costs_from_plan(plan, profile, **measured).v_shape()
     else:  # the chunks the caller chose (interleaved), else one per device group
         costs = costs_from_plan(plan, profile, chunks=v, **measured)
-    flags = tuple(remat) if remat is not None else (False,) * P
-    if any(flags):
-        costs = _with_remat(costs, flags, schedule, plan.replicas)
+    policies = memory_policies(remat if remat is not None else False, P, PlanError)
+    if any(p != "none" for p in policies):
+        costs = costs_under(costs, plan, profile, policies, schedule)
     M = plan.num_microbatches
     takes = kind.takes if kind is not None else (lambda option: False)
     sched = _validated_schedule(
@@ -285,21 +320,124 @@ def _validated_schedule(
     return sched
 
 
-def _with_remat(costs: Any, flags: Sequence[bool], schedule: str, replicas: Sequence[int]) -> Any:
-    """``costs`` with recomputation at the virtual stages of every plan stage flagged: the
-    backward runs the forward again first, and a microbatch in flight keeps only the
-    stage's input (its share on one device)."""
-    P = len(flags)
+def policy_letters(policies: Sequence[str]) -> str:
+    """One letter per stage's memory policy: ``-`` none, ``r`` full recomputation, ``d``
+    dots, ``b`` dots-no-batch, ``o`` offload."""
+    letters = {"none": "-", "full": "r", "dots": "d", "dots-no-batch": "b", "offload": "o"}
+    return "".join(letters.get(p, "?") for p in policies)
+
+
+def policy_deltas(
+    plan: Plan, profile: Profile, policies: Sequence[str], chunks: int = 1
+) -> list[tuple[float, float]]:
+    """Per plan stage under a named memory policy, ``(stash bytes saved, extra backward
+    seconds)`` per microbatch, for the whole stage (not yet per replica): each layer keeps
+    :class:`~pdjax.profile.PolicyCost`'s residuals instead of its own, and recomputes its
+    share of the forward (``(0, 0)`` for ``"none"`` and ``"full"``, priced apart).
+
+    Raises:
+      PlanError: a named policy the profile does not price, or named policies with
+        several simulated stages per plan stage (``chunks > 1``, ``zb-v``).
+    """
+    scale = plan.microbatch_size / profile.batch_size
+    out = []
+    for st, policy in zip(plan.stages, policies, strict=True):
+        if policy in ("none", "full"):
+            out.append((0.0, 0.0))
+            continue
+        if chunks != 1:
+            raise PlanError(
+                f"memory policy {policy!r} is priced per plan stage: a schedule of several "
+                "simulated stages per plan stage (interleaved, zb-v) takes 'none' or 'full'"
+            )
+        saved = extra = 0.0
+        for i in range(st.first_layer, st.last_layer + 1):
+            layer = profile.layers[i]
+            cost = _priced(layer, policy)
+            saved += max(layer.residual_bytes - cost.residual_bytes, 0) * scale
+            extra += cost.recompute * (layer.forward_seconds or 0.0) * scale
+        out.append((saved, extra))
+    return out
+
+
+def costs_under(
+    costs: Any, plan: Plan, profile: Profile, policies: Sequence[str], schedule: str
+) -> Any:
+    """The simulator's ``costs`` of ``plan`` (:func:`~pdjax.partition.costs_from_plan`, one
+    virtual stage per plan stage unless every policy is ``"none"`` or ``"full"``) under
+    each plan stage's memory policy, run with ``schedule`` (see the module doc)."""
+    P = len(policies)
+    deltas = policy_deltas(plan, profile, policies, len(costs.stages) // P)
+    return _with_remat(costs, policies, schedule, plan.replicas, deltas)
+
+
+def policy_arrays(arrays: Any, plan: Plan, profile: Profile, policies: Sequence[str]) -> Any:
+    """The ``pdjax`` memory model's arrays for one microbatch
+    (:func:`pdjax.partition.cost.model_arrays`) with each plan stage's stash under its
+    memory policy: ``"full"`` keeps only the stage's input per microbatch in flight, a
+    named policy each layer's input and the residuals it keeps."""
+    if all(p == "none" for p in policies):
+        return arrays
+    stash = np.array(arrays.stash, dtype=np.float64)
+    scale = plan.microbatch_size / profile.batch_size
+    for st, policy in zip(plan.stages, policies, strict=True):
+        if policy not in ("none", "full"):
+            for i in range(st.first_layer, st.last_layer + 1):
+                layer = profile.layers[i]
+                cost_ = _priced(layer, policy)
+                less = max(layer.residual_bytes - cost_.residual_bytes, 0) * scale
+                stash[i] = max(stash[i] - less, 0.0)
+        if policy == "full":
+            sl = slice(st.first_layer, st.last_layer + 1)
+            before = arrays.cut[st.first_layer - 1] if st.first_layer else arrays.inputs
+            kept = min(float(before), float(stash[sl].sum()))
+            stash[sl] = 0.0
+            stash[st.first_layer] = kept
+    return dataclasses.replace(arrays, stash=stash)
+
+
+def _priced(layer: Any, policy: str) -> Any:
+    """The layer's :class:`~pdjax.profile.PolicyCost` under ``policy``; PlanError where the
+    profile does not price it."""
+    cost = layer.policy(policy)
+    if cost is None:
+        raise PlanError(
+            f"the profile does not price memory policy {policy!r} (layer {layer.name!r}): "
+            "profile the model with memory_policies=True, or plan with 'none' and 'full' only"
+        )
+    return cost
+
+
+def _with_remat(
+    costs: Any,
+    policies: Sequence[str],
+    schedule: str,
+    replicas: Sequence[int],
+    deltas: Sequence[tuple[float, float]],
+) -> Any:
+    """``costs`` under each plan stage's memory policy, at its virtual stages. ``"full"``:
+    the backward runs the forward again first, and a microbatch in flight keeps only the
+    stage's input (its share on one device). A named policy (one virtual stage per plan
+    stage): the stash less what the policy does not keep, the backward longer by what it
+    recomputes (``deltas``, :func:`policy_deltas`)."""
+    P = len(policies)
     stages = list(costs.stages)
     where = stage_groups(schedule, P, len(stages) // P)
     for k, st in enumerate(stages):
         group = where[k]
-        if not flags[group]:
-            continue
-        kept = stages[k - 1].activation_bytes if k > 0 else 0
-        stages[k] = dataclasses.replace(
-            st,
-            input_grad=st.input_grad + st.forward,
-            stash_bytes=min(st.stash_bytes, round(kept / replicas[group])),
-        )
+        policy, r = policies[group], replicas[group]
+        if policy == "full":
+            kept = stages[k - 1].activation_bytes if k > 0 else 0
+            stages[k] = dataclasses.replace(
+                st,
+                input_grad=st.input_grad + st.forward,
+                stash_bytes=min(st.stash_bytes, round(kept / r)),
+            )
+        elif policy != "none":
+            saved, extra = deltas[group]
+            stages[k] = dataclasses.replace(
+                st,
+                input_grad=st.input_grad + extra / r,
+                stash_bytes=max(st.stash_bytes - round(saved / r), 0),
+            )
     return dataclasses.replace(costs, stages=tuple(stages))

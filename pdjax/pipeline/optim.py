@@ -23,6 +23,13 @@ update is dropped. Whether that is exact for the given optimizer is checked once
 both on random inputs of the true shapes on CPU (a sample, not a proof: see
 :func:`coupled_through_grad_norm`).
 
+float16's dynamic loss scaling (:func:`pdjax.precision.loss_scaled`) is such an optimizer:
+its step is skipped unless *every* gradient is finite. Through the exchange each stage's
+check covers its own gradients and the phantom, ``sqrt`` of the other stages' sums of
+squares, which is not finite when any of theirs is; so all stages skip together and keep
+one scale. (A sum of squares can also overflow float32 from finite gradients; that needs
+gradients near 1e19, far beyond what float16 compute makes.)
+
 >>> import jax, jax.numpy as jnp, optax
 >>> stages = [{"w": jax.ShapeDtypeStruct((4, 3), jnp.float32)},
 ...           {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)}]
@@ -45,6 +52,7 @@ import optax
 
 from pdjax.errors import PipelineError
 from pdjax.pipeline.optim_coupling import Coupling, Stages, abstract, keystr, stage_coupling
+from pdjax.precision import LossScaled, loss_scale_of
 
 __all__ = [
     "Coupling",
@@ -308,6 +316,9 @@ class StageOptimizer:
             raise ValueError(f"scope must be 'model' or 'stage', not {scope!r}")
         self.optimizer = optimizer
         self.scope = scope
+        #: a :func:`pdjax.precision.loss_scaled` optimizer: the last stage seeds its
+        #: backward with the loss scale of its state (:meth:`loss_scale`)
+        self.loss_scaled = isinstance(optimizer, LossScaled)
         self.coupling: Coupling | None = None
         self._exchange: _PhantomExchange | None = None
         if scope == "stage":
@@ -342,6 +353,15 @@ class StageOptimizer:
         if self._exchange is not None:
             return self._exchange.init(params)
         return self.optimizer.init(params)
+
+    def loss_scale(self, opt_state: optax.OptState) -> jax.Array:
+        """The current loss scale in a stage's optimizer state (a :func:`loss_scaled
+        <pdjax.precision.loss_scaled>` optimizer's, with or without the exchange's phantom
+        leaf)."""
+        scale = loss_scale_of(opt_state)
+        if scale is None:
+            raise PipelineError("the optimizer is not loss_scaled: its state has no loss scale")
+        return scale
 
     @staticmethod
     def sum_squares(grads: PyTree) -> jax.Array:

@@ -37,6 +37,10 @@ and input for every microbatch. While tracing the forward, pdjax notes which res
 leaves *are* a weight or the input (by identity), returns only the others (each once),
 and the backward rebuilds the VJP from the weights and input it is handed again (the
 stashed version). With ``remat`` the forward keeps nothing and the backward recomputes it.
+Under a named memory policy (``"dots"``, ``"dots-no-batch"``, ``"offload"``:
+:mod:`pdjax._memory_policy`) each layer's VJP is taken of ``jax.checkpoint(layer,
+policy=...)``: its residuals are what the policy saves (and the layer's weights and input),
+and the backward recomputes the rest from them.
 
 The VJP is taken layer by layer, so zero-bubble's split backward costs what the whole one
 costs: ``I`` runs the chain of input gradients and keeps the cotangent at each layer's
@@ -68,7 +72,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdjax._loss import split_loss, with_aux
+from pdjax._memory_policy import OFFLOADED, checkpointed, policy_name, recomputes
 from pdjax._sharding import place
+from pdjax.errors import PipelineError
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.lowering.types import OpFlag, OpKind
 from pdjax.pipeline.optim import StageOptimizer
@@ -162,7 +168,11 @@ class Stage:
         :class:`~pdjax.pipeline.optim.StageOptimizer` that exchanges a global norm).
       loss_fn: the loss, on the last stage only.
       train: training-mode forward (dropout, BatchNorm batch statistics).
-      remat: recompute the forward in the backward instead of keeping residuals.
+      remat: the stage's memory policy (:data:`pdjax._memory_policy.MEMORY_POLICIES`):
+        ``"none"`` (or False) keeps the forward's residuals, ``"full"`` (or True)
+        recomputes the forward in the backward, a named policy keeps what its
+        ``jax.checkpoint`` policy saves. ``remat`` is then whether it is ``"full"``,
+        ``policy`` its name.
       scale: the factor applied to a step's summed gradients before the update (``1/M``).
 
     ``trace_counts`` counts traces per program name (kind and flags).
@@ -178,7 +188,7 @@ class Stage:
         loss_fn: LossFn | None = None,
         *,
         train: bool = True,
-        remat: bool = False,
+        remat: bool | str = False,
         scale: float = 1.0,
         round_robin: bool = False,
     ) -> None:
@@ -195,7 +205,9 @@ class Stage:
         self.loss_fn = loss_fn
         self.is_last = loss_fn is not None
         self.train = train
-        self.remat = remat
+        #: the memory policy's name; ``remat``: whether it recomputes the whole forward
+        self.policy = policy_name(remat, PipelineError)
+        self.remat = recomputes(self.policy)
         self.scale = scale
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
         self.replicated = NamedSharding(self.mesh, _WHOLE)
@@ -449,7 +461,7 @@ class Stage:
         pbs: _Pullbacks = []
         new_state = []
         for j in range(len(self.layers)):
-            layer_fn = self._layer_fn(j, state[j], key, parts)
+            layer_fn = checkpointed(self._layer_fn(j, state[j], key, parts), self.policy)
             x, pb, s = jax.vjp(layer_fn, params[j], x, has_aux=True)
             pbs.append(pb)
             new_state.append(s)
@@ -507,7 +519,8 @@ class Stage:
                 kept.append(leaf)
             sources.append(-1 - where[id(leaf)])
         packed = None
-        if len(self.devices) == 1:  # a sharded stage's would be resharded by the ravel
+        # a sharded stage's would be resharded by the ravel; offloaded ones moved back
+        if len(self.devices) == 1 and self.policy not in OFFLOADED:
             kept, packed = _pack(kept)
         self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources, packed)
         return kept
@@ -523,13 +536,25 @@ class Stage:
         return pbs
 
     def chain(
-        self, pbs: _Pullbacks, ct: PyTree | None, want: str, first: bool
+        self,
+        pbs: _Pullbacks,
+        ct: PyTree | None,
+        want: str,
+        first: bool,
+        w: list[PyTree] | None = None,
     ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]:
         """Back through the layers: ``(weight gradients or None, input gradient, the
-        cotangent at each layer's output)``; XLA drops what the caller does not return."""
+        cotangent at each layer's output)``; XLA drops what the caller does not return.
+        ``w``: the weights the backward reads; on the last stage of a loss-scaled
+        optimizer the pipeline passes them with the loss scale after them
+        (:meth:`weights_in`), the backward's seed (weights without it, as a stage timed
+        alone by :mod:`pdjax.calibrate` has, seed 1)."""
         n = len(self.layers)
         if self.loss_fn is not None:  # round-robin: one loss per microbatch of the group
             seed = jnp.ones((self.num_replicas,) if self.round_robin else (), jnp.float32)
+            if self._carries_scale(w):
+                assert w is not None
+                seed = seed * w[n]  # the scaled loss's cotangent: exact (a power of 2)
             (ct,) = pbs[n](seed)
         cts: list[PyTree] = [None] * n
         grads: list[PyTree] = [None] * n
@@ -568,6 +593,9 @@ class Stage:
         gradients from :attr:`StageTies.members`, the new tied values from
         :attr:`StageTies.owners`, then the other stages' sums of squares (if exchanged)."""
         g = self.scaled(self.reduce(g))
+        scaled = self._carries_scale(w)
+        if scaled:  # the loss scale the weights carry: the new one is the optimizer's
+            w = w[: len(self.layers)]
         ties = self.ties
         received: Sequence[Any] = ()
         treedef: Any = None
@@ -587,10 +615,37 @@ class Stage:
         else:
             updates, o = self.optimizer.update(g, o, w)
         new_w = optax.apply_updates(w, updates)
-        if ties is None:
-            return new_w, o, ()
-        new_w, sent = ties.expand(new_w, treedef, received)
+        sent: tuple[Any, ...] = ()
+        if ties is not None:
+            new_w, sent = ties.expand(new_w, treedef, received)
+        if scaled:
+            new_w = [*new_w, self.optimizer.loss_scale(o)]
         return new_w, o, sent
+
+    @property
+    def seeds_loss_scale(self) -> bool:
+        """Whether this stage seeds its backward with the loss scale: the last stage of a
+        :func:`~pdjax.precision.loss_scaled` optimizer, whose weights (as the programs
+        see them) end with the scale (:meth:`weights_in`)."""
+        return self.is_last and self.optimizer.loss_scaled
+
+    def _carries_scale(self, w: list[PyTree] | None) -> bool:
+        """Whether ``w`` (weights as a program takes them) ends with the loss scale."""
+        return self.seeds_loss_scale and w is not None and len(w) == len(self.layers) + 1
+
+    def weights_in(self, params: list[PyTree], opt_state: optax.OptState) -> list[PyTree]:
+        """The weights as the stage's programs take them: ``params``, and on a stage that
+        :attr:`seeds_loss_scale`, the loss scale of ``opt_state`` after them (each update
+        writes the new scale there, so a backward reads the scale of its weights'
+        version)."""
+        if not self.seeds_loss_scale:
+            return params
+        return [*params, self.optimizer.loss_scale(opt_state)]
+
+    def weights_out(self, w: list[PyTree]) -> list[PyTree]:
+        """The layers' parameters of weights as the programs hold them (see
+        :meth:`weights_in`)."""
+        return list(w[: len(self.layers)]) if self._carries_scale(w) else w
 
     @staticmethod
     def _key(params: list[PyTree], x: PyTree, residuals: list[Any]) -> Any:

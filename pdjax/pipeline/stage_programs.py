@@ -52,7 +52,12 @@ class StageFunctions(Protocol):
     ) -> _Pullbacks: ...
 
     def chain(
-        self, pbs: _Pullbacks, ct: PyTree | None, want: str, first: bool
+        self,
+        pbs: _Pullbacks,
+        ct: PyTree | None,
+        want: str,
+        first: bool,
+        w: list[PyTree] | None = None,
     ) -> tuple[list[PyTree] | None, PyTree | None, list[PyTree]]: ...
 
     def weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]: ...
@@ -174,7 +179,7 @@ def _backward(stage: StageFunctions, kind: OpKind, flags: frozenset[OpFlag]) -> 
         else:
             ct = args[i] if nct else None
             i += nct
-            g, e, cts = stage.chain(pbs, ct, want, first)
+            g, e, cts = stage.chain(pbs, ct, want, first, w)
             out_g = g
         if acc:
             out_g = jax.tree.map(jnp.add, args[i], out_g)
@@ -213,7 +218,7 @@ def _forward_backward(stage: StageFunctions, kind: OpKind, flags: frozenset[OpFl
 
     def forward_backward(w: Any, st: Any, x: Any, key: Any, t: Any, *rest: Any) -> Any:
         y, new_st, pbs, _ = stage.forward_vjp(w, st, x, key, t)
-        g, e, _ = stage.chain(pbs, None, "both", first)
+        g, e, _ = stage.chain(pbs, None, "both", first, w)
         assert g is not None  # "both": the weight gradients are there
         i = 0
         if acc:

@@ -7,7 +7,7 @@ from pdjax.profile.graph_txt import (
     published_profile,
     read_graph_txt,
 )
-from pdjax.profile.profile import LayerProfile, Profile
+from pdjax.profile.profile import LayerProfile, PolicyCost, Profile
 from pdjax.profile.xla import cost_analysis, profile
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "PUBLISHED_PROFILES",
     "DeviceModel",
     "LayerProfile",
+    "PolicyCost",
     "Profile",
     "cost_analysis",
     "get_device_model",

@@ -23,7 +23,7 @@ from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax._units import fmt_bytes, fmt_count, fmt_seconds
 from pdjax.errors import GraphFormatError, ProfileError
 
-__all__ = ["LayerProfile", "Profile"]
+__all__ = ["LayerProfile", "PolicyCost", "Profile"]
 
 _FORMAT = "pdjax.profile/1"
 
@@ -34,6 +34,31 @@ def _fmt_seconds(s: float | None) -> str:
     if s is not None and 0 < s < 1e-6:
         return f"{s * 1e9:.1f} ns"
     return fmt_seconds(s)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyCost:
+    """What one layer keeps and recomputes under a named memory policy
+    (:data:`pdjax._memory_policy.CHECKPOINTED`), for the profile's batch.
+
+    Attributes:
+      policy: the policy's name (``"dots"``, ``"dots-no-batch"``, ``"offload"``).
+      residual_bytes: device bytes its VJP keeps beyond the parameters and the layer's
+        input (as :attr:`LayerProfile.residual_bytes` for ``"none"``).
+      host_bytes: bytes it keeps in host memory instead (offloaded).
+      recompute: the share of the forward its backward computes again, 0..1: the extra
+        FLOPs (transcendentals included) of the backward under the policy over the plain
+        backward, relative to the forward's (XLA's counts of the lowered programs, all
+        three alike); the planner charges that share of the forward's seconds. Bytes
+        accessed are not counted: recomputed elementwise work fuses on the device, and
+        XLA's counts of unfused programs overstate it. ``"full"`` is 1 and ``"none"`` 0
+        by definition.
+    """
+
+    policy: str
+    residual_bytes: int
+    host_bytes: int = 0
+    recompute: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +91,9 @@ class LayerProfile:
       input_grad_seconds: the time of that input gradient alone (measured or estimated
         like ``backward_seconds``), or None.
       weight_grad_seconds: the time of that weight gradient alone, or None.
+      policies: what each named memory policy keeps and recomputes (:class:`PolicyCost`);
+        empty where not profiled (a ``graph.txt`` profile): the planner then chooses
+        between keeping everything and recomputing the whole forward only.
 
     ``I`` and ``W`` are separate programs, as zero bubble runs them: their FLOPs sum to
     ``backward_flops`` where the two share no work (a dense or convolution layer), and to
@@ -93,6 +121,17 @@ class LayerProfile:
     weight_grad_flops: float | None = None
     input_grad_seconds: float | None = None
     weight_grad_seconds: float | None = None
+    policies: tuple[PolicyCost, ...] = ()
+
+    def policy(self, name: str) -> PolicyCost | None:
+        """The layer's :class:`PolicyCost` under memory policy ``name``: profiled for a
+        named policy (None where not), and by definition for ``"none"`` (its residuals,
+        nothing recomputed) and ``"full"`` (nothing kept, the whole forward again)."""
+        if name == "none":
+            return PolicyCost(name, self.residual_bytes, 0, 0.0)
+        if name == "full":
+            return PolicyCost(name, 0, 0, 1.0)
+        return next((p for p in self.policies if p.policy == name), None)
 
     @property
     def stash_bytes(self) -> int:
@@ -318,7 +357,7 @@ class Profile:
             "dtype": self.dtype,
             "meta": dict(self.meta),
             "edges": [list(e) for e in self.edges],
-            "layers": [dataclasses.asdict(layer) for layer in self.layers],
+            "layers": [_layer_dict(layer) for layer in self.layers],
         }
 
     @classmethod
@@ -390,8 +429,7 @@ class Profile:
                 "dtype": self.dtype,
                 "edges": [list(e) for e in self.edges],
                 "layers": [
-                    {k: canon(v) for k, v in dataclasses.asdict(layer).items()}
-                    for layer in self.layers
+                    {k: canon(v) for k, v in _layer_dict(layer).items()} for layer in self.layers
                 ],
             }
             text = json.dumps(body, sort_keys=True, separators=(",", ":"))
@@ -494,7 +532,38 @@ def _layer_from_dict(r: FieldReader, raw: Any, path: str) -> LayerProfile:
             values[key] = r.integer(raw[key], f"{path}.{key}", minimum=0)
     if raw.get("peak_bytes") is not None:
         values["peak_bytes"] = r.integer(raw["peak_bytes"], f"{path}.peak_bytes", minimum=0)
+    if "policies" in raw:
+        values["policies"] = tuple(
+            _policy_from_dict(r, p, f"{path}.policies[{k}]")
+            for k, p in enumerate(r.array(raw["policies"], f"{path}.policies"))
+        )
     return LayerProfile(**values)
+
+
+def _layer_dict(layer: LayerProfile) -> dict[str, Any]:
+    """A layer's JSON record: its fields, without ``policies`` where none were profiled
+    (so that a profile without them reads, writes and hashes as before they existed)."""
+    out = dataclasses.asdict(layer)
+    if not layer.policies:
+        del out["policies"]
+    return out
+
+
+def _policy_from_dict(r: FieldReader, raw: Any, path: str) -> PolicyCost:
+    """One :class:`PolicyCost` record, checked."""
+    raw = r.mapping(raw, path)
+    r.unknown_keys(raw, {f.name for f in dataclasses.fields(PolicyCost)}, path)
+    recompute = r.optional_number(r.field(raw, "recompute", path), f"{path}.recompute")
+    if recompute is None or recompute > 1:
+        r.fail(f"{path}.recompute", f"must be a number in 0..1, got {recompute!r}")
+    return PolicyCost(
+        policy=r.string(r.field(raw, "policy", path), f"{path}.policy"),
+        residual_bytes=r.integer(
+            r.field(raw, "residual_bytes", path), f"{path}.residual_bytes", minimum=0
+        ),
+        host_bytes=r.integer(r.field(raw, "host_bytes", path), f"{path}.host_bytes", minimum=0),
+        recompute=float(recompute),
+    )
 
 
 def _json_kind(value: Any) -> str:

@@ -11,7 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from pdjax._memory_policy import CHECKPOINTED, checkpointed, residual_split
 from pdjax.layers import FnLayer, Layer, LinenLayer, NnxLayer, PyTree, Variables
+from pdjax.profile.profile import PolicyCost
 
 __all__ = ["cost_analysis"]
 
@@ -86,6 +88,51 @@ def trace_vjp(fns: LayerFns, params: PyTree, rest: Variables, x: PyTree) -> tupl
     return pullback_spec, found[0]
 
 
+def policy_costs(
+    fns: LayerFns, params: PyTree, rest: Variables, x: PyTree, ct: PyTree
+) -> tuple[PolicyCost, ...]:
+    """What the layer keeps and recomputes under each named memory policy, from abstract
+    traces only (nothing is compiled): its VJP taken of ``jax.checkpoint(layer, policy)``,
+    whose residuals beyond the parameters and input are split by memory space, and XLA's
+    FLOP counts (transcendentals included) of the lowered backward against the plain
+    one's, over the forward's (:class:`PolicyCost`'s ``recompute``). ``ct``: the output
+    cotangent's shapes."""
+
+    def vjp_of(policy: str) -> Any:
+        def fn(p: PyTree, x: PyTree) -> PyTree:
+            return fns.apply(p, rest, x)
+
+        f = checkpointed(fn, policy)
+        if fns.input_grad:
+            return lambda p, r, x: jax.vjp(f, p, x)[1]
+        return lambda p, r, x: jax.vjp(lambda q: f(q, x), p)[1]
+
+    def counted(lowered: Any) -> float:
+        ca = cost_analysis(lowered)
+        return float(ca.get("flops", 0.0) + ca.get("transcendentals", 0.0))
+
+    def backward_counts(policy: str) -> tuple[Any, float]:
+        pullback = vjp_of(policy)
+        found: list[tuple[int, int]] = []
+
+        def probe(p: PyTree, r: Variables, x: PyTree) -> Any:
+            pb = pullback(p, r, x)
+            found.append(residual_split(jax.tree.leaves(pb), jax.tree.leaves((p, r, x))))
+            return pb
+
+        spec = jax.eval_shape(probe, params, rest, x)
+        return found[0], counted(jax.jit(lambda pb, c: pb(c)).lower(spec, ct))
+
+    fwd = counted(jax.jit(fns.apply).lower(params, rest, x))
+    _, plain = backward_counts("none")
+    out = []
+    for policy in CHECKPOINTED:
+        (device, host), counts = backward_counts(policy)
+        share = (counts - plain) / fwd if fwd > 0 else 0.0
+        out.append(PolicyCost(policy, device, host, float(min(max(share, 0.0), 1.0))))
+    return tuple(out)
+
+
 def compile(lowered: Any, timed: bool) -> Any:
     """Compiles ``lowered``, once: the executable returned serves the cost analysis and,
     where ``timed``, the timing.
@@ -112,6 +159,7 @@ class Programs:
       counts: ``cost_analysis`` of each program by key (``fwd``, ``bwd``, ``igr``, ``wgr``).
       peak_bytes: the larger footprint of ``fwd`` and ``bwd``, or None.
       residual_bytes: the residuals' bytes beyond the parameters and the input.
+      policies: what each named memory policy keeps and recomputes.
       bwd_args: measuring, for a layer that recurs, the backward's real inputs (pullback
         and cotangent), on which the later identical layers' backwards are timed; else
         None.
@@ -125,6 +173,7 @@ class Programs:
     peak_bytes: int | None
     residual_bytes: int
     bwd_args: tuple[Any, ...] | None = None
+    policies: tuple[PolicyCost, ...] = ()
 
 
 def _arg_key(tree: PyTree) -> tuple[Any, ...]:

@@ -55,6 +55,7 @@ from pdjax.profile.programs import (
     cost_analysis,
     find,
     nbytes,
+    policy_costs,
     recurring,
     reuse_key,
     trace_vjp,
@@ -160,6 +161,9 @@ def profile(
     repeats: int = 5,
     meta: Mapping[str, str] | None = None,
     progress: ProgressCallback | Any | None = None,
+    memory_policies: bool = False,
+    loss_fn: Callable[[PyTree, PyTree], Any] | None = None,
+    targets: PyTree | None = None,
 ) -> Profile:
     """Profiles every layer of ``layers`` on the batch ``sample``.
 
@@ -184,6 +188,16 @@ def profile(
       progress: where to report progress, layer by layer (default: nowhere): a
         :class:`ProgressCallback` ``(done, total, current)``, or a
         ``rich.progress.Progress``, to which a task is added and advanced.
+      memory_policies: also price each named memory policy per layer (off by default:
+        about half again the profiling time)
+        (:attr:`LayerProfile.policies`: residual bytes and the share of the forward
+        recomputed, from abstract traces and XLA's counts of lowered programs, nothing
+        compiled or run), which :func:`pdjax.partition.plan_auto` chooses among.
+      loss_fn: the model's loss ``loss_fn(output, targets)``, with ``targets`` (a batch of
+        them, or their shapes): the residuals its VJP keeps (e.g. the softmax of the
+        logits), which the last stage holds per microbatch in flight beside its layers',
+        are added to the last layer's ``residual_bytes`` and to each of its policies'
+        (the loss is never checkpointed). Without it they are not counted.
 
     Returns:
       The :class:`Profile` (a chain), seconds from the measurement or the device model
@@ -210,6 +224,7 @@ def profile(
         model=model,
         warmup=warmup,
         repeats=repeats,
+        policies=memory_policies,
     )
     x_real, variables = (
         _real_inputs(layers, sample, variables, rng, setup.device) if measure else (None, variables)
@@ -219,12 +234,41 @@ def profile(
         layers, steps, setup=setup, variables=variables, x_real=x_real, report=report
     )
     report(len(layers), None)
+    if loss_fn is not None:
+        results[-1] = _with_loss(results[-1], loss_fn, boundaries[-1], targets)
     return Profile.chain(
         results,
         batch_size=batch_size,
         time_source=_time_source(setup),
         dtype=_params_dtype(steps),
         meta=_provenance(train, model, meta),
+    )
+
+
+def _with_loss(
+    layer: LayerProfile, loss_fn: Callable[[PyTree, PyTree], Any], y: PyTree, targets: PyTree
+) -> LayerProfile:
+    """The last layer's profile with the loss's residuals added (see :func:`profile`)."""
+    if targets is None:
+        raise ProfileError("loss_fn needs targets: a batch of the loss's targets (or shapes)")
+    found: list[int] = []
+
+    def probe(y: PyTree, t: PyTree) -> Any:
+        _, pullback = jax.vjp(lambda out: loss_fn(out, t), y)
+        leaves = jax.tree.leaves(pullback)
+        found.append(
+            nbytes([a for a in {id(a): a for a in leaves}.values() if hasattr(a, "shape")])
+        )
+        return pullback
+
+    jax.eval_shape(probe, y, _spec(targets))
+    extra = found[0]
+    return dataclasses.replace(
+        layer,
+        residual_bytes=layer.residual_bytes + extra,
+        policies=tuple(
+            dataclasses.replace(p, residual_bytes=p.residual_bytes + extra) for p in layer.policies
+        ),
     )
 
 
@@ -278,6 +322,7 @@ class _Setup:
     model: DeviceModel | None
     warmup: int
     repeats: int
+    policies: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +461,9 @@ def _layer_programs(
         residual_bytes=residual_bytes,
         keep=keep,
     )
+    if setup.policies and (step.has_params or step.input_grad):
+        costs = policy_costs(fns, step.params, step.rest, step.x_spec, _cotangent_spec(step.y_spec))
+        programs = dataclasses.replace(programs, policies=costs)
     if key is not None:
         cache.append((key, programs))
     return programs, bwd_args, y_real
@@ -485,6 +533,7 @@ def _layer_profile(
         weight_grad_flops=flops["wgr"],
         input_grad_seconds=secs["igr"],
         weight_grad_seconds=secs["wgr"],
+        policies=programs.policies,
     )
 
 

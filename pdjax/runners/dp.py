@@ -58,6 +58,7 @@ from pdjax.pipeline.executor.arguments import (
     check_optimizer,
     check_stream,
 )
+from pdjax.precision import LossScaled, computes_in_float16
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
 
@@ -180,6 +181,13 @@ class DataParallel:
                 "DataParallel does not support tied parameters (sequential(..., tied=...)): it "
                 "would train each copy apart; use pdjax.Pipeline with one stage on these "
                 "devices, which sums the copies' gradients and updates them as one"
+            )
+        policies = [getattr(layer, "policy", None) for layer in layers.layers]
+        if any(computes_in_float16(p) for p in policies) or isinstance(optimizer, LossScaled):
+            raise PipelineError(
+                "DataParallel does not scale the loss, which float16 needs (and a "
+                "pdjax.precision.loss_scaled optimizer expects); use pdjax.Pipeline with one "
+                "stage on these devices and a loss_scaled optimizer, or precision='bf16'"
             )
         self.layers = layers
         self.loss_fn = loss_fn

@@ -81,6 +81,11 @@ The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
   weight version (``pipedream``) or a whole stash (``gpipe``).
   ``benchmarks/bench_runtime.py --memory-only`` measures both ways and compares.
 
+Microbatches of other sizes (sequence-length buckets) take their compute from their own
+costs (``simulate(..., microbatch_costs=)``, one :class:`PipelineCosts` per microbatch);
+updates, transfers and memory stay those of ``costs``
+(:func:`pdjax.partition.simulate_buckets` passes the longest bucket's).
+
 :class:`PipelineCosts` is the seam to the planner: a Plan and its Profile become one
 (:func:`pdjax.partition.costs_from_plan`); :func:`unit_costs` makes one from numbers.
 """
@@ -259,6 +264,29 @@ def _durations(schedule: Schedule, costs: PipelineCosts) -> dict[tuple[str, int]
             }
         )
     return table
+
+
+def _microbatch_tables(
+    schedule: Schedule, microbatch_costs: Sequence[PipelineCosts] | None
+) -> list[dict[tuple[str, int], float]] | None:
+    """Per microbatch, the :func:`_durations` table of its costs (one table per distinct
+    costs object: a bucket's, shared by its microbatches)."""
+    if microbatch_costs is None:
+        return None
+    N = schedule.num_microbatches
+    if len(microbatch_costs) != N:
+        raise ScheduleError(
+            f"microbatch_costs has {len(microbatch_costs)} entries, the schedule has {N} "
+            "microbatches: give one PipelineCosts per microbatch"
+        )
+    tables: dict[int, dict[tuple[str, int], float]] = {}
+    out = []
+    for c in microbatch_costs:
+        if id(c) not in tables:
+            _check_match(schedule, c)
+            tables[id(c)] = _durations(schedule, c)
+        out.append(tables[id(c)])
+    return out
 
 
 def _memory(
@@ -454,7 +482,13 @@ def _readers(schedule: Schedule) -> dict[tuple[str, int, int], int]:
     return reader
 
 
-def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) -> Simulation:
+def simulate(
+    schedule: Schedule,
+    costs: PipelineCosts,
+    *,
+    check: bool = True,
+    microbatch_costs: Sequence[PipelineCosts] | None = None,
+) -> Simulation:
     """Plays ``schedule`` against ``costs``.
 
     Args:
@@ -463,6 +497,12 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         check: run :func:`~pdjax.schedules.validate` first. Turn it off only for a
             schedule validated already: an invalid one then fails in no specified way
             (a ``KeyError`` or ``IndexError`` from deep inside), or plays wrongly.
+        microbatch_costs: per microbatch of the schedule, the costs its ``F``, ``B``,
+            ``I`` and ``W`` take (microbatches of other sequence lengths: one
+            :class:`PipelineCosts` per bucket, repeated; a round-robin action is priced
+            by its group's first microbatch). ``U``, the transfers and memory are
+            priced by ``costs`` (give the largest bucket's for a bound on memory).
+            None: every microbatch costs ``costs``.
 
     Returns:
         Timelines, step time, bubble fraction, peak memory (see :class:`Simulation`).
@@ -480,8 +520,11 @@ def simulate(schedule: Schedule, costs: PipelineCosts, *, check: bool = True) ->
         validate(schedule)
     _check_match(schedule, costs)
     table = _durations(schedule, costs)
+    per_mb = _microbatch_tables(schedule, microbatch_costs)
 
     def duration(a: Action) -> float:
+        if per_mb is not None and a.kind != "U":
+            return per_mb[a.mb][a.kind, a.stage]
         return table[a.kind, a.stage]
 
     link_seconds: dict[tuple[int, int, int], float] = {}  # each link's, once per play

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 #: Subcommand modules, in the order the help lists them.
-COMMANDS = ("profile", "calibrate", "plan", "simulate", "train", "bench")
+COMMANDS = ("profile", "calibrate", "plan", "simulate", "train", "bench", "generate")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

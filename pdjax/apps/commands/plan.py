@@ -60,6 +60,7 @@ from pdjax.partition import (
     plan_pipedream,
     plan_uniform,
 )
+from pdjax.partition.candidates import policy_letters
 from pdjax.profile import DEVICE_MODELS, Profile
 from pdjax.schedules import IN_FLIGHT, stage_groups
 
@@ -580,7 +581,7 @@ def render_auto(plan: Plan, file: IO[str] | None = None) -> None:
             label,
             str(c["microbatches"]),
             "-".join(str(r) for _, _, r in c["stages"]),
-            "".join("r" if r else "-" for r in c["remat"]),
+            _policy_text(c),
             fmt_seconds(c["time_per_sample"]),
             fmt_bytes(c["peak_memory"]),
             mark,
@@ -660,7 +661,7 @@ def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
             row += [str(st.in_flight), fmt_bytes(st.memory_bytes)]
         else:
             row += [
-                "yes" if auto["remat"][s] else "no",
+                _stage_policy(auto, s),
                 in_flight[s],
                 fmt_bytes(auto["group_peak_memory"][s]),
             ]
@@ -673,6 +674,20 @@ def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
         return
     console.print(plan.describe().split("\n")[0], highlight=False)
     console.print(auto_summary(plan), highlight=False)
+
+
+def _stage_policy(auto: dict[str, Any], s: int) -> str:
+    """Stage ``s``'s memory policy in a ``plan_auto`` choice (a plan written before
+    policies holds ``remat`` flags only: ``full`` or ``none``)."""
+    policies = auto.get("policies")
+    if policies:
+        return str(policies[s])
+    return "full" if auto["remat"][s] else "none"
+
+
+def _policy_text(candidate: dict[str, Any]) -> str:
+    """A candidate's memory policies, one letter per stage (:func:`policy_letters`)."""
+    return policy_letters([_stage_policy(candidate, s) for s in range(len(candidate["remat"]))])
 
 
 def _group_in_flight(auto: dict[str, Any], P: int) -> list[str]:
@@ -704,10 +719,13 @@ def auto_summary(plan: Plan) -> str:
     name += f" +{a['extra_in_flight']}" if a["extra_in_flight"] else ""
     name += _in_flight_label(a)
     remat = [s for s, r in enumerate(a["remat"]) if r]
+    kept = ", ".join(f"{s}: {_stage_policy(a, s)}" for s in remat)
     groups = ", ".join(fmt_bytes(b) for b in a["group_peak_memory"])
     text = (
         f"{name}, {a['microbatches']} microbatches of {plan.microbatch_size} samples, "
-        f"recomputation on {'stages ' + str(remat) if remat else 'no stage'} (simulated): "
+        f"recomputation on {'stages ' + str(remat) if remat else 'no stage'}"
+        + (f" (memory policies {kept})" if remat else "")
+        + " (simulated): "
         f"{fmt_seconds(a['time_per_sample'])} per sample; in flight "
         f"[{', '.join(_group_in_flight(a, plan.num_stages))}]; peak memory "
         f"{fmt_bytes(a['peak_memory'])} per device ({a['peak_memory']:.4g} bytes; per stage "

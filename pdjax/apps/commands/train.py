@@ -90,8 +90,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--precision",
         default="float32",
-        choices=("float32", "bf16"),
-        help="bf16: every layer computes in bfloat16, parameters, optimizer and loss stay float32",
+        choices=("float32", "bf16", "f16"),
+        help="bf16: every layer computes in bfloat16, parameters, optimizer and loss stay "
+        "float32; f16: in float16, with dynamic loss scaling (flush schedules only)",
     )
     p.add_argument(
         "--compare",

@@ -22,8 +22,9 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 """``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text", "text-bpe")
-#: ``precision``: float32 throughout, or bfloat16 compute with float32 parameters.
-PRECISIONS = ("float32", "bf16")
+#: ``precision``: float32 throughout, or bfloat16 or float16 compute with float32
+#: parameters (float16 with dynamic loss scaling).
+PRECISIONS = ("float32", "bf16", "f16")
 
 
 def runs_plan(schedule: str) -> bool:
@@ -94,8 +95,10 @@ class TrainConfig:
         ``seq_len`` gets it).
       vocab_size: ``text-bpe``'s tokenizer vocabulary (None: a bundled language model is
         built with 1024 tokens; a model of your own gets its own ``num_classes``).
-      precision: ``"float32"``, or ``"bf16"``: every layer computes in bfloat16 with its
-        parameters, optimizer and loss in float32 (:mod:`pdjax.precision`).
+      precision: ``"float32"``; ``"bf16"``: every layer computes in bfloat16 with its
+        parameters, optimizer and loss in float32 (:mod:`pdjax.precision`); ``"f16"``:
+        the same in float16, the optimizer under dynamic loss scaling
+        (:func:`pdjax.precision.loss_scaled`), for the flush schedules only.
       extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
         (latency hiding).
       in_flight: ``pipedream`` option for round-robin stages: ``"full-rate"`` or
@@ -162,9 +165,9 @@ class TrainConfig:
             )
         if self.precision not in PRECISIONS:
             raise PipelineError(
-                f"unknown precision {self.precision!r}; choose {' or '.join(PRECISIONS)} "
-                "(float16 needs loss scaling, which pdjax train does not do)"
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
+        self._check_loss_scaling()
         if self.vocab_size is not None and self.dataset != "text-bpe":
             raise PipelineError(
                 "vocab_size is the text-bpe tokenizer's size; the "
@@ -219,6 +222,23 @@ class TrainConfig:
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         self._check_min_stages()
+
+    def _check_loss_scaling(self) -> None:
+        """float16 trains with dynamic loss scaling, which is exact only where every stage
+        updates from the gradients of one weight version: the flush schedules."""
+        if self.precision != "f16":
+            return
+        kind = SCHEDULE_KINDS.get(self.schedule)
+        stale = kind is not None and kind.semantics.stale
+        if self.schedule == "dp" or stale or self.allow_stale:
+            what = "--allow-stale" if self.allow_stale else f"--schedule {self.schedule}"
+            raise PipelineError(
+                f"--precision f16 trains with dynamic loss scaling: every stage scales, "
+                "unscales and skips an overflowing step together, with the scale its "
+                f"gradients were made with; {what} cannot do that exactly (stale weight "
+                "versions, or data parallelism, which has no loss scaling): use a flush "
+                "schedule (gpipe, 1f1b, interleaved, zb-h1, ...), or --precision bf16"
+            )
 
     def _check_min_stages(self) -> None:
         n = self.min_stages

@@ -1,5 +1,6 @@
 """Evaluation on the test split: a runner's state (:func:`evaluate_runner`, through a
-pipeline's stages where it can) or variables gathered on one device (:func:`evaluate`)."""
+pipeline's stages, in one process or several) or variables gathered on one device
+(:func:`evaluate`)."""
 
 from __future__ import annotations
 
@@ -62,11 +63,11 @@ def evaluate_runner(
 ) -> tuple[float, float]:
     """Mean loss and accuracy of ``runner``'s ``state`` on the test split, in eval mode.
 
-    A pipeline in one process evaluates through its stages
-    (:meth:`~pdjax.pipeline.Pipeline.evaluate`: forward only, each stage on its devices,
-    nothing gathered); data parallelism and a pipeline across processes evaluate the
-    gathered variables on one device (:func:`evaluate`)."""
-    if not isinstance(runner, Pipeline) or runner.multiprocess:
+    A pipeline evaluates through its stages (:meth:`~pdjax.pipeline.Pipeline.evaluate`:
+    forward only, each stage on its devices, nothing gathered), in one process or across
+    several (collective there: every process calls it, and all get the same numbers);
+    data parallelism evaluates the gathered variables on one device (:func:`evaluate`)."""
+    if not isinstance(runner, Pipeline):
         return evaluate(spec, runner.variables(state), ds, batch_size)
     batches = [
         (ds.test_x[lo : lo + batch_size], ds.test_y[lo : lo + batch_size])

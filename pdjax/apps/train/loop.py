@@ -118,7 +118,7 @@ class _Speed:
     def of(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> _Speed:
         b = cfg.microbatch_size
         flops = model_flops_per_sample(spec, ds.train_x[:b], ds.train_y[:b])
-        dtype = "bfloat16" if cfg.precision == "bf16" else "float32"
+        dtype = {"bf16": "bfloat16", "f16": "float16"}.get(cfg.precision, "float32")
         peak = peak_flops(jax.devices()[: cfg.devices], dtype)
         return _Speed(tokens_per_sample(spec, ds), flops, peak)
 

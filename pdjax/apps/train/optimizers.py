@@ -17,6 +17,7 @@ import optax
 
 from pdjax.errors import LaunchInterrupted, PdjaxError, PipelineError
 from pdjax.models.spec import DEBUG_HINT, describe_failure
+from pdjax.precision import loss_scaled
 
 if TYPE_CHECKING:
     from pdjax.apps.train.config import TrainConfig
@@ -120,9 +121,14 @@ def build_optimizer(cfg: TrainConfig, total_updates: int) -> optax.GradientTrans
         base = load_optimizer(cfg.optimizer, lr, scheduled=cfg.lr_schedule != "constant")
     else:
         base = make_optimizer(cfg.optimizer, lr, cfg.weight_decay)
-    if cfg.clip_norm is None:
-        return base
-    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), base)
+    opt = (
+        base
+        if cfg.clip_norm is None
+        else optax.chain(optax.clip_by_global_norm(cfg.clip_norm), base)
+    )
+    if cfg.precision == "f16":  # the gradients are the scaled loss's: unscale first
+        return loss_scaled(opt)
+    return opt
 
 
 def describe(cfg: TrainConfig, total_updates: int) -> str:
@@ -138,6 +144,8 @@ def describe(cfg: TrainConfig, total_updates: int) -> str:
         text += f", {cfg.lr_schedule} ({cfg.warmup_steps} warmup of {length} updates)"
     if cfg.clip_norm is not None:
         text += f", clipped at global norm {cfg.clip_norm:g}"
+    if cfg.precision == "f16":
+        text += ", dynamic loss scaling (float16)"
     return text
 
 

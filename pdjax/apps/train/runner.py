@@ -91,8 +91,8 @@ def make_runner(
         in_flight=cfg.in_flight,
         transport=cfg.transport,
         replication=None if cfg.replication == "plan" else cfg.replication,
-        # plan_auto's per-stage recomputation, where it chose some to fit a memory limit
-        remat=tuple(getattr(stages, "options", {}).get("auto", {}).get("remat", ())) or False,
+        # plan_auto's per-stage memory policies (a plan written before them: remat flags)
+        remat=_memory_policies(getattr(stages, "options", {}).get("auto", {})),
     )
     for s, r in enumerate(runner.replicas):
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:
@@ -105,3 +105,9 @@ def make_runner(
     if rr:
         text += f"; round-robin stage{'s' if len(rr) > 1 else ''} {', '.join(rr)}"
     return runner, text
+
+
+def _memory_policies(auto: dict[str, Any]) -> tuple[Any, ...] | bool:
+    """The per-stage memory policies ``plan_auto`` chose (``policies``; a plan written
+    before them holds ``remat`` flags, True for full recomputation), or False (none)."""
+    return tuple(auto.get("policies") or auto.get("remat") or ()) or False

@@ -17,6 +17,7 @@ import numpy as np
 from pdjax import _xla_cpu
 from pdjax._sharding import held
 from pdjax.distributed import allgather_json
+from pdjax.errors import PipelineError
 from pdjax.layers import PyTree
 from pdjax.pipeline.executor.forward import Forward
 from pdjax.pipeline.executor.interpreter import (
@@ -34,7 +35,7 @@ from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule
 from pdjax.simulator import Timeline
 
-__all__ = ["Feeder", "execute"]
+__all__ = ["Feeder", "check_layouts", "execute"]
 
 
 SPLIT_CHUNK = 64
@@ -57,12 +58,15 @@ class Feeder:
         """The caller's slots: weights, states, per-stage PRNG keys (placed once per call,
         wherever the caller's key lives), the inputs and the targets (one transfer each)."""
         ss = self.stage_set
+        check_layouts(ss, microbatches)
         last = ss.num_stages - 1
         values: dict[Slot, Any] = {OFFSET: np.int32(state.microbatches)}
         for s in range(ss.num_stages):
             if not ss.local[s]:
                 continue
-            values[Slot(SlotKind.WEIGHTS, s, 0)] = state.params[s]
+            # the last stage of a loss-scaled optimizer: the scale after its weights
+            weights = ss.stages[s].weights_in(state.params[s], state.opt_state[s])
+            values[Slot(SlotKind.WEIGHTS, s, 0)] = weights
             values[Slot(SlotKind.OPT, s, 0)] = state.opt_state[s]
             values[Slot(SlotKind.STATE, s)] = state.model_state[s]
         values.update(self._placed_rng(state.rng))
@@ -109,8 +113,9 @@ class Feeder:
             placed = stage.place_batch(trees)
             return placed
         placed = []
-        for lo in range(0, len(trees), SPLIT_CHUNK):
-            placed.extend(self._place_chunk(stage, trees[lo : lo + SPLIT_CHUNK]))
+        for run in _runs_alike(trees):  # microbatches of other lengths (buckets) apart
+            for lo in range(0, len(run), SPLIT_CHUNK):
+                placed.extend(self._place_chunk(stage, run[lo : lo + SPLIT_CHUNK]))
         return placed
 
     def _place_chunk(self, stage: Stage, trees: list[PyTree]) -> list[PyTree]:
@@ -129,6 +134,65 @@ class Feeder:
         whole = jax.tree.map(lambda *a: np.concatenate(a), *trees)
         placed = split(jax.device_put(whole, stage.batch_sharding))
         return placed
+
+
+def _past_rows(tree: PyTree) -> Any:
+    """A hashable key of ``tree``'s structure and its leaves' shapes past the rows and
+    dtypes: what microbatches must share to be stacked or concatenated (one bucket)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((np.shape(a)[1:], np.result_type(a)) for a in leaves)
+
+
+def check_layouts(stage_set: StageSet, microbatches: list[tuple[PyTree, PyTree]]) -> None:
+    """Refuses, before any device work, a call whose microbatches differ past the rows
+    (sequence lengths of several buckets in one call) where the runtime needs them alike:
+    across processes (the receiving side binds a call's transfers to the shapes of its
+    first microbatch) and within a group of a round-robin stage (its ``r`` microbatches
+    run as one array). Elsewhere a call may mix lengths: each microbatch runs the
+    programs compiled for its shapes.
+
+    Raises:
+      PipelineError: naming the first microbatch that differs, and what to do.
+    """
+    groups = [st.num_replicas for st in stage_set.stages if st.round_robin]
+    if not (stage_set.multiprocess or groups) or len(microbatches) < 2:
+        return
+    keys = [_past_rows(mb) for mb in microbatches]
+    if stage_set.multiprocess:
+        bad = next((k for k in range(1, len(keys)) if keys[k] != keys[0]), None)
+        if bad is not None:
+            raise PipelineError(
+                f"microbatch {bad} has other shapes past the batch dimension than microbatch "
+                "0 (another sequence length?): across processes every microbatch of a call "
+                "must share its shapes; run one call per bucket (sequence length)"
+            )
+    for r in sorted(set(groups)):
+        for k in range(0, len(keys) - r + 1, r):
+            bad = next((j for j in range(k + 1, k + r) if keys[j] != keys[k]), None)
+            if bad is not None:
+                raise PipelineError(
+                    f"microbatch {bad} has other shapes past the batch dimension than "
+                    f"microbatch {k} (another sequence length?), but a round-robin stage "
+                    f"runs each group of {r} consecutive microbatches as one array: order "
+                    f"the stream so that each group of {r} shares one bucket, or run one "
+                    "call per bucket"
+                )
+
+
+def _runs_alike(trees: list[PyTree]) -> list[list[PyTree]]:
+    """``trees`` cut into runs of consecutive microbatches whose leaves agree past the
+    rows (shape and dtype): only those concatenate into one array per leaf. A call of one
+    bucket is one run; a stream that mixes sequence lengths is cut where the length
+    changes, and each run is placed by the splitter of its own layout."""
+    runs: list[list[PyTree]] = []
+    last: Any = None
+    for t in trees:
+        key = _past_rows(t)
+        if not runs or key != last:
+            runs.append([])
+            last = key
+        runs[-1].append(t)
+    return runs
 
 
 @lru_cache(maxsize=256)
@@ -224,8 +288,13 @@ def _new_state(
         return found[key] if key in found else getattr(state, field)[s]
 
     stages = range(ss.num_stages)
+
+    def params(s: int) -> Any:
+        w = value(s, "params", SlotKind.WEIGHTS)
+        return ss.stages[s].weights_out(w) if (SlotKind.WEIGHTS, s) in found else w
+
     return PipelineState(
-        params=tuple(value(s, "params", SlotKind.WEIGHTS) for s in stages),
+        params=tuple(params(s) for s in stages),
         model_state=tuple(value(s, "model_state", SlotKind.STATE) for s in stages),
         opt_state=tuple(value(s, "opt_state", SlotKind.OPT) for s in stages),
         updates=tuple(u + n for u, n in zip(state.updates, prog.updates, strict=True)),

@@ -1,6 +1,6 @@
 """What :class:`Pipeline <pdjax.pipeline.Pipeline>`'s constructor reads and checks: the
 plan's stages (:func:`even_stages`, :func:`_stages_of`), their devices, and the options
-(integers, remat flags, replication modes, the schedule's options)."""
+(integers, memory policies, replication modes, the schedule's options)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
+from pdjax._memory_policy import memory_policies
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
@@ -248,18 +248,10 @@ MICROBATCHES_WHY = (
 )
 
 
-def remat_flags(remat: Any, num_stages: int) -> tuple[bool, ...]:
-    """``remat`` as one flag per stage (a bool for all, or a sequence of bools)."""
-    if isinstance(remat, (bool, np.bool_)):
-        return (bool(remat),) * num_stages
-    flags = tuple(remat) if isinstance(remat, (list, tuple)) else None
-    if flags is None or not all(isinstance(f, (bool, np.bool_)) for f in flags):
-        raise PipelineError(f"remat must be a bool or one bool per stage, got {remat!r}")
-    if len(flags) != num_stages:
-        raise PipelineError(
-            f"remat gives {len(flags)} flags for {num_stages} stages; give one per stage"
-        )
-    return tuple(bool(f) for f in flags)
+def remat_policies(remat: Any, num_stages: int) -> tuple[str, ...]:
+    """``remat`` as one memory policy per stage (:mod:`pdjax._memory_policy`): a bool
+    (``True`` is ``"full"``) or a policy name for every stage, or one of them per stage."""
+    return memory_policies(remat, num_stages, PipelineError)
 
 
 def tied_stage_groups(

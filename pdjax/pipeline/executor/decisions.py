@@ -25,6 +25,7 @@ from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import abstract
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import StageTies
+from pdjax.precision import LossScaled, computes_in_float16
 from pdjax.schedules import FLUSHING, semantics
 
 __all__ = ["Decisions"]
@@ -60,6 +61,40 @@ class Decisions:
         self.settled = False
         self.parts_checked = False
         self._specs: dict[Any, list[Any]] = {}
+        self.check_loss_scaling()
+
+    def check_loss_scaling(self) -> None:
+        """Refuses, before any work, float16 without a loss-scaled optimizer, and loss
+        scaling where pdjax cannot do it exactly."""
+        scaled = isinstance(self.optimizer, LossScaled)
+        f16 = [
+            layer.name
+            for layer in self.layers.layers
+            if computes_in_float16(getattr(layer, "policy", None))
+        ]
+        if f16 and not scaled:
+            raise PipelineError(
+                f"layer {f16[0]!r} computes in float16, whose gradients underflow without "
+                "loss scaling: wrap the optimizer, Pipeline(..., "
+                "pdjax.precision.loss_scaled(optimizer)) (jmp's dynamic loss scale), or "
+                "use precision='bf16', which has float32's range and needs none"
+            )
+        if not scaled:
+            return
+        if semantics(self.schedule).stale:
+            raise PipelineError(
+                f"a loss-scaled optimizer needs every stage to update with the scale its "
+                f"gradients were scaled by, and to skip an overflowing step together; under "
+                f"{self.schedule} the stages update at their own times from other weight "
+                f"versions, so pdjax does not do it: use a flush schedule "
+                f"({', '.join(FLUSHING)}), or precision='bf16' without loss scaling"
+            )
+        if self.optimizer_scope == "stage" and self.stage_set.num_stages > 1:
+            raise PipelineError(
+                "a loss-scaled optimizer skips an overflowing step on every stage together "
+                "and keeps one loss scale for the model; with optimizer_scope='stage' each "
+                "stage would decide alone: use optimizer_scope='model'"
+            )
 
     def check_tied(self) -> None:
         """Refuses tied copies on several stages where they cannot stay one parameter."""

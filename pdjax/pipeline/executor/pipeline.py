@@ -39,7 +39,7 @@ from pdjax.pipeline.executor.config import (
     check_cover,
     check_options,
     integer,
-    remat_flags,
+    remat_policies,
     stages_of,
 )
 from pdjax.pipeline.executor.decisions import Decisions
@@ -95,9 +95,14 @@ class Pipeline:
         means 2 for ``zb-v`` and 1 otherwise).
       vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
       weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
-      remat: recompute each stage's forward in its backward instead of keeping residuals:
-        every stage (``True``), or per stage, one flag each (as
+      remat: each stage's memory policy, what its forward keeps for its backward: ``False``
+        or ``"none"`` (every residual), ``True`` or ``"full"`` (nothing: the backward
+        recomputes the forward), ``"dots"`` / ``"dots-no-batch"`` (only matrix-product
+        outputs, by ``jax.checkpoint``'s policies; the backward recomputes the rest) or
+        ``"offload"`` (those products in the host's pinned memory; refused where the
+        devices have none): one for every stage, or one per stage (as
         :func:`~pdjax.partition.plan_auto` chooses them, ``plan.options["auto"]["remat"]``).
+        ``pipe.remat`` holds the per-stage names. Every policy computes the same values.
       devices: the devices the plan's ids refer to (default ``jax.devices()``): indexed
         by position, or searched by ``jax.Device.id`` for a plan with ``device_ids``.
       transport: how values cross processes (``pdjax.pipeline.transport``):
@@ -168,7 +173,7 @@ class Pipeline:
         chunks: int | None = None,
         vertical_sync: bool = False,
         weight_stashing: bool = True,
-        remat: bool | Sequence[bool] = False,
+        remat: bool | str | Sequence[bool | str] = False,
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
         optimizer_scope: Literal["model", "stage"] = "model",
@@ -216,7 +221,7 @@ class Pipeline:
         specs = stages_of(plan)
         self.stage_specs = specs
         check_cover(specs, len(layers))
-        self.remat = remat_flags(remat, len(specs))
+        self.remat = remat_policies(remat, len(specs))
         #: the stages and where they run (fixed from here on)
         self.stage_set, rep = build_stages(
             layers,
@@ -652,10 +657,12 @@ class Pipeline:
         (:meth:`Forward.evaluate <pdjax.pipeline.executor.forward.Forward.evaluate>`).
         ``state`` is not consumed.
 
+        Across processes (:attr:`multiprocess`) every process calls it with the same
+        batches, and each gets the same dict.
+
         Raises:
-          PipelineError: for no batches, or a pipeline spanning processes (not supported
-          yet: evaluate on :meth:`variables` there); and as :meth:`run` does for a state
-          or batches that do not fit.
+          PipelineError: for no batches; and as :meth:`run` does for a state or batches
+          that do not fit.
         """
         return self.forward.evaluate(state, batches, metrics=metrics)
 
@@ -664,5 +671,26 @@ class Pipeline:
     ) -> PyTree:
         """The model's outputs for ``inputs`` in eval mode, forward only through the
         stages, in batches of ``batch_size`` rows (default: all at once), concatenated:
-        arrays on the last stage's devices. ``state`` is not consumed."""
+        arrays on the last stage's devices. ``state`` is not consumed. Across processes
+        every process calls it with the same inputs; the processes that hold none of the
+        last stage's devices get None."""
         return self.forward.predict(state, inputs, batch_size=batch_size)
+
+    def generate(
+        self,
+        state: PipelineState,
+        prompt_tokens: Any,
+        max_new_tokens: int,
+        *,
+        context: int | None = None,
+    ) -> Any:
+        """Greedy decoding of a causal language model through the stages: the prompts
+        (int token ids ``[B, T]``, one length) followed by ``max_new_tokens`` tokens, each
+        the argmax of the last position's logits; int32 ``[B, T + max_new_tokens]`` on
+        the host. Eval mode, forward only, no key/value cache: each new token reruns the
+        window through every stage. ``context``: the most tokens fed (past it the window
+        slides over the last ``context``); None feeds them all, refused before any work
+        where the model cannot take that many. Across processes every process calls it
+        and gets the same tokens (:mod:`pdjax.pipeline.executor.generation`).
+        ``state`` is not consumed."""
+        return self.forward.generate(state, prompt_tokens, max_new_tokens, context=context)

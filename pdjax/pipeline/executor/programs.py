@@ -36,7 +36,7 @@ class ScheduleOptions:
     vertical_sync: bool
     weight_stashing: bool
     extra_in_flight: int
-    remat: tuple[bool, ...]
+    remat: tuple[str, ...]
     in_flight: str = "full-rate"
 
 

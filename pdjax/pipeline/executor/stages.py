@@ -11,6 +11,7 @@ import jax
 import optax
 
 from pdjax import _xla_cpu
+from pdjax._memory_policy import check_available
 from pdjax.distributed import check_cpu_transfers
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
@@ -106,7 +107,7 @@ def build_stages(
     schedule: str,
     microbatches: int,
     chunks: int,
-    remat: tuple[bool, ...],
+    remat: tuple[str, ...],
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     replication: str | Sequence[str] | None,
@@ -139,6 +140,7 @@ def build_stages(
                 f"({tuple(group_spec.devices)}: stage s runs on the device group of stage "
                 f"{where}), got {tuple(spec.devices)}"
             )
+        check_available(remat[s], stage_devices[s], PipelineError, f" (stage {s})")
         stages.append(
             Stage(
                 index=s,

@@ -32,7 +32,8 @@ def global_ops(
 
     Args:
       schedule: a validated schedule.
-      remat: per stage, whether its backward recomputes the forward.
+      remat: per stage, whether its backward recomputes the forward (its memory policy is
+        ``"full"``; the other policies keep residuals and lower as ``"none"`` does).
       fuse: fuse a backward with the update that follows it, and on the last stage a
         forward with its backward.
       coupled: updates wait for every stage's gradient sum of squares.

@@ -92,6 +92,7 @@ import dataclasses
 import heapq
 from collections.abc import Sequence
 
+from pdjax._memory_policy import memory_policies, recomputes
 from pdjax.errors import PipelineError
 from pdjax.pipeline.lowering.ops import global_ops
 from pdjax.pipeline.lowering.types import (
@@ -115,7 +116,7 @@ def lower(
     schedule: Schedule,
     placement: Placement,
     *,
-    remat: bool | Sequence[bool] = False,
+    remat: bool | str | Sequence[bool | str] = False,
     fuse: bool = True,
     coupled: bool = False,
     run_ahead: int | None = None,
@@ -129,8 +130,11 @@ def lower(
     Args:
       schedule: a schedule that passed :func:`~pdjax.schedules.validate`.
       placement: where each stage lives; ``placement.stages[s]`` for stage ``s``.
-      remat: every stage recomputes its forward in its backward (keeps no residuals), or
-        per stage, one flag each.
+      remat: every stage's memory policy, or one per stage (a bool or a name of
+        :data:`pdjax._memory_policy.MEMORY_POLICIES`). Only ``True``/``"full"`` changes
+        the program: such a stage's forward keeps no residuals and its backward gets the
+        ``recompute`` flag; the named policies keep residuals (what their
+        ``jax.checkpoint`` policy saves), which the stage's programs decide.
       fuse: fuse a backward with the update that follows it, and on the last stage a
         forward with its backward (one program each).
       coupled: the optimizer couples stages through the gradients' global norm: each
@@ -154,9 +158,7 @@ def lower(
     _check_placement(schedule, placement)
     holders = _tied_holders(schedule, tied)
     S = schedule.num_stages
-    flags = (bool(remat),) * S if isinstance(remat, bool) else tuple(bool(r) for r in remat)
-    if len(flags) != S:
-        raise PipelineError(f"remat gives {len(flags)} flags for {S} stages; give one per stage")
+    flags = tuple(recomputes(p) for p in memory_policies(remat, S, PipelineError))
     ops = global_ops(
         schedule,
         remat=flags,
