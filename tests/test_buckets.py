@@ -57,8 +57,8 @@ def _compiles() -> int:
 # -- the model, batches and the loss ---------------------------------------------------------
 
 # Llama tiny with its context raised to the longest bucket (the weights do not depend on it)
-SPEC = get_model("llama", "tiny", context=128, seq_len=128)
-LENGTHS = [64, 32, 64, 128, 32, 128]  # one call (batch) per entry, tokens per sequence
+SPEC = get_model("llama", "tiny", context=32, seq_len=32)
+LENGTHS = [16, 8, 16, 32, 8, 32]  # one call (batch) per entry, tokens per sequence
 ROWS, M = 2, 2  # rows per microbatch, microbatches per step
 
 
@@ -152,7 +152,7 @@ def _sequential(optimizer, variables, rng, microbatches):
 def test_pipedream_runs_a_stream_mixing_lengths_as_the_delayed_recurrence():
     # one call whose microbatches have two lengths: each runs the programs compiled for
     # its shape, with the weight version the schedule names (semantics.md, pipedream)
-    P, optimizer, lengths = 2, optax.sgd(0.5), [64, 32, 32, 64, 32]
+    P, optimizer, lengths = 2, optax.sgd(0.5), [32, 16, 16, 32, 16]
     pipe = Pipeline(SPEC.layers, _plan(P), masked_loss, optimizer, schedule="pipedream")
     stream = [_batch(n, ROWS, 10 + k) for k, n in enumerate(lengths)]
     state = pipe.init(jax.random.key(1), stream[0][0])
@@ -179,9 +179,9 @@ def test_pipedream_runs_a_stream_mixing_lengths_as_the_delayed_recurrence():
 def test_round_robin_group_of_mixed_lengths_is_refused_before_any_work():
     plan = [StagePlan(0, 1, (0, 1), replication="round-robin"), StagePlan(2, 3, (2,))]
     pipe = Pipeline(SPEC.layers, plan, masked_loss, optax.sgd(0.1), schedule="pipedream")
-    state = pipe.init(jax.random.key(2), _batch(32, ROWS, 0)[0])
+    state = pipe.init(jax.random.key(2), _batch(16, ROWS, 0)[0])
     before = jax.device_get(state.params)
-    mixed = [_batch(32, ROWS, 0), _batch(64, ROWS, 1)]
+    mixed = [_batch(16, ROWS, 0), _batch(32, ROWS, 1)]
     with pytest.raises(PipelineError, match=r"round-robin.*each group of 2 shares one bucket"):
         pipe.run(state, mixed)
     _close(state.params, before)  # not consumed: nothing ran

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 from pdjax.apps.train import TrainConfig, train
-from pdjax.apps.train.model_data import build, with_precision
+from pdjax.apps.train.model_data import build, model_spec, with_precision
 from pdjax.apps.train.optimizers import build_optimizer, describe
 from pdjax.apps.train.throughput import model_flops_per_sample, peak_flops
 from pdjax.errors import PipelineError
@@ -37,6 +37,14 @@ LM = dict(
     plan="even",
     epochs=1,
 )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tokenizer_cache(tmp_path_factory):
+    """The trained tokenizers go to a folder of the tests', not the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("cache")))
+        yield
 
 
 def _small(ds):
@@ -109,13 +117,16 @@ def test_llama_on_text_bpe_reports_tokens_perplexity_and_mfu() -> None:
 def test_bf16_model_computes_in_bfloat16() -> None:
     # the pipeline under a policy is tested in test_precision; here: what --precision builds
     cfg = TrainConfig(**{**LM, "precision": "bf16"})
-    spec, ds = build(cfg)
+    spec = model_spec(cfg)
     assert spec.layers.precision is not None
     assert spec.layers.precision.compute_dtype == jnp.bfloat16
+    plain = model_spec(TrainConfig(**LM))
+    assert plain.layers.precision is None
     assert [layer.name for layer in spec.layers.layers] == [
-        layer.name for layer in build(TrainConfig(**LM))[0].layers.layers
+        layer.name for layer in plain.layers.layers
     ]
-    x = ds.train_x[:2]
+    assert spec.layers.tied == plain.layers.tied
+    x = spec.sample_input(2)
     variables = spec.layers.init(jax.random.key(0), x)
     assert all(
         leaf.dtype == jnp.float32
@@ -131,7 +142,7 @@ def test_bf16_model_computes_in_bfloat16() -> None:
 
 def test_f16_trains_under_a_loss_scaled_optimizer() -> None:
     cfg = TrainConfig(**{**LM, "precision": "f16", "clip_norm": 1.0})
-    spec, _ = build(cfg)
+    spec = model_spec(cfg)
     assert spec.layers.precision.compute_dtype == jnp.float16
     opt = build_optimizer(cfg, 10)
     assert isinstance(opt, LossScaled)
