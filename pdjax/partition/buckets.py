@@ -49,6 +49,7 @@ from pdjax.partition.plan import Plan
 from pdjax.partition.simulator_costs import costs_from_plan
 from pdjax.partition.topology import Topology
 from pdjax.profile import LayerProfile, PolicyCost, Profile, profile
+from pdjax.profile.profile import COST_FIELDS
 from pdjax.schedules import generate, semantics
 from pdjax.simulator import Simulation, simulate
 
@@ -62,18 +63,6 @@ __all__ = [
 ]
 
 # per-layer fields: averaged with the frequencies (times, counts) or the largest (bytes)
-_MEAN = (
-    "forward_flops",
-    "backward_flops",
-    "forward_bytes_accessed",
-    "backward_bytes_accessed",
-    "forward_seconds",
-    "backward_seconds",
-    "input_grad_flops",
-    "weight_grad_flops",
-    "input_grad_seconds",
-    "weight_grad_seconds",
-)
 _MAX = ("state_bytes", "input_bytes", "output_bytes", "residual_bytes", "peak_bytes")
 
 
@@ -189,7 +178,9 @@ def mix_profiles(profiles: Mapping[int, Profile], frequencies: Mapping[int, floa
     layers = []
     for i, base in enumerate(longest.layers):
         per = [profiles[n].layers[i] for n in lengths]
-        fields: dict[str, Any] = {f: _mean([getattr(p, f) for p in per], shares) for f in _MEAN}
+        fields: dict[str, Any] = {
+            f: _mean([getattr(p, f) for p in per], shares) for f in COST_FIELDS
+        }
         for f in _MAX:
             values = [getattr(p, f) for p in per]
             fields[f] = None if any(v is None for v in values) else max(values)

@@ -499,7 +499,9 @@ class Profile:
         return parse_graph_txt(text, source=str(path), require_connected=True)
 
 
-_OPTIONAL_NUMBERS = (
+#: A layer's counts and times (FLOPs, bytes accessed, seconds) that a profile may lack;
+#: :func:`pdjax.partition.mix_profiles` averages them over buckets.
+COST_FIELDS = (
     "forward_flops",
     "backward_flops",
     "forward_bytes_accessed",
@@ -524,7 +526,7 @@ def _layer_from_dict(r: FieldReader, raw: Any, path: str) -> LayerProfile:
     for key in _STRINGS[1:]:
         if key in raw:
             values[key] = r.string(raw[key], f"{path}.{key}")
-    for key in _OPTIONAL_NUMBERS:
+    for key in COST_FIELDS:
         if key in raw:
             values[key] = r.optional_number(raw[key], f"{path}.{key}")
     for key in _BYTES:
