@@ -267,11 +267,14 @@ def test_cli_tensorboard_and_one_line_per_epoch_off_a_terminal(mine, capsys):
     events = _events(mine / "tb" / "pipedream")
     tags = {tag for tag, _, _ in events}
     assert tags >= {"train/loss", "test/loss", "test/accuracy", "train/samples_per_second"}
+    assert "train/mfu" in tags and "test/perplexity" not in tags  # not a language model
     metrics = [json.loads(x) for x in (mine / "out" / "metrics.jsonl").read_text().splitlines()]
     for m in metrics:
         logged = {tag: v for tag, step, v in events if step == m["epoch"]}
         assert logged["train/loss"] == pytest.approx(m["train_loss"], rel=1e-6)
         assert logged["test/accuracy"] == pytest.approx(m["test_accuracy"], rel=1e-6)
+        assert logged["train/mfu"] == pytest.approx(m["mfu"], rel=1e-6)
+        assert m["perplexity"] is None and m["tokens_per_second"] is None
 
 
 @pytest.mark.parametrize(

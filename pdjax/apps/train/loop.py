@@ -174,7 +174,8 @@ def train(
       tensorboard_dir: write TensorBoard event files under ``tensorboard_dir/<run>``
         (:func:`run_folder` of the label; needs ``tensorboardX``): per epoch (the step),
         ``train/loss``, ``test/loss``, ``test/accuracy``, ``train/samples_per_second``,
-        ``train/epoch_seconds``, and the config as text.
+        ``train/epoch_seconds``, where they apply ``train/tokens_per_second``,
+        ``test/perplexity`` and ``train/mfu``, and the config as text.
       resume_step: resume from this step of ``checkpoint_dir`` instead of the newest. The
         steps after it are moved into a ``set-aside-after-<step>-*`` folder there (kept,
         no longer listed), as the run goes on from the step it resumed.

@@ -305,6 +305,13 @@ class TensorBoard:
             w.add_scalar("test/accuracy", record.test_accuracy, step)
         w.add_scalar("train/samples_per_second", record.samples_per_second, step)
         w.add_scalar("train/epoch_seconds", record.seconds, step)
+        for tag, value in (
+            ("train/tokens_per_second", record.tokens_per_second),
+            ("test/perplexity", record.perplexity),
+            ("train/mfu", record.mfu),
+        ):
+            if math.isfinite(value):
+                w.add_scalar(tag, value, step)
         w.flush()
 
     def close(self) -> None:
