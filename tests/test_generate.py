@@ -132,7 +132,15 @@ def test_generate_command_continues_a_train_checkpoint(tmp_path, capsys):
     )
     spec, ds = build(cfg)
     runner, _ = make_runner(cfg, spec, ds.train_x[:1])
-    state = runner.init(jax.random.key(cfg.seed), np.asarray(ds.train_x[:8]))
+    fresh = runner.init(jax.random.key(cfg.seed), np.asarray(ds.train_x[:8]))
+    # weights no fresh pipeline of the run's seed has: a restore that kept its template
+    # would decode otherwise
+    noise = jax.random.key(7)
+    params = tuple(
+        jax.tree.map(lambda a: a + 0.5 * jax.random.normal(noise, a.shape, a.dtype), p)
+        for p in fresh.params
+    )
+    state = fresh._replace(params=params)
     with Checkpointer(tmp_path / "ckpt") as ckpt:
         extra = {"config": dataclasses.asdict(cfg), "history": [], "run_id": "t"}
         ckpt.save(1, state, {**extra, "data": data_identity(ds)})
@@ -140,6 +148,8 @@ def test_generate_command_continues_a_train_checkpoint(tmp_path, capsys):
     prompt = "import sys\ndef"  # 14 characters: the window slides past 16
     tokens = np.tile(encode(prompt)[None], (2, 1))  # the shapes of the tests above
     want = _reference(spec, runner.variables(state), tokens, 4, context=16)
+    untrained = _reference(spec, runner.variables(fresh), tokens, 4, context=16)
+    assert not np.array_equal(want, untrained)  # the check below can tell them apart
     assert decode(want[0, : len(prompt)]) == prompt
     text = prompt + decode(want[0, len(prompt) :]) + "\n"
     argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-new-tokens"]

@@ -322,7 +322,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     ``1f1b``, ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the
     runner places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation
     is not chosen without a memory limit (CPU devices have none); where chosen, the runner
-    recomputes on the stages the plan names (``plan.options["auto"]["remat"]``).
+    runs the memory policy the plan names per stage (``plan.options["auto"]["policies"]``).
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
     shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
     simulator alone would pick many small microbatches whose dispatch and shared cores it

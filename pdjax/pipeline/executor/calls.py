@@ -184,6 +184,8 @@ def _runs_alike(trees: list[PyTree]) -> list[list[PyTree]]:
     rows (shape and dtype): only those concatenate into one array per leaf. A call of one
     bucket is one run; a stream that mixes sequence lengths is cut where the length
     changes, and each run is placed by the splitter of its own layout."""
+    if len(trees) < 2 or _all_alike(trees):  # one bucket: no key per microbatch
+        return [trees]
     runs: list[list[PyTree]] = []
     last: Any = None
     for t in trees:
@@ -193,6 +195,31 @@ def _runs_alike(trees: list[PyTree]) -> list[list[PyTree]]:
             last = key
         runs[-1].append(t)
     return runs
+
+
+def _all_alike(trees: list[PyTree]) -> bool:
+    """Whether every microbatch of ``trees`` has the first one's leaf shapes past the rows
+    and dtypes, by a cheap check for microbatches that are arrays or flat tuples of arrays
+    (anything else: False, and the caller keys each microbatch)."""
+
+    def flat(t: Any) -> tuple[Any, ...] | None:
+        items = t if isinstance(t, tuple) else (t,)
+        return items if all(isinstance(a, np.ndarray | jax.Array) for a in items) else None
+
+    first = flat(trees[0])
+    if first is None:
+        return False
+    want = [(a.shape[1:], a.dtype) for a in first]
+    for t in trees[1:]:
+        items = t if isinstance(t, tuple) else (t,)
+        if len(items) != len(want):
+            return False
+        for a, (shape, dtype) in zip(items, want, strict=True):
+            if not isinstance(a, np.ndarray | jax.Array) or a.shape[1:] != shape:
+                return False
+            if a.dtype != dtype:
+                return False
+    return True
 
 
 @lru_cache(maxsize=256)

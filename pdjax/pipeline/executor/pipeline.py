@@ -101,7 +101,8 @@ class Pipeline:
         outputs, by ``jax.checkpoint``'s policies; the backward recomputes the rest) or
         ``"offload"`` (those products in the host's pinned memory; refused where the
         devices have none): one for every stage, or one per stage (as
-        :func:`~pdjax.partition.plan_auto` chooses them, ``plan.options["auto"]["remat"]``).
+        :func:`~pdjax.partition.plan_auto` chooses them, ``plan.options["auto"]["policies"]``;
+        its ``"remat"`` entry only says which stages keep less than everything).
         ``pipe.remat`` holds the per-stage names. Every policy computes the same values.
       devices: the devices the plan's ids refer to (default ``jax.devices()``): indexed
         by position, or searched by ``jax.Device.id`` for a plan with ``device_ids``.
