@@ -46,7 +46,6 @@ from pdjax.errors import PdjaxError
 from pdjax.models.llama import LlamaConfig, make_spec
 from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition
 from pdjax.partition.candidates import costs_under, policy_arrays
-from pdjax.partition.evaluate import stage_memory_bytes
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.profile import profile
 from pdjax.simulator import simulate
@@ -137,19 +136,9 @@ def main() -> None:
             costs = costs_under(costs_from_plan(plan, prof), plan, prof, policies, name)
             runtime = br._runtime_costs(costs, plan, prof, microbatches[0])
             simulated = simulate(sched, runtime, check=False).peak_memory
-            planner = stage_memory_bytes(
-                policy_arrays(cost.model_arrays(prof, plan.microbatch_size), plan, prof, policies),
-                [
-                    (s.first_layer, s.last_layer, [topology.position(d) for d in s.devices])
-                    for s in plan.stages
-                ],
-                plan.replication,
-                topology=topology,
-                cost_model="pdjax",
-                schedule=name,
-                num_microbatches=M,
-                optimizer_state_factor=2.0,  # Adam
-                microbatches_per_call=n,
+            arrays = cost.model_arrays(prof, plan.microbatch_size)
+            planner = br._planner_memory(
+                policy_arrays(arrays, plan, prof, policies), plan, topology, name, M, n
             )
             _HOST_PEAK[0] = 0
             _, during = br._measure(pipe, state, microbatches)

@@ -32,6 +32,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -321,6 +322,27 @@ def _unshared(tree):
     return jax.tree.map(one, tree)
 
 
+def _planner_memory(
+    arrays: Any, plan: Any, topology: Any, schedule: str, M: int, calls: int
+) -> list[float]:
+    """The planner's (``pdjax`` cost model) peak bytes per stage of ``plan`` for a call of
+    ``calls`` microbatches under Adam, from the per-layer ``arrays`` it prices."""
+    return stage_memory_bytes(
+        arrays,
+        [
+            (s.first_layer, s.last_layer, [topology.position(d) for d in s.devices])
+            for s in plan.stages
+        ],
+        plan.replication,
+        topology=topology,
+        cost_model="pdjax",
+        schedule=schedule,
+        num_microbatches=M,
+        optimizer_state_factor=2.0,  # Adam
+        microbatches_per_call=calls,
+    )
+
+
 def _runtime_costs(costs, plan, prof, microbatch):
     """``costs`` with what the runtime holds besides the planner's terms filled in (the
     simulator's ``runtime`` memory model): the inputs and targets the call places on the
@@ -417,20 +439,8 @@ def _memory_table(layers, xs, mb: int, configs: dict, microbatches: list) -> Non
         runtime = _runtime_costs(planner, plan, prof, microbatches[0])
         old = simulate(sched, planner, check=False).peak_memory
         new = simulate(sched, runtime, check=False).peak_memory
-        ours = stage_memory_bytes(
-            cost.model_arrays(prof, plan.microbatch_size),
-            [
-                (s.first_layer, s.last_layer, [topology.position(d) for d in s.devices])
-                for s in plan.stages
-            ],
-            plan.replication,
-            topology=topology,
-            cost_model="pdjax",
-            schedule=name,
-            num_microbatches=M,
-            optimizer_state_factor=2.0,  # Adam
-            microbatches_per_call=len(microbatches),
-        )
+        arrays = cost.model_arrays(prof, plan.microbatch_size)
+        ours = _planner_memory(arrays, plan, topology, name, M, len(microbatches))
         after, during = _measure(pipe, state, microbatches)
         for g in range(len(new)):
             sizes = (after[g], during[g], old[g], new[g], ours[g])
