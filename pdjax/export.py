@@ -6,7 +6,8 @@ names its parts its own way. Two ways back:
 
 * **nnx**: :func:`update_nnx` writes each layer's variables into the module object the
   layer was built from (``nnx.update``), so the user's model, which holds those very
-  objects, now has the trained values under its own attribute names.
+  objects, now has the trained values under its own attribute names; for the layers of
+  :func:`~pdjax.split_model`, into the nnx model that was split.
 * **linen**: :func:`linen_variables` builds the user's variable tree, each layer's
   collections under the name the user's parent module gives that submodule.
 
@@ -31,7 +32,9 @@ import jax
 from flax import nnx
 
 from pdjax.errors import LayerError
-from pdjax.layers import FnLayer, LayerSequence, LinenLayer, NnxLayer, Variables
+from pdjax.layers import FnLayer, LayerSequence, LinenLayer, NnxLayer, SplitLayer, Variables
+from pdjax.layers.split.cuts import leaf_path
+from pdjax.layers.split.nnx_model import NnxSplitter
 from pdjax.layers.tied import leaf_positions
 
 __all__ = ["linen_variables", "update_nnx"]
@@ -61,10 +64,13 @@ def update_nnx(
 
     Args:
       layers: the layer sequence, whose nnx layers were given module *instances*
-        (``pdjax.sequential(model.embed, *model.blocks, model.head)``).
+        (``pdjax.sequential(model.embed, *model.blocks, model.head)``), or the whole
+        ``split_model(model, ...)`` of an nnx model (its state is written into
+        ``model``, as ``nnx.update(model, layers.model_variables(variables))``).
       variables: per layer, its variables.
       model: the user's whole model, optional: checked to hold every nnx layer's module
-        (so the update lands where the user looks), and returned.
+        (so the update lands where the user looks; for a split, to be the model split),
+        and returned.
       device: where the values go.
 
     Returns:
@@ -72,11 +78,15 @@ def update_nnx(
 
     Raises:
       LayerError: for a layer built from a factory (it has no module of the user's to
-        update: use the variables), a linen layer (use :func:`linen_variables`), a module
-        that ``model`` does not hold, or variables of another length.
+        update: use the variables), a linen layer (use :func:`linen_variables`; a split
+        linen model: ``layers.model_variables``), a module that ``model`` does not hold,
+        part of a split, or variables of another length.
     """
     if len(variables) != len(layers):
         raise LayerError(f"got variables for {len(variables)} layers, the model has {len(layers)}")
+    split = [_inner(layer) for layer in layers if isinstance(_inner(layer), SplitLayer)]
+    if split:
+        return _update_split(layers, split, variables, model, device)
     held = {id(node) for _, node in nnx.iter_graph(model)} if model is not None else None
     updates = []
     for layer, v in zip(layers, variables, strict=True):
@@ -102,6 +112,44 @@ def update_nnx(
         updates.append((inner._instance, inner._to_state(_on(device, v))))
     for module, state in updates:  # only once every layer has been checked
         nnx.update(module, state)
+    return model
+
+
+def _update_split(
+    layers: LayerSequence,
+    split: Sequence[SplitLayer],
+    variables: Sequence[Variables],
+    model: nnx.Module | None,
+    device: jax.Device | None,
+) -> nnx.Module | None:
+    """:func:`update_nnx` for the layers of :func:`~pdjax.split_model`: the model's whole
+    ``nnx.State`` from the layers' variables, written into the nnx model that was split."""
+    owner = split[0].splitter
+    if (
+        len(split) != len(layers)
+        or any(s.splitter is not owner for s in split)
+        or [s.index for s in split] != list(range(len(owner.names)))
+    ):
+        raise LayerError(
+            "update_nnx takes the whole split_model(...) of one model (every layer of it, "
+            "in order), not a part of it or a mix with other layers"
+        )
+    if not isinstance(owner, NnxSplitter):
+        raise LayerError(
+            "these layers split a linen model, which keeps no variables in the module: "
+            "take its tree with layers.model_variables(pipe.variables(state)) and call "
+            "model.apply(tree, x)"
+        )
+    if model is not None and model is not owner.model:
+        raise LayerError(
+            f"the layers split another {type(owner.model).__name__} than the model given: "
+            "pass the model given to split_model (or none)"
+        )
+    flat: dict[tuple[str, ...], Any] = {}
+    for v in variables:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(dict(v))[0]:
+            flat.setdefault(leaf_path(path), leaf)
+    nnx.update(owner.model, owner.model_tree(flat, device or jax.devices()[0]))
     return model
 
 

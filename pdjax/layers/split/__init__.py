@@ -45,10 +45,16 @@ by a ``__call__`` argument (``train``, ``deterministic``, ...) or by a field
 "train"}``: True in train mode; ``{"config.deterministic": "eval"}``: True in eval mode; a
 dotted name reaches into dataclass fields), found automatically by default.
 
-What is refused, before any work: an ``at=`` name that is not a submodule called at one
-level (the message lists those that are), cuts out of order or leaving a layer empty,
-data-dependent Python control flow, and a non-parameter variable (BatchNorm statistics)
-used in two layers, which cannot be tied.
+What is refused, before any work: an ``at=`` that is neither ``"blocks"`` nor a list of
+names, a name that is not a submodule called at one level (the message lists those that
+are), a cut inside a transform's body shared with other calls (a scanned stack is one
+layer: unroll it to cut between its blocks), cuts out of order or leaving a layer empty,
+data-dependent Python control flow, a non-parameter variable (BatchNorm statistics) used
+in two layers, which cannot be tied, an input leaf that is no array, and an RNG stream the
+model draws from that ``rng_streams=`` does not name. A model of several inputs takes them
+as ``model.apply`` does (``split_model(m, tokens, positions, sample_kwargs={...})``); a
+module reducing over a named axis (``BatchNorm(axis_name="batch")``) runs with the name
+bound to a size-1 axis: each microbatch normalised by its own statistics.
 
 The package's modules: :mod:`~pdjax.layers.split.calls` (the marker, the recorded calls,
 the cuts ``at=`` names, the ``mode=`` switch), :mod:`~pdjax.layers.split.cuts` (the jaxpr
@@ -57,8 +63,9 @@ the layers share), :mod:`~pdjax.layers.split.nnx_model` (the same for an nnx mod
 module holds the layers and :func:`split_model`.
 
 A ``flax.nnx`` model splits the same way (:mod:`~pdjax.layers.split.nnx_model`): traced as
-a pure function of its state, cut at the calls of its children (``self.embed``, each of
-``self.blocks``: ``"blocks/1"``), its variables kept in its own ``nnx.State`` and its RNG
+a pure function of its state, cut at the calls of the repeated children of its shallowest
+module that has any (``self.embed``, each of ``self.blocks``: ``"blocks/1"``, or
+``"decoder/blocks/1"`` inside a child), its variables kept in its own ``nnx.State`` and its RNG
 streams reseeded in every layer from the ``rng`` pdjax gives it, never trained.
 """
 
@@ -75,6 +82,7 @@ from flax import nnx
 from pdjax.errors import LayerError
 from pdjax.layers.base import PyTree, Variables
 from pdjax.layers.sequence import LayerSequence
+from pdjax.layers.split.calls import check_at, check_streams
 from pdjax.layers.split.cuts import leaf_path
 from pdjax.layers.split.linen import LinenSplitter
 from pdjax.layers.split.nnx_model import NnxSplitter
@@ -97,6 +105,11 @@ class SplitLayer:
 
     def __repr__(self) -> str:
         return f"SplitLayer(name={self.name!r})"
+
+    @property
+    def splitter(self) -> LinenSplitter | NnxSplitter:
+        """The traced model this layer is a cut of (shared by the split's layers)."""
+        return self._owner
 
     def init(self, rng: jax.Array, x: PyTree) -> Variables:
         """This layer's share of ``model.init`` for the model input that ``x`` implies."""
@@ -153,10 +166,11 @@ class SplitLayers(LayerSequence):
 
 def split_model(
     model: nn.Module | nnx.Module,
-    sample: PyTree,
-    *,
+    *sample: PyTree,
     at: str | Sequence[str] | None = "blocks",
     mode: Mapping[str, str] | None = None,
+    sample_kwargs: Mapping[str, PyTree] | None = None,
+    rng_streams: Sequence[str] = ("dropout",),
 ) -> SplitLayers:
     """Cuts a whole ``flax.linen`` or ``flax.nnx`` model into pdjax layers at submodule
     calls.
@@ -164,8 +178,14 @@ def split_model(
     Args:
       model: the model: linen, unbound (``TransformerLM(config)``, ``ResNet(...)``); or an
         ``nnx.Module``, whose current variables the layers' ``init`` returns.
-      sample: one input batch (arrays, or a pytree of them), as ``model.apply`` takes it;
-        only its shapes and dtypes are used.
+      sample: the model's positional inputs for one batch, as ``model.apply(variables,
+        *sample)`` takes them (usually one array; each a pytree of arrays); only their
+        shapes and dtypes are used. A leaf that is no array (a Python list of numbers) is
+        refused: convert it with ``jnp.asarray``. The layers (and a pipeline's ``x``) take
+        the inputs as one pytree: the input itself where the model takes one; else the
+        tuple of the positional inputs, with the dict of ``sample_kwargs`` last where it
+        is given (``split_model(m, tokens, positions, sample_kwargs={"mask": m})``: the
+        layers take ``(tokens, positions, {"mask": m})``).
       at: where the layers start: ``"blocks"`` (default) cuts before each repeated
         block: the shallowest module that calls two or more submodules of one class, and
         of those the most numerous class (the decoder blocks, wherever they sit); or a list
@@ -182,6 +202,14 @@ def split_model(
         or ``use_running_average`` (``"eval"``). ``{}``: the model is left as it is. An
         nnx model is switched by ``model.train()``/``model.eval()`` too, unless ``{}``;
         its ``mode`` names ``__call__`` arguments only.
+      sample_kwargs: the model's keyword inputs (arrays, or pytrees of them), as
+        ``model.apply(variables, *sample, **sample_kwargs)`` takes them; not one that
+        ``mode`` switches.
+      rng_streams: the RNG streams a linen model draws from when applied (``"dropout"``,
+        a ``self.make_rng("noise")``'s ``"noise"``): each layer derives them all from the
+        ``rng`` pdjax gives it (``"dropout"`` is that ``rng``, another stream
+        ``fold_in(rng, crc32(name))``); a stream the model draws from and this does not
+        name is refused. An nnx model's streams are its own ``nnx.Rngs``, all reseeded.
 
     Returns:
       A :class:`SplitLayers` (a :class:`~pdjax.layers.LayerSequence`) for
@@ -190,10 +218,18 @@ def split_model(
       variables into the model's own tree.
 
     Raises:
-      LayerError: for a cut name that no submodule has (the message lists those called),
-        cuts of different parents, out of order or leaving a layer empty, data-dependent
-        Python control flow, a non-parameter variable used in two layers, or a ``mode``
-        naming no field or argument.
+      LayerError: for an ``at`` that is neither ``"blocks"`` nor a list of names, a cut
+        name that no submodule has (the message lists those called), a cut inside a
+        lifted transform (``nn.scan``: a scanned stack is one layer), cuts of different
+        parents, out of order or leaving a layer empty, data-dependent Python control
+        flow, a non-parameter variable used in two layers, a ``mode`` naming no field or
+        argument, an input leaf that is no array, or an RNG stream the model draws from
+        that ``rng_streams`` does not name.
+
+    A module that reduces over a named axis (Flax's ImageNet ``BatchNorm(...,
+    axis_name="batch")``, written for ``pmap``) runs with that name bound to an axis of
+    size 1: its cross-replica mean is the mean over the call's own batch, so each
+    microbatch is normalised by its own statistics (``docs/semantics.md``).
 
     >>> import jax, jax.numpy as jnp, flax.linen as nn
     >>> class MLP(nn.Module):
@@ -212,14 +248,16 @@ def split_model(
     """
     if isinstance(model, type):
         raise LayerError(f"split_model needs a module instance, {model.__name__}(...)")
-    splitter: LinenSplitter | NnxSplitter
-    if isinstance(model, nnx.Module):
-        splitter = NnxSplitter(model, sample, at, mode)
-    elif isinstance(model, nn.Module):
-        splitter = LinenSplitter(model, sample, at, mode)
-    else:
+    if not isinstance(model, (nnx.Module, nn.Module)):
         raise LayerError(
             f"split_model splits a flax.linen or flax.nnx Module, got {type(model).__name__}"
         )
+    check_at(at)
+    streams = check_streams(rng_streams)
+    splitter: LinenSplitter | NnxSplitter
+    if isinstance(model, nnx.Module):
+        splitter = NnxSplitter(model, sample, sample_kwargs, at, mode)
+    else:
+        splitter = LinenSplitter(model, sample, sample_kwargs, at, mode, streams)
     layers = tuple(SplitLayer(splitter, k, name) for k, name in enumerate(splitter.names))
     return SplitLayers(layers, tuple((g, tuple(v)) for g, v in splitter.tied.items()), splitter)

@@ -11,11 +11,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from pdjax._trees import key_str
 from pdjax.errors import LayerError
 from pdjax.layers.base import PyTree, Variables
-from pdjax.layers.split.calls import MARK
+from pdjax.layers.split.calls import MARK, PARENT, transform_hint
 
 __all__ = [
     "Cut",
@@ -24,6 +25,7 @@ __all__ = [
     "input_spec",
     "is_var",
     "leaf_path",
+    "nested_marks",
     "owners_and_ties",
     "plan_cuts",
     "replace_leaves",
@@ -40,6 +42,30 @@ def is_var(atom: Any) -> bool:
 
 def leaf_path(path: Any) -> tuple[str, ...]:
     return tuple(key_str(k) for k in path)
+
+
+def _jaxprs_in(value: Any) -> list[Any]:
+    if isinstance(value, ClosedJaxpr):
+        return [value.jaxpr]
+    if isinstance(value, Jaxpr):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [j for v in value for j in _jaxprs_in(v)]
+    return []
+
+
+def nested_marks(eqn: Any) -> list[str]:
+    """The units of the markers inside an equation's bodies (a scan's, a remat's, a
+    cond's branches), in order, at any depth."""
+    out: list[str] = []
+    for value in eqn.params.values():
+        for jaxpr in _jaxprs_in(value):
+            for e in jaxpr.eqns:
+                if e.primitive is MARK:
+                    out.append(e.params["unit"])
+                else:
+                    out += nested_marks(e)
+    return out
 
 
 @dataclasses.dataclass
@@ -86,6 +112,23 @@ def plan_cuts(
             if unit in units and unit not in seen:
                 seen.add(unit)
                 starts.append(i)
+            continue
+        inner = nested_marks(e)
+        first = [u for u in inner if u in units and u not in seen]
+        if not first:
+            continue
+        # a cut called inside a transform's body (nn.remat, nn.scan, jax.lax.cond): the
+        # layer starts at that equation if the body holds that cut's call alone
+        others = sorted({u for u in inner if u != first[0]})
+        if others:
+            what = ["the call of the cuts' parent" if u == PARENT else repr(u) for u in others]
+            raise LayerError(
+                f"split_model: the cut {first[0]!r} is called inside a "
+                f"{e.primitive.name!r} equation of the model's program together with "
+                f"{', '.join(what)}; {transform_hint(e.primitive.name)}"
+            )
+        seen.add(first[0])
+        starts.append(i)
     if len(starts) != n_cuts:
         missing = [u for u in units if u not in seen]
         raise LayerError(

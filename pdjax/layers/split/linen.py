@@ -5,9 +5,11 @@ program traced per input shape and mode, and each layer's ``init`` and ``apply``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,14 +17,23 @@ import jax.numpy as jnp
 from pdjax.errors import LayerError
 from pdjax.layers.base import PyTree, Variables
 from pdjax.layers.split.calls import (
-    auto_units,
+    PARENT,
+    axis_names_of,
+    call_path,
+    choose_units,
     control_flow_error,
     field_paths,
-    marked,
+    input_form,
+    is_child,
+    is_lifted,
+    mark_call,
+    on_named_axes,
+    path_parent,
     record_calls,
-    resolve_at,
     resolve_mode,
-    top_calls,
+    stream_keys,
+    transform_hint,
+    unit_name,
     with_field,
 )
 from pdjax.layers.split.cuts import (
@@ -36,15 +47,34 @@ from pdjax.layers.split.cuts import (
 
 __all__ = ["LinenSplitter"]
 
+_TRACER_ERRORS = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
+
 
 class LinenSplitter:
     """The traced model shared by the layers of one :func:`split_model`."""
 
     def __init__(
-        self, module: nn.Module, sample: PyTree, at: Any, mode: Mapping[str, str] | None
+        self,
+        module: nn.Module,
+        args: Sequence[PyTree],
+        kwargs: Mapping[str, PyTree] | None,
+        at: Any,
+        mode: Mapping[str, str] | None,
+        rng_streams: tuple[str, ...],
     ) -> None:
         self.module = module
-        self.mode = resolve_mode(module, mode)
+        self.mode = resolve_mode(module, mode, tuple(kwargs or {}))
+        self.form, sample = input_form(args, kwargs, list(self.mode))
+        #: the RNG streams the model draws from when applied, each derived from a layer's rng
+        self.streams = rng_streams
+        #: axis names the model's modules reduce over, bound to size-1 axes in every trace
+        self.axes: set[str] = set()
+        self._seen_axes: set[str] = set()
+        self._lifted: dict[str, str] = {}  # lifted modules seen: name -> class
         self.x_tree = jax.tree.structure(sample)
         self.x_dtypes = [jnp.asarray(a).dtype for a in jax.tree.leaves(sample)]
         x_spec = jax.tree.map(
@@ -53,56 +83,30 @@ class LinenSplitter:
         self._cache: dict[Any, Program] = {}
         key = jax.random.key(0)
         try:
-            self.var_spec = jax.eval_shape(
-                lambda k, x: self._module(False).init(
-                    {"params": k, "dropout": k}, x, **self._kwargs(False)
+            self.var_spec = self._retrying(
+                lambda: jax.eval_shape(lambda k, x: self._init(k, k, x), key, x_spec), False
+            )
+            calls, _ = self._retrying(
+                lambda: record_calls(
+                    lambda v, x, r: self._call(v, x, False, r, None),
+                    self.var_spec,
+                    x_spec,
+                    key,
+                    seen=self._see,
                 ),
-                key,
-                x_spec,
+                False,
             )
-            calls, _ = record_calls(
-                lambda v, x, r: self._call(v, x, False, r, None), self.var_spec, x_spec, key
-            )
-        except (
-            jax.errors.ConcretizationTypeError,
-            jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError,
-        ) as e:
+        except _TRACER_ERRORS as e:
             raise control_flow_error(e) from e
-        if at is None or at == "blocks":
-            self.parent, units = auto_units(calls)
-        elif isinstance(at, str):
-            raise LayerError(
-                f"at={at!r}: give 'blocks' (cut before each repeated block) or a list of "
-                "submodule names, e.g. at=['blocks_2']"
-            )
-        else:
-            self.parent, units = resolve_at(calls, list(at))
-        top = top_calls(calls, self.parent)
-        first_call: dict[str, int] = {}
-        for n, c in enumerate(top):
-            first_call.setdefault(c.path[-1], n)
-        positions = [first_call[u] for u in units]
-        if len(set(units)) != len(units) or positions != sorted(positions):
-            raise LayerError(
-                f"split_model(at={units}): each cut once, in the order the model calls "
-                f"them ({[c.path[-1] for c in top]})"
-            )
-        if at is None or at == "blocks":
-            if positions and positions[0] == 0:
-                units, positions = units[1:], positions[1:]
-        elif positions and positions[0] == 0:
-            raise LayerError(
-                f"split_model: the cut {units[0]!r} is the model's first submodule call, "
-                f"so the layer before it would be empty; drop it from at= ({units})"
-            )
-        if not units:
-            raise LayerError("split_model: no cut left; the model would be one layer")
+        scans = [name for name, kind in self._lifted.items() if kind.startswith("Scan")]
+        note = f" ({scans[0]!r} is scanned: {transform_hint('scan')})" if scans else ""
+        self.parent, top, units = choose_units(calls, at, note=note)
         self.units = units
-        self.names = ["00_" + (top[0].path[-1] if top else "start")] + [
+        self.names = ["00_" + (unit_name(top[0].path, self.parent) if top else "start")] + [
             f"{k + 1:02d}_{u}" for k, u in enumerate(units)
         ]
-        self.parent_calls = [c.path[-1] for c in top]
+        self.names = [n.replace("/", "_") for n in self.names]
+        self.parent_calls = [unit_name(c.path, self.parent) for c in top]
         # variable ownership by data flow, from an eval and a train trace of the sample
         leaves = [leaf_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.var_spec)[0]]
         readers: dict[tuple[str, ...], set[int]] = {p: set() for p in leaves}
@@ -113,6 +117,67 @@ class LinenSplitter:
                     readers[p].add(k)
         self.owners, self.tied = owners_and_ties(readers, self.names)
         self._cache.clear()  # traced before ownership was known
+
+    # the axis names and the RNG streams
+    def _see(self, module: Any) -> None:
+        self._seen_axes |= axis_names_of(module)
+        if is_lifted(module) and module.name:
+            self._lifted.setdefault(module.name, type(module).__name__)
+
+    def _watch(self, next_fun: Any, a: Any, kw: Any, context: Any) -> Any:
+        self._see(context.module)
+        return next_fun(*a, **kw)
+
+    def _retrying(self, trace: Any, train: bool, rng_given: bool = True) -> Any:
+        """``trace()``, again with the axis names bound that the modules it called
+        reduce over, where it stopped at one unbound; a missing RNG stream refused."""
+        while True:
+            try:
+                return trace()
+            except NameError:
+                new = self._seen_axes - self.axes
+                if not new:
+                    raise
+                self.axes |= new
+                self._cache.clear()
+            except flax.errors.InvalidRngError as e:
+                raise self._rng_error(e, train, rng_given) from e
+
+    def _rng_error(self, e: Exception, train: bool, rng_given: bool) -> LayerError:
+        which = "train" if train else "eval"
+        found = re.search(r'PRNG for "([^"]+)"', str(e))
+        stream = found.group(1) if found else None
+        if rng_given and stream is not None and stream not in self.streams:
+            return LayerError(
+                f"split_model: {type(self.module).__name__} draws from the RNG stream "
+                f"{stream!r} in {which} mode, which pdjax does not give it: name every stream "
+                f"it draws from, split_model(..., rng_streams={(*self.streams, stream)!r}); "
+                "each layer derives them all from the rng the pipeline gives it"
+            )
+        return LayerError(
+            f"split_model: {type(self.module).__name__} needs a PRNG in {which} mode "
+            f"(dropout?) and the layer was given none: pass rng=jax.random.key(...) "
+            f"(pipelines do in training), or run it in eval mode; pdjax switches the "
+            f"mode through "
+            f"{self.mode or 'nothing (no train/deterministic field or argument found)'}"
+            ": name the field or argument with split_model(..., mode={'config."
+            "deterministic': 'eval'}) or mode={'train': 'train'}, or mode={} to "
+            "leave the model as it is"
+        )
+
+    def _init(self, params_key: Any, stream_key: Any, x: Any) -> Any:
+        args, kw = self.form.unpack(x)
+
+        def go() -> Any:
+            with nn.intercept_methods(self._watch):
+                return self._module(False).init(
+                    {"params": params_key, **stream_keys(stream_key, self.streams)},
+                    *args,
+                    **kw,
+                    **self._kwargs(False),
+                )
+
+        return on_named_axes(go, sorted(self.axes))()
 
     # the mode -> module and call arguments
     def _module(self, train: bool) -> nn.Module:
@@ -132,11 +197,19 @@ class LinenSplitter:
         }
 
     def _call(self, variables: Any, x: Any, train: bool, rng: Any, mutable: Any) -> Any:
-        rngs = {"dropout": rng} if rng is not None else {}
+        rngs = stream_keys(rng, self.streams) if rng is not None else {}
         module, kwargs = self._module(train), self._kwargs(train)
-        if mutable:
-            return module.apply(variables, x, rngs=rngs, mutable=mutable, **kwargs)
-        return module.apply(variables, x, rngs=rngs, **kwargs), {}
+        args, kw = self.form.unpack(x)
+
+        def go() -> Any:
+            with nn.intercept_methods(self._watch):
+                if mutable:
+                    return module.apply(
+                        variables, *args, rngs=rngs, mutable=mutable, **kw, **kwargs
+                    )
+                return module.apply(variables, *args, rngs=rngs, **kw, **kwargs), {}
+
+        return on_named_axes(go, sorted(self.axes))()
 
     def _program(self, x_spec: Any, train: bool, rng_spec: Any, owner: Any = True) -> Program:
         key = (
@@ -149,58 +222,42 @@ class LinenSplitter:
             return self._cache[key]
         mutable = [c for c in self.var_spec if c != "params"] if train else []
         parent = self.parent
-        depth = [0]
-
-        def interceptor(next_fun: Any, a: Any, kw: Any, context: Any) -> Any:
-            scope = context.module.scope
-            if scope is None or context.method_name in ("setup", "__post_init__"):
-                return next_fun(*a, **kw)
-            path = tuple(scope.path)
-            mine = len(path) == len(parent) + 1 and path[:-1] == parent and depth[0] == 0
-            if mine:
-                leaves, tree = jax.tree.flatten((a, kw))
-                arrays = [n for n, v in enumerate(leaves) if isinstance(v, jax.Array)]
-                if not arrays:
-                    marked((jnp.zeros((), jnp.float32),), path[-1])
-                else:
-                    new = marked(tuple(leaves[n] for n in arrays), path[-1])
-                    for n, v in zip(arrays, new, strict=True):
-                        leaves[n] = v
-                    a, kw = jax.tree.unflatten(tree, leaves)
-                depth[0] += 1
-            try:
-                return next_fun(*a, **kw)
-            finally:
-                if mine:
-                    depth[0] -= 1
 
         def fn(variables: Any, x: Any, rng: Any) -> Any:
+            depth = [0]
+
+            def interceptor(next_fun: Any, a: Any, kw: Any, context: Any) -> Any:
+                path = call_path(context)
+                if path is None:
+                    return next_fun(*a, **kw)
+                if path == parent and not depth[0]:
+                    a, kw = mark_call(a, kw, PARENT)
+                mine = is_child(path, parent, path_parent) and depth[0] == 0
+                if mine:
+                    a, kw = mark_call(a, kw, unit_name(path, parent))
+                    depth[0] += 1
+                try:
+                    return next_fun(*a, **kw)
+                finally:
+                    if mine:
+                        depth[0] -= 1
+
             with nn.intercept_methods(interceptor):
                 return self._call(variables, x, train, rng, mutable)
 
         try:
-            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(
-                self.var_spec, x_spec, rng_spec
+            closed, out_shape = self._retrying(
+                lambda: jax.make_jaxpr(fn, return_shape=True)(self.var_spec, x_spec, rng_spec),
+                train,
+                rng_spec is not None,
             )
-        except (
-            jax.errors.ConcretizationTypeError,
-            jax.errors.TracerBoolConversionError,
-            jax.errors.TracerIntegerConversionError,
-        ) as e:
+        except _TRACER_ERRORS as e:
             raise control_flow_error(e) from e
+        except LayerError:
+            raise
         except Exception as e:
             if "rng" in str(e).lower() and rng_spec is None:
-                which = "train" if train else "eval"
-                raise LayerError(
-                    f"split_model: {type(self.module).__name__} needs a PRNG in {which} mode "
-                    f"(dropout?) and the layer was given none: pass rng=jax.random.key(...) "
-                    f"(pipelines do in training), or run it in eval mode; pdjax switches the "
-                    f"mode through "
-                    f"{self.mode or 'nothing (no train/deterministic field or argument found)'}"
-                    ": name the field or argument with split_model(..., mode={'config."
-                    "deterministic': 'eval'}) or mode={'train': 'train'}, or mode={} to "
-                    "leave the model as it is"
-                ) from e
+                raise self._rng_error(e, train, False) from e
             raise
         jaxpr = closed.jaxpr
         n_var = len(jax.tree.leaves(self.var_spec))
@@ -254,11 +311,9 @@ class LinenSplitter:
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec)
 
     def init_cut(self, k: int, rng: jax.Array, x: PyTree) -> Variables:
-        params_key, dropout_key = jax.random.split(rng)
-        full = self._module(False).init(
-            {"params": params_key, "dropout": dropout_key},
-            self._sample_input(k, x),
-            **self._kwargs(False),
+        params_key, stream_key = jax.random.split(rng)
+        full = self._retrying(
+            lambda: self._init(params_key, stream_key, self._sample_input(k, x)), False
         )
         return self.subset(k, full)
 

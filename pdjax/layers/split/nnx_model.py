@@ -3,11 +3,14 @@ share (:class:`NnxSplitter`).
 
 An nnx model is traced as a pure function of its state: ``nnx.merge`` of the model's
 graph with the variables given, the call, ``nnx.split`` of the state after it. The split
-units are the model's *children*: the modules it reaches without passing through another
-module (``self.embed``, each of ``self.blocks``, ``self.head``), named by their path
-(``"blocks/1"``). While the model is traced, the ``__call__`` of the children's classes is
-wrapped so that a call of a child made while no other child's call runs records the call
-and binds the marker equation; the classes are restored after the trace.
+units are the children of one called module (the model, or a module inside it): a
+module's children are the called modules it reaches without passing through another
+(``self.embed``, each of ``self.blocks``, ``self.head``; containers are looked through),
+named by their path (``"blocks/1"``, ``"decoder/blocks/1"``). While the model is traced,
+the ``__call__`` of its modules' classes is wrapped: a first trace records every call
+(path, class, nesting), from which the cuts are chosen as for linen; the program's trace
+binds the marker equation at each call of the parent's children made while no other such
+call runs. The classes are restored after each trace.
 
 Variables are the model's ``nnx.State`` leaves but its RNG streams (``nnx.RngKey``,
 ``nnx.RngCount``): ``nnx.Param`` in ``"params"``, ``nnx.BatchStat`` in ``"batch_stats"``,
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,7 +35,18 @@ from flax import nnx
 
 from pdjax.errors import LayerError
 from pdjax.layers.base import PyTree, Variables
-from pdjax.layers.split.calls import MODE_NAMES, control_flow_error, marked
+from pdjax.layers.split.calls import (
+    MODE_NAMES,
+    PARENT,
+    Call,
+    axis_names_of,
+    choose_units,
+    control_flow_error,
+    input_form,
+    mark_call,
+    on_named_axes,
+    unit_name,
+)
 from pdjax.layers.split.cuts import (
     Program,
     input_spec,
@@ -41,7 +55,7 @@ from pdjax.layers.split.cuts import (
     run_cut,
 )
 
-__all__ = ["NnxSplitter", "collection_of", "nnx_units"]
+__all__ = ["NnxSplitter", "collection_of", "module_paths", "patched_calls"]
 
 
 def collection_of(variable: Any) -> str:
@@ -61,132 +75,79 @@ def callable_module(node: nnx.Module) -> bool:
     return any("__call__" in c.__dict__ for c in type(node).__mro__ if c is not object)
 
 
-def children_of(model: nnx.Module) -> dict[int, str]:
-    """The model's children by ``id``: the called modules reached from it through no other
-    called module, named by their path."""
-    paths: dict[tuple[Any, ...], int] = {}
+def module_paths(model: nnx.Module) -> dict[int, tuple[str, ...]]:
+    """The model's called modules (its own excepted) by ``id``: their path in its graph
+    (``("blocks", "1")``; containers are path parts, not modules)."""
+    paths: dict[int, tuple[str, ...]] = {}
     for path, node in nnx.iter_graph(model):
         if path and isinstance(node, nnx.Module) and callable_module(node):
-            paths.setdefault(tuple(path), id(node))
-    return {
-        i: "/".join(map(str, p))
-        for p, i in paths.items()
-        if not any(p[:n] in paths for n in range(1, len(p)))
-    }
+            paths.setdefault(id(node), tuple(map(str, path)))
+    return paths
+
+
+def parent_finder(paths: Iterable[tuple[str, ...]]) -> Callable[[tuple[str, ...]], tuple[str, ...]]:
+    """A called module's parent: the nearest called module above it (``()``: the model)."""
+    known = set(paths)
+
+    def parent_of(path: tuple[str, ...]) -> tuple[str, ...]:
+        for n in range(len(path) - 1, 0, -1):
+            if path[:n] in known:
+                return path[:n]
+        return ()
+
+    return parent_of
+
+
+#: ``on_call(path, module, call, args, kwargs)``: runs a module's call (``call(*a, **kw)``)
+OnCall = Callable[[tuple[str, ...], Any, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 
 
 @contextlib.contextmanager
-def marking(model: nnx.Module, calls: list[tuple[str, str]]) -> Iterator[None]:
-    """Within: the model's children's calls made while no other child's call runs are
-    recorded as ``(name, class name)`` in ``calls`` and start with a marker equation."""
-    children = children_of(model)
-    classes = {type(node) for _, node in nnx.iter_graph(model) if id(node) in children}
-    saved = {cls: cls.__dict__.get("__call__") for cls in classes}
-    depth = [0]
+def patched_calls(model: nnx.Module, on_call: OnCall) -> Iterator[None]:
+    """Within: each call of one of the model's called modules goes through ``on_call``
+    (once per call: a ``super().__call__`` of the same module runs plainly). The classes
+    defining those modules' ``__call__`` are patched, and restored after."""
+    paths = module_paths(model)
+    defining: dict[type, Any] = {}
+    for _, node in nnx.iter_graph(model):
+        if id(node) in paths:
+            cls = next(c for c in type(node).__mro__ if "__call__" in c.__dict__)
+            defining.setdefault(cls, cls.__dict__["__call__"])
+    active: set[int] = set()
 
     def wrap(original: Any) -> Any:
         def call(module: Any, *a: Any, **kw: Any) -> Any:
-            name = children.get(id(module))
-            if name is None or depth[0]:
+            path = paths.get(id(module))
+            if path is None or id(module) in active:
                 return original(module, *a, **kw)
-            calls.append((name, type(module).__name__))
-            leaves, tree = jax.tree.flatten((a, kw))
-            arrays = [n for n, v in enumerate(leaves) if isinstance(v, jax.Array)]
-            if not arrays:
-                marked((jnp.zeros((), jnp.float32),), name)
-            else:
-                new = marked(tuple(leaves[n] for n in arrays), name)
-                for n, v in zip(arrays, new, strict=True):
-                    leaves[n] = v
-                a, kw = jax.tree.unflatten(tree, leaves)
-            depth[0] += 1
+            active.add(id(module))
             try:
-                return original(module, *a, **kw)
+                return on_call(path, module, lambda *a2, **kw2: original(module, *a2, **kw2), a, kw)
             finally:
-                depth[0] -= 1
+                active.discard(id(module))
 
         return call
 
     try:
-        for cls in classes:
-            cls.__call__ = wrap(cls.__call__)
+        for cls, original in defining.items():
+            cls.__call__ = wrap(original)  # type: ignore[method-assign]
         yield
     finally:
-        for cls, original in saved.items():
-            if original is None:
-                del cls.__call__
-            else:
-                cls.__call__ = original
+        for cls, original in defining.items():
+            cls.__call__ = original  # type: ignore[method-assign]
 
 
-def nnx_units(calls: list[tuple[str, str]], at: Any) -> tuple[list[str], list[str]]:
-    """``(children in first-call order, the cut units)`` from the recorded calls."""
-    order: list[str] = []
-    kinds: dict[str, str] = {}
-    for name, kind in calls:
-        if name not in kinds:
-            order.append(name)
-            kinds[name] = kind
-    if not order:
-        raise LayerError(
-            "split_model: the nnx model calls no submodule to cut at; build its layers "
-            "with pdjax.sequential(...) instead"
-        )
-    if at is None or at == "blocks":
-        counts: dict[str, int] = {}
-        for name in order:
-            counts[kinds[name]] = counts.get(kinds[name], 0) + 1
-        best = max(counts, key=lambda k: counts[k], default=None)
-        if best is None or counts[best] < 2:
-            raise LayerError(
-                "split_model(at='blocks') found no repeated submodule (two or more of one "
-                f"class called by the model); name the cuts: at=['<submodule>', ...] of {order}"
-            )
-        units = [n for n in order if kinds[n] == best]
-        if units[0] == order[0]:
-            units = units[1:]
-    elif isinstance(at, str):
-        raise LayerError(
-            f"at={at!r}: give 'blocks' (cut before each repeated block) or a list of "
-            "submodule names, e.g. at=['blocks/2']"
-        )
-    else:
-        units = []
-        for name in at:
-            if not isinstance(name, str) or not name:
-                raise LayerError(f"at= lists submodule names as strings, got {name!r}")
-            hits = [p for p in order if p == name or p.endswith("/" + name)]
-            if len(hits) != 1:
-                what = "names no submodule" if not hits else f"is ambiguous ({hits})"
-                raise LayerError(
-                    f"split_model(at=...): {name!r} {what}; the submodules the model calls "
-                    f"are {order} (write one, or its path with '/')"
-                )
-            units.append(hits[0])
-        positions = [order.index(u) for u in units]
-        if len(set(units)) != len(units) or positions != sorted(positions):
-            raise LayerError(
-                f"split_model(at={units}): each cut once, in the order the model calls "
-                f"them ({order})"
-            )
-        if positions and positions[0] == 0:
-            raise LayerError(
-                f"split_model: the cut {units[0]!r} is the model's first submodule call, "
-                f"so the layer before it would be empty; drop it from at= ({units})"
-            )
-    if not units:
-        raise LayerError("split_model: no cut left; the model would be one layer")
-    return order, units
-
-
-def resolve_nnx_mode(model: nnx.Module, mode: Mapping[str, str] | None) -> dict[str, str]:
-    """``mode=`` for an nnx model: the ``__call__`` arguments that switch train/eval."""
+def resolve_nnx_mode(
+    model: nnx.Module, mode: Mapping[str, str] | None, given: Sequence[str] = ()
+) -> dict[str, str]:
+    """``mode=`` for an nnx model: the ``__call__`` arguments that switch train/eval
+    (``given``: arguments the user passes, never found)."""
     try:
         args = list(inspect.signature(type(model).__call__).parameters)[1:]
     except (TypeError, ValueError):
         args = []
     if mode is None:
-        return {a: MODE_NAMES[a] for a in args if a in MODE_NAMES}
+        return {a: MODE_NAMES[a] for a in args if a in MODE_NAMES and a not in given}
     if not isinstance(mode, Mapping):
         raise LayerError(
             f"mode= maps a __call__ argument to 'train' or 'eval' (when it is True), e.g. "
@@ -209,12 +170,18 @@ class NnxSplitter:
     """The traced nnx model shared by the layers of one :func:`split_model`."""
 
     def __init__(
-        self, model: nnx.Module, sample: PyTree, at: Any, mode: Mapping[str, str] | None
+        self,
+        model: nnx.Module,
+        args: Sequence[PyTree],
+        kwargs: Mapping[str, PyTree] | None,
+        at: Any,
+        mode: Mapping[str, str] | None,
     ) -> None:
         self.model = model
         #: the ``__call__`` arguments switched; ``train()``/``eval()`` run unless mode={}
-        self.mode = resolve_nnx_mode(model, mode)
+        self.mode = resolve_nnx_mode(model, mode, tuple(kwargs or {}))
         self.switch = mode is None or bool(mode)
+        self.form, sample = input_form(args, kwargs, list(self.mode))
         self.graphdef, state = nnx.split(model)
         #: (nnx path, pdjax leaf path, template variable) of each variable, RNG left out
         self.entries: list[tuple[tuple[Any, ...], tuple[str, ...], Any]] = []
@@ -228,20 +195,32 @@ class NnxSplitter:
         self.streams = sorted(
             {v.tag for _, v in nnx.iter_graph(model) if isinstance(v, nnx.RngStream)}
         )
+        #: axis names the model's modules reduce over, bound to size-1 axes in every trace
+        self.axes = sorted({n for _, v in nnx.iter_graph(model) for n in axis_names_of(v)})
+        self.parent_of = parent_finder(module_paths(model).values())
         self.x_tree = jax.tree.structure(sample)
         self.x_dtypes = [jnp.asarray(a).dtype for a in jax.tree.leaves(sample)]
         x_spec = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.asarray(a).dtype), sample
         )
         self._cache: dict[Any, Program] = {}
+        self.parent: tuple[str, ...] = ()
         self.units: list[str] = []
         key_spec = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
-        _, _, calls = self._trace(x_spec, False, key_spec)
-        order, self.units = nnx_units(calls, at)
-        self.names = ["00_" + order[0].replace("/", "_")] + [
-            f"{k + 1:02d}_{u.replace('/', '_')}" for k, u in enumerate(self.units)
+        calls: list[Call] = []
+        self._trace(x_spec, False, key_spec, self._recorder(calls))
+        if not calls:
+            raise LayerError(
+                "split_model: the nnx model calls no submodule to cut at; build its layers "
+                "with pdjax.sequential(...) instead"
+            )
+        self.parent, top, self.units = choose_units(calls, at, self.parent_of)
+        self.names = [
+            n.replace("/", "_")
+            for n in ["00_" + unit_name(top[0].path, self.parent)]
+            + [f"{k + 1:02d}_{u}" for k, u in enumerate(self.units)]
         ]
-        self.parent_calls = order
+        self.parent_calls = [unit_name(c.path, self.parent) for c in top]
         readers: dict[tuple[str, ...], set[int]] = {lp: set() for _, lp, _ in self.entries}
         for train in (False, True):
             prog = self._program(x_spec, train, key_spec, owner=None)
@@ -251,38 +230,80 @@ class NnxSplitter:
         self.owners, self.tied = owners_and_ties(readers, self.names)
         self._cache.clear()  # traced before ownership was known
 
-    def _run(self, values: list[Any], x: Any, train: bool, rng: Any, calls: list[Any]) -> Any:
-        pairs = [(p, var.replace(v)) for (p, _, var), v in zip(self.entries, values, strict=True)]
-        rngs = [(p, var.replace(var.get_value())) for p, var in self.rng_state]  # fresh, here
-        state = nnx.from_flat_state([*pairs, *rngs])
-        model = nnx.merge(self.graphdef, state)
-        if self.switch:
-            if train:
-                model.train()
-            else:
-                model.eval()
-        if rng is not None and self.streams:
-            keys: dict[str, Any] = {
-                s: jax.random.fold_in(rng, i) for i, s in enumerate(self.streams)
-            }
-            nnx.reseed(model, policy="match_shape", **keys)
-        kwargs = {a: (train if when == "train" else not train) for a, when in self.mode.items()}
-        with marking(model, calls):
-            y = model(x, **kwargs)
-        if not train:
-            return y, []
-        after = dict(nnx.to_flat_state(nnx.state(model)))
-        return y, [after[p].get_value() for p, lp, _ in self.entries if lp[0] != "params"]
+    @staticmethod
+    def _recorder(calls: list[Call]) -> OnCall:
+        """Records every call (path, class, nesting) in ``calls``."""
+        depth = [0]
 
-    def _trace(self, x_spec: Any, train: bool, rng_spec: Any) -> tuple[Any, Any, list[Any]]:
-        calls: list[tuple[str, str]] = []
+        def on_call(path: Any, module: Any, call: Any, a: Any, kw: Any) -> Any:
+            calls.append(Call(path, "__call__", type(module).__name__, depth[0]))
+            depth[0] += 1
+            try:
+                return call(*a, **kw)
+            finally:
+                depth[0] -= 1
+
+        return on_call
+
+    def _marker(self) -> OnCall:
+        """Binds the marker at each call of a child of the cuts' parent made while no
+        other such call runs."""
+        depth = [0]
+
+        def on_call(path: Any, module: Any, call: Any, a: Any, kw: Any) -> Any:
+            if depth[0]:
+                return call(*a, **kw)
+            if path == self.parent:
+                a, kw = mark_call(a, kw, PARENT)
+                return call(*a, **kw)
+            if self.parent_of(path) != self.parent:
+                return call(*a, **kw)
+            a, kw = mark_call(a, kw, unit_name(path, self.parent))
+            depth[0] += 1
+            try:
+                return call(*a, **kw)
+            finally:
+                depth[0] -= 1
+
+        return on_call
+
+    def _run(self, values: list[Any], x: Any, train: bool, rng: Any, on_call: OnCall) -> Any:
+        def go() -> Any:
+            pairs = [
+                (p, var.replace(v)) for (p, _, var), v in zip(self.entries, values, strict=True)
+            ]
+            rngs = [(p, var.replace(var.get_value())) for p, var in self.rng_state]  # fresh
+            state = nnx.from_flat_state([*pairs, *rngs])
+            model = nnx.merge(self.graphdef, state)
+            if self.switch:
+                if train:
+                    model.train()
+                else:
+                    model.eval()
+            if rng is not None and self.streams:
+                keys: dict[str, Any] = {
+                    s: jax.random.fold_in(rng, i) for i, s in enumerate(self.streams)
+                }
+                nnx.reseed(model, policy="match_shape", **keys)
+            kwargs = {a: (train if when == "train" else not train) for a, when in self.mode.items()}
+            args, kw = self.form.unpack(x)
+            with patched_calls(model, on_call):
+                y = model(*args, **kw, **kwargs)
+            if not train:
+                return y, []
+            after = dict(nnx.to_flat_state(nnx.state(model)))
+            return y, [after[p].get_value() for p, lp, _ in self.entries if lp[0] != "params"]
+
+        return on_named_axes(go, self.axes)()
+
+    def _trace(self, x_spec: Any, train: bool, rng_spec: Any, on_call: OnCall) -> tuple[Any, Any]:
         specs = [
             jax.ShapeDtypeStruct(jnp.shape(v.get_value()), jnp.asarray(v.get_value()).dtype)
             for *_, v in self.entries
         ]
         try:
             closed, out_shape = jax.make_jaxpr(
-                lambda v, x, r: self._run(v, x, train, r, calls), return_shape=True
+                lambda v, x, r: self._run(v, x, train, r, on_call), return_shape=True
             )(specs, x_spec, rng_spec)
         except (
             jax.errors.ConcretizationTypeError,
@@ -290,6 +311,8 @@ class NnxSplitter:
             jax.errors.TracerIntegerConversionError,
         ) as e:
             raise control_flow_error(e) from e
+        except LayerError:
+            raise
         except Exception as e:
             if "rng" in str(e).lower() and (rng_spec is None or not self.streams):
                 which = "train" if train else "eval"
@@ -305,7 +328,7 @@ class NnxSplitter:
                     )
                 ) from e
             raise
-        return closed, out_shape, calls
+        return closed, out_shape
 
     def _program(self, x_spec: Any, train: bool, rng_spec: Any, owner: Any = True) -> Program:
         key = (
@@ -316,7 +339,7 @@ class NnxSplitter:
         )
         if key in self._cache:
             return self._cache[key]
-        closed, out_shape, _ = self._trace(x_spec, train, rng_spec)
+        closed, out_shape = self._trace(x_spec, train, rng_spec, self._marker())
         jaxpr = closed.jaxpr
         n_var, n_x = len(self.entries), len(jax.tree.leaves(x_spec))
         var_paths = [lp for _, lp, _ in self.entries]
