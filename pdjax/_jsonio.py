@@ -1,7 +1,8 @@
 """Files for pdjax's plain-data boxes (profiles, plans) and outputs: atomic writes and
-appends that never go through a symbolic link, checks of output paths before any work,
-text reads, and typed field access that turns a bad value into a clear error (file, field
-path, what to do)."""
+appends that never go through a symbolic link, files at fixed names opened and read only
+when they are regular files (:func:`open_regular`, :func:`read_regular`), checks of output
+paths before any work, text reads, and typed field access that turns a bad value into a
+clear error (file, field path, what to do)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ __all__ = [
     "append_text",
     "check_file",
     "check_folder",
+    "open_regular",
     "parse_json",
     "probe_writable",
+    "read_regular",
     "read_text",
     "refuse_link",
     "write_atomic",
@@ -51,17 +54,21 @@ def write_atomic(
     be a symlink someone planted there (``/tmp`` is shared), which ``open`` would follow.
     A symbolic link at ``path`` itself is refused: writing through it would change a file
     pdjax did not name, and replacing it would delete what pdjax did not write. (A link
-    planted after that check is replaced by the rename, never written through.)
+    planted after that check is replaced by the rename, never written through.) So is
+    anything else than a regular file there (a FIFO, a device, a socket): the rename would
+    delete it.
 
     Raises:
-      error: the path cannot be written (a symbolic link, a directory, a read-only or
-        uncreatable directory, a full disk); the message names the path. No temporary file
-        is left behind.
+      error: the path cannot be written (a symbolic link, a directory, a FIFO or device,
+        a read-only or uncreatable directory, a full disk); the message names the path. No
+        temporary file is left behind.
     """
     path = Path(path)
     refuse_link(path, what, error)
     if path.is_dir():  # not a link (refused above): the path itself is a directory
         raise error(f"cannot write {what} {path}: it is a directory; give a file name")
+    with contextlib.suppress(OSError):  # missing (or unreadable: the write says why)
+        _refuse_irregular(path, os.lstat(path), what, "write", error)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -104,6 +111,118 @@ def refuse_link(path: str | Path, what: str, error: type[PdjaxError] = PdjaxErro
         )
 
 
+def open_regular(
+    path: str | Path,
+    flags: int,
+    what: str,
+    error: type[PdjaxError] = PdjaxError,
+    *,
+    mode: int = 0o666,
+) -> int:
+    """Opens a file that pdjax names itself (a lock, a cache entry, a marker, an output
+    beside others) with ``os.open(path, flags, mode)``, only if it is a regular file: a
+    symbolic link there is never followed (``O_NOFOLLOW``), a FIFO never waited on
+    (``O_NONBLOCK``), and anything else than a regular file (a FIFO, a device, a socket, a
+    folder) is refused: seen with ``lstat`` before opening (a device is not even opened)
+    and with ``fstat`` after (what was opened, should the path change in between).
+    ``O_CREAT`` in ``flags`` makes a missing file. Returns the descriptor (the caller
+    closes it); its ``O_NONBLOCK`` changes nothing for a regular file.
+
+    Raises:
+      error: a symbolic link, not a regular file, or the open failed (missing, no
+        permission); the message names ``what``, the path, what is there and what to do.
+    """
+    path = Path(path)
+    verb = "read" if flags & os.O_ACCMODE == os.O_RDONLY else "write"
+    try:
+        _refuse_irregular(path, os.lstat(path), what, verb, error)
+    except FileNotFoundError:
+        pass  # O_CREAT makes it; otherwise the open says it is missing
+    except OSError as e:
+        raise error(f"cannot {verb} {what} {path}: {e.strerror or e}") from e
+    flags |= getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as e:
+        if os.path.islink(path):  # a link made since the check above (ELOOP)
+            _refuse_irregular(path, os.lstat(path), what, verb, error)
+        raise error(f"cannot {verb} {what} {path}: {e.strerror or e}") from e
+    try:
+        _refuse_irregular(path, os.fstat(fd), what, verb, error)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(
+    path: str | Path, what: str, error: type[PdjaxError] = PdjaxError, *, max_bytes: int
+) -> bytes:
+    """The bytes of the regular file ``path``, which pdjax names itself, opened with
+    :func:`open_regular` (no link followed, no FIFO or device read) and at most
+    ``max_bytes`` long: a larger file is refused rather than read into memory.
+
+    Raises:
+      error: as :func:`open_regular`, or the file is larger than ``max_bytes``, or a read
+        failed; the message names ``what`` and the path.
+    """
+    path = Path(path)
+    fd = open_regular(path, os.O_RDONLY, what, error)
+    try:
+        chunks: list[bytes] = []
+        got = -1 if os.fstat(fd).st_size > max_bytes else 0
+        while 0 <= got <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise error(f"cannot read {what} {path}: {e.strerror or e}") from e
+    finally:
+        os.close(fd)
+    if not 0 <= got <= max_bytes:
+        raise error(
+            f"cannot read {what} {path}: it holds more than {max_bytes} bytes, more than "
+            f"any {what} pdjax writes; is this the right file? Move it away"
+        )
+    return b"".join(chunks)
+
+
+def _refuse_irregular(
+    path: Path, info: os.stat_result, what: str, verb: str, error: type[PdjaxError]
+) -> None:
+    """Raises ``error`` unless ``info`` (``lstat`` or ``fstat`` of ``path``) is a regular
+    file's."""
+    if stat.S_ISREG(info.st_mode):
+        return
+    if stat.S_ISLNK(info.st_mode):
+        try:
+            target = f" (to {os.readlink(path)})"
+        except OSError:
+            target = ""
+        raise error(
+            f"cannot {verb} {what} {path}: it is a symbolic link{target}, and pdjax does "
+            "not follow a link at a file it names itself; remove the link, or give "
+            "another path"
+        )
+    kind = next((name for test, name in _KINDS if test(info.st_mode)), "something else")
+    raise error(
+        f"cannot {verb} {what} {path}: it is {kind}, not a regular file; move it away, or "
+        "give another path"
+    )
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def append_text(
     path: str | Path, text: str, *, what: str = "file", error: type[PdjaxError] = PdjaxError
 ) -> None:
@@ -117,21 +236,13 @@ def append_text(
         the message names the path.
     """
     path = Path(path)
-    refuse_link(path, what, error)  # O_NOFOLLOW below says so too, without the target
-    flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
-    flags |= getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)  # a FIFO: no wait
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, flags, 0o666)
     except OSError as e:
-        if e.errno == errno.ELOOP:  # a link made since the check above
-            refuse_link(path, what, error)
         raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
+    fd = open_regular(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, what, error)
     try:
-        info = os.fstat(fd)
-        size = info.st_size
-        if not stat.S_ISREG(info.st_mode):
-            raise error(f"cannot write {what} {path}: it is not a regular file; give another path")
+        size = os.fstat(fd).st_size
         if size and os.pread(fd, 1, size - 1) != b"\n":
             text = "\n" + text  # a write that a crash cut off: start a line of our own
         raw = text.encode("utf-8")
@@ -149,19 +260,25 @@ def check_folder(
     option: str,
     error: type[PdjaxError] = PdjaxError,
     *,
-    link: bool = True,
+    link: bool = False,
 ) -> None:
-    """Refuses, before any work, a folder that a command would write in: a file there, one
-    under a file (or under a link to nothing), or one whose nearest existing folder cannot
-    be written (:func:`probe_writable`). ``link=False``: also refuses a symbolic link at
-    ``folder`` (a folder pdjax makes itself, such as a run's).
+    """Refuses, before any work, a folder that a command would write in: a symbolic link
+    there (pdjax writes in the folder named, not in one a link leads to; ``link=True``
+    lets a link to a folder through), a file there, one under a file (or under a link to
+    nothing), or one whose nearest existing folder cannot be written
+    (:func:`probe_writable`). Only ``folder`` itself is looked at: links among its parents
+    are followed, as for any path.
 
     Raises:
       error: naming ``option``, the folder, what is wrong and what to do.
     """
     folder = Path(folder)
-    if not link:
-        _refuse_link_option(folder, option, error)
+    if not link and os.path.islink(folder):
+        raise error(
+            f"{option} {folder}: it is a symbolic link (to {os.readlink(folder)}), and pdjax "
+            "does not write in a folder through a link; give the folder itself, or another "
+            "path"
+        )
     if os.path.lexists(folder) and not folder.is_dir():
         kind = "a link to nothing" if folder.is_symlink() else "a file"
         raise error(f"{option} {folder}: that is {kind}; give a folder")

@@ -9,6 +9,7 @@ work starts."""
 
 import argparse
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -313,9 +314,9 @@ def test_output_paths_are_checked_before_any_work(tmp_path, capsys):
 # Each example runs in a fresh folder (also the current one) holding a file, a read-only
 # folder, a link to a file elsewhere and a link to nothing; a path option gets an empty or
 # blank path, a new file, the folder, the file, a path under the file, either link, a file
-# in the read-only folder (run with the ids of nobody when the tests run as root, where a
-# folder's permissions would not stop a write), a NUL character, a name too long or one
-# that cannot be encoded. Every
+# in the read-only folder (run without CAP_DAC_OVERRIDE when the tests run as root, where a
+# folder's permissions would not stop a write: see ``unprivileged``), a NUL character, a
+# name too long or one that cannot be encoded. Every
 # run exits 0, or 2 with one line naming the option or the path (or argparse's usage and
 # error line); nothing outside the command's outputs is written or deleted, and nothing at
 # all when it is refused. Expensive commands (profile, calibrate, train, bench) get only
@@ -333,33 +334,103 @@ REFUSED_FOLDER = frozenset(KINDS) - {"new", "folder"}
 REFUSED_INPUT = frozenset(KINDS) - {"file", "symlink"}
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]  # fmt: skip
+
+
+#: Linux's capability interface of 64-bit sets (two ``_CapData``); CAP_DAC_OVERRIDE is
+#: the capability that lets root write where a folder's mode bits say no.
+_CAPABILITY_VERSION_3 = 0x20080522
+_CAP_DAC_OVERRIDE = 1
+
+
+def _capabilities(set_to: "ctypes.Array[_CapData] | None" = None) -> "ctypes.Array[_CapData]":
+    """This thread's capability sets (``capget``), or sets them (``capset``); OSError where
+    the system has no such calls (not Linux)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.capset if set_to is not None else libc.capget
+    except (OSError, AttributeError) as e:
+        raise OSError(f"no capget/capset here: {e}") from e
+    header = _CapHeader(_CAPABILITY_VERSION_3, 0)  # pid 0: the calling thread
+    data = set_to if set_to is not None else (_CapData * 2)()
+    if call(ctypes.byref(header), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return data
+
+
 @contextlib.contextmanager
 def unprivileged(enabled: bool = True):
-    """Runs the block with the effective ids of nobody when this process runs as root (as
-    CI does) and ``enabled``, so that a folder's permissions deny writing (``os.access``
-    answers for the real id, root's, and says yes). Skips where root cannot give them up."""
+    """Runs the block so that a folder's mode bits deny writing when this process runs as
+    root (as CI does) and ``enabled``: CAP_DAC_OVERRIDE leaves the calling thread's
+    effective capabilities (it stays permitted, and is put back after). Only writing is
+    concerned: root keeps its ids, so it still owns, and may write, what it made (the
+    tests' folders, the compilation cache), and keeps CAP_DAC_READ_SEARCH, so it reads and
+    enters any folder, wherever the checkout, the virtual environment or the data live
+    (a 0700 folder of another user included). (``os.access`` answers with the real id's
+    permitted capabilities, and still says yes: pdjax checks by writing.)
+
+    Capabilities belong to a thread: the in-process command runs on this one, and threads
+    it starts inherit the sets it has then. Skips where root cannot drop the capability
+    (a system without Linux capabilities)."""
     if not enabled or os.geteuid() != 0:
         yield
         return
     try:
-        os.setegid(65534)
-        os.seteuid(65534)
-    except PermissionError:
-        os.setegid(0)
-        pytest.skip("cannot take the ids of nobody: a read-only folder does not stop root")
+        saved = _capabilities()
+    except OSError as e:
+        pytest.skip(f"cannot drop CAP_DAC_OVERRIDE ({e}): a read-only folder does not stop root")
+    dropped = (_CapData * 2)()
+    ctypes.memmove(dropped, saved, ctypes.sizeof(saved))
+    dropped[0].effective &= ~(1 << _CAP_DAC_OVERRIDE)
+    _capabilities(dropped)
     try:
         yield
     finally:
-        os.seteuid(0)
-        os.setegid(0)
+        _capabilities(saved)
+
+
+def test_unprivileged_makes_only_a_read_only_folder_unwritable(tmp_path):
+    """Inside ``unprivileged``, what a command needs stays readable wherever it lives (a
+    0700 folder, as ``mktemp -d`` makes, of root's or, when root, of another user's), a
+    folder of its own stays writable, and only a read-only folder refuses a new file;
+    afterwards, root writes there again (issue 44: a clone in a 0700 folder)."""
+    private, ro = tmp_path / "private", tmp_path / "ro"
+    private.mkdir(mode=0o700)
+    (private / "data.txt").write_text("mine")
+    (tmp_path / "own").mkdir()
+    ro.mkdir()
+    os.chmod(ro, 0o555)
+    os.chmod(tmp_path, 0o700)
+    if os.geteuid() == 0:  # another user's: root reads it only with CAP_DAC_READ_SEARCH
+        os.chown(private / "data.txt", 65534, 65534)
+        os.chown(private, 65534, 65534)
+    try:
+        with unprivileged():
+            assert (private / "data.txt").read_text() == "mine"
+            (tmp_path / "own" / "new.txt").write_text("x")
+            with pytest.raises(PermissionError):
+                tempfile.mkstemp(dir=ro)
+            with pytest.raises(PermissionError):
+                (ro / "new.txt").write_text("x")
+        if os.geteuid() == 0:
+            (ro / "new.txt").write_text("x")  # put back: root's permissions again
+            (ro / "new.txt").unlink()
+    finally:
+        os.chmod(ro, 0o755)
 
 
 @contextlib.contextmanager
 def hostile_dir():
-    """A fresh folder per example (the current folder meanwhile), with the hostile paths,
-    a plan of PLAN in ``inputs/``, and writable by nobody."""
+    """A fresh folder per example (the current folder meanwhile), with the hostile paths
+    and a plan of PLAN in ``inputs/``; only ``ro/`` is read-only."""
     with fresh_dir() as d, contextlib.chdir(d):
-        os.chmod(d, 0o777)
         (d / "file.txt").write_text("x")
         (d / "outside").mkdir()
         (d / "outside" / "target.json").write_text("{}")

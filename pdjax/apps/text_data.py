@@ -49,9 +49,9 @@ import dataclasses
 import functools
 import hashlib
 import json
+import numbers
 import os
 import platform
-import tempfile
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pdjax._jsonio import read_regular, write_atomic
 from pdjax.apps import data as data_lib
 from pdjax.apps.dataset import Dataset, eval_batches, generator
 from pdjax.errors import DataError
@@ -110,6 +111,10 @@ DEFAULT_BUCKETS = (64, 128, 256, 512)
 _RECIPE = 1
 _MIN_FREQUENCY = 2
 _NUM_BYTES = 256
+# A cache entry is read only up to this size: a megabyte, and a kilobyte an id (pdjax's
+# entries hold about 30 bytes an id).
+_ENTRY_BASE_BYTES = 1 << 20
+_ENTRY_BYTES_PER_ID = 1 << 10
 
 
 # -- the corpus -------------------------------------------------------------------------------
@@ -294,54 +299,109 @@ def _train(texts: Sequence[str], vocab_size: int) -> str:
     return str(tok.to_str())
 
 
-def _read_cache(path: Path, key: str) -> str | None:
-    """The tokenizer JSON cached at ``path`` if the file is whole and is for ``key``:
-    its key matches and its JSON still has the fingerprint it was written with."""
+@functools.cache
+def _recipe_json() -> dict[str, Any]:
+    """The recipe's tokenizer before any merge (trained on no text): the settings every
+    tokenizer of the recipe has, and its first ids, :data:`EOT`, :data:`PAD` and the
+    256 bytes."""
+    got: dict[str, Any] = json.loads(_train([""], len(SPECIAL_TOKENS) + _NUM_BYTES))
+    return got
+
+
+def _not_asked_for(tok_json: str, vocab_size: int) -> str | None:
+    """Why the tokenizer JSON ``tok_json`` is not one the recipe trains for ``vocab_size``
+    ids, or None if it is: every setting the recipe's (pre-tokenizer, decoder, special
+    tokens, model options), ``vocab_size`` ids, the first being :data:`EOT`, :data:`PAD`
+    and the 256 bytes at the recipe's ids, and the merge ``i`` making id ``258 + i`` from
+    two tokens before it. (Which texts it was trained on cannot be seen without training
+    again: that is the cache key's, and the fingerprint's.)"""
     try:
-        entry = json.loads(path.read_text(encoding="utf-8"))
-        tok_json = entry["tokenizer"]
-        if (
-            entry.get("key") != key
-            or not isinstance(tok_json, str)
-            or entry.get("fingerprint") != tokenizer_fingerprint(tok_json)
+        got = json.loads(tok_json)
+    except (ValueError, RecursionError):
+        return "its tokenizer is not JSON"
+    recipe = _recipe_json()
+    if not isinstance(got, dict) or got.keys() != recipe.keys():
+        return "it is not a tokenizer of pdjax's recipe"
+    for field in recipe:
+        if field != "model" and got[field] != recipe[field]:
+            return f"its {field!r} is not the recipe's"
+    model, want = got["model"], recipe["model"]
+    if not isinstance(model, dict) or model.keys() != want.keys():
+        return "its model is not the recipe's (a byte-level BPE)"
+    for field in want:
+        if field not in ("vocab", "merges") and model[field] != want[field]:
+            return f"its model's {field!r} is not the recipe's"
+    vocab, merges = model["vocab"], model["merges"]
+    if not isinstance(vocab, dict) or not isinstance(merges, list):
+        return "its vocabulary or merges are not a mapping and a list"
+    if len(vocab) != vocab_size:
+        return f"it has {len(vocab)} ids, not the {vocab_size} asked for"
+    base = want["vocab"]
+    if any(vocab.get(token) != i for token, i in base.items()):
+        return f"its first {len(base)} ids are not {EOT}, {PAD} and the 256 bytes"
+    if len(merges) != vocab_size - len(base):
+        return f"it has {len(merges)} merges for {vocab_size - len(base)} merged ids"
+    token_of = {i: t for t, i in vocab.items() if isinstance(i, int) and not isinstance(i, bool)}
+    if sorted(token_of) != list(range(vocab_size)):
+        return f"its ids are not 0 to {vocab_size - 1}, each once"
+    for i, merge in enumerate(merges):
+        made = len(base) + i
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not (
+            isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(p, str) and vocab.get(p, made) < made for p in pair)
+            and token_of[made] == pair[0] + pair[1]
         ):
-            return None
-        _tokenizers().Tokenizer.from_str(tok_json)  # parses as a tokenizer too
-    except Exception:  # unreadable, not JSON, not a tokenizer: train again
-        return None
-    return tok_json
+            return f"its merge {i} does not make id {made} from two tokens before it"
+    return None
 
 
-def _ours(path: Path, key: str) -> bool:
-    """Whether ``path`` is a cache entry pdjax wrote for ``key`` (a regular file whose
-    JSON names the key and the recipe), which a stale or damaged one may be replaced."""
+def _read_cache(
+    path: Path, key: str, vocab_size: int, version: str
+) -> tuple[str | None, bool, str]:
+    """What the cache entry at ``path`` holds: ``(tokenizer JSON, ours, why not)``.
+
+    The JSON is returned (``why not`` empty) only for an entry that is the tokenizer asked
+    for: a regular file (no link followed, no FIFO or device read, at most a size bound)
+    whose JSON names ``key``, the recipe, ``vocab_size`` and ``version``, whose tokenizer
+    still has the fingerprint it was written with, and is a tokenizer of the recipe for
+    ``vocab_size`` ids (:func:`_not_asked_for`). ``ours``: the file is a pdjax entry for
+    ``key`` (its JSON names the key and a recipe), which may be replaced."""
+    limit = _ENTRY_BASE_BYTES + _ENTRY_BYTES_PER_ID * vocab_size
     try:
-        if path.is_symlink() or not path.is_file():
-            return False
-        entry = json.loads(path.read_text(encoding="utf-8"))
-        return isinstance(entry, dict) and entry.get("key") == key and "recipe" in entry
-    except (OSError, ValueError):
-        return False
+        raw = read_regular(path, "tokenizer cache entry", DataError, max_bytes=limit)
+        entry = json.loads(raw.decode("utf-8"))
+    except DataError as e:  # "cannot read ... <path>: <what is there>; <advice>"
+        return None, False, str(e).split(f"{path}: ", 1)[-1].split("; ")[0]
+    except (ValueError, RecursionError):  # UnicodeDecodeError, JSONDecodeError
+        return None, False, "it is not JSON"
+    if not isinstance(entry, dict) or entry.get("key") != key or "recipe" not in entry:
+        return None, False, "it does not name this cache key"
+    tok_json = entry.get("tokenizer")
+    if not isinstance(tok_json, str) or entry.get("fingerprint") != tokenizer_fingerprint(tok_json):
+        return None, True, "its tokenizer does not have the fingerprint written with it"
+    for field, want in (("recipe", _RECIPE), ("vocab_size", vocab_size), ("tokenizers", version)):
+        if entry.get(field) != want or type(entry.get(field)) is not type(want):
+            return None, True, f"its {field} is not {want!r}"
+    why = _not_asked_for(tok_json, vocab_size)
+    if why is not None:
+        return None, True, why
+    try:
+        _tokenizers().Tokenizer.from_str(tok_json)  # parses as a tokenizer too
+    except Exception as e:  # tokenizers raises its own exception types
+        return None, True, f"its tokenizer does not load ({e})"
+    return tok_json, True, ""
 
 
 def _write_cache(path: Path, entry: dict[str, Any]) -> None:
-    """Writes ``entry`` to ``path`` atomically (a temporary file, then ``os.replace``);
-    a cache that cannot be written is skipped (the tokenizer is still returned)."""
-    tmp: str | None = None
+    """Writes ``entry`` to ``path`` atomically (:func:`pdjax._jsonio.write_atomic`: a
+    temporary file, then a rename; never over a link, a FIFO or a device); a cache that
+    cannot be written is skipped (the tokenizer is still returned)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(entry, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-    except OSError:
+        write_atomic(path, json.dumps(entry), what="tokenizer cache entry", error=DataError)
+    except DataError:
         pass
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def train_tokenizer(
@@ -363,11 +423,17 @@ def train_tokenizer(
     With ``cache`` the tokenizer JSON is kept in ``cache_dir/bpe-<key>.json``, ``key``
     being a SHA-256 of the texts, the settings, the recipe and the ``tokenizers``
     version; a later call with the same inputs reads it instead of training. A cached
-    file is used only if it names that key and its JSON has the fingerprint recorded
-    with it; otherwise it is retrained, and the file replaced only if it is a pdjax entry
-    for that key (stale or edited); a file that is not one (another program's, a link) is
-    left untouched, with a warning, and the tokenizer is not cached. Files are written
-    atomically, so concurrent processes see a whole file or none.
+    file is used only if it is the tokenizer asked for: a regular file (a symbolic link
+    there is not followed, a FIFO or a device not read, a file past a size bound not
+    read) that names that key, the recipe, ``vocab_size`` and the ``tokenizers`` version,
+    whose JSON has the fingerprint recorded with it, and whose tokenizer is one of the
+    recipe with ``vocab_size`` ids (its settings, :data:`EOT` and :data:`PAD`, the 256
+    bytes, merges that make its ids). Otherwise it is retrained, and the file replaced
+    only if it is a pdjax entry for that key (stale or edited); a file that is not one
+    (another program's, a link, a FIFO) is left untouched, with a warning saying why, and
+    the tokenizer is not cached. A tokenizer with fewer ids than asked for (texts that ran
+    out of pairs to merge) is not cached: that it is whole could not be checked. Files are
+    written atomically, so concurrent processes see a whole file or none.
 
     Args:
       texts: the training texts (documents), in a fixed order.
@@ -379,6 +445,7 @@ def train_tokenizer(
       DataError: for a ``vocab_size`` below 258, no texts, or ``tokenizers`` missing.
     """
     minimum = len(SPECIAL_TOKENS) + _NUM_BYTES
+    _check_integer(vocab_size, "vocab_size")
     if vocab_size < minimum:
         raise DataError(
             f"vocab_size must be at least {minimum} (the special tokens and 256 bytes), "
@@ -389,27 +456,30 @@ def train_tokenizer(
     tk = _tokenizers()
     if not cache:
         return BPETokenizer(_train(texts, vocab_size))
-    key = _cache_key(texts, vocab_size, str(tk.__version__))
+    version = str(tk.__version__)
+    key = _cache_key(texts, vocab_size, version)
     path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"bpe-{key}.json"
-    found = path.exists() or path.is_symlink()
+    found = os.path.lexists(path)
     if found:
-        cached = _read_cache(path, key)
+        cached, ours, why = _read_cache(path, key, vocab_size, version)
         if cached is not None:
             return BPETokenizer(cached, origin="cache")
     tok_json = _train(texts, vocab_size)
-    if found and not _ours(path, key):
+    if found and not ours:
         warnings.warn(
             f"{path} is in the way of the tokenizer cache and is not a pdjax cache entry "
-            "for these texts; it is left as it is and the tokenizer is not cached (move "
-            "it away, or pass another cache_dir)",
+            f"for these texts ({why}); it is left as it is and the tokenizer is not cached "
+            "(move it away, or pass another cache_dir)",
             stacklevel=2,
         )
         return BPETokenizer(tok_json, origin="trained")
+    if _not_asked_for(tok_json, vocab_size) is not None:  # fewer ids: not checkable
+        return BPETokenizer(tok_json, origin="retrained" if found else "trained")
     entry = {
         "key": key,
         "fingerprint": tokenizer_fingerprint(tok_json),
         "vocab_size": vocab_size,
-        "tokenizers": str(tk.__version__),
+        "tokenizers": version,
         "recipe": _RECIPE,
         "tokenizer": tok_json,
     }
@@ -465,14 +535,16 @@ def pack(token_docs: Sequence[np.ndarray], eot_id: int, seq_len: int) -> np.ndar
       int32 ``(N, seq_len + 1)``.
 
     Raises:
-      DataError: for ``seq_len < 1``, or a stream shorter than one window.
+      DataError: for ``seq_len < 1``, a document that is not a 1-D sequence of token ids
+        (integers, non-negative, within int32), or a stream shorter than one window.
     """
-    if seq_len < 1:
+    if _check_integer(seq_len, "seq_len") < 1:
         raise DataError(f"seq_len must be at least 1, got {seq_len}")
     if not token_docs:
         raise DataError("packing needs at least one document")
-    eot = np.asarray([eot_id], np.int32)
-    stream = np.concatenate([part for d in token_docs for part in (d.astype(np.int32), eot)])
+    eot = _token_ids([_check_integer(eot_id, "eot_id")], "eot_id")
+    docs = [_token_ids(d, f"document {i}") for i, d in enumerate(token_docs)]
+    stream = np.concatenate([part for d in docs for part in (d, eot)])
     count = (len(stream) - 1) // seq_len
     if count < 1:
         raise DataError(
@@ -715,17 +787,85 @@ class Buckets:
                 yield from eval_batches(b.inputs, b.targets, batch_size)
 
 
+def _check_integer(value: Any, what: str) -> int:
+    """``value`` if it is an integer (Python's or NumPy's, not a bool); else DataError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DataError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _check_lengths(lengths: Sequence[int]) -> tuple[int, ...]:
-    out = tuple(int(n) for n in lengths)
+    """The bucket lengths as ints: integers (never a float cut to one), positive,
+    strictly ascending."""
+    given = tuple(lengths)
+    for i, n in enumerate(given):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise DataError(
+                f"bucket length {i} is {n!r}: bucket lengths are positions per example, "
+                f"whole numbers; pass integers, got {given}"
+            )
+    out = tuple(int(n) for n in given)
     if not out or any(n < 1 for n in out) or list(out) != sorted(set(out)):
-        raise DataError(
-            f"bucket lengths must be positive and strictly ascending, got {tuple(lengths)}"
-        )
+        raise DataError(f"bucket lengths must be positive and strictly ascending, got {given}")
     return out
 
 
+#: The largest token id an int32 array holds.
+_MAX_ID = int(np.iinfo(np.int32).max)
+
+
+def _token_ids(tokens: Any, what: str, vocab_size: int | None = None) -> np.ndarray:
+    """``tokens`` as an int32 array, checked rather than cast: a 1-D sequence of integers
+    (not floats, not bools), each a token id, ``0 <= id < vocab_size`` (or within int32).
+
+    Raises:
+      DataError: naming ``what`` (``"example 3"``), the offending value and its position,
+        and what to pass.
+    """
+    try:
+        ids = np.asarray(tokens)
+    except (ValueError, TypeError) as e:  # ragged nesting
+        raise DataError(f"{what} is not a sequence of token ids ({e}); pass a 1-D list") from e
+    if ids.ndim != 1:
+        raise DataError(
+            f"{what} has shape {ids.shape}, not a 1-D sequence of token ids; pass each "
+            "sequence as one of its own"
+        )
+    if ids.size == 0:
+        return ids.astype(np.int32)
+    if ids.dtype.kind not in "iu":
+        values = ids.tolist()
+        bad = (j for j, t in enumerate(values) if isinstance(t, bool) or not isinstance(t, int))
+        first = next(bad, None)
+        shown = f" ({values[first]!r} at position {first})" if first is not None else ""
+        raise DataError(
+            f"{what} holds {ids.dtype} values{shown}: token ids are integers that fit int32; "
+            "pass an integer array, not floats, bools or larger integers"
+        )
+    low, high = int(ids.min()), int(ids.max())
+    limit = _MAX_ID + 1 if vocab_size is None else vocab_size
+    if low < 0:
+        at = int(np.argmin(ids))
+        raise DataError(
+            f"{what} holds the token id {low} at position {at}: token ids are non-negative "
+            f"({IGNORE}, IGNORE, marks a padded target, never a token); pass real token ids"
+        )
+    if high >= limit:
+        at = int(np.argmax(ids))
+        room = f"the vocabulary's {vocab_size} ids" if vocab_size is not None else "int32"
+        raise DataError(
+            f"{what} holds the token id {high} at position {at}, past {room}; pass ids "
+            "below it (the tokenizer's own)"
+        )
+    return ids.astype(np.int32)
+
+
 def bucket_examples(
-    examples: Sequence[np.ndarray], lengths: Sequence[int] = DEFAULT_BUCKETS, *, pad_id: int
+    examples: Sequence[np.ndarray],
+    lengths: Sequence[int] = DEFAULT_BUCKETS,
+    *,
+    pad_id: int,
+    vocab_size: int | None = None,
 ) -> Buckets:
     """Token sequences, each padded up to the smallest bucket that holds it.
 
@@ -734,37 +874,49 @@ def bucket_examples(
     the right with ``pad_id``, targets with :data:`IGNORE`. All examples are checked
     before anything is allocated.
 
+    Nothing is cast: token ids must be integers (a float, even a whole one, is refused,
+    as is a bool), non-negative (:data:`IGNORE` is a target's padding, never a token)
+    and within int32 (and below ``vocab_size`` if given), the bucket lengths positive
+    integers.
+
     Args:
       examples: 1-D integer token sequences of at least 2 tokens, in a fixed order (kept
         within each bucket).
-      lengths: the bucket lengths, strictly ascending.
+      lengths: the bucket lengths, strictly ascending positive integers.
       pad_id: the padding token of the inputs.
+      vocab_size: the vocabulary's size, to check every id (and ``pad_id``) against.
 
     Raises:
-      DataError: for bad lengths, an example of fewer than 2 tokens, or one with more
-        positions than the largest bucket (naming its index, its length and that bucket).
+      DataError: for bad lengths, ``pad_id`` or ``vocab_size``, an example that is not a
+        1-D sequence of token ids, one of fewer than 2 tokens, or one with more positions
+        than the largest bucket (naming its index, what is wrong and what to pass).
     """
     lengths = _check_lengths(lengths)
+    if vocab_size is not None and not 0 < _check_integer(vocab_size, "vocab_size") <= _MAX_ID + 1:
+        raise DataError(f"vocab_size must lie in 1..{_MAX_ID + 1}, got {vocab_size}")
+    (pad,) = _token_ids([_check_integer(pad_id, "pad_id")], "pad_id", vocab_size).tolist()
     largest = lengths[-1]
-    sizes = np.asarray([len(e) - 1 for e in examples], np.int64)
-    if len(sizes) and sizes.max() > largest:
-        i = int(np.argmax(sizes))
-        raise DataError(
-            f"example {i} has {int(sizes[i])} positions ({int(sizes[i]) + 1} tokens), "
-            f"longer than the largest bucket, {largest}: cut it (document_examples) or add "
-            f"a bucket of at least {int(sizes[i])}"
-        )
-    if len(sizes) and sizes.min() < 1:
-        i = int(np.argmin(sizes))
-        raise DataError(f"example {i} has {int(sizes[i]) + 1} token(s): it needs at least 2")
+    checked = []
+    for i, example in enumerate(examples):
+        ids = _token_ids(example, f"example {i}", vocab_size)
+        if len(ids) - 1 > largest:
+            raise DataError(
+                f"example {i} has {len(ids) - 1} positions ({len(ids)} tokens), longer "
+                f"than the largest bucket, {largest}: cut it (document_examples) or add a "
+                f"bucket of at least {len(ids) - 1}"
+            )
+        if len(ids) < 2:
+            raise DataError(f"example {i} has {len(ids)} token(s): it needs at least 2")
+        checked.append(ids)
+    sizes = np.asarray([len(e) - 1 for e in checked], np.int64)
     which = np.searchsorted(np.asarray(lengths), sizes, side="left")
     buckets = []
     for j, n in enumerate(lengths):
         members = np.flatnonzero(which == j).tolist()
-        inputs = np.full((len(members), n), pad_id, np.int32)
+        inputs = np.full((len(members), n), pad, np.int32)
         targets = np.full((len(members), n), IGNORE, np.int32)
         for row, i in enumerate(members):
-            e = np.asarray(examples[i], np.int32)
+            e = checked[i]
             inputs[row, : len(e) - 1] = e[:-1]
             targets[row, : len(e) - 1] = e[1:]
         buckets.append(Bucket(n, inputs, targets))
@@ -789,11 +941,15 @@ def document_examples(
       split_long: cut longer documents; ``False`` refuses them instead.
 
     Raises:
-      DataError: with ``split_long=False``, for a document longer than ``max_len``
-        positions (naming its index, length and ``max_len``), before any cutting.
+      DataError: for a document that is not a 1-D sequence of token ids (integers,
+        non-negative, within int32), a bad ``eot_id`` or ``max_len``; with
+        ``split_long=False``, for a document longer than ``max_len`` positions (naming
+        its index, length and ``max_len``), before any cutting.
     """
-    if max_len < 1:
+    if _check_integer(max_len, "max_len") < 1:
         raise DataError(f"max_len must be at least 1, got {max_len}")
+    (eot,) = _token_ids([_check_integer(eot_id, "eot_id")], "eot_id").tolist()
+    token_docs = [_token_ids(d, f"document {i}") for i, d in enumerate(token_docs)]
     if not split_long:
         for i, d in enumerate(token_docs):
             if len(d) + 1 > max_len:
@@ -804,7 +960,7 @@ def document_examples(
                 )
     out: list[np.ndarray] = []
     for d in token_docs:
-        framed = np.concatenate([[eot_id], np.asarray(d, np.int32), [eot_id]]).astype(np.int32)
+        framed = np.concatenate([[eot], d, [eot]]).astype(np.int32)
         for lo in range(0, len(framed) - 1, max_len):
             out.append(framed[lo : lo + max_len + 1])
     return out
@@ -847,7 +1003,12 @@ def text_bpe_buckets(
                     f"of at least {len(ids) + 1}"
                 )
     sets = [
-        bucket_examples(document_examples(ids, tok.eot_id, lengths[-1]), lengths, pad_id=tok.pad_id)
+        bucket_examples(
+            document_examples(ids, tok.eot_id, lengths[-1]),
+            lengths,
+            pad_id=tok.pad_id,
+            vocab_size=tok.vocab_size,
+        )
         for ids in (train_ids, test_ids)
     ]
     info = {**enc.info, "buckets": lengths}

@@ -74,7 +74,9 @@ One run writes a folder at a time: a writer (:meth:`Checkpointer.claim`, which
 :meth:`Checkpointer.save` calls first) holds an advisory lock, ``flock`` on
 ``pdjax.lock`` there (holding its pid and host), until :meth:`Checkpointer.close`; a
 second writer is refused, naming the holder. The lock goes with a process that dies, so
-a file left behind blocks nobody. Readers take no lock.
+a file left behind blocks nobody. Readers take no lock. The lock file, like the marker,
+is opened only as a regular file: a symbolic link there is refused, never written
+through, and so are a FIFO and a device.
 
 Several processes (``jax.distributed``): every method is collective — every process
 calls it, in the same order, with the same arguments. Process 0 writes and reads the

@@ -15,6 +15,11 @@ which go by name, are off): a step is first renamed out of the steps
 (``<step>.pdjax-deleting-...``) so that no reader lists a half-deleted step, then emptied
 with its marker removed last, so that a folder left by a deletion cut short is still
 recognisably pdjax's, and removed by the next writer.
+
+Every file here at a fixed name (the marker, the metadata read for its format tag, the
+lock) is opened only if it is a regular file (:func:`pdjax._jsonio.open_regular`): a
+symbolic link there is never followed, a FIFO never waited on, a device never read, and
+reads are bounded in size.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from typing import IO, Any
 
 import orbax.checkpoint as ocp
 
+from pdjax._jsonio import open_regular, read_regular
 from pdjax.errors import CheckpointError
 from pdjax.runners.checkpoint.format import FORMAT, META_FILE
 
@@ -45,6 +51,10 @@ _MARKER = "pdjax-step.json"
 _LOCK_FILE = "pdjax.lock"
 # The format tag of the lock file's content.
 _LOCK_FORMAT = "pdjax.checkpoint.lock"
+# The most bytes read of a marker or a lock file (pdjax writes a line of JSON), and of a
+# step's metadata read for its format tag (a few hundred bytes per array).
+_SMALL_FILE = 1 << 16
+_META_BYTES = 1 << 28
 # A folder name orbax's CheckpointManager takes for a step (its standard name format).
 _STEP_NAME = re.compile(r"0|[1-9]\d*")
 # orbax's temporary folder of a step being written (``-<timestamp>`` in some versions).
@@ -54,11 +64,12 @@ _UNFINISHED = re.compile(rf"(0|[1-9]\d*){re.escape(TMP_SUFFIX)}(-\d+)?")
 _DELETING = re.compile(r"(0|[1-9]\d*)\.pdjax-deleting-\d+-\d+")
 
 
-def _read_json(file: Path) -> Any:
-    """The JSON in ``file``, or None when it is missing or unreadable."""
+def _read_json(file: Path, max_bytes: int = _SMALL_FILE) -> Any:
+    """The JSON in ``file``, or None when it is missing, unreadable, not a regular file
+    (a link, a FIFO, a device) or larger than ``max_bytes``."""
     try:
-        return json.loads(file.read_text())
-    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return json.loads(read_regular(file, "file", CheckpointError, max_bytes=max_bytes))
+    except (CheckpointError, ValueError):  # UnicodeDecodeError, JSONDecodeError: ValueErrors
         return None
 
 
@@ -73,7 +84,7 @@ def _marker_step(folder: Path) -> int | None:
 
 def _has_pdjax_meta(folder: Path, item: str = META_FILE[0]) -> bool:
     """Whether ``folder`` holds metadata with pdjax's format tag (a step of any version)."""
-    got = _read_json(folder / item / META_FILE[1])
+    got = _read_json(folder / item / META_FILE[1], _META_BYTES)
     return isinstance(got, dict) and got.get("format") == FORMAT
 
 
@@ -197,7 +208,12 @@ def check_target(directory: Path, step: int) -> None:
 
 
 def _write_marker(folder: Path, step: int) -> None:
-    (folder / _MARKER).write_text(json.dumps({"format": FORMAT, "step": step}))
+    """Writes the marker in ``folder``, orbax's new temporary folder (never through a link
+    there, never into a FIFO or device)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = open_regular(folder / _MARKER, flags, "the checkpoint marker", CheckpointError)
+    with os.fdopen(fd, "wb") as f:
+        f.write(json.dumps({"format": FORMAT, "step": step}).encode())
 
 
 class MarkedTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):  # type: ignore[misc]
@@ -244,7 +260,8 @@ class WriterLock:
     """The advisory lock of the one run that writes a checkpoint folder: ``flock`` on the
     file :data:`_LOCK_FILE` there, which holds the holder's pid and host. The lock goes
     with the process that holds it (even killed), so a file left behind blocks nobody;
-    the file is removed when the lock is released."""
+    the file is removed when the lock is released. Only a regular file is a lock file: a
+    symbolic link there (pdjax would write through it), a FIFO or a device is refused."""
 
     def __init__(self, directory: Path) -> None:
         self.path = directory / _LOCK_FILE
@@ -260,7 +277,14 @@ class WriterLock:
         if self._file is not None:
             return
         for _ in range(10):
-            file = os.fdopen(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+b")
+            fd = open_regular(
+                self.path,
+                os.O_RDWR | os.O_CREAT,
+                "the checkpoint lock file",
+                CheckpointError,
+                mode=0o644,
+            )
+            file = os.fdopen(fd, "r+b")
             try:
                 fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -280,7 +304,7 @@ class WriterLock:
             file.close()  # the holder removed the file as we opened it: again, on the new one
         else:
             raise CheckpointError(f"cannot lock {self.path}: it keeps being replaced")
-        text = file.read().decode(errors="replace")
+        text = file.read(_SMALL_FILE + 1).decode(errors="replace")
         if text.strip() and self._content(text) is None:
             file.close()
             raise CheckpointError(
@@ -306,9 +330,9 @@ class WriterLock:
             file.close()
 
     def _is_ours(self, file: IO[bytes]) -> bool:
-        """Whether the open ``file`` is the one at :attr:`path` now."""
+        """Whether the open ``file`` is the one at :attr:`path` now (not a link to it)."""
         with contextlib.suppress(FileNotFoundError):
-            mine, there = os.fstat(file.fileno()), os.stat(self.path)
+            mine, there = os.fstat(file.fileno()), os.lstat(self.path)
             return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
         return False
 
@@ -321,7 +345,7 @@ class WriterLock:
         return got if isinstance(got, dict) and got.get("format") == _LOCK_FORMAT else None
 
     def _holder(self, file: IO[bytes]) -> dict[str, Any]:
-        return self._content(file.read().decode(errors="replace")) or {}
+        return self._content(file.read(_SMALL_FILE).decode(errors="replace")) or {}
 
     def _taken(self, holder: Mapping[str, Any]) -> CheckpointError:
         """The refusal of a second writer, naming the lock's holder."""
