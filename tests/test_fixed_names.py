@@ -282,3 +282,22 @@ def test_documents_are_checked_too_and_good_input_still_buckets():
                            vocab_size=300)  # fmt: skip
     np.testing.assert_array_equal(b.buckets[0].inputs, [[5, 6, 1, 1]])
     assert b.lengths == (4, 8) and b.buckets[1].inputs.dtype == np.int32
+
+
+# -- outputs the library writes at a path it is given ----------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_chrome_trace_is_never_written_through_a_link_or_into_a_fifo(tmp_path, victim, kind):
+    from pdjax.schedules import generate
+    from pdjax.simulator import simulate, unit_costs, write_chrome_trace
+
+    timeline = simulate(generate("1f1b", 2, 2), unit_costs(2)).timeline
+    path = tmp_path / "trace.json"
+    if kind == "link":
+        path.symlink_to(victim)
+    else:
+        os.mkfifo(path)
+    with no_hang(), pytest.raises(PdjaxError, match="trace"):
+        write_chrome_trace(timeline, path)
+    assert victim.read_text() == "" and (path.is_symlink() or path.is_fifo())

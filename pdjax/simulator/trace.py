@@ -11,6 +11,7 @@ import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pdjax._jsonio import write_atomic
 from pdjax.simulator.timeline import Timeline, Transfer
 
 if TYPE_CHECKING:
@@ -129,9 +130,9 @@ def write_chrome_trace(
     """
     # json.dumps encodes in C; json.dump streams through the pure-Python encoder (tens of
     # times slower on a long run's events)
-    text = json.dumps(chrome_trace(timelines))
-    with open(path, "w") as f:
-        f.write(text)
+    # through a temporary file and a rename: a link or a FIFO at ``path`` is refused, never
+    # written through, and a crash never leaves half a trace where a whole one was
+    write_atomic(path, json.dumps(chrome_trace(timelines)), what="trace")
 
 
 _TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "\u00b5s"))

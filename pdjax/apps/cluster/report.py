@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdjax._jsonio import write_atomic
+
 
 @dataclasses.dataclass(frozen=True)
 class Row:
@@ -397,8 +399,8 @@ def write_results(result: ClusterResult, out: str | os.PathLike[str]) -> list[Pa
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     paths = [folder / "cluster.json", folder / "cluster.md"]
-    paths[0].write_text(result.to_json())
-    paths[1].write_text(format_markdown(result))
+    write_atomic(paths[0], result.to_json(), what="cluster results")
+    write_atomic(paths[1], format_markdown(result), what="cluster report")
     try:
         paths.append(plot_cluster(result, folder / "cluster.png"))
         if result.rankings:
