@@ -205,12 +205,23 @@ def test_sub_jaxprs_are_followed():
 
 
 def test_untraceable_or_unsplittable_is_coupled():
-    # an update that needs an extra argument cannot be analysed: coupled, to be safe
+    # an update that needs an extra argument fails on a stage's own parameters: its own
+    # failure, named as such (not a coupling), with the optimizer's error chained
     needs_value = optax.GradientTransformationExtraArgs(
         lambda p: optax.EmptyState(), lambda u, s, p=None, *, value: (u, s)
     )
-    c = stage_coupling(needs_value, STAGES)
-    assert c.coupled and not c.analysed and "value" in c.describe()
+    with pytest.raises(PipelineError, match=r"stage 0: its update\(grads, state, params\) "
+                       r"raised TypeError: .*'value'") as e:  # fmt: skip
+        stage_coupling(needs_value, STAGES)
+    assert isinstance(e.value.__cause__, TypeError)
+    # one that runs on each stage's tree but not on the whole model's cannot be analysed:
+    # coupled, to be safe
+    stage_only = optax.GradientTransformation(
+        lambda p: optax.EmptyState() if isinstance(p, list) else 1 / 0,
+        lambda u, s, p=None: (u, s),
+    )
+    c = stage_coupling(stage_only, STAGES)
+    assert c.coupled and not c.analysed and "ZeroDivisionError" in c.describe()
     # per-leaf momentum kept in a flat list: not attributable to stages, so coupled
     flat = optax.GradientTransformation(
         lambda p: [jnp.zeros_like(x) for x in jax.tree.leaves(p)],

@@ -21,6 +21,17 @@ __all__ = ["AllReduceMeasure", "Calibration", "LinkMeasure", "StageMeasure"]
 FORMAT = "pdjax-calibration"
 VERSION = 1
 
+#: The longest time a calibration file may hold (seconds; about 11.6 days): no stage,
+#: transfer or update of one microbatch comes near it, and the planner's sums of times
+#: beyond it could overflow to infinity (two times of 1e308 s do).
+MAX_SECONDS = 1e6
+#: The slowest link or all-reduce a calibration file may hold (bytes per second): below
+#: it a transfer's time, ``latency + bytes / bandwidth``, can overflow to infinity.
+MIN_BANDWIDTH = 1.0
+#: The largest :attr:`Calibration.profile_ratio`: the whole model measured as one
+#: program against the profile's per-layer sum; a ratio beyond it is a damaged file.
+MAX_PROFILE_RATIO = 1e6
+
 
 @dataclasses.dataclass(frozen=True)
 class StageMeasure:
@@ -264,7 +275,8 @@ class Calibration:
         Raises:
           CalibrationError: naming ``what``, the field path (``stages[2].forward``) and what
             is wrong: another format or version, a missing or unknown field, a wrongly
-            typed value, a negative or non-finite time, a count below 1, a stage outside
+            typed value, a negative or non-finite time or one above :data:`MAX_SECONDS`, a
+            bandwidth below :data:`MIN_BANDWIDTH`, a count below 1, a stage outside
             the model, a link or all-reduce over devices not measured, an entry twice.
         """
         if not isinstance(data, Mapping) or data.get("format") != FORMAT:
@@ -375,6 +387,12 @@ class _Reader(FieldReader):
         ratio = self.field(data, "profile_ratio", "", None)
         if ratio is not None and self.number(ratio, "profile_ratio") <= 0:
             self.fail("profile_ratio", f"must be above 0, got {ratio!r}")
+        if ratio is not None and ratio > MAX_PROFILE_RATIO:
+            self.fail(
+                "profile_ratio",
+                f"must be at most {MAX_PROFILE_RATIO:g} (the whole model measured against the "
+                f"profile's sum), got {ratio!r}",
+            )
         stages = tuple(
             self.stage(s, f"stages[{i}]", len(model["layers"]))
             for i, s in enumerate(self.array(self.field(data, "stages", "", []), "stages"))
@@ -440,7 +458,18 @@ class _Reader(FieldReader):
         return ids
 
     def seconds(self, obj: Mapping[str, Any], key: str, path: str, default: Any) -> float:
-        return float(self.number(self.field(obj, key, path, default), f"{path}.{key}"))
+        return self.time(self.field(obj, key, path, default), f"{path}.{key}")
+
+    def time(self, value: Any, path: str) -> float:
+        """A measured time: a finite number of seconds from 0 to :data:`MAX_SECONDS`."""
+        seconds = float(self.number(value, path))
+        if seconds > MAX_SECONDS:
+            self.fail(
+                path,
+                f"{seconds:g} s is not a time pdjax measures (at most {MAX_SECONDS:g} s, about "
+                "11.6 days, for one microbatch); the planner's sums of such times overflow",
+            )
+        return seconds
 
     def choice(self, value: Any, path: str, choices: tuple[str, ...]) -> str:
         if self.string(value, path) not in choices:
@@ -460,9 +489,7 @@ class _Reader(FieldReader):
         )
         if replicas == 1 and mode != "split":
             self.fail(f"{path}.replication", f"a stage on one device is 'split', got {mode!r}")
-        allreduce = self.optional_number(
-            self.field(obj, "allreduce", path, None), f"{path}.allreduce"
-        )
+        allreduce = self.field(obj, "allreduce", path, None)
         return StageMeasure(
             first=first,
             last=last,
@@ -471,7 +498,7 @@ class _Reader(FieldReader):
             forward=self.seconds(obj, "forward", path, 0.0),
             backward=self.seconds(obj, "backward", path, 0.0),
             update=self.seconds(obj, "update", path, 0.0),
-            allreduce=None if allreduce is None else float(allreduce),
+            allreduce=None if allreduce is None else self.time(allreduce, f"{path}.allreduce"),
             rows=self.integer(self.field(obj, "rows", path, 0), f"{path}.rows", minimum=0),
         )
 
@@ -479,10 +506,16 @@ class _Reader(FieldReader):
         self, obj: Mapping[str, Any], path: str
     ) -> tuple[float, float, tuple[int, ...], tuple[float, ...]]:
         """``(latency, bandwidth, sizes, seconds)`` of a link's or all-reduce's fit."""
-        latency = float(self.number(self.field(obj, "latency", path), f"{path}.latency"))
+        latency = self.time(self.field(obj, "latency", path), f"{path}.latency")
         bandwidth = float(self.number(self.field(obj, "bandwidth", path), f"{path}.bandwidth"))
         if bandwidth <= 0:
             self.fail(f"{path}.bandwidth", f"must be above 0 bytes/s, got {bandwidth!r}")
+        if bandwidth < MIN_BANDWIDTH:  # bytes / bandwidth would overflow to infinity
+            self.fail(
+                f"{path}.bandwidth",
+                f"must be at least {MIN_BANDWIDTH:g} byte/s (no link measured is slower; "
+                f"the time of a transfer over it overflows), got {bandwidth!r}",
+            )
         sizes = tuple(
             self.integer(n, f"{path}.sizes[{i}]", minimum=0)
             for i, n in enumerate(self.array(self.field(obj, "sizes", path, []), f"{path}.sizes"))
@@ -492,7 +525,7 @@ class _Reader(FieldReader):
             self.fail(
                 f"{path}.seconds", f"expected one per size ({len(sizes)}), got {len(seconds)}"
             )
-        times = tuple(float(self.number(s, f"{path}.seconds[{i}]")) for i, s in enumerate(seconds))
+        times = tuple(self.time(s, f"{path}.seconds[{i}]") for i, s in enumerate(seconds))
         return latency, bandwidth, sizes, times
 
     def link(self, value: Any, path: str, devices: tuple[int, ...]) -> LinkMeasure:

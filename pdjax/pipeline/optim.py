@@ -42,7 +42,7 @@ False
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -235,7 +235,8 @@ def exchange_mismatch(
     except Exception as err:  # the user's optimizer, e.g. on a tree with the phantom leaf
         return (
             "the optimizer fails on the check's inputs (the whole model, or a stage's tree "
-            f"plus the phantom leaf): {type(err).__name__}: {err}"
+            f"plus the phantom leaf, named {PHANTOM_NAME!r} among the model's own names): "
+            f"{type(err).__name__}: {err}"
         )
     paths = [[keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(s)[0]] for s in stages]
     for k, (norm, per_stage) in enumerate(zip(_CHECK_NORMS, reports, strict=True)):
@@ -268,6 +269,158 @@ def coupled_through_grad_norm(
 
 
 # ---------------------------------------------------------------------------------------
+# The model's own names: what an optimizer of split_model's layers sees
+# ---------------------------------------------------------------------------------------
+
+#: The name of the phantom leaf (:class:`_PhantomExchange`) in a tree of the model's own
+#: names: a mask or label function sees it beside the stage's parameters.
+PHANTOM_NAME = "pdjax_phantom"
+
+
+def keeps_model_tree(layers: Any) -> bool:
+    """Whether ``layers`` keep their variables in the model's own tree
+    (:func:`~pdjax.layers.split_model`'s: each layer's parameters a part of ``params`` of
+    the whole model, under the model's names), so that the optimizer is to see each
+    stage's parameters as that part (:class:`StageOptimizer`'s ``model_tree``)."""
+    from pdjax.layers.split import SplitLayers
+
+    return isinstance(layers, SplitLayers)
+
+
+def _merge(into: dict[Any, Any], tree: Any) -> bool:
+    """Merges the nested dict ``tree`` into ``into``, leaving out what holds no leaf (a tied
+    copy hidden from the optimizer); False where a name would hold two values."""
+    if not isinstance(tree, Mapping):
+        return False
+    for k, v in tree.items():
+        if not jax.tree.leaves(v):
+            continue
+        if isinstance(v, Mapping):
+            node = into.setdefault(k, {})
+            if not isinstance(node, dict) or not _merge(node, v):
+                return False
+        elif k in into:
+            return False
+        else:
+            into[k] = v
+    return True
+
+
+class _Naming:
+    """One tree as pdjax holds it (``own``: a stage's per-layer list, the whole model's
+    :class:`~pdjax.pipeline.optim_coupling.Stages`, or a stage with the phantom) and as
+    the model names it (one nested dict): the same leaves, in another structure."""
+
+    def __init__(self, own: Any, named: Any, order: list[int]) -> None:
+        self.own = own  # pdjax's structure (treedef)
+        self.named = named  # the model's (treedef)
+        self.order = order  # per leaf of the named tree, its position in pdjax's
+
+    @staticmethod
+    def of(tree: PyTree, phantom: bool = False) -> _Naming | None:
+        """The naming of ``tree`` (a stage's per-layer list, or ``Stages`` of them; with
+        ``phantom``, ``(tree, phantom scalar)``), or None where the layers' dicts do not
+        merge into one (a name holding two values)."""
+        own = jax.tree.structure((tree, 0) if phantom else tree)
+        count = len(jax.tree.leaves((tree, 0) if phantom else tree))
+        tags = jax.tree.unflatten(own, list(range(count)))
+        layers = tags[0] if phantom else tags
+        if isinstance(layers, Stages):
+            layers = [layer for stage in layers.stages for layer in stage]
+        named: dict[Any, Any] = {}
+        if not isinstance(layers, list | tuple) or not all(_merge(named, v) for v in layers):
+            return None
+        if phantom:
+            if PHANTOM_NAME in named:
+                return None
+            named[PHANTOM_NAME] = tags[1]
+        leaves, treedef = jax.tree.flatten(named)
+        if sorted(leaves) != list(range(count)):
+            return None
+        return _Naming(own, treedef, leaves)
+
+    def to_named(self, tree: PyTree) -> PyTree:
+        """A tree of pdjax's structure (down to its leaves' places) in the model's."""
+        parts = self.own.flatten_up_to(tree)
+        return self.named.unflatten([parts[i] for i in self.order])
+
+    def to_own(self, tree: PyTree) -> PyTree:
+        """The inverse of :meth:`to_named`."""
+        parts: list[Any] = [None] * len(self.order)
+        for i, part in zip(self.order, self.named.flatten_up_to(tree), strict=True):
+            parts[i] = part
+        return self.own.unflatten(parts)
+
+    def _mirrors(self, treedef: Any) -> Any:
+        def mirrors(x: Any) -> bool:
+            try:
+                treedef.flatten_up_to(x)
+            except (ValueError, TypeError):
+                return False
+            return True
+
+        return mirrors
+
+    def state_to_own(self, state: PyTree) -> PyTree:
+        """An optimizer state with every subtree shaped like the named tree (adam's
+        ``mu``...) in pdjax's structure."""
+        named = self._mirrors(self.named)
+        return jax.tree.map(lambda x: self.to_own(x) if named(x) else x, state, is_leaf=named)
+
+    def state_to_named(self, state: PyTree) -> PyTree:
+        """The inverse of :meth:`state_to_own`."""
+        own = self._mirrors(self.own)
+        return jax.tree.map(lambda x: self.to_named(x) if own(x) else x, state, is_leaf=own)
+
+
+class _ModelNamed:
+    """The user's optimizer run on the model's own names: each tree pdjax gives it (a
+    stage's parameters, the whole model's in the analysis, a stage's with the phantom) is
+    passed as the part of the model's ``params`` tree it is, under the model's names, so
+    that a mask or label function reading them (``flax.traverse_util.flatten_dict``) finds
+    the names the user's tree has; its state is kept in pdjax's structure (a subtree shaped
+    like the parameters mirrors pdjax's tree), and its updates given back so. A tree of any
+    other structure is passed as it is."""
+
+    def __init__(
+        self, optimizer: optax.GradientTransformation, stage_params: Sequence[PyTree]
+    ) -> None:
+        self.optimizer = optimizer
+        self._namings: dict[Any, _Naming] = {}
+        trees = [*stage_params, Stages(stage_params)]
+        for tree, phantom in [(t, False) for t in trees] + [(p, True) for p in stage_params]:
+            naming = _Naming.of(tree, phantom)
+            if naming is not None:
+                self._namings[naming.own] = naming
+
+    def _naming(self, tree: PyTree) -> _Naming | None:
+        return self._namings.get(jax.tree.structure(tree))
+
+    def init(self, params: PyTree) -> optax.OptState:
+        naming = self._naming(params)
+        if naming is None:
+            return self.optimizer.init(params)
+        return naming.state_to_own(self.optimizer.init(naming.to_named(params)))
+
+    def update(
+        self, updates: PyTree, state: optax.OptState, params: PyTree = None, **extra: Any
+    ) -> tuple[PyTree, optax.OptState]:
+        naming = self._naming(updates)
+        if naming is None:
+            out: tuple[PyTree, optax.OptState] = self.optimizer.update(
+                updates, state, params, **extra
+            )
+            return out
+        new, state = self.optimizer.update(
+            naming.to_named(updates),
+            naming.state_to_named(state),
+            None if params is None else naming.to_named(params),
+            **extra,
+        )
+        return naming.to_own(new), naming.state_to_own(state)
+
+
+# ---------------------------------------------------------------------------------------
 # What a stage runs
 # ---------------------------------------------------------------------------------------
 
@@ -296,12 +449,27 @@ class StageOptimizer:
 
     ``scope="stage"`` skips all checks: the optimizer runs on each stage alone, knowingly.
 
+    With ``model_tree`` (layers that keep the model's own tree: :func:`keeps_model_tree`)
+    the optimizer sees each stage's parameters as the part of the model's ``params`` they
+    are, one dict under the model's names (the layers' dicts merged, a tied copy once),
+    and the whole model's in the analysis as that whole tree: a mask or label function
+    (``optax.masked``, ``optax.adamw(mask=...)``, ``optax.multi_transform``) that reads the
+    names finds the user's. With the exchange, the phantom leaf is one more name,
+    :data:`PHANTOM_NAME`. The state keeps pdjax's structure either way.
+
     Args:
       optimizer: the user's optax transformation.
-      stage_params: per stage, its parameter tree (abstract or concrete).
+      stage_params: per stage, its parameter tree (abstract or concrete): the stage's
+        per-layer list, as the stage passes it to the optimizer.
       scope: ``"model"`` (exact whole-model semantics, or an error) or ``"stage"``.
       check: run :func:`exchange_mismatch` before accepting an exchange (one whole-model
         update on the host CPU; turn off only for an optimizer already checked).
+      model_tree: give the optimizer the model's own names (see above).
+
+    Raises:
+      PipelineError: the optimizer couples the stages in a way pdjax cannot make exact,
+        or it fails on a stage's own parameters (its ``init`` or ``update`` raises: the
+        message carries the optimizer's own error).
     """
 
     def __init__(
@@ -311,11 +479,17 @@ class StageOptimizer:
         *,
         scope: Literal["model", "stage"] = "model",
         check: bool = True,
+        model_tree: bool = False,
     ) -> None:
         if scope not in ("model", "stage"):
             raise ValueError(f"scope must be 'model' or 'stage', not {scope!r}")
         self.optimizer = optimizer
         self.scope = scope
+        #: what runs the optimizer: itself, or on the model's own names
+        self._run = optimizer
+        if model_tree and stage_params:
+            named = _ModelNamed(optimizer, abstract(stage_params))
+            self._run = optax.GradientTransformation(named.init, named.update)
         #: a :func:`pdjax.precision.loss_scaled` optimizer: the last stage seeds its
         #: backward with the loss scale of its state (:meth:`loss_scale`)
         self.loss_scaled = isinstance(optimizer, LossScaled)
@@ -323,7 +497,7 @@ class StageOptimizer:
         self._exchange: _PhantomExchange | None = None
         if scope == "stage":
             return
-        self.coupling = coupling = stage_coupling(optimizer, stage_params)
+        self.coupling = coupling = stage_coupling(self._run, stage_params)
         if not coupling.coupled:
             return
         if not coupling.gradients_only:
@@ -333,7 +507,7 @@ class StageOptimizer:
                 "gradients' global norm (what optax.clip_by_global_norm needs). " + _ADVICE
             )
         if check:
-            mismatch = exchange_mismatch(optimizer, stage_params)
+            mismatch = exchange_mismatch(self._run, stage_params)
             if mismatch is not None:
                 raise PipelineError(
                     "the optimizer couples the pipeline stages through their gradients "
@@ -341,7 +515,7 @@ class StageOptimizer:
                     f"the one scalar pdjax exchanges between stages: with that exchange, "
                     f"{mismatch}. " + _ADVICE
                 )
-        self._exchange = _PhantomExchange(optimizer)
+        self._exchange = _PhantomExchange(self._run)
 
     @property
     def needs_exchange(self) -> bool:
@@ -352,7 +526,7 @@ class StageOptimizer:
         """The optimizer state of one stage with parameters ``params``."""
         if self._exchange is not None:
             return self._exchange.init(params)
-        return self.optimizer.init(params)
+        return self._run.init(params)
 
     def loss_scale(self, opt_state: optax.OptState) -> jax.Array:
         """The current loss scale in a stage's optimizer state (a :func:`loss_scaled
@@ -381,7 +555,7 @@ class StageOptimizer:
         update. ``others_sq`` (required when :attr:`needs_exchange`) is the sum of the other
         stages' :meth:`sum_squares`."""
         if self._exchange is None:
-            out: tuple[PyTree, optax.OptState] = self.optimizer.update(grads, opt_state, params)
+            out: tuple[PyTree, optax.OptState] = self._run.update(grads, opt_state, params)
             return out
         if others_sq is None:
             raise PipelineError(

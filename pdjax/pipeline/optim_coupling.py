@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from jax.extend import core as jcore
 
+from pdjax.errors import PipelineError
 from pdjax.pipeline.optim_jaxpr import Interner, deps, ids
 
 __all__ = ["GRADIENTS", "PARAMS", "STATE", "Coupling", "stage_coupling"]
@@ -242,7 +243,11 @@ def stage_coupling(
       computation: it reads another stage's gradients, parameters or state, a shared leaf
       accumulates stage data, the state does not split per stage, the per-stage computation
       differs structurally (e.g. constants from the whole model's shapes), or the optimizer
-      cannot be traced.
+      cannot be traced on the whole model's parameters as one tree.
+
+    Raises:
+      PipelineError: the optimizer fails on a stage's own parameters (its ``init`` or
+        ``update`` raises, chained): its own failure, which no split of the model causes.
     """
     stages = [abstract(p) for p in stage_params]
     n = len(stages)
@@ -250,9 +255,11 @@ def stage_coupling(
         raise ValueError("stage_coupling needs at least one stage")
     if n == 1:
         return Coupling(stages=1, coupled=False, reasons=("one stage: the whole model",))
+    own = _StageTraces.of(optimizer, stages)  # the optimizer's own failure: raised
     try:
-        traces = _Traces.of(optimizer, stages)
-    except Exception as err:  # anything the user's optimizer raises while tracing
+        traces = _Traces.of(optimizer, stages, own)
+    except Exception as err:  # it runs per stage, but not on the whole model as one tree
+        what = _failure(err)
         return Coupling(
             stages=n,
             coupled=True,
@@ -260,13 +267,54 @@ def stage_coupling(
             splittable=False,
             exact_per_stage=False,
             reasons=(
-                "it could not be traced on abstract parameters as update(grads, state, "
-                f"params) ({type(err).__name__}: {err}), so pdjax cannot show it acts on "
-                "each stage alone",
+                "it runs on each stage's parameters but could not be traced on the whole "
+                "model's as one tree, as update(grads, state, params) "
+                f"({what}), so pdjax cannot show it acts on each stage alone",
             ),
-            summary=f"it cannot be traced as update(grads, state, params) ({type(err).__name__})",
+            summary=f"it runs on each stage's parameters but not on the whole model's ({what})",
         )
     return _analyse(traces, stages)
+
+
+def _failure(err: BaseException) -> str:
+    """``err`` in one line (at most 300 characters of its message)."""
+    text = " ".join(str(err).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+@dataclasses.dataclass(frozen=True)
+class _StageTraces:
+    """The optimizer traced on each stage's parameters alone (abstract values)."""
+
+    states: list[PyTree]
+    inits: list[jcore.ClosedJaxpr]
+    updates: list[jcore.ClosedJaxpr]
+
+    @staticmethod
+    def of(optimizer: optax.GradientTransformation, stages: list[PyTree]) -> _StageTraces:
+        """The traces of ``optimizer`` on each of ``stages``.
+
+        Raises:
+          PipelineError: its ``init`` or ``update`` fails on a stage's own parameters (the
+            optimizer's own error, not a coupling), the error chained.
+        """
+        states, inits, updates = [], [], []
+        for s, p in enumerate(stages):
+            call = "init(params)"
+            try:
+                inits.append(jax.make_jaxpr(optimizer.init)(p))
+                states.append(jax.eval_shape(optimizer.init, p))
+                call = "update(grads, state, params)"
+                updates.append(jax.make_jaxpr(optimizer.update)(p, states[-1], p))
+            except Exception as err:  # the user's optimizer: its own error, with context
+                raise PipelineError(
+                    f"the optimizer fails on the parameters of pipeline stage {s}: its "
+                    f"{call} raised {_failure(err)} (pdjax runs it on each stage's "
+                    "parameters, abstract arrays of their shapes and dtypes, before any "
+                    "work); fix the optimizer, which fails this way on its own"
+                ) from err
+        return _StageTraces(states, inits, updates)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,22 +330,21 @@ class _Traces:
     stage_updates: list[jcore.ClosedJaxpr]
 
     @staticmethod
-    def of(optimizer: optax.GradientTransformation, stages: list[PyTree]) -> _Traces:
+    def of(
+        optimizer: optax.GradientTransformation, stages: list[PyTree], own: _StageTraces
+    ) -> _Traces:
+        """The whole model's traces beside ``own``, the stages' (:class:`_StageTraces`)."""
         full = Stages(stages)
         state = jax.eval_shape(optimizer.init, full)
         update, out_shapes = jax.make_jaxpr(optimizer.update, return_shape=True)(full, state, full)
-        stage_states = [jax.eval_shape(optimizer.init, p) for p in stages]
         return _Traces(
             state=state,
             init=jax.make_jaxpr(optimizer.init)(full),
             update=update,
             out_shapes=out_shapes,
-            stage_states=stage_states,
-            stage_inits=[jax.make_jaxpr(optimizer.init)(p) for p in stages],
-            stage_updates=[
-                jax.make_jaxpr(optimizer.update)(p, st, p)
-                for p, st in zip(stages, stage_states, strict=True)
-            ],
+            stage_states=own.states,
+            stage_inits=own.inits,
+            stage_updates=own.updates,
         )
 
 

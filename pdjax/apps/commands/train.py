@@ -195,9 +195,16 @@ def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME|pkg.module:fn",
         help="adam, adamw, sgd, momentum (sgd with momentum 0.9), or your own: a function "
         "returning an optax.GradientTransformation (given learning_rate, a number or "
-        "schedule, if it takes it), imported as --model factories are",
+        "schedule, if it takes it; called once), or one such object, imported as --model "
+        "factories are",
     )
-    g.add_argument("--lr", action=positive_float(), default=1e-3, help="learning rate (peak)")
+    g.add_argument(
+        "--lr",
+        action=positive_float(),
+        metavar="LR",
+        help="learning rate (a schedule's peak; default 1e-3); an optimizer of your own "
+        "that takes no learning_rate keeps its own",
+    )
     g.add_argument(
         "--weight-decay",
         action=float_range(0.0, 1e6),
@@ -228,8 +235,8 @@ def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
         "--decay-steps",
         action=positive_int(10**9, "a schedule's updates are counted in 32 bits"),
         metavar="N",
-        help="warmup-cosine: the schedule's length in updates, warmup included (default: "
-        "the run's updates, stage 0's)",
+        help="warmup-cosine: the schedule's length in updates, warmup included, at least the "
+        "run's (default: the run's updates, stage 0's)",
     )
 
 

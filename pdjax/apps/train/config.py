@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pdjax.apps.train.optimizers import check_settings
+from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE, check_settings
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
@@ -74,9 +74,12 @@ class TrainConfig:
       chunks: ``v`` for ``interleaved``.
       optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"momentum"``, or
         ``package.module:fn``, a function returning an :class:`optax.GradientTransformation`
-        (given ``learning_rate``, a number or a schedule, if it takes it):
+        (given ``learning_rate``, a number or a schedule, if it takes it), or naming one:
         :mod:`pdjax.apps.train.optimizers`.
-      learning_rate: the optimizer's step size (a schedule's peak).
+      learning_rate: the optimizer's step size (a schedule's peak); None: none given, 1e-3
+        (:data:`~pdjax.apps.train.optimizers.DEFAULT_LEARNING_RATE`) for a named optimizer
+        or a function that takes ``learning_rate``, while an optimizer of your own that
+        takes none keeps its own (and refuses one given).
       weight_decay: ``adamw``'s decoupled weight decay (None: optax's default, 1e-4).
       clip_norm: clip the gradients to this global norm before the optimizer (None: no
         clipping).
@@ -129,7 +132,7 @@ class TrainConfig:
     microbatches: int = 4
     chunks: int = 2
     optimizer: str = "adam"
-    learning_rate: float = 1e-3
+    learning_rate: float | None = None
     seed: int = 0
     target_accuracy: float | None = None
     vertical_sync: bool = False
@@ -187,8 +190,6 @@ class TrainConfig:
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
                 f"{self.microbatches}: each microbatch must have the same size"
             )
-        if not self.learning_rate > 0:
-            raise PipelineError(f"learning_rate must be > 0, got {self.learning_rate}")
         if (self.vertical_sync or not self.weight_stashing) and not (
             self._takes("vertical_sync") and self._takes("weight_stashing")
         ):
@@ -259,6 +260,11 @@ class TrainConfig:
                 f"least), and the run has --devices {self.devices}: pass --devices {n} or "
                 f"more, or a smaller --min-stages"
             )
+
+    @property
+    def lr(self) -> float:
+        """The learning rate (a schedule's peak): :attr:`learning_rate`, or the default."""
+        return DEFAULT_LEARNING_RATE if self.learning_rate is None else self.learning_rate
 
     @property
     def microbatch_size(self) -> int:

@@ -29,7 +29,7 @@ from pdjax.apps.train.config import (
 from pdjax.apps.train.evaluation import evaluate_runner
 from pdjax.apps.train.model_data import build, check
 from pdjax.apps.train.optimizers import describe as describe_optimizer
-from pdjax.apps.train.optimizers import run_updates
+from pdjax.apps.train.optimizers import run_updates, step_settings
 from pdjax.apps.train.outputs import (
     TensorBoard,
     append_metrics,
@@ -544,11 +544,19 @@ def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiv
             if last is not None
             else f"no checkpoint was saved in {ckpt.directory}"
         )
+    settings = step_settings(cfg)  # named, none blamed: any may be the cause
+    which = (
+        f"{settings[0]}, which may be too large for this model: try a smaller value"
+        if len(settings) == 1
+        else f"{', '.join(settings[:-1])} and {settings[-1]}, any of which may be too large "
+        "for this model: try smaller values"
+    )
+    clip = "" if cfg.clip_norm is not None else ", or clip the gradients (--clip-norm)"
     return TrainingDiverged(
-        f"training diverged in epoch {epoch} ({cfg.label}, lr {cfg.learning_rate}): {what}; "
-        f"epoch {epoch} is not saved, and {kept}. Lower --lr"
+        f"training diverged in epoch {epoch} ({cfg.label}): {what}; epoch {epoch} is not "
+        f"saved, and {kept}. The optimizer's steps are sized by {which}{clip}"
         + (
-            " and train in another --checkpoint-dir (a run resumes only with the settings "
+            ", and train in another --checkpoint-dir (a run resumes only with the settings "
             "it was saved with)"
             if ckpt is not None
             else ""

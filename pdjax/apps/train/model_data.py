@@ -54,7 +54,9 @@ def _bpe_overrides(cfg: TrainConfig, spec: ModelSpec) -> dict[str, Any]:
 
 def with_precision(spec: ModelSpec, precision: str) -> ModelSpec:
     """``spec`` with every layer computing under ``precision`` (``"float32"``: as it is;
-    ``"bf16"``: :func:`pdjax.precision.get_policy`), its names and ties kept.
+    ``"bf16"``: :func:`pdjax.precision.get_policy`), its names and ties kept, and the
+    sequence's own kind (:func:`~pdjax.split_model`'s keeps the model's own tree, which the
+    optimizer's names come from).
 
     Raises:
       LayerError: for a model whose layers already compute under a policy of their own.
@@ -68,7 +70,7 @@ def with_precision(spec: ModelSpec, precision: str) -> ModelSpec:
         tied=dict(layers.tied) or None,
         precision=precision,
     )
-    return dataclasses.replace(spec, layers=seq)
+    return dataclasses.replace(spec, layers=dataclasses.replace(layers, layers=seq.layers))
 
 
 def _row_shape(tree: Any, what: str, cfg: TrainConfig) -> tuple[int, ...]:

@@ -1,10 +1,16 @@
 """A run's optimizer (:func:`build_optimizer`): a named optax optimizer (``adam``,
 ``adamw``, ``sgd``, ``momentum``) or one of your own (``package.module:fn`` returning an
-:class:`optax.GradientTransformation`), its learning rate constant or a schedule
-(``warmup-cosine``), with global-norm clipping of the gradients before it."""
+:class:`optax.GradientTransformation`, or naming one), its learning rate constant or a
+schedule (``warmup-cosine``), with global-norm clipping of the gradients before it.
+
+Every setting given must reach the optimizer: an optimizer of your own that takes no
+learning rate (an optax object, or a function without a ``learning_rate`` parameter)
+refuses ``--lr`` and ``--lr-schedule``, and a number that float32 (the parameters' dtype)
+holds as 0, as a subnormal or as infinity is refused (:func:`check_settings`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -13,6 +19,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import optax
 
 from pdjax.errors import LaunchInterrupted, PdjaxError, PipelineError
@@ -27,6 +34,16 @@ OPTIMIZERS = ("adam", "adamw", "sgd", "momentum")
 #: The learning-rate schedules: ``constant``, or a linear warmup from 0 to the learning
 #: rate over ``warmup_steps`` updates then a cosine decay to 0 (``warmup-cosine``).
 LR_SCHEDULES = ("constant", "warmup-cosine")
+#: The learning rate of a named optimizer, or of a function of your own that takes one,
+#: where none is given.
+DEFAULT_LEARNING_RATE = 1e-3
+#: float32, the dtype of the parameters and of the optimizer's arithmetic in every
+#: precision: a step size, norm or decay rate must be a normal number of it.
+_FLOAT32 = np.finfo(np.float32)
+#: What a function of your own returned, per (its id, learning rate): called once per
+#: process for each learning rate, every check and run reuses it (:func:`load_optimizer`).
+_MADE: dict[tuple[int, Any], tuple[Any, optax.GradientTransformation]] = {}
+_MADE_MAX = 16
 
 
 def is_optimizer_ref(name: str) -> bool:
@@ -74,16 +91,17 @@ def make_optimizer(
 
 def learning_rate(cfg: TrainConfig, total_updates: int) -> float | optax.Schedule:
     """``cfg``'s learning rate: a number (``constant``), or for ``warmup-cosine`` a
-    schedule over ``cfg.decay_steps`` updates (warmup included), else ``total_updates``."""
+    schedule over ``cfg.decay_steps`` updates (warmup included), else ``total_updates``
+    (the same settings give the same schedule object)."""
     if cfg.lr_schedule == "constant":
-        return cfg.learning_rate
-    length = decay_length(cfg, total_updates)
+        return cfg.lr
+    return _warmup_cosine(cfg.lr, cfg.warmup_steps, decay_length(cfg, total_updates))
+
+
+@functools.lru_cache(maxsize=32)
+def _warmup_cosine(peak: float, warmup: int, length: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
-        peak_value=cfg.learning_rate,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=length,
-        end_value=0.0,
+        init_value=0.0, peak_value=peak, warmup_steps=warmup, decay_steps=length, end_value=0.0
     )
 
 
@@ -92,19 +110,35 @@ def decay_length(cfg: TrainConfig, total_updates: int) -> int:
     ``cfg.decay_steps``, else the run's ``total_updates`` (at least ``warmup_steps + 1``).
 
     Raises:
-      PipelineError: the run's updates do not outlast the warmup (without ``decay_steps``).
+      PipelineError: the schedule ends before the run does (``decay_steps`` below the
+        run's ``total_updates``: the learning rate would be 0 for the rest), or the run's
+        updates do not outlast the warmup (without ``decay_steps``).
     """
     if cfg.decay_steps is not None:
+        if cfg.decay_steps < total_updates:
+            idle = total_updates - cfg.decay_steps
+            raise PipelineError(
+                f"--decay-steps {cfg.decay_steps}: the warmup-cosine schedule reaches a "
+                f"learning rate of 0 at update {cfg.decay_steps}, and the run makes "
+                f"{total_updates} optimizer updates in its {_epochs(cfg)}, so its last "
+                f"{idle} would not train; a schedule must last the whole run: give "
+                f"--decay-steps {total_updates} or more, leave it out (the schedule then "
+                "spans the run), or train fewer epochs"
+            )
         return cfg.decay_steps
     if total_updates <= cfg.warmup_steps:
         raise PipelineError(
             f"--lr-schedule warmup-cosine: the run makes {total_updates} optimizer updates "
-            f"in its {cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''}, not more than "
+            f"in its {_epochs(cfg)}, not more than "
             f"--warmup-steps {cfg.warmup_steps}, "
             "so no decay would follow the warmup: lower --warmup-steps, train more epochs, "
             "or give --decay-steps"
         )
     return total_updates
+
+
+def _epochs(cfg: TrainConfig) -> str:
+    return f"{cfg.epochs} epoch{'s' if cfg.epochs > 1 else ''}"
 
 
 def build_optimizer(cfg: TrainConfig, total_updates: int) -> optax.GradientTransformation:
@@ -113,14 +147,17 @@ def build_optimizer(cfg: TrainConfig, total_updates: int) -> optax.GradientTrans
     clipping of the gradients (``cfg.clip_norm``).
 
     Raises:
-      PipelineError: a factory that cannot be loaded or returns no transformation, or a
-        schedule the run's updates do not outlast.
+      PipelineError: a factory that cannot be loaded or returns no transformation, an
+        optimizer of your own that takes no learning rate given learning-rate settings, or
+        a schedule that the run's updates do not outlast or that ends before the run does.
     """
-    lr = learning_rate(cfg, total_updates)
     if is_optimizer_ref(cfg.optimizer):
-        base = load_optimizer(cfg.optimizer, lr, scheduled=cfg.lr_schedule != "constant")
+        given = learning_rate_options(cfg)
+        # settings that cannot reach it are refused first, before the schedule's checks
+        _refuse_unreachable(cfg.optimizer, resolve_optimizer(cfg.optimizer), given)
+        base = load_optimizer(cfg.optimizer, learning_rate(cfg, total_updates), given=given)
     else:
-        base = make_optimizer(cfg.optimizer, lr, cfg.weight_decay)
+        base = make_optimizer(cfg.optimizer, learning_rate(cfg, total_updates), cfg.weight_decay)
     opt = (
         base
         if cfg.clip_norm is None
@@ -133,13 +170,22 @@ def build_optimizer(cfg: TrainConfig, total_updates: int) -> optax.GradientTrans
 
 def describe(cfg: TrainConfig, total_updates: int) -> str:
     """``cfg``'s optimizer in words, for the summary: ``"adamw (lr 0.001, weight decay
-    0.0001), warmup-cosine (10 warmup of 500 updates), clipped at global norm 1"``."""
-    what = [f"lr {cfg.learning_rate:g}"]
+    0.0001), warmup-cosine (10 warmup of 500 updates), clipped at global norm 1"``; only
+    what applies: an optimizer of your own that takes no learning rate keeps its own
+    (``"opt.py:OPT (its own settings)"``, a function: ``"(its own learning rate)"``)."""
+    own = None
+    if is_optimizer_ref(cfg.optimizer):
+        obj = resolve_optimizer(cfg.optimizer)
+        if isinstance(obj, optax.GradientTransformation):
+            own = "its own settings"
+        elif not _takes_learning_rate(obj):
+            own = "its own learning rate"
+    what = [f"lr {cfg.lr:g}"] if own is None else [own]
     if cfg.optimizer == "adamw":
         wd = 1e-4 if cfg.weight_decay is None else cfg.weight_decay
         what.append(f"weight decay {wd:g}")
     text = f"{cfg.optimizer} ({', '.join(what)})"
-    if cfg.lr_schedule != "constant":
+    if cfg.lr_schedule != "constant" and own is None:  # (else refused)
         length = cfg.decay_steps if cfg.decay_steps is not None else total_updates
         text += f", {cfg.lr_schedule} ({cfg.warmup_steps} warmup of {length} updates)"
     if cfg.clip_norm is not None:
@@ -149,19 +195,27 @@ def describe(cfg: TrainConfig, total_updates: int) -> str:
     return text
 
 
-def load_optimizer(
-    ref: str, lr: float | optax.Schedule, *, scheduled: bool = False
-) -> optax.GradientTransformation:
-    """Imports ``package.module:fn`` (or ``path/to/file.py:fn``), as ``--model`` factories
-    are (the current directory first on the path), and calls ``fn``, giving it
-    ``learning_rate=lr`` if it takes it; an attribute that is not callable is taken as the
-    transformation itself.
+def learning_rate_options(cfg: TrainConfig) -> tuple[str, ...]:
+    """The learning-rate settings ``cfg`` gives, as options (``"--lr 0.5"``,
+    ``"--lr-schedule warmup-cosine"``, ``"--warmup-steps 3"``, ``"--decay-steps 30"``):
+    what an optimizer of your own must take ``learning_rate`` for."""
+    given = [] if cfg.learning_rate is None else [f"--lr {cfg.learning_rate:g}"]
+    if cfg.lr_schedule != "constant":
+        given.append(f"--lr-schedule {cfg.lr_schedule}")
+        if cfg.warmup_steps:
+            given.append(f"--warmup-steps {cfg.warmup_steps}")
+        if cfg.decay_steps is not None:
+            given.append(f"--decay-steps {cfg.decay_steps}")
+    return tuple(given)
+
+
+def resolve_optimizer(ref: str) -> Any:
+    """What ``package.module:fn`` (or ``path/to/file.py:fn``) names, imported as
+    ``--model`` factories are (the current directory first on the path): a function, or
+    an :class:`optax.GradientTransformation` itself. Nothing is called.
 
     Raises:
-      PipelineError: one line: the module cannot be imported, has no such attribute, the
-        function needs arguments it is not given, fails, or returns something that is not
-        an :class:`optax.GradientTransformation`; or a learning-rate schedule (``scheduled``)
-        for a function that takes no ``learning_rate``.
+      PipelineError: one line: the module cannot be imported or has no such attribute.
     """
     check_optimizer_name(ref)
     target, _, attr = ref.rpartition(":")
@@ -173,14 +227,80 @@ def load_optimizer(
                 f"{target}:NAME"
             )
         obj = getattr(obj, part)
-    if callable(obj) and not isinstance(obj, optax.GradientTransformation):
+    return obj
+
+
+def _refuse_unreachable(ref: str, obj: Any, given: tuple[str, ...]) -> None:
+    """Refuses learning-rate settings (``given``) that ``obj``, what ``ref`` names, cannot
+    take: an optax object (made with its own settings), or a function without a
+    ``learning_rate`` parameter."""
+    if not given:
+        return
+    options = " ".join(given)
+    target = ref.rpartition(":")[0]
+    if isinstance(obj, optax.GradientTransformation) or not callable(obj):
+        raise PipelineError(
+            f"--optimizer {ref!r} is an optax.GradientTransformation made with its own "
+            f"settings, so {options} cannot reach it: name a function that makes it "
+            f"instead, {target}:make with def make(learning_rate): return ..., or drop "
+            f"{options}"
+        )
+    if not _takes_learning_rate(obj):
+        raise PipelineError(
+            f"--optimizer {ref!r} takes no learning_rate, so {options} cannot reach it: give "
+            f"the function a learning_rate parameter, or drop {options}"
+        )
+
+
+def step_settings(cfg: TrainConfig) -> tuple[str, ...]:
+    """The settings that size ``cfg``'s optimizer steps, as options with their values
+    (``"--lr 0.001"``, ``"--weight-decay 1e+06"``, ``"--clip-norm 1"``; for an optimizer of
+    your own that takes no learning rate, its own settings): what a divergence may come
+    from."""
+    out = []
+    if is_optimizer_ref(cfg.optimizer) and not _takes_learning_rate(
+        resolve_optimizer(cfg.optimizer)
+    ):
+        out.append(f"--optimizer {cfg.optimizer} (its own settings)")
+    else:
+        out.append(f"--lr {cfg.lr:g}")
+    if cfg.optimizer == "adamw":
+        out.append(f"--weight-decay {1e-4 if cfg.weight_decay is None else cfg.weight_decay:g}")
+    if cfg.clip_norm is not None:
+        out.append(f"--clip-norm {cfg.clip_norm:g}")
+    return tuple(out)
+
+
+def load_optimizer(
+    ref: str, lr: float | optax.Schedule | None = None, *, given: tuple[str, ...] = ()
+) -> optax.GradientTransformation:
+    """The optimizer ``package.module:fn`` (or ``path/to/file.py:fn``) names
+    (:func:`resolve_optimizer`): ``fn()`` called with ``learning_rate=lr`` if it takes it
+    (:data:`DEFAULT_LEARNING_RATE` where ``lr`` is None), or an optax object named itself.
+    ``fn`` is called once per process for each learning rate (a number, or a schedule
+    object: :func:`learning_rate` gives one per setting): every check and run reuses
+    what it returned, so its prints and side effects happen once.
+
+    Args:
+      ref: ``package.module:fn``.
+      lr: the learning rate given (None: none).
+      given: the settings that gave ``lr`` (``"--lr 0.5"``, ...: :func:`learning_rate_options`),
+        named where they cannot reach the optimizer.
+
+    Raises:
+      PipelineError: one line: the module cannot be imported, has no such attribute, the
+        function needs arguments it is not given, fails, or returns something that is not
+        an :class:`optax.GradientTransformation`; or ``given`` settings for an optimizer
+        that takes no learning rate (an optax object, a function without ``learning_rate``).
+    """
+    obj = resolve_optimizer(ref)
+    _refuse_unreachable(ref, obj, given)
+    if not callable(obj) or isinstance(obj, optax.GradientTransformation):
+        result = obj
+    else:
         takes = _takes_learning_rate(obj)
-        if scheduled and not takes:
-            raise PipelineError(
-                f"--optimizer {ref!r} takes no learning_rate, so --lr-schedule cannot reach "
-                "it: give the function a learning_rate parameter, or drop --lr-schedule"
-            )
-        args = {"learning_rate": lr} if takes else {}
+        rate = DEFAULT_LEARNING_RATE if lr is None else lr
+        args = {"learning_rate": rate} if takes else {}
         try:
             inspect.signature(obj).bind(**args)
         except TypeError as e:
@@ -191,6 +311,10 @@ def load_optimizer(
             ) from e
         except ValueError:  # no signature to check
             pass
+        key = (id(obj), rate if takes else None)
+        made = _MADE.get(key)
+        if made is not None and made[0] is obj:
+            return made[1]
         try:
             result = obj(**args)
         except (KeyboardInterrupt, LaunchInterrupted):
@@ -199,8 +323,10 @@ def load_optimizer(
             raise PipelineError(
                 f"--optimizer {ref!r}: {ref} failed: {describe_failure(e)}{DEBUG_HINT}"
             ) from e
-    else:
-        result = obj
+        if isinstance(result, optax.GradientTransformation):
+            while len(_MADE) >= _MADE_MAX:
+                _MADE.pop(next(iter(_MADE)))
+            _MADE[key] = (obj, result)
     if not isinstance(result, optax.GradientTransformation):
         raise PipelineError(
             f"--optimizer {ref!r} gave a {type(result).__name__}, not an "
@@ -270,6 +396,10 @@ def check_settings(cfg: TrainConfig) -> None:
       PipelineError: saying what to change.
     """
     check_optimizer_name(cfg.optimizer)
+    if cfg.learning_rate is not None:
+        if not (math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0):
+            raise PipelineError(f"learning_rate must be > 0, got {cfg.learning_rate}")
+        _check_float32("--lr", cfg.learning_rate, "every update would be 0")
     if cfg.weight_decay is not None:
         if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
             raise PipelineError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
@@ -278,8 +408,12 @@ def check_settings(cfg: TrainConfig) -> None:
                 f"--weight-decay is an option of --optimizer adamw (decoupled weight decay), "
                 f"not of {cfg.optimizer}: use adamw, or put the decay in your own optimizer"
             )
-    if cfg.clip_norm is not None and not (math.isfinite(cfg.clip_norm) and cfg.clip_norm > 0):
-        raise PipelineError(f"clip_norm must be > 0, got {cfg.clip_norm}")
+        if cfg.weight_decay:  # 0: no decay, exactly
+            _check_float32("--weight-decay", cfg.weight_decay, "the decay would be 0")
+    if cfg.clip_norm is not None:
+        if not (math.isfinite(cfg.clip_norm) and cfg.clip_norm > 0):
+            raise PipelineError(f"clip_norm must be > 0, got {cfg.clip_norm}")
+        _check_float32("--clip-norm", cfg.clip_norm, "every gradient would be clipped to 0")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise PipelineError(
             f"unknown lr_schedule {cfg.lr_schedule!r}; choose {' or '.join(LR_SCHEDULES)}"
@@ -300,6 +434,28 @@ def check_settings(cfg: TrainConfig) -> None:
         raise PipelineError(
             f"--decay-steps {cfg.decay_steps} counts the whole schedule, warmup included: it "
             f"must be more than --warmup-steps {cfg.warmup_steps}"
+        )
+
+
+def _check_float32(option: str, value: float, zero: str) -> None:
+    """Refuses a positive setting that float32, the parameters' dtype and the optimizer's
+    (in every precision), cannot hold as a normal number: below its smallest, about
+    1.2e-38, it is subnormal (which XLA flushes to 0) or 0 itself (``zero`` says what
+    follows); above its largest, about 3.4e38, it is infinite."""
+    tiny, huge = float(_FLOAT32.tiny), float(_FLOAT32.max)
+    if value < tiny:
+        held = float(np.float32(value))
+        as_f32 = "0" if held == 0 else f"the subnormal {held:g}, which XLA flushes to 0"
+        raise PipelineError(
+            f"{option} {value!r} is below float32's smallest normal number ({tiny:.3g}): "
+            f"the parameters and the optimizer compute in float32, where it is {as_f32}, "
+            f"so {zero}; give {option} {tiny:.3g} or more"
+        )
+    if value > huge:
+        raise PipelineError(
+            f"{option} {value!r} is above float32's largest number ({huge:.3g}): the "
+            "parameters and the optimizer compute in float32, where it is infinite; give "
+            f"{option} {huge:.3g} or less"
         )
 
 

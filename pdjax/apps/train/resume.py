@@ -21,6 +21,7 @@ import jax
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import EpochRecord, TrainConfig, runs_plan
+from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE
 from pdjax.apps.train.outputs import refuse_mixing, refuse_others
 from pdjax.apps.train.planning import auto_choice, resolve_auto
 from pdjax.errors import CheckpointError, PipelineError
@@ -316,9 +317,12 @@ def _set_aside_after(ckpt: Any, step: int) -> None:
 def _resumable(config: dict[str, Any]) -> dict[str, Any]:
     """The settings a resumed run must share with its checkpoint (all but the stopping
     rule: more epochs, or another target, continue the same run); a setting a checkpoint
-    of an older pdjax does not hold has its default (that pdjax had only that)."""
+    of an older pdjax does not hold has its default (that pdjax had only that), and a
+    learning rate not given is the default one (an older pdjax wrote it as 0.001)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     full = {k: v for k, v in defaults.items() if k in _ADDED} | dict(config)
+    if full.get("learning_rate") is None:  # none given: the default (an older pdjax's too)
+        full["learning_rate"] = DEFAULT_LEARNING_RATE
     return {k: v for k, v in full.items() if k not in ("epochs", "target_accuracy")}
 
 

@@ -23,7 +23,7 @@ from pdjax.pipeline.executor.config import scale
 from pdjax.pipeline.executor.stages import Replication, StageSet
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import abstract
-from pdjax.pipeline.optim import StageOptimizer
+from pdjax.pipeline.optim import StageOptimizer, keeps_model_tree
 from pdjax.pipeline.stage import StageTies
 from pdjax.precision import LossScaled, computes_in_float16
 from pdjax.schedules import FLUSHING, semantics
@@ -261,7 +261,12 @@ class Decisions:
         Returns whether it decided now (the programs lowered before must be made anew)."""
         if self.stage_optimizer is not None:
             return False
-        opt = StageOptimizer(self.optimizer, abstract(stage_params), scope=self.optimizer_scope)
+        opt = StageOptimizer(
+            self.optimizer,
+            abstract(stage_params),
+            scope=self.optimizer_scope,
+            model_tree=keeps_model_tree(self.layers),
+        )
         if opt.needs_exchange and semantics(self.schedule).updates_per_microbatch:
             raise PipelineError(
                 "the optimizer couples the stages through the gradients' global norm "
