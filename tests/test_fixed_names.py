@@ -242,6 +242,22 @@ def test_an_output_folder_given_as_a_link_is_refused_before_any_work(tmp_path, o
     check_folder(tmp_path / "link", "--x", link=True)  # where a caller lets links through
 
 
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_run_folders_own_files_are_read_only_as_regular_files(tmp_path, victim, kind):
+    from pdjax.apps.train import read_metrics
+    from pdjax.apps.train.resume import PLAN_FILE, saved_plan
+
+    for path in (tmp_path / "metrics.jsonl", tmp_path / PLAN_FILE):
+        if kind == "link":
+            path.symlink_to(victim)
+        else:
+            os.mkfifo(path)
+    with no_hang(), pytest.raises(PdjaxError, match="metrics file"):
+        read_metrics(tmp_path / "metrics.jsonl")
+    with no_hang(), pytest.raises(PdjaxError, match="saved plan"):
+        saved_plan(tmp_path)
+
+
 # -- item 5 (part): token ids and bucket lengths checked, not cast -------------------------
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pdjax._jsonio import append_text, check_file, check_folder, refuse_link
+from pdjax._jsonio import append_text, check_file, check_folder, read_regular, refuse_link
 from pdjax.apps.train.config import EpochRecord, TrainConfig, run_folder
 from pdjax.errors import PipelineError
 
@@ -62,9 +62,18 @@ def append_metrics(path: Path, label: str, run_id: str, records: Sequence[EpochR
         append_text(path, text, what="metrics file", error=PipelineError)
 
 
+#: The largest metrics file read (a line per epoch is a few hundred bytes).
+MAX_METRICS_BYTES = 1 << 30
+
+
 def _entries(path: Path) -> Iterator[dict[str, Any]]:
-    """The lines of the metrics file ``path`` that are JSON objects, in order."""
-    text = path.read_text(errors="replace") if path.is_file() else ""
+    """The lines of the metrics file ``path`` that are JSON objects, in order (no file:
+    none). Read as pdjax appends to it: never through a link, never from a FIFO or a
+    device, at most :data:`MAX_METRICS_BYTES`."""
+    if not os.path.lexists(path):
+        return
+    data = read_regular(path, "metrics file", PipelineError, max_bytes=MAX_METRICS_BYTES)
+    text = data.decode(errors="replace")
     for line in text.splitlines():
         with contextlib.suppress(ValueError, RecursionError):
             entry = json.loads(line)
@@ -244,7 +253,9 @@ def check_results(out: str | Path, runs: Sequence[tuple[str, str | None]], *, pl
 def _summary_runs(path: Path) -> list[tuple[str, str | None]]:
     """The ``(label, run id)`` of each run in the summary ``path``."""
     try:
-        entries = json.loads(path.read_text())
+        entries = json.loads(
+            read_regular(path, "summary", PipelineError, max_bytes=MAX_METRICS_BYTES)
+        )
         if not isinstance(entries, list):
             raise ValueError("not a list")
         runs = []

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import jax
 
+from pdjax._jsonio import read_regular
 from pdjax.apps import data as data_lib
 from pdjax.apps.train.config import EpochRecord, TrainConfig, runs_plan
 from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE
@@ -166,9 +167,10 @@ def saved_plan(checkpoint_dir: str | Path) -> Any:
 
     path = Path(checkpoint_dir) / PLAN_FILE
     got: dict[str, Any] = {}
-    if jax.process_index() == 0 and path.is_file():
-        try:
-            got = {"plan": Plan.load(path).to_dict()}
+    if jax.process_index() == 0 and os.path.lexists(path):
+        try:  # never through a link, never from a FIFO (pdjax wrote a regular file here)
+            text = read_regular(path, "saved plan", PlanError, max_bytes=64 << 20)
+            got = {"plan": Plan.from_json(text.decode(errors="replace"), f"plan {path}").to_dict()}
         except PlanError as e:
             got = {"error": str(e)}
     got = broadcast_json(got)
