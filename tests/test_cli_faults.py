@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_cli_fuzz import unprivileged  # as nobody when root: permissions then apply
+from test_cli_fuzz import unprivileged  # root without CAP_DAC_OVERRIDE: modes then apply
 
 from pdjax.apps.cli import build_parser, main
 from pdjax.apps.commands import COMMANDS, check_writable

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cli_fuzz import unprivileged  # root without CAP_DAC_OVERRIDE: modes then apply
 
 from pdjax.apps.commands import simulate as simulate_command
 from pdjax.calibrate import AllReduceMeasure, Calibration, LinkMeasure, StageMeasure
@@ -378,13 +379,15 @@ def test_a_directory_or_an_uncreatable_parent_gives_a_one_line_error(plan, prof,
     assert not list((tmp_path / "adir").iterdir())
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
 def test_a_read_only_directory_gives_an_error(plan, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
     try:
-        with pytest.raises(PlanError, match=rf"cannot write plan {ro / 'plan.json'}"):
+        with (
+            unprivileged(),
+            pytest.raises(PlanError, match=rf"cannot write plan {ro / 'plan.json'}"),
+        ):
             plan.save(ro / "plan.json")
     finally:
         ro.chmod(0o700)
