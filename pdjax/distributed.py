@@ -48,6 +48,7 @@ from pdjax.errors import DistributedError, LaunchInterrupted
 
 __all__ = [
     "LAUNCHER_PIPE_ENV",
+    "PEER_GONE",
     "DistributedConfig",
     "DistributedError",
     "LaunchInterrupted",
@@ -63,7 +64,10 @@ __all__ = [
     "initialize",
     "launch_local",
     "lifeline",
+    "lost_peer",
     "orphan_proof",
+    "run_position",
+    "say",
     "watch_launcher",
 ]
 
@@ -600,14 +604,19 @@ def _watch(fd: int, on_death: Callable[[], None]) -> None:
     on_death()
 
 
+def say(line: str) -> None:
+    """Writes ``line`` and its newline to stderr in one write: the processes of a run
+    share their launcher's stderr, and Python's unbuffered stderr makes ``print`` two
+    writes (the text, then the newline), between which another process's line can land
+    ("...ending itpdjax: process ...")."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def _end_this_process(grace: float = 5.0) -> None:
     """Ends this process as a launcher would: SIGTERM to its process group (to itself, if
     it leads none), then SIGKILL after ``grace`` seconds."""
-    print(
-        f"pdjax: process {os.getpid()}: its launcher is gone; ending it",
-        file=sys.stderr,
-        flush=True,
-    )
+    say(f"pdjax: process {os.getpid()}: its launcher is gone; ending it")
     group = os.getpgrp() == os.getpid()
     for sig in (signal.SIGTERM, signal.SIGKILL):
         if group:
@@ -615,6 +624,72 @@ def _end_this_process(grace: float = 5.0) -> None:
         else:
             os.kill(os.getpid(), sig)
         time.sleep(grace)
+
+
+#: What JAX's errors say when another process of the run is gone mid-run: its transfer
+#: connection closed, reset or no longer there (CPU's socket transfers: ``SocketServer:
+#: Connection closed recv() == 0``, ``recv() failed errno: 107 err: Transport endpoint
+#: is not connected``), or the coordination service's verdict on it.
+PEER_GONE = (
+    "Connection closed",
+    "Connection reset",
+    "connection reset",
+    "Connection refused",
+    "Transport endpoint is not connected",
+    "Broken pipe",
+    "recv() failed",
+    "send() failed",
+    "another task died",
+    "tasks are unhealthy",
+)
+
+
+def run_position() -> tuple[int, int] | None:
+    """``(this process, processes)`` in a joined run of several processes (after
+    :func:`initialize`); None in a single process, or before JAX is imported."""
+    if "jax" not in sys.modules:
+        return None
+    from jax._src import distributed
+
+    if distributed.global_state.client is None:
+        return None
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
+def lost_peer(e: BaseException) -> DistributedError | None:
+    """The one-line error for ``e`` when it is JAX's report, in a run of several
+    processes, that another process is gone (:data:`PEER_GONE`: a transfer whose
+    connection closed under it); None for anything else, which stays what it is. The
+    launcher names the process that died; its own output says why."""
+    position = run_position()
+    jax = sys.modules.get("jax")
+    if position is None or jax is None or not isinstance(e, jax.errors.JaxRuntimeError):
+        return None
+    text = str(e)
+    if not any(words in text for words in PEER_GONE):
+        return None
+    first = _condensed(text.strip().splitlines()[0] if text.strip() else type(e).__name__)
+    i, n = position
+    lost = DistributedError(
+        f"process {i} of {n} lost another process of the run ({first}): it died or was "
+        "ended; the launcher's line (or that process's own output) says why"
+    )
+    lost.__cause__ = e
+    return lost
+
+
+def _condensed(line: str, limit: int = 240) -> str:
+    """``line`` without the repeats of its ``"context: "`` parts (XLA wraps a failed
+    dispatch in one "Error dispatching computation: " per program waiting on it), cut
+    to ``limit`` characters."""
+    parts: list[str] = []
+    for part in line.split(": "):
+        if not parts or part != parts[-1]:
+            parts.append(part)
+    text = ": ".join(parts)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def describe_exit(code: int) -> str:

@@ -298,3 +298,26 @@ def test_simulated_stream_prices_each_microbatch_by_its_bucket():
         simulate_buckets(plan, profiles, [32, 32, 128])
     with pytest.raises(PlanError, match="without a profile"):
         simulate_buckets(plan, profiles, [64, 64])
+
+
+def test_bucket_weights_normalise_any_finite_frequencies_and_refuse_the_rest():
+    from pdjax.partition.buckets import bucket_weights
+
+    assert bucket_weights({64: 1e308, 32: 1e308}) == {32: 0.5, 64: 0.5}  # no overflow
+    assert bucket_weights({32: 3 * 10**300, 64: 10**300}) == {32: 0.75, 64: 0.25}
+    assert bucket_weights({32: 5e-324, 64: 0}) == {32: 1.0, 64: 0.0}
+    for bad in (10**400, float("inf"), float("nan"), -1, "3", None, True):
+        with pytest.raises(PlanError, match=r"bucket 32's frequency .* not a finite number"):
+            bucket_weights({32: bad, 64: 1})
+    with pytest.raises(PlanError, match="must be a mapping"):
+        bucket_weights([(32, 1)])
+
+
+def test_plan_buckets_refuses_an_unknown_option_naming_the_accepted_ones():
+    profiles = {32: _profile([1, 1]), 64: _profile([2, 2])}
+    with pytest.raises(
+        TypeError,
+        match=r"plan_buckets\(\) got unexpected keyword argument\(s\) bogus; .*"
+        r"schedule, .*num_microbatches",
+    ):
+        plan_buckets(profiles, {32: 1, 64: 1}, Topology.flat(2, 1e12), bogus=3)

@@ -366,6 +366,28 @@ def test_a_template_of_another_model_or_plan_names_the_first_mismatch(tmp_path, 
             ckpt.restore(dp.init(jax.random.key(0), x))
 
 
+def test_a_replan_into_another_optimizer_is_refused_as_under_the_same_plan(tmp_path, mlp_state):
+    """An Adam checkpoint moved into another plan whose optimizer is SGD would lose its
+    moments: refused with the message a template of the same plan gets."""
+    spec, state = mlp_state
+    x, _ = spec.sample_batch(4)
+
+    def sgd_pipe(stages):
+        return Pipeline(spec.layers, stages, spec.loss, optax.sgd(1e-2), microbatches=2)
+
+    same_plan, other_plan = sgd_pipe(even_stages(4, 2)), sgd_pipe(even_stages(4, 3))
+    message = (
+        r"does not match the template: the checkpoint has opt_state\.0\.0\.count "
+        r"\(int32\[\]\), the template has no such array; the model, the plan"
+    )
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state)
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.restore(same_plan.init(jax.random.key(0), x))
+        with pytest.raises(CheckpointError, match=message):
+            ckpt.restore(other_plan.init(jax.random.key(0), x), pipeline=other_plan)
+
+
 def test_save_rejects_what_it_cannot_store(tmp_path, mlp_state):
     _, state = mlp_state
     with Checkpointer(tmp_path) as ckpt:

@@ -250,9 +250,11 @@ def test_more_in_flight_than_the_name_allows() -> None:
     with pytest.raises(ScheduleError, match="in-flight bound") as info:
         read_text(text, name="interleaved")
     assert info.match(r"rank 1 \(row 2\), cell 5 '3F1'")
-    assert "gpipe allows all" in str(info.value)
-    with pytest.raises(ScheduleError, match=r"rank 1 \(row 2\), cell 2 '1F1'.*in-flight"):
+    assert info.match(r"interleaved allows \[4, 3\] microbatches in flight per rank")
+    with pytest.raises(ScheduleError, match=r"rank 1 \(row 2\), cell 2 '1F1'.*in-flight") as info:
         read_text("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n", name="1f1b")
+    # the advice names the names the file does read under (each tried)
+    assert info.match(r"1f1b allows \[2, 1\] .*; the file reads as gpipe and .*: give name='gpipe'")
     assert read_text("0F0,0F1,0B0,0B1\n1F0,1F1,1B0,1B1\n", name="gpipe").name == "gpipe"
 
 
@@ -322,3 +324,37 @@ def test_hand_written_zbv_two_ranks_with_communication() -> None:
         read_text("0F0,2F0,2B0,0B0\n1F0,3F0,3B0,1B0\n", name="zb-v")
     with pytest.raises(ScheduleError, match="expected 4"):
         read_text("0F0,0B0\n1F0,1B0\n", name="zb-v")
+
+
+# torch's ScheduleInterleavedZeroBubble (ZB1P over interleaved stages) for 2 ranks, 2 stages
+# each, 2 microbatches, as its current CSV writes it with communication: I and W split, each
+# W deferred after its I (torch's num_1f1b_microbatches = rank), so rank 1 holds 4
+# microbatches in flight at 3F1 (3I0 done, 3W0 not yet) where interleaved 1F1B holds 3.
+TORCH_INTERLEAVED_ZB = (
+    "0F0,0SEND_F0,0F1,0SEND_F1,2RECV_F0,2F0,2SEND_F0,2RECV_F1,2F1,2SEND_F1,2RECV_B0,2I0,"
+    "2SEND_B0,2W0,2RECV_B1,2I1,2SEND_B1,2W1,0RECV_B0,0I0,0W0,0RECV_B1,0I1,0W1\n"
+    "1RECV_F0,1F0,1SEND_F0,1RECV_F1,1F1,1SEND_F1,3RECV_F0,3F0,3I0,3SEND_B0,3RECV_F1,3F1,"
+    "3I1,3SEND_B1,3W0,1RECV_B0,1I0,1SEND_B0,3W1,1RECV_B1,1I1,1SEND_B1,1W0,1W1\n"
+)
+
+
+def test_torch_interleaved_zero_bubble_is_refused_with_advice_that_leads_somewhere() -> None:
+    """No pdjax schedule holds torch's interleaved zero bubble (its deferred W's keep more
+    in flight than interleaved allows): every name the user is sent to by an error
+    either reads a file or ends at the pdjax schedules to run instead, never back at
+    the name they came from."""
+    with pytest.raises(ScheduleError, match=r"cell 12 '3F1'.*in-flight bound") as info:
+        read_text(TORCH_INTERLEAVED_ZB, name="interleaved")
+    message = str(info.value)
+    assert "ScheduleInterleavedZeroBubble" in message and "gpipe" not in message
+    assert "--stages 2 --microbatches 2 --schedule zb-v" in message
+    assert "'--schedule interleaved --chunks 2'" in message
+    # the other names send the user to interleaved, which ends above
+    for name in ("gpipe", "1f1b", "zb-h1", "zb-h2"):
+        with pytest.raises(ScheduleError, match="read it with name='interleaved'"):
+            read_text(TORCH_INTERLEAVED_ZB, name=name)
+    # what it advises runs: zb-v and interleaved of the file's P, M and chunks
+    for name, chunks in (("zb-v", 2), ("interleaved", 2)):
+        schedule = generate(name, 2, 2, chunks=chunks)
+        assert read_text(csv_text(schedule), name=name) == schedule
+        assert simulate(schedule, unit_costs(4)).makespan > 0

@@ -38,6 +38,7 @@ rows, one sample per length), then:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,29 +63,59 @@ __all__ = [
     "simulate_buckets",
 ]
 
+# plan_pipedream's options after the profile and the topology: what plan_buckets passes on
+_PLANNER_OPTIONS = tuple(
+    name
+    for name, p in inspect.signature(plan_pipedream).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+)
+
 # per-layer fields: averaged with the frequencies (times, counts) or the largest (bytes)
 _MAX = ("state_bytes", "input_bytes", "output_bytes", "residual_bytes", "peak_bytes")
 
 
 def bucket_weights(frequencies: Mapping[int, float]) -> dict[int, float]:
     """The frequencies (counts or shares of microbatches per bucket length) as shares
-    that sum to 1, by ascending length.
+    that sum to 1, by ascending length. Any finite frequencies normalise (divided by the
+    largest first, so that ``1e308`` twice is an even split, not an overflow).
 
     Raises:
-      PlanError: no bucket, a length that is not a positive integer, or a frequency that
-        is negative, not finite, or all of them zero.
+      PlanError: no bucket (or not a mapping), a length that is not a positive integer,
+        or a frequency that is negative, not a finite number (an int too large for a
+        float included), or all of them zero.
     """
+    if not isinstance(frequencies, Mapping):
+        raise PlanError(
+            f"frequencies must be a mapping {{length: microbatches}}, got "
+            f"{type(frequencies).__name__}"
+        )
     if not frequencies:
         raise PlanError("frequencies name no bucket: give {length: microbatches} per bucket")
+    values: dict[int, float] = {}
     for n, f in frequencies.items():
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise PlanError(f"bucket length {n!r} is not a positive integer")
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
+        value = _finite(f)
+        if value is None or value < 0:
             raise PlanError(f"bucket {n}'s frequency {f!r} is not a finite number >= 0")
-    total = math.fsum(float(f) for f in frequencies.values())
-    if total <= 0:
+        values[n] = value
+    largest = max(values.values())
+    if largest <= 0:
         raise PlanError("every bucket's frequency is zero: at least one must be positive")
-    return {n: float(frequencies[n]) / total for n in sorted(frequencies)}
+    scaled = {n: values[n] / largest for n in sorted(values)}  # in [0, 1]: the sum fits
+    total = math.fsum(scaled.values())
+    return {n: v / total for n, v in scaled.items()}
+
+
+def _finite(f: Any) -> float | None:
+    """``f`` as a float, or None if it is not a real number or is not finite as one."""
+    if isinstance(f, bool) or not isinstance(f, int | float):
+        return None
+    try:
+        value = float(f)
+    except OverflowError:  # an int beyond the floats
+        return None
+    return value if math.isfinite(value) else None
 
 
 def profile_buckets(
@@ -251,12 +282,20 @@ def plan_buckets(
     ``{"lengths", "weights", "time_per_microbatch"}`` (the last per bucket).
 
     Raises:
+      TypeError: an option :func:`~pdjax.partition.plan_pipedream` does not take (the
+        message lists those it takes), before any planning.
       PlanError: as :func:`mix_profiles` and :func:`plan_pipedream` do (the mixed profile
         fitting no configuration under the memory limit).
     """
+    unknown = sorted(set(planner_options) - set(_PLANNER_OPTIONS))
+    if unknown:
+        raise TypeError(
+            f"plan_buckets() got unexpected keyword argument(s) {', '.join(unknown)}; it "
+            f"takes plan_pipedream's options: {', '.join(_PLANNER_OPTIONS)}"
+        )
     weights = bucket_weights(frequencies)
     _check_alike(profiles, weights)
-    factor = float(planner_options.get("optimizer_state_factor", 2.0))
+    factor = planner_options.get("optimizer_state_factor", 2.0)
     mixed = mix_profiles(profiles, frequencies)
     proposals = [plan_pipedream(mixed, topology, **planner_options)]
     for n in weights:

@@ -217,7 +217,11 @@ def read_torch_csv(
             ``zb-v``; several stages per rank but not ``interleaved`` or ``zb-v``), a step
             that starts before the previous one ended, or whatever
             :func:`~pdjax.schedules.validate` finds (more in flight than ``name`` allows, a
-            deadlock), with its positions translated to CSV cells.
+            deadlock), with its positions translated to CSV cells. Too many in flight
+            names the other names the file reads under; torch's interleaved zero bubble
+            (split backwards over several stages per rank, each ``W`` deferred), which
+            no pdjax schedule holds, is refused naming the pdjax schedules to run instead
+            (``zb-v``, or ``interleaved`` with the file's chunks).
 
     >>> import io
     >>> text = "0F0,0SEND_F0,0F1,0SEND_F1,0RECV_B0,0B0,0RECV_B1,0B1\\n"
@@ -246,7 +250,11 @@ def _from_rows(
     name: str,
     microbatches_per_step: int | None,
     replicas: Sequence[int] | None,
+    *,
+    advise: bool = True,
 ) -> Schedule:
+    """The schedule of ``rows`` under ``name``; ``advise``: an in-flight refusal says
+    which other names read the file (see :func:`_in_flight_advice`)."""
     cells, comms = _parse(rows)
     where = _stage_ranks(cells)
     _check_comms(comms, where)
@@ -280,8 +288,53 @@ def _from_rows(
     try:
         validate(schedule)
     except ScheduleError as e:
-        raise ScheduleError(_translate(str(e), origins, schedule)) from e
+        message = _translate(str(e), origins, schedule)
+        if advise and "in-flight bound" in message:
+            message += _in_flight_advice(rows, schedule, microbatches_per_step, replicas)
+        raise ScheduleError(message) from e
     return schedule
+
+
+def _in_flight_advice(
+    rows: list[list[str]],
+    schedule: Schedule,
+    microbatches_per_step: int | None,
+    replicas: Sequence[int] | None,
+) -> str:
+    """What to do with a file that keeps more microbatches in flight than
+    ``schedule.name`` allows: the other flush names it reads under (each tried), or, for
+    torch's interleaved zero bubble, which no pdjax schedule holds, the pdjax schedules
+    of its family to run instead."""
+    allows = (
+        f" ({schedule.name} allows {list(schedule.in_flight_bound)} microbatches in flight per rank"
+    )
+    fits = []
+    for other in FLUSHING:
+        if other == schedule.name:
+            continue
+        try:
+            _from_rows(rows, other, microbatches_per_step, replicas, advise=False)
+        except ScheduleError:
+            continue
+        fits.append(other)
+    if fits:
+        return f"{allows}; the file reads as {' and '.join(fits)}: give name={fits[0]!r})"
+    P, M, v = schedule.num_groups, schedule.microbatches_per_step, schedule.chunks
+    split = any(a.kind in ("I", "W") for acts in schedule.actions for a in acts)
+    if v > 1 and split and not semantics(schedule.name).v_shaped:
+        return (
+            f"{allows}): its I and W cells over {v} stages per rank are torch's interleaved "
+            "zero bubble (ScheduleInterleavedZeroBubble, each W run later than its I), "
+            "which keeps more microbatches in flight than any pdjax schedule of this "
+            "layout; pdjax has no interleaved zero-bubble schedule. Run pdjax's "
+            "zero-bubble schedule with 2 stages per rank instead, zb-v (a V: "
+            f"'pdjax simulate --unit-costs 1,1,1 --stages {P} --microbatches {M} "
+            "--schedule zb-v', 'pdjax train --schedule zb-v'; torch's "
+            "ScheduleZBVZeroBubble CSV reads with name='zb-v'), or this layout as "
+            f"interleaved 1F1B ('--schedule interleaved --chunks {v}', whose CSV reads "
+            "with name='interleaved')"
+        )
+    return f"{allows}, and no other pdjax flush schedule reads this file: reorder the row)"
 
 
 def _read_rows(path_or_file: PathOrFile) -> tuple[str, list[list[str]]]:
@@ -588,11 +641,4 @@ def _translate(message: str, origins: list[list[_Cell | None]], schedule: Schedu
             return f"rank {d} (row {d + 1}), the update {a} pdjax appended after step {a.mb}"
         return _where(origin)
 
-    text = _LOCATION_RE.sub(cell, message)
-    if "in-flight bound" in text:
-        text += (
-            f" ({schedule.name} allows {list(schedule.in_flight_bound)} microbatches in flight "
-            "per rank; gpipe allows all of a step's: read it with the name whose bound fits, "
-            "or reorder the row)"
-        )
-    return text
+    return _LOCATION_RE.sub(cell, message)

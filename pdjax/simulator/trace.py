@@ -132,7 +132,7 @@ def write_chrome_trace(
     # times slower on a long run's events)
     # through a temporary file and a rename: a link or a FIFO at ``path`` is refused, never
     # written through, and a crash never leaves half a trace where a whole one was
-    write_atomic(path, json.dumps(chrome_trace(timelines)), what="trace")
+    write_atomic(os.fspath(path), json.dumps(chrome_trace(timelines)), what="trace")
 
 
 _TIME_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "\u00b5s"))

@@ -28,9 +28,9 @@ from pdjax.apps.commands import (
     int_range,
     positive_int,
 )
-from pdjax.errors import PipelineError
+from pdjax.errors import OptionError, PipelineError
 
-__all__ = ["register", "restore_for_generation", "run", "tokenizer_of"]
+__all__ = ["register", "restore_for_generation", "run", "tokenizer_of", "utf8_text"]
 
 #: The most new tokens one call makes (each reruns the window through every stage).
 MAX_NEW_TOKENS = 100_000
@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="DIR",
         help="the --checkpoint-dir of a pdjax train run on text or text-bpe",
     )
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", type=utf8_text, required=True, help="the text to continue (UTF-8)")
     p.add_argument(
         "--max-new-tokens",
         action=int_range(0, MAX_NEW_TOKENS, "each reruns the window through every stage"),
@@ -76,6 +76,30 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="pipeline stages, one device each (at most the model's layers)",
     )
     p.set_defaults(func=run)
+
+
+def utf8_text(text: str) -> str:
+    """``--prompt``'s ``type=``: the text, refused (an :class:`OptionError`, while parsing)
+    if it holds characters that are not text: bytes of the command line that are not
+    UTF-8 (Python keeps each as a lone surrogate, ``abc\\xff`` as ``"abc\\udcff"``) or
+    other lone surrogates. A tokenizer reads text, and no guess at another encoding is
+    made for it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        code = ord(bad)
+        what = (
+            f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8,"
+            if 0xDC80 <= code <= 0xDCFF
+            else f"a lone surrogate U+{code:04X}"
+        )
+        raise OptionError(
+            f"--prompt holds {what} at character {e.start + 1}; give the prompt as UTF-8 "
+            "text (e.g. set the terminal's encoding, or write the character itself)",
+            "pdjax generate",
+        ) from None
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

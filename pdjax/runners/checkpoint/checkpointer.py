@@ -74,6 +74,38 @@ from pdjax.runners.protocol import RunnerState, counter_fields
 _GOOD_STEPS_LISTED = 3
 
 
+# How a checkpoint that does not match its template came to be, and what to do.
+_MISMATCH_HINT = (
+    "; the model, the plan (stages, layers per stage) or the optimizer differ from "
+    "the run that saved it: build the template with the same ones"
+)
+
+
+def _no_such_array(where: str, name: str, theirs: Mapping[str, Any]) -> CheckpointError:
+    """The error for a saved array ``name`` that the template has no place for: a restore
+    would drop it (e.g. Adam's moments restored into an SGD run)."""
+    return CheckpointError(
+        f"{where} does not match the template: the checkpoint has {name} "
+        f"({shape_str(theirs)}), the template has no such array{_MISMATCH_HINT}"
+    )
+
+
+def _phantom_left_behind(name: str, saved: Mapping[str, Any], used: set[str]) -> bool:
+    """Whether saved array ``name``, which a move into another plan leaves unread, is the
+    phantom scalar of a stage coupled through the global norm, whose state that move may
+    drop (it drives only the phantom's own dropped update; see
+    :mod:`~pdjax.runners.checkpoint.replan`): a scalar at ``opt_state.<stage>.<R>.1``
+    where ``R`` is a per-parameter state (kept over ``(parameters, phantom)``) that the
+    move does read, from some saved stage. Any other saved array the new plan does not
+    read would be lost."""
+    field, _, rest = name.partition(".")
+    _, _, rest = rest.partition(".")
+    if field != "opt_state" or not rest.endswith(".1") or saved[name]["shape"]:
+        return False
+    state = f"{rest[: -len('.1')]}."
+    return any(n.startswith("opt_state.") and n.split(".", 2)[2].startswith(state) for n in used)
+
+
 def _is_ours(e: Exception) -> bool:
     return isinstance(e, CheckpointError)
 
@@ -316,6 +348,9 @@ class Checkpointer:
                     )
                     self._manager.wait_until_finished()
                 except Exception as e:  # a full disk, an I/O error: TensorStore's ValueError
+                    # the writes orbax abandoned at the first failure finish later, each
+                    # waking its closed event loop (a traceback apiece): dropped
+                    drop_late_wakeups()
                     raise self._failed_save(step, meta, e) from e
             if not saved:  # orbax declines silently (e.g. another process saved it meanwhile)
                 raise CheckpointError(
@@ -412,7 +447,9 @@ class Checkpointer:
         Raises:
           CheckpointError: if the directory holds no checkpoint, ``step`` is not there,
             the checkpoint does not match the template (names the first array that
-            differs, with both shapes), or the step is damaged (see :meth:`verify`).
+            differs, with both shapes, or a saved array the template has no place for,
+            such as Adam's moments restored into an SGD run, under the same plan or
+            another), or the step is damaged (see :meth:`verify`).
         """
         check_state(template, "template")
         step = self._pick_step(step)
@@ -554,6 +591,10 @@ class Checkpointer:
         check_replannable(where, meta, template, pipeline, multi=self._multi)
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
         sources = replan_names(pipeline, template, list(meta["stage_layers"]), saved)
+        used = {n for names in sources.values() for n in names}
+        for name, theirs in saved.items():
+            if name not in used and not _phantom_left_behind(name, saved, used):
+                raise _no_such_array(where, name, theirs)
         host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
             step,
             {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
@@ -712,10 +753,6 @@ class Checkpointer:
                 "restore it with a template from the same kind of runner"
             )
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
-        hint = (
-            "; the model, the plan (stages, layers per stage) or the optimizer differ from "
-            "the run that saved it: build the template with the same ones"
-        )
         for name, leaf in wanted.items():
             if is_key(leaf):
                 data = jax.eval_shape(jax.random.key_data, leaf)
@@ -726,20 +763,17 @@ class Checkpointer:
             if theirs is None:
                 raise CheckpointError(
                     f"{where} does not match the template: the template has {name} "
-                    f"({shape_str(mine)}), the checkpoint has no such array{hint}"
+                    f"({shape_str(mine)}), the checkpoint has no such array{_MISMATCH_HINT}"
                 )
             if list(theirs["shape"]) != mine["shape"] or theirs["dtype"] != mine["dtype"]:
                 raise CheckpointError(
                     f"{where} does not match the template: {name} is "
                     f"{shape_str(theirs)} in the checkpoint and {shape_str(mine)} in the "
-                    f"template{hint}"
+                    f"template{_MISMATCH_HINT}"
                 )
         for name, theirs in saved.items():
             if name not in wanted:
-                raise CheckpointError(
-                    f"{where} does not match the template: the checkpoint has {name} "
-                    f"({shape_str(theirs)}), the template has no such array{hint}"
-                )
+                raise _no_such_array(where, name, theirs)
 
     def __repr__(self) -> str:
         return f"Checkpointer({str(self.directory)!r})"
