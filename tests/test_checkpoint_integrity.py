@@ -22,6 +22,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from test_fixed_names import no_hang
 
 from pdjax.errors import CheckpointError
 from pdjax.models import get_model
@@ -308,6 +309,20 @@ def test_metadata_that_is_not_json_names_the_file(saved):
     file.unlink()
     _offers_step_1(_restore_fails(saved))
     _restores_step_1(saved)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "link"])
+def test_metadata_that_is_no_regular_file_is_damage_not_a_hang(saved, kind):
+    file = saved / "2" / "meta" / "metadata"
+    file.unlink()
+    if kind == "fifo":
+        os.mkfifo(file)
+    else:
+        file.symlink_to("/dev/zero")
+    with no_hang():
+        message = _restore_fails(saved)
+    assert f"its metadata {file} is not a regular file" in message, message
+    _offers_step_1(message)
 
 
 def test_steps_of_earlier_versions_without_checksums_still_restore(saved):

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -730,6 +731,14 @@ class Checkpointer:
         assert self._manager is not None
         file = self.directory / str(step) / Path(*META_FILE)
         try:
+            # orbax opens the file by name: a link (to a device), a FIFO or a device there
+            # would be read forever or waited on; pdjax wrote a regular file
+            with contextlib.suppress(FileNotFoundError):
+                if not stat.S_ISREG(os.lstat(file).st_mode):
+                    raise Damage(
+                        f"its metadata {file} is not a regular file (a link, a FIFO or a "
+                        "device: pdjax writes none of those)"
+                    )
             try:
                 meta = self._manager.restore(
                     step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
