@@ -304,6 +304,23 @@ def test_documents_are_checked_too_and_good_input_still_buckets():
 
 
 @pytest.mark.parametrize("kind", ["link", "fifo"])
+def test_a_torch_csv_is_never_written_through_a_link_or_into_a_fifo(tmp_path, victim, kind):
+    from pdjax.schedules import generate
+    from pdjax.schedules.torch_csv import read_torch_csv, write_torch_csv
+
+    path = tmp_path / "sched.csv"
+    if kind == "link":
+        path.symlink_to(victim)
+    else:
+        os.mkfifo(path)
+    with no_hang(), pytest.raises(PdjaxError, match="CSV"):
+        write_torch_csv(generate("1f1b", 2, 2), path)
+    assert victim.read_text() == "" and (path.is_symlink() or path.is_fifo())
+    write_torch_csv(generate("1f1b", 2, 2), tmp_path / "ok.csv")
+    assert read_torch_csv(tmp_path / "ok.csv").actions == generate("1f1b", 2, 2).actions
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
 def test_a_chrome_trace_is_never_written_through_a_link_or_into_a_fifo(tmp_path, victim, kind):
     from pdjax.schedules import generate
     from pdjax.simulator import simulate, unit_costs, write_chrome_trace

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import os
 import re
 from collections.abc import Sequence
 from typing import IO, NamedTuple
 
+from pdjax._jsonio import write_atomic
 from pdjax.errors import ScheduleError
 from pdjax.schedules import (
     CHUNKED,
@@ -160,8 +162,11 @@ def write_torch_csv(schedule: Schedule, path_or_file: PathOrFile, *, aligned: bo
     else:
         rows = [[_torch_text(a) for a in acts] for acts in compute]
     if isinstance(path_or_file, (str, os.PathLike)):
-        with open(path_or_file, "w", newline="") as f:
-            csv.writer(f).writerows(rows)
+        # a temporary file and a rename: a link or FIFO at the path is refused, never
+        # written through, and a crash leaves no half-written file
+        text = io.StringIO(newline="")
+        csv.writer(text).writerows(rows)
+        write_atomic(os.fspath(path_or_file), text.getvalue(), what="CSV", error=ScheduleError)
     else:
         csv.writer(path_or_file).writerows(rows)
 
