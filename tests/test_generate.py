@@ -88,6 +88,22 @@ def test_generate_refusals():
     np.testing.assert_array_equal(pipe.generate(state, _prompts(2, 3), 0), _prompts(2, 3))
 
 
+def test_generate_refuses_ids_past_the_vocabulary():
+    """Ids past the model's vocabulary (the width of its logits, 64) would be read off
+    the embedding clamped or filled: refused before any work, as ids of the wrong type
+    or rank are, with or without new tokens."""
+    _, pipe, state = _setup()
+    for new in (3, 0):
+        with pytest.raises(PipelineError, match=r"\[0, 64\).*got 100 at prompt 0, position 0"):
+            pipe.generate(state, [[100, 5000, 2**30]], new)
+    with pytest.raises(PipelineError, match=r"\[0, 64\).*got 64 at prompt 1, position 2"):
+        pipe.generate(state, [[1, 2, 3], [4, 5, 64]], 1, context=CONTEXT)
+    for bad in ([1, 2, 3], [[[1, 2]]], [[1.0, 2.0]], [[True, False]]):
+        with pytest.raises(PipelineError, match="2-D array of integer token ids"):
+            pipe.generate(state, bad, 1)
+    assert pipe.generate(state, [[63, 0]], 1).shape == (1, 3)  # the last id is one
+
+
 def test_generate_needs_logits():
     """A model whose outputs are not ``[B, T, V]`` logits is refused naming its shapes."""
     layers = pdjax.sequential(nn.Embed(8, 4), lambda x: x.mean(1))

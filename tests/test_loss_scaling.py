@@ -86,6 +86,13 @@ def _jmp_loop(layers, inner, loss_scale, variables, microbatches, M, rng):
     return history, losses, finite
 
 
+def _one_stage(n: int, replication: str | None) -> tuple[StagePlan, ...]:
+    """One stage of all ``n`` layers: on one device, or on two (``replication``)."""
+    if replication is None:
+        return (StagePlan(0, n - 1, (0,)),)
+    return (StagePlan(0, n - 1, (0, 1), replication=replication),)
+
+
 @pytest.mark.parametrize(
     "schedule, stages, inner, one_call",
     [
@@ -93,10 +100,23 @@ def _jmp_loop(layers, inner, loss_scale, variables, microbatches, M, rng):
         # the global norm is the unscaled gradients' (the phantom leaf is unscaled too);
         # one call over every step: the scale changes within it
         ("1f1b", 3, optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), True),
+        # one stage: its backward's seed (the scale after its weights) and its fused
+        # update (which donates the optimizer state holding the scale) are one program
+        ("1f1b", None, optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), True),
+        ("gpipe", "split", optax.sgd(0.1), False),
+        ("1f1b", "round-robin", optax.sgd(0.1), False),
     ],
 )
 def test_float16_loss_scaling_equals_the_jmp_loop(schedule, stages, inner, one_call):
     layers = _model()
+    # split: each device's float16 gradients of its half of a microbatch, summed (rounded
+    # apart from the reference's whole microbatch)
+    rtol = 2e-3 if stages == "split" else 1e-5
+    plan = (
+        even_stages(len(layers), stages)
+        if isinstance(stages, int)
+        else _one_stage(len(layers), stages)
+    )
     M, mb, steps = 2, 4, 4
     xs = jax.random.normal(jax.random.key(1), (steps * M * mb, 6))
     ts = jax.random.normal(jax.random.key(2), (steps * M * mb, 4))
@@ -104,11 +124,10 @@ def test_float16_loss_scaling_equals_the_jmp_loop(schedule, stages, inner, one_c
         (xs[k * mb : (k + 1) * mb], ts[k * mb : (k + 1) * mb]) for k in range(steps * M)
     ]
     opt = loss_scaled(inner, _scale())
-    pipe = Pipeline(
-        layers, even_stages(len(layers), stages), _mse, opt, schedule=schedule, microbatches=M
-    )
+    pipe = Pipeline(layers, plan, _mse, opt, schedule=schedule, microbatches=M)
     state = pipe.init(jax.random.key(3), xs[:mb])
-    assert pipe.coupled  # the finite flag rides on the exchanged sums of squares
+    # the finite flag rides on the exchanged sums of squares (one stage: nothing to exchange)
+    assert pipe.coupled == (len(plan) > 1)
     start = pipe.variables(state)
     got, losses = [], []
     for t in range(1 if one_call else steps):
@@ -123,7 +142,7 @@ def test_float16_loss_scaling_equals_the_jmp_loop(schedule, stages, inner, one_c
     assert np.dtype(h.dtype) == F16
     ref, ref_losses, finite = _jmp_loop(layers, inner, _scale(), start, microbatches, M, state.rng)
     assert finite == [False, True, True, False]  # the test covers skipped steps
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
     first = jax.tree.leaves([v["params"] for v in start])
     ref = ref[-1:] if one_call else ref
     for t, ((params, scale, counter), (ref_params, ref_scale, ref_counter)) in enumerate(
@@ -131,7 +150,7 @@ def test_float16_loss_scaling_equals_the_jmp_loop(schedule, stages, inner, one_c
     ):
         assert (scale, counter) == (ref_scale, ref_counter), t
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params), strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+            np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-7 if rtol < 1e-3 else 1e-5)
         if t == 0 and not one_call:  # skipped on every stage: the initial weights, exactly
             for a, b in zip(jax.tree.leaves(params), first, strict=True):
                 np.testing.assert_array_equal(a, b)

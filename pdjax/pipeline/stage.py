@@ -42,6 +42,11 @@ Under a named memory policy (``"dots"``, ``"dots-no-batch"``, ``"offload"``:
 policy=...)``: its residuals are what the policy saves (and the layer's weights and input),
 and the backward recomputes the rest from them.
 
+Every program applies a layer through :class:`~pdjax.pipeline.layer_traces.LayerTraces`,
+which compares the layer's jaxpr with its first for the same input types: a layer that
+computes another function when traced again (Python-side state changing between calls)
+is refused, naming it, rather than trained as a mix of its traces.
+
 The VJP is taken layer by layer, so zero-bubble's split backward costs what the whole one
 costs: ``I`` runs the chain of input gradients and keeps the cotangent at each layer's
 output, ``W`` turns those into weight gradients without recomputing the chain.
@@ -76,6 +81,7 @@ from pdjax._memory_policy import OFFLOADED, checkpointed, policy_name, recompute
 from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
+from pdjax.pipeline.layer_traces import LayerTraces
 from pdjax.pipeline.lowering.types import OpFlag, OpKind
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage_programs import keys_body, program_body
@@ -222,6 +228,8 @@ class Stage:
             self.whole_reason = ""
         self._layout: dict[Any, _ResidualLayout] = {}
         self._programs: dict[Any, Callable[..., Any]] = {}
+        #: every trace of a layer computes what its first did (:mod:`.layer_traces`)
+        self.layer_traces = LayerTraces()
         #: the stage's tied parameter copies (set by the pipeline before any program)
         self.ties: StageTies | None = None
 
@@ -282,7 +290,15 @@ class Stage:
 
             def forward(w: Any, st: Any, x: Any, *tgt: Any) -> Any:
                 for j, layer in enumerate(self.layers):
-                    x, _ = layer.apply({**st[j], "params": w[j]}, x, train=False)
+                    x, _ = self.layer_traces.apply(
+                        self.first_layer + j,
+                        layer,
+                        {**st[j], "params": w[j]},
+                        x,
+                        train=False,
+                        rng=None,
+                        context="",
+                    )
                 if loss:
                     assert loss_fn is not None
                     value, aux = split_loss(loss_fn(x, tgt[0]))
@@ -403,10 +419,13 @@ class Stage:
     ) -> Callable[[PyTree, PyTree], tuple[PyTree, Variables]]:
         layer = self.layers[j]
         index = self.first_layer + j
+        traces = self.layer_traces
 
         def f(p: PyTree, x: PyTree, k: jax.Array) -> tuple[PyTree, Variables]:
             rng = jax.random.fold_in(k, index)
-            return layer.apply({**state, "params": p}, x, train=self.train, rng=rng)
+            variables = {**state, "params": p}
+            y, new = traces.apply(index, layer, variables, x, train=self.train, rng=rng, context="")
+            return y, new
 
         if parts == 1:
             return lambda p, x: f(p, x, key)
@@ -419,11 +438,14 @@ class Stage:
 
         def body(p: PyTree, st: Variables, x: PyTree, k: jax.Array) -> Any:
             mine = jax.tree.map(lambda a: a[0], p)
-            y, new = layer.apply(
+            y, new = traces.apply(
+                index,
+                layer,
                 {**st, "params": mine},
                 x,
                 train=self.train,
                 rng=jax.random.fold_in(k[0] if rr else k, index),
+                context="one device's part (shard_map)",
             )
             return y, new
 
@@ -637,10 +659,12 @@ class Stage:
         """The weights as the stage's programs take them: ``params``, and on a stage that
         :attr:`seeds_loss_scale`, the loss scale of ``opt_state`` after them (each update
         writes the new scale there, so a backward reads the scale of its weights'
-        version)."""
+        version). The scale is a copy, a buffer of its own: a fused update (the one stage
+        of a plan reads, seeds and updates in one program) donates ``opt_state``, and a
+        buffer donated while the same call reads it is refused by XLA."""
         if not self.seeds_loss_scale:
             return params
-        return [*params, self.optimizer.loss_scale(opt_state)]
+        return [*params, jnp.array(self.optimizer.loss_scale(opt_state), copy=True)]
 
     def weights_out(self, w: list[PyTree]) -> list[PyTree]:
         """The layers' parameters of weights as the programs hold them (see

@@ -140,7 +140,9 @@ def _past_rows(tree: PyTree) -> Any:
     """A hashable key of ``tree``'s structure and its leaves' shapes past the rows and
     dtypes: what microbatches must share to be stacked or concatenated (one bucket)."""
     leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((np.shape(a)[1:], np.result_type(a)) for a in leaves)
+    # a device array's own dtype (numpy reading a jax array's dtype is deprecated)
+    dtypes = [np.dtype(a.dtype) if hasattr(a, "dtype") else np.result_type(a) for a in leaves]
+    return treedef, tuple((np.shape(a)[1:], d) for a, d in zip(leaves, dtypes, strict=True))
 
 
 def check_layouts(stage_set: StageSet, microbatches: list[tuple[PyTree, PyTree]]) -> None:

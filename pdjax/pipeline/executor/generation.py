@@ -100,32 +100,35 @@ def greedy(
       PipelineError: before any device work, for prompts that are ragged or not token
       ids (:func:`prompt_array`), a ``max_new_tokens`` or ``context`` that is not a
       whole number (>= 0, >= 1), a window the model cannot take (pass ``context=``, the
-      model's context length, to slide), or a model whose eval outputs are not logits
-      ``[B, T, V]``.
+      model's context length, to slide), a model whose eval outputs are not logits
+      ``[B, T, V]``, or a token id past the vocabulary (``>= V``: an embedding would
+      read past its table, which JAX clamps or fills, silently).
     """
     tokens = prompt_array(prompt_tokens)
     new = integer("max_new_tokens", max_new_tokens, 0)
     if context is not None:
         context = integer("context", context, 1)
     b, t0 = tokens.shape
-    if new == 0:
-        return tokens
     longest = t0 + new - 1  # the last token is read off the sequence before it
-    width = longest if context is None else min(context, longest)
+    # no new token: nothing is fed; one token's window still gives the vocabulary
+    width = 1 if new == 0 else longest if context is None else min(context, longest)
     window = np.zeros((b, width), np.int32)
     try:
         spec = forward.output_spec(state, window)
     except PdjaxError as e:  # the model's own refusal (a LayerError), or the checks'
         hint = (
             ""
-            if context is not None
+            if context is not None or new == 0
             else " (pass context=, the model's context length, to slide a window of at "
             "most that many tokens)"
         )
-        raise PipelineError(
-            f"generate feeds the model windows of {width} tokens (the prompt's {t0} and "
-            f"{new - 1} of the {new} new ones), which it does not take{hint}: {e}"
-        ) from e
+        fed = (
+            "reads the model's vocabulary off a window of 1 token"
+            if new == 0
+            else f"feeds the model windows of {width} tokens (the prompt's {t0} and "
+            f"{new - 1} of the {new} new ones)"
+        )
+        raise PipelineError(f"generate {fed}, which it does not take{hint}: {e}") from e
     shape = getattr(spec, "shape", None)
     if shape is None or len(shape) != 3 or tuple(shape[:2]) != (b, width) or shape[2] < 1:
         raise PipelineError(
@@ -133,6 +136,16 @@ def greedy(
             f"for inputs int32{[b, width]} this model's outputs are "
             f"{jax.tree.map(lambda a: f'{a.dtype}{list(a.shape)}', spec)}"
         )
+    vocabulary = int(shape[2])  # the tokens the model scores, every one it can be fed
+    if tokens.max() >= vocabulary:
+        bad = np.argwhere(tokens >= vocabulary)[0]
+        raise PipelineError(
+            f"token ids must be in [0, {vocabulary}), the model's vocabulary (the width of "
+            f"its logits), got {tokens[tuple(bad)]} at prompt {bad[0]}, position {bad[1]} "
+            f"(ids up to {tokens.max()}): encode the prompts with the model's own tokenizer"
+        )
+    if new == 0:
+        return tokens
     seq = np.zeros((b, t0 + new), np.int32)
     seq[:, :t0] = tokens
     for t in range(t0, t0 + new):  # seq[:, :t] is known
