@@ -288,3 +288,52 @@ def test_a_mask_function_with_global_norm_clipping_gets_the_users_names_too():
     names = set(flax.traverse_util.flatten_dict(layers.model_variables(pipe.variables(state))))
     assert {("params", *k) for k in seen - {("pdjax_phantom",)}} <= names
     assert ("pdjax_phantom",) in seen
+
+
+class UntiedLM(nn.Module):
+    """TiedLM with a head of its own (data parallelism refuses tied parameters)."""
+
+    vocab: int = 16
+    dim: int = 8
+
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(self.vocab, self.dim, name="wte")(tokens)
+        for i in range(2):
+            x = Block(self.dim, name=f"h_{i}")(x)
+        return nn.Dense(self.vocab, name="head")(nn.LayerNorm(name="final_norm")(x))
+
+
+def test_data_parallelism_gives_a_mask_function_the_users_names_too():
+    """The data-parallel runner holds split_model's parameters as a per-layer list too: the
+    mask function reads the model's names there as well, and a step equals the user's own
+    update of the whole model."""
+    seen = set()
+
+    def decay_mask_fn(params):
+        flat = flax.traverse_util.flatten_dict(params)
+        seen.update(flat)
+        return flax.traverse_util.unflatten_dict(
+            {k: k[-1] != "bias" and "norm" not in "".join(k).lower() for k in flat}
+        )
+
+    optimizer = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask_fn)
+    model = UntiedLM()
+    x = np.random.default_rng(2).integers(0, 16, (8, 6)).astype(np.int32)
+    y = np.roll(x, -1, axis=1)
+    layers = pdjax.split_model(model, x)
+    dp = pdjax.DataParallel(layers, _xent, optimizer, devices=jax.devices()[:2])
+    state = dp.init(jax.random.key(1), x)
+    params = layers.model_variables([{"params": p} for p in state.params])["params"]
+    assert ("wte", "embedding") in seen and seen == set(flax.traverse_util.flatten_dict(params))
+
+    grad = jax.grad(lambda p: _xent(model.apply({"params": p}, x), y))(params)
+    updates, _ = optimizer.update(grad, optimizer.init(params), params)
+    want = optax.apply_updates(params, updates)
+    state, _ = dp.step(state, (x, y))
+    got = layers.model_variables([{"params": p} for p in state.params])["params"]
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+        got,
+        want,
+    )

@@ -287,6 +287,35 @@ def keeps_model_tree(layers: Any) -> bool:
     return isinstance(layers, SplitLayers)
 
 
+def on_model_names(
+    optimizer: optax.GradientTransformation, layers: Any
+) -> optax.GradientTransformation:
+    """``optimizer`` run on the model's own names where ``layers`` keep the model's tree
+    (:func:`keeps_model_tree`), for a runner that holds all the layers' parameters as one
+    per-layer list (the data-parallel runner): a mask or label function then reads the
+    names of the user's tree, and the state keeps the runner's structure. Other layers:
+    ``optimizer`` itself."""
+    if not keeps_model_tree(layers):
+        return optimizer
+    named: dict[Any, _ModelNamed] = {}
+
+    def on(tree: PyTree) -> _ModelNamed:
+        key = jax.tree.structure(tree)
+        if key not in named:
+            named[key] = _ModelNamed(optimizer, [abstract(tree)])
+        return named[key]
+
+    def init(params: PyTree) -> optax.OptState:
+        return on(params).init(params)
+
+    def update(
+        updates: PyTree, state: optax.OptState, params: PyTree = None, **extra: Any
+    ) -> tuple[PyTree, optax.OptState]:
+        return on(updates).update(updates, state, params, **extra)
+
+    return optax.GradientTransformation(init, update)
+
+
 def _merge(into: dict[Any, Any], tree: Any) -> bool:
     """Merges the nested dict ``tree`` into ``into``, leaving out what holds no leaf (a tied
     copy hidden from the optimizer); False where a name would hold two values."""

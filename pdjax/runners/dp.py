@@ -58,6 +58,7 @@ from pdjax.pipeline.executor.arguments import (
     check_optimizer,
     check_stream,
 )
+from pdjax.pipeline.optim import on_model_names
 from pdjax.precision import LossScaled, computes_in_float16
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
@@ -192,6 +193,9 @@ class DataParallel:
         self.layers = layers
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        # what runs it: on the model's own names for split_model's layers (a mask function
+        # reading them, as under a Pipeline), the state in this runner's structure
+        self._optimizer = on_model_names(optimizer, layers)
         self.workarounds = _xla_cpu.for_data_parallel(self.devices[0].platform, len(self.devices))
         self._run_ahead = _xla_cpu.RunAhead(self.workarounds.run_ahead)
         self.mesh = Mesh(np.asarray(self.devices), ("data",))
@@ -267,7 +271,7 @@ class DataParallel:
                 [{k: a for k, a in v.items() if k != "params"} for v in variables],
             )
         )
-        opt_state = self.replicate(jax.jit(self.optimizer.init)(params))
+        opt_state = self.replicate(jax.jit(self._optimizer.init)(params))
         return DPState(params, model_state, opt_state, 0, place(rng, self.replicated))
 
     def replicate(self, tree: PyTree) -> PyTree:
@@ -454,7 +458,7 @@ class DataParallel:
             return loss, (new_state, aux)
 
         (loss, (new_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        updates, opt_state = self._optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_state, opt_state, with_aux(loss, aux)
 
     def _evaluate_fn(
