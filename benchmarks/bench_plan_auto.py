@@ -110,7 +110,7 @@ def main() -> None:
     def us(x: float) -> str:
         return "-" if math.isinf(x) else f"{x * 1e6:.1f}"
 
-    # one markdown row per model and cluster (what the README shows)
+    # one markdown row per model and cluster (docs/results.md#choosing-everything-plan_auto)
     head = ["model, cluster", *fixed, "auto (choice)", "best dp plan / auto"]
     print(f"simulated us per sample (dp plan / searched), B = {args.batch}, 16 GB per device")
     print("| " + " | ".join(head) + " |")

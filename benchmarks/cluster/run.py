@@ -1,4 +1,4 @@
-"""The cluster-on-one-machine benchmark, as the README reports it.
+"""The cluster-on-one-machine benchmark, as docs/results.md reports it.
 
     python benchmarks/cluster/run.py          # as root: emulated links; else loopback
 

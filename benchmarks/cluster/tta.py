@@ -1,4 +1,4 @@
-"""Time to accuracy on the 2-worker cluster, as the README reports it.
+"""Time to accuracy on the 2-worker cluster, as docs/results.md reports it.
 
     python benchmarks/cluster/tta.py          # as root: emulated links; else loopback
 
