@@ -327,9 +327,13 @@ def test_data_parallelism_gives_a_mask_function_the_users_names_too():
     params = layers.model_variables([{"params": p} for p in state.params])["params"]
     assert ("wte", "embedding") in seen and seen == set(flax.traverse_util.flatten_dict(params))
 
-    grad = jax.grad(lambda p: _xent(model.apply({"params": p}, x), y))(params)
-    updates, _ = optimizer.update(grad, optimizer.init(params), params)
-    want = optax.apply_updates(params, updates)
+    @jax.jit
+    def user_step(p):  # the user's own update of the whole model, one program
+        grad = jax.grad(lambda q: _xent(model.apply({"params": q}, x), y))(p)
+        updates, _ = optimizer.update(grad, optimizer.init(p), p)
+        return optax.apply_updates(p, updates)
+
+    want = user_step(params)
     state, _ = dp.step(state, (x, y))
     got = layers.model_variables([{"params": p} for p in state.params])["params"]
     jax.tree.map(
