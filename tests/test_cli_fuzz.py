@@ -62,9 +62,11 @@ REFUSED_LR = st.one_of(
 
 
 @contextlib.contextmanager
-def time_limit(seconds: int):
+def time_limit(seconds: int, error: BaseException | None = None):
+    """Raises ``error`` (default: a TimeoutError) in the block if it runs past ``seconds``."""
+
     def fail(*_):
-        raise TimeoutError(f"a CLI run took more than {seconds} s")
+        raise error or TimeoutError(f"a CLI run took more than {seconds} s")
 
     old = signal.signal(signal.SIGALRM, fail)
     signal.alarm(seconds)

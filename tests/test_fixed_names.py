@@ -13,12 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from test_cli_fuzz import time_limit
 
 from pdjax._jsonio import append_text, check_folder, write_atomic
 from pdjax.apps.cli import main
@@ -31,20 +30,9 @@ class Hung(BaseException):
     of the code under test takes it for a failed read)."""
 
 
-@contextlib.contextmanager
-def no_hang(seconds: int = 20) -> Iterator[None]:
+def no_hang(seconds: int = 20) -> contextlib.AbstractContextManager[None]:
     """Fails the block if it runs past ``seconds`` (a read or open waiting on a FIFO)."""
-
-    def fail(*_: object) -> None:
-        raise Hung(f"blocked for {seconds} s: waiting on a FIFO?")
-
-    old = signal.signal(signal.SIGALRM, fail)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+    return time_limit(seconds, Hung(f"blocked for {seconds} s: waiting on a FIFO?"))
 
 
 @pytest.fixture

@@ -219,11 +219,9 @@ def _xent(logits, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-def test_a_mask_function_gets_the_users_names_and_trains_as_the_sequential_reference():
-    """Hugging Face's weight-decay mask on a split model with a tied embedding: its names
-    are the model's, the optimizer acts per leaf (no coupling), and two steps of a 3-stage
-    pipeline equal two steps of the whole model with the same optimizer."""
-    seen = set()
+def _hf_decay_mask(seen: set[tuple[str, ...]]):
+    """Hugging Face's ``decay_mask_fn`` (no decay on biases and norms), which reads the
+    parameters' names; the names it was given are added to ``seen``."""
 
     def decay_mask_fn(params):
         flat = flax.traverse_util.flatten_dict(params)
@@ -231,6 +229,16 @@ def test_a_mask_function_gets_the_users_names_and_trains_as_the_sequential_refer
         return flax.traverse_util.unflatten_dict(
             {k: k[-1] != "bias" and "norm" not in "".join(k).lower() for k in flat}
         )
+
+    return decay_mask_fn
+
+
+def test_a_mask_function_gets_the_users_names_and_trains_as_the_sequential_reference():
+    """Hugging Face's weight-decay mask on a split model with a tied embedding: its names
+    are the model's, the optimizer acts per leaf (no coupling), and two steps of a 3-stage
+    pipeline equal two steps of the whole model with the same optimizer."""
+    seen: set[tuple[str, ...]] = set()
+    decay_mask_fn = _hf_decay_mask(seen)
 
     optimizer = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask_fn)
     model = TiedLM()
@@ -308,14 +316,8 @@ def test_data_parallelism_gives_a_mask_function_the_users_names_too():
     """The data-parallel runner holds split_model's parameters as a per-layer list too: the
     mask function reads the model's names there as well, and a step equals the user's own
     update of the whole model."""
-    seen = set()
-
-    def decay_mask_fn(params):
-        flat = flax.traverse_util.flatten_dict(params)
-        seen.update(flat)
-        return flax.traverse_util.unflatten_dict(
-            {k: k[-1] != "bias" and "norm" not in "".join(k).lower() for k in flat}
-        )
+    seen: set[tuple[str, ...]] = set()
+    decay_mask_fn = _hf_decay_mask(seen)
 
     optimizer = optax.adamw(1e-3, weight_decay=0.1, mask=decay_mask_fn)
     model = UntiedLM()
