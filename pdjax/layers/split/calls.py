@@ -151,6 +151,22 @@ def transform_hint(kind: str) -> str:
     )
 
 
+class Nesting:
+    """How many marked or recorded module calls an interceptor is inside: ``enter`` runs a
+    call one level deeper (the interceptors of linen and nnx skip or record by depth)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def enter(self, call: Callable[..., Any], a: Any, kw: Any) -> Any:
+        """``call(*a, **kw)``, with :attr:`depth` one more while it runs."""
+        self.depth += 1
+        try:
+            return call(*a, **kw)
+        finally:
+            self.depth -= 1
+
+
 def call_path(context: Any) -> tuple[str, ...] | None:
     """The path of an intercepted linen method call, or None for one that is no call of
     a bound module's method (``setup``; flax's own abstract check of a lifted module's
@@ -171,7 +187,7 @@ def record_calls(
     """Every module method call made by ``fn(*args)`` (abstractly), in order; ``seen`` is
     called with each intercepted module."""
     calls: list[Call] = []
-    depth = [0]
+    nesting = Nesting()
 
     def interceptor(next_fun: Any, a: Any, kw: Any, context: Any) -> Any:
         if seen is not None:
@@ -179,12 +195,8 @@ def record_calls(
         path = call_path(context)
         if path is None:
             return next_fun(*a, **kw)
-        calls.append(Call(path, context.method_name, type(context.module).__name__, depth[0]))
-        depth[0] += 1
-        try:
-            return next_fun(*a, **kw)
-        finally:
-            depth[0] -= 1
+        calls.append(Call(path, context.method_name, type(context.module).__name__, nesting.depth))
+        return nesting.enter(next_fun, a, kw)
 
     with nn.intercept_methods(interceptor):
         out = jax.eval_shape(fn, *args)

@@ -18,6 +18,7 @@ from pdjax.errors import LayerError
 from pdjax.layers.base import PyTree, Variables
 from pdjax.layers.split.calls import (
     PARENT,
+    Nesting,
     axis_names_of,
     call_path,
     choose_units,
@@ -224,23 +225,18 @@ class LinenSplitter:
         parent = self.parent
 
         def fn(variables: Any, x: Any, rng: Any) -> Any:
-            depth = [0]
+            nesting = Nesting()
 
             def interceptor(next_fun: Any, a: Any, kw: Any, context: Any) -> Any:
                 path = call_path(context)
-                if path is None:
+                if path is None or nesting.depth:
                     return next_fun(*a, **kw)
-                if path == parent and not depth[0]:
+                if path == parent:
                     a, kw = mark_call(a, kw, PARENT)
-                mine = is_child(path, parent, path_parent) and depth[0] == 0
-                if mine:
+                if is_child(path, parent, path_parent):
                     a, kw = mark_call(a, kw, unit_name(path, parent))
-                    depth[0] += 1
-                try:
-                    return next_fun(*a, **kw)
-                finally:
-                    if mine:
-                        depth[0] -= 1
+                    return nesting.enter(next_fun, a, kw)
+                return next_fun(*a, **kw)
 
             with nn.intercept_methods(interceptor):
                 return self._call(variables, x, train, rng, mutable)

@@ -39,6 +39,7 @@ from pdjax.layers.split.calls import (
     MODE_NAMES,
     PARENT,
     Call,
+    Nesting,
     axis_names_of,
     choose_units,
     control_flow_error,
@@ -233,25 +234,21 @@ class NnxSplitter:
     @staticmethod
     def _recorder(calls: list[Call]) -> OnCall:
         """Records every call (path, class, nesting) in ``calls``."""
-        depth = [0]
+        nesting = Nesting()
 
         def on_call(path: Any, module: Any, call: Any, a: Any, kw: Any) -> Any:
-            calls.append(Call(path, "__call__", type(module).__name__, depth[0]))
-            depth[0] += 1
-            try:
-                return call(*a, **kw)
-            finally:
-                depth[0] -= 1
+            calls.append(Call(path, "__call__", type(module).__name__, nesting.depth))
+            return nesting.enter(call, a, kw)
 
         return on_call
 
     def _marker(self) -> OnCall:
         """Binds the marker at each call of a child of the cuts' parent made while no
         other such call runs."""
-        depth = [0]
+        nesting = Nesting()
 
         def on_call(path: Any, module: Any, call: Any, a: Any, kw: Any) -> Any:
-            if depth[0]:
+            if nesting.depth:
                 return call(*a, **kw)
             if path == self.parent:
                 a, kw = mark_call(a, kw, PARENT)
@@ -259,11 +256,7 @@ class NnxSplitter:
             if self.parent_of(path) != self.parent:
                 return call(*a, **kw)
             a, kw = mark_call(a, kw, unit_name(path, self.parent))
-            depth[0] += 1
-            try:
-                return call(*a, **kw)
-            finally:
-                depth[0] -= 1
+            return nesting.enter(call, a, kw)
 
         return on_call
 
