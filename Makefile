@@ -38,11 +38,11 @@ docs: $(STAMP)
 WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(8, len(os.sched_getaffinity(0)) + 2))")
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal pdjax tests
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal pdjax benchmarks/harness tests
 
 # every test not marked slow (tests/tiers.py): for the edit-test loop; CI runs make test
 test-quick: $(STAMP) lint
-	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not slow" pdjax tests
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not slow" pdjax benchmarks/harness tests
 
 clean:
 	rm -rf $(VENV) out .pytest_cache build/api

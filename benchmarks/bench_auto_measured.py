@@ -36,6 +36,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+# run as a file, Python puts benchmarks/ on sys.path: the repository's root holds the
+# benchmarks package (its harness: the cluster's models)
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
 
 def _runner(spec: Any, plan: Any, x: Any, y: Any, *, steps: int, seed: int) -> dict[str, Any]:
     """A Pipeline for ``plan`` (its chosen schedule, M, in-flight depth) and a timed call."""
@@ -44,24 +50,14 @@ def _runner(spec: Any, plan: Any, x: Any, y: Any, *, steps: int, seed: int) -> d
 
     from pdjax import Pipeline
 
-    chosen = plan.options["auto"]
-    name, M = chosen["schedule"], chosen["microbatches"]
-    pipe = Pipeline(
-        spec.layers,
-        plan,
-        spec.loss,
-        optax.adam(1e-3),
-        schedule=name,
-        microbatches=M,
-        extra_in_flight=chosen["extra_in_flight"],
-        devices=jax.devices(),
-    )
+    name = plan.schedule.kind
+    pipe = Pipeline(spec.layers, plan, spec.loss, optax.adam(1e-3), devices=jax.devices())
     batch = pipe.split_batch((x, y))
     streaming = name in ("pipedream", "2bw")
     calls, stream = (1, batch * steps) if streaming else (steps, batch)
     state = pipe.init(jax.random.key(seed), batch[0][0])
     pipe.schedule(len(stream))  # refused here, before compiling, if it cannot run
-    samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // M)
+    samples = calls * len(stream) * (len(jax.tree.leaves(x)[0]) // plan.num_microbatches)
 
     def call() -> float:
         nonlocal state
@@ -104,8 +100,8 @@ def measure_model(model: str, args: argparse.Namespace, spa: float, log: Any) ->
     import jax
     import numpy as np
 
+    from benchmarks.harness.cluster import MICROBATCH
     from pdjax.apps.bench import pool_concurrency
-    from pdjax.apps.cluster import MICROBATCH
     from pdjax.errors import PdjaxError
     from pdjax.partition import HostCosts, Topology, plan_auto
     from pdjax.profile import profile
@@ -176,10 +172,11 @@ def _row(
     B: int,
     host: Any,
 ) -> dict[str, Any]:
+    from pdjax.partition import auto_choice
     from pdjax.partition.auto import evaluate_candidate
 
     plan = cand["plan"]
-    a = plan.options["auto"]
+    a = auto_choice(plan)
     predicted = {}
     for ranking, h in (("sim", None), ("host", host)):
         seconds, _ = evaluate_candidate(
@@ -201,7 +198,7 @@ def _row(
 
 def _model(name: str) -> Any:
     """A bundled model (tiny), or one of the cluster benchmark's (``mlp-512``, ``vgg-fc``)."""
-    from pdjax.apps.cluster import CLUSTER_MODELS
+    from benchmarks.harness.cluster import CLUSTER_MODELS
     from pdjax.models import get_model
 
     if name in CLUSTER_MODELS:
@@ -211,7 +208,9 @@ def _model(name: str) -> Any:
 
 
 def _label(plan: Any) -> str:
-    a = plan.options["auto"]
+    from pdjax.partition import auto_choice
+
+    a = auto_choice(plan)
     stages = "-".join(f"{s.first_layer}..{s.last_layer}x{s.replicas}" for s in plan.stages)
     extra = f" +{a['extra_in_flight']}" if a["extra_in_flight"] else ""
     return f"M={a['microbatches']}{extra} {stages}"

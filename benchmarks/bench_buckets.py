@@ -52,6 +52,7 @@ from pdjax.apps.text_data import (  # noqa: E402
 from pdjax.models import get_model  # noqa: E402
 from pdjax.partition import StagePlan  # noqa: E402
 from pdjax.pipeline import Pipeline  # noqa: E402
+from pdjax.schedules import ScheduleSpec  # noqa: E402
 
 _compiled: collections.Counter[str] = collections.Counter()
 
@@ -152,8 +153,7 @@ def main() -> None:
         plan,
         masked_loss,
         optax.adam(1e-3),
-        schedule="1f1b",
-        microbatches=args.microbatches,
+        schedule=ScheduleSpec("1f1b", microbatches=args.microbatches),
     )
     rows = args.batch // args.microbatches
     state = pipe.init(jax.random.key(args.seed), np.zeros((rows, longest), np.int32))

@@ -39,6 +39,7 @@ import pdjax  # noqa: E402
 from pdjax.layers import init_programs  # noqa: E402
 from pdjax.models import get_model  # noqa: E402
 from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
+from pdjax.schedules import ScheduleSpec  # noqa: E402
 
 
 class Block(nn.Module):
@@ -65,7 +66,13 @@ MODELS = {"16 blocks": _blocks, "gpt tiny": _gpt}
 
 def _init_seconds(model: Callable[[], tuple[Any, Any, Callable[..., Any]]]) -> float:
     layers, x, loss = model()
-    pipe = Pipeline(layers, even_stages(len(layers), 4), loss, optax.sgd(0.1), microbatches=2)
+    pipe = Pipeline(
+        layers,
+        even_stages(len(layers), 4),
+        loss,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("1f1b", microbatches=2),
+    )
     t0 = time.perf_counter()
     jax.block_until_ready(pipe.init(jax.random.key(0), x))
     return time.perf_counter() - t0

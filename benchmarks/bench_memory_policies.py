@@ -48,6 +48,7 @@ from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition
 from pdjax.partition.candidates import costs_under, policy_arrays
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.profile import profile
+from pdjax.schedules import ScheduleSpec
 from pdjax.simulator import simulate
 
 _BYTES = br._per_device_bytes
@@ -122,9 +123,7 @@ def main() -> None:
                 even_stages(L, P),
                 spec.loss,
                 optax.adam(1e-4),
-                schedule=name,
-                microbatches=M,
-                remat=policy,
+                schedule=ScheduleSpec(name, microbatches=M, remat=policy),
             )
             if variables is None:
                 variables = pipe.variables(pipe.init(jax.random.key(1), microbatches[0][0]))

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition import Topology, plan_auto, plan_pipedream
+from pdjax.partition import Topology, auto_choice, plan_auto, plan_pipedream
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.profile import Profile
 from pdjax.schedules import FLUSHING, SCHEDULES
@@ -92,7 +92,7 @@ def main() -> None:
             row = {
                 "model": model,
                 "cluster": cluster,
-                "auto": auto.options["auto"],
+                "auto": auto_choice(auto),
                 "plan_seconds": seconds,
                 "dp_plan": {s: dp_plan_time(profile, topology, s, args.batch) for s in fixed},
                 "searched": {},
@@ -102,7 +102,7 @@ def main() -> None:
                     one = plan_auto(
                         profile, topology, batch_size=args.batch, schedules=[s], allow_stale=True
                     )
-                    row["searched"][s] = one.options["auto"]["time_per_sample"]
+                    row["searched"][s] = auto_choice(one)["time_per_sample"]
                 except PlanError:
                     row["searched"][s] = math.inf
             rows.append(row)

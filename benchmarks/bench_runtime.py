@@ -48,6 +48,7 @@ from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition 
 from pdjax.partition.evaluate import stage_memory_bytes  # noqa: E402
 from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
+from pdjax.schedules import ScheduleSpec  # noqa: E402
 from pdjax.simulator import simulate  # noqa: E402
 
 
@@ -194,8 +195,7 @@ def _pipelines(layers, variables, optimizer, args) -> dict[str, list]:
                 even_stages(args.layers, P),
                 xent,
                 optimizer,
-                schedule=name,
-                microbatches=args.microbatches,
+                schedule=ScheduleSpec(name, microbatches=args.microbatches),
             )
             state = pipe.state_from_variables(variables, jax.random.key(1))
             configs[f"{name} P={P}"] = [pipe, state]
@@ -387,7 +387,11 @@ def _memory_only(args: argparse.Namespace) -> None:
     for P in (2, 4):
         for name in args.memory_schedules.split(","):
             pipe = Pipeline(
-                layers, even_stages(L, P), xent, optax.adam(1e-4), schedule=name, microbatches=M
+                layers,
+                even_stages(L, P),
+                xent,
+                optax.adam(1e-4),
+                schedule=ScheduleSpec(name, microbatches=M),
             )
             configs[f"{name} P={P}"] = [
                 pipe,
@@ -504,7 +508,11 @@ def _host_per_action(args: argparse.Namespace) -> dict[str, tuple[float, float]]
     for P in (2, 4):
         for name in ("1f1b", "pipedream"):
             pipe = Pipeline(
-                layers, even_stages(L, P), xent, optax.adam(1e-4), schedule=name, microbatches=M
+                layers,
+                even_stages(L, P),
+                xent,
+                optax.adam(1e-4),
+                schedule=ScheduleSpec(name, microbatches=M),
             )
             state = pipe.init(jax.random.key(0), xs[0])
             per = []

@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import split_transformer as lm  # noqa: E402
 
 import pdjax  # noqa: E402
+from pdjax.schedules import ScheduleSpec  # noqa: E402
 
 
 def _seconds(fn, repeats: int) -> float:
@@ -80,8 +81,7 @@ def measure(blocks: int, steps: int) -> dict[str, float]:
         pdjax.even_stages(len(layers), stages),
         lm.loss_fn,
         opt,
-        schedule="1f1b",
-        microbatches=4,
+        schedule=ScheduleSpec("1f1b", microbatches=4),
     )
     state = pipe.init(jax.random.key(0), x[:8])
     state, metrics = pipe.step(state, (x, y))

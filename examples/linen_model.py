@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ConvBlock(16), ConvBlock(32), Classifier(), names=["block1", "block2", "classify"]
     )
     pipe = pdjax.Pipeline(
-        layers, pdjax.even_stages(3, 3), loss_fn, optax.adam(1e-3), schedule="pipedream"
+        layers,
+        pdjax.even_stages(3, 3),
+        loss_fn,
+        optax.adam(1e-3),
+        schedule=pdjax.ScheduleSpec("pipedream"),
     )
     state = pipe.init(jax.random.key(0), x_train[:size])
     test = [(x_test[i : i + 100], y_test[i : i + 100]) for i in range(0, len(x_test), 100)]

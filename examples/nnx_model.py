@@ -120,7 +120,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:  # 3 stages, the blocks' stage replicated on 2 devices
         plan = [StagePlan(0, 0, (0,)), StagePlan(1, 2, (1, 2)), StagePlan(3, 3, (3,))]
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-3))
-    pipe = pdjax.Pipeline(layers, plan, loss_fn, optimizer, schedule="1f1b", microbatches=4)
+    pipe = pdjax.Pipeline(
+        layers, plan, loss_fn, optimizer, schedule=pdjax.ScheduleSpec("1f1b", microbatches=4)
+    )
     train, test = batches(steps, 32, seed=0), batches(4, 32, seed=1)
     state = pipe.init(jax.random.key(0), train[0][0][:8])
 

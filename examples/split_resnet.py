@@ -124,8 +124,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         pdjax.even_stages(len(layers), 3),
         loss_fn,
         optax.sgd(0.1, momentum=0.9),
-        schedule="1f1b",
-        microbatches=2,
+        schedule=pdjax.ScheduleSpec("1f1b", microbatches=2),
     )
     state = pipe.init(jax.random.key(0), train[0][0][:8])
     for step, batch in enumerate(train, 1):

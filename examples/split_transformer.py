@@ -164,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         pdjax.even_stages(len(layers), 3),
         loss_fn,
         optax.adamw(3e-3),
-        schedule="1f1b",
-        microbatches=4,
+        schedule=pdjax.ScheduleSpec("1f1b", microbatches=4),
     )
     state = pipe.init(jax.random.key(0), train[0][0][:8])
     for step, batch in enumerate(train, 1):

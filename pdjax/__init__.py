@@ -10,7 +10,7 @@ pick a schedule, and train:
 >>> prof.layers[0].forward_flops == 2 * 8 * 8 * 16 + 8 * 16  # matmul + bias, per XLA
 True
 >>> pipe = pdjax.Pipeline(layers, pdjax.even_stages(3, 3), lambda y, t: ((y - t) ** 2).mean(),
-...                       optax.sgd(0.1), schedule="1f1b", microbatches=2)
+...                       optax.sgd(0.1), schedule=pdjax.ScheduleSpec("1f1b", microbatches=2))
 >>> state = pipe.init(jax.random.key(0), jnp.ones((4, 8)))
 >>> state, metrics = pipe.step(state, (jnp.ones((8, 8)), jnp.zeros((8, 4))))
 >>> state.updates
@@ -34,7 +34,7 @@ from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline import Pipeline, PipelineState, even_stages
 from pdjax.profile import Profile, profile
 from pdjax.runners import Checkpointer, DataParallel, Runner, RunnerState
-from pdjax.schedules import Schedule, generate, validate
+from pdjax.schedules import Schedule, ScheduleSpec, generate, validate
 from pdjax.simulator import simulate
 
 __version__ = "0.1.0"
@@ -60,6 +60,7 @@ __all__ = [
     "RunnerState",
     "Schedule",
     "ScheduleError",
+    "ScheduleSpec",
     "Topology",
     "even_stages",
     "generate",

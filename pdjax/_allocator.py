@@ -6,11 +6,11 @@ the heap, and by default moves that threshold up to the size of each mmapped blo
 threshold*, which moves with it. XLA's CPU buffers are such blocks, so a program's cost
 depends on what the process freed before it: a vgg-fc stage's backward measured 18 ms
 timed after one stage and 29 ms after another whose large gradients had raised the
-threshold. The cluster launcher gives every worker fixed thresholds through the
-environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, see
-``pdjax.apps.cluster.launcher``), but glibc reads those when the process starts: a
-``pdjax train`` started by hand sets the same values here through ``mallopt``, which also
-turns the dynamic threshold off.
+threshold. The cluster benchmark's launcher gives every worker fixed thresholds through
+the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, see the
+repository's benchmarks/harness/cluster/launcher.py), but glibc reads those when the
+process starts: a ``pdjax train`` started by hand sets the same values here through
+``mallopt``, which also turns the dynamic threshold off.
 
 :func:`fix_thresholds` does it once per process and returns one line for the run's
 report. It leaves alone a threshold the user set (through those variables or

@@ -20,6 +20,7 @@ __all__ = [
     "PlanError",
     "ProfileError",
     "ScheduleError",
+    "ScheduleSpecError",
     "TrainingDiverged",
 ]
 
@@ -50,6 +51,12 @@ class ScheduleError(PdjaxError):
 
 class PipelineError(PdjaxError):
     """The runtime cannot execute a plan or schedule as given."""
+
+
+class ScheduleSpecError(ScheduleError, PipelineError):
+    """A :class:`~pdjax.schedules.ScheduleSpec` setting is wrong or not its kind's: a
+    :class:`ScheduleError`, and a :class:`PipelineError` too, as the pipeline's constructor
+    raised for these settings before they became one spec."""
 
 
 class DataError(PdjaxError):

@@ -253,3 +253,22 @@ class DenseDropout(nn.Module):
     @nn.compact
     def __call__(self, x, train: bool = False):
         return nn.Dropout(0.25, deterministic=not train)(nn.relu(nn.Dense(32)(x)))
+
+
+def pipeline_kwargs(**kwargs):
+    """Keywords for :class:`~pdjax.pipeline.Pipeline` from a test's flat ones: the
+    schedule's (``schedule`` as the kind's name, ``microbatches``, ``chunks``, the kind's
+    options, ``replication``, ``grad_allreduce``, ``remat``) gathered into one
+    :class:`~pdjax.schedules.ScheduleSpec`, the runtime's (``devices``, ``transport``,
+    ``optimizer_scope``) passed as they are."""
+    import dataclasses
+
+    from pdjax.schedules import ScheduleSpec
+
+    fields = {f.name for f in dataclasses.fields(ScheduleSpec)} - {"kind"}
+    spec = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    schedule = kwargs.pop("schedule", "1f1b")
+    if not isinstance(schedule, str):  # a spec or a Schedule already
+        assert not spec, spec
+        return {**kwargs, "schedule": schedule}
+    return {**kwargs, "schedule": ScheduleSpec(schedule, **spec)}

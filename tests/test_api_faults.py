@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import pipeline_kwargs
 
 import pdjax
 from pdjax.errors import LayerError, PipelineError, PlanError
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, PipelineState
 from pdjax.runners import DataParallel, DPState
+from pdjax.schedules import ScheduleSpec
 
 
 def layers():
@@ -35,7 +37,7 @@ def data(n, features=8, seed=0):
 def pipe_of(plan=None, optimizer=None, loss_fn=mse, **kw):
     plan = pdjax.even_stages(4, 2) if plan is None else plan
     kw.setdefault("microbatches", 2)
-    return Pipeline(layers(), plan, loss_fn, optimizer or optax.sgd(0.1), **kw)
+    return Pipeline(layers(), plan, loss_fn, optimizer or optax.sgd(0.1), **pipeline_kwargs(**kw))
 
 
 def started(**kw):
@@ -287,7 +289,13 @@ def test_extra_in_flight_must_be_a_non_negative_integer(value):
 
 def test_run_refuses_a_state_of_a_wider_model_naming_the_layer_and_shapes():
     wide = pdjax.sequential(nn.Dense(16), jnp.tanh, nn.Dense(32), nn.Dense(4))
-    other = Pipeline(wide, pdjax.even_stages(4, 2), mse, optax.sgd(0.1), microbatches=2)
+    other = Pipeline(
+        wide,
+        pdjax.even_stages(4, 2),
+        mse,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("1f1b", microbatches=2),
+    )
     x, t = data(8)
     state = other.init(jax.random.key(0), x[:4])
     pipe, _ = started()

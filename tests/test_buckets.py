@@ -34,7 +34,7 @@ from pdjax.partition import (
 from pdjax.pipeline import Pipeline
 from pdjax.pipeline.executor.calls import check_layouts
 from pdjax.profile import LayerProfile, Profile
-from pdjax.schedules import generate
+from pdjax.schedules import ScheduleSpec, generate
 from pdjax.simulator import simulate
 
 # -- compile counting ------------------------------------------------------------------------
@@ -102,7 +102,11 @@ def _close(got, want):
 def test_flush_stream_of_buckets_compiles_once_per_bucket_and_equals_sequential(schedule, P):
     optimizer = optax.sgd(0.5)
     pipe = Pipeline(
-        SPEC.layers, _plan(P), masked_loss, optimizer, schedule=schedule, microbatches=M
+        SPEC.layers,
+        _plan(P),
+        masked_loss,
+        optimizer,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     batches = [_batch(n, M * ROWS, seed) for seed, n in enumerate(LENGTHS)]
     state = pipe.init(jax.random.key(0), batches[0][0][:ROWS])
@@ -153,7 +157,9 @@ def test_pipedream_runs_a_stream_mixing_lengths_as_the_delayed_recurrence():
     # one call whose microbatches have two lengths: each runs the programs compiled for
     # its shape, with the weight version the schedule names (semantics.md, pipedream)
     P, optimizer, lengths = 2, optax.sgd(0.5), [32, 16, 16, 32, 16]
-    pipe = Pipeline(SPEC.layers, _plan(P), masked_loss, optimizer, schedule="pipedream")
+    pipe = Pipeline(
+        SPEC.layers, _plan(P), masked_loss, optimizer, schedule=ScheduleSpec("pipedream")
+    )
     stream = [_batch(n, ROWS, 10 + k) for k, n in enumerate(lengths)]
     state = pipe.init(jax.random.key(1), stream[0][0])
     variables, rng = jax.device_get(pipe.variables(state)), state.rng
@@ -178,7 +184,9 @@ def test_pipedream_runs_a_stream_mixing_lengths_as_the_delayed_recurrence():
 
 def test_round_robin_group_of_mixed_lengths_is_refused_before_any_work():
     plan = [StagePlan(0, 1, (0, 1), replication="round-robin"), StagePlan(2, 3, (2,))]
-    pipe = Pipeline(SPEC.layers, plan, masked_loss, optax.sgd(0.1), schedule="pipedream")
+    pipe = Pipeline(
+        SPEC.layers, plan, masked_loss, optax.sgd(0.1), schedule=ScheduleSpec("pipedream")
+    )
     state = pipe.init(jax.random.key(2), _batch(16, ROWS, 0)[0])
     before = jax.device_get(state.params)
     mixed = [_batch(16, ROWS, 0), _batch(32, ROWS, 1)]

@@ -22,6 +22,7 @@ from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import Checkpointer, DataParallel
+from pdjax.schedules import ScheduleSpec
 
 K = 3  # steps before the save; the resumed run trains K more
 
@@ -52,8 +53,7 @@ def _mlp_pipeline(specs=None):
         even_stages(len(spec.layers), 2) if specs is None else specs,
         spec.loss,
         optax.adam(1e-2),
-        schedule="1f1b",
-        microbatches=2,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
 
 
@@ -137,7 +137,11 @@ def _runner(kind, layers):
     if kind == "dp":
         return DataParallel(layers, _mse, optax.adam(1e-2), devices=jax.devices()[:2])
     return Pipeline(
-        layers, even_stages(len(layers), 2), _mse, optax.adam(1e-2), schedule=kind, microbatches=2
+        layers,
+        even_stages(len(layers), 2),
+        _mse,
+        optax.adam(1e-2),
+        schedule=ScheduleSpec(kind, microbatches=2),
     )
 
 
@@ -373,7 +377,13 @@ def test_a_replan_into_another_optimizer_is_refused_as_under_the_same_plan(tmp_p
     x, _ = spec.sample_batch(4)
 
     def sgd_pipe(stages):
-        return Pipeline(spec.layers, stages, spec.loss, optax.sgd(1e-2), microbatches=2)
+        return Pipeline(
+            spec.layers,
+            stages,
+            spec.loss,
+            optax.sgd(1e-2),
+            schedule=ScheduleSpec("1f1b", microbatches=2),
+        )
 
     same_plan, other_plan = sgd_pipe(even_stages(4, 2)), sgd_pipe(even_stages(4, 3))
     message = (

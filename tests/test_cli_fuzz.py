@@ -185,8 +185,6 @@ REFUSED_ONLY = [
         "--seed",
     )
 ] + [
-    (["bench", "--cluster"], o) for o in ("--fast-rate", "--repeats", "--seed")
-] + [
     (["profile", "--model", "mlp"], o)
     for o in ("--batch-size", "--efficiency", "--repeats", "--seed")
 ] + [
@@ -249,9 +247,6 @@ def test_expensive_commands_refuse_bad_values_up_front(base, option, data, capsy
         ([*SIMULATE[:1], "--unit-costs", "inf,1,1", "--stages", "2"], ["--unit-costs"]),
         (["train", "--devices", "100000"], ["--devices", "<= 512", "jax_num_cpu_devices"]),
         (["bench", "--devices", "100000"], ["--devices", "<= 512"]),
-        (["bench", "--cluster", "--rates", "-5"], ["--rates", "must be a positive finite number"]),
-        (["bench", "--cluster", "--rates", "100,nan"], ["--rates", "'nan'"]),
-        (["bench", "--cluster", "--fast-rate", "inf"], ["--fast-rate", "finite"]),
         (["train", "--lr", "nan"], ["--lr", "> 0"]),
         (["train", "--target-accuracy", "1.5"], ["--target-accuracy", "<= 1"]),
         (["train", "--seed", "-1"], ["--seed", ">= 0", "32-bit"]),
@@ -548,7 +543,6 @@ PATH_CASES = [
     ("train", ["train", "--devices", "2", "--epochs", "1"], "--plan", [], REFUSED_INPUT),
     ("train", ["train", "--devices", "2", "--epochs", "1", "--plan", "even"], "--dataset", [],
      REFUSED_INPUT),
-    ("bench", ["bench", "--cluster"], "--out", [], REFUSED_FOLDER),
     ("bench", ["bench", "--devices", "2"], "--plan", [], REFUSED_INPUT),
     ("generate", ["generate", "--prompt", "a"], "--checkpoint", [], REFUSED_INPUT),
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""pdjax.apps.cluster: predictions against hand-computed costs, the report, and one small
+"""benchmarks.harness.cluster: predictions against hand-computed costs, the report, and one small
 launch of real pinned workers (on an emulated 100 Mbit/s network where this machine
 allows it, else on loopback)."""
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from pdjax.apps.cluster import (
+from benchmarks.harness.cluster import (
     PAYLOAD,
     ClusterError,
     ClusterResult,
@@ -21,7 +21,7 @@ from pdjax.apps.cluster import (
     plot_ranking,
     predict,
 )
-from pdjax.apps.netem import network_support
+from benchmarks.harness.netem import network_support
 from pdjax.profile import LayerProfile, Profile
 
 F, B, U = 1e-3, 2e-3, 5e-4  # per layer: forward, backward, update seconds
@@ -107,7 +107,7 @@ def _calibrated(L=4):
 
 
 def test_calibrated_predictions():
-    from pdjax.apps.cluster import predict_calibrated
+    from benchmarks.harness.cluster import predict_calibrated
 
     cal = _calibrated()
     planner, sim = predict_calibrated(
@@ -139,7 +139,7 @@ def test_calibrated_predictions():
 
 
 def test_kendall_tau():
-    from pdjax.apps.cluster import kendall_tau
+    from benchmarks.harness.cluster import kendall_tau
 
     assert kendall_tau([1, 2, 3, 4], [2, 4, 6, 8]) == 1.0
     assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
@@ -284,9 +284,76 @@ def test_workers_run_every_runner_across_processes(tmp_path):
     for ln in cal["links"]:
         assert ln["bandwidth"] > 0 and ln["latency"] >= 0 and ln["send_seconds"] > 0
         if reason is None:  # 100 Mbit/s: no faster than the rate, less one token bucket
-            from pdjax.apps.netem import burst_bytes
+            from benchmarks.harness.netem import burst_bytes
 
             assert ln["seconds"][-1] >= (262144 - burst_bytes(100.0)) / (100e6 / 8)
     assert cal["allreduce_model"] > 0
     (stage,) = cal["stages"]
     assert (stage["first"], stage["last"], stage["replicas"]) == (0, 3, 1)
+
+
+# -- the scripts' command lines (benchmarks/cluster/options.py): refused before any work ----
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--rates", "-5"], ["--rates", "must be a positive finite number"]),
+        (["--rates", "100,nan"], ["--rates", "'nan'"]),
+        (["--rates", "2e7"], ["--rates", "<= 1e+07"]),
+        (["--fast-rate", "inf"], ["--fast-rate", "finite"]),
+        (["--repeats", "0"], ["--repeats", ">= 1"]),
+        (["--seed", "-1"], ["--seed", ">= 0"]),
+        (["--out", ""], ["--out", "empty path"]),
+        (["--cluster"], ["unrecognized arguments: --cluster"]),
+    ],
+)
+def test_cluster_script_options_are_refused_before_any_work(argv, words, capsys):
+    from benchmarks.cluster.options import parse_cluster
+
+    with pytest.raises(SystemExit) as e:
+        parse_cluster(None, argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and all(w in err for w in words), err
+
+
+def test_tta_script_options_and_their_defaults(tmp_path, capsys):
+    from benchmarks.cluster.options import RESULTS, parse_tta
+
+    args = parse_tta(None, ["--rates", "100,1000", "--studies", "vgg-digits,", "--seeds", "1"])
+    assert (args.rates, args.studies, args.seeds, args.seed) == (
+        [100.0, 1000.0],
+        ["vgg-digits"],
+        1,
+        0,
+    )
+    assert args.out == str(RESULTS / "cluster-tta") and not args.loopback and not args.json
+    (tmp_path / "file").write_text("x")
+    for argv, words in [
+        (["--seeds", "17"], ["--seeds", "<= 16"]),
+        (["--out", str(tmp_path / "file")], ["--out", "that is a file"]),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            parse_tta(None, argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and all(w in err for w in words), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing written
+
+
+def test_the_scripts_start_from_any_folder(tmp_path):
+    """``python benchmarks/cluster/run.py --help`` (and tta.py's) from outside the
+    repository: the script finds the benchmarks package itself."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for name in ("run.py", "tta.py", "auto.py"):
+        done = subprocess.run(
+            [sys.executable, str(root / "benchmarks" / "cluster" / name), "--help"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0 and "usage:" in done.stdout, (name, done.stderr)

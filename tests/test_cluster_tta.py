@@ -1,4 +1,4 @@
-"""Time to accuracy on the cluster (pdjax.apps.cluster_tta): real training runs in 2 worker
+"""Time to accuracy on the cluster (benchmarks.harness.cluster_tta): real training runs in 2 worker
 processes (loopback here: link emulation needs root and is exercised by the benchmark),
 resumed from the results already saved, and the report's arithmetic."""
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from pdjax.apps import cluster_tta
-from pdjax.apps.cluster import ClusterError
-from pdjax.apps.cluster_tta import TTAStudy, markdown, report, run_tta, summarize
+from benchmarks.harness import cluster_tta
+from benchmarks.harness.cluster import ClusterError
+from benchmarks.harness.cluster_tta import TTAStudy, markdown, report, run_tta, summarize
 
 # a small model on flattened digits; one epoch, so the runs are short
 STUDY = TTAStudy(
@@ -49,8 +49,8 @@ def test_runs_train_in_two_processes_and_a_rerun_resumes(tmp_path, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a rerun launched workers again")
 
-    monkeypatch.setattr("pdjax.apps.cluster.launch", no_launch)
-    monkeypatch.setattr("pdjax.apps.cluster.profile_on_workers", no_launch)
+    monkeypatch.setattr("benchmarks.harness.cluster.launch", no_launch)
+    monkeypatch.setattr("benchmarks.harness.cluster.profile_on_workers", no_launch)
     again = run_tta(out, studies=[STUDY], seeds=(0,), runners=("single", "1f1b"), emulate=False)
     assert again == results
     paths = report(out)

@@ -21,7 +21,7 @@ from pdjax.partition import (
     weight_grad_fraction,
 )
 from pdjax.profile import LayerProfile, Profile
-from pdjax.schedules import generate
+from pdjax.schedules import ScheduleSpec, generate
 from pdjax.simulator import simulate
 
 # ------------------------------------------------------------------------------ hand-made
@@ -70,9 +70,8 @@ def _plan(topology: Topology, stages: list[tuple[int, int, tuple[int, ...]]], **
         num_layers=4,
         topology=topology,
         cost_model="pdjax",
-        schedule="1f1b",
+        schedule=ScheduleSpec("1f1b", microbatches=4),
         partitioner="manual",
-        num_microbatches=4,
         microbatch_size=4,
         time_per_microbatch=1.0,
         single_device_time=1.0,

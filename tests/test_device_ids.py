@@ -12,6 +12,7 @@ from pdjax.models import get_model
 from pdjax.partition import Plan, Topology, evaluate_partition
 from pdjax.pipeline import Pipeline
 from pdjax.profile import profile
+from pdjax.schedules import ScheduleSpec
 
 MB, M = 4, 2  # samples per microbatch, microbatches per step
 
@@ -38,7 +39,14 @@ def _plan(prof, devices, stages=((0, 1, 1), (2, 2, 2), (3, 3, 1))):
 def _run(spec, batch, plan, devices):
     """The pipeline on ``devices``, after one 1F1B step; checks the step's arrays are on
     the stages' devices. Returns the device ids per stage."""
-    pipe = Pipeline(spec.layers, plan, spec.loss, optax.sgd(0.1), microbatches=M, devices=devices)
+    pipe = Pipeline(
+        spec.layers,
+        plan,
+        spec.loss,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("1f1b", microbatches=M),
+        devices=devices,
+    )
     state = pipe.init(jax.random.key(0), batch[0][:MB])
     state, _ = pipe.step(state, batch)
     ids = [[d.id for d in st.devices] for st in pipe.stages]

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import pipeline_kwargs
 
 import pdjax
 from pdjax.errors import PipelineError
@@ -60,7 +61,9 @@ def _pipe(case, loss_fn=loss_with_aux, **kw):
     if case == "interleaved":  # chunks=2 needs an even number of stages
         plan = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1,)), StagePlan(2, 3, (0,))]
         plan.append(StagePlan(4, 4, (1,)))
-    return Pipeline(layers(), plan, loss_fn, optax.sgd(0.1), microbatches=2, **cfg, **kw)
+    return Pipeline(
+        layers(), plan, loss_fn, optax.sgd(0.1), **pipeline_kwargs(microbatches=2, **cfg, **kw)
+    )
 
 
 @pytest.mark.parametrize("case", sorted(PLANS))

@@ -241,8 +241,14 @@ def test_negative_or_non_finite_costs_are_refused(prof, field, value, match):
 @pytest.mark.parametrize(
     "edit,match",
     [
-        (lambda d: d.update(num_microbatches=0), "num_microbatches: must be at least 1"),
-        (lambda d: d.update(num_microbatches=-4), "num_microbatches: must be at least 1"),
+        (
+            lambda d: d["schedule"].update(microbatches=0),
+            r"schedule: microbatches must be an integer >= 1, got 0",
+        ),
+        (
+            lambda d: d["schedule"].update(microbatches=-4),
+            r"schedule: microbatches must be an integer >= 1, got -4",
+        ),
         (lambda d: d["stages"][1].update(in_flight=-1), r"stages\[1\]\.in_flight"),
         (lambda d: d["stages"][0].update(replicas=0), r"stages\[0\]\.replicas"),
         (lambda d: d["stages"][0].update(devices=[]), r"stages\[0\]\.devices"),

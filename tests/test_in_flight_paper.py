@@ -24,7 +24,7 @@ from reference import Dense32, DenseDropout, delayed_training, random_stream, re
 from pdjax.errors import PipelineError, ScheduleError
 from pdjax.layers import sequential
 from pdjax.pipeline import Pipeline
-from pdjax.schedules import Schedule, generate, paper_in_flight, pipedream, validate
+from pdjax.schedules import Schedule, ScheduleSpec, generate, paper_in_flight, pipedream, validate
 from pdjax.schedules.validate import expected_in_flight
 from pdjax.simulator import PipelineCosts, StageCosts, simulate, stream_length, unit_costs
 
@@ -161,7 +161,7 @@ def test_what_paper_refuses_and_what_the_validator_rejects():
         pipedream(3, 6, extra_in_flight=1, in_flight="paper")
     with pytest.raises(ScheduleError, match="in_flight must be one of"):
         pipedream(3, 6, in_flight="noam")
-    with pytest.raises(ScheduleError, match="in_flight='paper' is a pipedream option"):
+    with pytest.raises(ScheduleError, match="in_flight='paper' is an option of pipedream"):
         generate("1f1b", 2, 4, in_flight="paper")
     paper, full = _schedule((1, 3, 1), "paper"), _schedule((1, 3, 1), "full-rate")
     # full-rate counts labelled paper, and paper counts labelled full-rate (5 < the 6 the
@@ -242,11 +242,9 @@ def test_paper_round_robin_equals_its_recurrence(opt_name):
     opt = optax.sgd(0.1) if opt_name == "sgd" else optax.adam(1e-2)
     N = 3 * 3 * math.lcm(*replicas)  # at least 3P groups at every stage
     stream = random_stream(N)
-    pipe = Pipeline(
-        layers, replica_plan(bounds, replicas), xent, opt, schedule="pipedream",
-        replication="round-robin", in_flight="paper",
-    )  # fmt: skip
-    assert pipe.in_flight == "paper"
+    spec = ScheduleSpec("pipedream", in_flight="paper", replication="round-robin")
+    pipe = Pipeline(layers, replica_plan(bounds, replicas), xent, opt, schedule=spec)
+    assert pipe.spec.in_flight == "paper"
     sched = pipe.schedule(N)
     assert sched.in_flight == "paper" and sched.in_flight_bound == (5, 3, 1)
     state = pipe.init(jax.random.key(0), stream[0][0])
@@ -282,17 +280,14 @@ def test_paper_round_robin_equals_its_recurrence(opt_name):
 
 
 def test_pipeline_options_check_in_flight():
-    from pdjax.pipeline.executor.config import check_options
-
-    common = dict(chunks=1, vertical_sync=False, weight_stashing=True,
-                  grad_allreduce="update", optimizer_scope="model")  # fmt: skip
-    check_options("pipedream", extra_in_flight=0, in_flight="paper", **common)
+    """The spec checks the option once, when it is made (a PipelineError as before)."""
+    assert ScheduleSpec("pipedream", in_flight="paper").in_flight == "paper"
     with pytest.raises(PipelineError, match="option of pipedream, not of 2bw"):
-        check_options("2bw", extra_in_flight=0, in_flight="paper", **common)
+        ScheduleSpec("2bw", in_flight="paper")
     with pytest.raises(PipelineError, match="pass one of them"):
-        check_options("pipedream", extra_in_flight=1, in_flight="paper", **common)
+        ScheduleSpec("pipedream", extra_in_flight=1, in_flight="paper")
     with pytest.raises(PipelineError, match="in_flight must be one of"):
-        check_options("pipedream", extra_in_flight=0, in_flight="noam", **common)
+        ScheduleSpec("pipedream", in_flight="noam")
 
 
 def test_pipeline_refuses_an_in_flight_it_cannot_run():
@@ -300,9 +295,13 @@ def test_pipeline_refuses_an_in_flight_it_cannot_run():
     layers = sequential(Dense32(), nn.Dense(10))
     plan = replica_plan(((0, 1), (1, 2)), (1, 1))
     with pytest.raises(PipelineError, match="in_flight must be one of"):
-        Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="pipedream", in_flight="noam")
+        Pipeline(
+            layers, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("pipedream", in_flight="noam")
+        )
     with pytest.raises(PipelineError, match="option of pipedream, not of 1f1b"):
-        Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="1f1b", in_flight="paper")
+        Pipeline(
+            layers, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", in_flight="paper")
+        )
 
 
 def test_train_takes_in_flight_for_pipedream_only():

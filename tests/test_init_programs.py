@@ -17,6 +17,7 @@ import pdjax
 from pdjax.layers import init_programs
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 _compiled: collections.Counter[str] = collections.Counter()
 
@@ -67,7 +68,9 @@ def _mlp():
 
 
 def _pipeline(layers, stages):
-    return Pipeline(layers, stages, _loss, optax.sgd(0.1), microbatches=2)
+    return Pipeline(
+        layers, stages, _loss, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", microbatches=2)
+    )
 
 
 def _key(seed):

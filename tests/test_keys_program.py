@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from reference import pipeline_kwargs
 
 import pdjax
 from pdjax.partition import StagePlan
@@ -15,7 +16,9 @@ from pdjax.pipeline import Pipeline
 
 def _pipeline(width, stages, **kw):
     layers = pdjax.sequential(nn.Dense(width), jnp.tanh, nn.Dense(3))
-    return Pipeline(layers, stages, lambda y, t: jnp.mean((y - t) ** 2), optax.sgd(0.1), **kw)
+    return Pipeline(
+        layers, stages, lambda y, t: jnp.mean((y - t) ** 2), optax.sgd(0.1), **pipeline_kwargs(**kw)
+    )
 
 
 def _bits(key):

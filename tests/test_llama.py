@@ -29,6 +29,7 @@ from pdjax.models.llama import (
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 from pdjax.profile import profile
+from pdjax.schedules import ScheduleSpec
 
 TINY = LlamaConfig.tiny()  # 2 blocks, d=32, 4 heads over 2 kv heads, dropout 0.1
 
@@ -332,7 +333,9 @@ def _batches(config):
 
 def _pipeline(config, stages, schedule, optimizer):
     layers = build_layers(config)
-    pipe = Pipeline(layers, stages, _loss, optimizer, schedule=schedule, microbatches=M)
+    pipe = Pipeline(
+        layers, stages, _loss, optimizer, schedule=ScheduleSpec(schedule, microbatches=M)
+    )
     batches = _batches(config)
     state = pipe.init(jax.random.key(7), batches[0][0][:ROWS])
     initial, rng = pipe.variables(state), state.rng

@@ -18,6 +18,7 @@ from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.precision import LossScaleState, get_policy, loss_scaled
 from pdjax.runners import DataParallel
+from pdjax.schedules import ScheduleSpec
 
 F16 = np.dtype(jnp.float16)
 
@@ -124,7 +125,7 @@ def test_float16_loss_scaling_equals_the_jmp_loop(schedule, stages, inner, one_c
         (xs[k * mb : (k + 1) * mb], ts[k * mb : (k + 1) * mb]) for k in range(steps * M)
     ]
     opt = loss_scaled(inner, _scale())
-    pipe = Pipeline(layers, plan, _mse, opt, schedule=schedule, microbatches=M)
+    pipe = Pipeline(layers, plan, _mse, opt, schedule=ScheduleSpec(schedule, microbatches=M))
     state = pipe.init(jax.random.key(3), xs[:mb])
     # the finite flag rides on the exchanged sums of squares (one stage: nothing to exchange)
     assert pipe.coupled == (len(plan) > 1)
@@ -181,16 +182,29 @@ def test_refused_where_not_exact():
     plan = even_stages(len(layers), 2)
     scaled = loss_scaled(optax.sgd(0.1))
     with pytest.raises(PipelineError, match=r"float16.*loss_scaled"):
-        Pipeline(layers, plan, _mse, optax.sgd(0.1), schedule="1f1b", microbatches=2)
+        Pipeline(layers, plan, _mse, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", microbatches=2))
     for schedule in ("pipedream", "2bw"):
         with pytest.raises(PipelineError, match=rf"under {schedule}.*flush schedule"):
-            Pipeline(layers, plan, _mse, scaled, schedule=schedule, microbatches=2)
+            Pipeline(layers, plan, _mse, scaled, schedule=ScheduleSpec(schedule, microbatches=2))
     with pytest.raises(PipelineError, match="optimizer_scope='model'"):
-        Pipeline(layers, plan, _mse, scaled, microbatches=2, optimizer_scope="stage")
+        Pipeline(
+            layers,
+            plan,
+            _mse,
+            scaled,
+            schedule=ScheduleSpec("1f1b", microbatches=2),
+            optimizer_scope="stage",
+        )
     with pytest.raises(PipelineError, match="DataParallel does not scale the loss"):
         DataParallel(layers, _mse, scaled, devices=jax.devices()[:1])
     bf16 = sequential(nn.Dense(4), precision="bf16")
     with pytest.raises(PipelineError, match="DataParallel does not scale the loss"):
         DataParallel(bf16, _mse, scaled, devices=jax.devices()[:1])
     # one stage: nothing to exchange, still exact (a plain loss-scaled step)
-    Pipeline(layers, (StagePlan(0, len(layers) - 1, (0,)),), _mse, scaled, microbatches=2)
+    Pipeline(
+        layers,
+        (StagePlan(0, len(layers) - 1, (0,)),),
+        _mse,
+        scaled,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
+    )

@@ -9,6 +9,7 @@ import pytest
 
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.schedules import ScheduleSpec
 
 
 def _live_bytes():
@@ -28,8 +29,7 @@ def test_no_leak_over_50_steps(schedule):
         even_stages(len(spec.layers), 2),
         spec.loss,
         optax.adam(1e-3),
-        schedule=schedule,
-        microbatches=M,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     state = pipe.init(jax.random.key(1), x[:mb])
     microbatches = pipe.split_batch((x, y))
@@ -98,8 +98,7 @@ def test_runtime_memory_model_predicts_the_measured_peak(schedule):
         even_stages(num_layers, 2),
         lambda out, y: jnp.mean((out - y) ** 2),
         optax.adam(1e-3),
-        schedule=schedule,
-        microbatches=M,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     state = _own_buffers(pipe.init(jax.random.key(1), xs[0]))
     others = _per_device(jax.live_arrays())

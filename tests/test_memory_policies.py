@@ -18,6 +18,7 @@ from pdjax.partition.auto import evaluate_candidate
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.pipeline.stage import Stage
 from pdjax.profile import LayerProfile, PolicyCost, Profile, profile
+from pdjax.schedules import ScheduleSpec
 
 
 def _train(spec, schedule, remat, M=2, steps=1, mb=2, seed=0):
@@ -32,9 +33,7 @@ def _train(spec, schedule, remat, M=2, steps=1, mb=2, seed=0):
         even_stages(len(spec.layers), len(remat)),
         spec.loss,
         optimizer,
-        schedule=schedule,
-        microbatches=M,
-        remat=remat,
+        schedule=ScheduleSpec(schedule, microbatches=M, remat=remat),
     )
     state = pipe.init(jax.random.key(3), jax.tree.map(lambda a: a[:mb], x))
     variables = pipe.variables(state)
@@ -148,7 +147,11 @@ def test_bad_policies_are_refused_before_any_work():
 
     def make(remat):
         return Pipeline(
-            spec.layers, even_stages(len(spec.layers), 2), spec.loss, optax.sgd(0.1), remat=remat
+            spec.layers,
+            even_stages(len(spec.layers), 2),
+            spec.loss,
+            optax.sgd(0.1),
+            schedule=ScheduleSpec("1f1b", remat=remat),
         )
 
     with pytest.raises(PipelineError, match="memory policy"):

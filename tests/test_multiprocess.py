@@ -23,6 +23,8 @@ import numpy as np
 import optax
 import pytest
 
+from pdjax.schedules import ScheduleSpec
+
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 90.0  # seconds for one launch of worker processes
 STEPS, M, MB = 2, 4, 4  # optimizer steps (flush) / microbatches per step / samples each
@@ -48,8 +50,7 @@ def _setup(schedule: str, span: bool = False, three: bool = False, transport: st
         stages,
         spec.loss,
         optax.sgd(0.05),
-        schedule=schedule,
-        microbatches=M,
+        schedule=ScheduleSpec(schedule, microbatches=M),
         transport=transport,
     )
     key = jax.random.key(0)

@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import optax
 
+from pdjax.schedules import ScheduleSpec
+
 ROOT = Path(__file__).resolve().parent.parent
 ROWS = (8, 8, 5)  # the evaluation batches: the last one's rows split over no stage of 2
 #: Stage 1 replicated on devices 1 and 2, one in each process: activations cross processes
@@ -42,7 +44,13 @@ def _mlp(plan: str):
         stages = [StagePlan(0, 0, (0,)), StagePlan(1, 1, (1, 2)), StagePlan(2, 3, (3,))]
     else:
         stages = even_stages(len(spec.layers), 4)
-    pipe = Pipeline(spec.layers, stages, spec.loss, optax.sgd(0.1), microbatches=2)
+    pipe = Pipeline(
+        spec.layers,
+        stages,
+        spec.loss,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("1f1b", microbatches=2),
+    )
     x, y = spec.sample_batch(sum(ROWS), jax.random.key(5))
     bounds = np.cumsum((0, *ROWS))
     batches = [(x[a:b], y[a:b]) for a, b in itertools.pairwise(bounds)]

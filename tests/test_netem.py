@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdjax.apps.netem import (
+from benchmarks.harness.netem import (
     EmulatedNetwork,
     NetworkError,
     measure_round_trip,
@@ -130,7 +130,7 @@ def test_setup_failing_half_way_leaves_nothing() -> None:
 def test_atexit_deletes_namespaces_of_a_driver_that_never_left_the_block() -> None:
     _require()
     code = (
-        "from pdjax.apps.netem import EmulatedNetwork\n"
+        "from benchmarks.harness.netem import EmulatedNetwork\n"
         "net = EmulatedNetwork(2, 100.0).__enter__()\n"
         "print(net.switch, *net.namespaces)\n"
     )

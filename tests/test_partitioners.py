@@ -90,7 +90,7 @@ def test_partitioners_make_straight_plans():
     assert split.config == "2-2"
     assert replicated.stages[1].devices == (2, 3)
     three = plan_balanced_time(profile, Topology.flat(4, 1e9), 3, schedule="1f1b")
-    assert three.num_stages == 3 and three.num_devices == 3 and three.schedule == "1f1b"
+    assert three.num_stages == 3 and three.num_devices == 3 and three.schedule.kind == "1f1b"
 
 
 def test_partitioners_bad_input():

@@ -15,6 +15,7 @@ from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.schedules import ScheduleSpec
 
 # The MLP's schedules compile as users' programs are, at XLA's default optimization level
 # (conftest.py): the same checks as at the tests' low level, which the larger models use.
@@ -56,9 +57,7 @@ def check_transparent(
         _stages(len(spec.layers), P, replicas, chunks),
         spec.loss,
         optimizer,
-        schedule=schedule,
-        microbatches=M,
-        chunks=chunks,
+        schedule=ScheduleSpec(schedule, microbatches=M, chunks=chunks),
     )
     state = pipe.init(jax.random.key(3), jax.tree.map(lambda a: a[:mb], x))
     variables = pipe.variables(state)
@@ -154,7 +153,13 @@ def test_bad_plans_and_batches_fail_before_device_work():
         Pipeline(spec.layers, [StagePlan(0, 1, (0,)), StagePlan(3, L - 1, (1,))], loss, opt)
     with pytest.raises(PipelineError, match="jax_num_cpu_devices"):
         Pipeline(spec.layers, even_stages(L, 2, replicas=8), loss, opt)
-    pipe = Pipeline(spec.layers, even_stages(L, 2, replicas=2), loss, opt, microbatches=3)
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(L, 2, replicas=2),
+        loss,
+        opt,
+        schedule=ScheduleSpec("1f1b", microbatches=3),
+    )
     x, y = _data(spec, 8)
     with pytest.raises(PipelineError, match="multiple of 6"):
         pipe.split_batch((x, y))
@@ -175,7 +180,9 @@ def test_shapes_are_traced_once_per_layer_and_layout():
 
     seq = sequential(nn.Dense(8), counted, nn.Dense(3))
     loss = get_model("mlp", "tiny").loss
-    pipe = Pipeline(seq, even_stages(3, 2), loss, optax.sgd(0.1), microbatches=2)
+    pipe = Pipeline(
+        seq, even_stages(3, 2), loss, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", microbatches=2)
+    )
     traces.clear()  # (sequential called it once, to tell a function from an nnx factory)
     x = jnp.ones((4, 5))
     out = pipe.check_shapes(x)
@@ -218,20 +225,36 @@ def test_more_bad_input_is_caught_with_a_hint():
     with pytest.raises(PlanError, match="devices \\[-1\\] must be distinct indices >= 0"):
         StagePlan(0, L - 1, (-1,))
     with pytest.raises(PipelineError, match="options of the pipedream schedule"):
-        Pipeline(spec.layers, even_stages(L, 2), loss, opt, vertical_sync=True)
+        Pipeline(
+            spec.layers,
+            even_stages(L, 2),
+            loss,
+            opt,
+            schedule=ScheduleSpec("1f1b", vertical_sync=True),
+        )
     with pytest.raises(PipelineError, match="option of interleaved"):
-        Pipeline(spec.layers, even_stages(L, 2), loss, opt, chunks=3)
+        Pipeline(spec.layers, even_stages(L, 2), loss, opt, schedule=ScheduleSpec("1f1b", chunks=3))
     with pytest.raises(PipelineError, match="2bw needs microbatches"):
-        Pipeline(spec.layers, even_stages(L, 4), loss, opt, schedule="2bw", microbatches=2)
+        Pipeline(
+            spec.layers, even_stages(L, 4), loss, opt, schedule=ScheduleSpec("2bw", microbatches=2)
+        )
     with pytest.raises(PipelineError, match="replicas must be >= 1"):
         even_stages(L, 2, replicas=0)
-    two = Pipeline(spec.layers, even_stages(L, 2), loss, opt, schedule="2bw", microbatches=2)
+    two = Pipeline(
+        spec.layers, even_stages(L, 2), loss, opt, schedule=ScheduleSpec("2bw", microbatches=2)
+    )
     x, y = _data(spec, 8)
     state = two.init(jax.random.key(0), x[:4])
     with pytest.raises(PipelineError, match="use run"):
         two.step(state, (x, y))  # 2bw's W(t-1) needs a stream, not one step per call
     state, _ = two.run(state, two.split_batch((x, y)) * 2)
-    pipe = Pipeline(spec.layers, even_stages(L, 2, replicas=2), loss, opt, microbatches=2)
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(L, 2, replicas=2),
+        loss,
+        opt,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
+    )
     old = pipe.init(jax.random.key(0), x[:4])
     new, _ = pipe.step(old, (x, y))
     with pytest.raises(PipelineError, match="consumed"):

@@ -8,11 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from reference import pipeline_kwargs
 
 import pdjax
 from pdjax.errors import PipelineError
 from pdjax.pipeline import Pipeline, even_stages
-from pdjax.schedules import schedule_kind
+from pdjax.schedules import ScheduleSpec, schedule_kind
 
 
 def _devices(stages):
@@ -82,8 +83,8 @@ def _losses(plan, schedule, **kw):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(32, 8)).astype(np.float32)
     t = rng.integers(0, 4, 32).astype(np.int32)
-    pipe = Pipeline(_layers(), plan, _loss, optax.adam(1e-2), schedule=schedule, microbatches=4,
-                    **kw)  # fmt: skip
+    kw = pipeline_kwargs(schedule=schedule, microbatches=4, **kw)
+    pipe = Pipeline(_layers(), plan, _loss, optax.adam(1e-2), **kw)
     state = pipe.init(jax.random.key(0), x[:8])
     losses = []
     for _ in range(3):
@@ -107,4 +108,4 @@ def test_zb_v_and_interleaved_pipelines_built_by_placement_train_as_1f1b():
 
 def test_plain_even_stages_are_refused_by_zb_v_naming_the_placement():
     with pytest.raises(PipelineError, match="must use the devices of stage"):
-        Pipeline(_layers(), even_stages(8, 4), _loss, optax.sgd(0.1), schedule="zb-v")
+        Pipeline(_layers(), even_stages(8, 4), _loss, optax.sgd(0.1), schedule=ScheduleSpec("zb-v"))

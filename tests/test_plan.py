@@ -41,9 +41,12 @@ def test_json_round_trip_is_exact(plans, tmp_path):
 
 def test_json_fields(plans):
     data = json.loads(plans[0].to_json())
-    assert data["format"] == "pdjax.plan/1"
+    assert data["format"] == "pdjax.plan/2"
     assert data["config"] == "3-1"
-    assert data["cost_model"] == "pipedream-code" and data["schedule"] == "pipedream"
+    assert data["cost_model"] == "pipedream-code" and data["schedule"]["kind"] == "pipedream"
+    assert data["schedule"] == plans[0].schedule.to_dict()
+    assert data["schedule"]["microbatches"] == plans[0].num_microbatches
+    assert "num_microbatches" not in data
     assert data["noam"] == 2
     assert data["stages"][0] == {
         "first_layer": 0,
@@ -64,7 +67,6 @@ def test_json_fields(plans):
         "topology",
         "options",
         "memory_limit",
-        "num_microbatches",
         "microbatch_size",
     ):
         assert key in data

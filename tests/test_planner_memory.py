@@ -72,13 +72,13 @@ def _runtime_peak(plan, profile: Profile) -> tuple[float, ...]:
         )
     runtime = dataclasses.replace(costs, stages=tuple(stages), memory_model="runtime")
     kwargs: dict = {"replicas": plan.replicas}
-    if plan.schedule in ROUND_ROBIN:
+    if plan.schedule.kind in ROUND_ROBIN:
         kwargs["replication"] = plan.replication
-    if plan.schedule in STREAMING:
-        schedule = generate(plan.schedule, P, M, stream=N, **kwargs)
+    if plan.schedule.kind in STREAMING:
+        schedule = generate(plan.schedule.kind, P, M, stream=N, **kwargs)
     else:
         assert N % M == 0
-        schedule = generate(plan.schedule, P, M, steps=N // M, **kwargs)
+        schedule = generate(plan.schedule.kind, P, M, steps=N // M, **kwargs)
     return simulate(schedule, runtime).peak_memory
 
 
@@ -89,12 +89,12 @@ def _old_estimate(plan, profile: Profile) -> list[float]:
     arrays = cost.model_arrays(profile, plan.microbatch_size)
     k = plan.options["optimizer_state_factor"]
     # the accumulator (none under pipedream) and the update's new weights and state
-    accumulator = 0.0 if cost.schedule_traits(plan.schedule).update_per_microbatch else 1.0
+    accumulator = 0.0 if cost.schedule_traits(plan.schedule.kind).update_per_microbatch else 1.0
     copies = accumulator + 1.0 + k
     out = []
     for st in plan.stages:
         sl = slice(st.first_layer, st.last_layer + 1)
-        versions = cost.versions_kept(plan.schedule, st.in_flight)
+        versions = cost.versions_kept(plan.schedule.kind, st.in_flight)
         w, stash = float(arrays.params[sl].sum()), float(arrays.stash[sl].sum())
         out.append(w * (versions + k + copies) + stash * st.in_flight / st.replicas)
     return out

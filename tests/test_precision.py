@@ -23,6 +23,7 @@ from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.pipeline.executor import interpreter
 from pdjax.precision import Policy, get_policy
+from pdjax.schedules import ScheduleSpec
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 MIXED = Policy(jnp.float32, jnp.bfloat16, jnp.float32)
@@ -274,7 +275,13 @@ def test_pipeline_1f1b_equals_a_single_device_loop(build):
     x, t = _xy(n=M * mb, seed=2)  # the same batch every step: its loss goes down
     x, t = jnp.concatenate([x] * steps), jnp.concatenate([t] * steps)
     optimizer = optax.sgd(0.1)
-    pipe = Pipeline(seq, even_stages(len(seq), 2), _mse, optimizer, schedule="1f1b", microbatches=M)
+    pipe = Pipeline(
+        seq,
+        even_stages(len(seq), 2),
+        _mse,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=M),
+    )
     state = pipe.init(jax.random.key(3), x[:mb])
     variables = pipe.variables(state)
     assert set(_dtypes(variables)) == {F32}
@@ -441,7 +448,7 @@ def test_replicated_bf16_stage_all_reduces_float32_gradients(monkeypatch):
     stream = random_stream(4, 12)
     opt = optax.sgd(0.05)
     plan = (StagePlan(0, 1, (0, 1)), StagePlan(2, 3, (2,)))
-    pipe = Pipeline(layers, plan, xent, opt, schedule="1f1b", microbatches=2)
+    pipe = Pipeline(layers, plan, xent, opt, schedule=ScheduleSpec("1f1b", microbatches=2))
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
     state, metrics = pipe.run(state, stream, collectives=True)

@@ -145,7 +145,7 @@ launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600)
 """,
     "cluster": """
 import os, sys
-from pdjax.apps.cluster import run_processes
+from benchmarks.harness.cluster import run_processes
 cmd = [sys.executable, "-c", sys.argv[2], sys.argv[1]]
 envs = [{**os.environ, "PDJAX_PROCESS_ID": str(i)} for i in range(2)]
 run_processes([cmd, cmd], envs, "sleepers", timeout=600)
@@ -204,7 +204,7 @@ launch_local(["-c", sys.argv[2], sys.argv[1]], 2, timeout=600, pin=True)
     "cluster": """
 import sys
 from pathlib import Path
-from pdjax.apps.cluster.launcher import launch
+from benchmarks.harness.cluster.launcher import launch
 job = {"model": "sleepers", "runners": []}
 launch(job, 2, None, False, Path(sys.argv[3]), module="pdjax_sleeper", timeout=600)
 """,
@@ -317,7 +317,7 @@ def test_the_launcher_explains_an_abort():
 def test_a_teardown_cut_short_is_finished_later(monkeypatch):
     """A launcher's signal can land in the middle of deleting the namespaces; the next
     close (or the one at exit) deletes the rest, the one it was deleting included."""
-    from pdjax.apps import netem
+    from benchmarks.harness import netem
 
     if (reason := netem.network_support()) is not None:
         pytest.skip(reason)

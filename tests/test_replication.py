@@ -7,13 +7,14 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import flush_training, random_stream, xent
+from reference import flush_training, pipeline_kwargs, random_stream, xent
 
 from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.models import get_model
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -48,14 +49,9 @@ class Dense32(nn.Module):
 
 def _pipe(layers, schedule="1f1b", M=4, plan=None, **kwargs):
     plan = plan or (StagePlan(0, 1, (0, 1, 2)), StagePlan(2, len(layers) - 1, (3,)))
+    opt = kwargs.pop("opt", optax.sgd(0.05))
     return Pipeline(
-        layers,
-        plan,
-        xent,
-        kwargs.pop("opt", optax.sgd(0.05)),
-        schedule=schedule,
-        microbatches=M,
-        **kwargs,
+        layers, plan, xent, opt, **pipeline_kwargs(schedule=schedule, microbatches=M, **kwargs)
     )
 
 
@@ -155,7 +151,13 @@ def test_check_parts_on_real_model():
 def test_bad_grad_allreduce_option():
     layers = sequential(Dense32(), nn.Dense(10))
     with pytest.raises(PipelineError, match="grad_allreduce must be"):
-        Pipeline(layers, (StagePlan(0, 1, (0, 1)),), xent, optax.sgd(0.1), grad_allreduce="x")
+        Pipeline(
+            layers,
+            (StagePlan(0, 1, (0, 1)),),
+            xent,
+            optax.sgd(0.1),
+            schedule=ScheduleSpec("1f1b", grad_allreduce="x"),
+        )
 
 
 def test_each_device_keeps_its_own_rows_gradient():

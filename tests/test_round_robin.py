@@ -25,6 +25,7 @@ from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 
 class DenseBN(nn.Module):
@@ -73,8 +74,7 @@ def test_pipedream_round_robin_equals_its_recurrence(bounds, replicas, opt_name)
         replica_plan(bounds, replicas),
         xent,
         opt,
-        schedule="pipedream",
-        replication="round-robin",
+        schedule=ScheduleSpec("pipedream", replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
@@ -115,9 +115,7 @@ def test_flush_round_robin_equals_sequential_training(schedule, replicas):
         replica_plan(((0, 2), (2, 4)), replicas),
         xent,
         optax.adam(1e-2),
-        schedule=schedule,
-        microbatches=M,
-        replication="round-robin",
+        schedule=ScheduleSpec(schedule, microbatches=M, replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
@@ -141,9 +139,7 @@ def test_2bw_round_robin_equals_its_recurrence():
         replica_plan(bounds, (2, 1)),
         xent,
         optax.sgd(0.1),
-        schedule="2bw",
-        microbatches=M,
-        replication="round-robin",
+        schedule=ScheduleSpec("2bw", microbatches=M, replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
@@ -174,9 +170,7 @@ def test_round_robin_all_reduces_once_per_update(schedule, M):
         replica_plan(((0, 2), (2, 4)), (2, 1)),
         xent,
         optax.sgd(0.1),
-        schedule=schedule,
-        microbatches=M,
-        replication="round-robin",
+        schedule=ScheduleSpec(schedule, microbatches=M, replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     _, metrics = pipe.run(state, stream, collectives=True)
@@ -213,9 +207,7 @@ def test_round_robin_refuses_what_it_cannot_do_exactly():
             plan,
             xent,
             optax.sgd(0.1),
-            schedule="zb-h1",
-            microbatches=4,
-            replication="round-robin",
+            schedule=ScheduleSpec("zb-h1", microbatches=4, replication="round-robin"),
         )
     with pytest.raises(PipelineError, match="multiple of 2"):
         Pipeline(
@@ -223,14 +215,18 @@ def test_round_robin_refuses_what_it_cannot_do_exactly():
             plan,
             xent,
             optax.sgd(0.1),
-            schedule="1f1b",
-            microbatches=3,
-            replication="round-robin",
+            schedule=ScheduleSpec("1f1b", microbatches=3, replication="round-robin"),
         )
     with pytest.raises(PipelineError, match="'split' or 'round-robin'"):
-        Pipeline(layers, plan, xent, optax.sgd(0.1), replication="rr")
+        Pipeline(
+            layers, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", replication="rr")
+        )
     pipe = Pipeline(
-        layers, plan, xent, optax.sgd(0.1), schedule="pipedream", replication="round-robin"
+        layers,
+        plan,
+        xent,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("pipedream", replication="round-robin"),
     )
     stream = random_stream(3)
     state = pipe.init(jax.random.key(0), stream[0][0])
@@ -242,8 +238,7 @@ def test_round_robin_refuses_what_it_cannot_do_exactly():
         replica_plan(((0, 1), (1, 3)), (2, 1)),
         xent,
         optax.sgd(0.1),
-        schedule="pipedream",
-        replication="round-robin",
+        schedule=ScheduleSpec("pipedream", replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     with pytest.raises(PipelineError, match="model state"):
@@ -257,16 +252,18 @@ def test_plan_round_robin_falls_back_to_split_where_it_cannot_run():
     bn = sequential(DenseBN(), Dense32(), nn.Dense(10))
     plan = (StagePlan(0, 0, (0, 1), replication="round-robin"), StagePlan(1, 2, (2,)))
     stream = random_stream(4)
-    pipe = Pipeline(bn, plan, xent, optax.sgd(0.1), schedule="pipedream")
+    pipe = Pipeline(bn, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("pipedream"))
     assert pipe.stages[0].round_robin
     state = pipe.init(jax.random.key(0), stream[0][0])
     one, _ = pipe.run(state, stream)
     assert not pipe.stages[0].round_robin and "model state" in pipe.replication_notes[0]
     assert one.updates == (4, 4)  # split: an update per microbatch
     layers = sequential(Dense32(), Dense32(), nn.Dense(10))
-    pipe = Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="zb-h1", microbatches=2)
+    pipe = Pipeline(
+        layers, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("zb-h1", microbatches=2)
+    )
     assert not pipe.stages[0].round_robin and "zb-h1" in pipe.replication_notes[0]
-    pipe = Pipeline(layers, plan, xent, optax.sgd(0.1), schedule="pipedream")
+    pipe = Pipeline(layers, plan, xent, optax.sgd(0.1), schedule=ScheduleSpec("pipedream"))
     assert pipe.stages[0].round_robin
     state = pipe.init(jax.random.key(0), stream[0][0])
     two, _ = pipe.run(state, stream)
@@ -291,9 +288,7 @@ def test_round_robin_next_to_a_split_replicated_stage_and_retries():
         replica_plan(((0, 2), (2, 4)), (2, 2)),
         xent,
         optax.sgd(0.1),
-        schedule="1f1b",
-        microbatches=4,
-        replication=("round-robin", "split"),
+        schedule=ScheduleSpec("1f1b", microbatches=4, replication=("round-robin", "split")),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     start = pipe.variables(state)
@@ -308,9 +303,7 @@ def test_round_robin_next_to_a_split_replicated_stage_and_retries():
         replica_plan(((0, 1), (1, 3)), (2, 1)),
         xent,
         optax.sgd(0.1),
-        schedule="gpipe",
-        microbatches=2,
-        replication="round-robin",
+        schedule=ScheduleSpec("gpipe", microbatches=2, replication="round-robin"),
     )
     state = pipe.init(jax.random.key(0), stream[0][0])
     for _ in range(2):

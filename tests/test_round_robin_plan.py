@@ -29,7 +29,7 @@ from pdjax.partition import (
     plan_pipedream,
 )
 from pdjax.profile import LayerProfile, Profile
-from pdjax.schedules import generate, pipedream
+from pdjax.schedules import ScheduleSpec, generate, pipedream
 from pdjax.simulator import PipelineCosts, StageCosts, simulate, stream_length
 
 # ----------------------------------------------------------------------------- simulator
@@ -128,9 +128,8 @@ def _plan(**kw) -> Plan:
         num_layers=4,
         topology=Topology.flat(4, 1e9),
         cost_model="pdjax",
-        schedule="pipedream",
+        schedule=ScheduleSpec("pipedream", microbatches=4),
         partitioner="manual",
-        num_microbatches=4,
         microbatch_size=4,
         time_per_microbatch=1.0,
         single_device_time=2.0,

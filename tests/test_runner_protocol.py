@@ -29,6 +29,7 @@ from pdjax.runners import (
     RunResult,
     counter_fields,
 )
+from pdjax.schedules import ScheduleSpec
 
 
 def _layers():
@@ -57,8 +58,7 @@ def _pipeline(schedule="1f1b"):
         even_stages(len(layers), 2),
         _mse,
         optax.adam(1e-2),
-        schedule=schedule,
-        microbatches=2,
+        schedule=ScheduleSpec(schedule, microbatches=2),
     )
 
 

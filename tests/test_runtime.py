@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training, flush_training
+from reference import delayed_training, flush_training, pipeline_kwargs
 
 from pdjax.errors import PipelineError
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.schedules import ScheduleSpec
 
 
 def _close(a, b, rtol=1e-5, atol=1e-6):
@@ -37,9 +38,7 @@ def _flush(spec, optimizer, P=2, M=2, steps=2, **kwargs):
         even_stages(len(spec.layers), P),
         spec.loss,
         optimizer,
-        schedule=kwargs.pop("schedule", "1f1b"),
-        microbatches=M,
-        **kwargs,
+        **pipeline_kwargs(microbatches=M, **kwargs),
     )
     mbs = _mbs(spec, M * steps, 4)
     state = pipe.init(jax.random.key(3), mbs[0][0])
@@ -76,8 +75,7 @@ def test_global_norm_clipping_under_2bw_equals_whole_model_recurrence():
         even_stages(len(spec.layers), P),
         spec.loss,
         opt,
-        schedule="2bw",
-        microbatches=M,
+        schedule=ScheduleSpec("2bw", microbatches=M),
     )
     stream = _mbs(spec, M * steps, 2)
     state = pipe.init(jax.random.key(1), stream[0][0])
@@ -104,7 +102,9 @@ def test_coupled_optimizers_that_cannot_be_exact_are_refused():
     spec = get_model("mlp", "tiny")
     L = len(spec.layers)
     x = spec.sample_input(4, jax.random.key(0))
-    pipe = Pipeline(spec.layers, even_stages(L, 2), spec.loss, CLIP, schedule="pipedream")
+    pipe = Pipeline(
+        spec.layers, even_stages(L, 2), spec.loss, CLIP, schedule=ScheduleSpec("pipedream")
+    )
     with pytest.raises(PipelineError, match="optimizer_scope='stage'"):
         pipe.init(jax.random.key(0), x)
     ok = Pipeline(
@@ -112,7 +112,7 @@ def test_coupled_optimizers_that_cannot_be_exact_are_refused():
         even_stages(L, 2),
         spec.loss,
         CLIP,
-        schedule="pipedream",
+        schedule=ScheduleSpec("pipedream"),
         optimizer_scope="stage",
     )
     ok.init(jax.random.key(0), x)
@@ -145,7 +145,7 @@ def test_committed_key_and_inputs_on_another_device():
         even_stages(len(spec.layers), 2, first_device=2),
         spec.loss,
         optax.sgd(0.1),
-        microbatches=2,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     key = jax.device_put(jax.random.key(0), jax.devices()[0])
     mbs = _mbs(spec, 2, 4)
@@ -169,7 +169,7 @@ def test_dispatch_is_asynchronous():
         even_stages(4, 2),
         lambda y, t: ((y - t) ** 2).mean(),
         optax.sgd(1e-3),
-        schedule="pipedream",
+        schedule=ScheduleSpec("pipedream"),
     )
     state = pipe.init(jax.random.key(0), x[0])
     mbs = [(x[k], x[k]) for k in range(4)]
@@ -217,7 +217,7 @@ def test_timeline_on_loss_and_several_runs_match_the_reference():
         even_stages(len(spec.layers), 2),
         spec.loss,
         optax.adam(1e-2),
-        microbatches=M,
+        schedule=ScheduleSpec("1f1b", microbatches=M),
     )
     mbs = _mbs(spec, 3 * M, 4)
     state = pipe.init(jax.random.key(3), mbs[0][0])
@@ -254,9 +254,7 @@ def test_remat_through_the_pipeline(schedule):
             even_stages(len(spec.layers), 2),
             spec.loss,
             optax.sgd(0.1),
-            schedule=schedule,
-            microbatches=2,
-            remat=remat,
+            schedule=ScheduleSpec(schedule, microbatches=2, remat=remat),
         )
         state = pipe.init(jax.random.key(0), stream[0][0])
         state, metrics = pipe.run(state, stream)
@@ -308,8 +306,7 @@ def test_async_schedules_with_replication_and_batchnorm(schedule):
             even_stages(4, 2, replicas),
             xent,
             optax.sgd(0.05),
-            schedule=schedule,
-            microbatches=2,
+            schedule=ScheduleSpec(schedule, microbatches=2),
         )
         state = pipe.init(jax.random.key(0), stream[0][0])
         start = jax.tree.map(np.asarray, state.model_state)
@@ -337,8 +334,7 @@ def test_updates_reuse_the_gradient_buffers():
         even_stages(len(spec.layers), 2),
         spec.loss,
         optax.adam(1e-3),
-        schedule="gpipe",
-        microbatches=2,
+        schedule=ScheduleSpec("gpipe", microbatches=2),
     )
     mbs = _mbs(spec, 2, 4)
     state = pipe.init(jax.random.key(0), mbs[0][0])

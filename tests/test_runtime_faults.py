@@ -14,6 +14,7 @@ from pdjax.errors import PipelineError
 from pdjax.layers import sequential
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 
 def _mse(y, t):
@@ -49,7 +50,9 @@ def _pipe(layer):
     layers = sequential(nn.Dense(4), layer, nn.Dense(4))
     # one stage: its forward-backward and its fused update are two programs of one step
     plan = (StagePlan(0, 2, (0,)),)
-    return Pipeline(layers, plan, _mse, optax.sgd(0.1), schedule="1f1b", microbatches=2)
+    return Pipeline(
+        layers, plan, _mse, optax.sgd(0.1), schedule=ScheduleSpec("1f1b", microbatches=2)
+    )
 
 
 def test_a_layer_whose_traces_differ_is_refused():

@@ -14,12 +14,13 @@ import optax
 import pytest
 
 import pdjax
-from pdjax.apps import cluster, netem
+from benchmarks.harness import cluster, netem
 from pdjax.apps.data import load_npz
 from pdjax.distributed import launch_local
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import Checkpointer
+from pdjax.schedules import ScheduleSpec
 
 SOURCES = sorted(Path(pdjax.__file__).parent.rglob("*.py"))
 
@@ -59,8 +60,7 @@ def test_a_checkpoint_restores_without_unpickling(tmp_path, monkeypatch):
         even_stages(len(spec.layers), 2),
         spec.loss,
         optax.adam(1e-2),
-        schedule="1f1b",
-        microbatches=2,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     x, y = spec.sample_batch(8)
     state, _ = pipe.step(pipe.init(jax.random.key(0), x[:4]), (x, y))

@@ -750,7 +750,7 @@ def test_pipedream_extra_in_flight_grid_and_bounds():
     assert Schedule.from_json(s.to_json()) == s
     with pytest.raises(ScheduleError, match="extra_in_flight must be an integer >= 0"):
         pipedream(2, 6, extra_in_flight=-1)
-    with pytest.raises(ScheduleError, match="pipedream option"):
+    with pytest.raises(ScheduleError, match="option of pipedream"):
         generate("1f1b", 2, 4, extra_in_flight=1)
     # a schedule claiming the extra microbatches without running them is refused
     fake = dataclasses.replace(pipedream(2, 6), extra_in_flight=1)

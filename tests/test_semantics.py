@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from reference import delayed_training
+from reference import delayed_training, pipeline_kwargs
 
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
@@ -45,7 +45,13 @@ def _distinct(state, other):
 
 
 def _run(spec, P, stream, optimizer, **kwargs):
-    pipe = Pipeline(spec.layers, even_stages(len(spec.layers), P), spec.loss, optimizer, **kwargs)
+    pipe = Pipeline(
+        spec.layers,
+        even_stages(len(spec.layers), P),
+        spec.loss,
+        optimizer,
+        **pipeline_kwargs(**kwargs),
+    )
     state = pipe.init(jax.random.key(1), stream[0][0])
     variables = pipe.variables(state)
     state, metrics = pipe.run(state, stream)

@@ -21,6 +21,7 @@ from pdjax.apps.train import TrainConfig, build_optimizer, train
 from pdjax.apps.train.optimizers import describe
 from pdjax.calibrate import Calibration, LinkMeasure, StageMeasure
 from pdjax.errors import CalibrationError, PipelineError, TrainingDiverged
+from pdjax.schedules import ScheduleSpec
 
 OPTIMIZERS = """
 import optax
@@ -169,7 +170,11 @@ def test_a_divergence_names_every_setting_that_sizes_the_steps():
 def _dense_pipeline(optimizer):
     layers = pdjax.sequential(nn.Dense(4), nn.relu, nn.Dense(3))
     return pdjax.Pipeline(
-        layers, pdjax.even_stages(3, 2), optax.l2_loss, optimizer, schedule="1f1b", microbatches=2
+        layers,
+        pdjax.even_stages(3, 2),
+        optax.l2_loss,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
 
 
@@ -250,7 +255,11 @@ def test_a_mask_function_gets_the_users_names_and_trains_as_the_sequential_refer
     layers = pdjax.split_model(model, batches[0][0][:4])
     assert layers.tied  # the embedding, read by the first layer and the last
     pipe = pdjax.Pipeline(
-        layers, pdjax.even_stages(3, 3), _xent, optimizer, schedule="1f1b", microbatches=2
+        layers,
+        pdjax.even_stages(3, 3),
+        _xent,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     state = pipe.init(jax.random.key(1), batches[0][0][:4])
     assert not pipe.coupled
@@ -289,7 +298,11 @@ def test_a_mask_function_with_global_norm_clipping_gets_the_users_names_too():
     x = np.random.default_rng(1).integers(0, 16, (4, 6)).astype(np.int32)
     layers = pdjax.split_model(TiedLM(), x)
     pipe = pdjax.Pipeline(
-        layers, pdjax.even_stages(3, 3), _xent, optimizer, schedule="1f1b", microbatches=2
+        layers,
+        pdjax.even_stages(3, 3),
+        _xent,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     state = pipe.init(jax.random.key(1), x[:2])
     assert pipe.coupled

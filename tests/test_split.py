@@ -16,6 +16,7 @@ import pytest
 
 import pdjax
 from pdjax.errors import LayerError
+from pdjax.schedules import ScheduleSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +198,7 @@ def _pipeline_vs_own_loop(model, layers, batches, loss, *, schedule, M, train_kw
         pdjax.even_stages(len(layers), 3),
         loss,
         optimizer,
-        schedule=schedule,
-        microbatches=M,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     state = pipe.init(jax.random.key(1), batches[0][0][: len(batches[0][0]) // M])
     variables = layers.model_variables(pipe.variables(state))

@@ -18,6 +18,7 @@ from flax import nnx
 import pdjax
 from pdjax.errors import LayerError
 from pdjax.export import update_nnx
+from pdjax.schedules import ScheduleSpec
 
 
 def _mse(y, t):
@@ -30,8 +31,7 @@ def _pipe(layers, stages=2, microbatches=2, optimizer=None):
         pdjax.even_stages(len(layers), stages),
         _mse,
         optimizer or optax.sgd(0.1),
-        schedule="1f1b",
-        microbatches=microbatches,
+        schedule=ScheduleSpec("1f1b", microbatches=microbatches),
     )
 
 
@@ -217,7 +217,11 @@ def test_a_model_of_several_inputs_splits_and_trains_as_the_users_own_loop():
 
     optimizer = optax.sgd(0.1)
     pipe = pdjax.Pipeline(
-        layers, pdjax.even_stages(3, 2), loss, optimizer, schedule="1f1b", microbatches=2
+        layers,
+        pdjax.even_stages(3, 2),
+        loss,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     state = pipe.init(jax.random.key(0), (tokens[:2], positions[:2], mask[:2]))
     params = layers.model_variables(pipe.variables(state))["params"]

@@ -12,6 +12,7 @@ from flax import nnx
 
 import pdjax
 from pdjax.errors import LayerError
+from pdjax.schedules import ScheduleSpec
 
 V, D = 16, 8
 
@@ -88,7 +89,11 @@ def test_the_pipeline_trains_as_the_users_own_nnx_loop(rate):
     layers = pdjax.split_model(model, batches[0][0][:4], mode={} if rate else None)
     optimizer = optax.sgd(0.1, momentum=0.9)
     pipe = pdjax.Pipeline(
-        layers, pdjax.even_stages(4, 3), _loss, optimizer, schedule="1f1b", microbatches=2
+        layers,
+        pdjax.even_stages(4, 3),
+        _loss,
+        optimizer,
+        schedule=ScheduleSpec("1f1b", microbatches=2),
     )
     state = pipe.init(jax.random.key(1), batches[0][0][:4])
     piped = []

@@ -1,7 +1,8 @@
 """The package structure stays as docs/architecture.md draws it: packages import only the
 layers below them (no cycles, also not through imports inside functions), no module
-branches on a schedule's name outside the schedules package, and no underscore name is
-imported from another module.
+branches on a schedule's name outside the schedules package, no underscore name is
+imported from another module, and the library never reaches into the repository's
+benchmarks (their harness is not installed: tests/test_wheel.py).
 
 Read by parsing the sources (nothing is imported), so every import counts, wherever it is.
 """
@@ -161,12 +162,10 @@ def test_no_import_cycle_between_packages() -> None:
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
-# Schedule names that may appear in a branch outside pdjax/schedules, each with its reason.
-NAME_BRANCHES_ALLOWED: dict[str, str] = {
-    "pdjax/apps/cluster/experiments.py:pipedream": "the cluster experiment's runner label "
-    "(beside 'dp', 'single', 'hybrid'): data of the experiment, not a schedule's property",
-    "pdjax/apps/cluster/report.py:pipedream": "the same runner label, coloured in the report",
-}
+# Schedule names that may appear in a branch outside pdjax/schedules, each with its reason
+# ("path:name": why). None today: the cluster benchmark's runner labels ('pipedream' beside
+# 'dp' and 'single') left with its harness for benchmarks/harness/.
+NAME_BRANCHES_ALLOWED: dict[str, str] = {}
 
 
 def _docstring_nodes(tree: ast.Module) -> set[int]:
@@ -244,3 +243,50 @@ def test_no_underscore_name_is_imported_from_another_module() -> None:
         "a name used by other modules is public in its (possibly private) module:\n"
         + "\n".join(found)
     )
+
+
+#: Top-level packages of the repository that are not installed: the library names none of
+#: them, in an import or as a module path in a string (``importlib``, ``python -m``).
+NOT_INSTALLED = ("benchmarks", "tests", "tools", "examples")
+
+
+def _reaches_outside(module: str, path: Path, tree: ast.Module) -> Iterator[tuple[str, int]]:
+    """(what, line) for every import of, and every string naming a module of, a package of
+    :data:`NOT_INSTALLED` (docstrings aside: they may point at a script)."""
+
+    def outside(name: str) -> bool:
+        return name.split(".")[0] in NOT_INSTALLED
+
+    for target, name, line in _imports(module, path, tree):
+        if outside(target):
+            yield f"imports {target}" + (f".{name}" if name else ""), line
+    docs = _docstring_nodes(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            text = node.value.strip()
+            if "." in text and " " not in text and outside(text.split(":")[0]):
+                yield f"names {text!r}", node.lineno
+
+
+def test_the_library_never_reaches_into_the_benchmarks() -> None:
+    """No module under pdjax/ imports ``benchmarks`` (the harness: the cluster, emulated
+    links) or another folder of the repository that the wheel does not ship."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line} {what}"
+        for module, (path, tree) in _sources().items()
+        for what, line in _reaches_outside(module, path, tree)
+    ]
+    assert not found, "the installed pdjax cannot import these:\n" + "\n".join(found)
+
+
+def test_the_benchmarks_check_sees_an_import() -> None:
+    code = (
+        '"""python -m benchmarks.harness.cluster is fine in a docstring."""\n'
+        "import benchmarks.harness.netem\n"
+        "from benchmarks.harness import cluster\n"
+        "def f():\n    from tests import reference\n"
+        "M = 'benchmarks.harness.cluster_tta:cluster_spec'\n"
+        "ok = ('benchmarks/results', 'pdjax.apps.bench', 'a benchmarks.x b')\n"
+    )
+    got = sorted(line for _, line in _reaches_outside("pdjax.x", PDJAX / "x.py", ast.parse(code)))
+    assert got == [2, 3, 5, 6]

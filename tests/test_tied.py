@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from reference import mean_update
+from reference import mean_update, pipeline_kwargs
 
 from pdjax.errors import LayerError, PipelineError
 from pdjax.layers import sequential
@@ -17,7 +17,7 @@ from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 from pdjax.pipeline.lowering import Placement, lower
 from pdjax.runners import Checkpointer
-from pdjax.schedules import generate
+from pdjax.schedules import ScheduleSpec, generate
 
 V, D = 16, 8  # vocabulary, width
 WTE = ["00_Embed/embedding", "04_Head/embedding"]
@@ -124,7 +124,13 @@ def _assert_close(got, want):
 
 def _train(layers, stages, optimizer, *, schedule, M, batches, **kwargs):
     """Trains step by step; returns the initial variables, losses, params after each step."""
-    pipe = Pipeline(layers, stages, _loss, optimizer, schedule=schedule, microbatches=M, **kwargs)
+    pipe = Pipeline(
+        layers,
+        stages,
+        _loss,
+        optimizer,
+        **pipeline_kwargs(schedule=schedule, microbatches=M, **kwargs),
+    )
     state = pipe.init(jax.random.key(1), batches[0][0][: len(batches[0][0]) // M])
     variables = pipe.variables(state)
     losses, history = [], []
@@ -196,7 +202,7 @@ def test_tied_copies_on_one_stage(stages):
 
 def test_tied_copies_on_one_stage_under_pipedream():
     layers = _layers(wte=False, kernels=True)
-    pipe = Pipeline(layers, SAME, _loss, optax.sgd(0.1), schedule="pipedream")
+    pipe = Pipeline(layers, SAME, _loss, optax.sgd(0.1), schedule=ScheduleSpec("pipedream"))
     stream = _batches(5, 4)
     state = pipe.init(jax.random.key(1), stream[0][0])
     before = _merged(pipe, pipe.variables(state))
@@ -240,11 +246,23 @@ def test_global_norm_clipping_counts_a_tied_parameter_once(stages):
 def test_async_schedules_refuse_ties_across_stages():
     for schedule in ("pipedream", "2bw"):
         with pytest.raises(PipelineError, match=r"'wte' has copies on stages \[0, 1\].*1f1b"):
-            Pipeline(_layers(), P2, _loss, optax.sgd(0.1), schedule=schedule, microbatches=2)
+            Pipeline(
+                _layers(),
+                P2,
+                _loss,
+                optax.sgd(0.1),
+                schedule=ScheduleSpec(schedule, microbatches=2),
+            )
     with pytest.raises(PipelineError, match="optimizer_scope='stage'"):
         Pipeline(_layers(), P2, _loss, optax.sgd(0.1), optimizer_scope="stage")
     # ties on one stage are fine under any schedule
-    Pipeline(_layers(wte=False, kernels=True), SAME, _loss, optax.sgd(0.1), schedule="pipedream")
+    Pipeline(
+        _layers(wte=False, kernels=True),
+        SAME,
+        _loss,
+        optax.sgd(0.1),
+        schedule=ScheduleSpec("pipedream"),
+    )
 
 
 def test_bad_tied_specs_are_refused():
@@ -336,7 +354,9 @@ def test_an_nnx_variable_shared_by_two_layers_trains_as_one_when_declared():
 
 def test_checkpoint_restores_tied_copies_identical(tmp_path):
     def pipeline():
-        return Pipeline(_layers(), P3, _loss, optax.adam(1e-2), schedule="1f1b", microbatches=2)
+        return Pipeline(
+            _layers(), P3, _loss, optax.adam(1e-2), schedule=ScheduleSpec("1f1b", microbatches=2)
+        )
 
     batches = _batches(3, 8)
     pipe = pipeline()
@@ -383,7 +403,9 @@ def test_a_global_norm_checkpoint_moves_between_one_stage_and_several(
     batches = _batches(4, 8)
 
     def run(plan):
-        pipe = Pipeline(_layers(wte=wte), plans[plan], _loss, opt, microbatches=2)
+        pipe = Pipeline(
+            _layers(wte=wte), plans[plan], _loss, opt, schedule=ScheduleSpec("1f1b", microbatches=2)
+        )
         state = pipe.init(jax.random.key(1), batches[0][0][:4])
         for batch in batches[:2]:
             state, _ = pipe.step(state, batch)

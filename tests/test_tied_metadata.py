@@ -18,6 +18,7 @@ from pdjax.export import linen_variables, update_nnx
 from pdjax.layers import sequential
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 V, D = 16, 8  # vocabulary, width
 M = 2  # microbatches
@@ -156,7 +157,9 @@ CASES = {
 def test_a_partitioned_tied_embedding_trains_as_one_array(case):
     stages, wte, kernels = CASES[case]
     layers = _layers(wte, kernels)
-    pipe = Pipeline(layers, stages, _loss, optax.adam(1e-2), schedule="1f1b", microbatches=M)
+    pipe = Pipeline(
+        layers, stages, _loss, optax.adam(1e-2), schedule=ScheduleSpec("1f1b", microbatches=M)
+    )
     batches = _batches(3, 4 * M)
     state = pipe.init(jax.random.key(1), batches[0][0][:4])
     variables = pipe.variables(state)
@@ -195,7 +198,9 @@ class LM(nn.Module):
 
 def test_export_keeps_the_boxes_and_drops_the_heads_copy():
     layers = sequential(Embed(), Block(), Block(), Logits(), names=NAMES, tied={"embedding": WTE})
-    pipe = Pipeline(layers, P2, _loss, optax.adam(1e-2), schedule="1f1b", microbatches=M)
+    pipe = Pipeline(
+        layers, P2, _loss, optax.adam(1e-2), schedule=ScheduleSpec("1f1b", microbatches=M)
+    )
     (batch,) = _batches(1, 4 * M)
     state = pipe.init(jax.random.key(1), batch[0][:4])
     state, _ = pipe.step(state, batch)
@@ -262,7 +267,9 @@ def test_nnx_partitioned_ties_keep_their_metadata(suffix):
     )
     assert layers.tied_leaves[0][1][1] == (2, ("embed", "embedding"))  # one spelling
     stages = [StagePlan(0, 1, (0,)), StagePlan(2, 2, (1,))]
-    pipe = Pipeline(layers, stages, _loss, optax.adam(1e-2), schedule="1f1b", microbatches=M)
+    pipe = Pipeline(
+        layers, stages, _loss, optax.adam(1e-2), schedule=ScheduleSpec("1f1b", microbatches=M)
+    )
     (batch,) = _batches(1, 4 * M)
     state = pipe.init(jax.random.key(1), batch[0][:4])
     state, _ = pipe.step(state, batch)

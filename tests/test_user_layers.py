@@ -16,6 +16,7 @@ import pdjax
 from pdjax.errors import LayerError
 from pdjax.layers import Fn, FnLayer, NnxLayer, as_layer, sequential
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.schedules import ScheduleSpec
 
 # -- nnx train/eval -------------------------------------------------------------------------
 
@@ -266,7 +267,9 @@ def test_functions_and_nnx_dropout_train_through_a_two_stage_pipeline():
     )
     loss = lambda y, t: ((y - t) ** 2).mean()  # noqa: E731
     opt = optax.sgd(0.1)
-    pipe = Pipeline(layers, even_stages(5, 2), loss, opt, schedule="1f1b", microbatches=2)
+    pipe = Pipeline(
+        layers, even_stages(5, 2), loss, opt, schedule=ScheduleSpec("1f1b", microbatches=2)
+    )
     x, y = _x(n=8, d=4), _x(n=8, d=2, seed=2)
     state = pipe.init(jax.random.key(3), x[:4])
     variables = pipe.variables(state)

@@ -27,6 +27,7 @@ from pdjax.errors import PipelineError
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
 from pdjax.runners import Checkpointer
+from pdjax.schedules import ScheduleSpec
 
 V, D, T, HEADS = 32, 16, 8, 2  # vocabulary, width, tokens, attention heads
 DROP = 0.1  # dropout rate
@@ -185,7 +186,7 @@ def test_nnx_transformer_1f1b_equals_the_users_own_training_loop():
     stages = [StagePlan(0, 0, (0,)), StagePlan(1, 2, (1, 2)), StagePlan(3, 3, (3,))]
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(3e-3))
     M = 2
-    pipe = Pipeline(layers, stages, lm_loss, opt, schedule="1f1b", microbatches=M)
+    pipe = Pipeline(layers, stages, lm_loss, opt, schedule=ScheduleSpec("1f1b", microbatches=M))
     batches = token_batches(3, 8)
     state = pipe.init(jax.random.key(0), batches[0][0][:4])
     rng = state.rng
@@ -217,7 +218,13 @@ def test_nnx_transformer_1f1b_equals_the_users_own_training_loop():
 def test_nnx_dropout_is_on_in_training_and_off_in_evaluation():
     model = Transformer(nnx.Rngs(0))
     layers = transformer_layers(model)
-    pipe = Pipeline(layers, pdjax.even_stages(4, 2), lm_loss, optax.sgd(0.0), microbatches=1)
+    pipe = Pipeline(
+        layers,
+        pdjax.even_stages(4, 2),
+        lm_loss,
+        optax.sgd(0.0),
+        schedule=ScheduleSpec("1f1b", microbatches=1),
+    )
     x, y = token_batches(1, 4)[0]
     state = pipe.init(jax.random.key(0), x)
     a = pipe.evaluate(state, [(x, y)])["loss"]
@@ -238,7 +245,7 @@ def test_nnx_transformer_with_tied_embedding_refuses_pipedream():
             pdjax.even_stages(4, 2),
             lm_loss,
             optax.sgd(0.1),
-            schedule="pipedream",
+            schedule=ScheduleSpec("pipedream"),
         )
 
 
@@ -259,7 +266,7 @@ def test_nnx_transformer_untied_under_pipedream_equals_the_delayed_update_recurr
         pdjax.even_stages(4, P),
         lambda y, t: lm_loss(y, t)[0],
         optax.sgd(0.05),
-        schedule="pipedream",
+        schedule=ScheduleSpec("pipedream"),
     )
     stream = [(x, y) for x, y in token_batches(6, 4)]
     state = pipe.init(jax.random.key(0), stream[0][0])
@@ -292,7 +299,13 @@ def test_checkpoint_from_four_stages_resumes_under_two(tmp_path):
 
     def pipeline(stages):
         model = Transformer(nnx.Rngs(0))
-        return Pipeline(transformer_layers(model), stages, lm_loss, opt, microbatches=2)
+        return Pipeline(
+            transformer_layers(model),
+            stages,
+            lm_loss,
+            opt,
+            schedule=ScheduleSpec("1f1b", microbatches=2),
+        )
 
     p4, p2 = pipeline(four), pipeline(two)
     s4 = p4.init(jax.random.key(0), batches[0][0][:4])
@@ -388,8 +401,7 @@ def test_linen_cnn_1f1b_equals_sequential_training_and_comes_back_as_the_users_t
         [StagePlan(0, 1, (0, 1)), StagePlan(2, 2, (2,))],
         cnn_loss,
         optax.adam(1e-2),
-        schedule="1f1b",
-        microbatches=M,
+        schedule=ScheduleSpec("1f1b", microbatches=M),
     )
     batches = image_batches(3, 8)
     state = pipe.init(jax.random.key(0), batches[0][0][:4])
@@ -422,7 +434,11 @@ def test_linen_cnn_under_pipedream_equals_the_delayed_update_recurrence():
     layers = cnn_layers()
     P = 3
     pipe = Pipeline(
-        layers, pdjax.even_stages(3, P), cnn_loss, optax.sgd(0.05), schedule="pipedream"
+        layers,
+        pdjax.even_stages(3, P),
+        cnn_loss,
+        optax.sgd(0.05),
+        schedule=ScheduleSpec("pipedream"),
     )
     stream = image_batches(6, 4)
     state = pipe.init(jax.random.key(0), stream[0][0])

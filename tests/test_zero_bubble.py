@@ -28,6 +28,7 @@ from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.schedules import (
     Schedule,
+    ScheduleSpec,
     generate,
     interleaved,
     one_f_one_b,
@@ -368,7 +369,7 @@ def test_bad_parameters_raise_schedule_errors():
         (lambda: zb_v(2, 0), r"num_microbatches \(M\) must be an integer >= 1"),
         (lambda: zb_v(2, 4, steps=0), "steps must be an integer >= 1"),
         (lambda: zb_v(4, 8, num_layers=12), r"2P = 8 equal stages .* num_layers=12"),
-        (lambda: generate("zb-v", 2, 4, chunks=3), "zb-v places two stages .* chunks must be 2"),
+        (lambda: generate("zb-v", 2, 4, chunks=3), "zb-v runs two chunks .* chunks must be 2"),
         (
             lambda: generate("zb-h2", 2, 4, replicas=(2, 1), replication="round-robin"),
             "zb-h2 has no round-robin form",
@@ -433,28 +434,36 @@ def test_bad_pipelines_fail_before_device_work():
     layers = _model()
     opt = optax.sgd(0.1)
     with pytest.raises(PipelineError, match=r"zb-v needs an even number 2P of stages .* has 3"):
-        Pipeline(layers, even_stages(len(layers), 3), _loss, opt, schedule="zb-v")
+        Pipeline(layers, even_stages(len(layers), 3), _loss, opt, schedule=ScheduleSpec("zb-v"))
     with pytest.raises(PipelineError, match=r"zb-v runs two chunks .* chunks must be 2, got 3"):
-        Pipeline(layers, even_stages(len(layers), 6), _loss, opt, schedule="zb-v", chunks=3)
+        Pipeline(
+            layers, even_stages(len(layers), 6), _loss, opt, schedule=ScheduleSpec("zb-v", chunks=3)
+        )
     with pytest.raises(PipelineError, match="option of interleaved, not of zb-h2"):
-        Pipeline(layers, even_stages(len(layers), 4), _loss, opt, schedule="zb-h2", chunks=2)
+        Pipeline(
+            layers,
+            even_stages(len(layers), 4),
+            _loss,
+            opt,
+            schedule=ScheduleSpec("zb-h2", chunks=2),
+        )
     # interleaved's placement (stage s on stage s % P's devices) is not the V
     wrong = _plan("interleaved", layers, 2, chunks=2)
     with pytest.raises(
         PipelineError, match=r"zb-v stage 2 must use the devices of stage 1 \(\(1,\)"
     ):
-        Pipeline(layers, wrong, _loss, opt, schedule="zb-v")
+        Pipeline(layers, wrong, _loss, opt, schedule=ScheduleSpec("zb-v"))
     with pytest.raises(PipelineError, match="round-robin replication runs with gpipe"):
         Pipeline(
             layers,
             _plan("zb-v", layers, 2, replicas=2),
             _loss,
             opt,
-            schedule="zb-v",
-            microbatches=2,
-            replication="round-robin",
+            schedule=ScheduleSpec("zb-v", microbatches=2, replication="round-robin"),
         )
-    pipe = Pipeline(layers, _plan("zb-v", layers, 2), _loss, opt, schedule="zb-v", microbatches=3)
+    pipe = Pipeline(
+        layers, _plan("zb-v", layers, 2), _loss, opt, schedule=ScheduleSpec("zb-v", microbatches=3)
+    )
     assert pipe.chunks == 2 and pipe.num_groups == 2 and pipe.stage_device == (0, 1, 1, 0)
     assert pipe.schedule(3).stage_device == (0, 1, 1, 0)
     assert [st.devices for st in pipe.stages] == [pipe.stages[g].devices for g in pipe.stage_device]
@@ -471,7 +480,11 @@ def _check_transparent(schedule, P, M, replicas=1, steps=2, per_replica=2):
     x = jax.random.normal(key, (mb * M * steps, 5))
     y = jax.random.normal(jax.random.fold_in(key, 1), (mb * M * steps, 3))
     pipe = Pipeline(
-        layers, _plan(schedule, layers, P, replicas), _loss, opt, schedule=schedule, microbatches=M
+        layers,
+        _plan(schedule, layers, P, replicas),
+        _loss,
+        opt,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     state = pipe.init(jax.random.key(3), x[:mb])
     variables = pipe.variables(state)
@@ -543,7 +556,11 @@ def test_global_norm_clipping_equals_sequential_training(schedule):
     x = jax.random.normal(key, (2 * M * mb, 5))
     y = jax.random.normal(jax.random.fold_in(key, 1), (2 * M * mb, 3))
     pipe = Pipeline(
-        layers, _plan(schedule, layers, 2), _loss, opt, schedule=schedule, microbatches=M
+        layers,
+        _plan(schedule, layers, 2),
+        _loss,
+        opt,
+        schedule=ScheduleSpec(schedule, microbatches=M),
     )
     state = pipe.init(jax.random.key(3), x[:mb])
     variables = pipe.variables(state)

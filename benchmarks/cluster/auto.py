@@ -2,8 +2,9 @@
 
     python benchmarks/cluster/auto.py      # as root: emulated links; else loopback
 
-Per model and link (the cluster benchmark's, :data:`pdjax.apps.cluster.RATES`), on 2 pinned
-single-core workers joined by ``jax.distributed`` (see :mod:`pdjax.apps.cluster`):
+Per model and link (the cluster benchmark's, :data:`benchmarks.harness.cluster.RATES`), on 2
+pinned single-core workers joined by ``jax.distributed`` (see
+:mod:`benchmarks.harness.cluster`):
 
 1. one pinned worker profiles the model and times every stage a 2-stage cut can make, as
    the runtime's own programs (the cluster benchmark's calibration);
@@ -31,7 +32,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from options import parse_no_options
+# run as a file, Python puts benchmarks/cluster/ on sys.path: the repository's root holds
+# the benchmarks package
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from benchmarks.cluster.options import parse_no_options  # noqa: E402
+from pdjax.partition import auto_choice  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2", "pipedream", "2bw")
@@ -67,21 +75,21 @@ def _runner(name: str, plan: Any, units: int) -> dict[str, Any]:
         "units": units,
         "stages": [(st.first_layer, st.last_layer) for st in plan.stages],
         "microbatches": M,
-        "extra": plan.options["auto"]["extra_in_flight"],
+        "extra": auto_choice(plan)["extra_in_flight"],
     }
 
 
 def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) -> list[dict]:
-    from pdjax.apps.cluster import (
+    from benchmarks.harness.cluster import (
         MICROBATCH,
         RATES,
-        calibration,
         cluster_model,
         launch,
         profile_on_workers,
+        stage_calibration,
         topology,
     )
-    from pdjax.apps.netem import network_support
+    from benchmarks.harness.netem import network_support
     from pdjax.distributed import ending_on_signals
 
     emulate = network_support() is None
@@ -104,7 +112,7 @@ def run(models: tuple[str, ...], repeats: int, units: int, seed: int, log: Any) 
                 where = "loopback" if rate is None else f"{rate:g} Mbit/s"
                 log(f"{model} on {where}: measuring the link")
                 got = launch({**base, "runners": [], "calibrate": True}, 2, rate, emulate, work)
-                cal = calibration(prof, model, mb, stages, got["_calibration"])
+                cal = stage_calibration(prof, model, mb, stages, got["_calibration"])
                 auto, best = _plans(prof, topology(cal, 2, rate), cal, mb)
                 runners = [_runner(name, plan, units) for name, plan in best.items()]
                 runners.append({"name": "dp", "label": "dp",
@@ -132,7 +140,7 @@ def _report(
     for r in runners:
         measured = statistics.median(got[r["label"]]) / r["units"]
         plan = best.get(r["name"])
-        a = plan.options["auto"] if plan is not None else None
+        a = auto_choice(plan) if plan is not None else None
         rows.append(
             {
                 "runner": r["name"],
@@ -148,7 +156,7 @@ def _report(
     rows.append({"runner": "single", "plan": "1 worker", "measured": single, "predicted": None})
     schedules = [row for row in rows if row["runner"] in best]
     best_measured = min(schedules, key=lambda row: row["measured"])
-    choice = auto.options["auto"]["schedule"]
+    choice = auto_choice(auto)["schedule"]
     of_choice = next(row for row in rows if row["runner"] == choice)
     return {
         "model": model,

@@ -1,14 +1,15 @@
 """Time to accuracy on the 2-worker cluster, as docs/results.md reports it.
 
     python benchmarks/cluster/tta.py          # as root: emulated links; else loopback
+    python benchmarks/cluster/tta.py --studies vgg-digits --seeds 1 --out out/cluster-tta
 
-Trains each study of :data:`pdjax.apps.cluster_tta.STUDIES` (VGG on digits, the tiny GPT on
-Python's docs) to its target with one worker, data parallelism on 2 workers and the
+Trains each study of :data:`benchmarks.harness.cluster_tta.STUDIES` (VGG on digits, the tiny
+GPT on Python's docs) to its target with one worker, data parallelism on 2 workers and the
 planner's 2-stage ``pipedream``, ``1f1b`` and ``2bw`` pipelines, at 100 Mbit/s, 1 Gbit/s
-and 10 Gbit/s, seeds 0 and 1 (see pdjax/apps/cluster_tta.py). Every run's result is kept in
-``benchmarks/results/cluster-tta/``: killed and rerun, it continues with the runs not
-done yet. Writes ``benchmarks/results/cluster-tta/tta.{md,json}`` and one plot per study
-and link. Run it on a quiet machine: about an hour on 2 cores.
+and 10 Gbit/s, seeds 0 and 1 (see benchmarks/harness/cluster/tta.py). Every run's result is
+kept in --out (``benchmarks/results/cluster-tta/`` by default): killed and rerun, it
+continues with the runs not done yet. Writes ``tta.{md,json}`` there and one plot per study
+and link. Run it on a quiet machine: about an hour on 2 cores with the defaults.
 """
 
 from __future__ import annotations
@@ -18,20 +19,41 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from options import parse_no_options
+# run as a file, Python puts benchmarks/cluster/ on sys.path: the repository's root holds
+# the benchmarks package
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
-from pdjax.apps.cluster_tta import report, run_tta
-
-OUT = Path(__file__).resolve().parent.parent / "results" / "cluster-tta"
+from benchmarks.cluster.options import parse_tta  # noqa: E402
+from benchmarks.harness.cluster_tta import LINKS, STUDIES, report, run_tta  # noqa: E402
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parse_no_options(__doc__, argv)
+    args = parse_tta(__doc__, argv)
+    unknown = [s for s in args.studies if s not in STUDIES]
+    if unknown:
+        print(
+            f"{Path(sys.argv[0]).name}: error: --studies: unknown {unknown}; choose from "
+            f"{list(STUDIES)}",
+            file=sys.stderr,
+        )
+        return 2
     t0 = time.monotonic()
-    run_tta(OUT, log=lambda line: print(f"[{time.monotonic() - t0:5.0f} s] {line}", flush=True))
-    for path in report(OUT, seconds=time.monotonic() - t0):
-        print("wrote", path)
-    print((OUT / "tta.md").read_text())
+    run_tta(
+        args.out,
+        studies=args.studies or list(STUDIES),
+        rates_mbit=args.rates or LINKS,
+        seeds=range(args.seed, args.seed + args.seeds),
+        emulate=False if args.loopback else None,
+        log=lambda line: print(
+            f"[{time.monotonic() - t0:5.0f} s] {line}", file=sys.stderr, flush=True
+        ),
+    )
+    md, js, *plots = report(args.out, seconds=time.monotonic() - t0)
+    print(js.read_text() if args.json else md.read_text())
+    for path in (md, js, *plots):
+        print("wrote", path, file=sys.stderr)
     return 0
 
 

@@ -12,6 +12,7 @@ from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline
+from pdjax.schedules import ScheduleSpec
 
 from .sizes import Sizes
 
@@ -53,8 +54,7 @@ def make_pipeline(
             plan,
             spec.loss,
             optimizer,
-            schedule=schedule,
-            microbatches=sizes.microbatches,
+            schedule=ScheduleSpec(schedule, microbatches=sizes.microbatches),
         )
 
     try:

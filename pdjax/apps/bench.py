@@ -64,7 +64,7 @@ from pdjax.partition import (
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.profile import Profile, profile
 from pdjax.runners import DataParallel, Runner
-from pdjax.schedules import BENCHED, STREAMING, generate, schedule_kind
+from pdjax.schedules import STREAMING, ScheduleSpec, generate, schedule_kind
 from pdjax.simulator import PipelineCosts, Simulation, simulate
 
 __all__ = [
@@ -78,8 +78,9 @@ __all__ = [
     "pool_concurrency",
 ]
 
-#: The pipeline schedules :func:`bench` runs by default (data parallelism comes after).
-BENCH_SCHEDULES = BENCHED
+#: The pipeline schedules :func:`bench` runs by default (data parallelism comes after):
+#: the zero-bubble variants beyond zb-h1 only when named.
+BENCH_SCHEDULES = ("gpipe", "1f1b", "pipedream", "2bw", "interleaved", "zb-h1")
 #: Runner variants: ``<schedule>/<variant>`` runs the schedule with replicated stages
 #: all-reducing in every backward (``backward``, the runtime before per-device gradient
 #: sums) or replicated round-robin (``rr``, PipeDream's replication).
@@ -499,12 +500,14 @@ def _pipeline_runner(name: str, setup: _Setup) -> _Runner:
         specs,
         spec.loss,
         setup.optimizer,
-        schedule=name,
-        microbatches=microbatches,
-        chunks=kind.chunks_for(chunks),
+        schedule=ScheduleSpec(
+            name,
+            microbatches=microbatches,
+            chunks=kind.chunks_for(chunks),
+            replication="round-robin" if variant == "rr" else "split",
+            grad_allreduce="backward" if variant == "backward" else "update",
+        ),
         devices=jax.devices(),
-        grad_allreduce="backward" if variant == "backward" else "update",
-        replication="round-robin" if variant == "rr" else "split",
     )
     if variant:
         how = {"rr": "round-robin replication", "backward": "all-reduce in every backward"}

@@ -21,6 +21,7 @@ import optax
 from pdjax.models import ModelSpec
 from pdjax.partition import StagePlan
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.schedules import ScheduleSpec
 
 __all__ = ["driver_seconds_per_action", "host_costs", "pool_concurrency"]
 
@@ -83,8 +84,7 @@ def driver_seconds_per_action(devices: Sequence[jax.Device], seed: int = 0) -> f
         ),
         loss,
         optax.sgd(1e-3),
-        schedule="1f1b",
-        microbatches=16,
+        schedule=ScheduleSpec("1f1b", microbatches=16),
         devices=list(devices),
     )
     batch = pipe.split_batch((x, x))

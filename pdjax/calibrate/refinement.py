@@ -127,23 +127,25 @@ def rank_plans(
         layout = [(s.first_layer, s.last_layer, s.replicas) for s in plan.stages]
         M = plan.num_microbatches
         again = evaluate_partition(
-            profile, plan.topology, layout, schedule=plan.schedule, num_microbatches=M,
+            profile, plan.topology, layout, schedule=plan.schedule.kind, num_microbatches=M,
             microbatch_size=plan.microbatch_size, partitioner=plan.partitioner,
             replication=[s.replication for s in plan.stages],
-            stage_seconds=calibration.stage_seconds(plan.schedule, M),
+            stage_seconds=calibration.stage_seconds(plan.schedule.kind, M),
             allreduce_seconds=calibration.allreduce_function(),
         )  # fmt: skip
         costs = costs_from_plan(again, profile, calibration=calibration, partial=True)
         replicas, modes = plan.replicas, plan.replication
-        if semantics(plan.schedule).updates_per_microbatch:  # a step is one microbatch
+        if semantics(plan.schedule.kind).updates_per_microbatch:  # a step is one microbatch
             n = microbatches or stream_length(
-                plan.schedule, len(layout), replicas=replicas, replication=modes
+                plan.schedule.kind, len(layout), replicas=replicas, replication=modes
             )
-            sched = generate(plan.schedule, len(layout), n, replicas=replicas, replication=modes)
+            sched = generate(
+                plan.schedule.kind, len(layout), n, replicas=replicas, replication=modes
+            )
         else:
             steps = max(1, (microbatches or 4 * M) // M)
             n = steps * M
-            sched = generate(plan.schedule, len(layout), M, steps=steps, replicas=replicas,
+            sched = generate(plan.schedule.kind, len(layout), M, steps=steps, replicas=replicas,
                              replication=modes)  # fmt: skip
         sim = simulate(sched, costs).makespan / n
         out.append(Ranked(again, sim, plan.time_per_microbatch))

@@ -6,19 +6,19 @@ partitions and runs), the same model as one ordinary linen module (``monolith``,
 top-level submodules are named as the layers), a sampler of synthetic batches, and the
 loss (mean softmax cross-entropy over integer labels).
 
-============  ==============  =========================================  ============
-name          task            paper config                               layers
-============  ==============  =========================================  ============
-``mlp``       classification  demo: 784 -> 3 x 1024 -> 10                4 (tiny 4)
-``cnn``       classification  demo: 28x28x1, 3 conv, dense               5 (tiny 5)
-``vgg16``     classification  VGG-16, ImageNet, 138.4M params            21 (tiny 21)
-``alexnet``   classification  AlexNet, ImageNet, 61.1M params            8 (tiny 8)
-``resnet50``  classification  ResNet-50, ImageNet, 25.6M params          18 (tiny 6)
-``gnmt``      seq2seq         GNMT-8, hidden 1024, vocabulary 32000      10 (tiny 10)
-``awd_lm``    language_model  AWD-LSTM, WikiText-2, vocabulary 33278     5 (tiny 5)
-``gpt``       language_model  GPT-2 small (untied head), context 1024   14 (tiny 4)
-``llama``     language_model  Llama-style (nnx), GQA, 336.1M params      26 (tiny 4)
-============  ==============  =========================================  ============
+============  ==============  ==========================================  ============
+name          task            paper config                                layers
+============  ==============  ==========================================  ============
+``mlp``       classification  demo: 784 -> 3 x 1024 -> 10                 4 (tiny 4)
+``cnn``       classification  demo: 28x28x1, 3 conv, dense                5 (tiny 5)
+``vgg16``     classification  VGG-16, ImageNet, 138.4M params             21 (tiny 21)
+``alexnet``   classification  AlexNet, ImageNet, 61.1M params             8 (tiny 8)
+``resnet50``  classification  ResNet-50, ImageNet, 25.6M params           18 (tiny 6)
+``gnmt``      seq2seq         GNMT-8, hidden 1024, vocabulary 32000       10 (tiny 10)
+``awd_lm``    language_model  AWD-LSTM, WikiText-2, vocabulary 33278      5 (tiny 5)
+``gpt``       language_model  GPT-2 small (untied head), context 1024     14 (tiny 4)
+``llama``     language_model  Llama-style (nnx), GQA, 336.1M params       26 (tiny 4)
+============  ==============  ==========================================  ============
 
 >>> import jax
 >>> spec = get_model("mlp")

@@ -6,7 +6,7 @@
 16
 """
 
-from pdjax.partition.auto import HostCosts, plan_auto
+from pdjax.partition.auto import HostCosts, auto_choice, plan_auto
 from pdjax.partition.buckets import (
     bucket_weights,
     mix_profiles,
@@ -42,6 +42,7 @@ __all__ = [
     "ScheduleTraits",
     "StagePlan",
     "Topology",
+    "auto_choice",
     "balanced_split",
     "bucket_weights",
     "costs_from_plan",

@@ -35,10 +35,11 @@ makespan, fill and drain included, over its ``B`` samples; the steady-state peri
 asynchronous schedules), among those whose simulated peak memory fits. The dynamic program
 prunes; the simulator decides.
 
-The returned :class:`~pdjax.partition.Plan` records the choice in ``plan.options["auto"]``
-(schedule, M, chunks, memory policy per stage (``policies``; ``remat``: whether each is
-other than ``"none"``), in-flight depth and ``in_flight_option``, predicted
-time per sample, peak memory overall and per device group, peak microbatches in flight per
+The returned :class:`~pdjax.partition.Plan` holds the choice in its
+:attr:`~pdjax.partition.Plan.schedule` (a :class:`~pdjax.schedules.ScheduleSpec`: the
+schedule, M, chunks, the memory policy per stage, the in-flight depth and mode) and its
+stages, and the diagnostics in ``plan.options["auto"]`` (read with :func:`auto_choice`:
+predicted time per sample, peak memory overall and per device group, peak microbatches in flight per
 stage, the memory limit held to: the simulator's figures; the plan's own per-stage
 ``in_flight`` and ``memory_bytes`` are the dynamic program's, priced for another schedule
 or at full rate) and, under ``"alternatives"``, the best candidate of every other schedule
@@ -71,7 +72,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from pdjax._memory_policy import CHECKPOINTED, MEMORY_POLICIES, OFFLOADED
+from pdjax._memory_policy import CHECKPOINTED, MEMORY_POLICIES, OFFLOADED, memory_policies
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import cost
 from pdjax.partition.candidates import (
@@ -86,14 +87,16 @@ from pdjax.partition.candidates import (
 from pdjax.partition.evaluate import stage_memory_bytes
 from pdjax.partition.partitioners import evaluate_partition
 from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.plan import Plan
+from pdjax.partition.plan import AUTO_DECISION, Plan
 from pdjax.partition.topology import Topology
+from pdjax.partition.traits import SCHEDULE_TRAITS
 from pdjax.profile import Profile
 from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES, STALE
 
 __all__ = [
     "Candidate",
     "HostCosts",
+    "auto_choice",
     "evaluate_candidate",
     "plan_auto",
 ]
@@ -255,9 +258,10 @@ def plan_auto(
         alone. Recorded in ``options["auto"]``.
 
     Returns:
-      The plan of the best candidate (its ``schedule`` and ``num_microbatches`` set),
-      ``plan.options["auto"]`` the choice and ``plan.options["alternatives"]`` the best
-      candidate of each other schedule (``Candidate.to_dict`` form) or why it has none.
+      The plan of the best candidate (its ``schedule`` the chosen spec),
+      ``plan.options["auto"]`` the diagnostics (:func:`auto_choice`) and
+      ``plan.options["alternatives"]`` the best candidate of each other schedule
+      (``Candidate.to_dict`` form) or why it has none.
 
     Raises:
       PlanError: for bad options, or a memory limit no candidate fits (the message gives
@@ -475,7 +479,8 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
     winner = min(best.values(), key=lambda c: (c.time_per_sample, c.peak_memory))
     plan = next(f.plan for f in tally.plans.values() if f.candidate == winner)
     options = dict(plan.options)
-    options["auto"] = winner.to_dict()
+    # the decision is the plan's spec; the diagnostics stay in the options
+    options["auto"] = {k: v for k, v in winner.to_dict().items() if k not in AUTO_DECISION}
     if space.host is not None:
         options["auto"]["host"] = dataclasses.asdict(space.host)
     options["auto"]["calibrated"] = space.calibration is not None
@@ -500,7 +505,32 @@ def _chosen(space: _Space, tally: _Tally, names: list[str]) -> Plan:
             )
     if tally.refused:
         options["refused"] = dict(tally.refused)
-    return dataclasses.replace(plan, schedule=winner.schedule, options=options)
+    return dataclasses.replace(plan, schedule=winner.spec, options=options)
+
+
+def auto_choice(plan: Plan) -> dict[str, Any] | None:
+    """What :func:`plan_auto` chose for ``plan`` and why, as one record: the decision from
+    the plan's spec and stages (``schedule``, ``microbatches``, ``chunks``,
+    ``extra_in_flight``, ``in_flight_option``, ``policies``, ``remat``, ``stages``, in
+    :meth:`Candidate.to_dict`'s form) with the diagnostics ``plan.options["auto"]`` keeps
+    (predicted time per sample, peak memory, the limit held to, ...); None for a plan
+    ``plan_auto`` did not make. The one reader of ``options["auto"]``."""
+    diagnostics = plan.options.get("auto")
+    if not isinstance(diagnostics, dict):
+        return None
+    spec = plan.schedule
+    policies = memory_policies(spec.remat, plan.num_stages, PlanError)
+    return {
+        "schedule": spec.kind,
+        "microbatches": spec.microbatches,
+        "chunks": spec.chunks,
+        "extra_in_flight": spec.extra_in_flight,
+        "in_flight_option": spec.in_flight,
+        "remat": [p != "none" for p in policies],
+        "policies": list(policies),
+        "stages": [[st.first_layer, st.last_layer, st.replicas] for st in plan.stages],
+        **diagnostics,
+    }
 
 
 def _better(c: Candidate, found: _Found) -> bool:
@@ -510,7 +540,7 @@ def _better(c: Candidate, found: _Found) -> bool:
 def _dp_schedule(name: str) -> str:
     """The schedule the dynamic program prices for ``name`` (the newer zero-bubble
     schedules keep 1F1B's or more in flight: price them as ``zb-h1``)."""
-    return SCHEDULE_KINDS[name].priced_as
+    return SCHEDULE_TRAITS[name].priced
 
 
 def _replication(name: str) -> str:
@@ -706,7 +736,7 @@ def _call_memory(
     recomputes keeps only its input per microbatch in flight, and one under a named policy
     each layer's input and the residuals the policy keeps, as the simulator's costs have
     it."""
-    priced = SCHEDULE_KINDS[name].priced_as
+    priced = SCHEDULE_TRAITS[name].priced
     arrays = space.arrays_of(plan.microbatch_size)
     arrays = policy_arrays(arrays, plan, space.profile, remat)
     topology = plan.topology

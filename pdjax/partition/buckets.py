@@ -232,7 +232,7 @@ def _priced(plan: Plan, prof: Profile, optimizer_state_factor: float) -> Plan:
         plan.topology,
         _partition(plan),
         cost_model=plan.cost_model,
-        schedule=plan.schedule,
+        schedule=plan.schedule.kind,
         num_microbatches=plan.num_microbatches,
         microbatch_size=plan.microbatch_size,
         optimizer_state_factor=optimizer_state_factor,
@@ -352,7 +352,7 @@ def simulate_buckets(
       PlanError: a length in ``order`` with no profile, or a flush schedule whose ``order``
         is not whole steps.
     """
-    name = plan.schedule if schedule is None else schedule
+    name = plan.schedule.kind if schedule is None else schedule
     missing = sorted(set(order) - set(profiles))
     if not order or missing:
         raise PlanError(

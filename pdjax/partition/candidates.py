@@ -44,6 +44,7 @@ from pdjax.schedules import (
     STALE,
     STREAMING,
     Schedule,
+    ScheduleSpec,
     generate,
     stage_groups,
     validate,
@@ -114,6 +115,19 @@ class Candidate:
         # a candidate made with remat flags only: True is "full", False "none"
         if not self.policies:
             object.__setattr__(self, "policies", tuple(policy_name(r) for r in self.remat))
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """What the candidate runs: its schedule, ``M``, chunks, extra depth, in-flight
+        mode and memory policy per plan stage."""
+        return ScheduleSpec(
+            self.schedule,
+            microbatches=self.microbatches,
+            chunks=self.chunks,
+            extra_in_flight=self.extra_in_flight,
+            in_flight=self.in_flight_option,
+            remat=self.policies or False,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -15,7 +15,7 @@ from pdjax.partition import cost
 from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.topology import Topology
 from pdjax.profile import Profile
-from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS
+from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS, ScheduleSpec
 
 __all__ = [
     "build_plan",
@@ -134,8 +134,8 @@ def build_plan(
 
     ``replication``: per stage ``"split"`` or ``"round-robin"`` (None: all split); the
     in-flight counts and versions are those of the schedule with these modes and
-    ``pipedream``'s ``in_flight`` (:func:`pdjax.partition.cost.exact_in_flight`; a value
-    other than ``"full-rate"`` is recorded as ``plan.options["in_flight"]``).
+    ``pipedream``'s ``in_flight`` (:func:`pdjax.partition.cost.exact_in_flight`; recorded
+    in the plan's :class:`~pdjax.schedules.ScheduleSpec`).
     ``microbatches_per_call``: ``N``, the microbatches of one runtime call the ``pdjax``
     memory charges (None: a steady call; :func:`pdjax.partition.cost.microbatches_per_call`),
     recorded in the plan's options."""
@@ -178,8 +178,7 @@ def build_plan(
     )
     if cost_model == "pdjax":
         options = {**options, "microbatches_per_call": calls}
-    if in_flight != "full-rate":
-        options = {**options, "in_flight": in_flight}
+    options = {k: v for k, v in options.items() if k != "in_flight"}  # the spec's
     used = sum(len(p) for _, _, p in flat)
     source = profile.meta.get("source", "") if hasattr(profile, "meta") else ""
     return Plan(
@@ -187,9 +186,8 @@ def build_plan(
         num_layers=arrays.num_layers,
         topology=topology,
         cost_model=cost_model,
-        schedule=schedule,
+        schedule=ScheduleSpec(schedule, microbatches=num_microbatches, in_flight=in_flight),
         partitioner=partitioner,
-        num_microbatches=num_microbatches,
         microbatch_size=int(microbatch_size or profile.batch_size),
         time_per_microbatch=float(time_per_microbatch),
         single_device_time=cost.single_device_time(arrays),

@@ -24,15 +24,33 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
-from pdjax.errors import PlanError
+from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition.topology import Level, Topology
+from pdjax.schedules.spec import ScheduleSpec
 
 if TYPE_CHECKING:
     from pdjax.profile import Profile
 
 __all__ = ["Plan", "StagePlan"]
 
-_FORMAT = "pdjax.plan/1"
+_FORMAT = "pdjax.plan/2"
+_FORMATS = ("pdjax.plan/1", _FORMAT)
+"""The formats :meth:`Plan.from_dict` reads: 1 held the schedule's name and
+``num_microbatches`` apart (and ``plan_auto``'s other choices in ``options``), 2 holds the
+whole :class:`~pdjax.schedules.ScheduleSpec` as ``schedule``."""
+
+AUTO_DECISION = (
+    "schedule",
+    "microbatches",
+    "chunks",
+    "extra_in_flight",
+    "in_flight_option",
+    "remat",
+    "policies",
+    "stages",
+)
+"""What format 1 kept of ``plan_auto``'s decision in ``options["auto"]`` (format 2 holds it
+in the plan's spec and stages; what stays there is diagnostics)."""
 
 REPLICATION = ("split", "round-robin")
 """How a replicated stage's devices share its microbatches (see :class:`StagePlan`)."""
@@ -155,10 +173,13 @@ class Plan:
       num_layers: ``L``, layers in the profile.
       topology: the topology planned for.
       cost_model: ``"pdjax"``, ``"paper"`` or ``"pipedream-code"``.
-      schedule: the schedule the in-flight counts and memory are for.
+      schedule: what the plan runs, the :class:`~pdjax.schedules.ScheduleSpec` its
+        in-flight counts and memory are for: the kind, ``M`` microbatches per step (flush
+        schedules, ``2bw``), chunks and the kind's options;
+        :func:`~pdjax.partition.plan_auto` writes its choice here (with the memory policy
+        per stage), and :class:`~pdjax.pipeline.Pipeline` runs it.
       partitioner: what made the plan (``"pipedream"``, ``"uniform"``, ``"balanced-time"``,
         ``"balanced-params"``, ``"manual"``).
-      num_microbatches: ``M``, microbatches per step (flush schedules, ``2bw``).
       microbatch_size: samples per microbatch.
       time_per_microbatch: predicted seconds per microbatch in steady state (the slowest
         stage or link).
@@ -180,9 +201,8 @@ class Plan:
     num_layers: int
     topology: Topology
     cost_model: str
-    schedule: str
+    schedule: ScheduleSpec
     partitioner: str
-    num_microbatches: int
     microbatch_size: int
     time_per_microbatch: float
     single_device_time: float
@@ -196,6 +216,12 @@ class Plan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(self, "options", dict(self.options))
+        if not isinstance(self.schedule, ScheduleSpec):
+            raise PlanError(
+                f"a plan's schedule is a ScheduleSpec, got {type(self.schedule).__name__} "
+                f"{self.schedule!r}; write schedule=ScheduleSpec({self.schedule!r}, "
+                "microbatches=M)"
+            )
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
         for s, stage in enumerate(self.stages):
@@ -225,6 +251,11 @@ class Plan:
     @property
     def num_stages(self) -> int:
         return len(self.stages)
+
+    @property
+    def num_microbatches(self) -> int:
+        """``M``, microbatches per step (the schedule's)."""
+        return self.schedule.microbatches
 
     @property
     def num_devices(self) -> int:
@@ -349,9 +380,8 @@ class Plan:
             "config": self.config,
             "num_layers": self.num_layers,
             "cost_model": self.cost_model,
-            "schedule": self.schedule,
+            "schedule": self.schedule.to_dict(),
             "partitioner": self.partitioner,
-            "num_microbatches": self.num_microbatches,
             "microbatch_size": self.microbatch_size,
             "time_per_microbatch": self.time_per_microbatch,
             "single_device_time": self.single_device_time,
@@ -395,7 +425,7 @@ class Plan:
                 f'{what}: expected a JSON object with "format": {_FORMAT!r}, got '
                 f"{type(data).__name__ if data is not None else 'null'}"
             )
-        if data.get("format") != _FORMAT:
+        if data.get("format") not in _FORMATS:
             raise PlanError(
                 f"{what}: not a pdjax plan (format {data.get('format')!r}, expected {_FORMAT!r})"
             )
@@ -418,9 +448,7 @@ class Plan:
         fields: dict[str, Any] = dict(  # each value already checked by its reader
             num_layers=_int(r, data, "num_layers", 1),
             cost_model=r.string(r.field(data, "cost_model", ""), "cost_model"),
-            schedule=r.string(r.field(data, "schedule", ""), "schedule"),
             partitioner=r.string(r.field(data, "partitioner", ""), "partitioner"),
-            num_microbatches=_int(r, data, "num_microbatches", 1),
             microbatch_size=_int(r, data, "microbatch_size", 1),
             time_per_microbatch=_float(r, data, "time_per_microbatch"),
             single_device_time=_float(r, data, "single_device_time"),
@@ -429,9 +457,22 @@ class Plan:
             profile_source=r.string(r.field(data, "profile_source", "", ""), "profile_source"),
             profile_hash=None if digest is None else r.string(digest, "profile_hash"),
         )
+        if data["format"] == _FORMAT:
+            raw = r.mapping(r.field(data, "schedule", ""), "schedule")
+            try:
+                spec = ScheduleSpec.from_dict(raw, "schedule")
+            except ScheduleError as e:
+                r.fail("schedule", str(e))
+        else:
+            spec, options = _spec_of_format_1(r, data, options)
         try:
             return cls(
-                stages=stages, topology=topology, memory_limit=limit, options=options, **fields
+                stages=stages,
+                topology=topology,
+                memory_limit=limit,
+                options=options,
+                schedule=spec,
+                **fields,
             )
         except PlanError as e:  # the constructor's own checks: coverage, shared devices
             raise PlanError(f"{what}: stages: {e}; {r.advice}") from e
@@ -466,6 +507,34 @@ class Plan:
         """
         path = Path(path)
         return cls.from_json(read_text(path, "plan", PlanError), f"plan {path}")
+
+
+def _spec_of_format_1(
+    r: FieldReader, data: Mapping[str, Any], options: dict[str, Any]
+) -> tuple[ScheduleSpec, dict[str, Any]]:
+    """The spec of a format-1 plan, and its options without the decision the spec now
+    holds: the schedule's name and ``num_microbatches``, ``options["in_flight"]``, and
+    ``plan_auto``'s choice in ``options["auto"]`` (its diagnostics stay there)."""
+    name = r.string(r.field(data, "schedule", ""), "schedule")
+    settings: dict[str, Any] = {"microbatches": _int(r, data, "num_microbatches", 1)}
+    options = dict(options)
+    if "in_flight" in options:
+        settings["in_flight"] = options.pop("in_flight")
+    auto = options.get("auto")
+    if isinstance(auto, Mapping):
+        if auto.get("schedule", name) != name:
+            r.fail("options.auto.schedule", f"{auto['schedule']!r} differs from {name!r}")
+        for key, field in (("chunks", "chunks"), ("extra_in_flight", "extra_in_flight"),
+                           ("in_flight_option", "in_flight")):  # fmt: skip
+            if key in auto:
+                settings[field] = auto[key]
+        if "policies" in auto or "remat" in auto:
+            settings["remat"] = tuple(auto.get("policies") or auto["remat"])
+        options["auto"] = {k: v for k, v in auto.items() if k not in AUTO_DECISION}
+    try:
+        return ScheduleSpec(name, **settings), options
+    except ScheduleError as e:
+        r.fail("schedule", str(e))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -5,8 +5,9 @@ weight versions, all-reduces per microbatch, replication modes).
 What a schedule computes (whether it streams or flushes, updates once per microbatch or
 per step, takes round-robin replication, how many weight versions it keeps) is read from
 its row of :data:`pdjax.schedules.SEMANTICS`, and how the cost model prices it (see
-:mod:`pdjax.partition.cost`) from its :class:`~pdjax.schedules.ScheduleKind`'s planner
-fields.
+:mod:`pdjax.partition.cost`) from the planner's own knobs here (:data:`_PRICING`): a new
+schedule needs a row there only where the defaults (1F1B's depth ``P - s``, the round-trip
+bound, priced as itself) do not hold.
 
 >>> bw, pd = SCHEDULE_TRAITS["2bw"], SCHEDULE_TRAITS["pipedream"]
 >>> bw.flush, bw.versions, pd.versions
@@ -65,16 +66,24 @@ class ScheduleTraits:
         ``gpipe`` (``M`` in flight, its flush bubble is outside every model) nor for
         ``interleaved`` (its in-flight count depends on the chunks, which the planner does
         not know).
+      priced_as: the schedule the dynamic program prices in its place (None: itself); the
+        simulator then picks among the program's partitions.
     """
 
     semantics: ScheduleSemantics
     depth: Callable[[int, int], int] | None = stages_from
     round_trip: bool = True
+    priced_as: str | None = None
 
     @classmethod
     def of(cls, kind: ScheduleKind) -> ScheduleTraits:
-        """The traits of schedule ``kind`` (its row and its planner fields)."""
-        return cls(kind.semantics, kind.planner_depth, kind.planner_round_trip)
+        """The traits of schedule ``kind``: its row and the planner's knobs for it."""
+        return cls(kind.semantics, **_PRICING.get(kind.name, {}))
+
+    @property
+    def priced(self) -> str:
+        """The schedule the dynamic program prices for this one (:attr:`priced_as`)."""
+        return self.priced_as or self.name
 
     @property
     def name(self) -> str:
@@ -105,6 +114,20 @@ class ScheduleTraits:
             return "in_flight"
         return self.semantics.versions(Shape(groups=1, microbatches=1, stream=1), 0)
 
+
+_PRICING: Mapping[str, Mapping[str, object]] = {
+    # all M of a step in flight; its flush bubble is outside every cost model
+    "gpipe": {"depth": None, "round_trip": False},
+    # its in-flight count depends on chunks the planner does not know
+    "interleaved": {"round_trip": False},
+    # 2 (P - s) - 1 warm-up forwards with W deferred: 2P - 1 at every stage
+    "zb-h2": {"depth": lambda P, s: 2 * P - 1, "priced_as": "zb-h1"},
+    # P stage-microbatches (2P half-stage chunks) on every group
+    "zb-v": {"depth": lambda P, s: P, "priced_as": "zb-h1"},
+    # zb-h1: 1F1B's P - s (the table counts its microbatches until the deferred W, min(P, M))
+}
+"""The cost model's knobs per schedule, where they differ from :class:`ScheduleTraits`'
+defaults (planner facts, kept apart from the schedules' own definitions)."""
 
 SCHEDULE_TRAITS: Mapping[str, ScheduleTraits] = types.MappingProxyType(
     {name: ScheduleTraits.of(kind) for name, kind in SCHEDULE_KINDS.items()}

@@ -9,8 +9,9 @@ For each layer, on its input's shape (the previous layer's output), pdjax compil
 * for a layer with parameters that also computes its input gradient, that backward split
   in two as zero bubble (``zb-h1``) runs it: the input gradient alone (``I``: the same
   pullback keeping only the input's cotangent) and the weight gradient alone (``W``:
-  keeping only the parameters'); XLA drops the other half of each,
-and reads FLOPs and bytes accessed from ``compiled.cost_analysis()``. Compiling needs
+  keeping only the parameters'); XLA drops the other half of each.
+
+It reads FLOPs and bytes accessed from each one's ``compiled.cost_analysis()``. Compiling needs
 only shapes, so paper-size models profile without allocating their weights. With
 ``measure=True`` the same compiled programs are also run on a device (warm-up, then the
 median of several timed runs): each program is compiled once, and the executable that is

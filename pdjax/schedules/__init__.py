@@ -74,7 +74,6 @@ from pdjax.schedules.interleaved_1f1b import interleaved
 from pdjax.schedules.kind import MODULO, V_SHAPE, GenerateArgs, ScheduleKind, StagePlacement
 from pdjax.schedules.play import live_versions, play
 from pdjax.schedules.registry import (
-    BENCHED,
     CHUNKED,
     FLUSHING,
     ROUND_ROBIN,
@@ -89,12 +88,12 @@ from pdjax.schedules.registry import (
     stage_groups,
 )
 from pdjax.schedules.semantics import ScheduleSemantics, Shape
+from pdjax.schedules.spec import ScheduleSpec
 from pdjax.schedules.streaming import pipedream, pipedream_2bw
 from pdjax.schedules.validate import validate
 from pdjax.schedules.zero_bubble import zb_h1, zb_h2, zb_v
 
 __all__ = [
-    "BENCHED",
     "CHUNKED",
     "FLUSHING",
     "IN_FLIGHT",
@@ -114,6 +113,7 @@ __all__ = [
     "Schedule",
     "ScheduleKind",
     "ScheduleSemantics",
+    "ScheduleSpec",
     "Shape",
     "StagePlacement",
     "format_actions",

@@ -15,10 +15,13 @@ import functools
 import json
 import re
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdjax.errors import ScheduleError
 from pdjax.schedules.play import play
+
+if TYPE_CHECKING:
+    from pdjax.schedules.spec import ScheduleSpec
 
 __all__ = ["KINDS", "Action", "Schedule", "format_actions", "parse_actions", "parse_grid"]
 
@@ -206,6 +209,24 @@ class Schedule:
         each set of costs). Valid for the schedule's life: the dataclass is frozen and its
         fields are tuples. Not a field: no part of equality, hashing, ``repr`` or JSON."""
         return {}
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The :class:`~pdjax.schedules.ScheduleSpec` this schedule runs: its kind, ``M``
+        per step, chunks, its kind's options and its replication modes (None where every
+        group splits)."""
+        from pdjax.schedules.spec import ScheduleSpec
+
+        return ScheduleSpec(
+            self.name,
+            microbatches=self.microbatches_per_step,
+            chunks=self.chunks,
+            weight_stashing=self.weight_stashing,
+            vertical_sync=self.vertical_sync,
+            extra_in_flight=self.extra_in_flight,
+            in_flight=self.in_flight,
+            replication=self.replication or None,
+        )
 
     @property
     def num_groups(self) -> int:

@@ -207,8 +207,6 @@ def _build_1f1b(a: GenerateArgs) -> Schedule:
 GPIPE = ScheduleKind(
     semantics=flush_semantics("gpipe", _gpipe_in_flight, "M", round_robin=True),
     build=_build_gpipe,
-    planner_depth=None,  # all M of a step in flight
-    planner_round_trip=False,  # its flush bubble is outside every cost model
 )
 """GPipe."""
 ONE_F_ONE_B = ScheduleKind(

@@ -121,7 +121,6 @@ INTERLEAVED = ScheduleKind(
     ),
     build=_build,
     chunks=None,  # the caller's v
-    planner_round_trip=False,  # its in-flight count depends on chunks the planner lacks
 )
 """Interleaved 1F1B."""
 

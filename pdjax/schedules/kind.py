@@ -7,7 +7,7 @@ Each schedule's kind is defined next to its generator, in the module of its fami
 :mod:`~pdjax.schedules.registry` collects them. A kind holds its row of the semantics
 table (:class:`~pdjax.schedules.semantics.ScheduleSemantics`), its generator under one
 call signature (:class:`GenerateArgs`), where its stages sit (:class:`StagePlacement`), its
-chunk rule, and the facts the planner, simulator and applications need.
+chunk rule, and the facts the simulator and the runtime need.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pdjax.schedules.semantics import ScheduleSemantics
 
 if TYPE_CHECKING:
     from pdjax.schedules.actions import Schedule
+    from pdjax.schedules.spec import ScheduleSpec
 
 __all__ = [
     "MODULO",
@@ -34,20 +35,30 @@ __all__ = [
 @dataclasses.dataclass(frozen=True)
 class GenerateArgs:
     """The arguments of :func:`~pdjax.schedules.generate`, as every kind's
-    :attr:`ScheduleKind.build` takes them (each reads the ones it has)."""
+    :attr:`ScheduleKind.build` takes them: the spec, and the shape of the run it is
+    generated for (each kind reads what it has)."""
 
     num_stages: int
-    num_microbatches: int
+    spec: ScheduleSpec
     stream: int | None = None
-    chunks: int = 2
     steps: int = 1
-    vertical_sync: bool = False
-    weight_stashing: bool = True
     num_layers: int | None = None
     replicas: Sequence[int] | None = None
-    extra_in_flight: int = 0
-    replication: Sequence[str] | str | None = None
-    in_flight: str = "full-rate"
+
+    @property
+    def num_microbatches(self) -> int:
+        """``M`` (the spec's)."""
+        return self.spec.microbatches
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device group (the spec's)."""
+        return self.spec.chunks or 1
+
+    @property
+    def replication(self) -> str | tuple[str, ...] | None:
+        """Per device group, how its replicas share the work (the spec's)."""
+        return self.spec.replication
 
 
 def _modulo(groups: int, chunks: int) -> tuple[int, ...]:
@@ -96,15 +107,10 @@ class ScheduleKind:
             caller chooses ``v`` (``interleaved``'s ``chunks``).
         needs_microbatches_per_stage: a step's ``M`` microbatches must be at least the
             ``P`` stages (``2bw``: step ``t`` uses ``W(t - 1)`` at every stage).
-        planned_as: the schedule the planner's dynamic program prices in its place (None:
-            itself); the simulator then picks among the programme's partitions.
-        planner_depth: ``(P, s) -> count``, the microbatches the planner's memory model
-            charges stage ``s`` of ``P`` (at most ``M`` when the schedule flushes), or None
-            for all ``M`` of a step.
-        planner_round_trip: whether the ``pdjax`` cost model's objective has the
-            round-trip bound (not where the in-flight count is all ``M`` or depends on
-            chunks the planner does not know).
-        benched: whether ``pdjax bench`` runs it by default.
+
+    How the planner prices a kind is the planner's own
+    (:data:`pdjax.partition.traits.SCHEDULE_TRAITS`), and which kinds ``pdjax bench`` runs
+    by default the benchmark's.
     """
 
     semantics: ScheduleSemantics
@@ -112,10 +118,6 @@ class ScheduleKind:
     placement: StagePlacement = MODULO
     chunks: int | None = 1
     needs_microbatches_per_stage: bool = False
-    planned_as: str | None = None
-    planner_depth: Callable[[int, int], int] | None = stages_from
-    planner_round_trip: bool = True
-    benched: bool = True
 
     @property
     def name(self) -> str:
@@ -130,11 +132,6 @@ class ScheduleKind:
         """Stages per device group with the caller's ``chosen`` ``v``: ``chosen`` where
         the schedule takes it, else its own count."""
         return chosen if self.chunks is None else self.chunks
-
-    @property
-    def priced_as(self) -> str:
-        """The schedule the planner's dynamic program prices (:attr:`planned_as`)."""
-        return self.planned_as or self.name
 
     @property
     def runs_plan_stages(self) -> bool:
@@ -166,19 +163,10 @@ class ScheduleKind:
         return self.placement.groups(groups, chunks)
 
     def label(self, schedule: Schedule) -> str:
-        """A short name of ``schedule`` (a schedule of this kind) for tables: the name,
-        ``rr`` with round-robin stages, the chunks where the caller chose them, the
-        options that are on."""
-        if self.chunks is None:
-            return f"{schedule.name} (v={schedule.chunks})"
-        rr = " rr" if "round-robin" in schedule.replication else ""
-        extras = [
-            x
-            for x, on in [
-                ("vsync", schedule.vertical_sync),
-                ("no stash", not schedule.weight_stashing),
-                ("paper in flight", schedule.in_flight == "paper"),
-            ]
-            if on
-        ]
-        return schedule.name + rr + (f" ({', '.join(extras)})" if extras else "")
+        """A short name of ``schedule`` (a schedule of this kind) for tables: its spec's
+        :attr:`~pdjax.schedules.ScheduleSpec.label`, with ``rr`` after the name where
+        stages are round-robin."""
+        label = schedule.spec.label
+        if self.chunks is None or "round-robin" not in schedule.replication:
+            return label
+        return schedule.name + " rr" + label[len(schedule.name) :]

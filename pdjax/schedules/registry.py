@@ -25,7 +25,6 @@ from pdjax.schedules.kind import MODULO, ScheduleKind
 from pdjax.schedules.semantics import ScheduleSemantics
 
 __all__ = [
-    "BENCHED",
     "CHUNKED",
     "FAMILY_MODULES",
     "FLUSHING",
@@ -88,8 +87,6 @@ ROUND_ROBIN = tuple(k.name for k in _KINDS if k.semantics.round_robin)
 """With a round-robin form."""
 SPLIT_BACKWARD = tuple(k.name for k in _KINDS if k.semantics.split_backward)
 """The backward split into ``I`` and ``W``."""
-BENCHED = tuple(k.name for k in _KINDS if k.benched)
-"""The schedules ``pdjax bench`` runs by default."""
 
 
 def unknown_schedule(name: str) -> ScheduleError:

@@ -386,12 +386,12 @@ def _build_pipedream(a: GenerateArgs) -> Schedule:
     return pipedream(
         a.num_stages,
         a.num_microbatches if a.stream is None else a.stream,
-        vertical_sync=a.vertical_sync,
-        weight_stashing=a.weight_stashing,
+        vertical_sync=a.spec.vertical_sync,
+        weight_stashing=a.spec.weight_stashing,
         replicas=a.replicas,
-        extra_in_flight=a.extra_in_flight,
+        extra_in_flight=a.spec.extra_in_flight,
         replication=a.replication,
-        in_flight=a.in_flight,
+        in_flight=a.spec.in_flight,
     )
 
 

@@ -331,15 +331,10 @@ ZB_H1 = ScheduleKind(
     semantics=flush_semantics("zb-h1", _zb_h1_in_flight, "min(P, M)", split_backward=True),
     build=_build_zb_h1,
 )
-"""ZB-H1. The planner charges 1F1B's ``P - s`` (the table counts its microbatches until
-the deferred ``W``: ``min(P, M)``)."""
+"""ZB-H1."""
 ZB_H2 = ScheduleKind(
     semantics=flush_semantics("zb-h2", _zb_h2_in_flight, "min(2P - 1, M)", split_backward=True),
     build=_build_zb_h2,
-    planned_as="zb-h1",
-    # 2 (P - s) - 1 warm-up forwards with W deferred: 2P - 1 at every stage
-    planner_depth=lambda P, s: 2 * P - 1,
-    benched=False,
 )
 """ZB-H2."""
 ZB_V = ScheduleKind(
@@ -354,10 +349,6 @@ ZB_V = ScheduleKind(
     build=_build_zb_v,
     placement=V_SHAPE,
     chunks=2,
-    planned_as="zb-h1",
-    # P stage-microbatches (2P half-stage chunks) on every group
-    planner_depth=lambda P, s: P,
-    benched=False,
 )
 """ZB-V: two stages per device group, in a V."""
 

@@ -237,7 +237,7 @@ def _neighbours(args: argparse.Namespace, plan: Any, spec: Any, sample: Any) -> 
     return [
         evaluate_partition(
             Profile.load(args.profile) if args.profile else _flat_profile(spec, sample),
-            plan.topology, layout, schedule=plan.schedule,
+            plan.topology, layout, schedule=plan.schedule.kind,
             num_microbatches=plan.num_microbatches,
             microbatch_size=plan.microbatch_size, partitioner="neighbour",
         )

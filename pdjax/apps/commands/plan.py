@@ -53,6 +53,7 @@ from pdjax.partition import (
     SCHEDULE_TRAITS,
     Plan,
     Topology,
+    auto_choice,
     parse_levels,
     plan_auto,
     plan_balanced_params,
@@ -564,7 +565,8 @@ def render_auto(plan: Plan, file: IO[str] | None = None) -> None:
 
     from pdjax._units import fmt_bytes, fmt_seconds
 
-    chosen = plan.options["auto"]
+    chosen = auto_choice(plan)
+    assert chosen is not None, "render_auto is for plan_auto's plans"
     table = Table(title="schedules searched (simulated, per sample)")
     for col in ("schedule", "M", "stages", "remat", "time / sample", "peak memory", ""):
         table.add_column(col)
@@ -593,8 +595,8 @@ def slower_than_one_device(plan: Plan) -> str | None:
     """A warning if ``plan`` is predicted slower per microbatch (so per sample) than the
     whole model on one device, from the same profile and cost model; else None."""
     one, ours = plan.single_device_time, plan.time_per_microbatch
-    auto = plan.options.get("auto")
-    if isinstance(auto, dict) and "time_per_sample" in auto:
+    auto = auto_choice(plan)
+    if auto is not None and "time_per_sample" in auto:
         # plan_auto's choice: its simulated time (fill and drain included), not the dynamic
         # program's pricing, which may be another schedule's
         ours = float(auto["time_per_sample"]) * plan.microbatch_size
@@ -621,10 +623,10 @@ def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
 
     from pdjax._units import fmt_bytes, fmt_seconds
 
-    auto = plan.options.get("auto")
+    auto = auto_choice(plan)
     table = Table(
         title=f"{plan.config} ({plan.partitioner}, {plan.cost_model} cost model, "
-        f"{plan.schedule} schedule)"
+        f"{plan.schedule.kind} schedule)"
     )
     columns = [
         ("stage", "right"),
@@ -714,7 +716,8 @@ def auto_summary(plan: Plan) -> str:
     per sample, in flight, peak memory per device (and per device group) and the limit."""
     from pdjax._units import fmt_bytes, fmt_seconds
 
-    a = plan.options["auto"]
+    a = auto_choice(plan)
+    assert a is not None, "auto_summary is for plan_auto's plans"
     name = a["schedule"] + (f" v={a['chunks']}" if a["chunks"] > 1 else "")
     name += f" +{a['extra_in_flight']}" if a["extra_in_flight"] else ""
     name += _in_flight_label(a)

@@ -463,7 +463,7 @@ def _replication(option: str, plan: Plan | None, name: str) -> tuple[str, ...] |
         return None
     if option == "round-robin":
         return ("round-robin",) * plan.num_stages
-    if name == plan.schedule:
+    if name == plan.schedule.kind:
         return plan.replication
     kind = SCHEDULE_KINDS.get(name)
     return ("round-robin",) * plan.num_stages if kind and kind.round_robin_by_default else None

@@ -14,7 +14,7 @@ from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE, check_settings
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
-from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES
+from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
 
 SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
@@ -274,6 +274,23 @@ class TrainConfig:
         """Whether the schedule has generator option ``option`` (``dp`` and ``auto``: no)."""
         kind = SCHEDULE_KINDS.get(self.schedule)
         return kind is not None and kind.takes(option)
+
+    @property
+    def spec(self) -> ScheduleSpec:
+        """The :class:`~pdjax.schedules.ScheduleSpec` a pipeline run of this config runs
+        (not for ``dp`` or ``auto``, which name no schedule): its kind, ``M``, ``chunks``
+        where the kind takes them, the kind's options and the replication."""
+        kind = SCHEDULE_KINDS[self.schedule]
+        return ScheduleSpec(
+            self.schedule,
+            microbatches=self.microbatches,
+            chunks=self.chunks if kind.chunks is None else None,
+            vertical_sync=self.vertical_sync,
+            weight_stashing=self.weight_stashing,
+            extra_in_flight=self.extra_in_flight,
+            in_flight=self.in_flight,
+            replication=None if self.replication == "plan" else self.replication,
+        )
 
     @property
     def label(self) -> str:

@@ -292,7 +292,7 @@ def _measured_as(plan: Any, prof: Any) -> Any:
         plan.topology,
         [(st.first_layer, st.last_layer, st.replicas) for st in plan.stages],
         cost_model=plan.cost_model,
-        schedule=plan.schedule,
+        schedule=plan.schedule.kind,
         num_microbatches=plan.num_microbatches,
         microbatch_size=plan.microbatch_size,
         optimizer_state_factor=float(plan.options.get("optimizer_state_factor", 2.0)),
@@ -322,7 +322,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     ``1f1b``, ``zb-h1``, ``zb-h2``, and with ``allow_stale`` ``pipedream`` and ``2bw``): the
     runner places ``interleaved`` and ``zb-v`` chunks by equal layer counts. Recomputation
     is not chosen without a memory limit (CPU devices have none); where chosen, the runner
-    runs the memory policy the plan names per stage (``plan.options["auto"]["policies"]``).
+    runs the memory policy the plan's spec names per stage.
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
     shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
     simulator alone would pick many small microbatches whose dispatch and shared cores it
@@ -364,18 +364,20 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
 
 def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
     """``cfg`` (``schedule="auto"``) as ``plan_auto``'s ``plan`` (saved as ``path``) chose."""
-    chosen = plan.options.get("auto")
-    if not isinstance(chosen, dict):
+    from pdjax.partition import auto_choice as chosen_by_planner
+
+    if chosen_by_planner(plan) is None:
         raise PipelineError(
             f"the plan {path} was not made by --schedule auto (it records no choice of "
             "schedule): resume with the settings the run was started with"
         )
+    spec = plan.schedule
     return dataclasses.replace(
         cfg,
-        schedule=chosen["schedule"],
-        microbatches=chosen["microbatches"],
-        extra_in_flight=chosen["extra_in_flight"],
-        in_flight=chosen.get("in_flight_option", "full-rate"),
+        schedule=spec.kind,
+        microbatches=spec.microbatches,
+        extra_in_flight=spec.extra_in_flight,
+        in_flight=spec.in_flight,
         plan=str(path),
         allow_stale=False,
     )

@@ -14,6 +14,7 @@ from pdjax.apps.train.optimizers import build_optimizer
 from pdjax.apps.train.planning import plan_of
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
+from pdjax.partition import Plan
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
@@ -81,18 +82,13 @@ def make_runner(
         stages,
         spec.loss,
         _optimizer(cfg, total_updates),
-        schedule=cfg.schedule,
-        microbatches=cfg.microbatches,
-        chunks=cfg.chunks if _chunks_chosen(cfg.schedule) else None,
-        vertical_sync=cfg.vertical_sync,
-        weight_stashing=cfg.weight_stashing,
+        schedule=cfg.spec.replace(
+            chunks=cfg.chunks if _chunks_chosen(cfg.schedule) else None,
+            # a plan's memory policies per stage (plan_auto's choice)
+            remat=stages.schedule.remat if isinstance(stages, Plan) else False,
+        ),
         devices=devices,
-        extra_in_flight=cfg.extra_in_flight,
-        in_flight=cfg.in_flight,
         transport=cfg.transport,
-        replication=None if cfg.replication == "plan" else cfg.replication,
-        # plan_auto's per-stage memory policies (a plan written before them: remat flags)
-        remat=_memory_policies(getattr(stages, "options", {}).get("auto", {})),
     )
     for s, r in enumerate(runner.replicas):
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:
@@ -105,9 +101,3 @@ def make_runner(
     if rr:
         text += f"; round-robin stage{'s' if len(rr) > 1 else ''} {', '.join(rr)}"
     return runner, text
-
-
-def _memory_policies(auto: dict[str, Any]) -> tuple[Any, ...] | bool:
-    """The per-stage memory policies ``plan_auto`` chose (``policies``; a plan written
-    before them holds ``remat`` flags, True for full recomputation), or False (none)."""
-    return tuple(auto.get("policies") or auto.get("remat") or ()) or False

@@ -14,7 +14,7 @@ from pdjax._memory_policy import memory_policies
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
 from pdjax.partition.plan import Plan, StagePlan
-from pdjax.schedules import IN_FLIGHT, SCHEDULES, schedule_kind, semantics
+from pdjax.schedules import SCHEDULES, Schedule, ScheduleSpec, schedule_kind, semantics, validate
 
 __all__ = ["even_stages"]
 
@@ -169,56 +169,34 @@ def stages_of(plan: Plan | Sequence[StagePlan]) -> tuple[StagePlan, ...]:
     return tuple(plan)
 
 
-def check_options(
-    schedule: str,
-    *,
-    chunks: int,
-    vertical_sync: bool,
-    weight_stashing: bool,
-    extra_in_flight: int,
-    grad_allreduce: str,
-    optimizer_scope: str,
-    in_flight: str = "full-rate",
-) -> None:
-    """Refuses options that ``schedule`` does not have, or values out of their range."""
-    if schedule not in SCHEDULES:
-        raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-    row = semantics(schedule)
-    if (vertical_sync and "vertical_sync" not in row.options) or (
-        not weight_stashing and "weight_stashing" not in row.options
-    ):
-        raise PipelineError(
-            "vertical_sync and weight_stashing=False are options of the pipedream "
-            f"schedule, not of {schedule}"
-        )
-    if extra_in_flight and "extra_in_flight" not in row.options:
-        raise PipelineError(
-            f"extra_in_flight={extra_in_flight} is an option of pipedream, not of {schedule}"
-        )
-    if in_flight not in IN_FLIGHT:
-        raise PipelineError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
-    if in_flight != "full-rate" and "in_flight" not in row.options:
-        raise PipelineError(f"in_flight={in_flight!r} is an option of pipedream, not of {schedule}")
-    if in_flight == "paper" and extra_in_flight:
-        raise PipelineError(
-            f"in_flight='paper' keeps PipeDream's own count (NOAM at the input stage); "
-            f"extra_in_flight={extra_in_flight} would add to it: pass one of them"
-        )
-    if grad_allreduce not in ("update", "backward"):
-        raise PipelineError(
-            f"grad_allreduce must be 'update' or 'backward', got {grad_allreduce!r}"
-        )
-    fixed = schedule_kind(schedule).chunks
-    if fixed is not None and fixed > 1 and chunks != fixed:
-        shape = " (a V over 2P stages)" if row.v_shaped else ""
-        raise PipelineError(
-            f"{schedule} runs {_COUNTS.get(fixed, fixed)} chunks per device group{shape}: "
-            f"chunks must be {fixed}, got {chunks}"
-        )
-    if not row.chunked and chunks != 1:
-        raise PipelineError(f"chunks={chunks} is an option of interleaved, not of {schedule}")
+def check_scope(optimizer_scope: Any) -> None:
+    """Refuses an ``optimizer_scope`` other than ``"model"`` or ``"stage"``."""
     if optimizer_scope not in ("model", "stage"):
         raise PipelineError(f"optimizer_scope must be 'model' or 'stage', got {optimizer_scope!r}")
+
+
+def schedule_of(
+    plan: Any, schedule: ScheduleSpec | Schedule | None
+) -> tuple[Schedule | None, ScheduleSpec]:
+    """What a pipeline runs: a given :class:`Schedule` (validated here) with its spec, or
+    the spec given, or the plan's; ``ScheduleSpec("1f1b")`` for stages without one."""
+    if schedule is None:
+        spec = plan.schedule if isinstance(plan, Plan) else ScheduleSpec("1f1b")
+        return None, spec
+    if isinstance(schedule, ScheduleSpec):
+        return None, schedule
+    if isinstance(schedule, Schedule):
+        validate(schedule)
+        return schedule, schedule.spec
+    hint = (
+        f"schedule=ScheduleSpec({schedule!r}, microbatches=M)"
+        if isinstance(schedule, str)
+        else "a ScheduleSpec or a Schedule"
+    )
+    raise PipelineError(
+        f"schedule must be a ScheduleSpec, a Schedule or None (the plan's), got "
+        f"{type(schedule).__name__} {schedule!r}; pass {hint}"
+    )
 
 
 def integer(name: str, value: Any, least: int, most: int | None = None, why: str = "") -> int:

@@ -34,19 +34,17 @@ from pdjax.pipeline.executor.arguments import (
 from pdjax.pipeline.executor.calls import Feeder, execute
 from pdjax.pipeline.executor.checks import Checker, check_pairs, split_batch, state_layout
 from pdjax.pipeline.executor.config import (
-    MAX_MICROBATCHES,
-    MICROBATCHES_WHY,
     check_cover,
-    check_options,
-    integer,
+    check_scope,
     remat_policies,
+    schedule_of,
     stages_of,
 )
 from pdjax.pipeline.executor.decisions import Decisions
 from pdjax.pipeline.executor.forward import Forward
 from pdjax.pipeline.executor.interpreter import Step
 from pdjax.pipeline.executor.layout import ParamLayout, param_layout
-from pdjax.pipeline.executor.programs import ProgramCache, ScheduleOptions
+from pdjax.pipeline.executor.programs import ProgramCache
 from pdjax.pipeline.executor.stages import build_stages, place
 from pdjax.pipeline.executor.state import PipelineState, RunMetrics
 from pdjax.pipeline.executor.trees import (
@@ -59,7 +57,7 @@ from pdjax.pipeline.executor.trees import (
 from pdjax.pipeline.lowering import Program, Slot
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import LossFn, Stage
-from pdjax.schedules import SCHEDULES, Schedule, schedule_kind, semantics
+from pdjax.schedules import Schedule, ScheduleSpec, schedule_kind, semantics
 
 __all__ = ["Pipeline"]
 
@@ -87,53 +85,21 @@ class Pipeline:
         ``plan.stages`` alone) name devices by index into ``devices``.
       loss_fn: ``loss_fn(outputs, targets) -> scalar``, the mean loss of a microbatch.
       optimizer: any optax ``GradientTransformation``; each stage keeps its own state.
-      schedule: one of ``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``, ``zb-h2``,
-        ``zb-v`` (flush: use :meth:`step`), ``pipedream``, ``2bw`` (streaming: use
-        :meth:`run`).
-      microbatches: ``M``, microbatches per optimizer step (flush schedules and ``2bw``).
-      chunks: ``v`` for ``interleaved``; ``zb-v`` runs 2 (its V; ``None``, the default,
-        means 2 for ``zb-v`` and 1 otherwise).
-      vertical_sync: ``pipedream`` option (every stage uses stage 0's version).
-      weight_stashing: ``pipedream`` option (``False``: the backward uses the newest weights).
-      remat: each stage's memory policy, what its forward keeps for its backward: ``False``
-        or ``"none"`` (every residual), ``True`` or ``"full"`` (nothing: the backward
-        recomputes the forward), ``"dots"`` / ``"dots-no-batch"`` (only matrix-product
-        outputs, by ``jax.checkpoint``'s policies; the backward recomputes the rest) or
-        ``"offload"`` (those products in the host's pinned memory; refused where the
-        devices have none): one for every stage, or one per stage (as
-        :func:`~pdjax.partition.plan_auto` chooses them, ``plan.options["auto"]["policies"]``;
-        its ``"remat"`` entry only says which stages keep less than everything).
-        ``pipe.remat`` holds the per-stage names. Every policy computes the same values.
+      schedule: what runs: None (the default) runs a ``Plan`` as planned, its
+        :attr:`~pdjax.partition.Plan.schedule`; stages written by hand take a
+        :class:`~pdjax.schedules.ScheduleSpec` (the kind, ``M`` microbatches per step,
+        chunks, the kind's options, replication, the memory policy per stage) or a
+        validated :class:`~pdjax.schedules.Schedule` (built by hand, or read from
+        PyTorch's CSV format by :func:`~pdjax.schedules.torch_csv.read_torch_csv`), which then runs
+        as it is, for calls of its own microbatch count. Given with a ``Plan``, it replaces
+        the plan's. Flush schedules (``gpipe``, ``1f1b``, ``interleaved``, ``zb-h1``,
+        ``zb-h2``, ``zb-v``) train with :meth:`step`, streaming ones (``pipedream``,
+        ``2bw``) with :meth:`run`. Stages without either run ``ScheduleSpec("1f1b")``.
       devices: the devices the plan's ids refer to (default ``jax.devices()``): indexed
         by position, or searched by ``jax.Device.id`` for a plan with ``device_ids``.
       transport: how values cross processes (``pdjax.pipeline.transport``):
         ``device_put``, ``collective``, or ``auto`` (``device_put`` unless the pipeline
         spans more than 2 processes on CPU, where only ``collective`` works).
-      extra_in_flight: ``pipedream`` option: microbatches in flight per stage beyond
-        ``P - s`` (not at the last stage), to hide transfer latency on the round trip;
-        each costs one more stashed weight version and activation per stage and one more
-        update of staleness (:func:`pdjax.schedules.pipedream`).
-      in_flight: ``pipedream`` option, for round-robin stages: ``"full-rate"`` (default:
-        the groups in flight that keep a balanced pipeline at full rate) or ``"paper"``
-        (PipeDream's own count, NOAM = ceil(workers / input-stage workers) at the input
-        stage: less stale, slower where the counts differ; see docs/semantics.md).
-      replication: how a replicated stage's devices share its work: ``"split"`` (each
-        microbatch split across them) or ``"round-robin"`` (PipeDream's: each device
-        takes whole microbatches, ``r`` consecutive ones at once, the gradients
-        all-reduced once per group; under ``pipedream`` the stage updates once per group
-        of ``r`` with their mean gradient; :func:`~pdjax.schedules.pipedream`);
-        one word for every stage, or one per stage; ``None``: each plan stage's
-        ``replication`` attribute, else ``"split"``. Round-robin runs with ``gpipe``,
-        ``1f1b``, ``pipedream`` and ``2bw``, in one process, on layers without model
-        state.
-      grad_allreduce: where a replicated stage's gradients are all-reduced. ``"update"``
-        (default): each device sums its own part of every microbatch's gradient and the
-        update all-reduces the sum once, for stages whose layers compute row by row
-        (checked on the real weights before the first run,
-        :meth:`~pdjax.pipeline.stage.Stage.check_parts`; the others, e.g. with BatchNorm
-        or dropout, fall back to ``"backward"``: see :attr:`grad_allreduce_at`).
-        ``"backward"``: every backward all-reduces its gradient (the whole microbatch's
-        programs, XLA's data parallelism).
       optimizer_scope: ``"model"`` (default): the optimizer means one update of the whole
         model, as in sequential training. An optimizer that treats each parameter on its
         own runs per stage as it is; one coupled through the gradients' global norm
@@ -153,13 +119,13 @@ class Pipeline:
     ``optimizer_scope="model"``.
 
     Raises:
-      PipelineError: before any device work, for ``microbatches`` or ``chunks`` that is
-        not an integer >= 1 (``extra_in_flight``: >= 0), a plan that is not a ``Plan`` or
+      PipelineError: before any device work, for a plan that is not a ``Plan`` or
         a sequence of ``StagePlan``, one that does not cover the model, too few devices,
         a device id not among ``devices``, an unknown schedule, or tied copies on
         several stages with ``pipedream`` or ``2bw`` (whose stages update at their own
         times, so the copies cannot stay one parameter), across processes, or with
         ``optimizer_scope="stage"``.
+      ScheduleError: a ``schedule`` that is neither a spec nor a valid ``Schedule``.
     """
 
     def __init__(
@@ -169,115 +135,89 @@ class Pipeline:
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation,
         *,
-        schedule: str = "1f1b",
-        microbatches: int = 1,
-        chunks: int | None = None,
-        vertical_sync: bool = False,
-        weight_stashing: bool = True,
-        remat: bool | str | Sequence[bool | str] = False,
+        schedule: ScheduleSpec | Schedule | None = None,
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
         optimizer_scope: Literal["model", "stage"] = "model",
-        extra_in_flight: int = 0,
-        grad_allreduce: str = "update",
-        replication: str | Sequence[str] | None = None,
-        in_flight: str = "full-rate",
     ) -> None:
         layers = check_layers(layers, "Pipeline")
         check_loss_fn(loss_fn, "Pipeline")
         check_optimizer(optimizer, "Pipeline")
-        vertical_sync = check_flag("vertical_sync", vertical_sync)
-        weight_stashing = check_flag("weight_stashing", weight_stashing)
         devices = check_devices(devices, "Pipeline")
-        if not isinstance(schedule, str) or schedule not in SCHEDULES:
-            raise PipelineError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-        most, why = MAX_MICROBATCHES, MICROBATCHES_WHY
-        microbatches = integer("microbatches", microbatches, 1, most, why)
-        if chunks is None:
-            chunks = schedule_kind(schedule).default_chunks
-        chunks = integer("chunks", chunks, 1, most, why)
-        extra_in_flight = integer("extra_in_flight", extra_in_flight, 0, most, why)
-        check_options(
-            schedule,
-            chunks=chunks,
-            vertical_sync=vertical_sync,
-            weight_stashing=weight_stashing,
-            extra_in_flight=extra_in_flight,
-            grad_allreduce=grad_allreduce,
-            optimizer_scope=optimizer_scope,
-            in_flight=in_flight,
-        )
+        fixed, spec = schedule_of(plan, schedule)
+        check_scope(optimizer_scope)
         self.layers = layers
-        self.schedule_name = schedule
-        self.microbatches = microbatches
-        self.chunks = chunks
-        self.vertical_sync = vertical_sync
-        self.weight_stashing = weight_stashing
-        self.extra_in_flight = extra_in_flight
-        self.in_flight = in_flight
-        self.grad_allreduce = grad_allreduce
+        #: what runs: the kind, M, chunks, the kind's options (a given Schedule's own)
+        self.spec = spec
         self.optimizer_scope = optimizer_scope
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         specs = stages_of(plan)
         self.stage_specs = specs
         check_cover(specs, len(layers))
-        self.remat = remat_policies(remat, len(specs))
+        self.remat = remat_policies(spec.remat, len(specs))
+        name, M = spec.kind, spec.microbatches
         #: the stages and where they run (fixed from here on)
         self.stage_set, rep = build_stages(
             layers,
             specs,
             plan,
             devices,
-            schedule=schedule,
-            microbatches=microbatches,
-            chunks=chunks,
+            schedule=name,
+            microbatches=M,
+            chunks=spec.chunks or 1,
             remat=self.remat,
             optimizer=optimizer,
             loss_fn=loss_fn,
-            replication=replication,
+            replication=spec.replication,
         )
-        if schedule_kind(schedule).needs_microbatches_per_stage and microbatches < self.num_groups:
+        if schedule_kind(name).needs_microbatches_per_stage and M < self.num_groups:
             raise PipelineError(
-                f"{schedule} needs microbatches (M) >= stages (P) so that step t can use W(t-1) at "
-                f"every stage; got M={microbatches}, P={self.num_groups}"
+                f"{name} needs microbatches (M) >= stages (P) so that step t can use W(t-1) at "
+                f"every stage; got M={M}, P={self.num_groups}"
             )
         self.decisions = Decisions(
             self.stage_set,
             layers,
             rep,
-            schedule=schedule,
-            microbatches=microbatches,
+            schedule=name,
+            microbatches=M,
             optimizer=optimizer,
             optimizer_scope=optimizer_scope,
-            grad_allreduce=grad_allreduce,
+            grad_allreduce=spec.grad_allreduce,
         )
         self.decisions.check_tied()
-        self.placement, self.transport, self.workarounds = place(
-            self.stage_set, transport, schedule, microbatches
-        )
-        options = ScheduleOptions(
-            schedule,
-            microbatches,
-            vertical_sync,
-            weight_stashing,
-            extra_in_flight,
-            self.remat,
-            in_flight,
-        )
+        self.placement, self.transport, self.workarounds = place(self.stage_set, transport, name, M)
         self.programs = ProgramCache(
-            options,
+            spec,
+            self.remat,
             self.stage_set,
             self.decisions,
             self.placement,
             self.transport,
             self.workarounds,
+            fixed=fixed,
         )
         self.checker = Checker(self.stage_set, layers, loss_fn, self._settle)
         self.forward = Forward(self.stage_set, layers, self.checker, self.decisions, self.transport)
         self.feeder = Feeder(self.stage_set)
 
     # -- the parts' views, under the names the pipeline has always had ----------------------
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's kind (the spec's)."""
+        return self.spec.kind
+
+    @property
+    def microbatches(self) -> int:
+        """``M``, microbatches per step (the spec's)."""
+        return self.spec.microbatches
+
+    @property
+    def chunks(self) -> int:
+        """Stages per device group (the spec's)."""
+        return self.spec.chunks or 1
 
     @property
     def stages(self) -> tuple[Stage, ...]:

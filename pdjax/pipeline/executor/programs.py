@@ -5,7 +5,6 @@ changes what would be lowered (:mod:`.decisions`)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,25 +18,9 @@ from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import shape_key
 from pdjax.pipeline.lowering import Placement, Program, lower
 from pdjax.pipeline.transport import Transport
-from pdjax.schedules import Schedule, generate, semantics, validate
+from pdjax.schedules import Schedule, ScheduleSpec, generate, semantics, validate
 
-__all__ = ["ProgramCache", "ScheduleOptions"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleOptions:
-    """What the pipeline's schedules are generated from, besides the call's length.
-
-    ``in_flight``: ``pipedream``'s count of groups in flight at round-robin stages
-    (``"full-rate"`` or ``"paper"``, :data:`pdjax.schedules.inflight.IN_FLIGHT`)."""
-
-    name: str
-    microbatches: int
-    vertical_sync: bool
-    weight_stashing: bool
-    extra_in_flight: int
-    remat: tuple[str, ...]
-    in_flight: str = "full-rate"
+__all__ = ["ProgramCache"]
 
 
 class ProgramCache:
@@ -45,14 +28,20 @@ class ProgramCache:
 
     def __init__(
         self,
-        options: ScheduleOptions,
+        spec: ScheduleSpec,
+        remat: tuple[str, ...],
         stage_set: StageSet,
         decisions: Decisions,
         placement: Placement,
         transport: Transport,
         workarounds: _xla_cpu.Workarounds,
+        *,
+        fixed: Schedule | None = None,
     ) -> None:
-        self.options = options
+        self.spec = spec
+        self.remat = remat
+        #: a given schedule, run as it is (None: generated from the spec per call length)
+        self.fixed = fixed
         self.stage_set = stage_set
         self.decisions = decisions
         self.placement = placement
@@ -61,6 +50,8 @@ class ProgramCache:
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self._programs: dict[Any, Program] = {}
         self._bound: dict[Any, tuple[Program, Code]] = {}
+        if fixed is not None:
+            self._check_fixed(fixed)
 
     def clear(self) -> None:
         """Drops every schedule, program and bound code (a decision changed them)."""
@@ -71,10 +62,12 @@ class ProgramCache:
     def schedule(self, num_microbatches: int) -> Schedule:
         """The validated schedule of a call over ``num_microbatches`` microbatches: the
         stream of a streaming schedule, whole steps of ``M`` for the flush schedules."""
-        o = self.options
-        key = (num_microbatches, o.microbatches)
+        spec = self.spec
+        if self.fixed is not None:
+            return self._fixed(num_microbatches)
+        key = (num_microbatches, spec.microbatches)
         if key not in self._schedules:
-            M, name = o.microbatches, o.name
+            M, name = spec.microbatches, spec.kind
             streaming = semantics(name).streams
             if not streaming and num_microbatches % M:
                 raise PipelineError(
@@ -82,22 +75,52 @@ class ProgramCache:
                 )
             ss = self.stage_set
             sched = generate(
-                name,
+                spec.replace(chunks=ss.chunks, replication=ss.schedule_replication, remat=False),
                 ss.num_groups,
-                M,
                 stream=num_microbatches if streaming else None,
                 steps=1 if streaming else num_microbatches // M,
-                chunks=ss.chunks,
-                vertical_sync=o.vertical_sync,
-                weight_stashing=o.weight_stashing,
                 replicas=ss.replicas,
-                extra_in_flight=o.extra_in_flight,
-                replication=ss.schedule_replication,
-                in_flight=o.in_flight,
             )
             validate(sched)
             self._schedules[key] = sched
         return self._schedules[key]
+
+    def _check_fixed(self, fixed: Schedule) -> None:
+        """Refuses a given schedule whose stages sit other than the pipeline's."""
+        ss = self.stage_set
+        mine = {
+            "stages": ss.num_stages,
+            "device groups": ss.num_groups,
+            "stage_device": tuple(ss.stage_device),
+            "replicas": tuple(ss.replicas),
+            "replication": tuple(ss.schedule_replication or ("split",) * ss.num_groups),
+        }
+        theirs = {
+            "stages": fixed.num_stages,
+            "device groups": fixed.num_groups,
+            "stage_device": tuple(fixed.stage_device),
+            "replicas": tuple(fixed.replicas),
+            "replication": tuple(fixed.replication or ("split",) * fixed.num_groups),
+        }
+        for what, want in mine.items():
+            if theirs[what] != want:
+                raise PipelineError(
+                    f"the {fixed.name} schedule given has {what} {theirs[what]}, the pipeline's "
+                    f"stages {want}: give a schedule for these stages (or stages for it)"
+                )
+
+    def _fixed(self, num_microbatches: int) -> Schedule:
+        """The given schedule, for a call of its own length."""
+        fixed = self.fixed
+        assert fixed is not None
+        if num_microbatches != fixed.num_microbatches:
+            raise PipelineError(
+                f"this pipeline runs the {fixed.name} schedule it was given, "
+                f"{fixed.num_microbatches} microbatches long; got a call of {num_microbatches}: "
+                f"give {fixed.num_microbatches} microbatches per call, or pass a ScheduleSpec "
+                "to run calls of any whole number of steps"
+            )
+        return fixed
 
     def program(self, num_microbatches: int, *, timeline: bool, on_loss: bool) -> Program:
         """The lowered program of a call (cached). ``timeline``: unfused, one operation
@@ -109,7 +132,7 @@ class ProgramCache:
             prog = lower(
                 self.schedule(num_microbatches),
                 self.placement,
-                remat=self.options.remat,
+                remat=self.remat,
                 fuse=not timeline,
                 coupled=self.decisions.coupled,
                 run_ahead=w.run_ahead,

@@ -11,33 +11,33 @@ per operation), comparable, and testable without devices.
 Every value lives in a named *slot*, written once (SSA), so the order of a program can be
 checked and any program can be re-sorted by data dependencies:
 
-======================  =============================================================
-slot                    value
-======================  =============================================================
-``w{s}v{n}``            stage ``s``'s weights, version ``n`` (``w{s}v0`` from the caller)
-``o{s}v{n}``            its optimizer state after the update that made version ``n``
-``st{s}``, ``st{s}.{k}``  its model state (BatchNorm statistics): before the call, after
-                        the forward of microbatch ``k``
-``rng{s}``, ``key{s}.{k}``  the caller's PRNG key on the stage's devices; microbatch ``k``'s
-``x{s}.{k}``            stage ``s``'s input for microbatch ``k`` (``x0.{k}``: the caller's)
-``t{k}``                microbatch ``k``'s targets, on the last stage
-``y{s}.{k}``            stage ``s``'s output (before it moves to stage ``s + 1``)
-``r{s}.{k}``            residuals the forward keeps for the backward
-``c{s}.{k}``            zero bubble: the output cotangents ``I`` keeps for ``W``
-``e{s}.{k}``            gradient of stage ``s``'s input (before it moves to ``s - 1``)
-``d{s}.{k}``            gradient of stage ``s``'s output (arrived from ``s + 1``)
-``g{s}.{k}``            stage ``s``'s summed weight gradients up to microbatch ``k``
-``loss{k}``             microbatch ``k``'s loss, on the last stage
+==============================  ==================================================================
+slot                            value
+==============================  ==================================================================
+``w{s}v{n}``                    stage ``s``'s weights, version ``n`` (``w{s}v0`` from the caller)
+``o{s}v{n}``                    its optimizer state after the update that made version ``n``
+``st{s}``, ``st{s}.{k}``        its model state (BatchNorm statistics): before the call, after
+                                the forward of microbatch ``k``
+``rng{s}``, ``key{s}.{k}``      the caller's PRNG key on the stage's devices; microbatch ``k``'s
+``x{s}.{k}``                    stage ``s``'s input for microbatch ``k`` (``x0.{k}``: the caller's)
+``t{k}``                        microbatch ``k``'s targets, on the last stage
+``y{s}.{k}``                    stage ``s``'s output (before it moves to stage ``s + 1``)
+``r{s}.{k}``                    residuals the forward keeps for the backward
+``c{s}.{k}``                    zero bubble: the output cotangents ``I`` keeps for ``W``
+``e{s}.{k}``                    gradient of stage ``s``'s input (before it moves to ``s - 1``)
+``d{s}.{k}``                    gradient of stage ``s``'s output (arrived from ``s + 1``)
+``g{s}.{k}``                    stage ``s``'s summed weight gradients up to microbatch ``k``
+``loss{k}``                     microbatch ``k``'s loss, on the last stage
 ``q{s}.{u}``, ``q{s}.{u}@{r}``  update ``u``'s gradient sum of squares at stage ``s`` (and on
-                        stage ``r``): optimizers that clip by the global norm
-``pg{s}.{u}:{o}``       tied parameters: update ``u``'s summed gradients of stage ``s``'s
-                        copies of the groups stage ``o`` owns (``@{o}``: arrived there)
-``nw{o}.{u}:{s}``       the new values of those groups, made by owner ``o``'s update
-                        ``u``, for stage ``s`` (``@{s}``: arrived there)
-``m<name>{s}.{k}``      a round-robin stage's group value (``mx``, ``my``, ``mkey``,
-                        ``mt``, ``mloss``, ``md``, ``me``): the ``r`` microbatches from
-                        ``k`` on, concatenated, microbatch ``k + d`` on device ``d``
-======================  =============================================================
+                                stage ``r``): optimizers that clip by the global norm
+``pg{s}.{u}:{o}``               tied parameters: update ``u``'s summed gradients of stage ``s``'s
+                                copies of the groups stage ``o`` owns (``@{o}``: arrived there)
+``nw{o}.{u}:{s}``               the new values of those groups, made by owner ``o``'s update
+                                ``u``, for stage ``s`` (``@{s}``: arrived there)
+``m<name>{s}.{k}``              a round-robin stage's group value (``mx``, ``my``, ``mkey``,
+                                ``mt``, ``mloss``, ``md``, ``me``): the ``r`` microbatches from
+                                ``k`` on, concatenated, microbatch ``k + d`` on device ``d``
+==============================  ==================================================================
 
 A round-robin stage (PipeDream's replication; see
 :func:`~pdjax.schedules.pipedream`) computes ``r`` microbatches in one operation:
@@ -48,29 +48,29 @@ each piece moves to or from its own device (``MOVE`` with ``part``).
 Operations and their arguments (the stage programs of :class:`~pdjax.pipeline.stage.Stage`
 take and return exactly these, in this order; ``[..]`` appears only where it applies):
 
-=========  ==================================================  ===========================
-kind       reads                                               writes
-=========  ==================================================  ===========================
-``KEYS``   ``rng{s}``                                          ``key{s}.{k}`` for every k
-``F``      ``w st x key [t]``                                  ``y|loss st' [r]``
-``B``      ``w x R [d] [g]``                                   ``g' [e]``
-``I``      ``w x R [d]``                                       ``[e] c``
-``W``      ``w x R c [g]``                                     ``g'``
-``U``      ``g w o [pg@s ...] [nw@s ...] [q@s ...]``           ``w' o' [nw:r ...]``
-``BU``     ``w x R [d] [g] [w_newest] o``                      ``w' o' [e]``
-``FB``     ``w st x key t [g]``                                ``loss st' g' [e]``
-``FBU``    ``w st x key t [g] [w_newest] o``                   ``loss st' w' o' [e]``
-``SQ``     ``g [pg@s ...]``                                    ``q``
-``TG``     ``g``                                               ``pg:o`` per owner ``o``
-``MOVE``   a value on stage ``s``                              the same on stage ``peer``
-``SEND``   a value on stage ``s`` (this process holds it)      (nothing)
-``RECV``   (nothing: the value comes from stage ``s``)         the value on stage ``peer``
-``LOSS``   ``loss{k}``                                         (calls ``on_loss``)
-``WAIT``   ``loss{k}``                                         (blocks until it is computed)
-``SYNC``   the outputs of the operation before                 (blocks: one at a time)
-``GATHER`` ``r`` pieces, each on its device of stage ``s``     the group value
-``PART``   a group value                                       its ``r`` pieces
-=========  ==================================================  ===========================
+==========  ==================================================  ============================
+kind        reads                                               writes
+==========  ==================================================  ============================
+``KEYS``    ``rng{s}``                                          ``key{s}.{k}`` for every k
+``F``       ``w st x key [t]``                                  ``y|loss st' [r]``
+``B``       ``w x R [d] [g]``                                   ``g' [e]``
+``I``       ``w x R [d]``                                       ``[e] c``
+``W``       ``w x R c [g]``                                     ``g'``
+``U``       ``g w o [pg@s ...] [nw@s ...] [q@s ...]``           ``w' o' [nw:r ...]``
+``BU``      ``w x R [d] [g] [w_newest] o``                      ``w' o' [e]``
+``FB``      ``w st x key t [g]``                                ``loss st' g' [e]``
+``FBU``     ``w st x key t [g] [w_newest] o``                   ``loss st' w' o' [e]``
+``SQ``      ``g [pg@s ...]``                                    ``q``
+``TG``      ``g``                                               ``pg:o`` per owner ``o``
+``MOVE``    a value on stage ``s``                              the same on stage ``peer``
+``SEND``    a value on stage ``s`` (this process holds it)      (nothing)
+``RECV``    (nothing: the value comes from stage ``s``)         the value on stage ``peer``
+``LOSS``    ``loss{k}``                                         (calls ``on_loss``)
+``WAIT``    ``loss{k}``                                         (blocks until it is computed)
+``SYNC``    the outputs of the operation before                 (blocks: one at a time)
+``GATHER``  ``r`` pieces, each on its device of stage ``s``     the group value
+``PART``    a group value                                       its ``r`` pieces
+==========  ==================================================  ============================
 
 Tied parameters (``sequential(..., tied=...)``) whose copies sit on several stages: each
 group is owned by the first stage holding a copy. At each update, every other holder sums

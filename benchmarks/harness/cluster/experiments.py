@@ -1,6 +1,6 @@
 """The cluster benchmark's experiments: :func:`run_cluster` profiles each model, launches
 its runners alone and on 2 workers per link, and predicts, ranks and reports each run (see
-:mod:`pdjax.apps.cluster` for what is measured).
+:mod:`benchmarks.harness.cluster` for what is measured).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypedDict
 
-from pdjax.apps.cluster.launcher import launch, profile_on_workers
-from pdjax.apps.cluster.models import MICROBATCH, RATES, cluster_model
-from pdjax.apps.cluster.predict import (
+from benchmarks.harness.cluster.launcher import launch, profile_on_workers
+from benchmarks.harness.cluster.models import MICROBATCH, RATES, cluster_model
+from benchmarks.harness.cluster.predict import (
     bandwidth,
     describe_plan,
     kendall_tau,
@@ -26,7 +26,7 @@ from pdjax.apps.cluster.predict import (
     stage_calibration,
     topology,
 )
-from pdjax.apps.cluster.report import ClusterResult, Row
+from benchmarks.harness.cluster.report import ClusterResult, Row
 from pdjax.errors import ClusterError
 
 #: Microbatches per update of the flush schedule (experiment (a)'s ``1f1b``).
@@ -94,8 +94,8 @@ class _Link:
 
 
 class _Run(TypedDict):
-    """One run as :func:`~pdjax.apps.cluster.predict.predict` and
-    :func:`~pdjax.apps.cluster.predict.predict_calibrated` take it (after the costs)."""
+    """One run as :func:`~benchmarks.harness.cluster.predict.predict` and
+    :func:`~benchmarks.harness.cluster.predict.predict_calibrated` take it (after the costs)."""
 
     rate_mbit: float | None
     runner: str
@@ -144,7 +144,7 @@ def run_cluster(
         slow links); default: 8 below 1 Gbit/s.
       repeats: timed rounds per launch (medians).
       seed: synthetic data and initialisation.
-      emulate: use an emulated network (None: when :func:`~pdjax.apps.netem.network_support`
+      emulate: use an emulated network (None: when :func:`~benchmarks.harness.netem.network_support`
         allows; False: loopback, one rate only).
       every_cut: run a 2-stage ``pipedream`` at every cut point (the ranking, (e)); else
         only at the planner's straight cut.
@@ -199,9 +199,9 @@ def run_cluster(
 
 def _network(emulate: bool | None) -> tuple[bool, str]:
     """Whether the workers run on an emulated network (``emulate``; None: where
-    :func:`~pdjax.apps.netem.network_support` allows), and how they are connected, in one
+    :func:`~benchmarks.harness.netem.network_support` allows), and how they are connected, in one
     line."""
-    from pdjax.apps.netem import network_support
+    from benchmarks.harness.netem import network_support
 
     reason = network_support()
     if emulate and reason:

@@ -1,4 +1,4 @@
-"""The report of time to accuracy on the cluster (:mod:`pdjax.apps.cluster.tta`'s runs):
+"""The report of time to accuracy on the cluster (:mod:`benchmarks.harness.cluster.tta`'s runs):
 one row per study, link and runner over the seeds, as ``tta.md``, ``tta.json`` and
 accuracy-vs-seconds plots."""
 
@@ -10,8 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdjax._jsonio import write_atomic
-from pdjax.apps.cluster.tta import (
+from benchmarks.harness.cluster.tta import (
     ALONE,
     RUNNERS,
     STUDIES,
@@ -21,6 +20,7 @@ from pdjax.apps.cluster.tta import (
     link_text,
     load_results,
 )
+from pdjax._jsonio import write_atomic
 
 __all__ = ["markdown", "plot", "report", "summarize"]
 

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdjax.apps.cluster.models import cluster_model
+from benchmarks.harness.cluster.models import cluster_model
 
 #: TCP payload per Ethernet frame of a 1500-byte MTU (what a shaped link's rate buys).
 PAYLOAD = 1448 / 1514

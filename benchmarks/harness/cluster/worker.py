@@ -1,5 +1,5 @@
-"""What each worker process of the cluster benchmark runs: ``python -m pdjax.apps.cluster
-(worker|profile) JOB_JSON``, started by :mod:`pdjax.apps.cluster.launcher`.
+"""What each worker process of the cluster benchmark runs: ``python -m benchmarks.harness.cluster
+(worker|profile) JOB_JSON``, started by :mod:`benchmarks.harness.cluster.launcher`.
 
 ``profile``: one pinned process times the model's layers, optimizer updates and candidate
 stages. ``worker``: every process of a launch builds the job's runners, warms them up and
@@ -19,8 +19,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdjax.apps.cluster.models import cluster_model
+from benchmarks.harness.cluster.models import cluster_model
 from pdjax.errors import ClusterError, PdjaxError
+from pdjax.schedules import ScheduleSpec
 
 
 def _optimizer(name: str = "sgd", learning_rate: float = 1e-3) -> Any:
@@ -235,10 +236,10 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
             [StagePlan(f, last, (i,)) for i, (f, last) in enumerate(r["stages"])],
             spec.loss,
             opt,
-            schedule=name,
-            microbatches=r.get("microbatches", 1),
+            schedule=ScheduleSpec(
+                name, microbatches=r.get("microbatches", 1), extra_in_flight=r.get("extra", 0)
+            ),
             devices=jax.devices(),
-            extra_in_flight=r.get("extra", 0),
             transport=r.get("transport", "auto"),
         )
     M = runner.microbatches
@@ -275,13 +276,16 @@ def _make_runner(job: Mapping[str, Any], r: Mapping[str, Any]) -> tuple[str, Cal
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdjax.apps.cluster (worker|profile) JOB_JSON`` (the driver starts these)."""
+    """``python -m benchmarks.harness.cluster (worker|profile) JOB_JSON`` (the driver starts
+    these)."""
     from pdjax.distributed import watch_launcher
 
     watch_launcher()  # ends this worker if its launcher dies
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] not in ("worker", "profile"):
-        print("usage: python -m pdjax.apps.cluster (worker|profile) JOB_JSON", file=sys.stderr)
+        print(
+            "usage: python -m benchmarks.harness.cluster (worker|profile) JOB_JSON", file=sys.stderr
+        )
         return 2
     job = json.loads(argv[1])
     try:
@@ -293,6 +297,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             _worker_job(job)
     except PdjaxError as e:  # one line, which the driver's ClusterError quotes
-        print(f"pdjax.apps.cluster {argv[0]}: error: {e}", file=sys.stderr)
+        print(f"benchmarks.harness.cluster {argv[0]}: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -24,7 +24,7 @@ CLUSTER_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
             "hidden": 2048,
         },
     ),
-    # time to accuracy on real data (pdjax.apps.cluster_tta): vgg-fc's shape for 8x8 digits
+    # time to accuracy on real data (benchmarks.harness.cluster_tta): vgg-fc's shape for 8x8 digits
     # (2 convolution blocks, then 2048-wide fully connected layers: 19 MB of weights), and
     # the tiny GPT on characters of Python's docs (0.4 MB of weights)
     "vgg-digits": (

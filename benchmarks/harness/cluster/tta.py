@@ -4,8 +4,8 @@ PipeDream's claim is time to accuracy (TTA): hardware efficiency (samples per se
 times statistical efficiency (epochs to the target). :func:`run_tta` measures the product:
 each run trains a real model on real data to a target test accuracy in 2 single-core
 worker processes joined by ``jax.distributed`` on an emulated link (as
-:mod:`pdjax.apps.cluster`: each worker in a network namespace of its own, a token bucket each
-way; loopback without root), through :func:`pdjax.apps.train.train` itself. Per study
+:mod:`benchmarks.harness.cluster`: each worker in a network namespace of its own, a token
+bucket each way; loopback without root), through :func:`pdjax.apps.train.train` itself. Per study
 (:data:`STUDIES`: a parameter-heavy VGG on digits, the tiny GPT on Python's docs), per
 link rate and seed, the runners are:
 
@@ -30,14 +30,14 @@ counted in the training seconds; compilation neither (a warm-up first).
 
 Each run's result is written (atomically) as it finishes, under ``out``; a rerun skips
 the runs, profiles, link measurements and plans already there, so a killed benchmark
-continues where it stopped. :func:`~pdjax.apps.cluster.tta_report.report` turns the folder
+continues where it stopped. :func:`~benchmarks.harness.cluster.tta_report.report` turns the folder
 into ``tta.md``, ``tta.json`` and one accuracy-vs-seconds plot per study and link.
 
 This module holds the studies, the runs and what their workers run; the package's
-``tta_report`` the report; :mod:`pdjax.apps.cluster_tta` re-exports both under the module
+``tta_report`` the report; :mod:`benchmarks.harness.cluster_tta` re-exports both under the module
 path that the runs' configs name and that starts their workers.
 
-Run it with ``pdjax bench --cluster --tta`` or ``python benchmarks/cluster/tta.py``.
+Run it with ``python benchmarks/cluster/tta.py`` (``--help`` for its options).
 """
 
 from __future__ import annotations
@@ -53,10 +53,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.cluster.models import cluster_model
+from benchmarks.harness.cluster.predict import stage_calibration, topology
+from benchmarks.harness.cluster.report import link_label
 from pdjax._jsonio import write_atomic
-from pdjax.apps.cluster.models import cluster_model
-from pdjax.apps.cluster.predict import stage_calibration, topology
-from pdjax.apps.cluster.report import link_label
 from pdjax.errors import ClusterError, PdjaxError
 from pdjax.schedules import schedule_kind, semantics
 
@@ -83,15 +83,15 @@ RUNNERS: tuple[str, ...] = (*ALONE, "dp", *PIPELINES)
 M = 4
 #: Seconds one launch may take at most (a run that long is cut and reported as such).
 RUN_TIMEOUT = 1200.0
-#: The module the runs' configs name (``model=ENTRY:cluster_spec``, saved with every result)
-#: and the launcher starts (``python -m ENTRY worker JOB_JSON``): this one's name before it
-#: joined the package, kept so that saved configs and running workers agree.
-_ENTRY = "pdjax.apps.cluster_tta"
+#: The module the runs' configs name (``model=ENTRY:cluster_spec``, saved with every result;
+#: a rerun does not compare it) and the launcher starts (``python -m ENTRY worker JOB_JSON``,
+#: found through the ``PYTHONPATH`` the launcher sets: the repository's root).
+_ENTRY = "benchmarks.harness.cluster_tta"
 
 
 def cluster_spec(config: str) -> Any:
-    """A :data:`pdjax.apps.cluster.CLUSTER_MODELS` model as a model factory, named by
-    ``config``: e.g. ``pdjax train --model pdjax.apps.cluster_tta:cluster_spec --config
+    """A :data:`benchmarks.harness.cluster.CLUSTER_MODELS` model as a model factory, named by
+    ``config``: e.g. ``pdjax train --model benchmarks.harness.cluster_tta:cluster_spec --config
     vgg-digits`` (what the runs train)."""
     return cluster_model(config)
 
@@ -101,7 +101,7 @@ class TTAStudy:
     """One model on one dataset: its training settings and target.
 
     Attributes:
-      name: the study's model, a :data:`pdjax.apps.cluster.CLUSTER_MODELS` key (what is
+      name: the study's model, a :data:`benchmarks.harness.cluster.CLUSTER_MODELS` key (what is
         profiled, and what the runs train through :func:`cluster_spec`).
       dataset: ``digits`` or ``text``.
       batch_size: samples per step (``M`` microbatches).
@@ -258,7 +258,7 @@ def _cuts(L: int) -> list[tuple[int, int, int, str]]:
 def _profiled(study: TTAStudy, folder: _Folder, work: Path, log: Callable[[str], None]) -> Any:
     """The study's profile and calibrated stages (measured once, then read back)."""
     # looked up on the package, where a test replaces it, when called
-    from pdjax.apps.cluster import profile_on_workers
+    from benchmarks.harness.cluster import profile_on_workers
 
     path = folder.profile(study.name)
     if not path.is_file():
@@ -285,7 +285,7 @@ def _linked(
     log: Callable[[str], None],
 ) -> dict[str, Any]:
     """The link and the all-reduce measured on the emulated link (once, then read back)."""
-    from pdjax.apps.cluster import launch  # looked up on the package (see _profiled)
+    from benchmarks.harness.cluster import launch  # looked up on the package (see _profiled)
 
     path = folder.links(study.name, rate)
     if not path.is_file():
@@ -304,7 +304,7 @@ def _predictions(
     """Per runner: the plan (pipelines: :func:`~pdjax.partition.plan_auto`'s for that
     schedule, saved as a plan file) and the predicted seconds per sample, from calibrated
     costs (see :func:`_predict_whole` for one worker and data parallelism)."""
-    from pdjax.partition import Plan, plan_auto
+    from pdjax.partition import Plan, auto_choice, plan_auto
     from pdjax.profile import Profile
 
     prof = Profile.from_json(prof_data["profile"])
@@ -333,7 +333,9 @@ def _predictions(
             path.parent.mkdir(parents=True, exist_ok=True)
             plan.save(path)
         plan = two_stages(Plan.load(path), f"{study.name} on {link_text(rate)}, {schedule}")
-        auto = plan.options["auto"]
+        auto = auto_choice(plan)
+        if auto is None:
+            raise ValueError(f"{path} was not made by plan_auto: it records no choice")
         out[schedule] = {
             "plan": str(path),
             "stages": " / ".join(f"{s.first_layer}-{s.last_layer}" for s in plan.stages),
@@ -393,7 +395,7 @@ def _run_one(
     work: Path,
 ) -> dict[str, Any]:
     """One training run in its own launch; its result."""
-    from pdjax.apps.cluster import launch  # looked up on the package (see _profiled)
+    from benchmarks.harness.cluster import launch  # looked up on the package (see _profiled)
 
     cfg = study.config(runner, seed, plan=pred.get("plan") or "even", extra=pred.get("extra", 0))
     job = {"model": study.name, "runners": [runner], "config": dataclasses.asdict(cfg)}
@@ -440,11 +442,12 @@ def run_tta(
     Args:
       out: the folder of results (created; reused to resume).
       studies: :data:`STUDIES` keys, or studies of your own (on
-        :data:`pdjax.apps.cluster.CLUSTER_MODELS`'s models).
+        :data:`benchmarks.harness.cluster.CLUSTER_MODELS`'s models).
       rates_mbit: link rates (Mbit/s each way); with ``emulate=False`` only loopback runs.
       seeds: one run per seed (weights, data order and split).
       runners: which of :data:`RUNNERS`.
-      emulate: emulated links (None: where :func:`~pdjax.apps.netem.network_support` allows).
+      emulate: emulated links (None: where
+        :func:`~benchmarks.harness.netem.network_support` allows).
       log: progress lines.
 
     Raises:
@@ -453,7 +456,7 @@ def run_tta(
       pdjax.errors.LaunchInterrupted: on SIGTERM, SIGINT or SIGHUP (the runs done are
         kept).
     """
-    from pdjax.apps.netem import network_support
+    from benchmarks.harness.netem import network_support
     from pdjax.distributed import ending_on_signals
 
     bad = [s for s in studies if isinstance(s, str) and s not in STUDIES]
@@ -516,10 +519,10 @@ def _one_line(res: Mapping[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pdjax.apps.cluster_tta worker JOB_JSON`` (the driver starts these)."""
+    """``python -m benchmarks.harness.cluster_tta worker JOB_JSON`` (the driver starts these)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) != 2 or argv[0] != "worker":
-        print("usage: python -m pdjax.apps.cluster_tta worker JOB_JSON", file=sys.stderr)
+        print("usage: python -m benchmarks.harness.cluster_tta worker JOB_JSON", file=sys.stderr)
         return 2
     from pdjax.distributed import watch_launcher
 
@@ -527,6 +530,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _tta_job(json.loads(argv[1]))
     except PdjaxError as e:  # one line, which the driver's ClusterError quotes
-        print(f"pdjax.apps.cluster_tta: error: {e}", file=sys.stderr)
+        print(f"benchmarks.harness.cluster_tta: error: {e}", file=sys.stderr)
         return 2
     return 0

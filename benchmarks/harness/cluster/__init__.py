@@ -6,8 +6,8 @@ Workers join with ``jax.distributed``: pipeline activations and gradients cross 
 them with ``jax.device_put`` (:class:`~pdjax.pipeline.Pipeline`), the data-parallel
 gradient all-reduce with JAX's CPU collectives (gloo over TCP). With root and ``tc``, every
 worker runs in a network namespace of its own on a link of known bandwidth
-(:class:`~pdjax.apps.netem.EmulatedNetwork`: veth pairs through a bridge, a token bucket each
-way), so those transfers cross that link; without, the workers share loopback and the
+(:class:`~benchmarks.harness.netem.EmulatedNetwork`: veth pairs through a bridge, a token
+bucket each way), so those transfers cross that link; without, the workers share loopback and the
 report says so.
 
 :func:`run_cluster` runs, side by side, per model and link rate (:data:`RATES`):
@@ -48,36 +48,37 @@ compiles.
 Link rates are for Ethernet frames; TCP payload gets 1448/1514 of them, and the predictions
 use that payload rate.
 
-Run it with ``pdjax bench --cluster`` or ``python benchmarks/cluster/run.py``.
+Run it with ``python benchmarks/cluster/run.py`` (from the repository's root; ``--help``
+for its options). Part of the benchmark harness, not of the installed ``pdjax``.
 
-The package: :mod:`~pdjax.apps.cluster.models` (the benchmark's models),
-:mod:`~pdjax.apps.cluster.experiments` (:func:`run_cluster`: what is launched, predicted
-and ranked), :mod:`~pdjax.apps.cluster.launcher` (starting the workers),
-:mod:`~pdjax.apps.cluster.worker` (what each worker process runs),
-:mod:`~pdjax.apps.cluster.predict` (the predictions, Kendall's tau) and
-:mod:`~pdjax.apps.cluster.report` (the rows, Markdown, plots and files);
-:mod:`~pdjax.apps.cluster.tta` and :mod:`~pdjax.apps.cluster.tta_report` (time to accuracy
-on the same workers, as :mod:`pdjax.apps.cluster_tta`).
+The package: :mod:`~benchmarks.harness.cluster.models` (the benchmark's models),
+:mod:`~benchmarks.harness.cluster.experiments` (:func:`run_cluster`: what is launched, predicted
+and ranked), :mod:`~benchmarks.harness.cluster.launcher` (starting the workers),
+:mod:`~benchmarks.harness.cluster.worker` (what each worker process runs),
+:mod:`~benchmarks.harness.cluster.predict` (the predictions, Kendall's tau) and
+:mod:`~benchmarks.harness.cluster.report` (the rows, Markdown, plots and files);
+:mod:`~benchmarks.harness.cluster.tta` and :mod:`~benchmarks.harness.cluster.tta_report`
+(time to accuracy on the same workers, as :mod:`benchmarks.harness.cluster_tta`).
 """
 
 from __future__ import annotations
 
-from pdjax.apps.cluster.experiments import run_cluster
-from pdjax.apps.cluster.launcher import LAUNCH_TIMEOUT as LAUNCH_TIMEOUT
-from pdjax.apps.cluster.launcher import launch as launch
-from pdjax.apps.cluster.launcher import profile_on_workers as profile_on_workers
-from pdjax.apps.cluster.launcher import run_processes as run_processes
-from pdjax.apps.cluster.models import CLUSTER_MODELS, cluster_model
-from pdjax.apps.cluster.models import MICROBATCH as MICROBATCH
-from pdjax.apps.cluster.models import RATES as RATES
-from pdjax.apps.cluster.predict import PAYLOAD as PAYLOAD
-from pdjax.apps.cluster.predict import bandwidth as bandwidth
-from pdjax.apps.cluster.predict import kendall_tau
-from pdjax.apps.cluster.predict import predict as predict
-from pdjax.apps.cluster.predict import predict_calibrated as predict_calibrated
-from pdjax.apps.cluster.predict import stage_calibration as stage_calibration
-from pdjax.apps.cluster.predict import topology as topology
-from pdjax.apps.cluster.report import (
+from benchmarks.harness.cluster.experiments import run_cluster
+from benchmarks.harness.cluster.launcher import LAUNCH_TIMEOUT as LAUNCH_TIMEOUT
+from benchmarks.harness.cluster.launcher import launch as launch
+from benchmarks.harness.cluster.launcher import profile_on_workers as profile_on_workers
+from benchmarks.harness.cluster.launcher import run_processes as run_processes
+from benchmarks.harness.cluster.models import CLUSTER_MODELS, cluster_model
+from benchmarks.harness.cluster.models import MICROBATCH as MICROBATCH
+from benchmarks.harness.cluster.models import RATES as RATES
+from benchmarks.harness.cluster.predict import PAYLOAD as PAYLOAD
+from benchmarks.harness.cluster.predict import bandwidth as bandwidth
+from benchmarks.harness.cluster.predict import kendall_tau
+from benchmarks.harness.cluster.predict import predict as predict
+from benchmarks.harness.cluster.predict import predict_calibrated as predict_calibrated
+from benchmarks.harness.cluster.predict import stage_calibration as stage_calibration
+from benchmarks.harness.cluster.predict import topology as topology
+from benchmarks.harness.cluster.report import (
     ClusterResult,
     Row,
     format_markdown,
@@ -85,8 +86,8 @@ from pdjax.apps.cluster.report import (
     plot_ranking,
     write_results,
 )
-from pdjax.apps.cluster.report import link_label as link_label
-from pdjax.apps.cluster.worker import main as main
+from benchmarks.harness.cluster.report import link_label as link_label
+from benchmarks.harness.cluster.worker import main as main
 from pdjax.errors import ClusterError
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Starting the cluster benchmark's worker processes: a launch of pinned workers (on an
 emulated network or loopback), watched and ended together.
 
-Every worker is ``python -m pdjax.apps.cluster (worker|profile) JOB_JSON`` (what it runs:
-:mod:`pdjax.apps.cluster.worker`), pinned to one core with ``taskset``, with one CPU device
+Every worker is ``python -m benchmarks.harness.cluster (worker|profile) JOB_JSON`` (what it runs:
+:mod:`benchmarks.harness.cluster.worker`), pinned to one core with ``taskset``, with one CPU device
 and XLA's intra-op threading off; on an emulated network each runs in a network namespace
 of its own.
 """
@@ -32,8 +32,9 @@ _FIXED_MALLOC = dict(ENVIRONMENT)
 
 
 def _python_env(extra: Mapping[str, str]) -> dict[str, str]:
-    # the folder that holds the pdjax package (not pdjax/ itself, whose profile/ would
-    # shadow the standard library's profile module in the workers)
+    # the repository's root, which holds the benchmarks package (and, in a checkout, pdjax):
+    # what ``python -m benchmarks.harness.cluster`` needs wherever the driver runs from (not
+    # a package folder itself, whose profile/ would shadow the standard library's module)
     root = str(Path(__file__).resolve().parents[3])
     path = os.environ.get("PYTHONPATH")
     return {
@@ -122,7 +123,7 @@ def profile_on_workers(
                 "-c",
                 "0",
                 *orphan_proof(
-                    [sys.executable, "-m", "pdjax.apps.cluster", "profile", json.dumps(job)]
+                    [sys.executable, "-m", "benchmarks.harness.cluster", "profile", json.dumps(job)]
                 ),
             ]
         ],
@@ -141,13 +142,13 @@ def launch(
     emulate: bool,
     workdir: Path,
     *,
-    module: str = "pdjax.apps.cluster",
+    module: str = "benchmarks.harness.cluster",
     timeout: float | None = None,
 ) -> dict[str, Any]:
     """One launch: ``workers`` pinned processes (on an emulated network when ``emulate``),
     each running ``python -m module worker JOB``; returns the JSON process 0 writes to
     ``job["out"]``. ``timeout``: seconds (default: by the number of runners)."""
-    from pdjax.apps.netem import EmulatedNetwork
+    from benchmarks.harness.netem import EmulatedNetwork
     from pdjax.distributed import free_port, orphan_proof
 
     out = workdir / f"run-{time.monotonic_ns()}.json"
