@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                     devices=5, plan=str(plan_path), epochs=args.epochs,
                     batch_size=BATCH, microbatches=MICROBATCHES, learning_rate=LR,
                     optimizer="adam", seed=seed, target_accuracy=TARGET,
-                    replication="round-robin", in_flight=in_flight,
+                    replication="round-robin", options={"in_flight": in_flight},
                 )  # fmt: skip
                 result = train(cfg)
                 epoch_s = statistics.median(r.seconds for r in result.history)

@@ -305,12 +305,17 @@ def test_pipeline_refuses_an_in_flight_it_cannot_run():
 
 
 def test_train_takes_in_flight_for_pipedream_only():
-    """``pdjax train --in-flight`` (TrainConfig.in_flight): checked before any work."""
+    """``pdjax train --in-flight`` (TrainConfig.options): checked before any work."""
     from pdjax.apps.train import TrainConfig
 
-    cfg = TrainConfig(schedule="pipedream", in_flight="paper", replication="round-robin")
-    assert "paper in flight" in cfg.label
+    paper = {"in_flight": "paper"}
+    cfg = TrainConfig(schedule="pipedream", options=paper, replication="round-robin")
+    assert "paper in flight" in cfg.label and cfg.spec.in_flight == "paper"
     with pytest.raises(PipelineError, match="option of pipedream"):
-        TrainConfig(schedule="1f1b", in_flight="paper")
+        TrainConfig(schedule="1f1b", options=paper)
+    with pytest.raises(PipelineError, match="option of pipedream, not of --schedule dp"):
+        TrainConfig(schedule="dp", options=paper)
     with pytest.raises(PipelineError, match="in_flight must be one of"):
-        TrainConfig(schedule="pipedream", in_flight="noam")
+        TrainConfig(schedule="pipedream", options={"in_flight": "noam"})
+    with pytest.raises(PipelineError, match="options must be a dict of schedule options"):
+        TrainConfig(schedule="pipedream", options={"vsync": True})

@@ -13,7 +13,7 @@ from reference import flush_training
 from pdjax import _memory_policy as mp
 from pdjax.errors import PipelineError, PlanError
 from pdjax.models import get_model
-from pdjax.partition import Topology, evaluate_partition, plan_auto
+from pdjax.partition import Topology, auto_choice, evaluate_partition, plan_auto
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.pipeline.stage import Stage
@@ -216,8 +216,9 @@ def test_plan_auto_takes_the_cheapest_policy_that_fits():
     prof = _priced_profile()
     kw = dict(batch_size=8, schedules=["1f1b"], microbatches=[4], straight=True)
     free = plan_auto(prof, Topology.flat(2, 1e12), **kw)
-    assert free.options["auto"]["policies"] == ["none", "none"]
-    peak = free.options["auto"]["group_peak_memory"][0]
+    assert auto_choice(free)["policies"] == ["none", "none"]
+    assert free.schedule.remat == ("none", "none")
+    peak = auto_choice(free)["group_peak_memory"][0]
     chosen = {}
     # stage 0 keeps 2 microbatches of 2 layers of (500 + 4000) / 4 bytes: "dots" saves
     # 2 * 2 * 2000 / 4, "dots-no-batch" 3000, "full" all 4500 (the first stage's input is
@@ -228,15 +229,16 @@ def test_plan_auto_takes_the_cheapest_policy_that_fits():
         ("full", peak - 3001),
     ):
         plan = plan_auto(prof, Topology.flat(2, 1e12, memory_per_device=limit), **kw)
-        auto = plan.options["auto"]
+        auto = auto_choice(plan)
         chosen[want] = auto["policies"]
         assert auto["policies"][0] == want, (limit, auto)
+        assert plan.schedule.remat[0] == want
         assert auto["remat"][0] is True and auto["peak_memory"] <= limit
     assert chosen["dots"][1] == "none"  # the last stage fits as it is
     # only full recomputation where the profile prices no policy; a named one refused
     plan = plan_auto(
         _priced_profile(False), Topology.flat(2, 1e12, memory_per_device=peak - 999), **kw
     )
-    assert plan.options["auto"]["policies"][0] == "full"
+    assert auto_choice(plan)["policies"][0] == "full"
     with pytest.raises(PlanError, match="does not price memory policies"):
         plan_auto(_priced_profile(False), Topology.flat(2, 1e12), remat=["dots"], **kw)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition import Topology, evaluate_partition, plan_auto
+from pdjax.partition import Topology, auto_choice, evaluate_partition, plan_auto
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.profile import LayerProfile, Profile
 
@@ -81,11 +81,11 @@ def test_plan_auto_equals_brute_force_on_small_cases(seed):
     plan = plan_auto(
         profile, topology, batch_size=B, schedules=SCHEDULES, microbatches=counts, straight=True
     )
-    got = plan.options["auto"]
+    got = auto_choice(plan)
     assert got["time_per_sample"] == pytest.approx(want, rel=1e-12), (got, how)
     assert got["fits"] and got["peak_memory"] <= limit
     # the plan is the chosen configuration
-    assert plan.schedule == got["schedule"] and plan.num_microbatches == got["microbatches"]
+    assert plan.schedule.kind == got["schedule"] and plan.num_microbatches == got["microbatches"]
     assert [list(s) for s in got["stages"]] == [
         [st.first_layer, st.last_layer, st.replicas] for st in plan.stages
     ]
@@ -99,7 +99,7 @@ def test_plan_auto_equals_brute_force_on_small_cases(seed):
         straight=True,
         exhaustive=0,
     )
-    assert quick.options["auto"]["time_per_sample"] <= want * 1.02
+    assert auto_choice(quick)["time_per_sample"] <= want * 1.02
 
 
 def replicated_profile(rng, L):
@@ -200,7 +200,7 @@ def test_plan_auto_equals_brute_force_with_replication(seed, W, schedules):
             memory_limit=limit,
             allow_stale="pipedream" in schedules,
         )
-        got = plan.options["auto"]
+        got = auto_choice(plan)
         assert got["time_per_sample"] == pytest.approx(want[0], rel=1e-9), (limit, got, want)
         assert got["time_per_sample"] <= idle[0] * 1.001, (limit, got, idle)
         assert limit is None or got["peak_memory"] <= limit
@@ -215,7 +215,7 @@ def test_the_plan_states_the_callers_memory_limit(exhaustive):
     for limit in (None, 2e9):
         topology = Topology.flat(3, 1e9, memory_per_device=limit)
         plan = plan_auto(profile, topology, batch_size=24, exhaustive=exhaustive)
-        assert plan.memory_limit == limit == plan.options["auto"]["memory_limit"]
+        assert plan.memory_limit == limit == auto_choice(plan)["memory_limit"]
         assert plan.fits_memory
 
 
@@ -223,8 +223,8 @@ def test_recomputation_is_chosen_only_where_memory_needs_it():
     rng = np.random.default_rng(7)
     profile = random_profile(rng, 6)
     free = plan_auto(profile, Topology.flat(3, 1e9), batch_size=24, schedules=["gpipe"])
-    assert not any(free.options["auto"]["remat"])
-    peak = free.options["auto"]["peak_memory"]
+    assert not any(auto_choice(free)["remat"])
+    peak = auto_choice(free)["peak_memory"]
     tight = plan_auto(
         profile,
         Topology.flat(3, 1e9),
@@ -233,10 +233,10 @@ def test_recomputation_is_chosen_only_where_memory_needs_it():
         microbatches=[free.num_microbatches],
         memory_limit=peak * 0.8,
     )
-    chosen = tight.options["auto"]
+    chosen = auto_choice(tight)
     assert chosen["peak_memory"] <= peak * 0.8
     assert chosen["remat"] == [False, False, True]  # only the stage over the limit
-    assert chosen["time_per_sample"] > free.options["auto"]["time_per_sample"]
+    assert chosen["time_per_sample"] > auto_choice(free)["time_per_sample"]
     # a limit below every configuration: the error gives the smallest peak found, which
     # then fits
     with pytest.raises(PlanError, match="the smallest peak memory found is") as e:
@@ -257,16 +257,16 @@ def test_recomputation_is_chosen_only_where_memory_needs_it():
         microbatches=[12],
         memory_limit=smallest * 1.001,
     )
-    assert all(plan.options["auto"]["remat"])
+    assert all(auto_choice(plan)["remat"])
 
 
 def test_every_schedule_is_recorded_with_its_best_or_why_none():
     profile, topology, _ = _case(3)
     plan = plan_auto(profile, topology, batch_size=16, allow_stale=True, straight=True)
-    names = {plan.schedule, *plan.options["alternatives"]}
+    names = {plan.schedule.kind, *plan.options["alternatives"]}
     assert {"gpipe", "1f1b", "interleaved", "zb-h1", "pipedream", "2bw"} <= names
     for alt in plan.options["alternatives"].values():
-        assert "none" in alt or alt["time_per_sample"] >= plan.options["auto"]["time_per_sample"]
+        assert "none" in alt or alt["time_per_sample"] >= auto_choice(plan)["time_per_sample"]
     plan.to_json()  # the record is JSON
 
 
@@ -335,6 +335,6 @@ def test_a_costly_driver_makes_plan_auto_take_fewer_microbatches():
     kwargs = dict(batch_size=48, schedules=["1f1b"], straight=True)
     fast = plan_auto(profile, topology, **kwargs)
     slow = plan_auto(profile, topology, host=HostCosts(seconds_per_action=5e-3), **kwargs)
-    assert slow.options["auto"]["microbatches"] < fast.options["auto"]["microbatches"]
-    assert slow.options["auto"]["host"] == {"seconds_per_action": 5e-3, "concurrency": None}
-    assert "host" not in fast.options["auto"]
+    assert auto_choice(slow)["microbatches"] < auto_choice(fast)["microbatches"]
+    assert auto_choice(slow)["host"] == {"seconds_per_action": 5e-3, "concurrency": None}
+    assert "host" not in auto_choice(fast)

@@ -10,7 +10,7 @@ import pytest
 from fixed_calibration import fixed_calibration
 
 from pdjax.apps.cli import main
-from pdjax.partition import Plan
+from pdjax.partition import Plan, auto_choice
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.profile import LayerProfile, Profile
 
@@ -50,14 +50,14 @@ def test_the_printed_plan_is_the_chosen_configuration_simulated(tmp_path, capsys
     argv += ["--microbatches", "6"]  # one M: quick
     assert main([*argv, "--out", str(out)]) == 0
     free = Plan.load(out)
-    chosen = free.options["auto"]
+    chosen = auto_choice(free)
     in_flight, peak, limit = _printed(capsys.readouterr().out)
     assert peak == pytest.approx(chosen["peak_memory"], rel=1e-3) and limit is None
     assert in_flight == sorted(chosen["in_flight"])
     # a limit below the free choice's peak: the accepted plan's printed peak fits it
     cap = 0.9 * chosen["peak_memory"]
     assert main([*argv, "--memory-limit", f"{cap:.6e}", "--out", str(out)]) == 0
-    tight = Plan.load(out).options["auto"]
+    tight = auto_choice(Plan.load(out))
     in_flight, peak, limit = _printed(capsys.readouterr().out)
     assert limit == pytest.approx(cap, rel=1e-3) and tight["memory_limit"] == pytest.approx(cap)
     assert peak == pytest.approx(tight["peak_memory"], rel=1e-3)
@@ -84,7 +84,7 @@ def test_schedule_auto_prices_its_search_with_a_calibration(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main([*argv, "--microbatches", "3", "--out", str(out)]) == 0
     plan = Plan.load(out)
-    chosen = plan.options["auto"]
+    chosen = auto_choice(plan)
     assert chosen["calibrated"] and plan.microbatch_size == 8 and chosen["microbatches"] == 3
     # the recorded time is the calibrated simulation's, which the profile's differs from
     measured, _ = evaluate_candidate(plan, profile, chosen["schedule"], calibration=cal)
@@ -94,7 +94,7 @@ def test_schedule_auto_prices_its_search_with_a_calibration(tmp_path, capsys):
     capsys.readouterr()
     # a batch of calibrated microbatches, or a refusal that says why
     assert main([*argv, "--batch-size", "32", "--out", str(out)]) == 0
-    assert Plan.load(out).options["auto"]["microbatches"] == 4
+    assert auto_choice(Plan.load(out))["microbatches"] == 4
     assert main([*argv, "--batch-size", "12"]) == 2
     assert "must be a multiple of 8" in capsys.readouterr().err
     assert main([*argv, "--batch-size", "32", "--microbatches", "2"]) == 2
@@ -108,12 +108,15 @@ def test_the_slower_than_one_device_warning_reads_the_simulated_choice(tmp_path)
 
     from pdjax.apps.commands.plan import slower_than_one_device
     from pdjax.partition import Topology, plan_auto
+    from pdjax.partition.plan import AUTO_DECISION
 
     plan = plan_auto(_profile(tmp_path / "p.json"), Topology.flat(2, 1e9), memory_limit=None)
     one = plan.single_device_time / plan.microbatch_size  # seconds per sample on one device
 
     def with_time(per_sample):
-        auto = {**plan.options["auto"], "time_per_sample": per_sample}
+        # options["auto"] keeps plan_auto's diagnostics: those of its record but the decision
+        kept = {k: v for k, v in auto_choice(plan).items() if k not in AUTO_DECISION}
+        auto = {**kept, "time_per_sample": per_sample}
         return dataclasses.replace(plan, options={**plan.options, "auto": auto})
 
     assert slower_than_one_device(with_time(0.5 * one)) is None

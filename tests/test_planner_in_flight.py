@@ -32,7 +32,9 @@ from pdjax.apps.train import TrainConfig, planning
 from pdjax.apps.train.loop import _epoch_batches
 from pdjax.errors import PipelineError, PlanError, ScheduleError
 from pdjax.partition import (
+    Plan,
     Topology,
+    auto_choice,
     cost,
     costs_from_plan,
     evaluate_partition,
@@ -42,7 +44,7 @@ from pdjax.partition import (
 from pdjax.partition.auto import evaluate_candidate
 from pdjax.partition.candidates import Candidate, price
 from pdjax.profile import LayerProfile, Profile
-from pdjax.schedules import generate, validate
+from pdjax.schedules import ScheduleSpec, generate, validate
 from pdjax.schedules.validate import expected_in_flight
 from pdjax.simulator import simulate, stream_length
 
@@ -149,8 +151,8 @@ def test_1_3_1_round_trips_full_and_paper():
     paper = _rr_plan(profile, (1, 3, 1), in_flight="paper")
     assert full.time_per_microbatch == pytest.approx(3.0)
     assert paper.time_per_microbatch == pytest.approx(4.0)
-    assert paper.options["round_trip"] == "lower bound" and paper.options["in_flight"] == "paper"
-    assert "round_trip" not in full.options and "in_flight" not in full.options
+    assert paper.options["round_trip"] == "lower bound" and paper.schedule.in_flight == "paper"
+    assert "round_trip" not in full.options and full.schedule.in_flight == "full-rate"
     assert full.in_flight == (9, 6, 1) and paper.in_flight == (5, 3, 1)
     assert price(full, profile, "pipedream")[0] == pytest.approx(3.0)
     assert price(paper, profile, "pipedream", in_flight="paper")[0] == pytest.approx(7.0)
@@ -166,7 +168,8 @@ def test_dynamic_program_prices_paper_only_without_round_robin():
         plan_pipedream(profile, topology, in_flight="half")
     split = plan_pipedream(profile, topology, replication="split", in_flight="paper")
     same = plan_pipedream(profile, topology, replication="split")
-    assert split.stages == same.stages and split.options["in_flight"] == "paper"
+    assert split.stages == same.stages and split.schedule.in_flight == "paper"
+    assert same.schedule.in_flight == "full-rate"
     # 1-5-2: paper deadlocks; refused by the counts with what to pass instead
     with pytest.raises(PlanError, match="pass in_flight='full-rate'"):
         _rr_plan(_profile(3), (1, 5, 2), in_flight="paper")
@@ -189,18 +192,19 @@ def test_plan_auto_returns_the_faster_in_flight_and_records_the_other():
     paper = _auto(profile, 5, in_flight=("paper",))
     both = _auto(profile, 5, in_flight=("full-rate", "paper"))
     times = {
-        o: p.options["auto"]["time_per_sample"] for o, p in (("full-rate", full), ("paper", paper))
+        o: auto_choice(p)["time_per_sample"] for o, p in (("full-rate", full), ("paper", paper))
     }
-    chosen = both.options["auto"]
+    chosen = auto_choice(both)
     assert chosen["time_per_sample"] == min(times.values())
     assert chosen["in_flight_option"] == min(times, key=times.__getitem__)
-    assert full.options["auto"]["in_flight_option"] == "full-rate"
-    assert paper.options["auto"]["in_flight_option"] == "paper"
+    assert auto_choice(full)["in_flight_option"] == "full-rate"
+    assert auto_choice(paper)["in_flight_option"] == "paper"
+    assert both.schedule.in_flight == chosen["in_flight_option"]
     other = "paper" if chosen["in_flight_option"] == "full-rate" else "full-rate"
     alt = both.options["alternatives"][f"pipedream in_flight={other}"]
     assert alt["in_flight_option"] == other and alt["time_per_sample"] == times[other]
     # the paper choice is simulated as paper: its peaks in flight are paper's counts
-    c = paper.options["auto"]
+    c = auto_choice(paper)
     replicas = tuple(r for _, _, r in c["stages"])
     modes = ["round-robin" if r > 1 else "split" for r in replicas]
     exact = cost.exact_in_flight("pipedream", replicas, modes, 1, "paper")
@@ -235,7 +239,7 @@ def test_pdjax_plan_searches_in_flight(tmp_path, capsys):
     plan = Plan.load(out)
     text = " ".join(capsys.readouterr().out.split())
     assert "in_flight=p" in text  # (rich wraps and cuts the label in its column)
-    chosen, alt = plan.options["auto"], plan.options["alternatives"]
+    chosen, alt = auto_choice(plan), plan.options["alternatives"]
     assert chosen["in_flight_option"] == "full-rate"  # faster on this profile
     assert alt["pipedream in_flight=paper"]["in_flight_option"] == "paper"
     assert alt["pipedream in_flight=paper"]["time_per_sample"] > chosen["time_per_sample"]
@@ -271,13 +275,13 @@ def test_plan_auto_holds_the_limit_for_the_callers_call_length():
     kw = dict(schedules=["1f1b"], microbatches=[4], batch_size=8, straight=True, remat=False)
     free = plan_auto(profile, Topology.flat(2, 1e9), **kw)
     long = plan_auto(profile, Topology.flat(2, 1e9), samples_per_call=160, **kw)
-    held = long.options["auto"]["call_memory"]
-    assert free.options["auto"]["call_memory"] == [] and long.options["auto"]["samples_per_call"]
+    held = auto_choice(long)["call_memory"]
+    assert auto_choice(free)["call_memory"] == [] and auto_choice(long)["samples_per_call"]
     # the simulator's stream holds one step's inputs; the call 20 steps' (80 microbatches)
-    assert held[0] > 5 * free.options["auto"]["peak_memory"]
-    cap = 2 * free.options["auto"]["peak_memory"]
+    assert held[0] > 5 * auto_choice(free)["peak_memory"]
+    cap = 2 * auto_choice(free)["peak_memory"]
     fits = plan_auto(profile, Topology.flat(2, 1e9, memory_per_device=cap), **kw)
-    assert fits.options["auto"]["fits"]
+    assert auto_choice(fits)["fits"]
     with pytest.raises(PlanError, match="for calls of 160 samples"):
         plan_auto(profile, Topology.flat(2, 1e9, memory_per_device=cap), samples_per_call=160, **kw)
     with pytest.raises(PlanError, match="less than one step"):
@@ -348,12 +352,23 @@ def test_resolve_auto_plans_for_the_epoch(monkeypatch):
 
 
 def test_auto_choice_carries_the_in_flight_option(tmp_path):
-    chosen = {"schedule": "pipedream", "microbatches": 1, "extra_in_flight": 0}
-    plan = types.SimpleNamespace(options={"auto": {**chosen, "in_flight_option": "paper"}})
+    made = _rr_plan(_profile(3), (1, 3, 1), in_flight="paper")
+    diagnostics = {"time_per_sample": made.time_per_microbatch}  # what plan_auto keeps
+    plan = dataclasses.replace(made, options={**made.options, "auto": diagnostics})
+    assert plan.schedule == ScheduleSpec("pipedream", microbatches=1, in_flight="paper")
     cfg = TrainConfig(schedule="auto", devices=2, batch_size=32, allow_stale=True)
-    assert planning.auto_choice(cfg, plan, tmp_path / "p.json").in_flight == "paper"
-    old = types.SimpleNamespace(options={"auto": chosen})  # written before the option
-    assert planning.auto_choice(cfg, old, tmp_path / "p.json").in_flight == "full-rate"
+    assert planning.auto_choice(cfg, plan, tmp_path / "p.json").spec.in_flight == "paper"
+    # a format-1 file written before the option: its choice names no in_flight_option
+    data = plan.to_dict()
+    chosen = {"schedule": "pipedream", "microbatches": 1, "extra_in_flight": 0}
+    data.update(format="pdjax.plan/1", schedule="pipedream", num_microbatches=1)
+    data["options"] = {**made.options, "auto": {**chosen, **diagnostics}}
+    old = Plan.from_dict(data)
+    assert old.schedule.in_flight == "full-rate"
+    assert planning.auto_choice(cfg, old, tmp_path / "p.json").spec.in_flight == "full-rate"
+    data["options"]["auto"]["in_flight_option"] = "paper"  # written with it
+    new = Plan.from_dict(data)
+    assert planning.auto_choice(cfg, new, tmp_path / "p.json").spec.in_flight == "paper"
 
 
 def test_paper_shapes_refused_by_the_schedule_are_refused_by_the_planner():

@@ -286,7 +286,7 @@ def test_cli_tensorboard_and_one_line_per_epoch_off_a_terminal(mine, capsys):
         (["--model", "mymodel:twelve", "--dataset", "digits.npz"], "x_train has rows of shape"),
         (["--batch-size", "33"], "not a multiple of microbatches"),
         (["--compare", "dp,ring"], "unknown schedule 'ring'"),
-        (["--schedule", "1f1b", "--vertical-sync"], "options of the pipedream schedule"),
+        (["--schedule", "1f1b", "--vertical-sync"], "vertical_sync is an option of pipedream, not of 1f1b"),
         (["--model", "mymodel:no_accuracy", "--target-accuracy", "0.9"], "needs an accuracy"),
         (["--plan", "noplan.json"], "'noplan.json' is not a file"),
         (["--compare", "dp", "--batch-size", "34", "--microbatches", "1", "--devices", "4"],

@@ -233,7 +233,7 @@ def test_a_resumed_schedule_auto_run_keeps_its_choice(here, monkeypatch):
     monkeypatch.setattr("pdjax.partition.plan_auto", replan)
     resumed = train(dataclasses.replace(cfg, epochs=2), checkpoint_dir=ckpt, warmup=False)
     assert resumed.plan == first.plan
-    for key in ("schedule", "microbatches", "extra_in_flight"):
+    for key in ("schedule", "microbatches", "options"):
         assert getattr(resumed.config, key) == getattr(first.config, key)
 
 

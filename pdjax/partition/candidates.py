@@ -123,7 +123,7 @@ class Candidate:
         return ScheduleSpec(
             self.schedule,
             microbatches=self.microbatches,
-            chunks=self.chunks,
+            chunks=SCHEDULE_KINDS[self.schedule].chunks_for(self.chunks),
             extra_in_flight=self.extra_in_flight,
             in_flight=self.in_flight_option,
             remat=self.policies or False,

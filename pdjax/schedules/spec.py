@@ -31,7 +31,7 @@ from pdjax._memory_policy import memory_policies
 from pdjax.errors import ScheduleSpecError
 from pdjax.schedules.inflight import IN_FLIGHT
 
-__all__ = ["MAX_MICROBATCHES", "OPTIONS", "ScheduleSpec"]
+__all__ = ["MAX_MICROBATCHES", "OPTIONS", "VARIANTS", "Option", "ScheduleSpec", "option_owners"]
 
 MAX_MICROBATCHES = 2**16
 """The most microbatches per step (and chunks, and microbatches in flight beyond the
@@ -48,22 +48,47 @@ _COUNTS = {2: "two"}
 
 
 @dataclasses.dataclass(frozen=True)
-class _Option:
-    """One of a kind's own options: its default and what it does (for help texts)."""
+class Option:
+    """One of a kind's own options: its default, what it does, and its range.
+
+    Attributes:
+        default: the value of a spec that does not set it (and of every kind without it).
+        help: what it does, in a few words (the command line's help).
+        choices: the values a text option takes (None: a bool or an integer).
+        most: the largest value of an integer option the command line takes, and ``why``.
+        label: how a table of runs names it when set (``{}``: its value).
+    """
 
     default: Any
     help: str
+    label: str = ""
+    choices: tuple[str, ...] | None = None
+    most: int | None = None
+    why: str = ""
 
 
-OPTIONS: dict[str, _Option] = {
-    "vertical_sync": _Option(False, "every stage uses the version stage 0 used"),
-    "weight_stashing": _Option(
-        True, "the backward reuses its forward's weight version (off: the newest weights)"
+OPTIONS: dict[str, Option] = {
+    "vertical_sync": Option(False, "every stage uses the version stage 0 used", "vertical sync"),
+    "weight_stashing": Option(
+        True,
+        "the backward reuses its forward's weight version (off: the newest weights)",
+        "no stashing",
     ),
-    "extra_in_flight": _Option(0, "microbatches in flight per stage beyond P - s"),
-    "in_flight": _Option(
+    "extra_in_flight": Option(
+        0,
+        "E more microbatches in flight per stage (hides transfer latency; one more stashed "
+        "version and activation each)",
+        "+{} in flight",
+        most=1024,
+        why="each is one more stashed version and activation per stage",
+    ),
+    "in_flight": Option(
         "full-rate",
-        "groups in flight at round-robin stages: full-rate, or paper (PipeDream's NOAM)",
+        "with round-robin stages: full-rate (enough groups in flight to keep a balanced "
+        "pipeline busy) or paper (PipeDream's NOAM at the input stage: less stale, slower "
+        "where the counts differ)",
+        "{} in flight",
+        choices=IN_FLIGHT,
     ),
 }
 """The options a schedule kind may declare (its row's ``options``), with their defaults:
@@ -189,7 +214,7 @@ class ScheduleSpec:
                 shown = "=False" if value is False else (f"={value!r}" if value else "")
                 raise ScheduleSpecError(
                     f"{name}{'' if value is True else shown} is an option of "
-                    f"{_owners(name)}, not of {self.kind}"
+                    f"{option_owners(name)}, not of {self.kind}"
                 )
         if self.in_flight == "paper" and self.extra_in_flight:
             raise ScheduleSpecError(
@@ -276,9 +301,17 @@ class ScheduleSpec:
         return cls(**fields)
 
 
-def _owners(option: str) -> str:
-    """The schedules that declare ``option``, as a phrase."""
+def option_owners(option: str) -> str:
+    """The schedules that declare ``option``, as a phrase (``"pipedream"``)."""
     from pdjax.schedules.registry import SEMANTICS
 
     names = [n for n, row in SEMANTICS.items() if option in row.options]
     return " and ".join(names) if names else "no schedule"
+
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "pipedream-nostash": {"kind": "pipedream", "weight_stashing": False},
+    "pipedream-vsync": {"kind": "pipedream", "vertical_sync": True},
+}
+"""Named variants of a kind, as the command line's ``--schedule`` and ``--compare`` take
+them beside the kinds' own names: the kind and the options it sets."""

@@ -143,9 +143,9 @@ class TTAStudy:
             learning_rate=self.learning_rate,
             seed=seed,
             target_accuracy=self.target,
-            extra_in_flight=extra
+            options={"extra_in_flight": extra}
             if pipeline and schedule_kind(runner).takes("extra_in_flight")
-            else 0,
+            else {},
         )
 
 
@@ -199,7 +199,7 @@ def _tta_job(job: Mapping[str, Any]) -> None:
 
     from pdjax.apps.train import TrainConfig, train
 
-    cfg = TrainConfig(**job["config"])
+    cfg = TrainConfig.from_saved(job["config"])
     t0 = time.perf_counter()
     result = train(cfg)
     wall = time.perf_counter() - t0

@@ -18,6 +18,7 @@ import argparse
 import importlib
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +36,13 @@ __all__ = [
     "OptionError",
     "PathOption",
     "add_model_arguments",
+    "add_option_flags",
     "check_bound",
     "check_readable",
     "check_writable",
     "float_range",
     "int_range",
+    "option_values",
     "positive_float",
     "positive_floats",
     "positive_int",
@@ -221,6 +224,40 @@ def positive_float(
 ) -> type[argparse.Action]:
     """An argparse ``action=``: a finite float ``> 0`` (and ``<= hi``)."""
     return _bounded(float, 0.0, hi, lo_open=True, why=why, error=error)
+
+
+def add_option_flags(p: Any, names: Sequence[str] | None = None) -> None:
+    """The flags of the schedule kinds' own options (:data:`pdjax.schedules.spec.OPTIONS`,
+    ``names`` of them, default all), one each, written from the spec's table: a bool that
+    is off by default as ``--name``, one on by default as ``--no-name``, an integer as
+    ``--name N`` (bounded), a text as ``--name`` with its choices. Each lands on ``args``
+    under the option's own name (:func:`option_values` reads them)."""
+    from pdjax.schedules.spec import OPTIONS, option_owners
+
+    for name in names or OPTIONS:
+        option, flag = OPTIONS[name], name.replace("_", "-")
+        text = f"{option_owners(name)}: {option.help}"
+        if option.default is False:
+            p.add_argument(f"--{flag}", dest=name, action="store_true", help=text)
+        elif option.default is True:
+            p.add_argument(f"--no-{flag}", dest=name, action="store_false", help=text)
+        elif option.choices is not None:
+            p.add_argument(
+                f"--{flag}", dest=name, default=option.default, choices=option.choices, help=text
+            )
+        else:
+            action = int_range(option.default, option.most, option.why)
+            p.add_argument(
+                f"--{flag}", dest=name, action=action, default=option.default, metavar="N",
+                help=text,
+            )  # fmt: skip
+
+
+def option_values(args: Any, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The values :func:`add_option_flags`' flags put on ``args`` (``names`` of them)."""
+    from pdjax.schedules.spec import OPTIONS
+
+    return {name: getattr(args, name) for name in names or OPTIONS}
 
 
 #: ``--seed``: an unsigned 32-bit integer.

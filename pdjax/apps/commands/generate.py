@@ -14,7 +14,6 @@ the window sliding over the model's last ``context`` tokens once it is full.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -168,8 +167,7 @@ def restore_for_generation(
                 f"--checkpoint {folder}: step {step} holds no pdjax train settings; "
                 "generate reads checkpoints that pdjax train wrote"
             )
-        names = {f.name for f in dataclasses.fields(TrainConfig)}
-        cfg = TrainConfig(**{k: v for k, v in config.items() if k in names})
+        cfg = TrainConfig.from_saved(config)
         spec, ds = build(cfg)
         has_tokenizer = "chars" in ds.info or "tokenizer_json" in ds.info
         if not has_tokenizer:  # a model of one's own on text is a "custom" task: let it be

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from pdjax._units import fmt_bytes, fmt_seconds
 from pdjax.apps.commands import (
@@ -32,8 +32,10 @@ from pdjax.apps.commands import (
     MAX_SIM_PASSES,
     HelpFormatter,
     PathOption,
+    add_option_flags,
     check_bound,
     check_writable,
+    option_values,
     positive_int,
     split_list,
 )
@@ -42,6 +44,8 @@ from pdjax.partition import Plan
 from pdjax.partition import simulator_costs as _costs
 from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STREAMING, Schedule, generate
+from pdjax.schedules.spec import OPTIONS
+from pdjax.schedules.spec import VARIANTS as SPEC_VARIANTS
 from pdjax.simulator import (
     PipelineCosts,
     Simulation,
@@ -52,12 +56,9 @@ from pdjax.simulator import (
 
 __all__ = ["costs_from_files", "parse_schedules", "register", "run"]
 
-#: ``--schedule`` names beyond :data:`SCHEDULES`: ``name -> (schedule, vertical sync,
-#: weight stashing)``, as ``pdjax train --compare`` reads them.
-VARIANTS = {
-    "pipedream-nostash": ("pipedream", False, False),
-    "pipedream-vsync": ("pipedream", True, True),
-}
+#: ``--schedule`` names beyond :data:`SCHEDULES` (the spec's named variants, as ``pdjax
+#: train --compare`` reads them).
+VARIANTS = SPEC_VARIANTS
 
 
 def costs_from_files(
@@ -108,13 +109,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     _add_schedule_options(p)
     _add_size_options(p)
     _add_plan_pricing_options(p)
-    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
-    p.add_argument(
-        "--no-weight-stashing",
-        dest="weight_stashing",
-        action="store_false",
-        help="pipedream: backward with the newest weights",
-    )
+    add_option_flags(p)
     p.add_argument(
         "--trace", action=PathOption, metavar="OUT.json", help="write a Chrome/Perfetto trace"
     )
@@ -279,16 +274,16 @@ def _default_stream(stages: int, microbatches: int) -> int:
     return steps * microbatches
 
 
-def parse_schedules(text: str) -> list[tuple[str, str, bool | None, bool | None]]:
-    """``--schedule``: ``all`` or comma-separated names, as ``(name, schedule, vertical
-    sync, weight stashing)`` (None: as the command-line flags say).
+def parse_schedules(text: str) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """``--schedule``: ``all`` or comma-separated names, as ``(name, schedule, options)``
+    (options None: as the command-line flags say; a named variant's own).
 
     Raises:
       ScheduleError: for an unknown or repeated name, or none.
     """
     names = split_list(text)
     if names == ["all"]:
-        return [(n, n, None, None) for n in SCHEDULES]
+        return [(n, n, None) for n in SCHEDULES]
     known = (*SCHEDULES, *VARIANTS)
     unknown = [n for n in names if n not in known]
     if unknown or not names or len(set(names)) != len(names):
@@ -297,12 +292,13 @@ def parse_schedules(text: str) -> list[tuple[str, str, bool | None, bool | None]
             f"--schedule {text!r}: {what}; give one or more of {', '.join(known)}, "
             "comma-separated (e.g. 1f1b,pipedream), or all"
         )
-    out: list[tuple[str, str, bool | None, bool | None]] = []
+    out: list[tuple[str, str, dict[str, Any] | None]] = []
     for n in names:
         if n in VARIANTS:
-            out.append((n, *VARIANTS[n]))
+            options = dict(VARIANTS[n])
+            out.append((n, options.pop("kind"), options))
         else:
-            out.append((n, n, None, None))
+            out.append((n, n, None))
     return out
 
 
@@ -327,7 +323,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
     source = _cost_source(args)
     results: list[tuple[str, Simulation | str]] = []
     played = 0  # microbatch-stage passes simulated so far (check_size bounds them)
-    for label, name, vsync, stashing in requested:
+    for label, name, options in requested:
         try:
             mode = _replication(args.replication, source.plan, name)
             stream = _stream(args, name, source, mode)
@@ -343,8 +339,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
                     stream=stream,
                     chunks=args.chunks,
                     steps=args.steps,
-                    vertical_sync=args.vertical_sync if vsync is None else vsync,
-                    weight_stashing=args.weight_stashing if stashing is None else stashing,
+                    **(option_values(args) if options is None else options),
                     replicas=source.replicas,
                     replication=mode,
                 )
@@ -360,7 +355,7 @@ def _simulations(args: argparse.Namespace) -> list[tuple[str, Simulation | str]]
 
 def _requested(
     args: argparse.Namespace,
-) -> tuple[list[tuple[str, str, bool | None, bool | None]], Schedule | None]:
+) -> tuple[list[tuple[str, str, dict[str, Any] | None]], Schedule | None]:
     """The schedules to play (as :func:`parse_schedules`) and the ``--schedule-csv`` one
     (None without it), which replaces them and sets ``args.stages`` to its ranks."""
     requested = parse_schedules(args.schedule)
@@ -376,7 +371,7 @@ def _requested(
             f"--stages {args.stages} disagrees with the {from_csv.num_groups} ranks of "
             f"{args.schedule_csv}"
         )
-    return [(f"{args.schedule_csv} ({args.csv_name})", args.csv_name, None, None)], from_csv
+    return [(f"{args.schedule_csv} ({args.csv_name})", args.csv_name, None)], from_csv
 
 
 def _cost_source(args: argparse.Namespace) -> _CostSource:
@@ -543,12 +538,8 @@ def _check_chart_name(path: str) -> None:
 
 def _summary(sim: Simulation) -> dict[str, object]:
     """The simulation's summary with the schedule's options."""
-    s = sim.schedule
-    return {
-        **sim.summary(),
-        "vertical_sync": s.vertical_sync,
-        "weight_stashing": s.weight_stashing,
-    }
+    spec = sim.schedule.spec
+    return {**sim.summary(), **{name: getattr(spec, name) for name in OPTIONS}}
 
 
 def _runs(cells: Sequence[str]) -> str:

@@ -31,13 +31,16 @@ from pdjax.apps.commands import (
     HelpFormatter,
     PathOption,
     add_model_arguments,
+    add_option_flags,
     float_range,
     int_range,
+    option_values,
     positive_float,
     positive_int,
     seed_int,
     split_list,
 )
+from pdjax.schedules.spec import VARIANTS
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -241,28 +244,9 @@ def _add_optimizer_options(p: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_options(p: argparse.ArgumentParser) -> None:
-    """Options of the pipeline: PipeDream's (vertical sync, weight stashing, microbatches
-    in flight) and how replicated stages share their work."""
-    p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync")
-    p.add_argument(
-        "--no-weight-stashing", action="store_true", help="pipedream without weight stashing"
-    )
-    p.add_argument(
-        "--extra-in-flight",
-        action=int_range(0, 1024, "each is one more stashed version and activation per stage"),
-        default=0,
-        metavar="E",
-        help="pipedream: E more microbatches in flight per stage (hides transfer latency; "
-        "one more stashed version and activation each)",
-    )
-    p.add_argument(
-        "--in-flight",
-        default="full-rate",
-        choices=("full-rate", "paper"),
-        help="pipedream with round-robin stages: full-rate (enough groups in flight to keep "
-        "a balanced pipeline busy) or paper (PipeDream's NOAM at the input stage: less "
-        "stale, slower where the counts differ)",
-    )
+    """Options of the pipeline: the schedule kinds' own (PipeDream's: the spec's table,
+    :data:`pdjax.schedules.spec.OPTIONS`) and how replicated stages share their work."""
+    add_option_flags(p)
     p.add_argument(
         "--replication",
         default="plan",
@@ -370,18 +354,14 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
     # for another schedule rather than ignoring them
     base = {
         "schedule": args.schedule,
-        "vertical_sync": args.vertical_sync,
-        "weight_stashing": not args.no_weight_stashing,
-        "extra_in_flight": args.extra_in_flight,
-        "in_flight": args.in_flight,
+        "options": option_values(args),
         "allow_stale": args.allow_stale,
     }
     runs: list[dict[str, Any]] = [base]
     for name in split_list(args.compare):
-        if name == "pipedream-nostash":
-            runs.append({"schedule": "pipedream", "weight_stashing": False})
-        elif name == "pipedream-vsync":
-            runs.append({"schedule": "pipedream", "vertical_sync": True})
+        if name in VARIANTS:
+            options = dict(VARIANTS[name])
+            runs.append({"schedule": options.pop("kind"), "options": options})
         else:
             runs.append({"schedule": name})
     return runs

@@ -14,7 +14,8 @@ from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE, check_settings
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
-from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
+from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
+from pdjax.schedules.spec import OPTIONS, option_owners
 
 SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
@@ -44,11 +45,6 @@ def updates_per_microbatch(schedule: str) -> bool:
     """Whether ``schedule`` updates after every microbatch (``dp``, ``auto``: no)."""
     kind = SCHEDULE_KINDS.get(schedule)
     return kind is not None and kind.semantics.updates_per_microbatch
-
-
-def _having(option: str) -> str:
-    """The schedules that have generator option ``option``."""
-    return ", ".join(k.name for k in SCHEDULE_KINDS.values() if k.takes(option))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +88,6 @@ class TrainConfig:
         stages (1: any, a single data-parallel stage too).
       seed: seeds initialisation, dropout and the data order.
       target_accuracy: stop once the test accuracy reaches this (0-1), or None.
-      vertical_sync: ``pipedream`` option.
-      weight_stashing: ``pipedream`` option.
       seq_len: tokens per window for ``text`` and ``text-bpe`` (a factory that takes
         ``seq_len`` gets it).
       vocab_size: ``text-bpe``'s tokenizer vocabulary (None: a bundled language model is
@@ -102,10 +96,9 @@ class TrainConfig:
         parameters, optimizer and loss in float32 (:mod:`pdjax.precision`); ``"f16"``:
         the same in float16, the optimizer under dynamic loss scaling
         (:func:`pdjax.precision.loss_scaled`), for the flush schedules only.
-      extra_in_flight: ``pipedream`` option: microbatches in flight beyond ``P - s``
-        (latency hiding).
-      in_flight: ``pipedream`` option for round-robin stages: ``"full-rate"`` or
-        ``"paper"`` (PipeDream's NOAM; :class:`~pdjax.pipeline.Pipeline`).
+      options: the schedule kind's own options set away from their defaults, as
+        :class:`~pdjax.schedules.ScheduleSpec` takes them (``{"extra_in_flight": 1}``;
+        :data:`pdjax.schedules.spec.OPTIONS`): checked against the schedule (:attr:`spec`).
       transport: how values cross processes (``auto``, ``device_put``, ``collective``).
       straight: ``plan="auto"`` without replication (a pure pipeline, one stage per
         device), as PipeDream's optimizer offers.
@@ -135,12 +128,9 @@ class TrainConfig:
     learning_rate: float | None = None
     seed: int = 0
     target_accuracy: float | None = None
-    vertical_sync: bool = False
-    weight_stashing: bool = True
     seq_len: int = 16
     straight: bool = False
-    extra_in_flight: int = 0
-    in_flight: str = "full-rate"
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
     transport: str = "auto"
     replication: str = "plan"
     allow_stale: bool = False
@@ -190,25 +180,7 @@ class TrainConfig:
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
                 f"{self.microbatches}: each microbatch must have the same size"
             )
-        if (self.vertical_sync or not self.weight_stashing) and not (
-            self._takes("vertical_sync") and self._takes("weight_stashing")
-        ):
-            having = _having("vertical_sync")
-            raise PipelineError(
-                f"vertical sync and no weight stashing are options of the {having} schedule"
-            )
-        if self.extra_in_flight and not self._takes("extra_in_flight"):
-            raise PipelineError(
-                f"extra microbatches in flight are an option of {_having('extra_in_flight')}"
-            )
-        if self.extra_in_flight < 0:
-            raise PipelineError(f"extra_in_flight must be >= 0, got {self.extra_in_flight}")
-        if self.in_flight not in IN_FLIGHT:
-            raise PipelineError(f"in_flight must be one of {IN_FLIGHT}, got {self.in_flight!r}")
-        if self.in_flight != "full-rate" and not self._takes("in_flight"):
-            raise PipelineError(
-                f"in_flight={self.in_flight!r} is an option of {_having('in_flight')}"
-            )
+        self._check_options()
         if self.allow_stale and self.schedule != "auto":
             raise PipelineError("allowing stale weights is an option of --schedule auto")
         if self.replication not in ("plan", "split", "round-robin"):
@@ -223,6 +195,24 @@ class TrainConfig:
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         self._check_min_stages()
+
+    def _check_options(self) -> None:
+        """The schedule's options as its spec checks them (those set to their defaults
+        dropped, so that equal settings compare equal); none for ``dp`` and ``auto``."""
+        if not isinstance(self.options, dict) or set(self.options) - set(OPTIONS):
+            raise PipelineError(
+                f"options must be a dict of schedule options among {sorted(OPTIONS)}, got "
+                f"{self.options!r}"
+            )
+        changed = {k: v for k, v in self.options.items() if v != OPTIONS[k].default}
+        object.__setattr__(self, "options", changed)
+        if self.schedule in SCHEDULE_KINDS:
+            self.spec  # noqa: B018 (made to be checked)
+        elif changed:
+            name = next(iter(changed))
+            raise PipelineError(
+                f"{name} is an option of {option_owners(name)}, not of --schedule {self.schedule}"
+            )
 
     def _check_loss_scaling(self) -> None:
         """float16 trains with dynamic loss scaling, which is exact only where every stage
@@ -261,6 +251,17 @@ class TrainConfig:
                 f"more, or a smaller --min-stages"
             )
 
+    @classmethod
+    def from_saved(cls, config: dict[str, Any]) -> TrainConfig:
+        """The config a run saved (its checkpoint's or summary's ``config``), also one of a
+        pdjax before :class:`~pdjax.schedules.ScheduleSpec`, which held the schedule's
+        options one by one; settings this pdjax does not know are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        flat = {k: config[k] for k in OPTIONS if k in config}
+        fields = {k: v for k, v in config.items() if k in names}
+        fields["options"] = dict(fields.get("options") or {}) | flat
+        return cls(**fields)
+
     @property
     def lr(self) -> float:
         """The learning rate (a schedule's peak): :attr:`learning_rate`, or the default."""
@@ -269,11 +270,6 @@ class TrainConfig:
     @property
     def microbatch_size(self) -> int:
         return self.batch_size // self.microbatches
-
-    def _takes(self, option: str) -> bool:
-        """Whether the schedule has generator option ``option`` (``dp`` and ``auto``: no)."""
-        kind = SCHEDULE_KINDS.get(self.schedule)
-        return kind is not None and kind.takes(option)
 
     @property
     def spec(self) -> ScheduleSpec:
@@ -285,25 +281,16 @@ class TrainConfig:
             self.schedule,
             microbatches=self.microbatches,
             chunks=self.chunks if kind.chunks is None else None,
-            vertical_sync=self.vertical_sync,
-            weight_stashing=self.weight_stashing,
-            extra_in_flight=self.extra_in_flight,
-            in_flight=self.in_flight,
             replication=None if self.replication == "plan" else self.replication,
+            **self.options,
         )
 
     @property
     def label(self) -> str:
         """A short name for tables: the schedule and its options."""
         name = self.schedule
-        if not self.weight_stashing:  # checked: only a schedule that has the option
-            name += " (no stashing)"
-        if self.vertical_sync:
-            name += " (vertical sync)"
-        if self.extra_in_flight:
-            name += f" (+{self.extra_in_flight} in flight)"
-        if self.in_flight != "full-rate":
-            name += f" ({self.in_flight} in flight)"
+        for option, value in self.options.items():  # checked: the schedule's own
+            name += f" ({OPTIONS[option].label.format(value)})"
         if self.replication != "plan":
             name += f" ({self.replication})"
         return name

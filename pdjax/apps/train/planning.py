@@ -376,8 +376,7 @@ def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
         cfg,
         schedule=spec.kind,
         microbatches=spec.microbatches,
-        extra_in_flight=spec.extra_in_flight,
-        in_flight=spec.in_flight,
+        options=spec.changed,
         plan=str(path),
         allow_stale=False,
     )

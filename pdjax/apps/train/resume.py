@@ -28,6 +28,7 @@ from pdjax.apps.train.planning import auto_choice, resolve_auto
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.models import ModelSpec
 from pdjax.pipeline import Pipeline
+from pdjax.schedules.spec import OPTIONS
 
 #: The file in a run's checkpoint directory that holds the plan it runs
 #: (:func:`~pdjax.apps.train.train`).
@@ -323,6 +324,10 @@ def _resumable(config: dict[str, Any]) -> dict[str, Any]:
     learning rate not given is the default one (an older pdjax wrote it as 0.001)."""
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     full = {k: v for k, v in defaults.items() if k in _ADDED} | dict(config)
+    # a checkpoint of a pdjax before ScheduleSpec holds the schedule's options one by one
+    flat = {k: full.pop(k) for k in OPTIONS if k in full}
+    options = dict(full.get("options") or {}) | flat
+    full["options"] = {k: v for k, v in options.items() if v != OPTIONS[k].default}
     if full.get("learning_rate") is None:  # none given: the default (an older pdjax's too)
         full["learning_rate"] = DEFAULT_LEARNING_RATE
     return {k: v for k, v in full.items() if k not in ("epochs", "target_accuracy")}
