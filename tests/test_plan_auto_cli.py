@@ -108,7 +108,7 @@ def test_the_slower_than_one_device_warning_reads_the_simulated_choice(tmp_path)
 
     from pdjax.apps.commands.plan import slower_than_one_device
     from pdjax.partition import Topology, plan_auto
-    from pdjax.partition.plan import AUTO_DECISION
+    from pdjax.plan.plan import AUTO_DECISION
 
     plan = plan_auto(_profile(tmp_path / "p.json"), Topology.flat(2, 1e9), memory_limit=None)
     one = plan.single_device_time / plan.microbatch_size  # seconds per sample on one device

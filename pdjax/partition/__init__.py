@@ -25,10 +25,10 @@ from pdjax.partition.partitioners import (
     uniform_split,
 )
 from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.plan import Plan, StagePlan
 from pdjax.partition.simulator_costs import costs_from_plan, weight_grad_fraction
-from pdjax.partition.topology import PRESETS, Level, Topology, parse_levels
 from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULE_TRAITS, ScheduleTraits
+from pdjax.plan.plan import Plan, StagePlan
+from pdjax.plan.topology import PRESETS, Level, Topology, parse_levels
 
 __all__ = [
     "COST_MODELS",

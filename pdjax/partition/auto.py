@@ -87,9 +87,9 @@ from pdjax.partition.candidates import (
 from pdjax.partition.evaluate import stage_memory_bytes
 from pdjax.partition.partitioners import evaluate_partition
 from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.plan import AUTO_DECISION, Plan
-from pdjax.partition.topology import Topology
 from pdjax.partition.traits import SCHEDULE_TRAITS
+from pdjax.plan.plan import AUTO_DECISION, Plan
+from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import IN_FLIGHT, SCHEDULE_KINDS, SCHEDULES, STALE
 

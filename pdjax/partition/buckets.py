@@ -46,9 +46,9 @@ from typing import Any
 from pdjax.errors import PlanError
 from pdjax.partition.partitioners import evaluate_partition
 from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.plan import Plan
 from pdjax.partition.simulator_costs import costs_from_plan
-from pdjax.partition.topology import Topology
+from pdjax.plan.plan import Plan
+from pdjax.plan.topology import Topology
 from pdjax.profile import LayerProfile, PolicyCost, Profile, profile
 from pdjax.profile.profile import COST_FIELDS
 from pdjax.schedules import generate, semantics

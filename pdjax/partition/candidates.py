@@ -35,8 +35,8 @@ import numpy as np
 
 from pdjax._memory_policy import memory_policies, policy_name
 from pdjax.errors import PlanError
-from pdjax.partition.plan import Plan
 from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.plan.plan import Plan
 from pdjax.profile import Profile
 from pdjax.schedules import (
     ROUND_ROBIN,

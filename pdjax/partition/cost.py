@@ -204,7 +204,6 @@ import numpy as np
 from pdjax.errors import PlanError
 from pdjax.partition.arrays import ModelArrays, check_profile
 from pdjax.partition.arrays import model_arrays as layer_arrays
-from pdjax.partition.topology import Topology
 from pdjax.partition.traits import (
     REPLICATION_OPTIONS,
     SCHEDULE_TRAITS,
@@ -222,6 +221,7 @@ from pdjax.partition.traits import (
     updates_per_microbatch,
     versions_kept,
 )
+from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SEMANTICS, Shape
 

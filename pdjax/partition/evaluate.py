@@ -12,8 +12,8 @@ from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition import cost
-from pdjax.partition.plan import Plan, StagePlan
-from pdjax.partition.topology import Topology
+from pdjax.plan.plan import Plan, StagePlan
+from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS, ScheduleSpec
 

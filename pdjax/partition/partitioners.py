@@ -36,8 +36,8 @@ from pdjax.partition.evaluate import (
     check_options,
     pipeline_time,
 )
-from pdjax.partition.plan import Plan
-from pdjax.partition.topology import Topology
+from pdjax.plan.plan import Plan
+from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 
 __all__ = [

@@ -67,10 +67,10 @@ from pdjax.partition.evaluate import (
     pipeline_time,
 )
 from pdjax.partition.level_program import Table
-from pdjax.partition.plan import Plan
 from pdjax.partition.round_trip import round_trip_exact, search_round_trip
 from pdjax.partition.search import Search
-from pdjax.partition.topology import Topology
+from pdjax.plan.plan import Plan
+from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 
 __all__ = ["plan_pipedream", "solve"]

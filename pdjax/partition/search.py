@@ -13,7 +13,7 @@ import numpy as np
 
 from pdjax.partition import cost
 from pdjax.partition.level_program import Node, Table, level_stages, solve_level
-from pdjax.partition.topology import Topology
+from pdjax.plan.topology import Topology
 
 __all__ = ["Search"]
 

@@ -142,7 +142,7 @@ import numpy as np
 
 from pdjax.errors import CalibrationError, PlanError, ScheduleError
 from pdjax.partition import cost
-from pdjax.partition.plan import Plan
+from pdjax.plan.plan import Plan
 from pdjax.profile import Profile
 from pdjax.simulator import PipelineCosts, StageCosts
 

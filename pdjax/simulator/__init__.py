@@ -19,9 +19,9 @@ Modules: :mod:`.engine` (:func:`simulate`, :class:`Simulation`), :mod:`.costs`
 Gantt charts).
 """
 
+from pdjax.schedules.timeline import Span, Timeline, Transfer
 from pdjax.simulator.costs import PipelineCosts, StageCosts, unit_costs
 from pdjax.simulator.engine import Simulation, simulate, stream_length
-from pdjax.simulator.timeline import Span, Timeline, Transfer
 from pdjax.simulator.trace import chrome_trace, plot_gantt, write_chrome_trace
 
 __all__ = [

@@ -111,8 +111,8 @@ from pdjax.schedules import (
     validate,
 )
 from pdjax.schedules.play import kept_live_versions
+from pdjax.schedules.timeline import Span, Timeline, Transfer
 from pdjax.simulator.costs import PipelineCosts, StageCosts, unit_costs
-from pdjax.simulator.timeline import Span, Timeline, Transfer
 
 __all__ = [
     "PipelineCosts",

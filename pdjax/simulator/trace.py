@@ -1,6 +1,6 @@
 """Pictures of timelines: Chrome-trace / Perfetto JSON and a PNG Gantt chart.
 
-Both take one :class:`~pdjax.simulator.timeline.Timeline` or several (several schedules side
+Both take one :class:`~pdjax.schedules.timeline.Timeline` or several (several schedules side
 by side: one trace process, or one chart panel, each).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdjax._jsonio import write_atomic
-from pdjax.simulator.timeline import Timeline, Transfer
+from pdjax.schedules.timeline import Timeline, Transfer
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

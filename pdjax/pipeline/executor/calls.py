@@ -33,7 +33,7 @@ from pdjax.pipeline.lowering.types import OFFSET, Slot, SlotKind
 from pdjax.pipeline.stage import Stage
 from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule
-from pdjax.simulator import Timeline
+from pdjax.schedules.timeline import Timeline
 
 __all__ = ["Feeder", "check_layouts", "execute"]
 

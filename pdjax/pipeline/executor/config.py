@@ -13,7 +13,7 @@ import jax
 from pdjax._memory_policy import memory_policies
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
-from pdjax.partition.plan import Plan, StagePlan
+from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import SCHEDULES, Schedule, ScheduleSpec, schedule_kind, semantics, validate
 
 __all__ = ["even_stages"]

@@ -26,7 +26,7 @@ from pdjax.pipeline.lowering import Op, OpKind, Program, Slot, SlotKind
 from pdjax.pipeline.stage import Stage
 from pdjax.pipeline.transport import Transport
 from pdjax.schedules import Schedule
-from pdjax.simulator import Span
+from pdjax.schedules.timeline import Span
 
 __all__ = ["Code", "bind", "interpret", "interpret_counting", "interpret_recording"]
 

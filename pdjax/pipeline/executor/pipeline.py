@@ -19,7 +19,6 @@ import optax
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.layers.init_programs import init_on
-from pdjax.partition.plan import Plan, StagePlan
 from pdjax.pipeline.executor.arguments import (
     check_arrays,
     check_callback,
@@ -57,6 +56,7 @@ from pdjax.pipeline.executor.trees import (
 from pdjax.pipeline.lowering import Program, Slot
 from pdjax.pipeline.optim import StageOptimizer
 from pdjax.pipeline.stage import LossFn, Stage
+from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import Schedule, ScheduleSpec, schedule_kind, semantics
 
 __all__ = ["Pipeline"]

@@ -15,7 +15,6 @@ from pdjax._memory_policy import check_available
 from pdjax.distributed import check_cpu_transfers
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
-from pdjax.partition.plan import Plan, StagePlan
 from pdjax.pipeline.executor.config import (
     plan_stage_devices,
     replication_of,
@@ -25,6 +24,7 @@ from pdjax.pipeline.executor.config import (
 from pdjax.pipeline.lowering import Placement, StagePlace
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.pipeline.transport import Transport, auto_transport, make_transport
+from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import ROUND_ROBIN, semantics, stage_groups
 
 __all__ = ["Replication", "StageSet", "build_stages", "place"]

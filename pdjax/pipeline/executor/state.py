@@ -11,7 +11,7 @@ import numpy as np
 import optax
 
 from pdjax.layers import PyTree, Variables
-from pdjax.simulator import Timeline
+from pdjax.schedules.timeline import Timeline
 
 __all__ = ["PipelineState", "RunMetrics"]
 

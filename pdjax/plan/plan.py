@@ -25,7 +25,8 @@ import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition.topology import Level, Topology
+from pdjax.plan.topology import Level, Topology
+from pdjax.schedules.registry import SCHEDULE_KINDS
 from pdjax.schedules.spec import ScheduleSpec
 
 if TYPE_CHECKING:
@@ -528,6 +529,9 @@ def _spec_of_format_1(
                            ("in_flight_option", "in_flight")):  # fmt: skip
             if key in auto:
                 settings[field] = auto[key]
+        kind = SCHEDULE_KINDS.get(name)
+        if kind is not None and "chunks" in settings:  # zb-v's candidates recorded 1
+            settings["chunks"] = kind.chunks_for(settings["chunks"])
         if "policies" in auto or "remat" in auto:
             settings["remat"] = tuple(auto.get("policies") or auto["remat"])
         options["auto"] = {k: v for k, v in auto.items() if k not in AUTO_DECISION}

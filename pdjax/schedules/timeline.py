@@ -11,7 +11,7 @@ import json
 from typing import NamedTuple
 
 from pdjax.errors import ScheduleError
-from pdjax.schedules import Action
+from pdjax.schedules.actions import Action
 
 __all__ = ["Span", "Timeline", "Transfer"]
 
