@@ -20,17 +20,20 @@ run: $(STAMP)
 	$(BIN)/python -m pdjax train --model cnn --dataset digits --schedule pipedream --devices 4 \
 		--plan auto --straight --epochs 10 --target-accuracy 0.95 --compare dp --out out/main
 
-# the API reference must build without a warning (docs/api.md): rendered into a temporary
-# folder without the source views, about 12 s on 2 cores
-lint: $(STAMP)
-	$(BIN)/ruff check pdjax tests benchmarks tools
-	$(BIN)/ruff format --check pdjax tests benchmarks tools
-	$(BIN)/mypy
-	$(BIN)/python tools/api_docs.py --check
+# The documentation site (docs/api.md): the README as front page, the guides, the benchmark
+# tables and the API reference, built by Sphinx into build/docs/ (index.html); a warning
+# fails the build. make lint builds it afresh (-E), about 35 s on 2 cores.
+SPHINX := $(BIN)/sphinx-build -q -W --keep-going -c docs . build/docs
 
-# the HTML API reference of every public module, in build/api/ (index.html); fails on a warning
+lint: $(STAMP)
+	$(BIN)/ruff check pdjax tests benchmarks tools docs
+	$(BIN)/ruff format --check pdjax tests benchmarks tools docs
+	$(BIN)/mypy
+	$(SPHINX) -E
+
+# the site, rebuilding what changed since the last build (make lint rebuilds it all)
 docs: $(STAMP)
-	$(BIN)/python tools/api_docs.py --out build/api
+	$(SPHINX)
 
 # Test workers: two more than the CPUs this process may use, at most 8. The suite is mostly
 # XLA compiling on the CPUs, but a worker also waits on the processes its tests launch and
@@ -45,4 +48,4 @@ test-quick: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not slow" pdjax benchmarks/harness tests
 
 clean:
-	rm -rf $(VENV) out .pytest_cache build/api
+	rm -rf $(VENV) out .pytest_cache build/docs docs/reference

@@ -10,6 +10,7 @@ import doctest
 import functools
 import importlib.util
 import re
+import sys
 import types
 from pathlib import Path
 
@@ -168,31 +169,47 @@ def test_the_tests_table_covers_every_test_file_and_module():
     assert not stale, f"rows naming no module: {stale}"
 
 
-def _api_docs() -> types.ModuleType:
-    """``tools/api_docs.py``, the API reference's build (``make docs``; docs/api.md)."""
-    spec = importlib.util.spec_from_file_location("api_docs", ROOT / "tools" / "api_docs.py")
+def _docs_site() -> types.ModuleType:
+    """``tools/docs_site.py``, the documentation site's Sphinx extension (docs/api.md)."""
+    spec = importlib.util.spec_from_file_location("docs_site", ROOT / "tools" / "docs_site.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules["docs_site"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
 
 
-def test_api_reference_turns_sphinx_roles_into_code_spans():
-    """The roles pdjax's docstrings use become the code spans pdoc links (the whole build,
-    with its links, is checked by ``make lint``: ``tools/api_docs.py --check``)."""
-    api_docs = _api_docs()
-    assert doctest.testmod(api_docs).failed == 0
-    targets: set[str] = set()
-    short: set[str] = set()
-    text = (
-        ":func:`~pdjax.partition.plan_auto`, :class:`Pipeline <pdjax.pipeline.Pipeline>`, "
-        ":meth:`Schedule.grid()`, :attr:`Plan.stages`, :mod:`pdjax.schedules`, :data:`X`, "
-        ":exc:`~pdjax.errors.PlanError`, :math:`x`, :func:`pdjax.layers.\n   sequential`"
+def test_the_reference_documents_each_object_once_and_links_its_other_names(tmp_path, monkeypatch):
+    """The site's API reference (the whole build, warning-free, is ``make lint``'s): an
+    object is documented on its defining module's page, a value on the deepest page that
+    binds it, a package's page links what it re-exports, and a role to an exported name
+    finds the home."""
+    site = _docs_site()
+    assert doctest.testmod(site).failed == 0
+    package = tmp_path / "sitepkg"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        '"""A package."""\nfrom sitepkg.inner import LIMIT, Thing, make\n'
+        '__all__ = ["LIMIT", "Thing", "make"]\n'
     )
-    assert api_docs.roles_to_markdown(text, targets, short) == (
-        "`pdjax.partition.plan_auto()`, `pdjax.pipeline.Pipeline`, `Schedule.grid()`, "
-        "`Plan.stages`, `pdjax.schedules`, `X`, `pdjax.errors.PlanError`, :math:`x`, "
-        "`pdjax.layers.sequential()`"
+    (package / "inner.py").write_text(
+        '"""Its module."""\nimport os\nLIMIT = 3\n\n\nclass Thing:\n    """A thing."""\n\n\n'
+        'def make():\n    """Make one."""\n\n\ndef _hidden():\n    pass\n'
     )
-    assert short == {"pdjax.partition.plan_auto", "pdjax.errors.PlanError"}
-    assert "Schedule.grid" in targets and "pdjax.layers.sequential" in targets
+    (package / "_private.py").write_text("X = 1\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    modules = site.public_modules("sitepkg")
+    assert modules == ["sitepkg", "sitepkg.inner"]
+    assert site.members(importlib.import_module("sitepkg.inner")) == ["LIMIT", "Thing", "make"]
+    home = site.homes(modules)
+    inner = site.module_page("sitepkg.inner", home)
+    assert ":members: Thing, make" in inner and ".. autodata:: LIMIT" in inner
+    outer = site.module_page("sitepkg", home)
+    assert ":members:" not in outer and "autodata" not in outer
+    assert "* :py:obj:`~sitepkg.inner.Thing`" in outer
+    assert "* :py:obj:`~sitepkg.inner.LIMIT`" in outer
+    monkeypatch.setattr(site, "ALIASES", site.aliases(modules, home))
+    assert site._home_of("sitepkg.Thing.method") == "sitepkg.inner.Thing.method"
+    assert site._home_of("sitepkg.LIMIT") == "sitepkg.inner.LIMIT"
+    readme = "[b](docs" + "/b.md) [a](docs" + "/a.md#x)"  # split: not cited documents
+    assert site.guides(readme, ["a", "b", "c"]) == ["b", "a", "c"]

@@ -224,7 +224,7 @@ def test_more_bad_input_is_caught_with_a_hint():
         StagePlan(0, L - 1, (0, 0))
     with pytest.raises(PlanError, match="devices \\[-1\\] must be distinct indices >= 0"):
         StagePlan(0, L - 1, (-1,))
-    with pytest.raises(PipelineError, match="options of the pipedream schedule"):
+    with pytest.raises(PipelineError, match="vertical_sync is an option of pipedream, not of"):
         Pipeline(
             spec.layers,
             even_stages(L, 2),

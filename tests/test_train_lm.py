@@ -154,13 +154,13 @@ def test_precision_and_vocab_are_checked() -> None:
     with pytest.raises(PipelineError, match="unknown precision 'fp8'"):
         TrainConfig(**{**LM, "precision": "fp8"})
     for schedule in ("pipedream", "2bw", "dp"):
-        with pytest.raises(PipelineError, match=f"--schedule {schedule} cannot do that exactly"):
+        with pytest.raises(PipelineError, match=f"schedule='{schedule}' cannot do that exactly"):
             TrainConfig(**{**LM, "precision": "f16", "schedule": schedule})
-    with pytest.raises(PipelineError, match="--allow-stale cannot"):
+    with pytest.raises(PipelineError, match="allow_stale=True cannot"):
         TrainConfig(**{**LM, "precision": "f16", "schedule": "auto", "allow_stale": True})
     with pytest.raises(PipelineError, match="at least 258"):
         TrainConfig(**{**LM, "vocab_size": 100})
-    with pytest.raises(PipelineError, match="drop --vocab-size"):
+    with pytest.raises(PipelineError, match="drop vocab_size"):
         TrainConfig(**{**LM, "dataset": "text"})
     with pytest.raises(PipelineError, match="text-bpe dataset needs a language model"):
         build(TrainConfig(model="cnn", dataset="text-bpe"))

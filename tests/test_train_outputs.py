@@ -288,7 +288,7 @@ def test_a_run_replaces_only_its_own_summary_and_plots(trained, npz, tmp_path, c
         folder = tmp_path / name
         folder.mkdir()
         (folder / name).write_text(text)
-        with pytest.raises(PipelineError, match=rf"{name}.*another --out, or move it away"):
+        with pytest.raises(PipelineError, match=rf"{name}.*another out, or move it away"):
             check_results(folder, [("pipedream", OTHER)], plots=True)
     check_results(tmp_path / "accuracy-vs-epochs.png", [], plots=False)  # no plots: fine
 

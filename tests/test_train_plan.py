@@ -162,9 +162,9 @@ def test_a_single_data_parallel_stage_is_recorded_and_said(monkeypatch, devices)
     assert single["pipeline_stages"] >= 2
     assert single["pipeline_predicted"] > single["predicted"]
     note = planning.single_stage_note(plan)
-    for words in ("no pipeline: --schedule 1f1b asked for one", "single data-parallel stage",
+    for words in ("no pipeline: schedule='1f1b' asked for one", "single data-parallel stage",
                   "on 4 devices", "ms per microbatch predicted", "best pipeline",
-                  "--min-stages 2", "--straight"):  # fmt: skip
+                  "min_stages=2", "straight=True"):  # fmt: skip
         assert words in note, note
     # a pipeline's plan says nothing
     assert planning.single_stage_note(_auto(monkeypatch, _vgg16(), devices)) is None
@@ -187,7 +187,7 @@ def test_min_stages_restricts_the_plan(monkeypatch, devices, n):
 def test_min_stages_that_no_plan_meets_is_refused(monkeypatch, devices):
     from pdjax.errors import PipelineError
 
-    with pytest.raises(PipelineError, match="--min-stages 3: no plan of 3 stages or more"):
+    with pytest.raises(PipelineError, match="min_stages=3: no plan of 3 stages or more"):
         _auto_min(monkeypatch, _transfer_bound(2), devices, min_stages=3)
 
 
@@ -198,10 +198,10 @@ def test_min_stages_is_checked_before_any_work():
     TrainConfig(devices=4, min_stages=4)
     for kw, words in [
         (dict(devices=2, min_stages=3), "needs at least 3 devices"),
-        (dict(min_stages=2, plan="even"), "--plan even makes none"),
-        (dict(min_stages=2, schedule="dp"), "--schedule dp"),
-        (dict(min_stages=2, schedule="zb-v"), "--schedule zb-v"),
-        (dict(min_stages=2, schedule="auto"), "--schedule auto"),
+        (dict(min_stages=2, plan="even"), "plan='even' makes none"),
+        (dict(min_stages=2, schedule="dp"), "schedule='dp'"),
+        (dict(min_stages=2, schedule="zb-v"), "schedule='zb-v'"),
+        (dict(min_stages=2, schedule="auto"), "schedule='auto'"),
         (dict(min_stages=0), "min_stages must be an integer >= 1"),
     ]:
         with pytest.raises(PipelineError, match=words):
@@ -225,7 +225,7 @@ def test_pdjax_train_says_it_ran_no_pipeline_and_min_stages_forces_one(
     (summary,) = json.loads((tmp_path / "dp" / "summary.json").read_text())
     assert summary["plan"].startswith("4: stage 0 = layers 0-3 x4")
     assert "single data-parallel stage on 4 devices" in summary["plan_note"]
-    assert "--min-stages 2" in summary["plan_note"]
+    assert "min_stages=2" in summary["plan_note"]
 
     assert main([*base, "--min-stages", "2", "--out", str(tmp_path / "pipe")]) == 0
     assert "note:" not in capsys.readouterr().out

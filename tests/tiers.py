@@ -28,6 +28,10 @@ SLOW_TESTS: dict[str, frozenset[str]] = {
     module: frozenset(names)
     for module, names in {
         "test_bench.py": ["test_every_schedule_and_dp_has_positive_numbers"],
+        "test_doc_blocks.py": [
+            "test_python_blocks_run[README.md]",
+            "test_script_lines_parse_with_the_scripts_own_parsers",
+        ],
         "test_calibrate.py": [
             "test_measure_and_calibrate_a_tiny_model",
             "test_the_command_line_calibrates_and_plan_and_simulate_read_it",

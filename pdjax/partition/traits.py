@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.schedules import (
@@ -115,7 +116,7 @@ class ScheduleTraits:
         return self.semantics.versions(Shape(groups=1, microbatches=1, stream=1), 0)
 
 
-_PRICING: Mapping[str, Mapping[str, object]] = {
+_PRICING: Mapping[str, Mapping[str, Any]] = {
     # all M of a step in flight; its flush bubble is outside every cost model
     "gpipe": {"depth": None, "round_trip": False},
     # its in-flight count depends on chunks the planner does not know

@@ -127,7 +127,10 @@ def _modes(value: Any) -> str | tuple[str, ...] | None:
         )
     for mode in modes:
         if mode not in REPLICATION:
-            raise ScheduleSpecError(f"replication must be one of {REPLICATION}, got {mode!r}")
+            raise ScheduleSpecError(
+                f"replication must be 'split' or 'round-robin' (one for every device group, or "
+                f"one per group), got {mode!r}"
+            )
     return value if isinstance(value, str) else tuple(value)
 
 

@@ -1,4 +1,4 @@
-"""``pdjax calibrate``: measure what the cost model needs on the devices that will run.
+"""``pdjax calibrate``: measure what the cost model needs on the devices that will run::
 
     pdjax calibrate --model vgg16 --microbatch-size 32 --plan plan.json --out cal.json
     pdjax calibrate --model vgg16 --microbatch-size 32 --profile p.json --devices 4 \\

@@ -102,7 +102,15 @@ def utf8_text(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Restores the checkpoint, generates, and prints the prompt and its continuation."""
+    """Restores the checkpoint, generates, and prints the prompt and its continuation;
+    the training library's messages name flags meanwhile (:mod:`pdjax.apps.train.wording`)."""
+    from pdjax.apps.train.wording import command_line
+
+    with command_line():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from pdjax.apps.commands.train import set_cpu_devices
 
     set_cpu_devices(args.devices)

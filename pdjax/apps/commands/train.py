@@ -368,7 +368,16 @@ def _variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Checks every requested variant, trains each and prints a summary table."""
+    """Checks every requested variant, trains each and prints a summary table. The
+    library's messages name this command's flags meanwhile (``--batch-size 33``, not
+    ``batch_size=33``: :mod:`pdjax.apps.train.wording`)."""
+    from pdjax.apps.train.wording import command_line
+
+    with command_line():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     if getattr(args, "local_processes", None):
         return _launch_local(args)
     if not _join(args):

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE, check_settings
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
@@ -18,9 +19,9 @@ from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
 from pdjax.schedules.spec import OPTIONS, option_owners
 
 SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
+"""``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 """``auto`` (``device_put`` up to 2 processes on CPU, collectives beyond) or a transport."""
-"""``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 #: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
 DATASETS = ("digits", "text", "text-bpe")
 #: ``precision``: float32 throughout, or bfloat16 or float16 compute with float32
@@ -164,7 +165,7 @@ class TrainConfig:
         if self.vocab_size is not None and self.dataset != "text-bpe":
             raise PipelineError(
                 "vocab_size is the text-bpe tokenizer's size; the "
-                f"{self.dataset} dataset has none: drop --vocab-size"
+                f"{self.dataset} dataset has none: drop {setting('vocab_size')}"
             )
         if self.vocab_size is not None and self.vocab_size < 258:
             raise PipelineError(
@@ -180,9 +181,10 @@ class TrainConfig:
                 f"batch_size {self.batch_size} is not a multiple of microbatches "
                 f"{self.microbatches}: each microbatch must have the same size"
             )
-        self._check_options()
         if self.allow_stale and self.schedule != "auto":
-            raise PipelineError("allowing stale weights is an option of --schedule auto")
+            raise PipelineError(
+                f"allowing stale weights is an option of {setting('schedule', 'auto')}"
+            )
         if self.replication not in ("plan", "split", "round-robin"):
             raise PipelineError(
                 f"unknown replication {self.replication!r}; choose plan, split or round-robin"
@@ -192,6 +194,7 @@ class TrainConfig:
             raise PipelineError(
                 f"unknown transport {self.transport!r}; choose {', '.join(first)} or {last}"
             )
+        self._check_options()
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         self._check_min_stages()
@@ -211,7 +214,8 @@ class TrainConfig:
         elif changed:
             name = next(iter(changed))
             raise PipelineError(
-                f"{name} is an option of {option_owners(name)}, not of --schedule {self.schedule}"
+                f"{name} is an option of {option_owners(name)}, not of "
+                f"{setting('schedule', self.schedule)}"
             )
 
     def _check_loss_scaling(self) -> None:
@@ -222,13 +226,18 @@ class TrainConfig:
         kind = SCHEDULE_KINDS.get(self.schedule)
         stale = kind is not None and kind.semantics.stale
         if self.schedule == "dp" or stale or self.allow_stale:
-            what = "--allow-stale" if self.allow_stale else f"--schedule {self.schedule}"
+            what = (
+                setting("allow_stale", True)
+                if self.allow_stale
+                else setting("schedule", self.schedule)
+            )
             raise PipelineError(
-                f"--precision f16 trains with dynamic loss scaling: every stage scales, "
-                "unscales and skips an overflowing step together, with the scale its "
-                f"gradients were made with; {what} cannot do that exactly (stale weight "
-                "versions, or data parallelism, which has no loss scaling): use a flush "
-                "schedule (gpipe, 1f1b, interleaved, zb-h1, ...), or --precision bf16"
+                f"{setting('precision', 'f16')} trains with dynamic loss scaling: every "
+                "stage scales, unscales and skips an overflowing step together, with the "
+                f"scale its gradients were made with; {what} cannot do that exactly (stale "
+                "weight versions, or data parallelism, which has no loss scaling): use a "
+                "flush schedule (gpipe, 1f1b, interleaved, zb-h1, ...), or "
+                f"{setting('precision', 'bf16')}"
             )
 
     def _check_min_stages(self) -> None:
@@ -239,16 +248,17 @@ class TrainConfig:
             return
         if self.plan != "auto" or not runs_plan(self.schedule) or self.schedule == "auto":
             raise PipelineError(
-                f"--min-stages {n} restricts the plan --plan auto makes for a pipeline "
-                f"schedule; --schedule {self.schedule} --plan {self.plan} makes none: use "
-                "--plan auto with a schedule that runs a plan's stages (1f1b, gpipe, "
-                "pipedream, ...), or drop --min-stages"
+                f"{setting('min_stages', n)} restricts the plan {setting('plan', 'auto')} "
+                f"makes for a pipeline schedule; {setting('schedule', self.schedule)} "
+                f"{setting('plan', self.plan)} makes none: use {setting('plan', 'auto')} with "
+                "a schedule that runs a plan's stages (1f1b, gpipe, pipedream, ...), or drop "
+                f"{setting('min_stages')}"
             )
         if n > self.devices:
             raise PipelineError(
-                f"--min-stages {n} needs at least {n} devices (one stage per device at "
-                f"least), and the run has --devices {self.devices}: pass --devices {n} or "
-                f"more, or a smaller --min-stages"
+                f"{setting('min_stages', n)} needs at least {n} devices (one stage per "
+                f"device at least), and the run has {setting('devices', self.devices)}: pass "
+                f"{setting('devices', n)} or more, or a smaller {setting('min_stages')}"
             )
 
     @classmethod

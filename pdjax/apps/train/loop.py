@@ -27,7 +27,7 @@ from pdjax.apps.train.config import (
     updates_per_microbatch,
 )
 from pdjax.apps.train.evaluation import evaluate_runner
-from pdjax.apps.train.model_data import build, check
+from pdjax.apps.train.model_data import build, check, checked
 from pdjax.apps.train.optimizers import describe as describe_optimizer
 from pdjax.apps.train.optimizers import run_updates, step_settings
 from pdjax.apps.train.outputs import (
@@ -57,6 +57,7 @@ from pdjax.apps.train.throughput import (
     peak_flops,
     tokens_per_sample,
 )
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError, TrainingDiverged
 from pdjax.models import ModelSpec
 from pdjax.runners import Runner
@@ -197,6 +198,10 @@ def train(
       DataError, LayerError: a dataset or model that cannot be loaded or does not fit.
     """
     spec, ds = built if built is not None else build(cfg)
+    # the settings are checked once, before any work: here for a config made in Python,
+    # by the command line (every variant before the first trains) for its own
+    if not checked(cfg, spec, ds):
+        check(cfg, spec, ds)
     hooks = _Hooks(
         on_epoch=on_epoch, on_progress=on_progress, on_resume=on_resume, on_start=on_start
     )
@@ -261,7 +266,8 @@ def _set_up(
     if step is not None and outputs.checkpoint_dir is not None:  # a step implies a dir
         saved = saved_plan(outputs.checkpoint_dir)
     cfg, plan, plan_given = settle(requested, spec, ds, saved, outputs.checkpoint_dir)
-    check(cfg, spec, ds)
+    if cfg is not requested:  # schedule="auto" resolved: the planner's settings, new
+        check(cfg, spec, ds)
     if outputs.tensorboard_dir is not None:
         require_tensorboard()
     if step is None:
@@ -551,13 +557,13 @@ def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiv
         else f"{', '.join(settings[:-1])} and {settings[-1]}, any of which may be too large "
         "for this model: try smaller values"
     )
-    clip = "" if cfg.clip_norm is not None else ", or clip the gradients (--clip-norm)"
+    clip = "" if cfg.clip_norm is not None else f", or clip the gradients ({setting('clip_norm')})"
     return TrainingDiverged(
         f"training diverged in epoch {epoch} ({cfg.label}): {what}; epoch {epoch} is not "
         f"saved, and {kept}. The optimizer's steps are sized by {which}{clip}"
         + (
-            ", and train in another --checkpoint-dir (a run resumes only with the settings "
-            "it was saved with)"
+            f", and train in another {setting('checkpoint_dir')} (a run resumes only with the "
+            "settings it was saved with)"
             if ckpt is not None
             else ""
         )

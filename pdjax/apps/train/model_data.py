@@ -15,6 +15,7 @@ from pdjax.apps import text_data
 from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
 from pdjax.apps.train.optimizers import build_optimizer, run_updates
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PdjaxError, PipelineError
 from pdjax.layers import sequential
 from pdjax.models import ModelSpec, get_model, is_model_ref, load_model
@@ -114,7 +115,7 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
                 f"{cfg.model} ({cfg.config}) takes inputs {shape}"
                 + ("" if custom else f" with {spec.num_classes} classes")
                 + "; digits has (8, 8, 1) images (or 64 features, flattened) with 10 "
-                "classes; use --model cnn (or mlp) for digits"
+                f"classes; use {setting('model', 'cnn')} (or mlp) for digits"
                 + (", or a model taking (B, 8, 8, 1) or (B, 64)" if custom else "")
             )
         ds = data_lib.digits(seed=cfg.seed, flatten=shape == (64,))
@@ -130,9 +131,10 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
             if shape != (cfg.seq_len,) or spec.num_classes < 258:
                 raise PipelineError(
                     f"{cfg.model}'s sample batch has inputs of rows {shape} and "
-                    f"{spec.num_classes} output classes; text-bpe gives windows of --seq-len "
-                    f"{cfg.seq_len} BPE tokens of a vocabulary of its num_classes (at least "
-                    "258): match --seq-len and the model's vocabulary"
+                    f"{spec.num_classes} output classes; text-bpe gives windows of "
+                    f"{setting('seq_len', cfg.seq_len)} BPE tokens of a vocabulary of its "
+                    f"num_classes (at least 258): match {setting('seq_len')} and the model's "
+                    "vocabulary"
                 )
         ds = text_data.text_bpe(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
         if not custom:
@@ -148,9 +150,9 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
             if shape != (cfg.seq_len,):
                 raise PipelineError(
                     f"{cfg.model}'s sample batch has inputs of rows {shape}; the text dataset "
-                    f"gives windows of --seq-len {cfg.seq_len} tokens, int32 (B, "
-                    f"{cfg.seq_len}): match --seq-len to the model (a factory taking seq_len "
-                    "gets it)"
+                    f"gives windows of {setting('seq_len', cfg.seq_len)} tokens, int32 (B, "
+                    f"{cfg.seq_len}): match {setting('seq_len')} to the model (a factory "
+                    "taking seq_len gets it)"
                 )
         ds = data_lib.text(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=spec.num_classes or None)
         if not custom:  # a bundled language model takes any window up to its context
@@ -166,12 +168,21 @@ def check_devices(cfg: TrainConfig) -> None:
         kind = devices[0].platform
         raise PipelineError(
             f"{cfg.devices} devices requested, {len(devices)} {kind} device"
-            f"{'s' if len(devices) > 1 else ''} visible: pass --devices {len(devices)} (or "
+            f"{'s' if len(devices) > 1 else ''} visible: pass "
+            f"{setting('devices', len(devices))} (or "
             f"fewer), or run where {cfg.devices} are visible. Without an accelerator, "
+            # advice to run the command, in its flags, and an XLA flag: not settings
             f"`pdjax train --devices {cfg.devices}` makes {cfg.devices} CPU devices itself; "
             "from Python, set XLA_FLAGS=--xla_force_host_platform_device_count="
             f"{cfg.devices} before JAX starts"
         )
+
+
+# The (settings, model, dataset) triples check() last passed, the objects themselves:
+# train() checks a run's settings unless its caller (the command line, which checks every
+# variant before the first trains) already did, on these very objects.
+_PASSED: list[tuple[TrainConfig, ModelSpec, data_lib.Dataset]] = []
+_PASSED_MAX = 16
 
 
 def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
@@ -185,30 +196,47 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
         labels do not fit, or whose accuracy is not a fraction; :func:`check_model_on_data`).
       PlanError: for an unreadable plan file.
     """
+    _check(cfg, spec, ds)
+    if not checked(cfg, spec, ds):
+        while len(_PASSED) >= _PASSED_MAX:
+            _PASSED.pop(0)
+        _PASSED.append((cfg, spec, ds))
+
+
+def checked(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> bool:
+    """Whether :func:`check` passed these very settings, model and dataset (the objects,
+    not equal ones) in this process."""
+    return any(c is cfg and s is spec and d is ds for c, s, d in _PASSED)
+
+
+def _check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
     if cfg.batch_size > ds.num_train:
         raise PipelineError(
-            f"--batch-size {cfg.batch_size} is larger than {ds.name}'s {ds.num_train} "
+            f"{setting('batch_size', cfg.batch_size)} is larger than {ds.name}'s "
+            f"{ds.num_train} "
             "training samples"
         )
     check_devices(cfg)
     if cfg.target_accuracy is not None and not spec.has_accuracy:
         raise PipelineError(
-            f"--target-accuracy needs an accuracy, and {spec.name} has none: give the model "
-            "an accuracy function (CustomModel(accuracy=...)), or drop --target-accuracy"
+            f"{setting('target_accuracy')} needs an accuracy, and {spec.name} has none: give "
+            "the model an accuracy function (CustomModel(accuracy=...)), or drop "
+            f"{setting('target_accuracy')}"
         )
     check_model_on_data(spec, ds)
     build_optimizer(cfg, run_updates(cfg, ds.num_train))  # a factory's failure, now
     L = len(spec.layers)
     if cfg.min_stages > L:
         raise PipelineError(
-            f"--min-stages {cfg.min_stages}: {spec.name} has {L} layer{'s' if L > 1 else ''}, "
-            f"and each stage needs one: pass --min-stages {L} or fewer"
+            f"{setting('min_stages', cfg.min_stages)}: {spec.name} has {L} "
+            f"layer{'s' if L > 1 else ''}, and each stage needs one: pass "
+            f"{setting('min_stages', L)} or fewer"
         )
     if cfg.schedule == "dp":
         if cfg.batch_size % cfg.devices:
             raise PipelineError(
                 f"data parallelism splits each batch of {cfg.batch_size} over {cfg.devices} "
-                f"devices; pick a --batch-size that is a multiple of {cfg.devices}"
+                f"devices; pick a {setting('batch_size')} that is a multiple of {cfg.devices}"
             )
         return
     kind = SCHEDULE_KINDS.get(cfg.schedule)  # None: auto, resolved later
@@ -217,12 +245,12 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             raise PipelineError(
                 f"{kind.name} needs {cfg.devices} devices x {cfg.chunks} chunks = "
                 f"{cfg.devices * cfg.chunks} stages of at least one layer; {spec.name} has {L} "
-                "layers: use fewer --devices or --chunks"
+                f"layers: use fewer {setting('devices')} or {setting('chunks')}"
             )
         if cfg.plan not in ("auto", "even") or cfg.straight:
             raise PipelineError(
                 f"{kind.name} places equal layer counts, chunk k on device k mod P; it takes "
-                "no --plan file and no --straight"
+                f"no {setting('plan')} file and no {setting('straight', True)}"
             )
         return
     if kind is not None and not kind.runs_plan_stages:  # fixed stages per device, a V
@@ -230,12 +258,12 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
         if c * cfg.devices > L:
             raise PipelineError(
                 f"{kind.name} places {c} stages per device ({c * cfg.devices} on {cfg.devices} "
-                f"devices) and {spec.name} has {L} layers: use fewer --devices"
+                f"devices) and {spec.name} has {L} layers: use fewer {setting('devices')}"
             )
         if cfg.plan not in ("auto", "even") or cfg.straight:
             raise PipelineError(
                 f"{kind.name} places equal layer counts in a V (stages d and 2P-1-d on device "
-                "d); it takes no --plan file and no --straight"
+                f"d); it takes no {setting('plan')} file and no {setting('straight', True)}"
             )
         return
     if cfg.plan not in ("auto", "even"):
@@ -243,7 +271,9 @@ def check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
 
         if not Path(cfg.plan).is_file():
             raise PipelineError(
-                f"--plan takes 'auto', 'even' or a plan JSON file (pdjax plan --out); "
+                # `pdjax plan --out`: advice to run another command, in its own flags
+                f"{setting('plan')} takes 'auto', 'even' or a plan JSON file (pdjax plan "
+                "--out); "
                 f"{cfg.plan!r} is not a file"
             )
         plan = Plan.load(cfg.plan)

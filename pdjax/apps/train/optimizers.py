@@ -5,7 +5,7 @@ schedule (``warmup-cosine``), with global-norm clipping of the gradients before 
 
 Every setting given must reach the optimizer: an optimizer of your own that takes no
 learning rate (an optax object, or a function without a ``learning_rate`` parameter)
-refuses ``--lr`` and ``--lr-schedule``, and a number that float32 (the parameters' dtype)
+refuses ``learning_rate`` and ``lr_schedule``, and a number that float32 (the parameters' dtype)
 holds as 0, as a subnormal or as infinity is refused (:func:`check_settings`)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import optax
 
+from pdjax.apps.train.wording import in_command_line, setting
 from pdjax.errors import LaunchInterrupted, PdjaxError, PipelineError
 from pdjax.models.spec import DEBUG_HINT, describe_failure
 from pdjax.precision import loss_scaled
@@ -51,6 +52,12 @@ def is_optimizer_ref(name: str) -> bool:
     return ":" in name
 
 
+def _named(ref: str) -> str:
+    """The setting ``optimizer=ref`` in a message (``--optimizer 'ref'`` on the command
+    line: :func:`~pdjax.apps.train.wording.setting`)."""
+    return setting("optimizer", ref, quote=True)
+
+
 def check_optimizer_name(name: str) -> None:
     """Checks the form of ``name`` without importing anything.
 
@@ -61,7 +68,7 @@ def check_optimizer_name(name: str) -> None:
         module, _, attr = name.rpartition(":")
         if not module.strip() or not attr.strip():
             raise PipelineError(
-                f"--optimizer {name!r}: an optimizer factory is written package.module:fn "
+                f"{_named(name)}: an optimizer factory is written package.module:fn "
                 "(or path/to/file.py:fn), with both parts"
             )
         return
@@ -118,21 +125,22 @@ def decay_length(cfg: TrainConfig, total_updates: int) -> int:
         if cfg.decay_steps < total_updates:
             idle = total_updates - cfg.decay_steps
             raise PipelineError(
-                f"--decay-steps {cfg.decay_steps}: the warmup-cosine schedule reaches a "
+                f"{setting('decay_steps', cfg.decay_steps)}: the warmup-cosine schedule "
+                "reaches a "
                 f"learning rate of 0 at update {cfg.decay_steps}, and the run makes "
                 f"{total_updates} optimizer updates in its {_epochs(cfg)}, so its last "
                 f"{idle} would not train; a schedule must last the whole run: give "
-                f"--decay-steps {total_updates} or more, leave it out (the schedule then "
+                f"{setting('decay_steps', total_updates)} or more, leave it out (the schedule then "
                 "spans the run), or train fewer epochs"
             )
         return cfg.decay_steps
     if total_updates <= cfg.warmup_steps:
         raise PipelineError(
-            f"--lr-schedule warmup-cosine: the run makes {total_updates} optimizer updates "
-            f"in its {_epochs(cfg)}, not more than "
-            f"--warmup-steps {cfg.warmup_steps}, "
-            "so no decay would follow the warmup: lower --warmup-steps, train more epochs, "
-            "or give --decay-steps"
+            f"{setting('lr_schedule', 'warmup-cosine')}: the run makes {total_updates} "
+            f"optimizer updates in its {_epochs(cfg)}, not more than "
+            f"{setting('warmup_steps', cfg.warmup_steps)}, "
+            f"so no decay would follow the warmup: lower {setting('warmup_steps')}, train "
+            f"more epochs, or give {setting('decay_steps')}"
         )
     return total_updates
 
@@ -196,22 +204,23 @@ def describe(cfg: TrainConfig, total_updates: int) -> str:
 
 
 def learning_rate_options(cfg: TrainConfig) -> tuple[str, ...]:
-    """The learning-rate settings ``cfg`` gives, as options (``"--lr 0.5"``,
-    ``"--lr-schedule warmup-cosine"``, ``"--warmup-steps 3"``, ``"--decay-steps 30"``):
-    what an optimizer of your own must take ``learning_rate`` for."""
-    given = [] if cfg.learning_rate is None else [f"--lr {cfg.learning_rate:g}"]
+    """The learning-rate settings ``cfg`` gives, with their values (``"learning_rate=0.5"``,
+    ``"lr_schedule='warmup-cosine'"``, ...; on the command line ``"--lr 0.5"``, ...:
+    :func:`~pdjax.apps.train.wording.setting`): what an optimizer of your own must take
+    ``learning_rate`` for."""
+    given = [] if cfg.learning_rate is None else [setting("learning_rate", cfg.learning_rate)]
     if cfg.lr_schedule != "constant":
-        given.append(f"--lr-schedule {cfg.lr_schedule}")
+        given.append(setting("lr_schedule", cfg.lr_schedule))
         if cfg.warmup_steps:
-            given.append(f"--warmup-steps {cfg.warmup_steps}")
+            given.append(setting("warmup_steps", cfg.warmup_steps))
         if cfg.decay_steps is not None:
-            given.append(f"--decay-steps {cfg.decay_steps}")
+            given.append(setting("decay_steps", cfg.decay_steps))
     return tuple(given)
 
 
 def resolve_optimizer(ref: str) -> Any:
     """What ``package.module:fn`` (or ``path/to/file.py:fn``) names, imported as
-    ``--model`` factories are (the current directory first on the path): a function, or
+    ``model`` factories are (the current directory first on the path): a function, or
     an :class:`optax.GradientTransformation` itself. Nothing is called.
 
     Raises:
@@ -223,8 +232,7 @@ def resolve_optimizer(ref: str) -> Any:
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise PipelineError(
-                f"--optimizer {ref!r}: {target} has no attribute {part!r}; give one as "
-                f"{target}:NAME"
+                f"{_named(ref)}: {target} has no attribute {part!r}; give one as {target}:NAME"
             )
         obj = getattr(obj, part)
     return obj
@@ -236,38 +244,39 @@ def _refuse_unreachable(ref: str, obj: Any, given: tuple[str, ...]) -> None:
     ``learning_rate`` parameter."""
     if not given:
         return
-    options = " ".join(given)
+    options = (" " if in_command_line() else ", ").join(given)
     target = ref.rpartition(":")[0]
     if isinstance(obj, optax.GradientTransformation) or not callable(obj):
         raise PipelineError(
-            f"--optimizer {ref!r} is an optax.GradientTransformation made with its own "
+            f"{_named(ref)} is an optax.GradientTransformation made with its own "
             f"settings, so {options} cannot reach it: name a function that makes it "
             f"instead, {target}:make with def make(learning_rate): return ..., or drop "
             f"{options}"
         )
     if not _takes_learning_rate(obj):
         raise PipelineError(
-            f"--optimizer {ref!r} takes no learning_rate, so {options} cannot reach it: give "
+            f"{_named(ref)} takes no learning_rate, so {options} cannot reach it: give "
             f"the function a learning_rate parameter, or drop {options}"
         )
 
 
 def step_settings(cfg: TrainConfig) -> tuple[str, ...]:
-    """The settings that size ``cfg``'s optimizer steps, as options with their values
-    (``"--lr 0.001"``, ``"--weight-decay 1e+06"``, ``"--clip-norm 1"``; for an optimizer of
-    your own that takes no learning rate, its own settings): what a divergence may come
-    from."""
+    """The settings that size ``cfg``'s optimizer steps, with their values
+    (``"learning_rate=0.001"``, ``"weight_decay=1e+06"``, ``"clip_norm=1"``; on the command
+    line ``"--lr 0.001"``, ...; for an optimizer of your own that takes no learning rate,
+    its own settings): what a divergence may come from."""
     out = []
     if is_optimizer_ref(cfg.optimizer) and not _takes_learning_rate(
         resolve_optimizer(cfg.optimizer)
     ):
-        out.append(f"--optimizer {cfg.optimizer} (its own settings)")
+        out.append(f"{setting('optimizer', cfg.optimizer)} (its own settings)")
     else:
-        out.append(f"--lr {cfg.lr:g}")
+        out.append(setting("learning_rate", float(cfg.lr)))
     if cfg.optimizer == "adamw":
-        out.append(f"--weight-decay {1e-4 if cfg.weight_decay is None else cfg.weight_decay:g}")
+        decay = 1e-4 if cfg.weight_decay is None else cfg.weight_decay
+        out.append(setting("weight_decay", float(decay)))
     if cfg.clip_norm is not None:
-        out.append(f"--clip-norm {cfg.clip_norm:g}")
+        out.append(setting("clip_norm", float(cfg.clip_norm)))
     return tuple(out)
 
 
@@ -284,7 +293,8 @@ def load_optimizer(
     Args:
       ref: ``package.module:fn``.
       lr: the learning rate given (None: none).
-      given: the settings that gave ``lr`` (``"--lr 0.5"``, ...: :func:`learning_rate_options`),
+      given: the settings that gave ``lr`` (``"learning_rate=0.5"``, ...:
+        :func:`learning_rate_options`),
         named where they cannot reach the optimizer.
 
     Raises:
@@ -305,7 +315,7 @@ def load_optimizer(
             inspect.signature(obj).bind(**args)
         except TypeError as e:
             raise PipelineError(
-                f"--optimizer {ref!r}: cannot call it: {e}. pdjax calls it with no arguments "
+                f"{_named(ref)}: cannot call it: {e}. pdjax calls it with no arguments "
                 "but learning_rate (by keyword, if it takes it): give its other parameters "
                 "defaults"
             ) from e
@@ -321,7 +331,7 @@ def load_optimizer(
             raise
         except BaseException as e:  # the user's function, as one line
             raise PipelineError(
-                f"--optimizer {ref!r}: {ref} failed: {describe_failure(e)}{DEBUG_HINT}"
+                f"{_named(ref)}: {ref} failed: {describe_failure(e)}{DEBUG_HINT}"
             ) from e
         if isinstance(result, optax.GradientTransformation):
             while len(_MADE) >= _MADE_MAX:
@@ -329,7 +339,7 @@ def load_optimizer(
             _MADE[key] = (obj, result)
     if not isinstance(result, optax.GradientTransformation):
         raise PipelineError(
-            f"--optimizer {ref!r} gave a {type(result).__name__}, not an "
+            f"{_named(ref)} gave a {type(result).__name__}, not an "
             "optax.GradientTransformation: return one, e.g. optax.adam(learning_rate)"
         )
     return result
@@ -356,13 +366,13 @@ def _import(target: str, ref: str) -> Any:
     try:
         if is_file:
             if not os.path.isfile(target):
-                raise PipelineError(f"--optimizer {ref!r}: no file {target!r}")
+                raise PipelineError(f"{_named(ref)}: no file {target!r}")
             name = "_pdjax_optimizer_" + str(abs(hash(os.path.abspath(target))))
             if name in sys.modules:
                 return sys.modules[name]
             spec = importlib.util.spec_from_file_location(name, target)
             if spec is None or spec.loader is None:
-                raise PipelineError(f"--optimizer {ref!r}: cannot load {target!r} as Python")
+                raise PipelineError(f"{_named(ref)}: cannot load {target!r} as Python")
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
             sys.modules[name] = module
@@ -375,17 +385,15 @@ def _import(target: str, ref: str) -> Any:
         raise
     except ModuleNotFoundError as e:
         raise PipelineError(
-            f"--optimizer {ref!r}: cannot import {target!r}: no module {e.name!r} on the path "
+            f"{_named(ref)}: cannot import {target!r}: no module {e.name!r} on the path "
             f"(the current directory, {os.getcwd()}, is searched as with python -m); install "
             "it, add its folder to PYTHONPATH, or give the file: path/to/module.py:fn"
         ) from e
     except SyntaxError as e:
-        raise PipelineError(
-            f"--optimizer {ref!r}: {e.filename}:{e.lineno}: syntax error: {e.msg}"
-        ) from e
+        raise PipelineError(f"{_named(ref)}: {e.filename}:{e.lineno}: syntax error: {e.msg}") from e
     except BaseException as e:  # the module's own code failed while importing
         raise PipelineError(
-            f"--optimizer {ref!r}: importing {target!r} failed: {describe_failure(e)}{DEBUG_HINT}"
+            f"{_named(ref)}: importing {target!r} failed: {describe_failure(e)}{DEBUG_HINT}"
         ) from e
 
 
@@ -399,21 +407,22 @@ def check_settings(cfg: TrainConfig) -> None:
     if cfg.learning_rate is not None:
         if not (math.isfinite(cfg.learning_rate) and cfg.learning_rate > 0):
             raise PipelineError(f"learning_rate must be > 0, got {cfg.learning_rate}")
-        _check_float32("--lr", cfg.learning_rate, "every update would be 0")
+        _check_float32("learning_rate", cfg.learning_rate, "every update would be 0")
     if cfg.weight_decay is not None:
         if not (math.isfinite(cfg.weight_decay) and cfg.weight_decay >= 0):
             raise PipelineError(f"weight_decay must be >= 0, got {cfg.weight_decay}")
         if cfg.optimizer != "adamw":
             raise PipelineError(
-                f"--weight-decay is an option of --optimizer adamw (decoupled weight decay), "
+                f"{setting('weight_decay')} is an option of {setting('optimizer', 'adamw')} "
+                "(decoupled weight decay), "
                 f"not of {cfg.optimizer}: use adamw, or put the decay in your own optimizer"
             )
         if cfg.weight_decay:  # 0: no decay, exactly
-            _check_float32("--weight-decay", cfg.weight_decay, "the decay would be 0")
+            _check_float32("weight_decay", cfg.weight_decay, "the decay would be 0")
     if cfg.clip_norm is not None:
         if not (math.isfinite(cfg.clip_norm) and cfg.clip_norm > 0):
             raise PipelineError(f"clip_norm must be > 0, got {cfg.clip_norm}")
-        _check_float32("--clip-norm", cfg.clip_norm, "every gradient would be clipped to 0")
+        _check_float32("clip_norm", cfg.clip_norm, "every gradient would be clipped to 0")
     if cfg.lr_schedule not in LR_SCHEDULES:
         raise PipelineError(
             f"unknown lr_schedule {cfg.lr_schedule!r}; choose {' or '.join(LR_SCHEDULES)}"
@@ -423,39 +432,42 @@ def check_settings(cfg: TrainConfig) -> None:
     if cfg.decay_steps is not None and cfg.decay_steps < 1:
         raise PipelineError(f"decay_steps must be >= 1, got {cfg.decay_steps}")
     if cfg.lr_schedule == "constant":
-        given = (("--warmup-steps", cfg.warmup_steps), ("--decay-steps", cfg.decay_steps))
-        for option, value in given:
+        given = (("warmup_steps", cfg.warmup_steps), ("decay_steps", cfg.decay_steps))
+        cosine = setting("lr_schedule", "warmup-cosine")
+        for name, value in given:
             if value:
                 raise PipelineError(
-                    f"{option} is an option of --lr-schedule warmup-cosine; the learning "
-                    "rate is constant: add --lr-schedule warmup-cosine, or drop it"
+                    f"{setting(name)} is an option of {cosine}; the learning rate is "
+                    f"constant: add {cosine}, or drop it"
                 )
     elif cfg.decay_steps is not None and cfg.decay_steps <= cfg.warmup_steps:
         raise PipelineError(
-            f"--decay-steps {cfg.decay_steps} counts the whole schedule, warmup included: it "
-            f"must be more than --warmup-steps {cfg.warmup_steps}"
+            f"{setting('decay_steps', cfg.decay_steps)} counts the whole schedule, warmup "
+            f"included: it must be more than {setting('warmup_steps', cfg.warmup_steps)}"
         )
 
 
-def _check_float32(option: str, value: float, zero: str) -> None:
+def _check_float32(name: str, value: float, zero: str) -> None:
     """Refuses a positive setting that float32, the parameters' dtype and the optimizer's
     (in every precision), cannot hold as a normal number: below its smallest, about
     1.2e-38, it is subnormal (which XLA flushes to 0) or 0 itself (``zero`` says what
-    follows); above its largest, about 3.4e38, it is infinite."""
+    follows); above its largest, about 3.4e38, it is infinite. ``name``: the setting's
+    keyword (:func:`~pdjax.apps.train.wording.setting`)."""
+    given = f"{setting(name)} {value!r}" if in_command_line() else f"{name}={value!r}"
     tiny, huge = float(_FLOAT32.tiny), float(_FLOAT32.max)
     if value < tiny:
         held = float(np.float32(value))
         as_f32 = "0" if held == 0 else f"the subnormal {held:g}, which XLA flushes to 0"
         raise PipelineError(
-            f"{option} {value!r} is below float32's smallest normal number ({tiny:.3g}): "
-            f"the parameters and the optimizer compute in float32, where it is {as_f32}, "
-            f"so {zero}; give {option} {tiny:.3g} or more"
+            f"{given} is below float32's smallest normal number ({tiny:.3g}): the "
+            f"parameters and the optimizer compute in float32, where it is {as_f32}, so "
+            f"{zero}; give {setting(name, float(f'{tiny:.3g}'))} or more"
         )
     if value > huge:
         raise PipelineError(
-            f"{option} {value!r} is above float32's largest number ({huge:.3g}): the "
-            "parameters and the optimizer compute in float32, where it is infinite; give "
-            f"{option} {huge:.3g} or less"
+            f"{given} is above float32's largest number ({huge:.3g}): the parameters and "
+            "the optimizer compute in float32, where it is infinite; give "
+            f"{setting(name, float(f'{huge:.3g}'))} or less"
         )
 
 

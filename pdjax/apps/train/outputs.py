@@ -27,6 +27,7 @@ import numpy as np
 
 from pdjax._jsonio import append_text, check_file, check_folder, read_regular, refuse_link
 from pdjax.apps.train.config import EpochRecord, TrainConfig, run_folder
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
 
 #: The files of ``pdjax train --out``: its metrics and its summary (the plots are
@@ -122,12 +123,13 @@ def refuse_mixing(path: Path, label: str, checkpoint_dir: str | Path | None) -> 
     where = (
         f"{checkpoint_dir} holds no checkpoint to resume it from"
         if checkpoint_dir is not None
-        else "there is no --checkpoint-dir to resume it from"
+        else f"there is no {setting('checkpoint_dir')} to resume it from"
     )
     raise PipelineError(
         f"{path} already holds metrics of a {label!r} run, and {where}: a new run would mix "
-        f"its epochs with the old ones. Choose another --out (or move {path.name} away); to "
-        "go on with the earlier run instead, pass the --checkpoint-dir it saved to"
+        f"its epochs with the old ones. Choose another {setting('metrics_path')} (or move "
+        f"{path.name} away); to go on with the earlier run instead, pass the "
+        f"{setting('checkpoint_dir')} it saved to"
     )
 
 
@@ -155,8 +157,8 @@ def refuse_others(
         raise PipelineError(
             f"{path} holds metrics of another {label!r} run ({whose}) than the one resumed "
             f"from {checkpoint_dir} (run id {run_id}): its lines would mix with that run's. "
-            f"Resume with another --out (the run's checkpointed epochs are written there "
-            f"first), or move {path.name} away"
+            f"Resume with another {setting('metrics_path')} (the run's checkpointed epochs "
+            f"are written there first), or move {path.name} away"
         )
 
 
@@ -198,21 +200,22 @@ def check_output_paths(
     from pdjax.apps.plots import PLOT_FILES
     from pdjax.apps.train.resume import PLAN_FILE
 
-    out = Path(out)
-    check_folder(out, "--out", PipelineError)
+    out, named = Path(out), setting("out")
+    check_folder(out, named, PipelineError)
     names = [METRICS_FILE, SUMMARY_FILE, *(PLOT_FILES.values() if plots else ())]
     for name in names:
-        check_file(out / name, "--out", PipelineError)
+        check_file(out / name, named, PipelineError)
     for label in labels:
-        check_folder(out / run_folder(label), "--out", PipelineError, link=False)
-        check_file(out / run_folder(label) / PLAN_FILE, "--out", PipelineError)
-    for option, folder in (("--checkpoint-dir", checkpoint_dir), ("--tensorboard", tensorboard)):
+        check_folder(out / run_folder(label), named, PipelineError, link=False)
+        check_file(out / run_folder(label) / PLAN_FILE, named, PipelineError)
+    for key, folder in (("checkpoint_dir", checkpoint_dir), ("tensorboard", tensorboard)):
         if folder is None:
             continue
+        option = setting(key)
         check_folder(folder, option, PipelineError)
         for label in labels:
             where = Path(folder) / run_folder(label)
-            check_folder(where, option, PipelineError, link=option == "--checkpoint-dir")
+            check_folder(where, option, PipelineError, link=key == "checkpoint_dir")
 
 
 def check_results(out: str | Path, runs: Sequence[tuple[str, str | None]], *, plots: bool) -> None:
@@ -230,8 +233,8 @@ def check_results(out: str | Path, runs: Sequence[tuple[str, str | None]], *, pl
     summary = out / SUMMARY_FILE
     ours = {(label, run_id) for label, run_id in runs if run_id is not None}
     advice = (
-        "choose another --out, or move it away (a run replaces only its own, as it goes "
-        "on from its --checkpoint-dir)"
+        f"choose another {setting('out')}, or move it away (a run replaces only its own, as "
+        f"it goes on from its {setting('checkpoint_dir')})"
     )
     if os.path.lexists(summary):
         for label, run_id in _summary_runs(summary):
@@ -265,7 +268,7 @@ def _summary_runs(path: Path) -> list[tuple[str, str | None]]:
     except (OSError, ValueError, KeyError, AttributeError, TypeError, RecursionError) as e:
         raise PipelineError(
             f"{path} is not a summary pdjax can read ({e}), and this command would replace "
-            "it: choose another --out, or move it away"
+            f"it: choose another {setting('out')}, or move it away"
         ) from e
     return runs
 
@@ -280,7 +283,8 @@ def require_tensorboard() -> None:
         import tensorboardX  # noqa: F401
     except ImportError as e:
         raise PipelineError(
-            "--tensorboard writes event files with tensorboardX, which is not installed: "
+            f"{setting('tensorboard_dir')} writes event files with tensorboardX, which is not "
+            "installed: "
             "pip install 'pdjax[tensorboard]' (or pip install tensorboardX)"
         ) from e
 

@@ -30,6 +30,7 @@ from pdjax.apps.train.config import (
     runs_plan,
     updates_per_microbatch,
 )
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.schedules import FLUSHING, STALE
@@ -146,15 +147,17 @@ def single_stage_note(plan: Any) -> str | None:
     asked, n = single["asked"], single["devices"]
     stage = f"a single data-parallel stage on {n} devices" if n > 1 else "a single stage"
     text = (
-        f"no pipeline: --schedule {asked} asked for one, and the planner (--plan auto) found "
-        f"{stage} fastest, {single['predicted'] * 1e3:.4g} ms per microbatch predicted"
+        f"no pipeline: {setting('schedule', asked)} asked for one, and the planner "
+        f"({setting('plan', 'auto')}) found {stage} fastest, "
+        f"{single['predicted'] * 1e3:.4g} ms per microbatch predicted"
     )
     if single.get("pipeline_predicted") is None:
         return text + "; no pipeline of 2 stages or more runs on these devices and layers"
     k = single["pipeline_stages"]
     return (
         f"{text} against {single['pipeline_predicted'] * 1e3:.4g} ms for its best pipeline "
-        f"({k} stages); pass --min-stages 2 (or --straight) to run a pipeline"
+        f"({k} stages); pass {setting('min_stages', 2)} (or {setting('straight', True)}) to "
+        "run a pipeline"
     )
 
 
@@ -206,17 +209,19 @@ def _runnable_plan(
     runnable = [p for p in runnable if enough(p)]
     if not runnable and min_stages > 1:
         raise PipelineError(
-            f"--min-stages {min_stages}: no plan of {min_stages} stages or more runs on "
-            f"{len(devices)} devices (each stage needs a layer, and a replicated stage a "
-            "device count dividing the microbatch): lower --min-stages, or pick "
-            "--batch-size and --microbatches so that batch_size / microbatches divides"
+            f"{setting('min_stages', min_stages)}: no plan of {min_stages} stages or more "
+            f"runs on {len(devices)} devices (each stage needs a layer, and a replicated "
+            f"stage a device count dividing the microbatch): lower {setting('min_stages')}, "
+            f"or pick {setting('batch_size')} and {setting('microbatches')} so that "
+            "batch_size / microbatches divides"
         )
     if not runnable:
         raise PipelineError(
             f"the plan for {len(devices)} devices replicates a stage over a device count "
             f"that does not divide microbatches of {best.microbatch_size} samples, and no "
-            "plan on fewer devices runs: pick --batch-size and --microbatches so that "
-            "batch_size / microbatches is a multiple of the replica counts, or pass --straight"
+            f"plan on fewer devices runs: pick {setting('batch_size')} and "
+            f"{setting('microbatches')} so that batch_size / microbatches is a multiple of "
+            f"the replica counts, or pass {setting('straight', True)}"
         )
     return min(runnable, key=lambda p: p.time_per_microbatch)
 
@@ -338,7 +343,9 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     from pdjax.profile import profile
 
     if cfg.plan not in ("auto", "even"):
-        raise PipelineError("--schedule auto plans by itself: drop the --plan file")
+        raise PipelineError(
+            f"{setting('schedule', 'auto')} plans by itself: drop the {setting('plan')} file"
+        )
     devices = jax.devices()[: cfg.devices]
     size = max(1, cfg.batch_size // cfg.devices)
     prof = profile(spec.layers, ds.train_x[:size], measure=True, device=devices[0])
@@ -368,7 +375,8 @@ def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
 
     if chosen_by_planner(plan) is None:
         raise PipelineError(
-            f"the plan {path} was not made by --schedule auto (it records no choice of "
+            f"the plan {path} was not made by {setting('schedule', 'auto')} (it records no "
+            "choice of "
             "schedule): resume with the settings the run was started with"
         )
     spec = plan.schedule

@@ -25,6 +25,7 @@ from pdjax.apps.train.config import EpochRecord, TrainConfig, runs_plan
 from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE
 from pdjax.apps.train.outputs import refuse_mixing, refuse_others
 from pdjax.apps.train.planning import auto_choice, resolve_auto
+from pdjax.apps.train.wording import setting
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.models import ModelSpec
 from pdjax.pipeline import Pipeline
@@ -122,8 +123,8 @@ def _hinted(ckpt: Any, step: int, chosen: bool, read: Callable[[], _T]) -> _T:
             raise
         earlier = [s for s in ckpt.all_steps() if s < step]
         hint = (
-            f"if step {step} is damaged, resume from an earlier one with --resume-step "
-            f"(steps there: {earlier})"
+            f"if step {step} is damaged, resume from an earlier one with "
+            f"{setting('resume_step')} (steps there: {earlier})"
             if earlier
             else "no earlier step is there to resume from instead"
         )
@@ -139,8 +140,8 @@ def open_checkpoints(
     if checkpoint_dir is None:
         if resume_step is not None:
             raise PipelineError(
-                f"--resume-step {resume_step} picks a checkpoint to resume from: give the "
-                "run's --checkpoint-dir too"
+                f"{setting('resume_step', resume_step)} picks a checkpoint to resume from: "
+                f"give the run's {setting('checkpoint_dir')} too"
             )
         return None, None
     from pdjax.runners import Checkpointer
@@ -153,9 +154,11 @@ def open_checkpoints(
         held = (
             f"the steps {steps} (step e after epoch e): pick one of them"
             if steps
-            else "no checkpoint: drop --resume-step to start the run"
+            else f"no checkpoint: drop {setting('resume_step')} to start the run"
         )
-        raise CheckpointError(f"--resume-step {resume_step}: {ckpt.directory} holds {held}")
+        raise CheckpointError(
+            f"{setting('resume_step', resume_step)}: {ckpt.directory} holds {held}"
+        )
     return ckpt, resume_step
 
 
@@ -219,8 +222,8 @@ def settle(
         path = Path(str(checkpoint_dir)) / PLAN_FILE
         raise PipelineError(
             f"the plan {cfg.plan} differs from {path}, the plan this run was started with: "
-            f"resume with that plan (--plan {path}), or start a run with this one in "
-            "another --checkpoint-dir"
+            f"resume with that plan ({setting('plan', path)}), or start a run with this one "
+            f"in another {setting('checkpoint_dir')}"
         )
     return cfg, saved, True
 
@@ -270,7 +273,7 @@ def _same_settings(
         changed = sorted(k for k in ours if saved.get(k) != ours[k])
         raise PipelineError(
             f"{ckpt.directory} holds a checkpoint of a different run (it differs in "
-            f"{changed}); use another --checkpoint-dir, or the same settings"
+            f"{changed}); use another {setting('checkpoint_dir')}, or the same settings"
         )
 
 
@@ -302,7 +305,7 @@ def refuse_other_data(ckpt: Any, step: int, chosen: bool, ds: data_lib.Dataset) 
             f"{ckpt.directory} was trained with tokenizer {saved}, and the {ds.name} data "
             f"here is tokenised by {ours}: the same token ids would mean other text. "
             "Resume where the checkpoint's tokenizer is made (the same Python documentation "
-            "and tokenizers version), or start a run in another --checkpoint-dir"
+            f"and tokenizers version), or start a run in another {setting('checkpoint_dir')}"
         )
 
 
@@ -326,7 +329,8 @@ def _resumable(config: dict[str, Any]) -> dict[str, Any]:
     full = {k: v for k, v in defaults.items() if k in _ADDED} | dict(config)
     # a checkpoint of a pdjax before ScheduleSpec holds the schedule's options one by one
     flat = {k: full.pop(k) for k in OPTIONS if k in full}
-    options = dict(full.get("options") or {}) | flat
+    saved = full.get("options")
+    options = (dict(saved) if isinstance(saved, dict) else {}) | flat
     full["options"] = {k: v for k, v in options.items() if v != OPTIONS[k].default}
     if full.get("learning_rate") is None:  # none given: the default (an older pdjax's too)
         full["learning_rate"] = DEFAULT_LEARNING_RATE

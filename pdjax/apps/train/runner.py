@@ -12,6 +12,7 @@ from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.model_data import check_devices
 from pdjax.apps.train.optimizers import build_optimizer
 from pdjax.apps.train.planning import plan_of
+from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.partition import Plan
@@ -94,7 +95,8 @@ def make_runner(
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:
             raise PipelineError(
                 f"the plan replicates stage {s} on {r} devices but a microbatch has "
-                f"{cfg.microbatch_size} samples; pick --batch-size so that batch_size / "
+                f"{cfg.microbatch_size} samples; pick {setting('batch_size')} so that "
+                "batch_size / "
                 f"microbatches is a multiple of {r}"
             )
     rr = [str(s) for s, st in enumerate(runner.stages) if st.round_robin]

@@ -98,11 +98,11 @@ def greedy(
 
     Raises:
       PipelineError: before any device work, for prompts that are ragged or not token
-      ids (:func:`prompt_array`), a ``max_new_tokens`` or ``context`` that is not a
-      whole number (>= 0, >= 1), a window the model cannot take (pass ``context=``, the
-      model's context length, to slide), a model whose eval outputs are not logits
-      ``[B, T, V]``, or a token id past the vocabulary (``>= V``: an embedding would
-      read past its table, which JAX clamps or fills, silently).
+        ids (:func:`prompt_array`), a ``max_new_tokens`` or ``context`` that is not a
+        whole number (>= 0, >= 1), a window the model cannot take (pass ``context=``, the
+        model's context length, to slide), a model whose eval outputs are not logits
+        ``[B, T, V]``, or a token id past the vocabulary (``>= V``: an embedding would
+        read past its table, which JAX clamps or fills, silently).
     """
     tokens = prompt_array(prompt_tokens)
     new = integer("max_new_tokens", max_new_tokens, 0)
