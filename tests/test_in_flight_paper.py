@@ -313,7 +313,7 @@ def test_train_takes_in_flight_for_pipedream_only():
     assert "paper in flight" in cfg.label and cfg.spec.in_flight == "paper"
     with pytest.raises(PipelineError, match="option of pipedream"):
         TrainConfig(schedule="1f1b", options=paper)
-    with pytest.raises(PipelineError, match="option of pipedream, not of --schedule dp"):
+    with pytest.raises(PipelineError, match="option of pipedream, not of schedule='dp'"):
         TrainConfig(schedule="dp", options=paper)
     with pytest.raises(PipelineError, match="in_flight must be one of"):
         TrainConfig(schedule="pipedream", options={"in_flight": "noam"})

@@ -69,7 +69,7 @@ def test_every_spec_round_trips_through_json_exactly(spec):
         (dict(kind="1f1b", microbatches=2**17), "microbatches must be at most 65536"),
         (dict(kind="pipedream", in_flight="paper", extra_in_flight=1), "pass one of them"),
         (dict(kind="pipedream", vertical_sync=1), "vertical_sync must be True or False"),
-        (dict(kind="1f1b", replication="mirror"), "replication must be one of"),
+        (dict(kind="1f1b", replication="mirror"), "replication must be .split. or .round-robin."),
         (dict(kind="1f1b", grad_allreduce="never"), "grad_allreduce must be 'update'"),
         (dict(kind="1f1b", remat="sometimes"), "remat must be"),
     ],

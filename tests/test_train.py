@@ -318,9 +318,9 @@ def test_schedule_auto_profiles_plans_and_trains(tmp_path, monkeypatch):
     assert os.path.dirname(resolved.plan) == str(tmp_path)
     assert math.isfinite(result.history[-1].train_loss)
     # ranked with the driver's and the shared CPU pool's costs, measured before planning
-    from pdjax.partition import Plan
+    from pdjax.partition import Plan, auto_choice
 
-    host = Plan.load(resolved.plan).options["auto"]["host"]
+    host = auto_choice(Plan.load(resolved.plan))["host"]
     assert host["seconds_per_action"] > 0 and host["concurrency"] >= 1.0
     with pytest.raises(PipelineError, match="option of schedule='auto'"):
         TrainConfig(model="mlp", schedule="1f1b", allow_stale=True)

@@ -225,7 +225,7 @@ def test_pdjax_train_says_it_ran_no_pipeline_and_min_stages_forces_one(
     (summary,) = json.loads((tmp_path / "dp" / "summary.json").read_text())
     assert summary["plan"].startswith("4: stage 0 = layers 0-3 x4")
     assert "single data-parallel stage on 4 devices" in summary["plan_note"]
-    assert "min_stages=2" in summary["plan_note"]
+    assert "--min-stages 2" in summary["plan_note"]  # a run of the command line
 
     assert main([*base, "--min-stages", "2", "--out", str(tmp_path / "pipe")]) == 0
     assert "note:" not in capsys.readouterr().out
