@@ -5,7 +5,7 @@ One pipeline (Llama tiny, its context raised to the longest bucket, ``1f1b`` on 
 stages, one CPU device per stage) trains one epoch of the same examples two ways:
 
 * **bucketed**: each example padded to the smallest bucket that holds it
-  (:func:`pdjax.apps.text_data.bucket_examples`), batches of one bucket each
+  (:func:`pdjax.apps.data.bpe.bucket_examples`), batches of one bucket each
   (:meth:`Buckets.batches`), one ``Pipeline.step`` per batch;
 * **padded**: every example padded to the longest bucket, the same batch size.
 
@@ -18,7 +18,7 @@ machine's noise hits both alike), with the median ratio.
 Data (``--data``): ``synthetic`` (default) draws document lengths from a log-normal
 distribution (median ``--median`` tokens, ``--sigma``; random token ids: throughput does
 not depend on them); ``pydoc`` is the bundled corpus of
-:func:`pdjax.apps.text_data.text_bpe_buckets` (CPython's documentation, byte-level BPE,
+:func:`pdjax.apps.data.bpe.text_bpe_buckets` (CPython's documentation, byte-level BPE,
 needs ``tokenizers``), whose documents are long: most pieces fill the longest bucket.
 
     python benchmarks/bench_buckets.py [--stages 2] [--buckets 32,64,128,256] [--batch 16]
@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from pdjax.apps.text_data import (  # noqa: E402
+from pdjax.apps.data.bpe import (  # noqa: E402
     IGNORE,
     Buckets,
     bucket_examples,

@@ -17,7 +17,7 @@ import optax
 import pytest
 from reference import delayed_training, flush_training
 
-from pdjax.apps.text_data import IGNORE, bucket_examples, document_examples
+from pdjax.apps.data.bpe import IGNORE, bucket_examples, document_examples
 from pdjax.errors import DataError, PipelineError, PlanError
 from pdjax.models import get_model
 from pdjax.partition import (

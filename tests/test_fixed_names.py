@@ -115,7 +115,7 @@ def test_a_marker_that_is_a_fifo_is_no_pdjax_step_and_is_not_waited_on(tmp_path)
 
 @pytest.fixture(scope="module")
 def texts() -> list[str]:
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     pytest.importorskip("tokenizers")
     train, _ = td.split_documents(td.documents(), 0, 0.1)
@@ -123,7 +123,7 @@ def texts() -> list[str]:
 
 
 def _cached(texts: list[str], cache: Path) -> tuple[object, Path, dict]:
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     first = td.train_tokenizer(texts, 300, cache_dir=cache)
     (path,) = cache.glob("bpe-*.json")
@@ -131,7 +131,7 @@ def _cached(texts: list[str], cache: Path) -> tuple[object, Path, dict]:
 
 
 def test_a_cache_entry_that_is_a_fifo_a_link_or_too_large_is_not_read(tmp_path, texts):
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     first, path, _ = _cached(texts, tmp_path)
     path.unlink()
@@ -169,7 +169,7 @@ def _forged_tokenizers(texts: list[str]) -> dict[str, str]:
     without the byte alphabet, the recipe without EOT and PAD."""
     import tokenizers as tk
 
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     tiny = tk.Tokenizer(tk.models.BPE({c: i for i, c in enumerate("abcde")}, []))
     bare = tk.Tokenizer(tk.models.BPE())
@@ -190,7 +190,7 @@ def _forged_tokenizers(texts: list[str]) -> dict[str, str]:
 
 
 def test_a_cache_entry_is_trusted_only_if_it_is_the_tokenizer_asked_for(tmp_path, texts):
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     first, path, entry = _cached(texts, tmp_path)
     for name, forged in _forged_tokenizers(texts).items():
@@ -266,7 +266,7 @@ def test_a_run_folders_own_files_are_read_only_as_regular_files(tmp_path, victim
          "pad-float"],
 )  # fmt: skip
 def test_bucket_examples_refuses_what_it_would_cast(examples, kwargs, words):
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     kwargs = {"lengths": (4, 8), "pad_id": 1, **kwargs}
     with pytest.raises(DataError, match=words):
@@ -274,7 +274,7 @@ def test_bucket_examples_refuses_what_it_would_cast(examples, kwargs, words):
 
 
 def test_documents_are_checked_too_and_good_input_still_buckets():
-    from pdjax.apps import text_data as td
+    from pdjax.apps.data import bpe as td
 
     with pytest.raises(DataError, match=r"document 1 holds float64 values"):
         td.document_examples([np.arange(3), np.array([1.5, 2.0])], 0, 4)

@@ -14,7 +14,7 @@ import pytest
 
 import pdjax
 from pdjax.apps import data
-from pdjax.apps.dataset import Dataset
+from pdjax.apps.data.dataset import Dataset
 from pdjax.apps.train import TrainConfig, check
 from pdjax.apps.train.evaluation import evaluate
 from pdjax.errors import DataError, PipelineError

@@ -88,7 +88,7 @@ def _results(pipe, state, batches, x) -> tuple[dict, np.ndarray | None]:
 
 def _dataset(xy):
     """``pdjax train``'s dataset whose test split is the evaluation batches' rows."""
-    from pdjax.apps.dataset import Dataset
+    from pdjax.apps.data.dataset import Dataset
 
     x, y = (np.asarray(a) for a in xy)
     return Dataset("eval", x, y, x, y, 10)

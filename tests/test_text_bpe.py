@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdjax.apps import data
-from pdjax.apps import text_data as td
+from pdjax.apps.data import bpe as td
 from pdjax.errors import DataError
 
 pytest.importorskip("tokenizers")
@@ -18,7 +18,7 @@ pytest.importorskip("tokenizers")
 # trains the tokenizer of text_bpe's default split and prints its JSON's SHA-256
 _TRAIN_AND_HASH = """
 import hashlib
-from pdjax.apps import text_data as td
+from pdjax.apps.data import bpe as td
 train, _ = td.split_documents(td.documents(), 0, 0.1)
 tok = td.train_tokenizer([d.text for d in train], 1024, cache=False)
 print(hashlib.sha256(tok.json.encode()).hexdigest())

@@ -1,6 +1,6 @@
 """Planning for a stream of sequence-length buckets: each microbatch priced by its bucket.
 
-A language model trained on bucketed batches (:func:`pdjax.apps.text_data.text_bpe_buckets`)
+A language model trained on bucketed batches (:func:`pdjax.apps.data.bpe.text_bpe_buckets`)
 runs microbatches of a few sequence lengths, each with its own compute, activation and
 memory costs. Profile the model once per bucket length (:func:`profile_buckets`: the same
 rows, one sample per length), then:

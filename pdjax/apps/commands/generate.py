@@ -206,7 +206,7 @@ def restore_for_generation(
 def tokenizer_of(ds: Any) -> tuple[Any, Any]:
     """``(encode, decode)`` of a ``text`` or ``text-bpe`` dataset: text to int32 ids
     ``[T]`` (a character outside the vocabulary: its unknown id), ids to text."""
-    from pdjax.apps import text_data
+    from pdjax.apps.data import bpe as text_data
 
     tok_json = ds.info.get("tokenizer_json")
     if tok_json is not None:

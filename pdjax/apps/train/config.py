@@ -58,7 +58,7 @@ class TrainConfig:
       config: ``"tiny"`` or ``"paper"`` (a factory that takes ``config`` gets it as is).
       dataset: ``"digits"`` (images), ``"text"`` (characters of Python's own docs),
         ``"text-bpe"`` (the same documents as byte-level BPE tokens, packed:
-        :func:`pdjax.apps.text_data.text_bpe`), or the path of an ``.npz`` file with
+        :func:`pdjax.apps.data.bpe.text_bpe`), or the path of an ``.npz`` file with
         ``x_train``, ``y_train``, ``x_test``, ``y_test``
         (:func:`pdjax.apps.data.load_npz`).
       schedule: a pipeline schedule, or ``"dp"`` for the data-parallel baseline.

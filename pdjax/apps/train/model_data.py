@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from pdjax.apps import data as data_lib
-from pdjax.apps import text_data
+from pdjax.apps.data import bpe as text_data
 from pdjax.apps.train.config import TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
 from pdjax.apps.train.optimizers import build_optimizer, run_updates

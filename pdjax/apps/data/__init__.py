@@ -15,7 +15,7 @@ depends on, and :func:`load_npz` reads your own:
 
 Every array is numpy, so batches cost no device work until a runner places them. The
 :class:`Dataset` container and its deterministic, resumable batching are in
-:mod:`pdjax.apps.dataset` (re-exported here).
+:mod:`pdjax.apps.data.dataset` (re-exported here).
 
 >>> ds = digits()
 >>> ds.train_x.shape, ds.test_x.shape, ds.num_classes
@@ -33,7 +33,7 @@ import platform
 
 import numpy as np
 
-from pdjax.apps.dataset import (
+from pdjax.apps.data.dataset import (
     Dataset,
     batches,
     eval_batches,
@@ -41,7 +41,7 @@ from pdjax.apps.dataset import (
     num_batches,
     resume_point,
 )
-from pdjax.apps.npz import NPZ_ARRAYS, fit_to_sample, load_npz
+from pdjax.apps.data.npz import NPZ_ARRAYS, fit_to_sample, load_npz
 from pdjax.errors import DataError
 
 __all__ = [

@@ -1,6 +1,6 @@
 """Sub-word text for language models: a byte-level BPE tokenizer, packing and buckets.
 
-Nothing here downloads anything. The corpus is the one :func:`pdjax.apps.data.text`
+Nothing here downloads anything. The corpus is the one :func:`pdjax.apps.data.bpe`
 reads, CPython's bundled documentation (``pydoc_data.topics.topics``), taken here as
 documents: one per topic, in sorted key order (79 documents, 465k characters on CPython
 3.11). Whole documents are split into training and test sets with a seed
@@ -23,7 +23,7 @@ Two ways to make examples:
 * :func:`text_bpe` packs: documents are tokenised, joined with ``<|endoftext|>`` after
   each one, and cut into windows of ``seq_len + 1`` tokens at stride ``seq_len``
   (inputs the first ``seq_len``, targets the last ``seq_len``): no padding, a
-  :class:`~pdjax.apps.dataset.Dataset` like :func:`pdjax.apps.data.text`'s.
+  :class:`~pdjax.apps.data.dataset.Dataset` like :func:`pdjax.apps.data.bpe`'s.
 * :func:`text_bpe_buckets` keeps documents apart: each document, framed by
   ``<|endoftext|>`` on both sides, is cut into pieces of at most the largest bucket's
   length and each piece padded up to the smallest bucket that holds it
@@ -61,7 +61,7 @@ import numpy as np
 
 from pdjax._jsonio import read_regular, write_atomic
 from pdjax.apps import data as data_lib
-from pdjax.apps.dataset import Dataset, eval_batches, generator
+from pdjax.apps.data.dataset import Dataset, eval_batches, generator
 from pdjax.errors import DataError
 
 if TYPE_CHECKING:
@@ -662,7 +662,7 @@ def _tokenizer_of(tokenizer_json: str) -> BPETokenizer:
 
 def decode(dataset: Dataset, tokens: np.ndarray) -> str:
     """Token ids back into a string, for a :func:`text_bpe` dataset (through its
-    tokenizer) or a character-level :func:`pdjax.apps.data.text` one.
+    tokenizer) or a character-level :func:`pdjax.apps.data.bpe` one.
 
     Special tokens read as their strings (``"<|endoftext|>"``); :data:`IGNORE` targets
     are left out.
@@ -758,7 +758,7 @@ class Buckets:
         into full batches (the remainder is skipped this epoch); the batches of all
         buckets are then shuffled together with ``(seed, epoch)``. The order depends on
         nothing else, and ``start=k`` yields what skipping ``k`` batches would, so a run
-        resumes as :func:`pdjax.apps.dataset.batches` does. A jitted step compiles once
+        resumes as :func:`pdjax.apps.data.dataset.batches` does. A jitted step compiles once
         per bucket length.
         """
         count = self.num_batches(batch_size)
@@ -780,7 +780,7 @@ class Buckets:
 
     def eval_batches(self, batch_size: int) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Every example once, bucket by bucket in order, as
-        :func:`pdjax.apps.dataset.eval_batches` gives them (padded rows have mask
+        :func:`pdjax.apps.data.dataset.eval_batches` gives them (padded rows have mask
         ``False``; weight by the row mask and ``targets >= 0``)."""
         for b in self.buckets:
             if len(b.inputs):

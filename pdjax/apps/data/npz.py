@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pdjax.apps.dataset import Dataset
+from pdjax.apps.data.dataset import Dataset
 from pdjax.errors import DataError
 
 __all__ = ["MAX_VALUE", "NPZ_ARRAYS", "fit_to_sample", "load_npz"]
