@@ -173,7 +173,7 @@ def _row(
     host: Any,
 ) -> dict[str, Any]:
     from pdjax.partition import auto_choice
-    from pdjax.partition.auto import evaluate_candidate
+    from pdjax.partition.choosing.auto import evaluate_candidate
 
     plan = cand["plan"]
     a = auto_choice(plan)

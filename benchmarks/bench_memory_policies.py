@@ -11,10 +11,11 @@ residuals, are counted apart: the most host bytes at once, both stages together)
 it:
 
 * the planner's prediction: its ``pdjax`` memory terms
-  (:func:`pdjax.partition.evaluate.stage_memory_bytes`) for a call of the same
-  microbatches, the stash under the policy (:func:`pdjax.partition.candidates.policy_arrays`);
+  (:func:`pdjax.partition.search.evaluate.stage_memory_bytes`) for a call of the same
+  microbatches, the stash under the policy
+  (:func:`pdjax.partition.choosing.candidates.policy_arrays`);
 * the simulator's: its ``runtime`` memory model over the schedule the runtime plays, the
-  costs under the policy (:func:`pdjax.partition.candidates.costs_under`), with the inputs
+  costs under the policy (:func:`pdjax.partition.choosing.candidates.costs_under`), with the inputs
   placed up front (``bench_runtime._runtime_costs``).
 
 The profile prices each policy (``profile(..., memory_policies=True)``: residual bytes per
@@ -44,8 +45,9 @@ import optax
 from pdjax._memory_policy import MEMORY_POLICIES, check_available
 from pdjax.errors import PdjaxError
 from pdjax.models.llama import LlamaConfig, make_spec
-from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition
-from pdjax.partition.candidates import costs_under, policy_arrays
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition
+from pdjax.partition.choosing.candidates import costs_under, policy_arrays
+from pdjax.partition.pricing import cost
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.profile import profile
 from pdjax.schedules import ScheduleSpec

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Topology, auto_choice, plan_auto, plan_pipedream
-from pdjax.partition.auto import evaluate_candidate
+from pdjax.partition.choosing.auto import evaluate_candidate
 from pdjax.profile import Profile
 from pdjax.schedules import FLUSHING, SCHEDULES
 

@@ -44,8 +44,9 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from pdjax.layers import LayerSequence, sequential  # noqa: E402
-from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition  # noqa: E402
-from pdjax.partition.evaluate import stage_memory_bytes  # noqa: E402
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition  # noqa: E402
+from pdjax.partition.pricing import cost  # noqa: E402
+from pdjax.partition.search.evaluate import stage_memory_bytes  # noqa: E402
 from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
 from pdjax.schedules import ScheduleSpec  # noqa: E402
@@ -415,7 +416,7 @@ def _memory_table(layers, xs, mb: int, configs: dict, microbatches: list) -> Non
     state, stash x in flight) and its ``runtime`` one (also the gradient sum, the call's
     starting weights, the inputs placed up front, zero bubble's cotangents and the
     activations in transit); and the planner's own figure, its ``pdjax`` memory terms
-    (:func:`pdjax.partition.evaluate.stage_memory_bytes`) for a call of these
+    (:func:`pdjax.partition.search.evaluate.stage_memory_bytes`) for a call of these
     microbatches. Measured with the unfused program of ``timeline=True``, one operation at
     a time: after each operation (what ``RunMetrics.peak_bytes`` records) and while it runs
     (its outputs next to the inputs it frees, which the simulator counts)."""

@@ -2,7 +2,7 @@
 program set per bucket and never again, computes what plain single-device training
 computes over the same batches in the same order, and refuses what it cannot run; the
 planner and simulator price a mix of buckets as the weighted combination of per-bucket
-costs (:mod:`pdjax.partition.buckets`)."""
+costs (:mod:`pdjax.partition.choosing.buckets`)."""
 
 from __future__ import annotations
 
@@ -309,7 +309,7 @@ def test_simulated_stream_prices_each_microbatch_by_its_bucket():
 
 
 def test_bucket_weights_normalise_any_finite_frequencies_and_refuse_the_rest():
-    from pdjax.partition.buckets import bucket_weights
+    from pdjax.partition.choosing.buckets import bucket_weights
 
     assert bucket_weights({64: 1e308, 32: 1e308}) == {32: 0.5, 64: 0.5}  # no overflow
     assert bucket_weights({32: 3 * 10**300, 64: 10**300}) == {32: 0.75, 64: 0.25}

@@ -255,7 +255,7 @@ def test_planner_and_simulator_agree_on_vgg16(vgg16):
     assert _steady(plan, free) == pytest.approx(plan.time_per_microbatch, rel=0.01)
     # At 10 Gbit/s a 100 MB activation takes as long as the compute, and P - s microbatches
     # in flight cannot hide it: the simulator is slower than the planner by the round-trip
-    # bound (the systematic difference documented in pdjax.partition.simulator_costs).
+    # bound (the systematic difference documented in pdjax.partition.choosing.simulator_costs).
     real = _steady(plan, costs)
     # the planner now carries the round-trip bound: it equals the simulator's steady state
     assert real == pytest.approx(plan.time_per_microbatch, rel=0.01)

@@ -14,7 +14,7 @@ from pdjax import _memory_policy as mp
 from pdjax.errors import PipelineError, PlanError
 from pdjax.models import get_model
 from pdjax.partition import Topology, auto_choice, evaluate_partition, plan_auto
-from pdjax.partition.auto import evaluate_candidate
+from pdjax.partition.choosing.auto import evaluate_candidate
 from pdjax.pipeline import Pipeline, even_stages
 from pdjax.pipeline.stage import Stage
 from pdjax.profile import LayerProfile, PolicyCost, Profile, profile

@@ -9,7 +9,7 @@ import pytest
 
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Topology, auto_choice, evaluate_partition, plan_auto
-from pdjax.partition.auto import evaluate_candidate
+from pdjax.partition.choosing.auto import evaluate_candidate
 from pdjax.profile import LayerProfile, Profile
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]

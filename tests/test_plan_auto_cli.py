@@ -11,7 +11,7 @@ from fixed_calibration import fixed_calibration
 
 from pdjax.apps.cli import main
 from pdjax.partition import Plan, auto_choice
-from pdjax.partition.auto import evaluate_candidate
+from pdjax.partition.choosing.auto import evaluate_candidate
 from pdjax.profile import LayerProfile, Profile
 
 

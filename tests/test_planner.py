@@ -16,9 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdjax.errors import PlanError, ProfileError
-from pdjax.partition import Topology, cost, evaluate_partition, plan_pipedream
+from pdjax.partition import Topology, evaluate_partition, plan_pipedream
 from pdjax.partition import plan_pipedream as _plan_pipedream
-from pdjax.partition.pipedream import solve
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.pipedream import solve
 from pdjax.profile import LayerProfile, Profile
 
 MODELS = ("pdjax", "paper", "pipedream-code")
@@ -28,7 +29,7 @@ MODELS = ("pdjax", "paper", "pipedream-code")
 # Every hierarchical configuration is enumerated explicitly (a stage at level k holds a
 # contiguous range on r units, each unit running its own configuration one level down) and
 # scored by a cost function written from the cost models' definitions in
-# pdjax.partition.cost, on plain lists built straight from the layers (chains only).
+# pdjax.partition.pricing.cost, on plain lists built straight from the layers (chains only).
 
 
 @dataclass(frozen=True)
@@ -817,7 +818,7 @@ def test_in_flight_per_schedule(schedule, expected):
 
 
 def _runtime_memory(w, stash, count, versions, k, *, N, per_update, placed, transit):
-    """The pdjax memory of a one-device stage (pdjax.partition.cost.stage_memory): until
+    """The pdjax memory of a one-device stage (pdjax.partition.pricing.cost.stage_memory): until
     the first update version 0 and the gradient sum, then the versions, the sum and the
     call's starting weights; the call's N inputs placed up front next to the stash."""
 

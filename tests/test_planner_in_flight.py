@@ -41,8 +41,8 @@ from pdjax.partition import (
     plan_auto,
     plan_pipedream,
 )
-from pdjax.partition.auto import evaluate_candidate
-from pdjax.partition.candidates import Candidate, price
+from pdjax.partition.choosing.auto import evaluate_candidate
+from pdjax.partition.choosing.candidates import Candidate, price
 from pdjax.profile import LayerProfile, Profile
 from pdjax.schedules import ScheduleSpec, generate, validate
 from pdjax.schedules.validate import expected_in_flight

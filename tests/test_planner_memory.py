@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from pdjax.errors import PlanError
-from pdjax.partition import Topology, cost, costs_from_plan, evaluate_partition, plan_pipedream
+from pdjax.partition import Topology, costs_from_plan, evaluate_partition, plan_pipedream
+from pdjax.partition.pricing import cost
 from pdjax.profile import LayerProfile, Profile
 from pdjax.schedules import ROUND_ROBIN, STREAMING, generate
 from pdjax.simulator import simulate
@@ -180,7 +181,7 @@ def test_the_call_length_is_what_the_inputs_cost():
     flat = [(0, 2, [0]), (3, 5, [1]), (6, 7, [2])]
     modes = ["split"] * 3
 
-    from pdjax.partition.evaluate import stage_memory_bytes  # (new with the call's terms)
+    from pdjax.partition.search.evaluate import stage_memory_bytes  # (new with the call's terms)
 
     def memory(calls: int) -> list[float]:
         return stage_memory_bytes(

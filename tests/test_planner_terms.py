@@ -10,8 +10,9 @@ import math
 import pytest
 
 from pdjax.errors import PlanError
-from pdjax.partition import Topology, cost, evaluate_partition, plan_pipedream
-from pdjax.partition.pipedream import solve
+from pdjax.partition import Topology, evaluate_partition, plan_pipedream
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.pipedream import solve
 from pdjax.profile import LayerProfile, Profile
 
 

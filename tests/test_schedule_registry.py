@@ -86,7 +86,7 @@ def test_what_the_other_parts_read():
     assert [k.name for k in kinds if k.needs_microbatches_per_stage] == ["2bw"]
     assert [k.name for k in kinds if k.stream_in_steps] == ["2bw"]
     assert [k.name for k in kinds if k.round_robin_by_default] == ["pipedream"]
-    # the planner's knobs are the planner's (pdjax.partition.traits), not the kinds'
+    # the planner's knobs are the planner's (pdjax.partition.pricing.traits), not the kinds'
     from pdjax.partition import SCHEDULE_TRAITS as T
 
     assert {n: T[n].priced for n in SCHEDULES if T[n].priced != n} == {

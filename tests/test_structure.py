@@ -38,7 +38,32 @@ MAY_IMPORT: dict[str, set[str]] = {
     "pdjax.schedules": set(),
     "pdjax.plan": {"pdjax.schedules", "pdjax.profile"},
     "pdjax.simulator": {"pdjax.schedules"},
-    "pdjax.partition": {"pdjax.schedules", "pdjax.plan", "pdjax.simulator", "pdjax.profile"},
+    # the planner's three rooms, each reading only those below it: the cost model, the
+    # search that makes plans, the choosing among them by simulation
+    "pdjax.partition.pricing": {"pdjax.schedules", "pdjax.plan", "pdjax.profile"},
+    "pdjax.partition.search": {
+        "pdjax.schedules",
+        "pdjax.plan",
+        "pdjax.profile",
+        "pdjax.partition.pricing",
+    },
+    "pdjax.partition.choosing": {
+        "pdjax.schedules",
+        "pdjax.plan",
+        "pdjax.profile",
+        "pdjax.simulator",
+        "pdjax.partition.pricing",
+        "pdjax.partition.search",
+    },
+    "pdjax.partition": {
+        "pdjax.schedules",
+        "pdjax.plan",
+        "pdjax.simulator",
+        "pdjax.profile",
+        "pdjax.partition.pricing",
+        "pdjax.partition.search",
+        "pdjax.partition.choosing",
+    },
     "pdjax.pipeline": {"pdjax.layers", "pdjax.export", "pdjax.schedules", "pdjax.plan"},
     "pdjax.runners": {"pdjax.layers", "pdjax.pipeline"},
     "pdjax.calibrate": {
@@ -165,7 +190,7 @@ NAME_BRANCHES_ALLOWED: dict[str, str] = {
     # the planner's own pricing knobs per schedule, kept with the planner (issue 45: planner
     # facts leave ScheduleKind): a table keyed by name, read once into SCHEDULE_TRAITS
     **{
-        f"pdjax/partition/traits.py:{n}": "the planner's table"
+        f"pdjax/partition/pricing/traits.py:{n}": "the planner's table"
         for n in ("gpipe", "interleaved", "zb-h2", "zb-v")
     },
 }

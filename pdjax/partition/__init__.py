@@ -6,8 +6,8 @@
 16
 """
 
-from pdjax.partition.auto import HostCosts, auto_choice, plan_auto
-from pdjax.partition.buckets import (
+from pdjax.partition.choosing.auto import HostCosts, auto_choice, plan_auto
+from pdjax.partition.choosing.buckets import (
     bucket_weights,
     mix_profiles,
     mix_time_per_microbatch,
@@ -15,8 +15,10 @@ from pdjax.partition.buckets import (
     profile_buckets,
     simulate_buckets,
 )
-from pdjax.partition.cost import COST_MODELS, CostModel
-from pdjax.partition.partitioners import (
+from pdjax.partition.choosing.simulator_costs import costs_from_plan, weight_grad_fraction
+from pdjax.partition.pricing.cost import COST_MODELS, CostModel
+from pdjax.partition.pricing.traits import REPLICATION_OPTIONS, SCHEDULE_TRAITS, ScheduleTraits
+from pdjax.partition.search.partitioners import (
     balanced_split,
     evaluate_partition,
     plan_balanced_params,
@@ -24,9 +26,7 @@ from pdjax.partition.partitioners import (
     plan_uniform,
     uniform_split,
 )
-from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.simulator_costs import costs_from_plan, weight_grad_fraction
-from pdjax.partition.traits import REPLICATION_OPTIONS, SCHEDULE_TRAITS, ScheduleTraits
+from pdjax.partition.search.pipedream import plan_pipedream
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.plan.topology import PRESETS, Level, Topology, parse_levels
 

@@ -82,7 +82,7 @@ class StagePlan:
       memory_bytes: predicted bytes per device (weights x versions + optimizer state +
         stashed activations, and under ``pdjax`` what the runtime holds besides: the
         gradient sum, the call's starting weights, its inputs placed up front, values in
-        transit, zero bubble's cotangents; see :mod:`pdjax.partition.cost`), with the
+        transit, zero bubble's cotangents; see :mod:`pdjax.partition.pricing.cost`), with the
         plan's exact in-flight count: under the ``pdjax`` cost model for the stage's
         replication mode, PipeDream's whole microbatches per replica (the ``paper``
         formula) under the others.

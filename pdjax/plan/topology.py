@@ -15,7 +15,7 @@ Bandwidths are bytes per second per link, as in PipeDream's optimizer (``-b``); 
 papers' clusters are in :data:`PRESETS`. A level may also give a per-message ``latency``
 (seconds, default 0): the ``pdjax`` cost model charges it once per activation (or gradient)
 transfer across a cut at that level and ``2 (m - 1)`` times per ring all-reduce over ``m``
-units (:mod:`pdjax.partition.cost`).
+units (:mod:`pdjax.partition.pricing.cost`).
 """
 
 from __future__ import annotations

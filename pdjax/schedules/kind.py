@@ -109,7 +109,7 @@ class ScheduleKind:
             ``P`` stages (``2bw``: step ``t`` uses ``W(t - 1)`` at every stage).
 
     How the planner prices a kind is the planner's own
-    (:data:`pdjax.partition.traits.SCHEDULE_TRAITS`), and which kinds ``pdjax bench`` runs
+    (:data:`pdjax.partition.pricing.traits.SCHEDULE_TRAITS`), and which kinds ``pdjax bench`` runs
     by default the benchmark's.
     """
 

@@ -38,7 +38,7 @@ The cost model (the ``pdjax`` model of ``docs/semantics.md#the-pdjax-model``):
   device. Memory is counted while each action runs: what it reads and what it makes are
   both alive (a backward's stash, the gradient that came in and the weight version it read
   for the last time, next to its results). That is the planner's memory model
-  (:mod:`pdjax.partition.cost`), and the simulator's by default
+  (:mod:`pdjax.partition.pricing.cost`), and the simulator's by default
   (``PipelineCosts.memory_model = "planner"``). With ``memory_model = "runtime"`` it also
   counts what pdjax's runtime (:mod:`pdjax.pipeline.lowering.program`) holds besides, for one call
   of the schedule:

@@ -61,7 +61,7 @@ from pdjax.partition import (
     plan_pipedream,
     plan_uniform,
 )
-from pdjax.partition.candidates import policy_letters
+from pdjax.partition.choosing.candidates import policy_letters
 from pdjax.profile import DEVICE_MODELS, Profile
 from pdjax.schedules import IN_FLIGHT, stage_groups
 

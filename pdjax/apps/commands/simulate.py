@@ -41,7 +41,7 @@ from pdjax.apps.commands import (
 )
 from pdjax.errors import PlanError, ScheduleError
 from pdjax.partition import Plan
-from pdjax.partition import simulator_costs as _costs
+from pdjax.partition.choosing import simulator_costs as _costs
 from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, STREAMING, Schedule, generate
 from pdjax.schedules.spec import OPTIONS

@@ -44,9 +44,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdjax.errors import PlanError
-from pdjax.partition.partitioners import evaluate_partition
-from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.partition.choosing.simulator_costs import costs_from_plan
+from pdjax.partition.search.partitioners import evaluate_partition
+from pdjax.partition.search.pipedream import plan_pipedream
 from pdjax.plan.plan import Plan
 from pdjax.plan.topology import Topology
 from pdjax.profile import LayerProfile, PolicyCost, Profile, profile

@@ -89,7 +89,7 @@ group's action, ``n_t = r_t`` times its per-microbatch term, and ``T_s = q_s n_s
 (:func:`groups_in_flight`). ``gpipe`` (``M`` in flight, its flush bubble is outside every
 model) and ``interleaved`` (its in-flight count depends on the chunks, which the planner
 does not know) get no round-trip term. The dynamic program's treatment of this term is in
-:mod:`pdjax.partition.pipedream`; :func:`partition_terms` and :func:`round_trip_time`
+:mod:`pdjax.partition.search.pipedream`; :func:`partition_terms` and :func:`round_trip_time`
 compute it for given stages, and every plan's ``time_per_microbatch`` includes it.
 
 Calibration (``pdjax`` only): ``stage_seconds(first, last, replicas, replication)`` may
@@ -202,9 +202,9 @@ from typing import Literal
 import numpy as np
 
 from pdjax.errors import PlanError
-from pdjax.partition.arrays import ModelArrays, check_profile
-from pdjax.partition.arrays import model_arrays as layer_arrays
-from pdjax.partition.traits import (
+from pdjax.partition.pricing.arrays import ModelArrays, check_profile
+from pdjax.partition.pricing.arrays import model_arrays as layer_arrays
+from pdjax.partition.pricing.traits import (
     REPLICATION_OPTIONS,
     SCHEDULE_TRAITS,
     ScheduleTraits,
@@ -225,8 +225,8 @@ from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SEMANTICS, Shape
 
-# The schedules' traits (pdjax.partition.traits) and the profile's arrays
-# (pdjax.partition.arrays) are re-exported: the cost terms are read as ``cost.<name>``.
+# The schedules' traits (pdjax.partition.pricing.traits) and the profile's arrays
+# (pdjax.partition.pricing.arrays) are re-exported: the cost terms are read as ``cost.<name>``.
 __all__ = [
     "COST_MODELS",
     "REPLICATION_OPTIONS",
@@ -453,7 +453,7 @@ def stage_memory(
 
 @dataclasses.dataclass(frozen=True)
 class CallArrays(ModelArrays):
-    """:class:`~pdjax.partition.arrays.ModelArrays` with the bytes per microbatch a call
+    """:class:`~pdjax.partition.pricing.arrays.ModelArrays` with the bytes per microbatch a call
     places up front (:func:`model_arrays`).
 
     Attributes:
@@ -475,7 +475,7 @@ class CallArrays(ModelArrays):
 
 def model_arrays(profile: Profile, microbatch_size: int | None = None) -> CallArrays:
     """The profile's per-layer costs for one microbatch
-    (:func:`pdjax.partition.arrays.model_arrays`), with what a call places up front
+    (:func:`pdjax.partition.pricing.arrays.model_arrays`), with what a call places up front
     (:class:`CallArrays`).
 
     Raises:

@@ -2,7 +2,8 @@
 
 :func:`costs_from_plan` is the seam between the planner and the simulator: it prices each
 stage of a :class:`~pdjax.partition.Plan` the way the planner's ``pdjax`` cost model does
-(:mod:`pdjax.partition.cost`), so that ``simulate(schedule, costs_from_plan(plan, profile))``
+(:mod:`pdjax.partition.pricing.cost`), so that
+``simulate(schedule, costs_from_plan(plan, profile))``
 plays the plan's stages on the plan's links.
 
 The mapping, for a stage holding layers ``i..j`` on ``r`` devices, a microbatch of ``b``
@@ -19,7 +20,7 @@ samples and a profile of batch ``B`` (``scale = b / B``):
 ``stash_bytes``        ``sum_l stash_bytes[l] * scale / r`` (each replica keeps its share)
 ``optimizer_bytes``    ``param_bytes * optimizer_state_factor`` (``plan.options``, default 2)
 ``input_bytes``        the model's input per microbatch at the first stage, its targets at
-                       the last (:class:`~pdjax.partition.cost.CallArrays`: the smaller of
+                       the last (:class:`~pdjax.partition.pricing.cost.CallArrays`: the smaller of
                        the model's output and input), both at a single stage; 0 between
 ``cotangent_bytes``    ``sum_l output_bytes[l] * scale / r``: zero bubble's cotangents at
                        the layers' outputs
@@ -27,7 +28,7 @@ samples and a profile of batch ``B`` (``scale = b / B``):
 
 The last two are counted by the simulator's ``runtime`` memory model only
 (``dataclasses.replace(costs, memory_model="runtime")``), which then counts what the
-planner's ``pdjax`` memory terms charge (:mod:`pdjax.partition.cost`).
+planner's ``pdjax`` memory terms charge (:mod:`pdjax.partition.pricing.cost`).
 
 ``w_l``, the weight-gradient share of layer ``l``'s backward (:func:`weight_grad_fraction`;
 only ``zb-h1``, which defers ``W``, depends on it). The runtime computes zero bubble's ``I``
@@ -55,7 +56,7 @@ replays the layer's pullback through its interior to reach the inner weights, so
 runtime's ``I + W`` exceeds ``B`` (GPT's block: by about half of ``B`` in FLOPs); the
 simulator prices ``zb-h1`` without that repeated work.
 
-Layers are read as the planner reads them (:func:`pdjax.partition.cost.model_arrays`):
+Layers are read as the planner reads them (:func:`pdjax.partition.pricing.cost.model_arrays`):
 an ``Input`` source layer (data loading) and unused ``__getitem__`` sinks of PipeDream's
 profiles cost nothing, and the cut bytes are :meth:`~pdjax.profile.Profile.cut_bytes`
 without those sinks. Links come from the plan's topology:
@@ -141,7 +142,7 @@ from typing import Any
 import numpy as np
 
 from pdjax.errors import CalibrationError, PlanError, ScheduleError
-from pdjax.partition import cost
+from pdjax.partition.pricing import cost
 from pdjax.plan.plan import Plan
 from pdjax.profile import Profile
 from pdjax.simulator import PipelineCosts, StageCosts

@@ -17,7 +17,7 @@ one-level topology this is exactly the cost model of the dynamic program (round-
 included), so ``evaluate_partition`` of a plan's stages gives back its
 ``time_per_microbatch``. A
 round-robin stage on ``r`` devices all-reduces once per group of ``r`` microbatches under
-``pipedream`` (see :mod:`pdjax.partition.cost`), a flat ring at that level's bandwidth.
+``pipedream`` (see :mod:`pdjax.partition.pricing.cost`), a flat ring at that level's bandwidth.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from pdjax.errors import PlanError
-from pdjax.partition import cost
-from pdjax.partition.evaluate import (
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.evaluate import (
     Flat,
     build_plan,
     calibrated_options,
@@ -151,13 +151,13 @@ def evaluate_partition(
       in_flight: ``pipedream``'s option (``"full-rate"`` or ``"paper"``): the groups in
         flight of round-robin stages, which set the plan's in-flight counts, versions and
         memory exactly; under ``"paper"`` the round-trip bound is a lower bound only
-        (:func:`~pdjax.partition.evaluate.pipeline_time`; the plan records
+        (:func:`~pdjax.partition.search.evaluate.pipeline_time`; the plan records
         ``options["round_trip"] = "lower bound"`` where paper's counts differ from full
         rate's).
 
     Returns:
       The plan; its ``time_per_microbatch`` is the slowest stage or cut term, and at least
-      the round-trip bound where the model has one (:mod:`pdjax.partition.cost`).
+      the round-trip bound where the model has one (:mod:`pdjax.partition.pricing.cost`).
 
     Raises:
       PlanError: stages that do not cover the layers contiguously, fewer than one replica,

@@ -1,5 +1,5 @@
 """The hierarchical dynamic program for one profile, topology, cost model and schedule
-(:class:`Search`; see :mod:`pdjax.partition.pipedream`): per level its stage and split
+(:class:`Search`; see :mod:`pdjax.partition.search.pipedream`): per level its stage and split
 terms with the memory checks, the levels solved in turn, and the best configuration as a
 tree and as flat pipeline stages.
 """
@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from pdjax.partition import cost
-from pdjax.partition.level_program import Node, Table, level_stages, solve_level
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.levels import Node, Table, level_stages, solve_level
 from pdjax.plan.topology import Topology
 
 __all__ = ["Search"]
@@ -79,7 +79,7 @@ class Search:
 
     def _runtime_terms(self, calls: int | None) -> None:
         """The ``pdjax`` memory model's terms of what the runtime holds (see
-        :mod:`pdjax.partition.cost`): per range, the bytes per microbatch in flight (with
+        :mod:`pdjax.partition.pricing.cost`): per range, the bytes per microbatch in flight (with
         zero bubble's cotangents) and the call's inputs and values in transit; the
         parameter-sized copies; the in-flight bounds from the semantics table."""
         L, arrays = self.L, self.arrays
@@ -120,7 +120,8 @@ class Search:
         )
 
     def _u(self, m: int) -> float:
-        """All-reduces per microbatch of a stage on ``m`` units (see pdjax.partition.cost)."""
+        """All-reduces per microbatch of a stage on ``m`` units (see
+        pdjax.partition.pricing.cost)."""
         if self.rr and self.traits.update_per_microbatch:
             return self.u / m
         return self.u
@@ -193,7 +194,7 @@ class Search:
         """``(in flight, versions)`` per range under the schedule, for a stage with at most
         (``least``: at least) ``bound - 1`` stages after it: under ``pdjax`` the semantics
         table's count, what the runtime stashes
-        (:func:`pdjax.partition.cost.memory_in_flight_bounds`); under ``paper`` the
+        (:func:`pdjax.partition.pricing.cost.memory_in_flight_bounds`); under ``paper`` the
         planner's depth (``P - s``, at most ``M`` if the schedule flushes, or ``M``)."""
         if self.model == "pdjax":
             inflight = (self._depth_lower if least else self._depth_upper)[bound]
@@ -216,10 +217,10 @@ class Search:
         group: int = 1,
         sharing: int | None = None,
     ) -> np.ndarray:
-        """:func:`pdjax.partition.cost.stage_memory` of every range on ``replicas`` devices,
+        """:func:`pdjax.partition.pricing.cost.stage_memory` of every range on ``replicas`` devices,
         its neighbours sending or taking up to ``group`` microbatches at once (round-robin
         groups), its compute shared by ``sharing`` devices (default ``replicas``) where it
-        decides whether a link keeps up (:class:`pdjax.partition.cost.RuntimeCall`)."""
+        decides whether a link keeps up (:class:`pdjax.partition.pricing.cost.RuntimeCall`)."""
         if model != "pdjax":
             return cost.stage_memory(
                 model,
@@ -292,7 +293,7 @@ class Search:
     def _round_robin_memory(self, r: int, after: int) -> np.ndarray:
         """Bytes per device of a stage on ``r`` devices of the innermost level, ``after``
         devices after it, in a pipeline whose replicated stages are round-robin (the bound
-        in :mod:`pdjax.partition.cost`: ``q`` whole stashes and, under ``pipedream``, ``q``
+        in :mod:`pdjax.partition.pricing.cost`: ``q`` whole stashes and, under ``pipedream``, ``q``
         versions per device)."""
         # pipedream only (the planner has no round-robin for the other schedules).
         q = np.where(self.layers_after == 0, 1, max(1, (2 * (r + after) - 2) // r))

@@ -1,4 +1,4 @@
-"""The round-trip bound on one level (``pdjax``; see :mod:`pdjax.partition.cost`): the
+"""The round-trip bound on one level (``pdjax``; see :mod:`pdjax.partition.pricing.cost`): the
 probe "is there a configuration of period at most ``T``, round trip included?"
 (:class:`Prober`) and the search over ``T`` that finds the configuration of least period
 (:func:`search_round_trip`).
@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from pdjax.partition import cost
-from pdjax.partition.search import Search
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.space import Search
 
 __all__ = ["Prober", "round_trip_exact", "search_round_trip"]
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from pdjax._memory_policy import memory_policies, policy_name
 from pdjax.errors import PlanError
-from pdjax.partition.simulator_costs import costs_from_plan
+from pdjax.partition.choosing.simulator_costs import costs_from_plan
 from pdjax.plan.plan import Plan
 from pdjax.profile import Profile
 from pdjax.schedules import (
@@ -387,7 +387,7 @@ def costs_under(
 
 def policy_arrays(arrays: Any, plan: Plan, profile: Profile, policies: Sequence[str]) -> Any:
     """The ``pdjax`` memory model's arrays for one microbatch
-    (:func:`pdjax.partition.cost.model_arrays`) with each plan stage's stash under its
+    (:func:`pdjax.partition.pricing.cost.model_arrays`) with each plan stage's stash under its
     memory policy: ``"full"`` keeps only the stage's input per microbatch in flight, a
     named policy each layer's input and the residuals it keeps."""
     if all(p == "none" for p in policies):

@@ -5,7 +5,7 @@ weight versions, all-reduces per microbatch, replication modes).
 What a schedule computes (whether it streams or flushes, updates once per microbatch or
 per step, takes round-robin replication, how many weight versions it keeps) is read from
 its row of :data:`pdjax.schedules.SEMANTICS`, and how the cost model prices it (see
-:mod:`pdjax.partition.cost`) from the planner's own knobs here (:data:`_PRICING`): a new
+:mod:`pdjax.partition.pricing.cost`) from the planner's own knobs here (:data:`_PRICING`): a new
 schedule needs a row there only where the defaults (1F1B's depth ``P - s``, the round-trip
 bound, priced as itself) do not hold.
 

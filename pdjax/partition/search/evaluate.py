@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from pdjax.errors import PlanError
-from pdjax.partition import cost
+from pdjax.partition.pricing import cost
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
@@ -71,15 +71,15 @@ def pipeline_time(
     in_flight: str = "full-rate",
 ) -> tuple[float, float]:
     """``(slowest term, round-trip bound)`` of the stages ``(first, last, positions)``
-    with their replication modes (:func:`pdjax.partition.cost.partition_terms`,
-    :func:`~pdjax.partition.cost.round_trip_time`; the bound is 0 where the model and
+    with their replication modes (:func:`pdjax.partition.pricing.cost.partition_terms`,
+    :func:`~pdjax.partition.pricing.cost.round_trip_time`; the bound is 0 where the model and
     schedule have none), with the in-flight counts of ``pipedream``'s ``in_flight``.
 
     Under ``in_flight="paper"`` with round-robin stages the bound is Little's law over
     paper's counts, a lower bound only: a group moves all at once, and where a stage holds
     few groups each group's round trip serialises (1-3-1 with unit costs: 4 here, 7
     simulated). Only the simulator prices that schedule exactly
-    (:func:`~pdjax.partition.candidates.evaluate_candidate`)."""
+    (:func:`~pdjax.partition.choosing.candidates.evaluate_candidate`)."""
     stage_terms, cut_terms = cost.partition_terms(
         arrays,
         topology,
@@ -134,10 +134,11 @@ def build_plan(
 
     ``replication``: per stage ``"split"`` or ``"round-robin"`` (None: all split); the
     in-flight counts and versions are those of the schedule with these modes and
-    ``pipedream``'s ``in_flight`` (:func:`pdjax.partition.cost.exact_in_flight`; recorded
+    ``pipedream``'s ``in_flight`` (:func:`pdjax.partition.pricing.cost.exact_in_flight`; recorded
     in the plan's :class:`~pdjax.schedules.ScheduleSpec`).
     ``microbatches_per_call``: ``N``, the microbatches of one runtime call the ``pdjax``
-    memory charges (None: a steady call; :func:`pdjax.partition.cost.microbatches_per_call`),
+    memory charges (None: a steady call;
+    :func:`pdjax.partition.pricing.cost.microbatches_per_call`),
     recorded in the plan's options."""
     P = len(flat)
     kind = SCHEDULE_KINDS.get(schedule)
@@ -236,11 +237,11 @@ def stage_memory_bytes(
     bubble's cotangents x the semantics table's in-flight count, the call's inputs placed
     up front and the values in transit, more of them behind a link slower than the stage
     that feeds it, at the bandwidth and latency of the innermost level holding both
-    stages of ``topology``: :mod:`pdjax.partition.cost`), the ``paper`` one under the
+    stages of ``topology``: :mod:`pdjax.partition.pricing.cost`), the ``paper`` one under the
     other models. ``microbatches_per_call``: ``N`` (None: a steady call,
-    :func:`pdjax.partition.cost.microbatches_per_call`). ``in_flight``: ``pipedream``'s
+    :func:`pdjax.partition.pricing.cost.microbatches_per_call`). ``in_flight``: ``pipedream``'s
     option, the groups in flight of round-robin stages
-    (:func:`pdjax.partition.cost.exact_in_flight`)."""
+    (:func:`pdjax.partition.pricing.cost.exact_in_flight`)."""
     P = len(flat)
     replicas = [len(positions) for _, _, positions in flat]
     counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)

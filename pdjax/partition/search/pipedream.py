@@ -7,7 +7,7 @@ For a topology of levels ``0..K-1`` (innermost first), level ``k`` joining ``n_k
                         min over s in i..j-1, m' in 1..m-1 of
                             max( A_k(i..s, m-m'), cut_k(s, m'), stage_k(s+1..j, m') ) )
 
-where ``stage_k`` is the cost model's stage time (see :mod:`pdjax.partition.cost`) of a
+where ``stage_k`` is the cost model's stage time (see :mod:`pdjax.partition.pricing.cost`) of a
 range whose time one level down is ``A_{k-1}(i..j, n_{k-1})`` (at level 0, the range's
 compute), and ``cut_k`` the transfer across the cut after ``s``. The top level is solved for
 ranges starting at layer 0 only; the lower levels for every range, as the original does.
@@ -44,10 +44,10 @@ the measured seconds of one all-reduce; ``devices`` is a count inside the progra
 positions in the final evaluation. Plans made with either record
 ``plan.options["calibrated"]``.
 
-The modules: :mod:`~pdjax.partition.level_program` (one level's program),
-:mod:`~pdjax.partition.search` (the levels, their terms and memory checks),
-:mod:`~pdjax.partition.round_trip` (the round-trip bound on one level),
-:mod:`~pdjax.partition.evaluate` (a partition priced and made a plan); this one drives them.
+The modules: :mod:`~pdjax.partition.search.levels` (one level's program),
+:mod:`~pdjax.partition.search.space` (the levels, their terms and memory checks),
+:mod:`~pdjax.partition.search.round_trip` (the round-trip bound on one level),
+:mod:`~pdjax.partition.search.evaluate` (a partition priced and made a plan); this one drives them.
 """
 
 from __future__ import annotations
@@ -58,17 +58,17 @@ from typing import Any
 import numpy as np
 
 from pdjax.errors import PlanError
-from pdjax.partition import cost
-from pdjax.partition.evaluate import (
+from pdjax.partition.pricing import cost
+from pdjax.partition.search.evaluate import (
     Flat,
     build_plan,
     calibrated_options,
     check_options,
     pipeline_time,
 )
-from pdjax.partition.level_program import Table
-from pdjax.partition.round_trip import round_trip_exact, search_round_trip
-from pdjax.partition.search import Search
+from pdjax.partition.search.levels import Table
+from pdjax.partition.search.round_trip import round_trip_exact, search_round_trip
+from pdjax.partition.search.space import Search
 from pdjax.plan.plan import Plan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
@@ -100,14 +100,14 @@ def plan_pipedream(
       profile: per-layer costs (a layer sequence or a DAG in topological order).
       topology: workers and bandwidths per level.
       cost_model: ``"pdjax"`` (default), ``"paper"`` or ``"pipedream-code"`` (see
-        :mod:`pdjax.partition.cost`).
+        :mod:`pdjax.partition.pricing.cost`).
       schedule: the schedule the plan is for: ``"pipedream"`` (default), ``"1f1b"``,
         ``"gpipe"``, ``"2bw"``, ``"interleaved"``, ``"zb-h1"``; sets the in-flight counts,
         the weight versions and (``pdjax``) how often a replicated stage all-reduces.
       straight: no replication: every unit of every level holds its own stage.
       fewer_machines: allow configurations that leave devices idle when that is faster.
       memory_limit: bytes per device, or None for ``topology.memory_per_device``; how it
-        is checked: :mod:`pdjax.partition.cost` (``plan.options["memory_check"]``).
+        is checked: :mod:`pdjax.partition.pricing.cost` (``plan.options["memory_check"]``).
       num_microbatches: ``M`` per step (flush schedules, ``2bw``); None: the number of devices.
       microbatch_size: samples per microbatch; None: the profile's batch size. Times and
         activation bytes scale linearly with it, parameter bytes do not.
@@ -123,7 +123,7 @@ def plan_pipedream(
         formulas.
       microbatches_per_call: ``pdjax``'s memory terms: the microbatches of one
         ``Pipeline.run`` call, whose inputs the runtime places up front (None: the shortest
-        steady call, :func:`pdjax.partition.cost.microbatches_per_call`).
+        steady call, :func:`pdjax.partition.pricing.cost.microbatches_per_call`).
       in_flight: ``pipedream``'s option, ``"full-rate"`` (default) or ``"paper"``. The
         two counts differ only at round-robin stages, and there the program's round-trip
         bound (Little's law over microbatches) does not price paper's: its groups move
@@ -132,7 +132,7 @@ def plan_pipedream(
         planned only without round-robin stages (``replication="split"``, or ``straight``;
         the counts are then ``P - s`` either way); for round-robin, plan at full rate and
         let the simulator price paper (:func:`~pdjax.partition.plan_auto` with
-        ``in_flight=("paper",)``, :func:`~pdjax.partition.candidates.evaluate_candidate`).
+        ``in_flight=("paper",)``, :func:`~pdjax.partition.choosing.candidates.evaluate_candidate`).
 
     Returns:
       The plan; ``plan.time_per_microbatch`` is its period under the cost model: the
@@ -354,7 +354,7 @@ def solve(
     """Validates, checks the memory limit, and runs the program (see :func:`plan_pipedream`).
 
     ``replication`` is ``"split"`` or ``"round-robin"`` (``"auto"`` is resolved by
-    :func:`pdjax.partition.cost.resolve_replication`, without comparing the two).
+    :func:`pdjax.partition.pricing.cost.resolve_replication`, without comparing the two).
     ``memory_mode``: ``"bound"`` (the sound check) or ``"optimistic"`` (``pdjax``: a lower
     bound; the plan must be verified).
 

@@ -1,4 +1,4 @@
-"""The dynamic program of one level of the topology (see :mod:`pdjax.partition.pipedream`):
+"""The dynamic program of one level of the topology (see :mod:`pdjax.partition.search.pipedream`):
 its vectorised min-max recurrence (:func:`solve_level`), its table of values and choices
 (:class:`Table`), the stages of a choice (:func:`level_stages`), and the configuration tree
 the levels make (:class:`Node`).
@@ -56,7 +56,7 @@ def solve_level(
     fewer: bool,
 ) -> Table:
     """The dynamic program of one level on ``n`` units (see
-    :mod:`pdjax.partition.pipedream`): ``whole_fn(m)`` the ranges replicated whole on ``m``
+    :mod:`pdjax.partition.search.pipedream`): ``whole_fn(m)`` the ranges replicated whole on ``m``
     units, ``x_fn(m, m')`` the last stage on ``m'`` of them with its cut (cached over ``m``
     unless ``x_depends_on_m``); every start layer or only 0 (``all_starts``)."""
     L = num_layers

@@ -55,11 +55,11 @@ of every microbatch of the call, placed up front, the gradient sum and the weigh
 call started from. A caller whose calls are long (``pdjax train`` runs an epoch per call)
 gives ``samples_per_call``: each candidate must then also fit by the ``pdjax`` memory
 model of its partition for a call of that many samples
-(:func:`pdjax.partition.evaluate.stage_memory_bytes`, the dynamic program's terms, as it
+(:func:`pdjax.partition.search.evaluate.stage_memory_bytes`, the dynamic program's terms, as it
 prices the schedule, with the candidate's recomputation and ``in_flight``), recorded per
 plan stage as ``call_memory``; the cap holds the larger of the two.
 
-The simulator's pricing of one candidate is in :mod:`pdjax.partition.candidates`.
+The simulator's pricing of one candidate is in :mod:`pdjax.partition.choosing.candidates`.
 """
 
 from __future__ import annotations
@@ -74,8 +74,7 @@ import numpy as np
 
 from pdjax._memory_policy import CHECKPOINTED, MEMORY_POLICIES, OFFLOADED, memory_policies
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.partition import cost
-from pdjax.partition.candidates import (
+from pdjax.partition.choosing.candidates import (
     Candidate,
     HostCosts,
     evaluate_candidate,
@@ -84,10 +83,11 @@ from pdjax.partition.candidates import (
     price,
     stage_specs,
 )
-from pdjax.partition.evaluate import stage_memory_bytes
-from pdjax.partition.partitioners import evaluate_partition
-from pdjax.partition.pipedream import plan_pipedream
-from pdjax.partition.traits import SCHEDULE_TRAITS
+from pdjax.partition.pricing import cost
+from pdjax.partition.pricing.traits import SCHEDULE_TRAITS
+from pdjax.partition.search.evaluate import stage_memory_bytes
+from pdjax.partition.search.partitioners import evaluate_partition
+from pdjax.partition.search.pipedream import plan_pipedream
 from pdjax.plan.plan import AUTO_DECISION, Plan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
@@ -254,7 +254,7 @@ def plan_auto(
         where the schedule updates per step), the dynamic program plans for them, and each
         candidate must fit by the ``pdjax`` memory of such a call too (the module doc).
         None: the dynamic program's shortest steady call
-        (:func:`pdjax.partition.cost.microbatches_per_call`) and the simulator's peak
+        (:func:`pdjax.partition.pricing.cost.microbatches_per_call`) and the simulator's peak
         alone. Recorded in ``options["auto"]``.
 
     Returns:
@@ -731,7 +731,7 @@ def _call_memory(
 ) -> tuple[float, ...]:
     """Bytes per device of each plan stage for one call of :attr:`_Space.samples_per_call`
     samples by the ``pdjax`` memory model, as the dynamic program prices schedule ``name``
-    (:func:`~pdjax.partition.evaluate.stage_memory_bytes`): with the inputs and targets of
+    (:func:`~pdjax.partition.search.evaluate.stage_memory_bytes`): with the inputs and targets of
     the whole call placed up front, which the simulated stream leaves out. A stage that
     recomputes keeps only its input per microbatch in flight, and one under a named policy
     each layer's input and the residuals the policy keeps, as the simulator's costs have
