@@ -35,7 +35,6 @@ from pdjax.partition import (
     Plan,
     Topology,
     auto_choice,
-    cost,
     costs_from_plan,
     evaluate_partition,
     plan_auto,
@@ -43,6 +42,7 @@ from pdjax.partition import (
 )
 from pdjax.partition.choosing.auto import evaluate_candidate
 from pdjax.partition.choosing.candidates import Candidate, price
+from pdjax.partition.pricing import cost
 from pdjax.profile import LayerProfile, Profile
 from pdjax.schedules import ScheduleSpec, generate, validate
 from pdjax.schedules.validate import expected_in_flight

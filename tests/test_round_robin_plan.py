@@ -23,11 +23,11 @@ from pdjax.partition import (
     Plan,
     StagePlan,
     Topology,
-    cost,
     costs_from_plan,
     evaluate_partition,
     plan_pipedream,
 )
+from pdjax.partition.pricing import cost
 from pdjax.profile import LayerProfile, Profile
 from pdjax.schedules import ScheduleSpec, generate, pipedream
 from pdjax.simulator import PipelineCosts, StageCosts, simulate, stream_length
