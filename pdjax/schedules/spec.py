@@ -155,8 +155,9 @@ class ScheduleSpec:
         kind: the schedule (one of :data:`~pdjax.schedules.SCHEDULES`).
         microbatches: ``M``, microbatches per step (``pipedream``: those of one call's
             batch; it updates after every microbatch).
-        chunks: stages per device group: ``v`` for ``interleaved`` (default 2), 2 for
-            ``zb-v``, else 1; None means the kind's default.
+        chunks: stages per device group: ``v`` for ``interleaved``, 2 for ``zb-v``, else
+            1; None means the kind's default (1 for ``interleaved``, as the runtime has
+            always taken it; :func:`~pdjax.schedules.generate` by name takes 2).
         weight_stashing: ``pipedream``: the backward reuses the forward's weight version
             (``False``: the newest weights, the paper's inconsistent baseline).
         vertical_sync: ``pipedream``: every stage uses the version stage 0 used.
