@@ -57,6 +57,7 @@ class Option:
         choices: the values a text option takes (None: a bool or an integer).
         most: the largest value of an integer option the command line takes, and ``why``.
         label: how a table of runs names it when set (``{}``: its value).
+        off: for an option on by default, what turning it off does.
     """
 
     default: Any
@@ -65,6 +66,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     most: int | None = None
     why: str = ""
+    off: str = ""
 
 
 OPTIONS: dict[str, Option] = {
@@ -73,10 +75,11 @@ OPTIONS: dict[str, Option] = {
         True,
         "the backward reuses its forward's weight version (off: the newest weights)",
         "no stashing",
+        off="the backward uses the newest weights, not its forward's (no weight stashing)",
     ),
     "extra_in_flight": Option(
         0,
-        "E more microbatches in flight per stage (hides transfer latency; one more stashed "
+        "N more microbatches in flight per stage (hides transfer latency; one more stashed "
         "version and activation each)",
         "+{} in flight",
         most=1024,

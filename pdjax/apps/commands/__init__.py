@@ -240,7 +240,8 @@ def add_option_flags(p: Any, names: Sequence[str] | None = None) -> None:
         if option.default is False:
             p.add_argument(f"--{flag}", dest=name, action="store_true", help=text)
         elif option.default is True:
-            p.add_argument(f"--no-{flag}", dest=name, action="store_false", help=text)
+            off = f"{option_owners(name)}: {option.off or 'off'}"
+            p.add_argument(f"--no-{flag}", dest=name, action="store_false", help=off)
         elif option.choices is not None:
             p.add_argument(
                 f"--{flag}", dest=name, default=option.default, choices=option.choices, help=text
