@@ -29,6 +29,7 @@ from typing import Any
 
 from pdjax._memory_policy import memory_policies
 from pdjax.errors import ScheduleSpecError
+from pdjax.schedules.arguments import REPLICATION
 from pdjax.schedules.inflight import IN_FLIGHT
 
 __all__ = ["MAX_MICROBATCHES", "OPTIONS", "VARIANTS", "Option", "ScheduleSpec", "option_owners"]
@@ -41,8 +42,6 @@ _WHY = (
     ": a step's program holds an action per microbatch and stage (for more samples per "
     "step use larger microbatches; every microbatch needs at least one sample)"
 )
-
-REPLICATION = ("split", "round-robin")
 
 _COUNTS = {2: "two"}
 

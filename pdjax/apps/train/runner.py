@@ -21,12 +21,6 @@ from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
 
 
-def _chunks_chosen(schedule: str) -> bool:
-    """Whether ``schedule`` takes the run's ``chunks`` (else it has its own count)."""
-    kind = SCHEDULE_KINDS.get(schedule)
-    return kind is not None and kind.chunks is None
-
-
 def _optimizer(cfg: TrainConfig, total_updates: int | None) -> optax.GradientTransformation:
     """``cfg``'s optimizer for a run of ``total_updates`` updates (None: as many as a
     ``warmup-cosine`` schedule needs to run past its warmup, where ``decay_steps`` is not
@@ -78,16 +72,14 @@ def make_runner(
         )
         return dp, f"data parallel on {cfg.devices} devices"
     stages, text = _stages(cfg, spec, sample, plan)
+    # a plan's memory policies per stage (plan_auto's choice)
+    remat = stages.schedule.remat if isinstance(stages, Plan) else False
     runner = Pipeline(
         spec.layers,
         stages,
         spec.loss,
         _optimizer(cfg, total_updates),
-        schedule=cfg.spec.replace(
-            chunks=cfg.chunks if _chunks_chosen(cfg.schedule) else None,
-            # a plan's memory policies per stage (plan_auto's choice)
-            remat=stages.schedule.remat if isinstance(stages, Plan) else False,
-        ),
+        schedule=cfg.spec.replace(remat=remat),
         devices=devices,
         transport=cfg.transport,
     )

@@ -18,9 +18,6 @@ from pdjax.schedules import SCHEDULES, Schedule, ScheduleSpec, schedule_kind, se
 
 __all__ = ["even_stages"]
 
-# Chunk counts as words, for messages.
-_COUNTS = {2: "two", 3: "three", 4: "four"}
-
 
 def even_stages(
     num_layers: int,
@@ -215,15 +212,6 @@ def integer(name: str, value: Any, least: int, most: int | None = None, why: str
         shown = f"an integer of {digits} digits" if digits > 20 else str(number)
         raise PipelineError(f"{name} must be at most {most}, got {shown}{why}")
     return number
-
-
-#: The most microbatches per step (chunks, microbatches in flight beyond the schedule's)
-#: a pipeline takes: its program is lowered with an action per microbatch and stage.
-MAX_MICROBATCHES = 2**16
-MICROBATCHES_WHY = (
-    ": a step's program holds an action per microbatch and stage (for more samples per "
-    "step use larger microbatches; every microbatch needs at least one sample)"
-)
 
 
 def remat_policies(remat: Any, num_stages: int) -> tuple[str, ...]:
