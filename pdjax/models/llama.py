@@ -20,6 +20,17 @@ declared one parameter with the embedding's through ``sequential(..., tied=...)`
 Weights are initialised as GPT-2's: normal(0.02), the residual branches' output
 projections normal(0.02 / sqrt(2 * num_layers)); RMSNorm scales start at one.
 
+Every parameter carries logical axis names, one per dimension, in its ``nnx`` metadata
+``out_sharding`` (:data:`AXES`; read them with ``variable.get_metadata()["out_sharding"]``):
+the embedding table and the tied head's copy ``(vocab, embed)``; the attention's ``q``
+kernel ``(embed, heads)``, ``k`` and ``v`` ``(embed, kv_heads)``, ``o`` ``(heads,
+embed)``; the MLP's ``gate`` and ``up`` ``(embed, mlp)``, ``down`` ``(mlp, embed)``; the
+RMSNorm scales ``(norm,)``; the untied ``lm_head`` ``(embed, vocab)``. pdjax's default
+rules (:mod:`pdjax.pipeline.sharding`) map ``embed`` to the ``fsdp`` mesh axis, ``heads``,
+``kv_heads``, ``mlp`` and ``vocab`` to ``tensor``, and replicate ``norm``. The names are
+metadata only: the variables are made with ``eager_sharding=False``, so building the model
+needs no mesh and draws the same values as without them.
+
 >>> build_layers(LlamaConfig.tiny()).names
 ('embed', 'block0', 'block1', 'head')
 >>> LlamaConfig.paper().num_params()
@@ -32,6 +43,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +56,7 @@ from pdjax.models._blocks import check_positive, check_rate
 from pdjax.models.spec import LMSampler, ModelSpec
 
 __all__ = [
+    "AXES",
     "TIED",
     "Llama",
     "LlamaAttention",
@@ -61,6 +74,18 @@ __all__ = [
 
 #: The ``tied=`` group of a model with ``tie_embeddings``: the embedding and the head's copy.
 TIED = {"embedding": ("embed/embedding", "head/embedding")}
+
+#: Logical axis names of the parameters, by role (first name = first dimension).
+AXES: dict[str, tuple[str, ...]] = {
+    "embedding": ("vocab", "embed"),  # (vocab_size, d_model); the tied head's copy too
+    "q": ("embed", "heads"),  # (d_model, num_heads * head_dim)
+    "kv": ("embed", "kv_heads"),  # (d_model, num_kv_heads * head_dim), k and v
+    "o": ("heads", "embed"),  # (num_heads * head_dim, d_model)
+    "gate_up": ("embed", "mlp"),  # (d_model, hidden_dim)
+    "down": ("mlp", "embed"),  # (hidden_dim, d_model)
+    "norm": ("norm",),  # RMSNorm scale (d_model,)
+    "lm_head": ("embed", "vocab"),  # (d_model, vocab_size), untied
+}
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:
@@ -242,6 +267,37 @@ def _normal(stddev: float) -> nnx.Initializer:
     return nnx.initializers.normal(stddev)
 
 
+def _axes(role: str) -> dict[str, Any]:
+    """Variable metadata naming the logical axes of a parameter of ``role`` (:data:`AXES`),
+    never sharded on creation (no mesh needed)."""
+    return {"out_sharding": AXES[role], "eager_sharding": False}
+
+
+def _linear(n_in: int, n_out: int, std: float, role: str, rngs: nnx.Rngs) -> nnx.Linear:
+    """A bias-free ``nnx.Linear`` with normal(``std``) weights, its kernel named ``role``."""
+    return nnx.Linear(
+        n_in,
+        n_out,
+        use_bias=False,
+        kernel_init=_normal(std),
+        kernel_metadata=_axes(role),
+        rngs=rngs,
+    )
+
+
+def _rms_norm(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    """An RMSNorm over ``d_model``, its scale named ``(norm,)``."""
+    return nnx.RMSNorm(
+        config.d_model, epsilon=config.rms_norm_eps, scale_metadata=_axes("norm"), rngs=rngs
+    )
+
+
+def _embedding_table(config: LlamaConfig, rngs: nnx.Rngs) -> nnx.Param[jax.Array]:
+    """A normal(0.02) ``(vocab_size, d_model)`` table named ``(vocab, embed)``."""
+    shape = (config.vocab_size, config.d_model)
+    return nnx.Param(_normal(0.02)(rngs.params(), shape, jnp.float32), **_axes("embedding"))
+
+
 def rotary(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> jax.Array:
     """Rotary position embedding of ``x`` ``(..., T, H, D)`` at ``positions`` ``(T,)``.
 
@@ -285,8 +341,7 @@ class LlamaEmbedding(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         self.context = config.context
-        shape = (config.vocab_size, config.d_model)
-        self.embedding = nnx.Param(_normal(0.02)(rngs.params(), shape, jnp.float32))
+        self.embedding = _embedding_table(config, rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
     def __call__(
@@ -314,13 +369,10 @@ class LlamaAttention(nnx.Module):
         self.rope_theta = config.rope_theta
         out_std = 0.02 / math.sqrt(2 * config.num_layers)
 
-        def linear(n_in: int, n_out: int, std: float = 0.02) -> nnx.Linear:
-            return nnx.Linear(n_in, n_out, use_bias=False, kernel_init=_normal(std), rngs=rngs)
-
-        self.q = linear(d, config.num_heads * hd)
-        self.k = linear(d, config.num_kv_heads * hd)
-        self.v = linear(d, config.num_kv_heads * hd)
-        self.o = linear(config.num_heads * hd, d, out_std)
+        self.q = _linear(d, config.num_heads * hd, 0.02, "q", rngs)
+        self.k = _linear(d, config.num_kv_heads * hd, 0.02, "kv", rngs)
+        self.v = _linear(d, config.num_kv_heads * hd, 0.02, "kv", rngs)
+        self.o = _linear(config.num_heads * hd, d, out_std, "o", rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Attends over the positions ``<=`` each query's."""
@@ -341,9 +393,9 @@ class LlamaMLP(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         d, f = config.d_model, config.hidden_dim
         out_std = 0.02 / math.sqrt(2 * config.num_layers)
-        self.gate = nnx.Linear(d, f, use_bias=False, kernel_init=_normal(0.02), rngs=rngs)
-        self.up = nnx.Linear(d, f, use_bias=False, kernel_init=_normal(0.02), rngs=rngs)
-        self.down = nnx.Linear(f, d, use_bias=False, kernel_init=_normal(out_std), rngs=rngs)
+        self.gate = _linear(d, f, 0.02, "gate_up", rngs)
+        self.up = _linear(d, f, 0.02, "gate_up", rngs)
+        self.down = _linear(f, d, out_std, "down", rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """``(B, T, d_model) -> (B, T, d_model)``."""
@@ -355,10 +407,9 @@ class LlamaBlock(nnx.Module):
     ``x + drop(mlp(norm(x)))``; ``(B, T, d_model) -> (B, T, d_model)``."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        d, eps = config.d_model, config.rms_norm_eps
-        self.attn_norm = nnx.RMSNorm(d, epsilon=eps, rngs=rngs)
+        self.attn_norm = _rms_norm(config, rngs)
         self.attn = LlamaAttention(config, rngs=rngs)
-        self.mlp_norm = nnx.RMSNorm(d, epsilon=eps, rngs=rngs)
+        self.mlp_norm = _rms_norm(config, rngs)
         self.mlp = LlamaMLP(config, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
@@ -384,13 +435,12 @@ class LlamaHead(nnx.Module):
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs) -> None:
-        d, v = config.d_model, config.vocab_size
-        self.norm = nnx.RMSNorm(d, epsilon=config.rms_norm_eps, rngs=rngs)
+        self.norm = _rms_norm(config, rngs)
         self.tied = config.tie_embeddings
         if self.tied:
-            self.embedding = nnx.Param(_normal(0.02)(rngs.params(), (v, d), jnp.float32))
+            self.embedding = _embedding_table(config, rngs)
         else:
-            self.lm_head = nnx.Linear(d, v, use_bias=False, kernel_init=_normal(0.02), rngs=rngs)
+            self.lm_head = _linear(config.d_model, config.vocab_size, 0.02, "lm_head", rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Returns the logits."""
@@ -444,6 +494,12 @@ def build_layers(config: LlamaConfig) -> LayerSequence:
     return sequential(*factories, names=names, tied=TIED if config.tie_embeddings else None)
 
 
+def _plain_value(variable: nnx.Variable[Any]) -> Any:
+    """The monolith's linen variables: the bare arrays, without the axis names (which
+    the bridge would otherwise box), as ``layers.split`` takes them."""
+    return variable.get_value()
+
+
 def make_spec(config: LlamaConfig, config_name: str = "custom") -> ModelSpec:
     """The :class:`~pdjax.models.ModelSpec` of a Llama language model with ``config``.
 
@@ -452,14 +508,16 @@ def make_spec(config: LlamaConfig, config_name: str = "custom") -> ModelSpec:
     bridge hands an nnx module RNGs only when it is built, so the monolith runs train mode
     without dropout alone (a config with ``dropout`` 0); call :class:`Llama` itself with
     ``rngs=`` for dropout. Tied, the monolith holds the table once, under ``embed``: give
-    the head its copy (``params["head"]["embedding"]``) before ``layers.split``.
+    the head its copy (``params["head"]["embedding"]``) before ``layers.split``. Its
+    variables are bare arrays: the logical axis names stay on the nnx variables (the
+    layers' templates), not boxed into the linen tree.
     """
     return ModelSpec(
         name="llama",
         config=config_name,
         model_config=config,
         layers=build_layers(config),
-        monolith=bridge.to_linen(Llama, config),
+        monolith=bridge.to_linen(Llama, config, metadata_fn=_plain_value),
         task="language_model",
         num_classes=config.vocab_size,
         sampler=LMSampler(config.seq_len, config.vocab_size),

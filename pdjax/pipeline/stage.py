@@ -84,8 +84,10 @@ from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
 from pdjax.pipeline.layer_traces import LayerTraces
 from pdjax.pipeline.lowering.types import OpFlag, OpKind
 from pdjax.pipeline.optim import StageOptimizer
+from pdjax.pipeline.sharding import ShardingRules, StageSharding, make_mesh
 from pdjax.pipeline.stage_programs import keys_body, program_body
 from pdjax.pipeline.stage_ties import StageTies
+from pdjax.plan.mesh import MeshAxes, describe_mesh, is_sharded
 
 __all__ = ["LossFn", "Stage", "StageTies", "split_loss", "with_aux"]
 
@@ -197,6 +199,8 @@ class Stage:
         remat: bool | str = False,
         scale: float = 1.0,
         round_robin: bool = False,
+        mesh: MeshAxes | None = None,
+        rules: ShardingRules | None = None,
     ) -> None:
         self.index = index
         self.layers = tuple(layers)
@@ -215,13 +219,35 @@ class Stage:
         self.policy = policy_name(remat, PipelineError)
         self.remat = recomputes(self.policy)
         self.scale = scale
-        self.mesh = Mesh(np.asarray(self.devices), ("data",))
-        self.replicated = NamedSharding(self.mesh, _WHOLE)
-        self.batch_sharding = NamedSharding(self.mesh, _BATCH)
+        #: the stage's mesh axes (``(("data", r),)`` unless the plan shards the stage)
+        self.mesh_axes: MeshAxes = mesh if is_sharded(mesh) else (("data", len(self.devices)),)
+        #: the placement of a sharded stage's parameters (None: weights replicated)
+        self.layout: StageSharding | None = None
+        if is_sharded(mesh):
+            if round_robin:
+                raise PipelineError(
+                    f"stage {index} is round-robin (whole microbatches per device) and "
+                    f"sharded ({describe_mesh(self.mesh_axes)}): a round-robin stage holds "
+                    "whole weights on each device; use replication='split' for it"
+                )
+            rules = rules if rules is not None else ShardingRules()
+            self.mesh = make_mesh(self.devices, self.mesh_axes, rules.axis_names)
+            self.layout = StageSharding(self.mesh, rules)
+            self.replicated = self.layout.replicated
+            self.batch_sharding = self.layout.batch
+        else:
+            self.mesh = Mesh(np.asarray(self.devices), ("data",))
+            self.replicated = NamedSharding(self.mesh, _WHOLE)
+            self.batch_sharding = NamedSharding(self.mesh, _BATCH)
         self.trace_counts: dict[str, int] = {}
         # per-device gradient sums (see the module docstring); decided by check_parts
         self.per_device = False
         self.whole_reason = "one device" if self.num_replicas == 1 else "not checked yet"
+        if self.layout is not None:
+            self.whole_reason = (
+                f"sharded ({describe_mesh(self.mesh_axes)}): XLA's partitioner places the "
+                "reductions"
+            )
         # PipeDream's replication: r whole microbatches at once, one per device
         self.round_robin = round_robin and self.num_replicas > 1
         if self.round_robin:
@@ -236,6 +262,23 @@ class Stage:
     @property
     def num_replicas(self) -> int:
         return len(self.devices)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stage's weights are split over its mesh (:mod:`.sharding`)."""
+        return self.layout is not None
+
+    @property
+    def batch_ways(self) -> int:
+        """The row blocks a microbatch is split into on the stage's devices: its devices,
+        or on a sharded stage the sizes of the mesh axes the batch is split over."""
+        return self.layout.batch_ways if self.layout is not None else len(self.devices)
+
+    def shard(self, params: list[PyTree]) -> None:
+        """Decides a sharded stage's parameter shardings from its (abstract) parameters,
+        checking every annotation against the mesh (nothing is compiled); once."""
+        if self.layout is not None and not self.layout.params:
+            self.layout.resolve(self.layers, params, f"stage {self.index}")
 
     # -- programs ---------------------------------------------------------------------------
 
@@ -264,7 +307,9 @@ class Stage:
         first = self.index == 0
         # weights and optimizer state stay replicated: XLA would otherwise carry the batch
         # sharding of the gradient computation into them
-        if kind is OpKind.U:
+        if self.layout is not None:
+            pass  # update() pins the weights and optimizer state to their shardings
+        elif kind is OpKind.U:
             sent = len(self.ties.members) if self.ties is not None else 0
             kwargs["out_shardings"] = (rep,) * (2 + sent)
         elif kind is OpKind.TG:
@@ -315,7 +360,7 @@ class Stage:
         """An eval input (or targets) on the stage's devices: batch-sharded when its rows
         divide among them, else whole on each."""
         n = jax.tree.leaves(tree)[0].shape[0] if jax.tree.leaves(tree) else 0
-        if n and n % self.num_replicas == 0:
+        if n and n % self.batch_ways == 0:
             return self.place_batch(tree)
         return self.place_weights(tree)
 
@@ -640,6 +685,11 @@ class Stage:
         sent: tuple[Any, ...] = ()
         if ties is not None:
             new_w, sent = ties.expand(new_w, treedef, received)
+        if self.layout is not None:  # a sharded stage's new weights keep their shardings
+            n = len(self.layers)
+            pinned = jax.lax.with_sharding_constraint(list(new_w[:n]), self.layout.params)
+            new_w = [*pinned, *new_w[n:]]
+            o = jax.lax.with_sharding_constraint(o, self.layout.like_params(o))
         if scaled:
             new_w = [*new_w, self.optimizer.loss_scale(o)]
         return new_w, o, sent
@@ -682,6 +732,20 @@ class Stage:
         """Puts weights (or optimizer state) on the stage's devices, replicated. A stage
         spanning processes takes them from this process's copy of the whole value."""
         return place(tree, self.replicated)
+
+    def place_params(self, params: list[PyTree]) -> list[PyTree]:
+        """The stage's parameters on its devices: replicated, or on a sharded stage each
+        on its own sharding (:meth:`shard` first)."""
+        if self.layout is None:
+            return self.place_weights(params)
+        placed: list[PyTree] = jax.device_put(params, self.layout.params)
+        return placed
+
+    def place_opt_state(self, opt_state: Any) -> Any:
+        """Optimizer state on the stage's devices, as its parameters are."""
+        if self.layout is None:
+            return self.place_weights(opt_state)
+        return jax.device_put(opt_state, self.layout.like_params(opt_state))
 
     def place_batch(self, tree: PyTree) -> PyTree:
         """Puts an activation or gradient on the stage's devices, batch-sharded (from

@@ -25,6 +25,14 @@ import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError, ScheduleError
+from pdjax.plan.mesh import (
+    MeshAxes,
+    MeshError,
+    describe_mesh,
+    is_sharded,
+    mesh_axes,
+    mesh_size,
+)
 from pdjax.plan.topology import Level, Topology
 from pdjax.schedules.registry import SCHEDULE_KINDS
 from pdjax.schedules.spec import ScheduleSpec
@@ -90,6 +98,11 @@ class StagePlan:
         split across them; the default) or ``"round-robin"`` (PipeDream's: each device takes
         whole microbatches, ``r`` consecutive ones at once, and the stage all-reduces once
         per such group under ``pipedream``). A one-device stage is ``"split"``.
+      mesh: the stage's devices as a mesh, ``((axis, size), ...)`` outermost first
+        (:func:`pdjax.sharding.mesh_axes`: ``data``, ``fsdp``, other names, ``tensor``
+        last, so ``tensor`` runs over neighbouring devices); ``None`` is ``((data, r),)``,
+        the replication every plan before meshes meant. A mesh with an axis other than
+        ``data`` shards the stage's weights (:mod:`pdjax.sharding`).
 
     The planner fills in the three predictions; a stage written by hand for
     :class:`~pdjax.pipeline.Pipeline` (``StagePlan(0, 1, (0,))``: layers 0-1 on device 0,
@@ -104,6 +117,7 @@ class StagePlan:
     compute_seconds: float = 0.0
     memory_bytes: float = 0.0
     replication: str = "split"
+    mesh: MeshAxes | None = None
 
     def __post_init__(self) -> None:
         for name in ("first_layer", "last_layer", "in_flight"):
@@ -145,6 +159,34 @@ class StagePlan:
                 f"stage {self.first_layer}-{self.last_layer} is round-robin on one device; "
                 "a one-device stage is 'split'"
             )
+        if self.mesh is not None:
+            where = f"stage {self.first_layer}-{self.last_layer}"
+            try:
+                mesh = mesh_axes(self.mesh)
+            except MeshError as e:
+                raise PlanError(f"{where}: {e}") from None
+            if mesh_size(mesh) != len(devices):
+                raise PlanError(
+                    f"{where}: mesh {describe_mesh(mesh)} spans {mesh_size(mesh)} devices, the "
+                    f"stage has {len(devices)}; the axis sizes must multiply to its device count"
+                )
+            # the plain data-parallel mesh is the default, written as None
+            object.__setattr__(self, "mesh", mesh if is_sharded(mesh) else None)
+            if self.mesh is not None and self.round_robin:
+                raise PlanError(
+                    f"{where}: a round-robin stage takes whole microbatches per device and "
+                    f"cannot be sharded ({describe_mesh(mesh)}); use replication='split'"
+                )
+
+    @property
+    def mesh_axes(self) -> MeshAxes:
+        """The stage's mesh, ``(("data", r),)`` when it is not sharded."""
+        return self.mesh if self.mesh is not None else (("data", len(self.devices)),)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the stage's weights are split over its mesh (an axis besides ``data``)."""
+        return self.mesh is not None
 
     @property
     def round_robin(self) -> bool:
@@ -354,6 +396,7 @@ class Plan:
         parts = [
             f"stage {s} = layers {st.first_layer}-{st.last_layer} x{st.replicas}"
             + (" round-robin" if st.round_robin else "")
+            + (f" ({describe_mesh(st.mesh)})" if st.mesh is not None else "")
             for s, st in enumerate(self.stages)
         ]
         head = f"{self.config}: " + ", ".join(parts)
@@ -406,6 +449,7 @@ class Plan:
                     "compute_seconds": st.compute_seconds,
                     "memory_bytes": st.memory_bytes,
                     "replication": st.replication,
+                    **({"mesh": dict(st.mesh)} if st.mesh is not None else {}),
                 }
                 for st in self.stages
             ],
@@ -591,6 +635,11 @@ def _stage_from_dict(r: FieldReader, raw: Any, path: str) -> StagePlan:
         # Plans written before round-robin replication split every stage.
         replication=r.string(raw.get("replication", "split"), f"{path}.replication"),
     )
+    if "mesh" in raw:  # plans before sharded stages had none: {data: replicas}
+        mesh = r.mapping(raw["mesh"], f"{path}.mesh")
+        values["mesh"] = tuple(
+            (str(k), r.integer(v, f"{path}.mesh.{k}", minimum=1)) for k, v in mesh.items()
+        )
     try:
         return StagePlan(first_layer=first, last_layer=last, devices=tuple(devices), **values)
     except PlanError as e:  # its own checks: the replication mode

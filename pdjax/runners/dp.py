@@ -1,11 +1,21 @@
 """Data parallelism, the "pjit DP" baseline: the whole model as one jitted train step.
 
-The model's parameters and optimizer state are replicated on every device of a one-axis
-``Mesh`` (``"data"``); each batch is sharded along its first axis over the same axis with
-``NamedSharding``. One ``jax.jit`` function computes the loss, its gradient and the
-optimizer update for the whole batch; XLA partitions it and inserts the gradient
+By default the model's parameters and optimizer state are replicated on every device of a
+one-axis ``Mesh`` (``"data"``); each batch is sharded along its first axis over the same
+axis with ``NamedSharding``. One ``jax.jit`` function computes the loss, its gradient and
+the optimizer update for the whole batch; XLA partitions it and inserts the gradient
 all-reduce. This is what pdjax's pipelines are compared against, and what a plan with one
 stage on all devices computes.
+
+With ``mesh=`` the devices form a mesh of named axes (:mod:`pdjax.pipeline.sharding`),
+e.g. ``{"data": 2, "fsdp": 2, "tensor": 2}``: FSDP (ZeRO-3) and tensor parallelism with
+no pipeline. Each parameter is split over the mesh as the model's annotations and the
+:class:`~pdjax.pipeline.sharding.ShardingRules` say (``embed`` dimensions over ``fsdp``,
+heads, MLP and vocabulary over ``tensor`` by default), the optimizer state as its
+parameter, and each batch's rows over ``data`` and ``fsdp``; BatchNorm statistics stay
+replicated. The step is the same program with those shardings: XLA's SPMD partitioner
+inserts the collectives (the weights' all-gathers, the gradients' reduce-scatters and
+all-reduces), pdjax writes none. A mesh of ``data`` alone is the replicated default.
 
 Semantics match :class:`pdjax.pipeline.executor.Pipeline` with one stage and ``M = 1``:
 a DP step is one microbatch (the whole batch) and one optimizer update with its mean-loss
@@ -59,6 +69,8 @@ from pdjax.pipeline.executor.arguments import (
     check_stream,
 )
 from pdjax.pipeline.optim import on_model_names
+from pdjax.pipeline.sharding import ShardingRules, StageSharding, make_mesh
+from pdjax.plan.mesh import MeshAxes, MeshError, describe_mesh, is_sharded, mesh_axes, mesh_size
 from pdjax.precision import LossScaled, computes_in_float16
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
@@ -68,9 +80,11 @@ class DPState(NamedTuple):
     """Everything data-parallel training carries between steps (a pytree).
 
     Attributes:
-      params: per layer, its ``"params"`` collection (replicated on every device).
+      params: per layer, its ``"params"`` collection (replicated on every device, or on a
+        sharded mesh each parameter on its own sharding).
       model_state: per layer, its other collections (BatchNorm statistics), replicated.
-      opt_state: the optimizer state over ``params``, replicated.
+      opt_state: the optimizer state over ``params``, replicated (on a sharded mesh each
+        leaf shaped as a parameter, such as Adam's moments, sharded as that parameter).
       step: optimizer updates so far, which is also the batches (microbatches) consumed;
         seeds the per-step dropout RNG.
       rng: the base PRNG key for dropout.
@@ -147,12 +161,30 @@ class DataParallel:
       donate: let each :meth:`step` reuse the buffers of the state it is given for the
         new state (less memory; the old state's arrays are deleted and must not be used
         again). Set ``False`` to keep old states alive, e.g. while saving them.
+      mesh: the devices as a mesh of named axes, a dict or ``(axis, size)`` pairs such as
+        ``{"fsdp": 4, "tensor": 2}`` (text such as ``"fsdp=4,tensor=2"``: read it with
+        :func:`pdjax.plan.mesh.parse_mesh`), whose sizes multiply to the device count.
+        The axes are ordered ``data``, ``fsdp``, others, ``tensor`` (the last over
+        neighbouring devices of ``devices``). ``data`` replicates the weights, ``fsdp``
+        splits the batch and the weights (ZeRO-3), ``tensor`` splits each layer's weights
+        (Megatron-style); a batch's rows are split over ``data`` and ``fsdp``
+        (:attr:`batch_ways`). Default (or ``data`` alone): every device one replica. The
+        step's collectives are XLA's, inserted by its SPMD partitioner.
+      sharding: the :class:`~pdjax.pipeline.sharding.ShardingRules` that map the model's
+        parameter annotations to the mesh's axes (default ``ShardingRules()``; e.g.
+        ``ShardingRules(fsdp="auto")`` splits unannotated parameters over ``fsdp``).
 
     Raises:
       PipelineError: for layers that are not a pdjax layer sequence (a plain list: wrap
         it with :func:`pdjax.sequential`), a ``loss_fn`` that is not callable, an
-        optimizer that is not an optax ``GradientTransformation``, or an empty or repeated
-        device list.
+        optimizer that is not an optax ``GradientTransformation``, an empty or repeated
+        device list, or ``sharding`` that is not a ``ShardingRules``.
+      MeshError: for a mesh that is not a dict or ``(axis, size)`` pairs of positive
+        sizes, or whose sizes do not multiply to the device count.
+
+    The shardings of a sharded mesh are decided (and every annotation checked:
+    :class:`~pdjax.pipeline.sharding.ShardingError`) by :meth:`init` or
+    :meth:`state_from_variables`, before anything compiles; :attr:`layout` holds them.
 
     Every jitted function compiles once per input shape; ``trace_counts`` counts traces
     (``"step"`` and ``"evaluate"``).
@@ -166,6 +198,8 @@ class DataParallel:
         *,
         devices: Sequence[jax.Device] | None = None,
         donate: bool = True,
+        mesh: Mapping[str, int] | Sequence[tuple[str, int]] | None = None,
+        sharding: ShardingRules | None = None,
     ) -> None:
         layers = check_layers(layers, "DataParallel")
         check_loss_fn(loss_fn, "DataParallel")
@@ -177,6 +211,19 @@ class DataParallel:
             raise PipelineError("DataParallel needs at least one device; got devices=[]")
         if len(set(self.devices)) != len(self.devices):
             raise PipelineError(f"DataParallel got a device more than once: {self.devices}")
+        axes = _mesh_of(mesh, len(self.devices))
+        if sharding is not None and not isinstance(sharding, ShardingRules):
+            raise PipelineError(
+                "DataParallel sharding must be a pdjax.pipeline.sharding.ShardingRules, got "
+                f"a {type(sharding).__name__}"
+            )
+        if axes is not None:
+            me = jax.process_index()
+            if any(d.process_index != me for d in self.devices):
+                raise PipelineError(
+                    f"DataParallel with mesh {describe_mesh(axes)} spans processes; a sharded "
+                    "mesh runs on one process's devices (devices=jax.local_devices())"
+                )
         if getattr(layers, "tied", ()):
             raise PipelineError(
                 "DataParallel does not support tied parameters (sequential(..., tied=...)): it "
@@ -198,21 +245,45 @@ class DataParallel:
         self._optimizer = on_model_names(optimizer, layers)
         self.workarounds = _xla_cpu.for_data_parallel(self.devices[0].platform, len(self.devices))
         self._run_ahead = _xla_cpu.RunAhead(self.workarounds.run_ahead)
-        self.mesh = Mesh(np.asarray(self.devices), ("data",))
-        self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        #: the mesh's axes, outermost first (``(("data", n),)``: replicated)
+        self.mesh_axes: MeshAxes = axes if axes is not None else (("data", len(self.devices)),)
+        #: the placement of a sharded mesh's parameters (None: replicated), decided by
+        #: :meth:`init` or :meth:`state_from_variables`
+        self.layout: StageSharding | None = None
+        if axes is not None:
+            rules = sharding if sharding is not None else ShardingRules()
+            self.mesh = make_mesh(self.devices, axes, rules.axis_names)
+            self.layout = StageSharding(self.mesh, rules)
+            self.replicated = self.layout.replicated
+            self.batch_sharding = self.layout.batch
+        else:
+            self.mesh = Mesh(np.asarray(self.devices), ("data",))
+            self.replicated = NamedSharding(self.mesh, P())
+            self.batch_sharding = NamedSharding(self.mesh, P("data"))
         self.trace_counts: dict[str, int] = {}
-        self._train_step = jax.jit(
-            count_traces(self.trace_counts, "step", self._step_fn),
-            out_shardings=self.replicated,
-            donate_argnums=(0,) if donate else (),  # (params, model_state, opt_state)
-        )
+        # (params, model_state, opt_state); a sharded mesh's new state is pinned to its
+        # shardings inside the step
+        kwargs: dict[str, Any] = {"donate_argnums": (0,) if donate else ()}
+        if self.layout is None:
+            kwargs["out_shardings"] = self.replicated
+        self._train_step = jax.jit(count_traces(self.trace_counts, "step", self._step_fn), **kwargs)
         self._evaluate = jax.jit(count_traces(self.trace_counts, "evaluate", self._evaluate_fn))
 
     @property
     def num_devices(self) -> int:
-        """Devices the batch is sharded over; every batch size must be a multiple."""
+        """The devices of the mesh."""
         return len(self.devices)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the weights are split over the mesh (a ``mesh`` beyond ``data``)."""
+        return self.layout is not None
+
+    @property
+    def batch_ways(self) -> int:
+        """The row blocks a batch is split into (every batch size must be a multiple):
+        the devices, or on a sharded mesh the sizes of its ``data`` and ``fsdp`` axes."""
+        return self.layout.batch_ways if self.layout is not None else len(self.devices)
 
     @property
     def microbatches(self) -> int:
@@ -233,6 +304,9 @@ class DataParallel:
         """
         check_key(rng, "init")
         check_arrays((("sample", sample),), "init: ")
+        if self.layout is not None:  # every annotation checked before anything compiles
+            shapes = jax.eval_shape(self.layers.init, jax.random.fold_in(rng, 0), sample)
+            self._resolve([v.get("params", {}) for v in shapes])
         key = place(jax.random.fold_in(rng, 0), self.replicated)
         # by the programs a pipeline's stages use (pdjax.layers.init_programs), on the first
         # device: equal layers share one, also with earlier runners of this process
@@ -252,11 +326,14 @@ class DataParallel:
         """A fresh state from given variables (pre-trained, restored): a per-layer list, or
         the merged tree of :meth:`LayerSequence.merge`. Optimizer state starts anew at step 0.
 
-        The arrays are copied onto the mesh, so donation never deletes the caller's.
+        The arrays are copied onto the mesh, so donation never deletes the caller's; on a
+        sharded mesh each parameter onto its sharding (decided here, from the variables'
+        shapes, if :meth:`init` has not).
 
         Raises:
           PipelineError: if the variables do not match the model's layer count, or
             ``rng`` is not one PRNG key.
+          ShardingError: on a sharded mesh, for an annotation or rule that does not fit it.
         """
         check_key(rng, "state_from_variables")
         if isinstance(variables, Mapping):
@@ -265,18 +342,56 @@ class DataParallel:
             raise PipelineError(
                 f"got variables for {len(variables)} layers, the model has {len(self.layers)}"
             )
-        params, model_state = self.replicate(
-            (
-                [v.get("params", {}) for v in variables],
-                [{k: a for k, a in v.items() if k != "params"} for v in variables],
-            )
-        )
-        opt_state = self.replicate(jax.jit(self._optimizer.init)(params))
+        raw = [v.get("params", {}) for v in variables]
+        states = [{k: a for k, a in v.items() if k != "params"} for v in variables]
+        if self.layout is None:
+            params, model_state = self.replicate((raw, states))
+            opt_state = self.replicate(jax.jit(self._optimizer.init)(params))
+        else:
+            self._resolve(raw)
+            params = self.place_params(raw)
+            model_state = self.replicate(states)
+            opt_state = self.place_opt_state(jax.jit(self._optimizer.init)(params))
         return DPState(params, model_state, opt_state, 0, place(rng, self.replicated))
+
+    def _resolve(self, params: Sequence[PyTree]) -> None:
+        """Decides a sharded mesh's parameter shardings from per-layer parameters (arrays
+        or shapes), checking them against the mesh; once."""
+        if self.layout is not None and not self.layout.params:
+            self.layout.resolve(
+                self.layers.layers, list(params), f"DataParallel ({describe_mesh(self.mesh_axes)})"
+            )
+
+    def place_params(self, params: list[PyTree]) -> list[PyTree]:
+        """A copy of per-layer parameters on the mesh: replicated, or on a sharded mesh
+        each on its sharding (:attr:`layout`; decided first by :meth:`init` or
+        :meth:`state_from_variables`)."""
+        if self.layout is None:
+            placed: list[PyTree] = self.replicate(params)
+            return placed
+        placed = _copy(jax.device_put(params, self._params_layout()))
+        return placed
+
+    def place_opt_state(self, opt_state: optax.OptState) -> optax.OptState:
+        """A copy of optimizer state on the mesh: replicated, or on a sharded mesh each
+        leaf shaped as a parameter (Adam's moments) sharded as that parameter."""
+        if self.layout is None:
+            return self.replicate(opt_state)
+        return _copy(jax.device_put(opt_state, self.layout.like_params(opt_state)))
+
+    def _params_layout(self) -> list[PyTree]:
+        """The parameters' shardings; refused before they are decided."""
+        if self.layout is None or not self.layout.params:
+            raise PipelineError(
+                "DataParallel's parameter shardings are decided by init or "
+                "state_from_variables: make the state with this DataParallel first"
+            )
+        return self.layout.params
 
     def replicate(self, tree: PyTree) -> PyTree:
         """A copy of ``tree`` (weights, optimizer state) on every device, e.g. to put
-        restored arrays into a :class:`DPState` with ``state._replace(opt_state=...)``."""
+        restored arrays into a :class:`DPState` with ``state._replace(opt_state=...)``
+        (on a sharded mesh: :meth:`place_params`, :meth:`place_opt_state`)."""
         # device_put may reuse the caller's buffer as one replica (even with
         # may_alias=False when the devices differ); the jitted copy never does, so
         # donating the state cannot delete the caller's arrays.
@@ -297,7 +412,7 @@ class DataParallel:
 
         Raises:
           PipelineError: if a leaf is not an array of numbers, the leaves disagree on the
-            batch size or it is not a multiple of :attr:`num_devices`.
+            batch size or it is not a multiple of :attr:`batch_ways`.
         """
         check_arrays((("batch", tree),), "")
         sizes = {np.shape(leaf)[0] if np.ndim(leaf) else None for leaf in jax.tree.leaves(tree)}
@@ -306,11 +421,19 @@ class DataParallel:
             raise PipelineError(
                 f"every input and target needs the same leading batch axis; got sizes {sizes}"
             )
-        if n % self.num_devices:
+        ways = self.batch_ways
+        if n % ways and self.layout is not None:
             raise PipelineError(
-                f"a batch of {n} samples cannot be sharded evenly over {self.num_devices} "
-                f"devices; use a batch size that is a multiple of {self.num_devices} "
-                f"(e.g. {max(1, n // self.num_devices) * self.num_devices}) or pass fewer "
+                f"a batch of {n} samples cannot be split evenly into the {ways} row blocks "
+                f"of mesh {describe_mesh(self.mesh_axes)} (its data and fsdp axes); use a "
+                f"batch size that is a multiple of {ways} (e.g. {max(1, n // ways) * ways}) "
+                "or a mesh with smaller data and fsdp axes"
+            )
+        if n % ways:
+            raise PipelineError(
+                f"a batch of {n} samples cannot be sharded evenly over {ways} "
+                f"devices; use a batch size that is a multiple of {ways} "
+                f"(e.g. {max(1, n // ways) * ways}) or pass fewer "
                 "devices=..."
             )
         return place(tree, self.batch_sharding)
@@ -323,7 +446,7 @@ class DataParallel:
         Raises:
           PipelineError: for a state that is not a :class:`DPState` (a pipeline's state),
             a batch that is not an ``(inputs, targets)`` pair of arrays, or a batch size
-            that is not a multiple of :attr:`num_devices`.
+            that is not a multiple of :attr:`batch_ways`.
         """
         t0 = time.perf_counter()
         _check_state(state, "step")
@@ -398,7 +521,7 @@ class DataParallel:
 
         Raises:
           PipelineError: for no rows, or a batch whose size is not a multiple of
-            :attr:`num_devices`.
+            :attr:`batch_ways`.
         """
         _check_state(state, "predict")
         check_arrays((("inputs", inputs),), "")
@@ -425,14 +548,14 @@ class DataParallel:
 
         Args:
           state: the training state (not consumed).
-          inputs: a batch ``(B, ...)`` with ``B`` a multiple of :attr:`num_devices`.
+          inputs: a batch ``(B, ...)`` with ``B`` a multiple of :attr:`batch_ways`.
 
         Returns:
           The outputs (e.g. logits ``(B, num_classes)``), sharded on the batch axis.
 
         Raises:
           PipelineError: for a state that is not a :class:`DPState`, a leaf that is not an
-            array of numbers, or a batch size that is not a multiple of :attr:`num_devices`.
+            array of numbers, or a batch size that is not a multiple of :attr:`batch_ways`.
         """
         _check_state(state, "evaluate")
         return self._evaluate(state.params, state.model_state, self.place_batch(inputs))
@@ -458,14 +581,47 @@ class DataParallel:
             return loss, (new_state, aux)
 
         (loss, (new_state, aux)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        if self.layout is not None:  # each gradient reduced onto its parameter's shards
+            grads = jax.lax.with_sharding_constraint(grads, self._params_layout())
         updates, opt_state = self._optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_state, opt_state, with_aux(loss, aux)
+        new_params = optax.apply_updates(params, updates)
+        if self.layout is not None:  # the new state keeps the shardings it came with
+            new_params = jax.lax.with_sharding_constraint(new_params, self._params_layout())
+            o_layout = self.layout.like_params(opt_state)
+            opt_state = jax.lax.with_sharding_constraint(opt_state, o_layout)
+            new_state = jax.lax.with_sharding_constraint(new_state, self.replicated)
+        return new_params, new_state, opt_state, with_aux(loss, aux)
 
     def _evaluate_fn(
         self, params: list[PyTree], model_state: list[Variables], inputs: PyTree
     ) -> PyTree:
         variables = [{**s, "params": p} for p, s in zip(params, model_state, strict=True)]
         return self.layers.apply(variables, inputs, train=False)[0]
+
+
+def _mesh_of(mesh: Any, devices: int) -> MeshAxes | None:
+    """``mesh`` (a dict or pairs) as :func:`~pdjax.plan.mesh.mesh_axes`, checked to span
+    ``devices``; None for no mesh or one of ``data`` alone (replicated)."""
+    if mesh is None:
+        return None
+    if isinstance(mesh, str | bytes):
+        raise MeshError(
+            f"DataParallel mesh takes a dict or (axis, size) pairs, got the text {mesh!r}; "
+            "read text with pdjax.plan.mesh.parse_mesh, or write e.g. {'fsdp': 4, 'tensor': 2}"
+        )
+    if not isinstance(mesh, Mapping | Sequence):
+        raise MeshError(
+            "DataParallel mesh takes a dict or (axis, size) pairs such as "
+            f"{{'fsdp': 4, 'tensor': 2}}, got a {type(mesh).__name__}"
+        )
+    axes = mesh_axes(mesh)
+    if mesh_size(axes) != devices:
+        raise MeshError(
+            f"DataParallel mesh {describe_mesh(axes)} spans {mesh_size(axes)} devices, it has "
+            f"{devices}: the mesh's sizes must multiply to the device count (pass "
+            "devices=... or change the mesh)"
+        )
+    return axes if is_sharded(axes) else None
 
 
 def _check_state(state: Any, call: str) -> None:

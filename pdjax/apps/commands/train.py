@@ -147,6 +147,21 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         help="--plan auto without replication: a pure pipeline, one stage per device",
     )
     p.add_argument(
+        "--mesh",
+        default="",
+        metavar="AXIS=N,...",
+        help="each stage's devices as a mesh, e.g. fsdp=2,tensor=2 (one for every stage) "
+        "or 'tensor=2;fsdp=2' (one per stage): the model's sharding annotations split its "
+        "weights, optimizer state and weight versions over fsdp and tensor, the batch over "
+        "data and fsdp; with --plan even (devices / mesh size stages), a plan file, or "
+        "--schedule dp",
+    )
+    p.add_argument(
+        "--fsdp-auto",
+        action="store_true",
+        help="with --mesh: shard the parameters the model does not annotate over fsdp (ZeRO-3)",
+    )
+    p.add_argument(
         "--min-stages",
         action=positive_int(MAX_DEVICES, "each stage needs a device"),
         default=1,
@@ -486,6 +501,8 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         straight=args.straight,
         transport=args.transport,
         replication=args.replication,
+        mesh=args.mesh,
+        fsdp_auto=args.fsdp_auto,
     )
     variants = _variants(args)
     for variant in variants[1:]:  # --min-stages restricts the plans of those that run one

@@ -15,6 +15,7 @@ from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
+from pdjax.plan.mesh import MeshAxes, MeshError, mesh_size, parse_mesh
 from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
 from pdjax.schedules.spec import OPTIONS, option_owners
 
@@ -107,6 +108,13 @@ class TrainConfig:
         choice, split when the plan says nothing), ``"split"`` or ``"round-robin"``
         (:class:`~pdjax.pipeline.Pipeline`).
       allow_stale: ``schedule="auto"``: the search may choose ``pipedream`` or ``2bw``.
+      mesh: each stage's devices as a mesh (:mod:`pdjax.pipeline.sharding`):
+        ``"fsdp=2,tensor=2"`` for every stage, or one per stage separated by ``;``; with
+        ``plan="even"`` the run has ``devices`` / the mesh's size stages; with
+        ``schedule="dp"`` one mesh over all devices. The model's annotations place the
+        parameters (:data:`~pdjax.pipeline.sharding.DEFAULT_RULES`).
+      fsdp_auto: shard the parameters the model does not annotate over the mesh's
+        ``fsdp`` axis, along their largest dimension it divides (ZeRO-3).
 
     ``schedule="auto"`` profiles the model (measured) and lets
     :func:`~pdjax.partition.plan_auto` choose the schedule, the microbatches, the stages
@@ -143,6 +151,8 @@ class TrainConfig:
     min_stages: int = 1
     vocab_size: int | None = None
     precision: str = "float32"
+    mesh: str = ""
+    fsdp_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -195,6 +205,7 @@ class TrainConfig:
                 f"unknown transport {self.transport!r}; choose {', '.join(first)} or {last}"
             )
         self._check_options()
+        self._check_mesh()
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         self._check_min_stages()
@@ -216,6 +227,57 @@ class TrainConfig:
             raise PipelineError(
                 f"{name} is an option of {option_owners(name)}, not of "
                 f"{setting('schedule', self.schedule)}"
+            )
+
+    @property
+    def meshes(self) -> tuple[MeshAxes, ...]:
+        """The stages' meshes (one for every stage, or one per stage); empty: none."""
+        if not self.mesh:
+            return ()
+        return tuple(parse_mesh(part) for part in self.mesh.split(";"))
+
+    def _check_mesh(self) -> None:
+        """A mesh is read, fits the devices, and goes with stages it can shape: an even
+        plan, a plan file, an interleaved or zb-v run, or data parallelism."""
+        if not isinstance(self.mesh, str):
+            raise PipelineError(
+                f"mesh must be a string such as 'data=2,tensor=2', got {self.mesh!r}"
+            )
+        if self.fsdp_auto and not self.mesh:
+            raise PipelineError(
+                f"{setting('fsdp_auto', True)} shards parameters over a mesh's fsdp axis: "
+                f"give one, e.g. {setting('mesh', 'fsdp=4')}"
+            )
+        if not self.mesh:
+            return
+        try:
+            meshes = self.meshes
+        except MeshError as e:
+            raise PipelineError(str(e)) from None
+        sizes = {mesh_size(m) for m in meshes}
+        if self.schedule == "auto" or (self.plan == "auto" and runs_plan(self.schedule)):
+            raise PipelineError(
+                f"{setting('mesh', self.mesh)} shapes the stages of an even plan or a plan "
+                "file; the planner does not choose meshes yet: pass "
+                f"{setting('plan', 'even')} or {setting('plan', 'plan.json')}, with a "
+                "schedule of its own"
+            )
+        if len(sizes) > 1 and (self.plan == "even" or not runs_plan(self.schedule)):
+            raise PipelineError(
+                f"{setting('mesh', self.mesh)}: the stages of an even plan have equal device "
+                "counts, so their meshes must have equal sizes; give one mesh for every stage"
+            )
+        size = max(sizes)
+        if self.schedule == "dp" and (len(meshes) > 1 or size != self.devices):
+            raise PipelineError(
+                f"data parallelism runs one mesh over all {self.devices} devices; "
+                f"{setting('mesh', self.mesh)} spans {size}: give one mesh whose sizes multiply "
+                f"to {self.devices}"
+            )
+        if self.devices % size:
+            raise PipelineError(
+                f"{setting('mesh', self.mesh)} spans {size} devices, which does not divide "
+                f"{setting('devices', self.devices)}: each stage takes {size} devices"
             )
 
     def _check_loss_scaling(self) -> None:

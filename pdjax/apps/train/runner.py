@@ -3,6 +3,7 @@ plan's stages (equal layer counts for ``interleaved`` and ``zb-v``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -17,6 +18,8 @@ from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.partition import Plan
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.pipeline.sharding import ShardingRules
+from pdjax.plan.mesh import describe_mesh, mesh_size
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
 
@@ -33,10 +36,13 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
     :class:`~pdjax.partition.Plan` to run, else :func:`plan_of`'s)."""
     L = len(spec.layers)
     kind = SCHEDULE_KINDS.get(cfg.schedule)
+    width = mesh_size(cfg.meshes[0]) if cfg.meshes else 1  # devices per stage
     if kind is not None and not kind.runs_plan_stages:  # equal chunks, placed by the schedule
-        P = cfg.devices  # sizes checked by check()
+        P = cfg.devices // width  # sizes checked by check()
         chunks = kind.chunks_for(cfg.chunks)
-        stages = even_stages(L, P * chunks, placement=kind.name, chunks=chunks)
+        stages = _with_meshes(
+            cfg, even_stages(L, P * chunks, width, placement=kind.name, chunks=chunks)
+        )
         if kind.semantics.v_shaped:
             text = f"{kind.name}: {len(stages)} chunks of {L} layers in a V over {P} devices"
         else:
@@ -45,9 +51,51 @@ def _stages(cfg: TrainConfig, spec: ModelSpec, sample: Any, plan: Any = None) ->
     if plan is None:
         plan = plan_of(cfg, spec, sample)
     if plan is None:
-        stages = even_stages(L, min(L, cfg.devices))
+        stages = _with_meshes(cfg, even_stages(L, min(L, cfg.devices // width), width))
+        if cfg.meshes:
+            each = ", ".join(
+                f"{describe_mesh(st.mesh_axes)}"
+                for st in stages[: 1 if len(cfg.meshes) == 1 else None]
+            )
+            return (
+                stages,
+                f"even: {len(stages)} stages of {L} layers, each on {width} devices ({each})",
+            )
         return stages, f"even: {len(stages)} stages of {L} layers, one device each"
+    plan = _with_meshes(cfg, plan)
     return plan, plan.describe().splitlines()[0]
+
+
+def _with_meshes(cfg: TrainConfig, stages: Any) -> Any:
+    """``stages`` (a Plan or StagePlans) with ``cfg``'s meshes (one for all, or one per
+    stage), refused where a stage's device count is not its mesh's size."""
+    meshes = cfg.meshes
+    if not meshes:
+        return stages
+    specs = stages.stages if isinstance(stages, Plan) else tuple(stages)
+    if len(meshes) == 1:
+        meshes = meshes * len(specs)
+    if len(meshes) != len(specs):
+        raise PipelineError(
+            f"{setting('mesh', cfg.mesh)} gives {len(meshes)} meshes for {len(specs)} stages: "
+            "give one for every stage, or one per stage separated by ';'"
+        )
+    new = []
+    for s, (st, mesh) in enumerate(zip(specs, meshes, strict=True)):
+        if mesh_size(mesh) != len(st.devices):
+            raise PipelineError(
+                f"stage {s} has {len(st.devices)} devices and {setting('mesh', cfg.mesh)} "
+                f"gives it a mesh of {mesh_size(mesh)} ({describe_mesh(mesh)}); give each "
+                "stage a mesh of its device count"
+            )
+        new.append(dataclasses.replace(st, mesh=mesh))
+    if isinstance(stages, Plan):
+        return dataclasses.replace(stages, stages=tuple(new))
+    return tuple(new)
+
+
+def _rules(cfg: TrainConfig) -> ShardingRules:
+    return ShardingRules(fsdp="auto" if cfg.fsdp_auto else None)
 
 
 def make_runner(
@@ -67,10 +115,17 @@ def make_runner(
     check_devices(cfg)
     devices = jax.devices()
     if cfg.schedule == "dp":  # the one place that picks the runner
+        mesh = cfg.meshes[0] if cfg.meshes else None
         dp = DataParallel(
-            spec.layers, spec.loss, _optimizer(cfg, total_updates), devices=devices[: cfg.devices]
+            spec.layers,
+            spec.loss,
+            _optimizer(cfg, total_updates),
+            devices=devices[: cfg.devices],
+            mesh=mesh,
+            sharding=_rules(cfg),
         )
-        return dp, f"data parallel on {cfg.devices} devices"
+        on = f" ({describe_mesh(mesh)})" if mesh is not None else ""
+        return dp, f"data parallel on {cfg.devices} devices{on}"
     stages, text = _stages(cfg, spec, sample, plan)
     # a plan's memory policies per stage (plan_auto's choice)
     remat = stages.schedule.remat if isinstance(stages, Plan) else False
@@ -82,8 +137,9 @@ def make_runner(
         schedule=cfg.spec.replace(remat=remat),
         devices=devices,
         transport=cfg.transport,
+        sharding=_rules(cfg),
     )
-    for s, r in enumerate(runner.replicas):
+    for s, r in enumerate(runner.stage_set.batch_ways):
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:
             raise PipelineError(
                 f"the plan replicates stage {s} on {r} devices but a microbatch has "

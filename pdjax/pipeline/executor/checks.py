@@ -447,7 +447,7 @@ def split_batch(
         if n % k:
             raise PipelineError(
                 f"batch of {n} samples cannot be split into {M} microbatches of equal "
-                f"size, each divisible by stage {s}'s {replicas[s]} replicas; use a "
+                f"size, each divisible by stage {s}'s {replicas[s]} batch shards; use a "
                 f"batch size that is a multiple of {int(np.lcm.reduce(need))}"
             )
     size = n // M

@@ -225,7 +225,9 @@ class Decisions:
             return
         ss = self.stage_set
         replicated = [
-            s for s, st in enumerate(ss.stages) if st.num_replicas > 1 and not st.round_robin
+            s
+            for s, st in enumerate(ss.stages)
+            if st.num_replicas > 1 and not st.round_robin and not st.sharded
         ]
         if not replicated:
             self.parts_checked = True

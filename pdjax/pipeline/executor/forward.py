@@ -372,7 +372,7 @@ class Forward:
         """Whether an item of ``n`` rows crosses from stage ``s`` to ``s + 1`` split along
         its rows (both stages split it evenly), rather than whole."""
         stages = self.stage_set.stages
-        return n % stages[s].num_replicas == 0 and n % stages[s + 1].num_replicas == 0
+        return n % stages[s].batch_ways == 0 and n % stages[s + 1].batch_ways == 0
 
     def _move(self, s: int, y: Any, spec: Any, n: int) -> Any:
         """Stage ``s``'s output ``y`` (None where this process holds none of its devices)
@@ -396,7 +396,7 @@ class Forward:
         if link is None:
             link = self._links[key] = self.transport.link(src, dst, spec, replicated=not batch)
         got = link(y)
-        if got is not None and not batch and dst.num_replicas > 1 and n % dst.num_replicas == 0:
+        if got is not None and not batch and dst.num_replicas > 1 and n % dst.batch_ways == 0:
             got = jax.device_put(got, dst.batch_sharding)
         return got
 

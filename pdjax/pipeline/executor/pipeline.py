@@ -55,6 +55,7 @@ from pdjax.pipeline.executor.trees import (
 )
 from pdjax.pipeline.lowering import Program, Slot
 from pdjax.pipeline.optim import StageOptimizer
+from pdjax.pipeline.sharding import ShardingRules
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import Schedule, ScheduleSpec, schedule_kind, semantics
@@ -107,6 +108,12 @@ class Pipeline:
         per stage and update; flush schedules and ``2bw``); any other coupling raises when
         the state is built (:mod:`pdjax.pipeline.optim`). ``"stage"``: run the optimizer on
         each stage alone, knowingly (e.g. clipping each stage by its own norm).
+      sharding: how a sharded stage's parameters map onto its mesh (a plan stage's
+        :attr:`~pdjax.plan.StagePlan.mesh` with an axis besides ``data``):
+        :class:`~pdjax.pipeline.sharding.ShardingRules`, the logical-axis rules, ZeRO-3 for
+        unannotated parameters (``fsdp="auto"``) or a function of each parameter; default
+        ``ShardingRules()`` (:data:`~pdjax.pipeline.sharding.DEFAULT_RULES`). Unused
+        when no stage is sharded.
 
     Tied parameters (``sequential(..., tied=...)``) train as one parameter: every copy
     starts as the group's first listed leaf, the group's gradient is the sum of its
@@ -139,6 +146,7 @@ class Pipeline:
         devices: Sequence[jax.Device] | None = None,
         transport: str = "auto",
         optimizer_scope: Literal["model", "stage"] = "model",
+        sharding: ShardingRules | None = None,
     ) -> None:
         layers = check_layers(layers, "Pipeline")
         check_loss_fn(loss_fn, "Pipeline")
@@ -170,6 +178,7 @@ class Pipeline:
             optimizer=optimizer,
             loss_fn=loss_fn,
             replication=spec.replication,
+            sharding=sharding,
         )
         if schedule_kind(name).needs_microbatches_per_stage and M < self.num_groups:
             raise PipelineError(
@@ -371,6 +380,9 @@ class Pipeline:
         self.check_shapes(sample)
         self.checker.init_shapes = shapes_text(sample)
         key = jax.random.fold_in(rng, 0)
+        if any(st.sharded for st in self.stages):  # every annotation checked, nothing compiled
+            shapes = jax.eval_shape(self.layers.init, key, sample)
+            self._shard([v.get("params", {}) for v in shapes])
         if self.multiprocess:  # every process builds the whole model (same key, same values)
             variables = jax.jit(self.layers.init)(key, sample)
         else:  # each stage's layers on its own devices, never the whole model on one
@@ -389,6 +401,12 @@ class Pipeline:
                 )
                 variables += vs
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
+
+    def _shard(self, params: Sequence[PyTree]) -> None:
+        """Decides each sharded stage's parameter shardings from the model's per-layer
+        parameters (arrays or shapes), checking them before anything compiles."""
+        for stage, spec in zip(self.stages, self.stage_specs, strict=True):
+            stage.shard(list(params[spec.first_layer : spec.last_layer + 1]))
 
     def state_from_variables(
         self, variables: Sequence[Variables] | Mapping[str, Any], rng: jax.Array
@@ -409,6 +427,7 @@ class Pipeline:
             [v.get("params", {}) for v in variables[sp.first_layer : sp.last_layer + 1]]
             for sp in self.stage_specs
         ]
+        self._shard([p for sp in stage_params for p in sp])
         _, optimizer = self._settle(stage_params)
         params, model_state, opt_state = [], [], []
         for s, (stage, spec) in enumerate(zip(self.stages, self.stage_specs, strict=True)):
@@ -416,7 +435,8 @@ class Pipeline:
             # another process's stage: global arrays with no shard here (shapes only: they
             # size the transfers; orbax saves each process's own shards)
             place = stage.place_weights if self.local[s] else partial(remote, stage.replicated)
-            p = place([v.get("params", {}) for v in vs])
+            raw = [v.get("params", {}) for v in vs]
+            p = stage.place_params(raw) if self.local[s] else place(raw)
             if stage.ties is not None and self.local[s]:
                 p = unaliased(p, [])  # tied copies here: one buffer each (donated apart)
             params.append(p)
@@ -426,7 +446,7 @@ class Pipeline:
             )
             if stage.ties is not None:
                 init = compose(init, stage.ties.view)
-            o = place(init(p))
+            o = stage.place_opt_state(init(p)) if self.local[s] else place(init(p))
             # an optimizer state that holds the parameters' own buffers (cocob, dog,
             # schedule-free keep the initial parameters) would be donated with them
             opt_state.append(unaliased(o, p) if self.local[s] else o)
@@ -451,7 +471,7 @@ class Pipeline:
           dimension) than the others, or the rows are not divisible by ``M`` times every
           stage's replicas.
         """
-        return split_batch(batch, self.microbatches, self.replicas)
+        return split_batch(batch, self.microbatches, self.stage_set.batch_ways)
 
     def step(
         self,
@@ -519,7 +539,7 @@ class Pipeline:
         rows = self.checker.check_items(state, microbatches, "microbatch", with_targets=True)
         if self.decisions.settle_replication(state):
             self.programs.clear()
-        split = tuple(st.num_replicas for st in self.stages if not st.round_robin)
+        split = tuple(st.batch_ways for st in self.stages if not st.round_robin)
         for k, n in enumerate(rows):
             bad = [r for r in split if n < 1 or n % r]
             if bad:

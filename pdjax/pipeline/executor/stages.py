@@ -22,8 +22,10 @@ from pdjax.pipeline.executor.config import (
     tied_stage_groups,
 )
 from pdjax.pipeline.lowering import Placement, StagePlace
+from pdjax.pipeline.sharding import ShardingRules
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.pipeline.transport import Transport, auto_transport, make_transport
+from pdjax.plan.mesh import describe_mesh
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import ROUND_ROBIN, semantics, stage_groups
 
@@ -41,6 +43,8 @@ class StageSet:
       num_groups: device groups ``P``.
       stage_device: the device group of each stage (the schedule's ``stage_device``).
       replicas: per device group, its devices.
+      batch_ways: per device group, the row blocks a microbatch is split into (its
+        devices, or a sharded stage's batch axes).
       process_index: this process.
       owners: per stage, the processes that hold its devices.
       local: per stage, whether this process holds some of its devices.
@@ -53,6 +57,7 @@ class StageSet:
     num_groups: int
     stage_device: tuple[int, ...]
     replicas: tuple[int, ...]
+    batch_ways: tuple[int, ...]
     process_index: int
     owners: tuple[frozenset[int], ...]
     local: tuple[bool, ...]
@@ -111,6 +116,7 @@ def build_stages(
     optimizer: optax.GradientTransformation,
     loss_fn: LossFn,
     replication: str | Sequence[str] | None,
+    sharding: ShardingRules | None = None,
 ) -> tuple[StageSet, Replication]:
     """The stage set of a plan (``specs``, its stages; their device ids among ``devices``)
     under ``schedule``, and its replication modes; refuses a plan the schedule cannot
@@ -152,6 +158,8 @@ def build_stages(
                 remat=remat[s],
                 scale=scale(schedule, microbatches, len(spec.devices), round_robin[g]),
                 round_robin=round_robin[g],
+                mesh=spec.mesh,
+                rules=sharding,
             )
         )
     # multi-controller runs (jax.distributed): the stages this process drives; per stage,
@@ -159,6 +167,14 @@ def build_stages(
     # them runs the stage's programs, SPMD)
     process_index = jax.process_index()
     owners = tuple(frozenset(d.process_index for d in st.devices) for st in stages)
+    sharded = [s for s, st in enumerate(stages) if st.sharded]
+    if sharded and any(o != {process_index} for o in owners):
+        raise PipelineError(
+            f"stage {sharded[0]} is sharded ({describe_mesh(stages[sharded[0]].mesh_axes)}) "
+            "and the pipeline spans processes: sharded stages run in one process so far; "
+            "run the plan in one process, or drop the stages' meshes (replicated stages "
+            "run across processes)"
+        )
     stage_set = StageSet(
         stages=tuple(stages),
         specs=specs,
@@ -166,6 +182,7 @@ def build_stages(
         num_groups=num_groups,
         stage_device=stage_device,
         replicas=tuple(len(spec.devices) for spec in specs[:num_groups]),
+        batch_ways=tuple(st.batch_ways for st in stages[:num_groups]),
         process_index=process_index,
         owners=owners,
         local=tuple(process_index in o for o in owners),
