@@ -139,9 +139,40 @@ def _dp_train():
                   for i, p in enumerate(params)}), losses  # fmt: skip
 
 
+def _sharded_train():
+    """Llama tiny, a sharded stage per process: stage 0 on devices 0-1 as (tensor 2),
+    stage 1 on devices 2-3 as (fsdp 2), 1f1b; every stage's params, and the losses."""
+    from pdjax.models import get_model
+    from pdjax.partition import StagePlan
+    from pdjax.pipeline import Pipeline
+
+    spec = get_model("llama", "tiny")
+    stages = [
+        StagePlan(0, 1, (0, 1), mesh={"tensor": 2}),
+        StagePlan(2, 3, (2, 3), mesh={"fsdp": 2}),
+    ]
+    pipe = Pipeline(
+        spec.layers,
+        stages,
+        spec.loss,
+        optax.adamw(1e-2),
+        schedule=ScheduleSpec("1f1b", microbatches=M),
+    )
+    key = jax.random.key(0)
+    n = STEPS * M * MB
+    x, y = spec.sample_input(n, key), spec.sample_target(n, key)
+    mbs = [jax.tree.map(lambda a, k=k: a[k * MB : (k + 1) * MB], (x, y)) for k in range(n // MB)]
+    state = pipe.init(jax.random.key(3), mbs[0][0])
+    losses = []
+    for t in range(STEPS):
+        state, metrics = pipe.run(state, mbs[t * M : (t + 1) * M])
+        losses += [float(v) for v in metrics.losses]
+    return _all_params(pipe, state), losses
+
+
 #: What one launch of 2 processes x 2 devices runs, in order (each result saved under its
 #: name): the tests comparing them share the launch (:func:`two_processes`).
-TWO = ("pipedream", "1f1b", "checkpoint", "dp", "span-1f1b", "span-pipedream")
+TWO = ("pipedream", "1f1b", "checkpoint", "dp", "span-1f1b", "span-pipedream", "sharded")
 #: The same for 4 processes x 1 device (:func:`four_processes`).
 FOUR = ("pipedream", "1f1b", "span-1f1b", "checkpoint")
 
@@ -157,6 +188,8 @@ def _scenario(name: str, out_dir: str) -> None:
         _checkpoint_worker(out_dir, path)
     elif name == "dp":
         save(*_dp_train())
+    elif name == "sharded":
+        save(*_sharded_train())
     else:  # span-: stage 1 on one device of each of 2 processes
         params, losses = _train(name.removeprefix("span-"), span=name.startswith("span-"))
         save(_flat(params), losses)
@@ -333,6 +366,14 @@ def test_a_replicated_stage_spans_processes(two_processes, schedule):
     params, losses = _reference(schedule, span=True)
     saved = _saved(two_processes, f"span-{schedule}", 2)
     _assert_saved(saved, _flat(params), losses, exact=False)
+
+
+def test_sharded_stages_one_per_process_train_like_one_process(two_processes):
+    """A sharded stage in each process (tensor 2 in one, fsdp 2 in the other: activations
+    and gradients cross between differently sharded stages, each shard once) trains bit
+    for bit as the same plan in one process on 4 devices."""
+    want, losses = _sharded_train()
+    _assert_saved(_saved(two_processes, "sharded", 2), want, losses)
 
 
 def test_device_put_between_three_processes_is_refused_with_a_reason(tmp_path):

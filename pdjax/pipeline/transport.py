@@ -422,19 +422,36 @@ def _rows(n: int, parts: int, i: int) -> tuple[int, int]:
     return i * n // parts, (i + 1) * n // parts
 
 
+def _ranges(n: int, stage: Stage) -> list[tuple[int, int]]:
+    """Per device of ``stage``, the rows ``[lo, hi)`` of a batch-sharded value of ``n`` rows
+    it holds: an even split over the devices, or on a sharded stage over its batch axes
+    (devices that differ only along the others, e.g. ``tensor``, hold the same rows)."""
+    if stage.batch_ways == len(stage.devices):
+        return [_rows(n, len(stage.devices), i) for i in range(len(stage.devices))]
+    index = stage.batch_sharding.devices_indices_map((n,))
+    out = []
+    for d in stage.devices:
+        rows = index[d][0]
+        out.append((rows.start or 0, n if rows.stop is None else rows.stop))
+    return out
+
+
 def _overlaps(
     n: int, src: Stage, dst: Stage, replicated: bool
 ) -> list[tuple[int, jax.Device, jax.Device, int, int, int]]:
     """The parts of a value of ``n`` rows moving from ``src`` to ``dst``, in the order every
     process moves them: ``(destination index, destination device, source device, first row,
     end row, the source part's first row)``. A batch-sharded value moves each overlap of a
-    source and a destination part; a replicated one goes whole from the first source."""
+    destination part and a source part (from the first source device holding those rows);
+    a replicated one goes whole from the first source."""
     out = []
-    for i, d in enumerate(dst.devices):
-        lo, hi = (0, n) if replicated else _rows(n, len(dst.devices), i)
-        sources = [src.devices[0]] if replicated else src.devices
-        for j, e in enumerate(sources):
-            start, stop = (0, n) if replicated else _rows(n, len(src.devices), j)
+    if replicated:
+        return [(i, d, src.devices[0], 0, n, 0) for i, d in enumerate(dst.devices)]
+    sources: dict[tuple[int, int], jax.Device] = {}
+    for e, rows in zip(src.devices, _ranges(n, src), strict=True):
+        sources.setdefault(rows, e)  # rows held by several devices: sent from the first
+    for i, (d, (lo, hi)) in enumerate(zip(dst.devices, _ranges(n, dst), strict=True)):
+        for (start, stop), e in sources.items():
             a, b = max(lo, start), min(hi, stop)
             if a < b:
                 out.append((i, d, e, a, b, start))

@@ -167,13 +167,14 @@ def build_stages(
     # them runs the stage's programs, SPMD)
     process_index = jax.process_index()
     owners = tuple(frozenset(d.process_index for d in st.devices) for st in stages)
-    sharded = [s for s, st in enumerate(stages) if st.sharded]
-    if sharded and any(o != {process_index} for o in owners):
+    spanning = [s for s, st in enumerate(stages) if st.sharded and len(owners[s]) > 1]
+    if spanning:
+        s = spanning[0]
         raise PipelineError(
-            f"stage {sharded[0]} is sharded ({describe_mesh(stages[sharded[0]].mesh_axes)}) "
-            "and the pipeline spans processes: sharded stages run in one process so far; "
-            "run the plan in one process, or drop the stages' meshes (replicated stages "
-            "run across processes)"
+            f"stage {s} is sharded ({describe_mesh(stages[s].mesh_axes)}) over devices of "
+            f"processes {sorted(owners[s])}: a sharded stage runs within one process (its "
+            "collectives are XLA's, inside one program); give each sharded stage the "
+            "devices of one process, or drop its mesh (a replicated stage may span processes)"
         )
     stage_set = StageSet(
         stages=tuple(stages),
