@@ -233,8 +233,10 @@ def _metadata_names(var: Any) -> tuple[str | None, ...] | None:
 
 
 def layer_axes(layer: Any) -> dict[tuple[str, ...], tuple[str | None, ...]]:
-    """The logical names an nnx layer's parameters declare, by their path within the
-    layer's ``"params"`` (empty for other layers: linen's names ride in the values)."""
+    """The logical names a layer's parameters declare, by their path within the layer's
+    ``"params"``: an nnx layer's (its variables' metadata), a :func:`pdjax.split_model`
+    layer's (the model's boxes or variables); empty for other layers (a linen layer's
+    names ride in its values, as boxes)."""
     inner = getattr(layer, "layer", None)  # PrecisionLayer
     if inner is not None and not hasattr(layer, "_template"):
         return layer_axes(inner)
@@ -249,6 +251,16 @@ def layer_axes(layer: Any) -> dict[tuple[str, ...], tuple[str | None, ...]]:
                 out[tuple(map(str, path))] = names
         return out
     splitter = getattr(layer, "splitter", None)
+    var_spec = getattr(splitter, "var_spec", None)  # a split linen model's init, abstract
+    if var_spec is not None:
+        for path, node in jax.tree_util.tree_flatten_with_path(var_spec, is_leaf=_is_box)[0]:
+            keys = _path_names(path)
+            if _is_box(node) and keys and keys[0] == "params":
+                names = tuple(getattr(node, "names", ()) or ())
+                # the layers hold a box's value under the box's own keys (e.g. "value")
+                for sub, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+                    out[(*keys[1:], *_path_names(sub))] = names
+        return out
     entries = getattr(splitter, "entries", None)
     if entries:
         for _, lp, var in entries:
