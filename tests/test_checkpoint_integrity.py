@@ -241,7 +241,7 @@ def test_verify_checks_a_step_without_a_template(saved):
 
 
 def test_a_damaged_step_fails_a_restore_into_another_plan(tmp_path):
-    # The re-planned restore reads every array to host memory: it checks them too.
+    # The re-planned restore reads every stored array (onto the new shardings): it checks them too.
     spec = get_model("mlp")
     x, _ = spec.sample_batch(4)
     pipe = Pipeline(spec.layers, even_stages(4, 2), spec.loss, optax.adam(1e-2))

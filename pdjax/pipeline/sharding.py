@@ -203,9 +203,10 @@ class ShardingRules:
                         f"which the stage's mesh ({', '.join(mesh.axis_names)}) lacks; name "
                         "it in the mesh or change the rule"
                     )
-                if not used & set(axes):
+                named = {a for a in axes if a is not None}
+                if not used & named:
                     chosen = target
-                    used |= set(axes)
+                    used |= named
                     break
             out.append(chosen)
         return P(*out)

@@ -220,7 +220,9 @@ class Stage:
         self.remat = recomputes(self.policy)
         self.scale = scale
         #: the stage's mesh axes (``(("data", r),)`` unless the plan shards the stage)
-        self.mesh_axes: MeshAxes = mesh if is_sharded(mesh) else (("data", len(self.devices)),)
+        self.mesh_axes: MeshAxes = (
+            mesh if mesh is not None and is_sharded(mesh) else (("data", len(self.devices)),)
+        )
         #: the placement of a sharded stage's parameters (None: weights replicated)
         self.layout: StageSharding | None = None
         if is_sharded(mesh):
@@ -737,8 +739,9 @@ class Stage:
         """The stage's parameters on its devices: replicated, or on a sharded stage each
         on its own sharding (:meth:`shard` first)."""
         if self.layout is None:
-            return self.place_weights(params)
-        placed: list[PyTree] = jax.device_put(params, self.layout.params)
+            replicated: list[PyTree] = self.place_weights(params)
+            return replicated
+        placed: list[PyTree] = list(jax.device_put(params, self.layout.params))
         return placed
 
     def place_opt_state(self, opt_state: Any) -> Any:

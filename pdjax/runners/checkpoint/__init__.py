@@ -24,13 +24,18 @@ pdjax's marker:
   the stage, then the layer's own tree), ``opt_state.1.0.mu.0.dense.kernel``,
   ``model_state.0.1.batch_stats.mean``, ``rng``. A typed PRNG key is stored as its
   ``jax.random.key_data`` (``uint32``). A ``DPState`` has no stage level. The arrays are
-  those of the state's :data:`~pdjax.runners.protocol.ARRAY_FIELDS`.
+  those of the state's :data:`~pdjax.runners.protocol.ARRAY_FIELDS`. A sharded array (a
+  sharded stage's weights and Adam's moments, data parallelism on an ``fsdp`` or
+  ``tensor`` mesh) is written by orbax shard by shard from the devices that hold it
+  (one replica of each shard); pdjax gathers none of them on the host.
 - ``meta/metadata``: JSON with the format tag and version, the step, the state's type
   name, its other fields, which are Python ints
   (:func:`~pdjax.runners.protocol.counter_fields`: ``updates`` and ``microbatches`` of a
   pipeline, ``step`` of data parallelism), the layers per stage of a pipeline state
-  (``stage_layers``), the shape, dtype and checksum (CRC-32 of its bytes, dtype and
-  shape) of every array (and the implementation of each PRNG key, e.g. ``threefry2x32``),
+  (``stage_layers``), the shape, dtype and checksum (CRC-32 of its bytes in C order,
+  dtype and shape; of a sharded array computed shard by shard and combined, the same
+  value: :func:`~.format.array_checksum`) of every array (and the implementation of
+  each PRNG key, e.g. ``threefry2x32``),
   ``extra``, and ``checksums``: the CRC-32 of every other field (its canonical JSON).
 - ``pdjax-step.json``: ``{"format": "pdjax.checkpoint", "step": <step>}``, the marker that
   makes the folder pdjax's (:mod:`.folder`): only folders holding it (or, written before
@@ -47,9 +52,13 @@ of format versions 1 to 3 has no checksum: it is only checked to be usable.
 Restoring needs a template, a state of the same runner (``pipe.init(...)``, or the same
 tree with ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` leaves): the checkpoint's
 arrays must match its paths, shapes and dtypes, and are placed with its shardings, so a
-run restarts on the devices its (new) runner uses. Optimizer states come back as their
-own types (``ScaleByAdamState``, ...), not lists, because the tree structure is the
-template's.
+run restarts on the devices its (new) runner uses: orbax reads each array onto the
+template's sharding (each device its own part), so a state saved on one mesh restores
+on another. Optimizer states come back as their own types (``ScaleByAdamState``, ...),
+not lists, because the tree structure is the template's. A pipeline checkpoint also
+restores into another plan (other cuts, other meshes: :func:`replan_names`) and into
+data parallelism (a ``DPState`` template, as one stage holding every layer); see
+:meth:`Checkpointer.restore`.
 
 Asynchronous schedules (``pipedream``, ``2bw``) checkpoint *drain-then-save*. Each call
 of :meth:`Pipeline.run` fills the pipeline and drains it, so a state between calls holds
@@ -80,11 +89,13 @@ through, and so are a FIFO and a device.
 
 Several processes (``jax.distributed``): every method is collective — every process
 calls it, in the same order, with the same arguments. Process 0 writes and reads the
-directory alone (so it need not be shared); :meth:`Checkpointer.save` first moves each array that it
-does not hold to it (another process's pipeline stage, with ``jax.device_put`` across
-processes, the same transport as the activations), and :meth:`Checkpointer.restore` sends each
-process the arrays it holds. The checkpoint is the same as a single process writes: a run
-saved by 2 processes restores in 1 process with the same plan, and the other way round.
+directory alone (so it need not be shared); :meth:`Checkpointer.save` first moves each
+array that it does not hold to it (another process's pipeline stage, with
+``jax.device_put`` across processes, the same transport as the activations; a stage
+sharded over its process's devices is first assembled whole in that process's host
+memory), and :meth:`Checkpointer.restore` sends each process the arrays it holds. The
+checkpoint is the same as a single process writes: a run saved by 2 processes restores
+in 1 process with the same plan, and the other way round.
 The write itself and the commit rename are orbax's (a ``CheckpointManager`` active on
 process 0 alone), the lock and the retention pdjax's, on process 0; the others wait for
 its commit.
@@ -93,7 +104,8 @@ Modules: :mod:`.checkpointer` (:class:`Checkpointer`: save, restore, verify, the
 :mod:`.format` (a step's metadata, format versions 1 to 4, the CRC-32 checksums),
 :mod:`.folder` (which entries of the folder are pdjax's, deleting only those, the lock),
 :mod:`.arrays` (a state as named arrays and metadata, and back), :mod:`.replan`
-(:func:`replan_names`: a pipeline checkpoint moved into another plan), :mod:`.transfer`
+(:func:`replan_names`: a pipeline checkpoint moved into another plan or into data
+parallelism), :mod:`.transfer`
 (arrays between processes) and :mod:`.reads` (orbax read failures, made readable).
 """
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from pdjax.errors import CheckpointError
 from pdjax.pipeline import PipelineState
-from pdjax.runners.checkpoint.format import array_checksum
+from pdjax.runners.checkpoint.format import array_checksum, distinct_blocks
 from pdjax.runners.protocol import ARRAY_FIELDS, RunnerState, counter_fields
 
 State = TypeVar("State", bound=RunnerState)
@@ -152,7 +152,11 @@ def add_checksums(manifest: Mapping[str, dict[str, Any]], arrays: Mapping[str, A
 
 def same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
     """Parameters bit for bit equal to an earlier one (a tied parameter's copies, also any
-    other equal arrays: storing them once loses nothing): name -> the first one's name."""
+    other equal arrays: storing them once loses nothing): name -> the first one's name.
+
+    A sharded array is compared shard by shard (never gathered): its digest covers each
+    distinct shard's place and bytes, so it equals another's only when both are split
+    alike; equal values split differently are stored twice, which loses nothing."""
     groups: dict[Any, list[str]] = {}
     for name, a in arrays.items():
         if name.startswith("params.") and not is_key(a):
@@ -163,13 +167,67 @@ def same_values(arrays: Mapping[str, Any]) -> dict[str, str]:
             continue
         seen: dict[bytes, str] = {}
         for name in names:
-            data = np.ascontiguousarray(np.asarray(arrays[name]))
-            # numpy declares ndarray a Buffer (__buffer__) only for Python >= 3.12
-            digest = hashlib.sha256(data.view(np.uint8).reshape(-1)).digest()  # type: ignore[arg-type]
-            first = seen.setdefault(digest, name)
-            if first != name and np.array_equal(np.asarray(arrays[first]), data):
+            first = seen.setdefault(_digest(arrays[name]), name)
+            if first != name and same_bits(arrays[first], arrays[name]):
                 out[name] = first
     return out
+
+
+def _pieces(a: Any) -> list[tuple[Any, Any]]:
+    """``a`` as (place, piece) pairs, each piece fetched to host memory only when read:
+    a sharded array's distinct shards, anything else whole."""
+    blocks = distinct_blocks(a)
+    if blocks is None:
+        return [(None, a)]
+    return [((start, tuple(shard.data.shape)), shard.data) for start, shard in blocks]
+
+
+def _host_bytes(piece: Any) -> np.ndarray:
+    data = np.ascontiguousarray(np.asarray(piece))
+    return data.reshape(-1).view(np.uint8)
+
+
+def _digest(a: Any) -> bytes:
+    """SHA-256 of ``a``'s pieces (:func:`_pieces`): their places and bytes."""
+    digest = hashlib.sha256()
+    for place, piece in _pieces(a):
+        digest.update(repr(place).encode())
+        # numpy declares ndarray a Buffer (__buffer__) only for Python >= 3.12
+        digest.update(_host_bytes(piece))  # type: ignore[arg-type]
+    return digest.digest()
+
+
+def same_bits(a: Any, b: Any, *, gather: bool = False) -> bool:
+    """Whether ``a`` and ``b`` hold the same bytes, compared piece by piece (a sharded
+    array shard by shard, never gathered). Arrays split differently count as different,
+    unless ``gather``: then they are compared whole in host memory."""
+    if np.shape(a) != np.shape(b) or np.dtype(a.dtype) != np.dtype(b.dtype):
+        return False
+    pa, pb = _pieces(a), _pieces(b)
+    if [p for p, _ in pa] != [p for p, _ in pb]:
+        if not gather:
+            return False
+        pa, pb = [(None, a)], [(None, b)]
+    return all(
+        np.array_equal(_host_bytes(x), _host_bytes(y))
+        for (_, x), (_, y) in zip(pa, pb, strict=True)
+    )
+
+
+@jax.jit
+def _copy(array: jax.Array) -> jax.Array:
+    return jnp.copy(array)
+
+
+def own_copy(value: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``value`` on ``sharding`` in buffers of its own, shared with nothing: the runners
+    donate the arrays of the states they are given, so two leaves of a state must not
+    share one (``jax.device_put`` returns an array already on ``sharding`` itself).
+    Moved device to device, never through one host array."""
+    array: jax.Array = _copy(jax.device_put(value, sharding))
+    if not array.sharding.is_equivalent_to(sharding, array.ndim):
+        array = jax.device_put(array, sharding)
+    return array
 
 
 def is_key(leaf: Any) -> bool:

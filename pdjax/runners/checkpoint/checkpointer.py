@@ -35,6 +35,7 @@ from pdjax.runners.checkpoint.arrays import (
     counters,
     is_key,
     jsonable,
+    own_copy,
     same_values,
     stage_layers,
     state_manifest,
@@ -66,8 +67,16 @@ from pdjax.runners.checkpoint.reads import (
     quiet_abandoned_reads,
     reason,
 )
-from pdjax.runners.checkpoint.replan import check_replannable, replan_names, replanned_leaves
+from pdjax.runners.checkpoint.replan import (
+    check_moved_shapes,
+    check_replannable,
+    one_stage_view,
+    read_targets,
+    replan_names,
+    replanned_leaves,
+)
 from pdjax.runners.checkpoint.transfer import collective_transfers, gather_to_0, move
+from pdjax.runners.dp import DPState
 from pdjax.runners.protocol import RunnerState, counter_fields
 
 # A damaged step's error lists the steps that verify, newest first; it stops after this
@@ -420,15 +429,42 @@ class Checkpointer:
     # -- restoring --------------------------------------------------------------------------
 
     def restore(
-        self, template: State, step: int | None = None, *, pipeline: Pipeline | None = None
+        self,
+        template: State,
+        step: int | None = None,
+        *,
+        pipeline: Pipeline | None = None,
     ) -> tuple[State, dict[str, Any]]:
         """Restores checkpoint ``step`` (default: the newest) into ``template``'s layout.
 
+        Every array is read by orbax onto the template's sharding of it: each device reads
+        its own part, so a state saved on one mesh restores on another (``fsdp 2 x
+        tensor 2`` into ``tensor 2``, or into replicated stages) with nothing gathered
+        whole in host memory, and each array is checked against its checksum shard by
+        shard (:func:`~pdjax.runners.checkpoint.format.array_checksum`).
+
         A pipeline checkpoint restores into *another plan* of the same model and optimizer
-        (other stage cuts, replicas or device count) when ``pipeline`` is the
+        (other stage cuts, replicas, meshes or device count) when ``pipeline`` is the
         :class:`Pipeline` the template belongs to: weights, model state and optimizer state
-        are moved layer by layer (:func:`replan_names`); the stages' update counts must
-        agree (they do after any flush schedule, ``pipedream`` and ``2bw``).
+        (Adam's moments, with their parameters) are moved layer by layer
+        (:func:`replan_names`), each onto its new stage's sharding; the stages' update
+        counts must agree (they do after any flush schedule, ``pipedream`` and ``2bw``),
+        and become every new stage's.
+
+        A pipeline checkpoint also restores into data parallelism: a
+        :class:`~pdjax.runners.DPState` template (``DataParallel.init``, any mesh) is
+        filled as a pipeline of one stage holding every layer (no ``pipeline`` needed):
+        the weights and model state layer by layer, the per-parameter optimizer state
+        with its parameters, the other optimizer leaves (a step count) from the saved
+        stages, which must agree; ``step`` becomes the stages' update count (DP's step
+        is one update). A global-norm coupling's phantom state is dropped (data
+        parallelism sees the whole model). Refused (:class:`CheckpointError`, naming
+        why) where that is not exact: optimizer state that is not per parameter (e.g.
+        ``optax.masked``, whose state is not shaped like the parameters), stages whose
+        other optimizer leaves differ, stages at different update counts. Dropout then
+        draws from the DP step (``fold_in(rng, step)``), where the pipeline drew from
+        the microbatch count: the same keys when the pipeline ran one microbatch per
+        update.
 
         Args:
           template: a state of the runner to restore into: e.g. ``pipe.init(...)`` of a
@@ -438,7 +474,7 @@ class Checkpointer:
             array goes.
           step: the step to restore; ``None`` for the newest.
           pipeline: the template's pipeline, to restore a checkpoint saved under another
-            plan (one process).
+            plan (one process); not needed for a ``DPState`` template.
 
         Returns:
           ``(state, extra)``: the saved state, bit for bit (arrays, ints, PRNG key), of
@@ -450,7 +486,8 @@ class Checkpointer:
             the checkpoint does not match the template (names the first array that
             differs, with both shapes, or a saved array the template has no place for,
             such as Adam's moments restored into an SGD run, under the same plan or
-            another), or the step is damaged (see :meth:`verify`).
+            another), a move into another plan or into data parallelism that cannot be
+            exact (see above), or the step is damaged (see :meth:`verify`).
         """
         check_state(template, "template")
         step = self._pick_step(step)
@@ -464,6 +501,9 @@ class Checkpointer:
             assert isinstance(template, PipelineState)  # what _stage_layers took it for
             replanned = self._restore_replanned(template, step, meta, pipeline)
             return cast(tuple[State, dict[str, Any]], replanned)
+        if saved_layers is not None and isinstance(template, DPState):
+            into_dp = self._restore_into_dp(template, step, meta)
+            return cast(tuple[State, dict[str, Any]], into_dp)
         self._check_match(step, type(template).__name__, meta, wanted)
         abstract: dict[str, jax.ShapeDtypeStruct] = {}
         for name, leaf in wanted.items():
@@ -588,6 +628,26 @@ class Checkpointer:
         self, template: PipelineState, step: int, meta: Mapping[str, Any], pipeline: Any
     ) -> tuple[PipelineState, dict[str, Any]]:
         """Restores a pipeline checkpoint saved under another plan (see :meth:`restore`)."""
+        leaves = self._moved_leaves(template, step, meta, pipeline)
+        updates = list(meta["ints"]["updates"])
+        ints = {**meta["ints"], "updates": [updates[0]] * len(template.params)}
+        return assemble(template, leaves, ints), meta["extra"]
+
+    def _restore_into_dp(
+        self, template: DPState, step: int, meta: Mapping[str, Any]
+    ) -> tuple[DPState, dict[str, Any]]:
+        """Restores a pipeline checkpoint into data parallelism, as into a pipeline of one
+        stage (see :meth:`restore`)."""
+        view, one_stage = one_stage_view(template)
+        leaves = self._moved_leaves(view, step, meta, one_stage)
+        updates = list(meta["ints"]["updates"])
+        return assemble(template, leaves, {"step": updates[0]}), meta["extra"]
+
+    def _moved_leaves(
+        self, template: PipelineState, step: int, meta: Mapping[str, Any], pipeline: Any
+    ) -> list[Any]:
+        """The template's array leaves from a checkpoint of a pipeline of another plan
+        (:mod:`.replan`), each read onto its new sharding."""
         where = f"step {step} in {self.directory}"
         check_replannable(where, meta, template, pipeline, multi=self._multi)
         saved: Mapping[str, Mapping[str, Any]] = meta["arrays"]
@@ -596,15 +656,14 @@ class Checkpointer:
         for name, theirs in saved.items():
             if name not in used and not _phantom_left_behind(name, saved, used):
                 raise _no_such_array(where, name, theirs)
-        host = self._read_arrays(  # all of them, into host memory (orbax reads whole items)
-            step,
-            {n: np.empty(e["shape"], np.dtype(e["dtype"])) for n, e in saved.items()},
-            saved,
-        )
-        leaves = replanned_leaves(where, template, sources, host, saved)
-        updates = list(meta["ints"]["updates"])
-        ints = {**meta["ints"], "updates": [updates[0]] * len(template.params)}
-        return assemble(template, leaves, ints), meta["extra"]
+        check_moved_shapes(where, template, sources, saved)
+        targets = read_targets(template, sources, saved)
+        aliased = {saved[n]["same_as"] for n in targets if "same_as" in saved[n]}
+        for name, entry in saved.items():  # orbax restores whole items: the rest to host
+            if name not in targets and name not in aliased and "same_as" not in entry:
+                targets[name] = np.empty(entry["shape"], np.dtype(entry["dtype"]))
+        read = self._read_arrays(step, targets, saved)
+        return replanned_leaves(where, template, sources, read, saved)
 
     def _read_arrays(
         self,
@@ -614,17 +673,26 @@ class Checkpointer:
         *,
         explain: bool = True,
     ) -> dict[str, Any]:
-        """Reads ``abstract``'s arrays and checks them against the ``saved`` manifest's
-        checksums; one stored once for several names (``same_as``) is read once and copied
-        to each (a buffer of its own). A damaged step raises :class:`CheckpointError`
-        (``explain``) or :class:`_Damage`."""
+        """Reads ``abstract``'s arrays (host arrays, or ``jax.ShapeDtypeStruct`` with a
+        sharding: each device reads its part) and checks them against the ``saved``
+        manifest's checksums, shard by shard; one stored once for several names
+        (``same_as``) is read once and copied to each (a buffer of its own, moved device
+        to device). A damaged step raises :class:`CheckpointError` (``explain``) or
+        :class:`_Damage`."""
         assert self._manager is not None
         saved = saved or {}
         aliases = {n: e["same_as"] for n, e in saved.items() if "same_as" in e and n in abstract}
         stored = {n: a for n, a in abstract.items() if n not in aliases}
-        for src in set(aliases.values()) - set(stored):
-            e = saved[src]
-            stored[src] = np.empty(e["shape"], np.dtype(e["dtype"]))
+        for alias, src in aliases.items():
+            if src not in stored:  # read onto the first of its aliases' shardings
+                entry = saved[src]
+                shape, dtype = tuple(entry["shape"]), np.dtype(entry["dtype"])
+                sharding = getattr(abstract[alias], "sharding", None)
+                stored[src] = (
+                    np.empty(shape, dtype)
+                    if sharding is None
+                    else jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+                )
         try:
             failed = None
             with quiet_abandoned_reads():
@@ -653,9 +721,11 @@ class Checkpointer:
                 raise
             raise self._damage_error(step, damage) from damage
         for name, src in aliases.items():
-            value = np.asarray(out[src])
             sharding = getattr(abstract[name], "sharding", None)
-            out[name] = value.copy() if sharding is None else jax.device_put(value, sharding)
+            if sharding is None:
+                out[name] = np.array(out[src])
+            else:
+                out[name] = own_copy(out[src], sharding)
         return {n: out[n] for n in abstract}
 
     def _read_arrays_multi(

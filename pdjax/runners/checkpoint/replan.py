@@ -1,10 +1,20 @@
-"""Moving a pipeline checkpoint into another plan of the same model and optimizer:
-:func:`replan_names` says which saved array each array of the new plan's state comes
-from, and the steps around it check that the move is possible and build the leaves.
+"""Moving a pipeline checkpoint into another plan of the same model and optimizer, or
+into data parallelism: :func:`replan_names` says which saved array each array of the new
+state comes from, and the steps around it check that the move is possible, read each saved
+array straight onto the sharding it is going to, and build the leaves.
 
 Weights and model state move layer by layer; an optimizer's per-parameter state (the
 subtrees shaped like the parameters) moves with its parameters; every other optimizer
-leaf is the same in every saved stage.
+leaf is the same in every saved stage. Each array is read by orbax onto the sharding of
+the new state's leaf (another stage's devices, another mesh: another ``fsdp`` x ``tensor``
+split), so each device reads its own part and no array is gathered whole in host memory;
+only the leaves every saved stage holds (an optimizer's step count) are compared there.
+
+A :class:`~pdjax.runners.DPState` is moved as the state of a pipeline of one stage
+(:func:`one_stage_view`): its ``params`` are the per-layer list of all the layers, its
+optimizer runs over that list (no tied copies, which data parallelism refuses, and no
+phantom: it sees the whole model, so a global-norm coupling needs none), and its ``step``
+is the update count.
 """
 
 from __future__ import annotations
@@ -22,7 +32,13 @@ from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 from pdjax._trees import key_str
 from pdjax.errors import CheckpointError
 from pdjax.pipeline.executor import ParamLayout, PipelineState
-from pdjax.runners.checkpoint.arrays import array_leaves, is_key, path_name
+from pdjax.runners.checkpoint.arrays import (
+    array_leaves,
+    is_key,
+    own_copy,
+    path_name,
+    same_bits,
+)
 from pdjax.runners.checkpoint.format import shape_str
 
 # A tied group's copy: (its global layer, its path in the layer as text keys).
@@ -63,6 +79,33 @@ def replan_names(
     )
     # checked as they are found: the first array without a source is the one named
     return {name: _checked(name, sources, saved) for name, sources in found}
+
+
+@dataclass(frozen=True)
+class OneStage:
+    """A runner that holds every layer in one program, as :func:`replan_names` sees a
+    pipeline: one stage of ``layers`` (their count), whose optimizer sees every
+    parameter (no tied copy hidden from it, no phantom). Data parallelism is one."""
+
+    layers: tuple[int, ...]
+
+    def param_layout(self) -> tuple[ParamLayout, ...]:
+        return (ParamLayout(stage=0, tied=(), hidden=frozenset(), phantom=False),)
+
+
+def one_stage_view(state: Any) -> tuple[PipelineState, OneStage]:
+    """A :class:`~pdjax.runners.DPState` as the state of a pipeline of one stage and that
+    pipeline (:class:`OneStage`): the same leaves, in the same order, under the names a
+    one-stage pipeline's state has (``params.0.<layer>...``: the stage level added)."""
+    view = PipelineState(
+        params=(state.params,),
+        model_state=(state.model_state,),
+        opt_state=(state.opt_state,),
+        updates=(state.step,),
+        microbatches=state.step,
+        rng=state.rng,
+    )
+    return view, OneStage(tuple(range(len(state.params))))
 
 
 @dataclass(frozen=True)
@@ -166,7 +209,8 @@ def _checked(name: str, sources: list[str], saved: Mapping[str, Any]) -> list[st
             f"{' (looked for ' + ', '.join(missing) + ')' if missing else ''}; the model "
             "or the optimizer differ from the run that saved it, or the optimizer's "
             "state is not kept per parameter (e.g. optax.masked), which pdjax cannot "
-            "move between plans: restore it under its own plan"
+            "move between plans (nor into data parallelism): restore it under its own "
+            "plan"
         )
     return sources
 
@@ -278,30 +322,18 @@ def check_replannable(
         )
 
 
-def replanned_leaves(
+def check_moved_shapes(
     where: str,
     template: PipelineState,
     sources: Mapping[str, list[str]],
-    host: Mapping[str, Any],
     saved: Mapping[str, Mapping[str, Any]],
-) -> list[Any]:
-    """The template's array leaves, in its tree order, from the saved arrays read into
-    ``host`` (by ``sources``), checked to agree and to fit, placed on the template's
-    shardings."""
-    leaves = []
+) -> None:
+    """Refuses a move where an array of the new state would come from a saved array of
+    another shape or dtype (another model or optimizer), before anything is read."""
     for name, leaf in array_leaves(template).items():
         names = sources[name]
         if names == [_TEMPLATE]:
-            leaves.append(leaf)
             continue
-        value = np.asarray(host[names[0]])
-        for other in names[1:]:
-            if not np.array_equal(value, np.asarray(host[other])):
-                raise CheckpointError(
-                    f"{where}: {name} of the new plan would come from {names[0]} and "
-                    f"{other}, which differ; the optimizer state of this optimizer "
-                    "cannot be moved between plans"
-                )
         entry = saved[names[0]]
         mine = jax.eval_shape(jax.random.key_data, leaf) if is_key(leaf) else leaf
         if list(entry["shape"]) != list(mine.shape) or entry["dtype"] != str(mine.dtype):
@@ -310,11 +342,76 @@ def replanned_leaves(
                 f"would come from {names[0]} ({shape_str(entry)}); the model or the "
                 "optimizer differ from the run that saved it"
             )
-        sharding = getattr(leaf, "sharding", None)
-        if isinstance(leaf, jax.Array) and not leaf.committed:
-            array = jnp.asarray(value)
+
+
+def _target(leaf: Any) -> Any:
+    """Where an array read for ``leaf`` goes: its sharding (a committed array, or a
+    ``ShapeDtypeStruct`` with one), or None for host memory (an uncommitted array, such as
+    :meth:`Pipeline.init`'s PRNG key, which jit moves where it is needed)."""
+    if isinstance(leaf, jax.Array) and not leaf.committed:
+        return None
+    return getattr(leaf, "sharding", None)
+
+
+def read_targets(
+    template: PipelineState,
+    sources: Mapping[str, list[str]],
+    saved: Mapping[str, Mapping[str, Any]],
+) -> dict[str, Any]:
+    """The saved arrays a move reads, each as orbax is to read it: a
+    ``jax.ShapeDtypeStruct`` on the sharding of the first leaf of the new state it goes
+    to (each device reads its own part), or a host array where that leaf has none (or
+    for a saved stage's copy of a leaf every stage holds, of another shape than the first
+    stage's: found to differ once read)."""
+    out: dict[str, Any] = {}
+    for name, leaf in array_leaves(template).items():
+        names = sources[name]
+        for src in names:
+            if src == _TEMPLATE or src in out:
+                continue
+            shape, dtype = tuple(saved[src]["shape"]), np.dtype(saved[src]["dtype"])
+            sharding = _target(leaf)
+            if sharding is None or saved[src]["shape"] != saved[names[0]]["shape"]:
+                out[src] = np.empty(shape, dtype)
+            else:  # jax leaves ShapeDtypeStruct.__init__ unannotated
+                out[src] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return out
+
+
+def replanned_leaves(
+    where: str,
+    template: PipelineState,
+    sources: Mapping[str, list[str]],
+    read: Mapping[str, Any],
+    saved: Mapping[str, Mapping[str, Any]],
+) -> list[Any]:
+    """The template's array leaves, in its tree order, from the saved arrays ``read`` (by
+    :func:`read_targets`, by ``sources``): those from several saved stages checked to
+    agree, each placed on its template leaf's sharding (moved device to device where it
+    was read onto another leaf's), a buffer of its own (the runners donate them)."""
+    leaves = []
+    handed: set[str] = set()  # the saved arrays given to a leaf already
+    for name, leaf in array_leaves(template).items():
+        names = sources[name]
+        if names == [_TEMPLATE]:
+            leaves.append(leaf)
+            continue
+        value = read[names[0]]
+        for other in names[1:]:
+            if not same_bits(value, read[other], gather=True):
+                raise CheckpointError(
+                    f"{where}: {name} of the new plan would come from {names[0]} and "
+                    f"{other}, which differ; the optimizer state of this optimizer "
+                    "cannot be moved between plans (nor into data parallelism)"
+                )
+        sharding = _target(leaf)
+        if sharding is None:
+            array = jnp.asarray(np.asarray(value))
+        elif names[0] in handed:  # given to another leaf already: buffers of its own
+            array = own_copy(value, sharding)
         else:
             array = jax.device_put(value, sharding)
-        impl = entry.get("key_impl")
+        handed.add(names[0])
+        impl = saved[names[0]].get("key_impl")
         leaves.append(array if impl is None else jax.random.wrap_key_data(array, impl=impl))
     return leaves

@@ -1,6 +1,7 @@
 """Moving checkpoint arrays between processes (``jax.distributed``): process 0 alone
-writes and reads the directory, so a save first gathers every array there, and a restore
-sends each process the arrays it holds.
+writes and reads the directory, so a save first gathers every array there (a sharded
+stage's arrays assembled whole in their own process first), and a restore sends each
+process the arrays it holds (each process places its part on its devices).
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ from pdjax.errors import CheckpointError
 
 def _whole(leaf: Any) -> Any:
     """A local array holding all of ``leaf`` (an addressable replica, or ``leaf`` itself
-    for host arrays), or None when this process holds none."""
+    for host arrays; for an array sharded over this process's devices alone, such as a
+    sharded stage's weights, its shards assembled in host memory: process 0 writes the
+    whole step, so it receives every array whole), or None when this process holds none
+    of it or only part."""
     if not isinstance(leaf, jax.Array):
         return leaf
     for shard in leaf.addressable_shards:
         if shard.data.shape == leaf.shape:
             return shard.data
+    if leaf.addressable_shards and leaf.is_fully_addressable:
+        return np.asarray(leaf)
     return None
 
 
