@@ -472,7 +472,7 @@ class Stage:
             rng = jax.random.fold_in(k, index)
             variables = {**state, "params": p}
             y, new = traces.apply(index, layer, variables, x, train=self.train, rng=rng, context="")
-            return y, new
+            return self.by_rows(y), new
 
         if parts == 1:
             return lambda p, x: f(p, x, key)
@@ -504,6 +504,23 @@ class Stage:
             check_vma=False,
         )
         return lambda p, x: mapped(p, state, x, key)
+
+    def by_rows(self, y: PyTree) -> PyTree:
+        """A sharded stage's layer output split by rows over the batch axes, as it
+        crosses to the next stage (XLA would otherwise keep some activations split along
+        a feature dimension over ``fsdp`` and whole along the batch: more bytes held per
+        device, and a full rematerialisation to change layouts); leaves whose rows the
+        batch axes do not divide stay as XLA lays them out."""
+        if self.layout is None:
+            return y
+        ways, batch = self.batch_ways, self.batch_sharding
+
+        def pin(a: Any) -> Any:
+            if ways == 1 or np.ndim(a) == 0 or np.shape(a)[0] % ways:
+                return a
+            return jax.lax.with_sharding_constraint(a, batch)
+
+        return jax.tree.map(pin, y)
 
     def apply(
         self, params: list[PyTree], state: list[Variables], x: PyTree, key: jax.Array, tgt: Any
@@ -633,11 +650,20 @@ class Stage:
                 break  # the first stage has no input gradient to pass on
             gp, ct = pbs[j](ct)
             grads[j] = gp
-        return (None if want == "input" else grads), ct, cts
+        return (None if want == "input" else self._pin_grads(grads)), ct, cts
 
     def weight_grads(self, pbs: _Pullbacks, cts: list[PyTree]) -> list[PyTree]:
         """Zero bubble's ``W``: each layer's weight gradient from its output cotangent."""
-        return [pbs[j](cts[j])[0] for j in range(len(self.layers))]
+        return self._pin_grads([pbs[j](cts[j])[0] for j in range(len(self.layers))])
+
+    def _pin_grads(self, grads: list[PyTree]) -> list[PyTree]:
+        """A sharded stage's weight gradients on their parameters' shardings: XLA would
+        otherwise leave them whole over ``fsdp`` (an all-reduce, not a reduce-scatter), and
+        the gradient sum would take ``fsdp`` times a weight shard's bytes."""
+        if self.layout is None:
+            return grads
+        pinned: list[PyTree] = jax.lax.with_sharding_constraint(grads, self.layout.params)
+        return pinned
 
     def scaled(self, g: list[PyTree]) -> list[PyTree]:
         if self.scale == 1.0:

@@ -69,8 +69,17 @@ from pdjax.pipeline.executor.arguments import (
     check_stream,
 )
 from pdjax.pipeline.optim import on_model_names
-from pdjax.pipeline.sharding import ShardingRules, StageSharding, make_mesh
-from pdjax.plan.mesh import MeshAxes, MeshError, describe_mesh, is_sharded, mesh_axes, mesh_size
+from pdjax.pipeline.sharding import (
+    MeshAxes,
+    MeshError,
+    ShardingRules,
+    StageSharding,
+    describe_mesh,
+    is_sharded,
+    make_mesh,
+    mesh_axes,
+    mesh_size,
+)
 from pdjax.precision import LossScaled, computes_in_float16
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
@@ -163,7 +172,7 @@ class DataParallel:
         again). Set ``False`` to keep old states alive, e.g. while saving them.
       mesh: the devices as a mesh of named axes, a dict or ``(axis, size)`` pairs such as
         ``{"fsdp": 4, "tensor": 2}`` (text such as ``"fsdp=4,tensor=2"``: read it with
-        :func:`pdjax.plan.mesh.parse_mesh`), whose sizes multiply to the device count.
+        :func:`pdjax.pipeline.sharding.parse_mesh`), whose sizes multiply to the device count.
         The axes are ordered ``data``, ``fsdp``, others, ``tensor`` (the last over
         neighbouring devices of ``devices``). ``data`` replicates the weights, ``fsdp``
         splits the batch and the weights (ZeRO-3), ``tensor`` splits each layer's weights
@@ -600,14 +609,15 @@ class DataParallel:
 
 
 def _mesh_of(mesh: Any, devices: int) -> MeshAxes | None:
-    """``mesh`` (a dict or pairs) as :func:`~pdjax.plan.mesh.mesh_axes`, checked to span
+    """``mesh`` (a dict or pairs) as :func:`~pdjax.pipeline.sharding.mesh_axes`, checked to span
     ``devices``; None for no mesh or one of ``data`` alone (replicated)."""
     if mesh is None:
         return None
     if isinstance(mesh, str | bytes):
         raise MeshError(
             f"DataParallel mesh takes a dict or (axis, size) pairs, got the text {mesh!r}; "
-            "read text with pdjax.plan.mesh.parse_mesh, or write e.g. {'fsdp': 4, 'tensor': 2}"
+            "read text with pdjax.pipeline.sharding.parse_mesh, or write e.g. "
+            "{'fsdp': 4, 'tensor': 2}"
         )
     if not isinstance(mesh, Mapping | Sequence):
         raise MeshError(

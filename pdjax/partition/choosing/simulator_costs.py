@@ -26,6 +26,23 @@ samples and a profile of batch ``B`` (``scale = b / B``):
                        the layers' outputs
 =====================  =====================================================================
 
+A *sharded* stage (:attr:`StagePlan.mesh <pdjax.plan.StagePlan.mesh>` with ``fsdp``,
+``tensor`` or another axis besides ``data``) is priced per device from its weight ways
+``w`` (the product of its axes other than ``data``) and batch ways ``b`` (``data`` x
+``fsdp``; :func:`~pdjax.partition.pricing.cost.mesh_ways`), as the planner's memory
+model prices it: ``param_bytes`` and ``optimizer_bytes`` are one device's share (``/ w``:
+the profile has no per-parameter annotations, so every parameter is taken as split);
+``stash_bytes`` and ``cotangent_bytes`` are divided by ``b`` instead of ``r`` (the rows a
+device holds; activations split over ``tensor`` inside the stage are counted whole, an
+over-count); ``input_bytes`` is the microbatch's times ``r / b`` (the simulator divides
+it by ``r``; each row block is on ``r / b`` devices). Times are the replicated stage's:
+compute ``/ r``, and the all-reduce a ring of the *whole* parameter bytes over the ``r``
+devices (``PipelineCosts.allreduce_seconds``), as the planner prices it; the collectives
+a sharded stage really runs (gathers, reduce-scatters, tensor-parallel all-reduces) are
+not priced yet. The activations in transit, which the simulator divides by ``r``, are
+under-counted by the factor ``r / b`` on a stage with ``tensor`` > 1 (each device holds
+its rows whole).
+
 The last two are counted by the simulator's ``runtime`` memory model only
 (``dataclasses.replace(costs, memory_model="runtime")``), which then counts what the
 planner's ``pdjax`` memory terms charge (:mod:`pdjax.partition.pricing.cost`).
@@ -261,8 +278,14 @@ def costs_from_plan(
             cost.updates_per_microbatch("interleaved", plan.num_microbatches),
         )
     replicas = [st.replicas for st in groups]
-    stages = _stage_costs(plan, profile, arrays=arrays, ranges=ranges, replicas=replicas)
-    costs = PipelineCosts(tuple(stages), tuple(links), tuple(allreduce))
+    ways = [cost.mesh_ways(st.mesh, st.replicas) for st in groups]
+    stages = _stage_costs(plan, profile, arrays=arrays, ranges=ranges, replicas=replicas, ways=ways)
+    costs = PipelineCosts(
+        tuple(stages),
+        tuple(links),
+        tuple(allreduce),
+        allreduce_seconds=_sharded_allreduce(arrays, ranges, replicas, ways, allreduce),
+    )
     if calibration is None:
         return costs
     if chunks != 1:
@@ -277,8 +300,10 @@ def _stage_costs(
     arrays: cost.ModelArrays,
     ranges: Sequence[tuple[int, int]],
     replicas: Sequence[int],
+    ways: Sequence[tuple[int, int]],
 ) -> list[StageCosts]:
-    """Per (virtual) stage, layers ``first..last`` of ``ranges`` on ``replicas`` devices:
+    """Per (virtual) stage, layers ``first..last`` of ``ranges`` on ``replicas`` devices
+    split ``ways`` (weight ways, batch ways: :func:`~pdjax.partition.pricing.cost.mesh_ways`):
     its costs from the profile (see the module doc)."""
     # The planner's view: free layers (Input, dropped sinks) have compute 0.
     priced = arrays.compute > 0
@@ -291,9 +316,11 @@ def _stage_costs(
     stages = []
     K = len(ranges)
     inputs, targets = getattr(arrays, "inputs", 0.0), getattr(arrays, "targets", 0.0)
-    for k, ((first, last), r) in enumerate(zip(ranges, replicas, strict=True)):
+    for k, ((first, last), r, (shards, rows)) in enumerate(
+        zip(ranges, replicas, ways, strict=True)
+    ):
         sl = slice(first, last + 1)
-        params = math.fsum(arrays.params[sl])
+        params = math.fsum(arrays.params[sl]) / shards
         placed = (inputs if k == 0 else 0.0) + (targets if k == K - 1 else 0.0)
         stages.append(
             StageCosts(
@@ -302,13 +329,34 @@ def _stage_costs(
                 weight_grad=math.fsum(weight_grad[sl]) / r,
                 activation_bytes=round(float(arrays.cut[last])),
                 param_bytes=round(params),
-                stash_bytes=round(math.fsum(arrays.stash[sl]) / r),
+                stash_bytes=round(math.fsum(arrays.stash[sl]) / rows),
                 optimizer_bytes=round(params * factor),
-                input_bytes=round(placed),
-                cotangent_bytes=round(math.fsum(arrays.act[sl]) / r),
+                # the simulator divides by the group's devices: r / rows copies of each row
+                input_bytes=round(placed * r / rows),
+                cotangent_bytes=round(math.fsum(arrays.act[sl]) / rows),
             )
         )
     return stages
+
+
+def _sharded_allreduce(
+    arrays: cost.ModelArrays,
+    ranges: Sequence[tuple[int, int]],
+    replicas: Sequence[int],
+    ways: Sequence[tuple[int, int]],
+    bandwidth: Sequence[float],
+) -> tuple[float | None, ...] | None:
+    """Per (virtual) stage, the seconds of a sharded stage's all-reduce: the ring over its
+    devices of its whole parameter bytes, as the planner prices it (its ``param_bytes``
+    are one device's share); None for the others (the simulator's ring), or None for all
+    where no stage is sharded."""
+    if all(w == 1 for w, _ in ways):
+        return None
+    out: list[float | None] = []
+    for (first, last), r, (w, _), bw in zip(ranges, replicas, ways, bandwidth, strict=True):
+        whole = math.fsum(arrays.params[first : last + 1])
+        out.append(float(cost.ring_allreduce(whole, r, bw)) if w > 1 else None)
+    return tuple(out)
 
 
 def _calibrated(
@@ -379,7 +427,8 @@ def _calibrated_stages(
             if m is not None and m.allreduce is not None:
                 seconds = m.allreduce
             else:
-                seconds = calibration.allreduce_seconds(c.param_bytes, st.devices)
+                shards, _ = cost.mesh_ways(st.mesh, st.replicas)  # the whole stage's bytes
+                seconds = calibration.allreduce_seconds(c.param_bytes * shards, st.devices)
         allreduce_seconds.append(seconds)
     return stages, allreduce_seconds
 

@@ -8,25 +8,34 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition.pricing import cost
+from pdjax.plan.mesh import MeshAxes, describe_mesh, is_sharded, mesh_axes, mesh_size
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SCHEDULE_KINDS, SEMANTICS, ScheduleSpec
 
 __all__ = [
+    "Meshes",
     "build_plan",
     "calibrated_options",
+    "check_meshes",
     "check_options",
     "pipeline_time",
+    "sharded_stages",
     "stage_memory_bytes",
 ]
 
 #: Pipeline stages ``(first, last, device positions)``.
 Flat = list[tuple[int, int, list[int]]]
+
+#: Per stage its mesh (``((axis, size), ...)`` or ``{axis: size}``; None: replicated), or
+#: None for every stage replicated (:attr:`pdjax.plan.StagePlan.mesh`).
+Meshes = Sequence[MeshAxes | Mapping[str, int] | None] | None
 
 
 def check_options(
@@ -129,6 +138,7 @@ def build_plan(
     replication: list[str] | tuple[str, ...] | None = None,
     microbatches_per_call: int | None = None,
     in_flight: str = "full-rate",
+    meshes: Meshes = None,
 ) -> Plan:
     """Builds a :class:`Plan` from flattened stages, with exact in-flight and memory.
 
@@ -139,7 +149,11 @@ def build_plan(
     ``microbatches_per_call``: ``N``, the microbatches of one runtime call the ``pdjax``
     memory charges (None: a steady call;
     :func:`pdjax.partition.pricing.cost.microbatches_per_call`),
-    recorded in the plan's options."""
+    recorded in the plan's options.
+    ``meshes``: per stage its mesh (:data:`Meshes`), recorded in its
+    :class:`~pdjax.plan.StagePlan` and priced per device by :func:`stage_memory_bytes`; a
+    sharded stage's ``compute_seconds`` stays the replicated stage's (compute over its
+    devices: the collectives its sharding adds are not priced)."""
     P = len(flat)
     kind = SCHEDULE_KINDS.get(schedule)
     if kind is not None and kind.needs_microbatches_per_stage and num_microbatches < P:
@@ -151,6 +165,7 @@ def build_plan(
     modes = tuple(replication) if replication is not None else ("split",) * P
     modes = tuple("split" if r == 1 else m for m, r in zip(modes, replicas, strict=True))
     _check_groups_fill_steps(schedule, replicas, modes, num_microbatches)
+    stage_meshes = check_meshes(meshes, flat, modes)
     calls = cost.microbatches_per_call(schedule, num_microbatches, microbatches_per_call)
     memory = stage_memory_bytes(
         arrays,
@@ -163,6 +178,7 @@ def build_plan(
         optimizer_state_factor=optimizer_state_factor,
         microbatches_per_call=calls,
         in_flight=in_flight,
+        meshes=stage_meshes,
     )
     counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)
     stages = tuple(
@@ -174,6 +190,7 @@ def build_plan(
             compute_seconds=math.fsum(arrays.compute[first : last + 1]) / len(positions),
             memory_bytes=memory[s],
             replication=modes[s],
+            mesh=stage_meshes[s],
         )
         for s, (first, last, positions) in enumerate(flat)
     )
@@ -218,6 +235,64 @@ def _check_groups_fill_steps(
             )
 
 
+def _check_count(meshes: Sequence[Any] | Mapping[str, int], count: int) -> None:
+    if isinstance(meshes, Mapping) or len(meshes) != count:
+        given = "a mapping" if isinstance(meshes, Mapping) else f"{len(meshes)} meshes"
+        raise PlanError(
+            f"meshes has {given} for {count} stages; give one per stage (None: replicated)"
+        )
+
+
+def sharded_stages(meshes: Meshes, count: int) -> list[bool]:
+    """Per stage of ``count`` whether ``meshes`` shards it (an axis besides ``data``):
+    ``replication="auto"`` keeps such a stage split.
+
+    Raises:
+      PlanError: a count of meshes other than ``count``, or a mesh pdjax cannot read.
+    """
+    if meshes is None:
+        return [False] * count
+    _check_count(meshes, count)
+    return [mesh is not None and is_sharded(mesh_axes(mesh)) for mesh in meshes]
+
+
+def check_meshes(meshes: Meshes, flat: Flat, modes: Sequence[str]) -> list[MeshAxes | None]:
+    """Per stage ``(first, last, positions)`` its mesh in pdjax's order
+    (:func:`pdjax.plan.mesh.mesh_axes`), or None where it is replicated (no axis but
+    ``data``), from ``meshes`` (None: all replicated).
+
+    Raises:
+      PlanError: a count of meshes other than the stages', a mesh pdjax cannot read
+        (:class:`~pdjax.plan.mesh.MeshError`), one whose sizes do not multiply to its
+        stage's devices, or a sharded round-robin stage.
+    """
+    if meshes is None:
+        return [None] * len(flat)
+    _check_count(meshes, len(flat))
+    out: list[MeshAxes | None] = []
+    for (first, last, positions), mode, mesh in zip(flat, modes, meshes, strict=True):
+        if mesh is None:
+            out.append(None)
+            continue
+        where = f"stage {first}-{last}"
+        try:
+            axes = mesh_axes(mesh)
+        except PlanError as e:
+            raise PlanError(f"{where}: {e}") from None
+        if mesh_size(axes) != len(positions):
+            raise PlanError(
+                f"{where}: mesh {describe_mesh(axes)} spans {mesh_size(axes)} devices, the "
+                f"stage has {len(positions)}; the axis sizes must multiply to its device count"
+            )
+        if is_sharded(axes) and mode == "round-robin":
+            raise PlanError(
+                f"{where}: a round-robin stage takes whole microbatches per device and "
+                f"cannot be sharded ({describe_mesh(axes)}); use replication='split'"
+            )
+        out.append(axes if is_sharded(axes) else None)
+    return out
+
+
 def stage_memory_bytes(
     arrays: cost.ModelArrays,
     flat: Flat,
@@ -230,6 +305,7 @@ def stage_memory_bytes(
     optimizer_state_factor: float,
     microbatches_per_call: int | None = None,
     in_flight: str = "full-rate",
+    meshes: Meshes = None,
 ) -> list[float]:
     """Bytes per device of each stage ``(first, last, device positions)`` with its
     replication mode: the ``pdjax`` memory model under ``pdjax`` (weights x versions,
@@ -241,9 +317,17 @@ def stage_memory_bytes(
     other models. ``microbatches_per_call``: ``N`` (None: a steady call,
     :func:`pdjax.partition.pricing.cost.microbatches_per_call`). ``in_flight``: ``pipedream``'s
     option, the groups in flight of round-robin stages
-    (:func:`pdjax.partition.pricing.cost.exact_in_flight`)."""
+    (:func:`pdjax.partition.pricing.cost.exact_in_flight`). ``meshes``: per stage its mesh
+    (:data:`Meshes`): a sharded stage holds its parameter-sized terms divided by its
+    weight ways and its per-microbatch terms (stash, cotangents, placed inputs, values in
+    transit) divided by its batch ways instead of its devices
+    (:func:`pdjax.partition.pricing.cost.mesh_ways`)."""
     P = len(flat)
     replicas = [len(positions) for _, _, positions in flat]
+    ways = [
+        cost.mesh_ways(mesh, r)
+        for mesh, r in zip(check_meshes(meshes, flat, modes), replicas, strict=True)
+    ]
     counts = cost.exact_in_flight(schedule, replicas, modes, num_microbatches, in_flight)
     calls = cost.microbatches_per_call(schedule, num_microbatches, microbatches_per_call)
     inputs, targets = getattr(arrays, "inputs", 0.0), getattr(arrays, "targets", 0.0)
@@ -257,16 +341,18 @@ def stage_memory_bytes(
         sl = slice(first, last + 1)
         weights, stash = math.fsum(arrays.params[sl]), math.fsum(arrays.stash[sl])
         act = math.fsum(arrays.act[sl])
+        weight_ways, batch_ways = ways[s]
         if cost_model != "pdjax":
             memory = cost.stage_memory(
                 "paper",
                 weights=weights,
                 stash=stash,
                 act=act,
-                replicas=replicas[s],
+                replicas=batch_ways,
                 in_flight_count=inflight,
                 versions=versions,
                 optimizer_state_factor=optimizer_state_factor,
+                weight_ways=weight_ways,
             )
             out.append(float(memory))
             continue
@@ -287,12 +373,13 @@ def stage_memory_bytes(
             weights=weights,
             stash=cost.waiting_bytes(schedule, stash, act),
             act=act,
-            replicas=replicas[s],
+            replicas=batch_ways,
             in_flight_count=inflight,
             versions=versions,
             optimizer_state_factor=optimizer_state_factor,
             weight_copies=cost.weight_copies(schedule, num_microbatches, calls),
             call=call,
+            weight_ways=weight_ways,
         )
         out.append(float(memory))
     return out

@@ -31,10 +31,12 @@ from pdjax.errors import PlanError
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.evaluate import (
     Flat,
+    Meshes,
     build_plan,
     calibrated_options,
     check_options,
     pipeline_time,
+    sharded_stages,
 )
 from pdjax.plan.plan import Plan
 from pdjax.plan.topology import Topology
@@ -126,6 +128,7 @@ def evaluate_partition(
     allreduce_seconds: cost.AllreduceSeconds | None = None,
     microbatches_per_call: int | None = None,
     in_flight: str = "full-rate",
+    meshes: Meshes = None,
 ) -> Plan:
     """A plan for the given stages, with the cost model's predictions.
 
@@ -154,6 +157,10 @@ def evaluate_partition(
         (:func:`~pdjax.partition.search.evaluate.pipeline_time`; the plan records
         ``options["round_trip"] = "lower bound"`` where paper's counts differ from full
         rate's).
+      meshes: per stage its mesh (``{"fsdp": 2, "tensor": 2}``, ``((axis, size), ...)``
+        or None: replicated), recorded in the plan's stages; a sharded stage's memory is
+        priced per device of its mesh (:func:`~pdjax.partition.pricing.cost.mesh_ways`),
+        its time as the replicated stage's.
 
     Returns:
       The plan; its ``time_per_microbatch`` is the slowest stage or cut term, and at least
@@ -174,7 +181,7 @@ def evaluate_partition(
     )
     cost.check_calibration(stage_seconds, allreduce_seconds, cost_model)
     cost.check_in_flight(schedule, in_flight)
-    modes = _replication_modes(replication, stages, schedule, cost_model)
+    modes = _replication_modes(replication, stages, schedule, cost_model, meshes)
     arrays = cost.model_arrays(profile, microbatch_size)
     stages = [(int(a), int(b), int(r)) for a, b, r in stages]
     _check_stages(stages, arrays.num_layers, topology.num_devices)
@@ -196,6 +203,7 @@ def evaluate_partition(
         allreduce_seconds=allreduce_seconds,
         microbatches_per_call=microbatches_per_call,
         in_flight=in_flight,
+        meshes=meshes,
     )
     # Record which profile priced the plan, so a later use with another model's profile of
     # the same layer count is refused (Plan.check_profile).
@@ -220,6 +228,7 @@ def _priced_plan(
     allreduce_seconds: cost.AllreduceSeconds | None,
     microbatches_per_call: int | None = None,
     in_flight: str = "full-rate",
+    meshes: Meshes = None,
 ) -> Plan:
     """The plan of the placed stages ``flat`` with the cost model's predictions: the
     slowest stage or cut term (at least the round-trip bound) per microbatch, and the
@@ -270,6 +279,7 @@ def _priced_plan(
         replication=modes,
         microbatches_per_call=microbatches_per_call,
         in_flight=in_flight,
+        meshes=meshes,
     )
 
 
@@ -287,9 +297,10 @@ def _replication_modes(
     stages: Sequence[tuple[int, int, int]],
     schedule: str,
     cost_model: str,
+    meshes: Meshes = None,
 ) -> list[str]:
     """Each stage's mode: ``replication`` per stage (or one word for all), ``"auto"``
-    resolved, a one-device stage ``"split"``."""
+    resolved (``"split"`` for a stage ``meshes`` shards), a one-device stage ``"split"``."""
     if isinstance(replication, str):
         replication = [replication] * len(stages)
     replication = list(replication)
@@ -299,9 +310,12 @@ def _replication_modes(
             "per stage, or one word for all"
         )
     cost.check_replication(replication, schedule, cost_model)
+    sharded = sharded_stages(meshes, len(stages))
     return [
-        "split" if int(r) == 1 else cost.resolve_replication(mode, schedule, cost_model)
-        for mode, (_, _, r) in zip(replication, stages, strict=True)
+        "split"
+        if int(r) == 1 or (mode == "auto" and shards)
+        else cost.resolve_replication(mode, schedule, cost_model)
+        for mode, (_, _, r), shards in zip(replication, stages, sharded, strict=True)
     ]
 
 

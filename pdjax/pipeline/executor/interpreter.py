@@ -198,13 +198,28 @@ def interpret_recording(
     return spans, peaks
 
 
+def _buffer(data: jax.Array) -> int:
+    """The device buffer's address (an array of PRNG keys: its key data's)."""
+    if jnp.issubdtype(data.dtype, jax.dtypes.extended):
+        data = jax.random.key_data(data)
+    address: int = data.unsafe_buffer_pointer()
+    return address
+
+
 def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int]) -> None:
-    """Raises ``peaks[g]`` to the live bytes of the fullest device of each group ``g``."""
+    """Raises ``peaks[g]`` to the live bytes of the fullest device of each group ``g``.
+    Each buffer counts once: ``jax.live_arrays()`` also lists the per-device arrays of a
+    sharded array once its ``addressable_shards`` were read (as here, every call)."""
     per_device: dict[jax.Device, int] = {}
+    seen: set[tuple[jax.Device, int]] = set()
     for array in jax.live_arrays():
         if array.is_deleted():
             continue
         for shard in array.addressable_shards:
+            buffer = (shard.device, _buffer(shard.data))
+            if buffer in seen:
+                continue
+            seen.add(buffer)
             per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
     for device, used in per_device.items():
         g = group_of_device.get(device)
