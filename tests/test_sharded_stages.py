@@ -485,3 +485,38 @@ def test_split_model_keeps_a_linen_model_annotations_on_sharded_stages():
     # the annotations reached the stages: every kernel of stage 1 split 4 ways over tensor
     for a in jax.tree.leaves(state.params[1]):
         assert a.addressable_shards[0].data.size * 4 == a.size, a.sharding
+
+
+def test_llama_small_on_two_sharded_stages_equals_sequential_training():
+    small = get_model("llama", "small")
+    _, _, got, ref = _flush(small, _two_quads(len(small.layers)), "1f1b", SGD, M=2, mb=2)
+    _close(got, ref)
+
+
+def test_train_config_mesh_shapes_the_runner_and_refuses_what_it_cannot_shape():
+    from pdjax.apps.train import TrainConfig
+    from pdjax.apps.train.runner import make_runner
+
+    common = dict(model="llama", config="tiny", dataset="text", devices=8, batch_size=16)
+    x = LLAMA.sample_input(4, jax.random.key(0))
+    cfg = TrainConfig(**common, schedule="1f1b", plan="even", mesh="fsdp=2,tensor=2")
+    pipe, text = make_runner(cfg, LLAMA, x)
+    assert [st.mesh_axes for st in pipe.stages] == [(("fsdp", 2), ("tensor", 2))] * 2
+    assert "2 stages of 4 layers, each on 4 devices (fsdp 2 x tensor 2)" in text
+    per_stage = TrainConfig(**common, schedule="1f1b", plan="even", mesh="tensor=4;fsdp=4")
+    pipe, _ = make_runner(per_stage, LLAMA, x)
+    assert [st.mesh_axes for st in pipe.stages] == [(("tensor", 4),), (("fsdp", 4),)]
+    dp, text = make_runner(TrainConfig(**common, schedule="dp", mesh="fsdp=8"), LLAMA, x)
+    assert dp.sharded and text == "data parallel on 8 devices (fsdp 8)"
+    bad = [
+        (dict(schedule="1f1b", plan="auto", mesh="tensor=2"), r"planner does not choose meshes"),
+        (dict(schedule="auto", mesh="tensor=2"), r"planner does not choose meshes"),
+        (dict(schedule="1f1b", plan="even", mesh="tensor=3"), r"does not divide devices=8"),
+        (dict(schedule="dp", mesh="fsdp=4"), r"one mesh whose sizes multiply to 8"),
+        (dict(schedule="1f1b", plan="even", mesh="tensor=2;fsdp=4"), r"equal sizes"),
+        (dict(schedule="1f1b", plan="even", mesh="tensor:2"), r"AXIS=SIZE"),
+        (dict(schedule="1f1b", plan="even", fsdp_auto=True), r"give one, e.g. mesh='fsdp=4'"),
+    ]
+    for settings, match in bad:
+        with pytest.raises(PipelineError, match=match):
+            TrainConfig(**{**common, **settings})

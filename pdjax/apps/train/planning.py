@@ -305,6 +305,7 @@ def _measured_as(plan: Any, prof: Any) -> Any:
         partitioner=plan.partitioner,
         replication=[st.replication for st in plan.stages],
         microbatches_per_call=plan.options.get("microbatches_per_call"),
+        meshes=[st.mesh for st in plan.stages],
     )
     if [st.devices for st in got.stages] != [st.devices for st in plan.stages]:
         return None
