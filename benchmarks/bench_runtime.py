@@ -48,6 +48,7 @@ from pdjax.partition import Topology, costs_from_plan, evaluate_partition  # noq
 from pdjax.partition.pricing import cost  # noqa: E402
 from pdjax.partition.search.evaluate import stage_memory_bytes  # noqa: E402
 from pdjax.pipeline import Pipeline, even_stages  # noqa: E402
+from pdjax.pipeline.executor.interpreter import live_bytes_per_device  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
 from pdjax.schedules import ScheduleSpec  # noqa: E402
 from pdjax.simulator import simulate  # noqa: E402
@@ -66,12 +67,8 @@ def xent(logits, labels):
 
 
 def _per_device_bytes(arrays) -> dict:
-    out: dict = {}
-    for a in arrays:
-        if isinstance(a, jax.Array) and not a.is_deleted():
-            for shard in a.addressable_shards:
-                out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
+    """Live bytes per device, each buffer once (the runtime's own count)."""
+    return live_bytes_per_device(list(arrays))
 
 
 def parse_args() -> argparse.Namespace:

@@ -9,6 +9,7 @@ import pytest
 
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
+from pdjax.pipeline.executor.interpreter import live_bytes_per_device
 from pdjax.schedules import ScheduleSpec
 
 
@@ -63,12 +64,8 @@ def _own_buffers(tree):
 
 
 def _per_device(arrays):
-    out = {}
-    for a in arrays:
-        if isinstance(a, jax.Array) and not a.is_deleted():
-            for shard in a.addressable_shards:
-                out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
+    """Live bytes per device, each buffer once (the runtime's own count)."""
+    return live_bytes_per_device(list(arrays))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -20,6 +20,7 @@ from pdjax.partition import Topology, costs_from_plan, evaluate_partition
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.evaluate import stage_memory_bytes
 from pdjax.pipeline import Pipeline
+from pdjax.pipeline.executor.interpreter import live_bytes_per_device
 from pdjax.plan import Plan, StagePlan
 from pdjax.profile import LayerProfile, Profile, profile
 from pdjax.schedules import ScheduleSpec, generate
@@ -157,20 +158,9 @@ def _dense(i: int, width: int) -> nn.Dense:
     )
 
 
-def _per_device(arrays) -> dict:
-    """Live bytes per device, each buffer once (``jax.live_arrays()`` also lists a sharded
-    array's per-device arrays once its shards were read)."""
-    out: dict = {}
-    seen = set()
-    for a in arrays:
-        if not isinstance(a, jax.Array) or a.is_deleted():
-            continue
-        for shard in a.addressable_shards:
-            buffer = (shard.device, shard.data.unsafe_buffer_pointer())
-            if buffer not in seen:
-                seen.add(buffer)
-                out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
-    return out
+def _per_device(arrays):
+    """Live bytes per device, each buffer once (the runtime's own count)."""
+    return live_bytes_per_device(list(arrays))
 
 
 def _own_buffers(tree):

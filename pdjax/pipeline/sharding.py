@@ -54,6 +54,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pdjax.errors import PipelineError
+from pdjax.layers.tied import unboxed
 from pdjax.plan.mesh import (
     AXES,
     MeshAxes,
@@ -276,7 +277,7 @@ def _is_box(node: Any) -> bool:
 
 
 def _leaf_shape(node: Any) -> tuple[tuple[int, ...], Any]:
-    value = node.unbox() if _is_box(node) else node
+    value = unboxed(node)  # no sharding constraint applied
     leaves = jax.tree.leaves(value)
     leaf = leaves[0] if leaves else value
     return tuple(np.shape(leaf)), getattr(leaf, "dtype", np.dtype("float32"))

@@ -198,30 +198,36 @@ def interpret_recording(
     return spans, peaks
 
 
-def _buffer(data: jax.Array) -> int:
-    """The device buffer's address (an array of PRNG keys: its key data's)."""
-    if jnp.issubdtype(data.dtype, jax.dtypes.extended):
-        data = jax.random.key_data(data)
-    address: int = data.unsafe_buffer_pointer()
-    return address
+def live_bytes_per_device(arrays: Sequence[Any] | None = None) -> dict[jax.Device, int]:
+    """Bytes of the live arrays (default: ``jax.live_arrays()``) per device, each buffer
+    once. ``jax.live_arrays()`` also lists the per-device arrays that reading an array's
+    ``addressable_shards`` makes (and caches on it), which share its buffers: those are
+    left out, and a one-device array is counted as itself (reading its shards would make
+    another such array). Nothing here waits for a computation to finish."""
+    listed = [
+        a
+        for a in (jax.live_arrays() if arrays is None else arrays)
+        if isinstance(a, jax.Array) and not a.is_deleted()
+    ]
+    per_device: dict[jax.Device, int] = {}
+    parts: set[int] = set()
+    for a in listed:
+        if len(a.sharding.device_set) > 1:
+            for shard in a.addressable_shards:
+                parts.add(id(shard.data))
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    for a in listed:
+        if len(a.sharding.device_set) > 1 or id(a) in parts:
+            continue
+        device = next(iter(a.sharding.device_set))
+        per_device[device] = per_device.get(device, 0) + a.nbytes
+    return per_device
 
 
 def _track_live_bytes(peaks: list[int], group_of_device: Mapping[jax.Device, int]) -> None:
-    """Raises ``peaks[g]`` to the live bytes of the fullest device of each group ``g``.
-    Each buffer counts once: ``jax.live_arrays()`` also lists the per-device arrays of a
-    sharded array once its ``addressable_shards`` were read (as here, every call)."""
-    per_device: dict[jax.Device, int] = {}
-    seen: set[tuple[jax.Device, int]] = set()
-    for array in jax.live_arrays():
-        if array.is_deleted():
-            continue
-        for shard in array.addressable_shards:
-            buffer = (shard.device, _buffer(shard.data))
-            if buffer in seen:
-                continue
-            seen.add(buffer)
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    for device, used in per_device.items():
+    """Raises ``peaks[g]`` to the live bytes of the fullest device of each group ``g``
+    (:func:`live_bytes_per_device`)."""
+    for device, used in live_bytes_per_device().items():
         g = group_of_device.get(device)
         if g is not None and used > peaks[g]:
             peaks[g] = used
