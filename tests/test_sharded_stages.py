@@ -520,3 +520,19 @@ def test_train_config_mesh_shapes_the_runner_and_refuses_what_it_cannot_shape():
     for settings, match in bad:
         with pytest.raises(PipelineError, match=match):
             TrainConfig(**{**common, **settings})
+
+
+def test_a_sharded_stage_initialises_the_weights_a_replicated_one_does_layer_by_layer():
+    """``init`` on a sharded stage makes one layer at a time on one device and places it
+    on its shardings (never the whole stage on every device): the same values."""
+    n = len(LLAMA.layers)
+    x = LLAMA.sample_input(4, jax.random.key(0))
+    got = []
+    for plan in (_two_quads(n), (StagePlan(0, n // 2 - 1, (0,)), StagePlan(n // 2, n - 1, (4,)))):
+        pipe = Pipeline(LLAMA.layers, plan, LLAMA.loss, SGD, schedule=ScheduleSpec("1f1b"))
+        state = pipe.init(jax.random.key(7), x)
+        got.append(pipe.variables(state))
+        if plan[0].sharded:
+            kernel = state.params[0][1]["mlp"]["up"]["kernel"]
+            assert kernel.addressable_shards[0].data.size * 4 == kernel.size
+    jax.tree.map(np.testing.assert_array_equal, got[0], got[1])

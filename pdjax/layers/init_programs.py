@@ -127,6 +127,7 @@ def init_on(
     x: PyTree,
     sharding: Any,
     home: jax.Device | None = None,
+    place: Callable[[int, list[Variables]], list[Variables]] | None = None,
 ) -> tuple[list[Variables], PyTree]:
     """``layers``, model layers ``first ..``, initialised as :meth:`LayerSequence.init`
     does (layer ``i`` from ``fold_in(key, i)``), with the variables and the last layer's
@@ -138,12 +139,21 @@ def init_on(
 
     The values are those one program of all the layers computes: the programs draw the
     same bits from the same keys (at XLA's lowest optimization level, a float may round in
-    its last bit differently from one program to another, as between any two programs)."""
+    its last bit differently from one program to another, as between any two programs).
+
+    ``place(offset, variables)``, with a ``home``: every run is initialised there and its
+    variables (of layers ``offset ..`` of ``layers``) placed by it instead (a sharded
+    stage's: each parameter on its own sharding), so no device holds more than one run's
+    variables whole."""
     if home is not None and not sharding.is_fully_addressable:
         home = None  # another process's devices: each process computes its own part
     variables: list[Variables] = []
     for offset, run, share in _runs(layers):
-        if share is None or home is None:
+        if place is not None and home is not None:
+            put = functools.partial(jax.device_put, device=home)
+            vs, x = _program(run, share, home)(first + offset, put(key), put(x))
+            vs = place(offset, vs)
+        elif share is None or home is None:
             vs, x = _program(run, share, sharding)(first + offset, key, jax.device_put(x, sharding))
         else:
             put = functools.partial(jax.device_put, device=home)

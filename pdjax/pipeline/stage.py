@@ -770,6 +770,22 @@ class Stage:
         placed: list[PyTree] = list(jax.device_put(params, self.layout.params))
         return placed
 
+    def place_variables(self, offset: int, variables: list[Variables]) -> list[Variables]:
+        """Layers ``offset ..``'s variables on a sharded stage: parameters on their
+        shardings, other collections replicated (for
+        :func:`~pdjax.layers.init_programs.init_on`)."""
+        assert self.layout is not None
+        params = self.layout.params
+        return [
+            {
+                k: jax.device_put(a, params[offset + j])
+                if k == "params"
+                else place(a, self.replicated)
+                for k, a in v.items()
+            }
+            for j, v in enumerate(variables)
+        ]
+
     def place_opt_state(self, opt_state: Any) -> Any:
         """Optimizer state on the stage's devices, as its parameters are."""
         if self.layout is None:

@@ -398,6 +398,8 @@ class Pipeline:
                     stage.place_weights(x),
                     stage.replicated,
                     home,
+                    # a sharded stage: one layer whole on one device at a time, at most
+                    place=stage.place_variables if stage.sharded else None,
                 )
                 variables += vs
         return self.state_from_variables(variables, jax.random.fold_in(rng, 1))
