@@ -31,12 +31,8 @@ Optimizer state leaves take the sharding of the parameter whose path ends theirs
 shape they have (Adam's moments); other leaves (step counts, scalars, factored
 statistics) are replicated.
 
->>> mesh_axes({"tensor": 2, "fsdp": 2})
-(('fsdp', 2), ('tensor', 2))
->>> describe_mesh((("fsdp", 2), ("tensor", 2)))
-'fsdp 2 x tensor 2'
->>> parse_mesh("data=2,tensor=2")
-(('data', 2), ('tensor', 2))
+A mesh as plain data (``((axis, size), ...)``, :func:`mesh_axes`, :func:`parse_mesh`) is
+:mod:`pdjax.plan.mesh`'s, re-exported here.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ __all__ = [
     "mesh_axes",
     "mesh_size",
     "parse_mesh",
+    "stage_mesh",
 ]
 
 #: The default mesh axis names, outermost first (``tensor`` on the fastest level).
@@ -109,3 +110,33 @@ def is_sharded(axes: MeshAxes | None) -> bool:
 def describe_mesh(axes: MeshAxes) -> str:
     """``"fsdp 2 x tensor 2"``."""
     return " x ".join(f"{name} {size}" for name, size in axes)
+
+
+def stage_mesh(
+    mesh: MeshAxes | Mapping[str, int] | None, devices: int, round_robin: bool, where: str
+) -> MeshAxes | None:
+    """A stage's mesh as a plan keeps it: :func:`mesh_axes`, or None where it splits
+    nothing but the batch (``{data: r}``, the replicated stage).
+
+    Raises:
+      MeshError: naming ``where`` (e.g. ``"stage 0-3"``), for a mesh pdjax cannot read,
+        one whose sizes do not multiply to the stage's ``devices``, or a sharded
+        round-robin stage.
+    """
+    if mesh is None:
+        return None
+    try:
+        axes = mesh_axes(mesh)
+    except MeshError as e:
+        raise MeshError(f"{where}: {e}") from None
+    if mesh_size(axes) != devices:
+        raise MeshError(
+            f"{where}: mesh {describe_mesh(axes)} spans {mesh_size(axes)} devices, the stage "
+            f"has {devices}; the axis sizes must multiply to its device count"
+        )
+    if is_sharded(axes) and round_robin:
+        raise MeshError(
+            f"{where}: a round-robin stage takes whole microbatches per device and cannot "
+            f"be sharded ({describe_mesh(axes)}); use replication='split'"
+        )
+    return axes if is_sharded(axes) else None

@@ -25,14 +25,7 @@ import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.plan.mesh import (
-    MeshAxes,
-    MeshError,
-    describe_mesh,
-    is_sharded,
-    mesh_axes,
-    mesh_size,
-)
+from pdjax.plan.mesh import MeshAxes, describe_mesh, stage_mesh
 from pdjax.plan.topology import Level, Topology
 from pdjax.schedules.registry import SCHEDULE_KINDS
 from pdjax.schedules.spec import ScheduleSpec
@@ -159,24 +152,11 @@ class StagePlan:
                 f"stage {self.first_layer}-{self.last_layer} is round-robin on one device; "
                 "a one-device stage is 'split'"
             )
-        if self.mesh is not None:
-            where = f"stage {self.first_layer}-{self.last_layer}"
-            try:
-                mesh = mesh_axes(self.mesh)
-            except MeshError as e:
-                raise PlanError(f"{where}: {e}") from None
-            if mesh_size(mesh) != len(devices):
-                raise PlanError(
-                    f"{where}: mesh {describe_mesh(mesh)} spans {mesh_size(mesh)} devices, the "
-                    f"stage has {len(devices)}; the axis sizes must multiply to its device count"
-                )
-            # the plain data-parallel mesh is the default, written as None
-            object.__setattr__(self, "mesh", mesh if is_sharded(mesh) else None)
-            if self.mesh is not None and self.round_robin:
-                raise PlanError(
-                    f"{where}: a round-robin stage takes whole microbatches per device and "
-                    f"cannot be sharded ({describe_mesh(mesh)}); use replication='split'"
-                )
+        where = f"stage {self.first_layer}-{self.last_layer}"
+        # the plain data-parallel mesh {data: r} is the default, kept as None
+        object.__setattr__(
+            self, "mesh", stage_mesh(self.mesh, len(devices), self.round_robin, where)
+        )
 
     @property
     def mesh_axes(self) -> MeshAxes:

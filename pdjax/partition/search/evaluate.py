@@ -13,7 +13,7 @@ from typing import Any
 
 from pdjax.errors import PlanError
 from pdjax.partition.pricing import cost
-from pdjax.plan.mesh import MeshAxes, describe_mesh, is_sharded, mesh_axes, mesh_size
+from pdjax.plan.mesh import MeshAxes, is_sharded, mesh_axes, stage_mesh
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
@@ -269,28 +269,10 @@ def check_meshes(meshes: Meshes, flat: Flat, modes: Sequence[str]) -> list[MeshA
     if meshes is None:
         return [None] * len(flat)
     _check_count(meshes, len(flat))
-    out: list[MeshAxes | None] = []
-    for (first, last, positions), mode, mesh in zip(flat, modes, meshes, strict=True):
-        if mesh is None:
-            out.append(None)
-            continue
-        where = f"stage {first}-{last}"
-        try:
-            axes = mesh_axes(mesh)
-        except PlanError as e:
-            raise PlanError(f"{where}: {e}") from None
-        if mesh_size(axes) != len(positions):
-            raise PlanError(
-                f"{where}: mesh {describe_mesh(axes)} spans {mesh_size(axes)} devices, the "
-                f"stage has {len(positions)}; the axis sizes must multiply to its device count"
-            )
-        if is_sharded(axes) and mode == "round-robin":
-            raise PlanError(
-                f"{where}: a round-robin stage takes whole microbatches per device and "
-                f"cannot be sharded ({describe_mesh(axes)}); use replication='split'"
-            )
-        out.append(axes if is_sharded(axes) else None)
-    return out
+    return [
+        stage_mesh(mesh, len(positions), mode == "round-robin", f"stage {first}-{last}")
+        for (first, last, positions), mode, mesh in zip(flat, modes, meshes, strict=True)
+    ]
 
 
 def stage_memory_bytes(
