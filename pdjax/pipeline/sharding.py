@@ -102,7 +102,7 @@ def make_mesh(devices: Sequence[jax.Device], axes: MeshAxes, names: Iterable[str
     ``axes`` lacks is added with size 1, so rules that name it resolve.
 
     Raises:
-      ShardingError: if the mesh's size is not the number of devices.
+      MeshError: if the mesh's size is not the number of devices.
     """
     if mesh_size(axes) != len(devices):
         raise MeshError(
