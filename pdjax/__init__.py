@@ -30,6 +30,7 @@ from pdjax.errors import (
 )
 from pdjax.export import linen_variables, update_nnx
 from pdjax.layers import Fn, LayerSequence, sequential, split_model
+from pdjax.layers.sharding import ShardingRules
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.pipeline import Pipeline, PipelineState, even_stages
 from pdjax.profile import Profile, profile
@@ -61,6 +62,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "ScheduleSpec",
+    "ShardingRules",
     "Topology",
     "even_stages",
     "generate",

@@ -8,9 +8,9 @@ import optax
 import pytest
 
 from pdjax.errors import PipelineError
+from pdjax.layers.sharding import ShardingError, ShardingRules
+from pdjax.mesh import MeshError
 from pdjax.models import get_model
-from pdjax.pipeline.sharding import ShardingError, ShardingRules
-from pdjax.plan.mesh import MeshError
 from pdjax.runners import DataParallel
 
 FSDP = {"fsdp": 8}

@@ -25,12 +25,12 @@ import pytest
 from reference import delayed_training, flush_training
 
 from pdjax.errors import PipelineError, PlanError
+from pdjax.layers.sharding import ShardingError, ShardingRules
+from pdjax.mesh import MeshError, parse_mesh
 from pdjax.models import get_model
 from pdjax.models.llama import LlamaConfig, make_spec
 from pdjax.pipeline import Pipeline
-from pdjax.pipeline.sharding import ShardingError, ShardingRules
 from pdjax.plan import StagePlan
-from pdjax.plan.mesh import MeshError, parse_mesh
 from pdjax.schedules import ScheduleSpec
 
 SGD = optax.sgd(0.1)

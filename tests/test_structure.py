@@ -24,7 +24,7 @@ PDJAX = ROOT / "pdjax"
 
 # The foundation any part may import: errors, precision policies, processes, and the
 # private helper modules at the top (pdjax/_*.py).
-FOUNDATION = {"pdjax.errors", "pdjax.precision", "pdjax.distributed"}
+FOUNDATION = {"pdjax.errors", "pdjax.precision", "pdjax.distributed", "pdjax.mesh"}
 
 # Per part of the library, the parts it may import besides itself and the foundation. The
 # lower a part, the fewer it may import; the runtime (pdjax.pipeline) sits beside the

@@ -26,7 +26,7 @@ the embedding table and the tied head's copy ``(vocab, embed)``; the attention's
 kernel ``(embed, heads)``, ``k`` and ``v`` ``(embed, kv_heads)``, ``o`` ``(heads,
 embed)``; the MLP's ``gate`` and ``up`` ``(embed, mlp)``, ``down`` ``(mlp, embed)``; the
 RMSNorm scales ``(norm,)``; the untied ``lm_head`` ``(embed, vocab)``. pdjax's default
-rules (:mod:`pdjax.pipeline.sharding`) map ``embed`` to the ``fsdp`` mesh axis, ``heads``,
+rules (:mod:`pdjax.layers.sharding`) map ``embed`` to the ``fsdp`` mesh axis, ``heads``,
 ``kv_heads``, ``mlp`` and ``vocab`` to ``tensor``, and replicate ``norm``. The names are
 metadata only: the variables are made with ``eager_sharding=False``, so building the model
 needs no mesh and draws the same values as without them.

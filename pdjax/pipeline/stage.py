@@ -81,13 +81,13 @@ from pdjax._memory_policy import OFFLOADED, checkpointed, policy_name, recompute
 from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import Layer, LossFn, PyTree, Variables, count_traces
+from pdjax.layers.sharding import ShardingRules, StageSharding, make_mesh
+from pdjax.mesh import MeshAxes, describe_mesh, is_sharded
 from pdjax.pipeline.layer_traces import LayerTraces
 from pdjax.pipeline.lowering.types import OpFlag, OpKind
 from pdjax.pipeline.optim import StageOptimizer
-from pdjax.pipeline.sharding import ShardingRules, StageSharding, make_mesh
 from pdjax.pipeline.stage_programs import keys_body, program_body
 from pdjax.pipeline.stage_ties import StageTies
-from pdjax.plan.mesh import MeshAxes, describe_mesh, is_sharded
 
 __all__ = ["LossFn", "Stage", "StageTies", "split_loss", "with_aux"]
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from pdjax._jsonio import FieldReader, parse_json, read_text, write_atomic
 from pdjax.errors import PlanError, ScheduleError
-from pdjax.plan.mesh import MeshAxes, describe_mesh, stage_mesh
+from pdjax.mesh import MeshAxes, describe_mesh, stage_mesh
 from pdjax.plan.topology import Level, Topology
 from pdjax.schedules.registry import SCHEDULE_KINDS
 from pdjax.schedules.spec import ScheduleSpec
@@ -92,10 +92,10 @@ class StagePlan:
         whole microbatches, ``r`` consecutive ones at once, and the stage all-reduces once
         per such group under ``pipedream``). A one-device stage is ``"split"``.
       mesh: the stage's devices as a mesh, ``((axis, size), ...)`` outermost first
-        (:func:`pdjax.plan.mesh.mesh_axes`: ``data``, ``fsdp``, other names, ``tensor``
+        (:func:`pdjax.mesh.mesh_axes`: ``data``, ``fsdp``, other names, ``tensor``
         last, so ``tensor`` runs over neighbouring devices); ``None`` is ``((data, r),)``,
         the replication every plan before meshes meant. A mesh with an axis other than
-        ``data`` shards the stage's weights (:mod:`pdjax.pipeline.sharding`).
+        ``data`` shards the stage's weights (:mod:`pdjax.layers.sharding`).
 
     The planner fills in the three predictions; a stage written by hand for
     :class:`~pdjax.pipeline.Pipeline` (``StagePlan(0, 1, (0,))``: layers 0-1 on device 0,

@@ -7,10 +7,10 @@ the optimizer update for the whole batch; XLA partitions it and inserts the grad
 all-reduce. This is what pdjax's pipelines are compared against, and what a plan with one
 stage on all devices computes.
 
-With ``mesh=`` the devices form a mesh of named axes (:mod:`pdjax.pipeline.sharding`),
+With ``mesh=`` the devices form a mesh of named axes (:mod:`pdjax.layers.sharding`),
 e.g. ``{"data": 2, "fsdp": 2, "tensor": 2}``: FSDP (ZeRO-3) and tensor parallelism with
 no pipeline. Each parameter is split over the mesh as the model's annotations and the
-:class:`~pdjax.pipeline.sharding.ShardingRules` say (``embed`` dimensions over ``fsdp``,
+:class:`~pdjax.layers.sharding.ShardingRules` say (``embed`` dimensions over ``fsdp``,
 heads, MLP and vocabulary over ``tensor`` by default), the optimizer state as its
 parameter, and each batch's rows over ``data`` and ``fsdp``; BatchNorm statistics stay
 replicated. The step is the same program with those shardings: XLA's SPMD partitioner
@@ -57,6 +57,17 @@ from pdjax._sharding import place
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, LossFn, PyTree, Variables, count_traces
 from pdjax.layers.init_programs import init_on
+from pdjax.layers.sharding import (
+    MeshAxes,
+    MeshError,
+    ShardingRules,
+    StageSharding,
+    describe_mesh,
+    is_sharded,
+    make_mesh,
+    mesh_axes,
+    mesh_size,
+)
 from pdjax.pipeline.executor.arguments import (
     check_arrays,
     check_callback,
@@ -69,17 +80,6 @@ from pdjax.pipeline.executor.arguments import (
     check_stream,
 )
 from pdjax.pipeline.optim import on_model_names
-from pdjax.pipeline.sharding import (
-    MeshAxes,
-    MeshError,
-    ShardingRules,
-    StageSharding,
-    describe_mesh,
-    is_sharded,
-    make_mesh,
-    mesh_axes,
-    mesh_size,
-)
 from pdjax.precision import LossScaled, computes_in_float16
 
 __all__ = ["DPMetrics", "DPState", "DataParallel"]
@@ -172,14 +172,14 @@ class DataParallel:
         again). Set ``False`` to keep old states alive, e.g. while saving them.
       mesh: the devices as a mesh of named axes, a dict or ``(axis, size)`` pairs such as
         ``{"fsdp": 4, "tensor": 2}`` (text such as ``"fsdp=4,tensor=2"``: read it with
-        :func:`pdjax.pipeline.sharding.parse_mesh`), whose sizes multiply to the device count.
+        :func:`pdjax.layers.sharding.parse_mesh`), whose sizes multiply to the device count.
         The axes are ordered ``data``, ``fsdp``, others, ``tensor`` (the last over
         neighbouring devices of ``devices``). ``data`` replicates the weights, ``fsdp``
         splits the batch and the weights (ZeRO-3), ``tensor`` splits each layer's weights
         (Megatron-style); a batch's rows are split over ``data`` and ``fsdp``
         (:attr:`batch_ways`). Default (or ``data`` alone): every device one replica. The
         step's collectives are XLA's, inserted by its SPMD partitioner.
-      sharding: the :class:`~pdjax.pipeline.sharding.ShardingRules` that map the model's
+      sharding: the :class:`~pdjax.layers.sharding.ShardingRules` that map the model's
         parameter annotations to the mesh's axes (default ``ShardingRules()``; e.g.
         ``ShardingRules(fsdp="auto")`` splits unannotated parameters over ``fsdp``).
 
@@ -192,7 +192,7 @@ class DataParallel:
         sizes, or whose sizes do not multiply to the device count.
 
     The shardings of a sharded mesh are decided (and every annotation checked:
-    :class:`~pdjax.pipeline.sharding.ShardingError`) by :meth:`init` or
+    :class:`~pdjax.layers.sharding.ShardingError`) by :meth:`init` or
     :meth:`state_from_variables`, before anything compiles; :attr:`layout` holds them.
 
     Every jitted function compiles once per input shape; ``trace_counts`` counts traces
@@ -223,7 +223,7 @@ class DataParallel:
         axes = _mesh_of(mesh, len(self.devices))
         if sharding is not None and not isinstance(sharding, ShardingRules):
             raise PipelineError(
-                "DataParallel sharding must be a pdjax.pipeline.sharding.ShardingRules, got "
+                "DataParallel sharding must be a pdjax.layers.sharding.ShardingRules, got "
                 f"a {type(sharding).__name__}"
             )
         if axes is not None:
@@ -609,14 +609,14 @@ class DataParallel:
 
 
 def _mesh_of(mesh: Any, devices: int) -> MeshAxes | None:
-    """``mesh`` (a dict or pairs) as :func:`~pdjax.pipeline.sharding.mesh_axes`, checked to span
+    """``mesh`` (a dict or pairs) as :func:`~pdjax.layers.sharding.mesh_axes`, checked to span
     ``devices``; None for no mesh or one of ``data`` alone (replicated)."""
     if mesh is None:
         return None
     if isinstance(mesh, str | bytes):
         raise MeshError(
             f"DataParallel mesh takes a dict or (axis, size) pairs, got the text {mesh!r}; "
-            "read text with pdjax.pipeline.sharding.parse_mesh, or write e.g. "
+            "read text with pdjax.layers.sharding.parse_mesh, or write e.g. "
             "{'fsdp': 4, 'tensor': 2}"
         )
     if not isinstance(mesh, Mapping | Sequence):

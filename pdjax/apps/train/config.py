@@ -13,9 +13,9 @@ from typing import Any
 from pdjax.apps.train.optimizers import DEFAULT_LEARNING_RATE, check_settings
 from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
+from pdjax.mesh import MeshAxes, MeshError, mesh_size, parse_mesh
 from pdjax.models import check_model_name
 from pdjax.pipeline.transport import TRANSPORTS
-from pdjax.plan.mesh import MeshAxes, MeshError, mesh_size, parse_mesh
 from pdjax.schedules import SCHEDULE_KINDS, SCHEDULES, ScheduleSpec
 from pdjax.schedules.spec import OPTIONS, option_owners
 
@@ -108,11 +108,11 @@ class TrainConfig:
         choice, split when the plan says nothing), ``"split"`` or ``"round-robin"``
         (:class:`~pdjax.pipeline.Pipeline`).
       allow_stale: ``schedule="auto"``: the search may choose ``pipedream`` or ``2bw``.
-      mesh: each stage's devices as a mesh (:mod:`pdjax.pipeline.sharding`):
+      mesh: each stage's devices as a mesh (:mod:`pdjax.layers.sharding`):
         ``"fsdp=2,tensor=2"`` for every stage, or one per stage separated by ``;``; with
         ``plan="even"`` the run has ``devices`` / the mesh's size stages; with
         ``schedule="dp"`` one mesh over all devices. The model's annotations place the
-        parameters (:data:`~pdjax.pipeline.sharding.DEFAULT_RULES`).
+        parameters (:data:`~pdjax.layers.sharding.DEFAULT_RULES`).
       fsdp_auto: shard the parameters the model does not annotate over the mesh's
         ``fsdp`` axis, along their largest dimension it divides (ZeRO-3).
 

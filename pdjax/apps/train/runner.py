@@ -15,11 +15,11 @@ from pdjax.apps.train.optimizers import build_optimizer
 from pdjax.apps.train.planning import plan_of
 from pdjax.apps.train.wording import setting
 from pdjax.errors import PipelineError
+from pdjax.layers.sharding import ShardingRules
+from pdjax.mesh import describe_mesh, mesh_size
 from pdjax.models import ModelSpec
 from pdjax.partition import Plan
 from pdjax.pipeline import Pipeline, even_stages
-from pdjax.pipeline.sharding import ShardingRules
-from pdjax.plan.mesh import describe_mesh, mesh_size
 from pdjax.runners import DataParallel, Runner
 from pdjax.schedules import SCHEDULE_KINDS
 

@@ -228,6 +228,7 @@ from typing import Literal
 import numpy as np
 
 from pdjax.errors import PlanError
+from pdjax.mesh import MeshAxes, is_sharded, mesh_axes
 from pdjax.partition.pricing.arrays import ModelArrays, check_profile
 from pdjax.partition.pricing.arrays import model_arrays as layer_arrays
 from pdjax.partition.pricing.traits import (
@@ -247,7 +248,6 @@ from pdjax.partition.pricing.traits import (
     updates_per_microbatch,
     versions_kept,
 )
-from pdjax.plan.mesh import MeshAxes, is_sharded, mesh_axes
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
 from pdjax.schedules import SEMANTICS, Shape
@@ -324,7 +324,7 @@ def check_cost_model(name: str) -> str:
 
 
 #: The mesh axes a sharded stage splits its batch over (the runtime's default rules,
-#: :data:`pdjax.pipeline.sharding.DEFAULT_RULES`); every other axis splits its weights.
+#: :data:`pdjax.layers.sharding.DEFAULT_RULES`); every other axis splits its weights.
 BATCH_AXES = ("data", "fsdp")
 
 

@@ -12,8 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdjax.errors import PlanError
+from pdjax.mesh import MeshAxes, is_sharded, mesh_axes, stage_mesh
 from pdjax.partition.pricing import cost
-from pdjax.plan.mesh import MeshAxes, is_sharded, mesh_axes, stage_mesh
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.plan.topology import Topology
 from pdjax.profile import Profile
@@ -258,12 +258,12 @@ def sharded_stages(meshes: Meshes, count: int) -> list[bool]:
 
 def check_meshes(meshes: Meshes, flat: Flat, modes: Sequence[str]) -> list[MeshAxes | None]:
     """Per stage ``(first, last, positions)`` its mesh in pdjax's order
-    (:func:`pdjax.plan.mesh.mesh_axes`), or None where it is replicated (no axis but
+    (:func:`pdjax.mesh.mesh_axes`), or None where it is replicated (no axis but
     ``data``), from ``meshes`` (None: all replicated).
 
     Raises:
       PlanError: a count of meshes other than the stages', a mesh pdjax cannot read
-        (:class:`~pdjax.plan.mesh.MeshError`), one whose sizes do not multiply to its
+        (:class:`~pdjax.mesh.MeshError`), one whose sizes do not multiply to its
         stage's devices, or a sharded round-robin stage.
     """
     if meshes is None:

@@ -19,6 +19,7 @@ import optax
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.layers.init_programs import init_on
+from pdjax.layers.sharding import ShardingRules
 from pdjax.pipeline.executor.arguments import (
     check_arrays,
     check_callback,
@@ -55,7 +56,6 @@ from pdjax.pipeline.executor.trees import (
 )
 from pdjax.pipeline.lowering import Program, Slot
 from pdjax.pipeline.optim import StageOptimizer
-from pdjax.pipeline.sharding import ShardingRules
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import Schedule, ScheduleSpec, schedule_kind, semantics
@@ -110,9 +110,9 @@ class Pipeline:
         each stage alone, knowingly (e.g. clipping each stage by its own norm).
       sharding: how a sharded stage's parameters map onto its mesh (a plan stage's
         :attr:`~pdjax.plan.StagePlan.mesh` with an axis besides ``data``):
-        :class:`~pdjax.pipeline.sharding.ShardingRules`, the logical-axis rules, ZeRO-3 for
+        :class:`~pdjax.layers.sharding.ShardingRules`, the logical-axis rules, ZeRO-3 for
         unannotated parameters (``fsdp="auto"``) or a function of each parameter; default
-        ``ShardingRules()`` (:data:`~pdjax.pipeline.sharding.DEFAULT_RULES`). Unused
+        ``ShardingRules()`` (:data:`~pdjax.layers.sharding.DEFAULT_RULES`). Unused
         when no stage is sharded.
 
     Tied parameters (``sequential(..., tied=...)``) train as one parameter: every copy

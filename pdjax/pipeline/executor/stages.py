@@ -15,6 +15,8 @@ from pdjax._memory_policy import check_available
 from pdjax.distributed import check_cpu_transfers
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence
+from pdjax.layers.sharding import ShardingRules
+from pdjax.mesh import describe_mesh
 from pdjax.pipeline.executor.config import (
     plan_stage_devices,
     replication_of,
@@ -22,10 +24,8 @@ from pdjax.pipeline.executor.config import (
     tied_stage_groups,
 )
 from pdjax.pipeline.lowering import Placement, StagePlace
-from pdjax.pipeline.sharding import ShardingRules
 from pdjax.pipeline.stage import LossFn, Stage
 from pdjax.pipeline.transport import Transport, auto_transport, make_transport
-from pdjax.plan.mesh import describe_mesh
 from pdjax.plan.plan import Plan, StagePlan
 from pdjax.schedules import ROUND_ROBIN, semantics, stage_groups
 

@@ -32,7 +32,7 @@ shape they have (Adam's moments); other leaves (step counts, scalars, factored
 statistics) are replicated.
 
 A mesh as plain data (``((axis, size), ...)``, :func:`mesh_axes`, :func:`parse_mesh`) is
-:mod:`pdjax.plan.mesh`'s, re-exported here.
+:mod:`pdjax.mesh`'s, re-exported here.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from pdjax.errors import PipelineError
 from pdjax.layers.tied import unboxed
-from pdjax.plan.mesh import (
+from pdjax.mesh import (
     AXES,
     MeshAxes,
     MeshError,

@@ -1,7 +1,7 @@
 """A stage's mesh as plain data: ``((axis, size), ...)``, outermost first.
 
 The plan records one per stage (:attr:`pdjax.plan.StagePlan.mesh`); the runtime turns it
-into a :class:`jax.sharding.Mesh` (:mod:`pdjax.pipeline.sharding`).
+into a :class:`jax.sharding.Mesh` (:mod:`pdjax.layers.sharding`).
 
 >>> mesh_axes({"tensor": 2, "fsdp": 2})
 (('fsdp', 2), ('tensor', 2))
