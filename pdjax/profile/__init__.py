@@ -8,19 +8,23 @@ from pdjax.profile.graph_txt import (
     read_graph_txt,
 )
 from pdjax.profile.profile import LayerProfile, PolicyCost, Profile
+from pdjax.profile.sharded import Collective, ShardedCost, profile_sharded
 from pdjax.profile.xla import cost_analysis, profile
 
 __all__ = [
     "DEVICE_MODELS",
     "PUBLISHED_PROFILES",
+    "Collective",
     "DeviceModel",
     "LayerProfile",
     "PolicyCost",
     "Profile",
+    "ShardedCost",
     "cost_analysis",
     "get_device_model",
     "parse_graph_txt",
     "profile",
+    "profile_sharded",
     "published_profile",
     "read_graph_txt",
 ]
