@@ -129,3 +129,32 @@ def test_collectives_are_read_from_hlo_text_with_their_axes():
         Collective("all-gather", 4 * 32 * 2, ("fsdp",)),
         Collective("all-gather", 8 * 4, ("fsdp", "tensor")),
     )
+
+
+def test_each_collective_is_priced_on_the_level_its_axes_span():
+    from pdjax.partition.pricing.sharded import collective_seconds, sharded_seconds
+    from pdjax.plan import Topology
+    from pdjax.profile import get_device_model
+
+    # 2 servers of 2 devices: 100 GB/s inside a server, 1 GB/s between them
+    topology = Topology.from_levels([2, 2], [1e11, 1e9])
+    mesh = (("fsdp", 2), ("tensor", 2))  # tensor over neighbours: inside a server
+    positions = [0, 1, 2, 3]
+    reduce_t = Collective("all-reduce", 1000, ("tensor",))
+    gather_f = Collective("all-gather", 1000, ("fsdp",))
+    assert collective_seconds(reduce_t, mesh, positions, topology) == pytest.approx(1000 / 1e11)
+    assert collective_seconds(gather_f, mesh, positions, topology) == pytest.approx(500 / 1e9)
+    both = Collective("reduce-scatter", 250, ("fsdp", "tensor"))
+    assert collective_seconds(both, mesh, positions, topology) == pytest.approx(3 * 250 / 1e9)
+    # the same mesh with fsdp inside the server and tensor across: the costs swap levels
+    across = [0, 2, 1, 3]
+    assert collective_seconds(reduce_t, mesh, across, topology) == pytest.approx(1000 / 1e9)
+    assert collective_seconds(gather_f, mesh, across, topology) == pytest.approx(500 / 1e11)
+
+    h100 = get_device_model("h100")
+    sample = jax.ShapeDtypeStruct((ROWS, WIDTH), jnp.float32)
+    (cost,) = profile_sharded(sequential(_Block()), sample, [{"tensor": 2}])[0]
+    seconds = sharded_seconds(cost, h100, Topology.from_levels([2], [1e11]), [0, 1])
+    assert seconds.forward == pytest.approx(h100.seconds(cost.forward_flops, cost.forward_bytes))
+    assert seconds.forward_collectives == pytest.approx(ROWS * WIDTH * 4 / 1e11)
+    assert seconds.total > seconds.forward + seconds.backward
