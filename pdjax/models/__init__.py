@@ -112,7 +112,9 @@ MODELS: tuple[str, ...] = tuple(_FAMILIES)
 #: Configuration names accepted by :func:`get_model` for every family.
 CONFIGS: tuple[str, ...] = ("tiny", "paper")
 #: Configurations some families have besides :data:`CONFIGS`.
-EXTRA_CONFIGS: dict[str, tuple[str, ...]] = {"llama": ("small",)}
+EXTRA_CONFIGS: dict[str, tuple[str, ...]] = {"llama": ("small", "7b")}
+#: Config names that are not a method name of the family's config class: the method.
+_CONFIG_METHODS = {"7b": "llama2_7b"}
 
 
 def is_model_ref(name: str) -> bool:
@@ -161,7 +163,8 @@ def get_model(name: str, config: str = "tiny", **overrides: Any) -> ModelSpec:
         factory if it takes it, ``overrides`` always).
       config: ``"tiny"`` (for tests: runs in well under a second on a CPU) or
         ``"paper"`` (the size the PipeDream paper trains); some families have more
-        (:data:`EXTRA_CONFIGS`: ``llama`` has ``"small"``).
+        (:data:`EXTRA_CONFIGS`: ``llama`` has ``"small"`` and ``"7b"``, Llama-2-7B's
+        shapes, for planning from shapes).
       **overrides: fields of the family's config dataclass to replace, e.g.
         ``get_model("gpt", num_layers=4, dropout=0.0)``.
 
@@ -182,7 +185,7 @@ def get_model(name: str, config: str = "tiny", **overrides: Any) -> ModelSpec:
     if config not in configs:
         raise LayerError(f"unknown config {config!r} for {key!r}; choose one of {configs}")
     config_cls, make_spec = _FAMILIES[key]
-    model_config = getattr(config_cls, config)()
+    model_config = getattr(config_cls, _CONFIG_METHODS.get(config, config))()
     if overrides:
         fields = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(overrides) - fields)

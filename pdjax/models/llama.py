@@ -258,6 +258,29 @@ class LlamaConfig:
         return cls()
 
     @classmethod
+    def llama2_7b(cls) -> LlamaConfig:
+        """Llama-2-7B's shapes (``get_model("llama", "7b")``): 32 blocks, d=4096, 32 heads
+        (no grouping), SwiGLU width 11008, vocabulary 32000, untied head, context 4096,
+        no dropout: 6,738,415,616 parameters (27 GB in float32), for planning from shapes
+        (:func:`pdjax.profile.profile` with a device model, or
+        :func:`pdjax.profile.profile_sharded`), not for allocating on a CPU.
+
+        >>> LlamaConfig.llama2_7b().num_params()
+        6738415616
+        """
+        return cls(
+            vocab_size=32000,
+            context=4096,
+            seq_len=4096,
+            num_layers=32,
+            d_model=4096,
+            num_heads=32,
+            num_kv_heads=32,
+            ffn_dim=11008,
+            dropout=0.0,
+        )
+
+    @classmethod
     def gpu_350m(cls) -> LlamaConfig:
         """The ~350M configuration for a GPU check: :meth:`paper`."""
         return cls.paper()

@@ -2,32 +2,159 @@
 probe "is there a configuration of period at most ``T``, round trip included?"
 (:class:`Prober`) and the search over ``T`` that finds the configuration of least period
 (:func:`search_round_trip`).
+
+Each schedule's in-flight counts come from the schedule itself, as the plan's exact period
+takes them: :func:`pdjax.partition.pricing.cost.exact_in_flight` of ``P`` split stages, i.e.
+the planner's depth per kind (:data:`pdjax.partition.pricing.traits._PRICING`, read by
+:func:`~pdjax.partition.pricing.cost.in_flight`): ``P - s`` under ``pipedream`` and ``2bw``,
+``min(P - s, M)`` under ``1f1b`` and ``zb-h1``, ``min(2P - 1, M)`` at every stage under
+``zb-h2`` and ``min(P, M)`` under ``zb-v`` (``gpipe`` and ``interleaved`` have no round
+trip). :func:`round_trip_passes` reads the table ``T_s(P)`` of every pipeline length and
+finds a form the suffix program decides exactly (:class:`Bound`):
+
+* a count of the stages from ``s`` on, ``T_s = f(P - s)`` (``pipedream``, ``2bw``,
+  ``1f1b``, ``zb-h1``): every suffix's condition ``RT_s <= T f(P - s)``;
+* one count per pipeline, ``T_s = c(P)`` (``zb-h2``, ``zb-v``): only the whole pipeline's
+  condition ``RT_0 <= T c(P)``, since ``RT_s <= RT_0``;
+* otherwise (no schedule has it yet) one pass per length ``P``, every stage's count known.
+
+A linear count (``f(k) = a k + b``: ``P - s``; ``2P - 1`` with ``M >= 2P - 1``) is additive,
+``RT - a T k``, and costs one program; otherwise the program tracks the stages of a suffix
+up to where the count stops changing (``M`` under ``1f1b`` with ``M`` below the device
+count), which multiplies its cost by that many.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.space import Search
 
-__all__ = ["Prober", "round_trip_exact", "search_round_trip"]
+__all__ = ["Bound", "Prober", "round_trip_exact", "round_trip_passes", "search_round_trip"]
 
 #: Pipeline stages ``(first, last, device positions)``.
 Flat = list[tuple[int, int, list[int]]]
 
 
 def round_trip_exact(search: Search) -> bool:
-    """Whether :meth:`Prober.probe` decides "period <= T" exactly (split stages and
-    ``T_s = P - s``); otherwise it is a relaxation (round-robin: ``T_s = q_s n_s >=
-    n_s + ... + n_{P-1}``; a flush schedule with ``M`` below the device count:
-    ``min(P - s, M) <= P - s``)."""
-    if search.rr:
-        return False
-    return not (search.traits.flush and search.M < search.topology.num_devices)
+    """Whether :meth:`Prober.probe` decides "period <= T" exactly: for split stages under
+    every schedule with a round trip (the counts of :func:`round_trip_passes`). With
+    round-robin stages (``pipedream`` only) it is not: the probe takes ``T_s = n_s + ... +
+    n_{P-1}``, at most the schedule's ``q_s n_s`` (:func:`pdjax.partition.pricing.cost.
+    groups_in_flight`, which depends on every group of the plan), so it may miss a plan;
+    every plan it finds is evaluated exactly."""
+    return not search.rr
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """One pass of the suffix program: the round trip's condition on a suffix of ``k``
+    stages (its *key*, ``min(k, keys)`` when ``saturate``) in a form the program decides.
+
+    The program keeps, per (first layer, devices, key), the least ``V = RT - a T k`` of
+    the suffixes meeting every condition inside them (``RT``: the suffix's round trip,
+    ``a``: :attr:`per_stage`); the key and ``V`` decide every condition of any longer
+    suffix, so the least ``V`` is optimal for all that extend it.
+
+    Attributes:
+      per_stage: ``a``.
+      keys: the keys ``1..keys``; 1 for an additive form.
+      saturate: a suffix of more than ``keys`` stages keeps key ``keys`` (else it is not
+        allowed: a pass for one pipeline length).
+      suffix: per key, the bound on ``V / T`` of every suffix with that key (inf: none).
+      final: per key, the bound on ``V / T`` of the whole pipeline (inf: none; -inf: that
+        key is not a whole pipeline).
+    """
+
+    per_stage: float
+    keys: int
+    saturate: bool
+    suffix: tuple[float, ...]
+    final: tuple[float, ...]
+
+
+def _linear(values: Sequence[int]) -> tuple[float, float] | None:
+    """``(a, b)`` with ``values[k - 1] = a k + b`` for every ``k``, or None."""
+    a = float(values[1] - values[0]) if len(values) > 1 else 0.0
+    b = float(values[0]) - a
+    if all(v == a * k + b for k, v in enumerate(values, start=1)):
+        return a, b
+    return None
+
+
+def _saturation(values: Sequence[int]) -> int:
+    """The least ``K`` with ``values[k - 1] = values[K - 1]`` for every ``k >= K``."""
+    K = len(values)
+    while K > 1 and values[K - 2] == values[-1]:
+        K -= 1
+    return K
+
+
+def round_trip_passes(
+    counts: Sequence[Sequence[int]], *, general: bool = False
+) -> tuple[Bound, ...]:
+    """The passes of the suffix program that decide ``RT_s <= T T_s`` for every stage
+    ``s`` exactly, from ``counts[P - 1][s]``, the in-flight count ``T_s`` of stage ``s`` of
+    ``P`` split stages, ``P = 1..len(counts)`` (the module doc). ``general``: one pass per
+    ``P`` whatever the form (what a count of no simpler form gets).
+
+    >>> [b.keys for b in round_trip_passes([[1], [2, 1], [3, 2, 1]])]
+    [1]
+    >>> [(b.per_stage, b.final) for b in round_trip_passes([[1], [3, 3], [5, 5, 5]])]
+    [(2.0, (-1.0,))]
+    >>> [(b.keys, b.suffix) for b in round_trip_passes([[1], [2, 1], [2, 2, 1]])]
+    [(2, (1.0, 2.0))]
+    """
+    Pmax = len(counts)
+    inf = math.inf
+    options: list[Bound] = []
+    f = list(counts[-1][::-1])  # f[k - 1]: the count of a stage with k - 1 stages after it
+    if not general and all(
+        counts[P - 1][s] == f[P - s - 1] for P in range(1, Pmax + 1) for s in range(P)
+    ):
+        line = _linear(f)
+        if line is not None:
+            options.append(Bound(line[0], 1, True, (line[1],), (inf,)))
+        else:
+            K = _saturation(f)
+            options.append(Bound(0.0, K, True, tuple(float(x) for x in f[:K]), (inf,) * K))
+    c = [row[0] for row in counts]  # c[P - 1]: the count of every stage of P
+    if not general and all(x == row[0] for row in counts for x in row):
+        line = _linear(c)
+        if line is not None:
+            options.append(Bound(line[0], 1, True, (inf,), (line[1],)))
+        else:
+            K = _saturation(c)
+            options.append(Bound(0.0, K, True, (inf,) * K, tuple(float(x) for x in c[:K])))
+    if options:
+        return (min(options, key=lambda b: b.keys),)
+    return tuple(
+        Bound(
+            0.0,
+            P,
+            False,
+            tuple(float(counts[P - 1][P - k]) for k in range(1, P + 1)),
+            (-inf,) * (P - 1) + (inf,),
+        )
+        for P in range(1, Pmax + 1)
+    )
+
+
+def split_counts(search: Search) -> list[list[int]]:
+    """``counts[P - 1][s]``: the in-flight count of stage ``s`` of ``P`` split stages under
+    the search's schedule, as the exact period takes it
+    (:func:`pdjax.partition.pricing.cost.exact_in_flight`), for every ``P`` up to the
+    devices (and layers)."""
+    Pmax = max(1, min(search.topology.num_devices, search.L))
+    return [
+        [c for c, _ in cost.exact_in_flight(search.schedule, [1] * P, ("split",) * P, search.M)]
+        for P in range(1, Pmax + 1)
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +168,8 @@ class Prober:
       after_max: ``r -> (L, L)``, the most devices after the stage with which its memory
         check passes (-1: never).
       cut: ``(L,)`` the cut term after each layer (inf: no cut may follow).
+      passes: the round trip's conditions (:func:`round_trip_passes`; round-robin: the
+        relaxed ``T_s = n_s + ... + n_{P-1}``).
     """
 
     search: Search
@@ -48,10 +177,11 @@ class Prober:
     weights: dict[int, float]
     after_max: dict[int, np.ndarray]
     cut: np.ndarray
+    passes: tuple[Bound, ...]
 
     @classmethod
-    def of(cls, search: Search) -> Prober:
-        """The probe's terms of ``search``."""
+    def of(cls, search: Search, *, general: bool = False) -> Prober:
+        """The probe's terms of ``search`` (``general``: :func:`round_trip_passes`')."""
         N, L = search.topology.num_devices, search.L
         rs = [1] if search.straight else list(range(1, N + 1))
         times, weights, after_max = {}, {}, {}
@@ -78,66 +208,95 @@ class Prober:
             bandwidth=level.bandwidth,
             latency=level.latency,
         )
-        return cls(search, times, weights, after_max, np.where(search.cut_ok, cut, np.inf))
+        if search.rr:  # the groups' counts: relaxed to the devices from s on
+            passes: tuple[Bound, ...] = (Bound(1.0, 1, True, (0.0,), (math.inf,)),)
+        else:
+            passes = round_trip_passes(split_counts(search), general=general)
+        cut = np.where(search.cut_ok, cut, np.inf)
+        return cls(search, times, weights, after_max, cut, passes)
 
     def probe(self, T: float) -> list[tuple[int, int, int]] | None:
         """Stages ``(first, last, replicas)`` of a one-level configuration whose period,
         round trip included, is at most ``T`` (see :func:`round_trip_exact`), or None.
 
-        The condition is, for every suffix of stages ``s..P-1``, ``sum_{t>=s} (n_t (C_t - T)
-        + 2 cut_t) <= 0`` (``cut_{P-1} = 0``), with every ``C_t <= T`` and ``cut_t <= T``.
-        A suffix program over (first layer, devices) keeps the least sum of each suffix
-        among those meeting every condition inside it, which is optimal for the suffixes
-        that extend it: ``O(N^2 L^2)`` per probe (``O(N L^2)`` straight)."""
+        The condition is, for every stage ``s``, ``RT_s = sum_{t>=s} (n_t C_t + 2 cut_t) <=
+        T T_s`` (``cut_{P-1} = 0``), with every ``C_t <= T`` and ``cut_t <= T``; each pass
+        (:class:`Bound`) is a suffix program over (key, first layer, devices) keeping the
+        least ``V`` of each suffix among those meeting every condition inside it:
+        ``O(K N^2 L^2)`` per pass with ``K`` keys (``O(K N L^2)`` straight)."""
+        for bound in self.passes:
+            found = self._probe(T, bound)
+            if found is not None:
+                return found
+        return None
+
+    def _probe(self, T: float, bound: Bound) -> list[tuple[int, int, int]] | None:
+        """:meth:`probe` for one pass."""
         fewer = self.search.fewer
         N, L = self.search.topology.num_devices, self.search.L
+        K, a = bound.keys, bound.per_stage
         slack = 1e-12 * T
         cut2 = np.where(self.cut <= T + slack, 2.0 * self.cut, np.inf)[: L - 1]
         h = {}
         for r, tm in self.times.items():
-            h[r] = np.where(tm <= T + slack, self.weights[r] * (tm - T), np.inf)
-        F = np.full((N + 1, L + 1), np.inf)
-        F[0, L] = 0.0
+            w = self.weights[r]
+            h[r] = np.where(tm <= T + slack, w * (tm - a * T), np.inf)
+
+        def limit(b: float) -> float:
+            return T * b + 1e-11 * T * max(1.0, abs(b)) if math.isfinite(b) else b
+
+        suffix = [limit(b) for b in bound.suffix]
+        # F[k, m, i]: key k (0: the empty suffix, at i = L only), m devices, from layer i
+        F = np.full((K + 1, N + 1, L + 1), np.inf)
+        F[0, 0, L] = 0.0
         if fewer:
-            F[:, L] = 0.0
-        cj = np.zeros((N + 1, L), dtype=np.int32)
-        cr = np.zeros((N + 1, L), dtype=np.int32)
-        cf = np.zeros((N + 1, L), dtype=bool)
+            F[0, :, L] = 0.0
+        cj = np.zeros((K + 1, N + 1, L), dtype=np.int32)
+        cr = np.zeros((K + 1, N + 1, L), dtype=np.int32)
+        cf = np.zeros((K + 1, N + 1, L), dtype=bool)
         rows = np.arange(L)
-        tol = 1e-11 * T
         for m in range(1, N + 1):
-            best = np.full(L, np.inf)
-            for r in h:
-                if r > m:
-                    break
-                rest = F[m - r]
-                add = np.empty(L)
-                add[: L - 1] = cut2 + rest[1:L]
-                add[L - 1] = rest[L]
-                val = h[r] + add[None, :]
-                val[self.after_max[r] < m - r] = np.inf
-                val[val > tol] = np.inf
-                j = np.argmin(val, axis=1)
-                v = val[rows, j]
-                better = v < best
-                best[better] = v[better]
-                cj[m][better] = j[better]
-                cr[m][better] = r
-            F[m, :L] = best
-            if fewer and m > 1:
-                use = F[m - 1, :L] < F[m, :L]
-                F[m, :L][use] = F[m - 1, :L][use]
-                cf[m][use] = True
-        if not np.isfinite(F[N, 0]):
+            for k in range(1, min(K, m) + 1):
+                loops = bound.saturate and k == K
+                best = np.full(L, np.inf)
+                for r in h:
+                    if r > m:
+                        break
+                    rest = F[k - 1, m - r]
+                    if loops:  # a suffix of key K, one stage longer, keeps key K
+                        rest = np.minimum(rest, F[K, m - r])
+                    add = np.empty(L)
+                    add[: L - 1] = cut2 + rest[1:L]
+                    add[L - 1] = rest[L]
+                    val = h[r] + add[None, :]
+                    val[self.after_max[r] < m - r] = np.inf
+                    if math.isfinite(suffix[k - 1]):
+                        val[val > suffix[k - 1]] = np.inf
+                    j = np.argmin(val, axis=1)
+                    v = val[rows, j]
+                    better = v < best
+                    best[better] = v[better]
+                    cj[k, m][better] = j[better]
+                    cr[k, m][better] = r
+                F[k, m, :L] = best
+                if fewer and m > 1:
+                    use = F[k, m - 1, :L] < F[k, m, :L]
+                    F[k, m, :L][use] = F[k, m - 1, :L][use]
+                    cf[k, m][use] = True
+        final = [limit(b) for b in bound.final]
+        ends = [k for k in range(1, K + 1) if F[k, N, 0] <= final[k - 1]]
+        if not ends:
             return None
-        out, m, i = [], N, 0
+        out, m, i, k = [], N, 0, ends[0]
         while i < L:
-            if cf[m][i]:
+            if cf[k, m, i]:
                 m -= 1
                 continue
-            j, r = int(cj[m][i]), int(cr[m][i])
+            j, r = int(cj[k, m, i]), int(cr[k, m, i])
             out.append((i, j, r))
             i, m = j + 1, m - r
+            if i < L and not (bound.saturate and k == K and F[K, m, i] <= F[k - 1, m, i]):
+                k -= 1
         return out
 
 
