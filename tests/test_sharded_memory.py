@@ -172,7 +172,7 @@ def _own_buffers(tree):
     return jax.tree.map(one, tree)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "pipedream"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "2bw", "pipedream"])
 def test_runtime_memory_model_predicts_a_sharded_stage(schedule):
     """Two stages of fsdp 2 x tensor 2 on 8 devices: the simulator's ``runtime`` memory
     model within 10% of the live bytes the runtime holds on each stage's devices (measured
