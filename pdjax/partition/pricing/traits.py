@@ -62,7 +62,10 @@ class ScheduleTraits:
       depth: ``(P, s) -> count``, the microbatches the memory model charges stage ``s`` of
         ``P`` (at most ``M`` under a flushing schedule), or None for all ``M`` of a step
         (``gpipe``). ``P - s`` by default, also for ``zb-h1`` (the table counts its
-        microbatches until the deferred ``W``: ``min(P, M)``).
+        microbatches until the deferred ``W``: ``min(P, M)``). It is also the kind's
+        in-flight count in the ``pdjax`` round trip (:func:`exact_in_flight` of split
+        stages), which the planner's round-trip search reads for every pipeline length
+        (:func:`pdjax.partition.search.round_trip.round_trip_passes`).
       round_trip: whether the ``pdjax`` objective has the round-trip bound: not for
         ``gpipe`` (``M`` in flight, its flush bubble is outside every model) nor for
         ``interleaved`` (its in-flight count depends on the chunks, which the planner does

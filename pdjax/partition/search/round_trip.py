@@ -5,8 +5,8 @@ probe "is there a configuration of period at most ``T``, round trip included?"
 
 Each schedule's in-flight counts come from the schedule itself, as the plan's exact period
 takes them: :func:`pdjax.partition.pricing.cost.exact_in_flight` of ``P`` split stages, i.e.
-the planner's depth per kind (:data:`pdjax.partition.pricing.traits._PRICING`, read by
-:func:`~pdjax.partition.pricing.cost.in_flight`): ``P - s`` under ``pipedream`` and ``2bw``,
+the planner's depth per kind (``_PRICING`` in :mod:`pdjax.partition.pricing.traits`, read
+by :func:`~pdjax.partition.pricing.cost.in_flight`): ``P - s`` under ``pipedream`` and ``2bw``,
 ``min(P - s, M)`` under ``1f1b`` and ``zb-h1``, ``min(2P - 1, M)`` at every stage under
 ``zb-h2`` and ``min(P, M)`` under ``zb-v`` (``gpipe`` and ``interleaved`` have no round
 trip). :func:`round_trip_passes` reads the table ``T_s(P)`` of every pipeline length and
@@ -35,7 +35,14 @@ import numpy as np
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.space import Search
 
-__all__ = ["Bound", "Prober", "round_trip_exact", "round_trip_passes", "search_round_trip"]
+__all__ = [
+    "Bound",
+    "Prober",
+    "round_trip_exact",
+    "round_trip_passes",
+    "search_round_trip",
+    "split_counts",
+]
 
 #: Pipeline stages ``(first, last, device positions)``.
 Flat = list[tuple[int, int, list[int]]]
@@ -45,9 +52,10 @@ def round_trip_exact(search: Search) -> bool:
     """Whether :meth:`Prober.probe` decides "period <= T" exactly: for split stages under
     every schedule with a round trip (the counts of :func:`round_trip_passes`). With
     round-robin stages (``pipedream`` only) it is not: the probe takes ``T_s = n_s + ... +
-    n_{P-1}``, at most the schedule's ``q_s n_s`` (:func:`pdjax.partition.pricing.cost.
-    groups_in_flight`, which depends on every group of the plan), so it may miss a plan;
-    every plan it finds is evaluated exactly."""
+    n_{P-1}``, at most the schedule's ``q_s n_s``
+    (:func:`~pdjax.partition.pricing.cost.groups_in_flight`, which depends on every group
+    of the plan), so it may miss a plan (a restriction); every plan it finds is evaluated
+    exactly."""
     return not search.rr
 
 
@@ -255,36 +263,42 @@ class Prober:
         cr = np.zeros((K + 1, N + 1, L), dtype=np.int32)
         cf = np.zeros((K + 1, N + 1, L), dtype=bool)
         rows = np.arange(L)
+        checked = self.search.limit is not None
         for m in range(1, N + 1):
-            for k in range(1, min(K, m) + 1):
-                loops = bound.saturate and k == K
-                best = np.full(L, np.inf)
-                for r in h:
-                    if r > m:
-                        break
+            best = np.full((K + 1, L), np.inf)
+            for r in h:
+                if r > m:
+                    break
+                hr = h[r]
+                if checked:  # the memory check with m - r devices after the stage
+                    hr = np.where(self.after_max[r] < m - r, np.inf, hr)
+                for k in range(1, min(K, m) + 1):
                     rest = F[k - 1, m - r]
-                    if loops:  # a suffix of key K, one stage longer, keeps key K
+                    if bound.saturate and k == K:  # key K, one stage longer, keeps key K
                         rest = np.minimum(rest, F[K, m - r])
+                    if not np.isfinite(rest).any():
+                        continue
                     add = np.empty(L)
                     add[: L - 1] = cut2 + rest[1:L]
                     add[L - 1] = rest[L]
-                    val = h[r] + add[None, :]
-                    val[self.after_max[r] < m - r] = np.inf
-                    if math.isfinite(suffix[k - 1]):
-                        val[val > suffix[k - 1]] = np.inf
+                    val = hr + add[None, :]
                     j = np.argmin(val, axis=1)
                     v = val[rows, j]
-                    better = v < best
-                    best[better] = v[better]
+                    v[v > suffix[k - 1]] = np.inf  # (the least over j: none is below)
+                    better = v < best[k]
+                    best[k][better] = v[better]
                     cj[k, m][better] = j[better]
                     cr[k, m][better] = r
-                F[k, m, :L] = best
+            for k in range(1, min(K, m) + 1):
+                F[k, m, :L] = best[k]
                 if fewer and m > 1:
                     use = F[k, m - 1, :L] < F[k, m, :L]
                     F[k, m, :L][use] = F[k, m - 1, :L][use]
                     cf[k, m][use] = True
         final = [limit(b) for b in bound.final]
-        ends = [k for k in range(1, K + 1) if F[k, N, 0] <= final[k - 1]]
+        ends = [
+            k for k in range(1, K + 1) if np.isfinite(F[k, N, 0]) and F[k, N, 0] <= final[k - 1]
+        ]
         if not ends:
             return None
         out, m, i, k = [], N, 0, ends[0]
@@ -322,9 +336,9 @@ def search_round_trip(
     ``hi`` (the period of its plan, ``flat``). Each plan a probe finds has its exact period
     evaluated (``exact``); the best is kept. When the probe is exact, after each found plan
     a probe just below its period either finds a better one or proves it optimal (relative
-    ``1e-12``), interleaved with bisection; when it is a relaxation (round-robin),
-    bisection to relative ``1e-6`` on it, and the better of its plan and the program's,
-    evaluated exactly."""
+    ``1e-12``), interleaved with bisection; when it is not (round-robin,
+    :func:`round_trip_exact`), bisection to relative ``1e-6`` on it, and the better of its
+    plan and the program's, evaluated exactly."""
     prober = Prober.of(search)
     if not round_trip_exact(search):
         return _relaxed_search(prober, flat, lo, hi, exact)
