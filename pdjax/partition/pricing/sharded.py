@@ -36,6 +36,7 @@ from pdjax.profile.sharded import Collective, ShardedCost
 
 __all__ = ["ShardedSeconds", "collective_seconds", "sharded_seconds"]
 
+
 def _ring(kind: str, n: int) -> tuple[float, int]:
     """Bytes moved per device as a multiple of the result's, and messages, over ``n``."""
     if kind == "all-reduce":
