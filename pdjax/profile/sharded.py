@@ -11,7 +11,7 @@ Read from each compiled program, per device: the FLOPs and bytes accessed of XLA
 analysis, the temporary bytes of its memory analysis, and every collective XLA's
 partitioner inserted (:class:`Collective`: its kind, the bytes of its result, and the
 mesh axes its device groups span), from the compiled HLO. Identical layers (the same
-module, the same shapes: :func:`~pdjax.profile.programs.reuse_key`) share one compile
+module, the same shapes, as the profiler compares them) share one compile
 per mesh, so a model of 32 identical blocks costs a handful of compiles.
 
 Compiling for a mesh of ``n`` devices needs ``n`` devices of the platform the costs are
