@@ -1025,3 +1025,25 @@ def test_2bw_needs_a_microbatch_per_stage():
         )
     plan = plan_pipedream(_toy(), Topology.flat(4, 1e9), straight=True, schedule="2bw")
     assert plan.num_microbatches == 4 and list(plan.in_flight) == [4, 3, 2, 1]
+
+
+def test_a_round_robin_stage_the_outer_levels_replicate_is_not_pruned_by_the_optimistic_check():
+    # hypothesis found it (test_memory_limit_equals_brute_force): the optimistic memory
+    # check charged a round-robin stage on r inner devices as if no outer level replicated
+    # it (the call's inputs over r devices, not over r per outer unit), pruned the one-stage
+    # plan 4rr (3.75 B per device, 0.5 ms) under a 6 B limit and returned 2rr-2rr (1 ms)
+    layers = [
+        LayerProfile("l0", forward_seconds=0.0, backward_seconds=0.0, param_bytes=0,
+                     input_bytes=1, output_bytes=0),
+        LayerProfile("l1", forward_seconds=0.0, backward_seconds=0.0, param_bytes=0,
+                     input_bytes=0, output_bytes=1e7),
+    ]  # fmt: skip
+    profile = Profile.chain(layers, batch_size=4)
+    topo = topology_of([(2, 1.25e9, 0.0), (2, 1.25e9, 0.001)])
+    free = plan_pipedream(profile, topo, schedule="pipedream", replication="round-robin")
+    capped = plan_pipedream(
+        profile, topo, schedule="pipedream", replication="round-robin", memory_limit=6.0
+    )
+    assert free.config == capped.config == "4rr"
+    assert capped.time_per_microbatch == pytest.approx(free.time_per_microbatch)
+    assert max(capped.memory_per_device) <= 6.0

@@ -285,8 +285,11 @@ class Search:
         of the outer levels. A plan the program finds under it must be verified."""
         last = self.layers_after == 0
         bound = np.where(last, 1, min(2, len(self._depth_lower) - 1))
-        if self.rr:
-            return self._memory("pdjax", r, bound * r, bound)
+        if self.rr:  # as many groups in flight as devices share the stage: at most r per
+            # unit of the outer levels (a stage the outer levels replicate holds less of
+            # the call's inputs per device than one on r devices alone)
+            shared = r * self.outer_units
+            return self._memory("pdjax", shared, bound * shared, bound, sharing=r)
         inflight, versions = self._in_flight(bound, least=True)
         return self._memory("pdjax", r * self.outer_units, inflight, versions, sharing=r)
 
