@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from measured import measured_peaks
 
 from pdjax.models import get_model
 from pdjax.pipeline import Pipeline, even_stages
-from pdjax.pipeline.executor.interpreter import live_bytes_per_device
 from pdjax.schedules import ScheduleSpec
 
 
@@ -51,23 +51,6 @@ def test_no_leak_over_50_steps(schedule):
     assert levels[1] - base <= state_bytes + inputs + 1024, (levels, base, state_bytes, inputs)
 
 
-def _own_buffers(tree):
-    """Every array copied into a buffer of its own: an array device_put onto the device it
-    was on shares its buffer with the source, which live_arrays() then lists twice."""
-
-    def one(a):
-        if not isinstance(a, jax.Array) or jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            return a
-        return jnp.array(a, copy=True)
-
-    return jax.tree.map(one, tree)
-
-
-def _per_device(arrays):
-    """Live bytes per device, each buffer once (the runtime's own count)."""
-    return live_bytes_per_device(list(arrays))
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_runtime_memory_model_predicts_the_measured_peak(schedule):
     """The simulator's runtime memory model against the live bytes the runtime holds after
@@ -97,14 +80,7 @@ def test_runtime_memory_model_predicts_the_measured_peak(schedule):
         optax.adam(1e-3),
         schedule=ScheduleSpec(schedule, microbatches=M),
     )
-    state = _own_buffers(pipe.init(jax.random.key(1), xs[0]))
-    others = _per_device(jax.live_arrays())
-    for device, used in _per_device(jax.tree.leaves(state)).items():
-        others[device] -= used
-    state, metrics = pipe.run(state, microbatches, timeline=True)
-    measured = [
-        peak - others.get(pipe.stages[g].devices[0], 0) for g, peak in enumerate(metrics.peak_bytes)
-    ]
+    measured = measured_peaks(pipe, pipe.init(jax.random.key(1), xs[0]), microbatches)
 
     prof = profile(layers, jnp.asarray(xs[0]), device_model="h100")  # times: not used
     stages = [(s.first_layer, s.last_layer, 1) for s in pipe.stage_specs]

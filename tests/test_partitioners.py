@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from chains import chain_profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,23 +20,13 @@ from pdjax.partition import (
     plan_uniform,
     uniform_split,
 )
-from pdjax.profile import LayerProfile, Profile
+from pdjax.profile import Profile
 
 
 def _profile(times, params=None, outputs=None) -> Profile:
     params = params or [0] * len(times)
     outputs = outputs or [1000] * len(times)
-    layers = [
-        LayerProfile(
-            f"l{i}",
-            forward_seconds=t / 3,
-            backward_seconds=2 * t / 3,
-            param_bytes=p,
-            output_bytes=o,
-        )
-        for i, (t, p, o) in enumerate(zip(times, params, outputs, strict=True))
-    ]
-    return Profile.chain(layers, batch_size=8)
+    return chain_profile(times, params, outputs, batch_size=8)
 
 
 def test_uniform_split():

@@ -8,28 +8,19 @@ import itertools
 import math
 
 import pytest
+from chains import chain_profile
 
 from pdjax.errors import PlanError
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.pipedream import solve
-from pdjax.profile import LayerProfile, Profile
+from pdjax.profile import Profile
 
 
 def _chain(times, params=None, outputs=None, batch_size=1) -> Profile:
     params = params or [0] * len(times)
     outputs = outputs or [0] * len(times)
-    layers = [
-        LayerProfile(
-            f"l{i}",
-            forward_seconds=t / 3,
-            backward_seconds=2 * t / 3,
-            param_bytes=p,
-            output_bytes=o,
-        )
-        for i, (t, p, o) in enumerate(zip(times, params, outputs, strict=True))
-    ]
-    return Profile.chain(layers, batch_size=batch_size)
+    return chain_profile(times, params, outputs, batch_size)
 
 
 def test_cut_is_one_transfer_each_way_plus_latency():

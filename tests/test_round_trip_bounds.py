@@ -11,6 +11,7 @@ import math
 import random
 
 import pytest
+from chains import chain_profile
 from test_planner import partitions
 
 from pdjax.errors import PlanError
@@ -23,23 +24,13 @@ from pdjax.partition.search.round_trip import (
     round_trip_passes,
     split_counts,
 )
-from pdjax.profile import LayerProfile, Profile
+from pdjax.profile import Profile
 
 SCHEDULES = ("pipedream", "2bw", "1f1b", "zb-h1", "zb-h2", "zb-v", "gpipe", "interleaved")
 
 
 def _chain(times, params, outputs) -> Profile:
-    layers = [
-        LayerProfile(
-            f"l{i}",
-            forward_seconds=t / 3,
-            backward_seconds=2 * t / 3,
-            param_bytes=p,
-            output_bytes=o,
-        )
-        for i, (t, p, o) in enumerate(zip(times, params, outputs, strict=True))
-    ]
-    return Profile.chain(layers, batch_size=1)
+    return chain_profile(times, params, outputs)
 
 
 def _random_case(seed: int) -> tuple[Profile, Topology]:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from measured import measured_peaks
 
 from pdjax.errors import PlanError
 from pdjax.layers import sequential
@@ -20,7 +21,6 @@ from pdjax.partition import Topology, costs_from_plan, evaluate_partition
 from pdjax.partition.pricing import cost
 from pdjax.partition.search.evaluate import stage_memory_bytes
 from pdjax.pipeline import Pipeline
-from pdjax.pipeline.executor.interpreter import live_bytes_per_device
 from pdjax.plan import Plan, StagePlan
 from pdjax.profile import LayerProfile, Profile, profile
 from pdjax.schedules import ScheduleSpec, generate
@@ -158,20 +158,6 @@ def _dense(i: int, width: int) -> nn.Dense:
     )
 
 
-def _per_device(arrays):
-    """Live bytes per device, each buffer once (the runtime's own count)."""
-    return live_bytes_per_device(list(arrays))
-
-
-def _own_buffers(tree):
-    def one(a):
-        if not isinstance(a, jax.Array) or jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key):
-            return a
-        return jnp.array(a, copy=True)
-
-    return jax.tree.map(one, tree)
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "2bw", "pipedream"])
 def test_runtime_memory_model_predicts_a_sharded_stage(schedule):
     """Two stages of fsdp 2 x tensor 2 on 8 devices: the simulator's ``runtime`` memory
@@ -190,14 +176,7 @@ def test_runtime_memory_model_predicts_a_sharded_stage(schedule):
     n = cost.microbatches_per_call(schedule, M)  # the call the planner's figure is for
     xs = np.random.default_rng(0).standard_normal((n, mb, width)).astype(np.float32)
     microbatches = [(xs[k], xs[k] * 0.5) for k in range(n)]
-    state = _own_buffers(pipe.init(jax.random.key(1), xs[0]))
-    others = _per_device(jax.live_arrays())
-    for device, used in _per_device(jax.tree.leaves(state)).items():
-        others[device] -= used
-    state, metrics = pipe.run(state, microbatches, timeline=True)
-    measured = [
-        peak - others.get(pipe.stages[g].devices[0], 0) for g, peak in enumerate(metrics.peak_bytes)
-    ]
+    measured = measured_peaks(pipe, pipe.init(jax.random.key(1), xs[0]), microbatches)
 
     prof = profile(layers, jnp.asarray(xs[0]), device_model="h100")  # times: not used
     planned = evaluate_partition(

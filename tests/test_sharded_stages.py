@@ -142,30 +142,13 @@ def test_streaming_schedules_on_sharded_stages_equal_the_delayed_recurrence(kind
     variables = pipe.variables(state)
     state, metrics = pipe.run(state, stream)
     bounds = [(st.first_layer, st.last_layer + 1) for st in pipe.stage_specs]
-    if kind == "2bw":
-        ref = delayed_training(
-            LLAMA.layers,
-            LLAMA.loss,
-            opt,
-            variables,
-            stream,
-            bounds=bounds,
-            version_of=lambda s, k: max(0, k // M - 1),
-            rng=state.rng,
-            M=M,
-            whole_model=True,
-        )
-    else:
-        ref = delayed_training(
-            LLAMA.layers,
-            LLAMA.loss,
-            opt,
-            variables,
-            stream,
-            bounds=bounds,
-            version_of=lambda s, k: max(0, k - (P - s) + 1),
-            rng=state.rng,
-        )
+    if kind == "2bw":  # M microbatches per update, the optimizer over the whole model
+        versions = {"version_of": lambda s, k: max(0, k // M - 1), "M": M, "whole_model": True}
+    else:  # an update per microbatch, stage s P - s microbatches behind
+        versions = {"version_of": lambda s, k: max(0, k - (P - s) + 1)}
+    ref = delayed_training(
+        LLAMA.layers, LLAMA.loss, opt, variables, stream, bounds=bounds, rng=state.rng, **versions
+    )
     _close(list(state.params), ref, atol=1e-5)
     assert max(metrics.peak_versions) >= 2  # weight versions were stashed, sharded
 
