@@ -101,12 +101,15 @@ class ShardedCost:
       index, name: the layer's position and name in the model.
       mesh: the mesh, ``((axis, size), ...)``.
       forward_flops, backward_flops: FLOPs per device of the forward and of the backward
-        (weight and input gradients).
-      forward_bytes, backward_bytes: bytes accessed per device (XLA's cost analysis).
+        alone (weight and input gradients): the backward program, which runs the forward
+        again to reach its residuals, less the forward's.
+      forward_bytes, backward_bytes: bytes accessed per device (XLA's cost analysis), the
+        backward's likewise less the forward's.
       temp_bytes: the larger of the two programs' temporary bytes per device.
       param_bytes: the layer's parameter bytes one device holds.
       replicated_param_bytes: of those, the bytes of parameters left whole on every device.
-      forward_collectives, backward_collectives: what XLA's partitioner inserted.
+      forward_collectives, backward_collectives: what XLA's partitioner inserted (the
+        backward's less one of each the forward has: its replay of the forward).
       shared_with: the index of the earlier layer whose programs this one reuses (None:
         compiled for it).
     """
@@ -334,17 +337,34 @@ def _layer_cost(
     for compiled in (fwd, bwd):
         memory = compiled.memory_analysis()
         temp = max(temp, int(getattr(memory, "temp_size_in_bytes", 0) or 0))
+    # the backward program runs the forward again to reach its residuals: its own share is
+    # the difference (as LayerProfile's backward is forward+backward minus forward)
+    forward_collectives = collectives_of(fwd.as_text() or "", mesh)
+    backward_collectives = _without(collectives_of(bwd.as_text() or "", mesh), forward_collectives)
+    ff, fb = float(f.get("flops", 0.0)), float(f.get("bytes accessed", 0.0))
     return ShardedCost(
         index=i,
         name=layer.name,
         mesh=axes,
-        forward_flops=float(f.get("flops", 0.0)),
-        backward_flops=float(b.get("flops", 0.0)),
-        forward_bytes=float(f.get("bytes accessed", 0.0)),
-        backward_bytes=float(b.get("bytes accessed", 0.0)),
+        forward_flops=ff,
+        backward_flops=max(float(b.get("flops", 0.0)) - ff, 0.0),
+        forward_bytes=fb,
+        backward_bytes=max(float(b.get("bytes accessed", 0.0)) - fb, 0.0),
         temp_bytes=temp,
         param_bytes=sharded + whole,
         replicated_param_bytes=whole,
-        forward_collectives=collectives_of(fwd.as_text() or "", mesh),
-        backward_collectives=collectives_of(bwd.as_text() or "", mesh),
+        forward_collectives=forward_collectives,
+        backward_collectives=backward_collectives,
     )
+
+
+def _without(
+    collectives: tuple[Collective, ...], forward: tuple[Collective, ...]
+) -> tuple[Collective, ...]:
+    """``collectives`` less one of each of ``forward``'s (the backward program's replay of
+    the forward), where present."""
+    rest = list(collectives)
+    for c in forward:
+        if c in rest:
+            rest.remove(c)
+    return tuple(rest)

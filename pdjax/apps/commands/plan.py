@@ -46,6 +46,7 @@ from pdjax.apps.commands import (
     positive_int,
 )
 from pdjax.errors import PlanError
+from pdjax.mesh import describe_mesh
 from pdjax.partition import (
     COST_MODELS,
     PRESETS,
@@ -169,6 +170,13 @@ def _add_schedule_options(p: argparse.ArgumentParser) -> None:
         choices=IN_FLIGHT,
         help="--schedule auto: pipedream's groups in flight at round-robin stages to search "
         "(default: full-rate; 'paper': PipeDream's own count, NOAM at the input stage)",
+    )
+    p.add_argument(
+        "--mesh",
+        choices=["auto"],
+        help="--schedule auto --model: also choose each stage's mesh (data x fsdp x tensor), "
+        "priced from the model's sharded layers compiled on this machine's devices "
+        "(jax_num_cpu_devices is set to the topology's devices)",
     )
     p.add_argument(
         "--batch-size",
@@ -307,15 +315,54 @@ def run(args: argparse.Namespace) -> int:
     cal = _load_calibration(args)
     topology = calibrated_topology(args, topology, cal)
     check_size(args, topology)
+    _check_mesh(args, topology, cal)
     profile = _load_profile(args)
     check_size(args, topology, len(profile.layers))
     common = _pricing(args, profile, topology, cal)
-    plan = _make_plan(args, profile, topology, common, cal)
+    meshes = _search_meshes(args, topology) if args.mesh == "auto" else None
+    plan = _make_plan(args, profile, topology, common, cal, meshes)
     # Record the profile in the file (plan_pipedream and plan_auto do not yet), so that
     # `pdjax simulate` refuses this plan with another model's profile of equal layer count.
     plan = plan.with_profile_hash(profile)
     _report(args, plan)
     return 0
+
+
+def _check_mesh(args: argparse.Namespace, topology: Topology, cal: Any) -> None:
+    """``--mesh auto`` needs ``--schedule auto``, ``--model`` (its layers are compiled on
+    each mesh) and no calibration; it makes this process's CPU devices as many as the
+    topology's, before JAX starts.
+
+    Raises:
+      PlanError: naming the option to change.
+    """
+    if args.mesh is None:
+        return
+    if args.schedule != "auto":
+        raise PlanError("--mesh auto is chosen with everything else: add --schedule auto")
+    if args.model is None:
+        raise PlanError(
+            "--mesh auto compiles the model's layers on each mesh: give --model, not --profile"
+        )
+    if cal is not None:
+        raise PlanError("--calibration measured replicated stages: drop it with --mesh auto")
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", max(topology.num_devices, 1))
+    except RuntimeError:  # JAX started already (a caller in this process): use its devices
+        pass
+
+
+def _search_meshes(args: argparse.Namespace, topology: Topology) -> Any:
+    """The units ``--mesh auto`` searches, each layer compiled on each, at the profile's
+    microbatch."""
+    from pdjax.models import get_model
+    from pdjax.partition.choosing.meshes import search_meshes
+
+    spec = get_model(args.model, args.config)
+    size = args.microbatch_size or _MODEL_BATCH
+    return search_meshes(spec.layers, spec.sample_input(size), topology)
 
 
 def _load_profile(args: argparse.Namespace) -> Profile:
@@ -450,6 +497,7 @@ def _make_plan(
     topology: Topology,
     common: dict[str, Any],
     cal: Any,
+    meshes: Any = None,
 ) -> Plan:
     """The plan of the partitioner (or ``plan_auto``) the arguments choose."""
     if args.schedule != "auto" and (
@@ -476,6 +524,7 @@ def _make_plan(
             optimizer_state_factor=args.optimizer_state_factor,
             calibration=cal,
             in_flight=tuple(args.in_flight or ("full-rate",)),
+            meshes=meshes,
         )
     if args.partitioner == _OPTIMIZER:
         if args.stages is not None:
@@ -589,6 +638,35 @@ def render_auto(plan: Plan, file: IO[str] | None = None) -> None:
             mark,
         )
     Console(file=file).print(table)
+    searched = plan.options.get("meshes")
+    if isinstance(searched, dict):
+        render_meshes(searched, file)
+
+
+def render_meshes(searched: dict[str, Any], file: IO[str] | None = None) -> None:
+    """The best plan of each unit mesh ``plan_auto`` searched (``options["meshes"]``)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from pdjax._units import fmt_bytes, fmt_seconds
+
+    table = Table(title="meshes searched (each stage: data x this unit; simulated, per sample)")
+    for col in ("unit", "best plan", "time / sample", "peak memory / device"):
+        table.add_column(col)
+    for r in searched["searched"]:
+        if "none" in r:
+            table.add_row(r["unit"], f"none fits: {r['none'][:90]}", "", "")
+        else:
+            table.add_row(
+                r["unit"],
+                r["label"],
+                fmt_seconds(r["time_per_sample"]),
+                fmt_bytes(r["peak_memory"]),
+            )
+    console = Console(file=file, width=140)
+    console.print(table)
+    if searched.get("note"):
+        console.print(f"note: {searched['note']}")
 
 
 def slower_than_one_device(plan: Plan) -> str | None:
@@ -632,7 +710,7 @@ def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
         ("stage", "right"),
         ("layers", "left"),
         ("replicas", "right"),
-        ("replication", "left"),
+        ("replication / mesh", "left"),
         ("devices", "left"),
         ("compute / device", "right"),
         ("in flight", "right"),
@@ -655,7 +733,9 @@ def render_plan(plan: Plan, file: IO[str] | None = None) -> None:
             str(s),
             f"{st.first_layer}-{st.last_layer}",
             str(st.replicas),
-            st.replication if st.replicas > 1 else "-",
+            (describe_mesh(st.mesh) if st.mesh is not None else st.replication)
+            if st.replicas > 1
+            else "-",
             devices,
             fmt_seconds(st.compute_seconds),
         ]

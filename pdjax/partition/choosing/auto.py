@@ -68,12 +68,14 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from pdjax._memory_policy import CHECKPOINTED, MEMORY_POLICIES, OFFLOADED, memory_policies
 from pdjax.errors import PlanError, ScheduleError
+from pdjax.mesh import mesh_size
+from pdjax.partition.choosing import meshes as meshes_mod
 from pdjax.partition.choosing.candidates import (
     Candidate,
     HostCosts,
@@ -101,6 +103,9 @@ __all__ = [
     "plan_auto",
 ]
 
+if TYPE_CHECKING:
+    from pdjax.partition.choosing.meshes import MeshSearch
+
 _NO_LIMIT = 1e30  # bytes: "no memory limit" for the dynamic program
 
 
@@ -124,6 +129,11 @@ class _Space:
     exhaustive: int
     samples_per_call: int | None = None
     arrays: dict[int, cost.CallArrays] = dataclasses.field(default_factory=dict)
+    #: the mesh search's unit (:mod:`pdjax.partition.choosing.meshes`): stages are split
+    #: (a mesh runs no round-robin) and each microbatch splits over a stage's units and
+    #: the unit's ``fsdp`` rows
+    split_only: bool = False
+    unit_rows: int = 1
 
     def calls(self, name: str, M: int) -> int | None:
         """``N``, the microbatches of one call of schedule ``name`` with ``M`` per step
@@ -211,6 +221,7 @@ def plan_auto(
     host: HostCosts | None = None,
     calibration: Any = None,
     samples_per_call: int | None = None,
+    meshes: MeshSearch | None = None,
 ) -> Plan:
     """The fastest configuration the simulator finds that fits the memory limit.
 
@@ -256,6 +267,11 @@ def plan_auto(
         None: the dynamic program's shortest steady call
         (:func:`pdjax.partition.pricing.cost.microbatches_per_call`) and the simulator's peak
         alone. Recorded in ``options["auto"]``.
+      meshes: also choose each stage's mesh (:mod:`pdjax.partition.choosing.meshes`): a
+        :class:`~pdjax.partition.choosing.meshes.MeshSearch` for this profile's model and
+        batch (:func:`~pdjax.partition.choosing.meshes.search_meshes`). Every unit it holds
+        is searched with everything else; the fastest plan that fits wins, and
+        ``plan.options["meshes"]`` records each unit's best (or why none fits).
 
     Returns:
       The plan of the best candidate (its ``schedule`` the chosen spec),
@@ -294,8 +310,107 @@ def plan_auto(
         samples_per_call=samples_per_call,
     )
     counts = _microbatch_counts(B, microbatches, topology.num_devices)
+    if meshes is not None:
+        if calibration is not None:
+            raise PlanError(
+                "a calibration measured replicated stages: it cannot price meshes; "
+                "drop the calibration or the mesh search"
+            )
+        return _plan_meshes(space, meshes, names, counts, refine=refine, refine_top=refine_top)
     tally = _searched(space, names, counts, refine=refine, refine_top=refine_top)
     return _chosen(space, tally, names)
+
+
+def _plan_meshes(
+    base: _Space,
+    search: MeshSearch,
+    names: list[str],
+    counts: list[int],
+    *,
+    refine: bool,
+    refine_top: int,
+) -> Plan:
+    """:func:`plan_auto` once per unit of ``search`` (on the topology of units, with the
+    unit's per-device profile), the fastest fitting plan on the devices, each unit's best
+    in ``options["meshes"]``."""
+    topology = base.topology
+    found: list[tuple[float, Plan]] = []
+    record: list[dict[str, Any]] = []
+    misses: list[str] = []
+    for unit in search.units():
+        label = meshes_mod.describe_unit(unit)
+        coarse = meshes_mod.coarse_topology(topology, mesh_size(unit))
+        if coarse is None:  # a MeshSearch made for another topology
+            record.append({"unit": label, "none": "its devices do not tile the topology"})
+            continue
+        profile = (
+            base.profile
+            if unit == meshes_mod.ONE
+            else meshes_mod.unit_profile(
+                base.profile, search.costs[unit], topology, unit, search.rows.get(unit)
+            )
+        )
+        space = dataclasses.replace(
+            base,
+            profile=profile,
+            topology=coarse,
+            split_only=unit != meshes_mod.ONE,
+            unit_rows=dict(unit).get("fsdp", 1),
+            arrays={},
+        )
+        tally = _searched(space, names, counts, refine=refine, refine_top=refine_top)
+        if not tally.best:
+            c = tally.closest
+            if c is None:
+                why = "; ".join(f"{k}: {v}" for k, v in tally.reasons.items()) or "no plan"
+                record.append({"unit": label, "none": why})
+                continue
+            per_stage = _over_by(c, space)
+            record.append({"unit": label, "none": f"closest {c.label}: {per_stage}"})
+            misses.append(f"{label}: {c.label}, {per_stage}")
+            continue
+        plan = _chosen(space, tally, names)
+        auto = plan.options["auto"]
+        record.append(
+            {
+                "unit": label,
+                "time_per_sample": auto["time_per_sample"],
+                "peak_memory": auto["peak_memory"],
+                "label": next(c.label for c in tally.best.values() if c.spec == plan.schedule),
+            }
+        )
+        found.append((auto["time_per_sample"], meshes_mod.expand(plan, topology, unit)))
+    if not found:
+        limit = base.limit
+        raise PlanError(
+            f"no plan on any mesh fits {limit:.4g} bytes per device; the closest per mesh: "
+            + "; ".join(misses or [f"{r['unit']}: {r['none']}" for r in record])
+            + ": raise the limit, use more devices, or allow more memory policies"
+        )
+    _, best = min(found, key=lambda tp: tp[0])
+    options = dict(best.options)
+    options["meshes"] = {
+        "searched": record,
+        "annotated": search.annotated,
+        "fsdp": search.fsdp,
+        "note": None
+        if search.annotated
+        else "the model has no sharding annotations: only data and fsdp='auto' were searched",
+    }
+    return dataclasses.replace(best, options=options)
+
+
+def _over_by(c: Candidate, space: _Space) -> str:
+    """Per plan stage, the bytes per device a candidate needs and how far over the limit."""
+    from pdjax._units import fmt_bytes
+
+    limit = space.limit or math.inf
+    held = c.call_memory or c.group_peak_memory
+    peaks = [max(a, b) for a, b in zip(c.group_peak_memory, held, strict=True)]
+    return ", ".join(
+        f"stage {s} {fmt_bytes(p)}" + (f" ({fmt_bytes(p - limit)} over)" if p > limit else "")
+        for s, p in enumerate(peaks)
+    )
 
 
 def _allowed_policies(remat: Any, profile: Profile) -> tuple[str, ...]:
@@ -559,7 +674,7 @@ def _partitions(
     profile, topology, limit, straight = space.profile, space.topology, space.limit, space.straight
     cost_model, factor, size = space.cost_model, space.factor, space.batch // M
     L = len(profile.layers)
-    mode = _replication(name)
+    mode = "split" if space.split_only else _replication(name)
     configs = _configurations(L, topology.num_devices, straight, exhaustive)
     plans = []
     for stages in configs or ():
@@ -581,7 +696,8 @@ def _partitions(
         except (PlanError, ScheduleError):  # a form the schedule has not: the others
             continue
         # the runtime splits each microbatch evenly over a split stage's devices
-        if all(st.replication != "split" or size % st.replicas == 0 for st in plan.stages):
+        rows = space.unit_rows
+        if all(st.replication != "split" or size % (st.replicas * rows) == 0 for st in plan.stages):
             plans.append(plan)
     if plans:
         return plans, True
@@ -653,9 +769,9 @@ def _evaluate(
     P = plan.num_stages
     policies = ["none"] * P
     uneven = [
-        st.replicas
+        st.replicas * space.unit_rows
         for st in plan.stages
-        if st.replication == "split" and plan.microbatch_size % st.replicas
+        if st.replication == "split" and plan.microbatch_size % (st.replicas * space.unit_rows)
     ]
     if uneven:  # the runtime splits each microbatch evenly over a split stage's devices
         reasons.setdefault(
