@@ -130,7 +130,7 @@ def _remat(policies: list[str]) -> str:
 def report(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
-        lines += [f"### {r['model']}: microbatch {r['microbatch']}, batch {r['batch']}", ""]
+        lines += [f"## {r['model']}: microbatch {r['microbatch']}, batch {r['batch']}", ""]
         lines.append(
             "| cluster | layout | by | schedule, M, remat | per sample | vs pdjax | peak |"
         )

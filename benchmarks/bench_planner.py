@@ -2,7 +2,9 @@
 
 Run as ``python benchmarks/bench_planner.py`` (``--quick`` skips the 1000-layer rows). Prints
 one row per (layers, topology, cost model): the wall time of ``plan_pipedream`` and the
-configuration it picks. The goal is under 5 s for 200 layers on 64 workers.
+configuration it picks. The goal is under 5 s for 200 layers on 64 workers, with meshes
+too (``--meshes-only``: the dynamic program once per unit mesh, as ``plan_auto`` searches
+them).
 
 It also prints the VGG-16 configurations of PipeDream's published profile under each cost
 model, on 4, 8 and 16 workers at 10 Gbit/s and on the SOSP'19 paper's 16-GPU clusters.
@@ -11,14 +13,24 @@ model, on 4, 8 and 16 workers at 10 Gbit/s and on the SOSP'19 paper's 16-GPU clu
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from pdjax.mesh import mesh_size
 from pdjax.partition import Topology, evaluate_partition, plan_pipedream
+from pdjax.partition.choosing.meshes import (
+    MeshSearch,
+    coarse_topology,
+    describe_unit,
+    unit_meshes,
+    unit_profile,
+)
 from pdjax.profile import LayerProfile, Profile
+from pdjax.profile.sharded import Collective, ShardedCost
 
 
 def random_chain(num_layers: int, seed: int = 0) -> Profile:
@@ -99,13 +111,82 @@ def vgg(console: Console) -> None:
     console.print(table)
 
 
+def _unit_costs(profile: Profile, unit: tuple[tuple[str, int], ...]) -> tuple[ShardedCost, ...]:
+    """What XLA reports for a Megatron-style layer on ``unit`` (no compiling: the planner's
+    time is measured, not the costs'): work and weights split over every axis, weights
+    gathered over fsdp and their gradients reduce-scattered, activations all-reduced over
+    tensor."""
+    f, t = dict(unit).get("fsdp", 1), dict(unit).get("tensor", 1)
+    out = []
+    for i, lp in enumerate(profile.layers):
+        fwd, bwd = [], []
+        if f > 1:
+            fwd.append(Collective("all-gather", lp.param_bytes // t, ("fsdp",)))
+            bwd.append(Collective("reduce-scatter", lp.param_bytes // (f * t), ("fsdp",)))
+        if t > 1:
+            fwd.append(Collective("all-reduce", lp.output_bytes // f, ("tensor",)))
+            bwd.append(Collective("all-reduce", lp.input_bytes // f, ("tensor",)))
+        out.append(
+            ShardedCost(
+                i,
+                lp.name,
+                unit,
+                1.0 / (f * t),
+                2.0 / (f * t),
+                0.0,
+                0.0,
+                0,
+                lp.param_bytes // (f * t),
+                0,
+                tuple(fwd),
+                tuple(bwd),
+            )
+        )
+    return tuple(out)
+
+
+def meshes(console: Console, sizes: list[int]) -> None:
+    """The dynamic program with meshes: once per unit the topology allows (every
+    fsdp x tensor tiling it, tensor within a server), on the topology of units with the
+    unit's per-device profile, as ``plan_auto(meshes=...)`` searches; the fastest wins."""
+    topo = Topology.from_levels([8, 8], [1e11, 3.125e9])
+    units = unit_meshes(topo, annotated=True)
+    table = Table(title=f"the dynamic program over meshes, 64 = 8x8 ({len(units) + 1} units)")
+    for col in ("layers", "seconds (all units)", "replicated alone", "best unit", "config"):
+        table.add_column(col)
+    for n in sizes:
+        profile = dataclasses.replace(
+            random_chain(n),
+            layers=tuple(dataclasses.replace(lp, forward_flops=1.0, backward_flops=2.0)
+                         for lp in random_chain(n).layers),
+        )  # fmt: skip
+        search = MeshSearch({u: _unit_costs(profile, u) for u in units}, annotated=True)
+        t0 = time.perf_counter()
+        plain = plan_pipedream(profile, topo)
+        alone = time.perf_counter() - t0
+        best = (plain.time_per_microbatch, "replicated", plain.config)
+        for unit in units:
+            coarse = coarse_topology(topo, mesh_size(unit))
+            assert coarse is not None
+            mine = unit_profile(profile, search.costs[unit], topo, unit)
+            plan = plan_pipedream(mine, coarse, replication="split")  # a mesh: split only
+            best = min(best, (plan.time_per_microbatch, describe_unit(unit), plan.config))
+        dt = time.perf_counter() - t0
+        table.add_row(str(n), f"{dt:.2f}", f"{alone:.2f}", best[1], best[2][:40])
+        console.print(f"  {n} layers with meshes: {dt:.2f} s", highlight=False)
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the 1000-layer rows")
+    parser.add_argument("--meshes-only", action="store_true", help="only the mesh rows")
     args = parser.parse_args()
     console = Console()
-    vgg(console)
-    bench(console, [50, 200] if args.quick else [50, 200, 1000])
+    if not args.meshes_only:
+        vgg(console)
+        bench(console, [50, 200] if args.quick else [50, 200, 1000])
+    meshes(console, [50, 200])
 
 
 if __name__ == "__main__":

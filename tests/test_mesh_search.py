@@ -160,6 +160,30 @@ def test_a_unit_profile_is_one_devices_share_plus_the_collectives_priced_on_thei
         unit_profile(prof, _costs(prof, TENSOR2)[:2], topo, TENSOR2)
 
 
+def test_collectives_are_priced_on_their_own_links_where_given():
+    """In-process CPU devices run a stage's collectives as memory copies on shared cores:
+    measured (collective_level) and given to the search, they price the collectives in
+    place of the transfer links."""
+    from pdjax.calibrate.links import collective_level
+    from pdjax.plan import Level
+
+    prof, topo = _chain(), Topology.flat(8, 1e10)
+    slow = [Level(8, 1e9, "collective", 1e-5)]
+    plain = unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2)
+    priced = unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2, collectives=slow)
+    (k,) = _costs(prof, TENSOR2)[0].forward_collectives
+    extra = collective_seconds(k, TENSOR2, [0, 1], Topology((slow[0],))) - collective_seconds(
+        k, TENSOR2, [0, 1], topo
+    )
+    assert priced.layers[0].forward_seconds == pytest.approx(
+        plain.layers[0].forward_seconds + extra
+    )
+    with pytest.raises(PlanError, match="workers"):
+        unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2, collectives=[Level(4, 1e9)])
+    level = collective_level(jax.devices()[:2], sizes=(4096, 1 << 16, 1 << 20), chain=4, repeats=3)
+    assert level.workers == 2 and level.bandwidth > 0 and level.latency >= 0
+
+
 def test_expand_and_coarsen_are_inverse_and_the_mesh_is_data_times_the_unit():
     prof, topo = _chain(), Topology.flat(8, 1e10, memory_per_device=1e12)
     search = _search(prof, [QUAD])
@@ -338,9 +362,17 @@ def test_pdjax_plan_mesh_auto_prints_each_stages_mesh_and_every_unit(capsys):
     }
     assert "none" in searched["replicated"]  # 120 kB: the weights must be split
     assert all(st.mesh is not None for st in plan.stages)
-    assert main(args[:-1]) == 0  # the tables
+    from pdjax.apps.commands.plan import render_auto, render_plan
+
+    render_plan(plan)  # the tables `pdjax plan` prints without --json
+    render_auto(plan)
     out = capsys.readouterr().out
-    assert "meshes searched" in out and "replication / mesh" in out
+    stages_table, _, units_table = out.partition("meshes searched")
+    assert "replication / mesh" in stages_table and units_table
+    from pdjax.mesh import describe_mesh
+
+    assert describe_mesh(plan.stages[0].mesh) in stages_table  # each stage's mesh
+    assert "fsdp 2 x tensor 2" in units_table  # every unit's best
 
 
 def test_pdjax_plan_mesh_auto_refuses_what_it_cannot_search(capsys):
@@ -354,3 +386,60 @@ def test_pdjax_plan_mesh_auto_refuses_what_it_cannot_search(capsys):
     for extra, message in cases:
         assert main(base + extra) == 2
         assert message in capsys.readouterr().err
+
+
+# -- pdjax train ---------------------------------------------------------------------------
+
+
+def test_train_mesh_auto_is_refused_where_the_planner_does_not_plan():
+    from pdjax.apps.train import TrainConfig
+    from pdjax.errors import PipelineError
+
+    common = dict(model="llama", config="tiny", dataset="text", devices=8, batch_size=16)
+    TrainConfig(**common, schedule="auto", mesh="auto")  # accepted
+    TrainConfig(**common, schedule="1f1b", plan="auto", mesh="auto")
+    for settings in (
+        dict(schedule="1f1b", plan="even", mesh="auto"),
+        dict(schedule="dp", mesh="auto"),
+        dict(schedule="interleaved", mesh="auto"),
+    ):
+        with pytest.raises(PipelineError, match="lets the planner choose each stage's mesh"):
+            TrainConfig(**common, **settings)
+
+
+def test_pdjax_train_plan_auto_mesh_auto_runs_the_sharded_plan_it_chose(
+    monkeypatch, tmp_path, capsys
+):
+    """``--plan auto --schedule 1f1b --mesh auto`` on the MLP (no annotations: fsdp="auto"),
+    the search held to fsdp 2 units, as a memory cap would force: the plan's stages are
+    meshes, the runner shards them with the rules the search used, the run trains, and the
+    plan file records the search."""
+    import json
+
+    from pdjax.apps.cli import main
+    from pdjax.apps.train import runner
+    from pdjax.partition.choosing import meshes
+
+    real = meshes.search_meshes
+
+    def only_fsdp(*args, **kwargs):
+        return real(*args, **{**kwargs, "max_size": 2}).only(FSDP2)
+
+    built = []
+    real_rules = runner._rules
+    monkeypatch.setattr(meshes, "search_meshes", only_fsdp)
+    monkeypatch.setattr(runner, "_rules", lambda *a: built.append(real_rules(*a)) or built[-1])
+    args = ["train", "--model", "mlp", "--dataset", "digits", "--devices", "4", "--epochs", "1"]
+    args += ["--schedule", "1f1b", "--plan", "auto", "--mesh", "auto", "--microbatches", "2"]
+    args += ["--batch-size", "16", "--no-plots", "--progress", "lines", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert "fsdp 2" in capsys.readouterr().out
+    plan = json.loads((tmp_path / "1f1b" / "plan.json").read_text())
+    searched = plan["options"]["meshes"]
+    assert [r["unit"] for r in searched["searched"]] == ["fsdp 2"] and searched["fsdp"] == "auto"
+    assert all(dict(st["mesh"]).get("fsdp") == 2 for st in plan["stages"])
+    assert built and built[-1].fsdp == "auto"  # the runner split the unannotated weights
+    (summary,) = json.loads((tmp_path / "summary.json").read_text())
+    assert "fsdp 2)" in summary["plan"]
+    (epoch,) = summary["history"]
+    assert np.isfinite(epoch["train_loss"]) and epoch["updates"] > 0

@@ -336,5 +336,9 @@ def test_a_costly_driver_makes_plan_auto_take_fewer_microbatches():
     fast = plan_auto(profile, topology, **kwargs)
     slow = plan_auto(profile, topology, host=HostCosts(seconds_per_action=5e-3), **kwargs)
     assert auto_choice(slow)["microbatches"] < auto_choice(fast)["microbatches"]
-    assert auto_choice(slow)["host"] == {"seconds_per_action": 5e-3, "concurrency": None}
+    assert auto_choice(slow)["host"] == {
+        "seconds_per_action": 5e-3,
+        "concurrency": None,
+        "devices_per_replica": 1,
+    }
     assert "host" not in auto_choice(fast)

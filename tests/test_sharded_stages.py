@@ -492,8 +492,8 @@ def test_train_config_mesh_shapes_the_runner_and_refuses_what_it_cannot_shape():
     dp, text = make_runner(TrainConfig(**common, schedule="dp", mesh="fsdp=8"), LLAMA, x)
     assert dp.sharded and text == "data parallel on 8 devices (fsdp 8)"
     bad = [
-        (dict(schedule="1f1b", plan="auto", mesh="tensor=2"), r"planner does not choose meshes"),
-        (dict(schedule="auto", mesh="tensor=2"), r"planner does not choose meshes"),
+        (dict(schedule="1f1b", plan="auto", mesh="tensor=2"), r"planner chooses meshes itself"),
+        (dict(schedule="auto", mesh="tensor=2"), r"planner chooses meshes itself"),
         (dict(schedule="1f1b", plan="even", mesh="tensor=3"), r"does not divide devices=8"),
         (dict(schedule="dp", mesh="fsdp=4"), r"one mesh whose sizes multiply to 8"),
         (dict(schedule="1f1b", plan="even", mesh="tensor=2;fsdp=4"), r"equal sizes"),

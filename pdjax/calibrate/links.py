@@ -13,8 +13,9 @@ from typing import Any
 from pdjax._timing import median_seconds
 from pdjax.calibrate.calibration import AllReduceMeasure, LinkMeasure
 from pdjax.calibrate.timing import fit_latency_bandwidth, with_timeout
+from pdjax.errors import CalibrationError
 
-__all__ = ["SIZES", "measure_allreduce", "measure_link"]
+__all__ = ["SIZES", "collective_level", "measure_allreduce", "measure_link"]
 
 #: Default sizes (bytes) for link and all-reduce fits: 4 KiB to 4 MiB.
 SIZES = (4096, 65536, 1 << 20, 4 << 20)
@@ -250,3 +251,63 @@ def measure_allreduce(
         seconds=tuple(round(p, 9) for p in points),
     )
     return fit, exact
+
+
+def collective_level(
+    devices: Sequence[Any],
+    *,
+    sizes: Sequence[int] = (4096, 1 << 20, 4 << 20),
+    chain: int = 16,
+    repeats: int = 5,
+) -> Any:
+    """One topology level for ``devices`` whose ring prices the collectives XLA runs
+    *inside* a program on them (a sharded stage's): ``chain`` all-reduces in a row over
+    all of ``devices``, in one jitted program, per size; the per-collective seconds fitted
+    to ``latency + bytes / bandwidth`` and read through the ring model of
+    :func:`pdjax.partition.pricing.sharded.collective_seconds` (``2 (n - 1)`` messages of
+    latency, ``2 (n - 1) / n`` of the bytes), so that an all-reduce over all of them is
+    priced as measured. In-process CPU devices share the host's cores: their
+    collectives are memory copies whose latency and bandwidth this measures (the
+    topology's link bandwidth is a transfer's, not theirs).
+
+    Returns:
+      a :class:`~pdjax.plan.Level` of ``len(devices)`` workers.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from pdjax.plan.topology import Level
+
+    n = len(devices)
+    if n < 2:
+        raise CalibrationError("collectives need at least two devices")
+    mesh = Mesh(np.asarray(devices), ("x",))
+
+    def run(a: Any) -> Any:
+        def body(_: Any, a: Any) -> Any:
+            return jax.lax.psum(a, "x") * (1.0 / n)
+
+        return jax.lax.fori_loop(0, chain, body, a)
+
+    call = jax.jit(
+        jax.shard_map(run, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    )
+    points = []
+    for nbytes in sizes:
+        x = jax.device_put(
+            jnp.ones((n * max(1, nbytes // 4),), jnp.float32), NamedSharding(mesh, P("x"))
+        )
+        once = functools.partial(lambda x: jax.block_until_ready(call(x)), x)
+        points.append(median_seconds(once, 1, repeats) / chain)
+    # the bandwidth from the two largest sizes, the latency from the smallest: a least
+    # squares line through all of them is the large sizes' and loses the latency
+    (s0, t0), *_, (s1, t1), (s2, t2) = sorted(zip(sizes, points, strict=True))
+    if not (s2 > s1 and t2 > t1):
+        raise CalibrationError(f"collectives of {s1} and {s2} bytes took {t1} and {t2} s")
+    bandwidth = (s2 - s1) / (t2 - t1)
+    latency = max(t0 - s0 / bandwidth, 0.0)
+    messages, volume = 2 * (n - 1), 2 * (n - 1) / n
+    return Level(n, bandwidth * volume, "collective", latency / messages)

@@ -39,7 +39,15 @@ from pdjax.layers.sharding import ShardingRules, StageSharding, make_mesh
 from pdjax.mesh import MeshAxes, describe_mesh, mesh_axes, mesh_size
 from pdjax.profile.programs import cost_analysis, reuse_key
 
-__all__ = ["COLLECTIVES", "Collective", "ShardedCost", "collectives_of", "profile_sharded"]
+__all__ = [
+    "COLLECTIVES",
+    "Collective",
+    "ShardedCost",
+    "collectives_of",
+    "profile_sharded",
+    "profile_units",
+    "rules_for",
+]
 
 #: The HLO collectives read (an asynchronous ``-start`` counts as its collective).
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -368,3 +376,76 @@ def _without(
         if c in rest:
             rest.remove(c)
     return tuple(rest)
+
+
+def _annotated(layers: LayerSequence, sample: PyTree) -> bool:
+    """Whether any layer's parameters declare logical axis names (nnx metadata,
+    :func:`pdjax.split_model`'s, or linen boxes in the initial variables)."""
+    from flax import linen as nn
+
+    from pdjax.layers.sharding import layer_axes
+
+    if any(layer_axes(layer) for layer in layers.layers):
+        return True
+    x = _abstract(sample)
+    key = jax.random.key(0)
+    for layer in layers.layers:
+        variables = jax.eval_shape(layer.init, key, x)
+        boxed = jax.tree.leaves(variables, is_leaf=lambda v: isinstance(v, nn.Partitioned))
+        if any(isinstance(v, nn.Partitioned) for v in boxed):
+            return True
+        x = jax.eval_shape(
+            lambda v, x, layer=layer: layer.apply(v, x, train=True, rng=key)[0], variables, x
+        )
+    return False
+
+
+def rules_for(
+    layers: LayerSequence, sample: PyTree, rules: ShardingRules | None = None
+) -> tuple[ShardingRules, bool]:
+    """The rules to place ``layers`` by, and whether they can split a parameter over
+    ``tensor``: the model's annotations (or the caller's ``spec_fn``) can; without them
+    only ``fsdp="auto"`` splits parameters. ``rules`` None: the default rules for an
+    annotated model, ``fsdp="auto"`` for another."""
+    annotated = _annotated(layers, sample) or (rules is not None and rules.spec_fn is not None)
+    if rules is None:
+        rules = ShardingRules() if annotated else ShardingRules(fsdp="auto")
+    return rules, annotated
+
+
+def _rows_of(sample: PyTree) -> int:
+    sizes = {int(np.shape(a)[0]) for a in jax.tree.leaves(sample) if np.ndim(a)}
+    if len(sizes) != 1:
+        raise ProfileError(f"the sample's leaves disagree on their rows ({sorted(sizes)})")
+    return sizes.pop()
+
+
+def _with_rows(sample: PyTree, rows: int) -> PyTree:
+    """``sample``'s shapes with ``rows`` rows (abstract: nothing is allocated)."""
+    return jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(
+            (rows, *np.shape(a)[1:]) if np.ndim(a) else (), jnp.result_type(a)
+        ),
+        sample,
+    )
+
+
+def profile_units(
+    layers: LayerSequence,
+    sample: PyTree,
+    units: Sequence[MeshAxes],
+    *,
+    rules: ShardingRules,
+    devices: Sequence[jax.Device] | None = None,
+) -> tuple[dict[MeshAxes, tuple[ShardedCost, ...]], dict[MeshAxes, int]]:
+    """Every layer's costs on every unit (:func:`profile_sharded`), each unit compiled
+    for the least multiple of the sample's rows that its ``fsdp`` divides (each device
+    computes rows of its own): ``(costs per unit, rows per unit)``."""
+    batch = _rows_of(sample)
+    rows = {u: math.lcm(batch, dict(u).get("fsdp", 1)) for u in units}
+    found: dict[MeshAxes, tuple[ShardedCost, ...]] = {}
+    for n in sorted(set(rows.values())):
+        mine = [u for u in units if rows[u] == n]
+        costs = profile_sharded(layers, _with_rows(sample, n), mine, rules=rules, devices=devices)
+        found.update({u: tuple(layer[k] for layer in costs) for k, u in enumerate(mine)})
+    return {u: found[u] for u in units}, rows

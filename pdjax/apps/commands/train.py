@@ -154,12 +154,14 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "or 'tensor=2;fsdp=2' (one per stage): the model's sharding annotations split its "
         "weights, optimizer state and weight versions over fsdp and tensor, the batch over "
         "data and fsdp; with --plan even (devices / mesh size stages), a plan file, or "
-        "--schedule dp",
+        "--schedule dp; 'auto': the planner chooses each stage's mesh (with --schedule auto, "
+        "or --plan auto and a schedule that runs a plan's stages)",
     )
     p.add_argument(
         "--fsdp-auto",
         action="store_true",
-        help="with --mesh: shard the parameters the model does not annotate over fsdp (ZeRO-3)",
+        help="with --mesh: shard the parameters the model does not annotate over fsdp (ZeRO-3); "
+        "--mesh auto does so by itself for a model without annotations",
     )
     p.add_argument(
         "--min-stages",

@@ -112,7 +112,10 @@ class TrainConfig:
         ``"fsdp=2,tensor=2"`` for every stage, or one per stage separated by ``;``; with
         ``plan="even"`` the run has ``devices`` / the mesh's size stages; with
         ``schedule="dp"`` one mesh over all devices. The model's annotations place the
-        parameters (:data:`~pdjax.layers.sharding.DEFAULT_RULES`).
+        parameters (:data:`~pdjax.layers.sharding.DEFAULT_RULES`). ``"auto"``: the
+        planner chooses each stage's mesh with the rest
+        (:mod:`pdjax.partition.choosing.meshes`), with ``schedule="auto"`` or
+        ``plan="auto"``.
       fsdp_auto: shard the parameters the model does not annotate over the mesh's
         ``fsdp`` axis, along their largest dimension it divides (ZeRO-3).
 
@@ -232,7 +235,7 @@ class TrainConfig:
     @property
     def meshes(self) -> tuple[MeshAxes, ...]:
         """The stages' meshes (one for every stage, or one per stage); empty: none."""
-        if not self.mesh:
+        if not self.mesh or self.mesh == "auto":
             return ()
         return tuple(parse_mesh(part) for part in self.mesh.split(";"))
 
@@ -243,13 +246,22 @@ class TrainConfig:
             raise PipelineError(
                 f"mesh must be a string such as 'data=2,tensor=2', got {self.mesh!r}"
             )
-        if self.fsdp_auto and not self.mesh:
+        if self.fsdp_auto and not self.mesh:  # ("auto" may shard: the search says)
             raise PipelineError(
                 f"{setting('fsdp_auto', True)} shards parameters over a mesh's fsdp axis: "
                 f"give one, e.g. {setting('mesh', 'fsdp=4')}"
             )
         if not self.mesh:
             return
+        if self.mesh == "auto":
+            if self.schedule == "auto" or (self.plan == "auto" and runs_plan(self.schedule)):
+                return
+            raise PipelineError(
+                f"{setting('mesh', 'auto')} lets the planner choose each stage's mesh: use "
+                f"it with {setting('schedule', 'auto')}, or {setting('plan', 'auto')} and a "
+                "schedule that runs a plan's stages (gpipe, 1f1b, zb-h1, zb-h2, pipedream, "
+                "2bw); give a mesh such as 'fsdp=2,tensor=2' for the others"
+            )
         try:
             meshes = self.meshes
         except MeshError as e:
@@ -258,9 +270,9 @@ class TrainConfig:
         if self.schedule == "auto" or (self.plan == "auto" and runs_plan(self.schedule)):
             raise PipelineError(
                 f"{setting('mesh', self.mesh)} shapes the stages of an even plan or a plan "
-                "file; the planner does not choose meshes yet: pass "
-                f"{setting('plan', 'even')} or {setting('plan', 'plan.json')}, with a "
-                "schedule of its own"
+                f"file; the planner chooses meshes itself with {setting('mesh', 'auto')}: "
+                f"pass that, or {setting('plan', 'even')} or {setting('plan', 'plan.json')} "
+                "with a schedule of its own"
             )
         if len(sizes) > 1 and (self.plan == "even" or not runs_plan(self.schedule)):
             raise PipelineError(

@@ -354,15 +354,17 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     # the flush schedules whose planned stages the runner takes as they are (chunked ones
     # run equal layer counts here: their plans are for `pdjax plan --schedule auto`)
     names = [n for n in FLUSHING if runs_plan(n)]
+    topology = Topology.from_devices(devices)
     plan = plan_auto(
         prof,
-        Topology.from_devices(devices),
+        topology,
         batch_size=cfg.batch_size,
         schedules=names + (list(STALE) if cfg.allow_stale else []),
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
         host=host,
         samples_per_call=max(ds.num_train, cfg.batch_size),
+        meshes=_mesh_search(cfg, spec, ds.train_x[:size], topology, devices),
     )
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")
     os.close(handle)  # the runner reads the plan from a file
@@ -388,6 +390,47 @@ def auto_choice(cfg: TrainConfig, plan: Any, path: str | Path) -> TrainConfig:
         options=spec.changed,
         plan=str(path),
         allow_stale=False,
+        mesh="" if cfg.mesh == "auto" else cfg.mesh,  # the plan's stages carry the meshes
+    )
+
+
+def _mesh_search(
+    cfg: TrainConfig, spec: ModelSpec, sample: Any, topology: Any, devices: list[Any]
+) -> Any:
+    """With ``mesh="auto"``, every layer compiled on every unit mesh the devices allow
+    (:func:`~pdjax.partition.choosing.meshes.search_meshes`), for ``sample`` (one
+    microbatch); else None."""
+    if cfg.mesh != "auto":
+        return None
+    from pdjax.layers.sharding import ShardingRules
+    from pdjax.partition.choosing.meshes import search_meshes
+
+    rules = ShardingRules(fsdp="auto") if cfg.fsdp_auto else None
+    return search_meshes(spec.layers, sample, topology, rules=rules, devices=devices)
+
+
+def _mesh_plan(cfg: TrainConfig, spec: ModelSpec, sample: Any, calls: int | None) -> Any:
+    """``plan="auto"`` with ``mesh="auto"`` and a schedule of the user's: the model
+    profiled (measured) and :func:`~pdjax.partition.plan_auto` searching the stages,
+    their meshes and memory policies for that schedule and microbatch count only."""
+    from pdjax.partition import Topology, plan_auto
+    from pdjax.profile import profile
+
+    devices = jax.devices()[: cfg.devices]
+    size = cfg.microbatch_size
+    rows = jax.tree.map(lambda a: a[:size], sample)
+    prof = profile(spec.layers, rows, measure=True, device=devices[0])
+    topology = Topology.from_devices(devices)
+    return plan_auto(
+        prof,
+        topology,
+        batch_size=cfg.batch_size,
+        schedules=[cfg.schedule],
+        allow_stale=cfg.schedule in STALE,
+        microbatches=[cfg.microbatches],
+        straight=cfg.straight,
+        samples_per_call=None if calls is None else calls * size,
+        meshes=_mesh_search(cfg, spec, rows, topology, devices),
     )
 
 
@@ -399,6 +442,8 @@ def plan_of(cfg: TrainConfig, spec: ModelSpec, sample: Any, calls: int | None = 
     ``zb-v``, ``dp``)."""
     if not runs_plan(cfg.schedule) or cfg.plan == "even":
         return None
+    if cfg.plan == "auto" and cfg.mesh == "auto":
+        return _mesh_plan(cfg, spec, sample, calls)
     if cfg.plan == "auto":
         return auto_plan(
             spec,

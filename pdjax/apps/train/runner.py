@@ -94,8 +94,12 @@ def _with_meshes(cfg: TrainConfig, stages: Any) -> Any:
     return tuple(new)
 
 
-def _rules(cfg: TrainConfig) -> ShardingRules:
-    return ShardingRules(fsdp="auto" if cfg.fsdp_auto else None)
+def _rules(cfg: TrainConfig, plan: Any = None) -> ShardingRules:
+    """The sharding rules: ``fsdp="auto"`` with ``fsdp_auto``, or where the planner's mesh
+    search chose it (a model without annotations: ``plan.options["meshes"]``)."""
+    searched = plan.options.get("meshes") if isinstance(plan, Plan) else None
+    chose = isinstance(searched, dict) and searched.get("fsdp") == "auto"
+    return ShardingRules(fsdp="auto" if cfg.fsdp_auto or chose else None)
 
 
 def make_runner(
@@ -137,7 +141,7 @@ def make_runner(
         schedule=cfg.spec.replace(remat=remat),
         devices=devices,
         transport=cfg.transport,
-        sharding=_rules(cfg),
+        sharding=_rules(cfg, stages),
     )
     for s, r in enumerate(runner.stage_set.batch_ways):
         if cfg.microbatch_size % r and not runner.stages[s].round_robin:

@@ -347,13 +347,22 @@ def _plan_meshes(
             base.profile
             if unit == meshes_mod.ONE
             else meshes_mod.unit_profile(
-                base.profile, search.costs[unit], topology, unit, search.rows.get(unit)
+                base.profile,
+                search.costs[unit],
+                topology,
+                unit,
+                search.rows.get(unit),
+                search.collectives,
             )
         )
+        host = base.host
+        if host is not None:  # each simulated replica is a unit of devices on the pool
+            host = dataclasses.replace(host, devices_per_replica=mesh_size(unit))
         space = dataclasses.replace(
             base,
             profile=profile,
             topology=coarse,
+            host=host,
             split_only=unit != meshes_mod.ONE,
             unit_rows=dict(unit).get("fsdp", 1),
             arrays={},

@@ -175,10 +175,14 @@ class HostCosts:
         ``pdjax bench`` reports it).
       concurrency: how many programs the devices' shared pool runs at once
         (:func:`pdjax.apps.bench.pool_concurrency`); None where every device computes apart.
+      devices_per_replica: the devices behind each of a simulated stage's replicas (a
+        mesh search's unit: :mod:`pdjax.partition.choosing.meshes`), each of which runs
+        its share of every action on the pool.
     """
 
     seconds_per_action: float = 0.0
     concurrency: float | None = None
+    devices_per_replica: int = 1
 
     def __post_init__(self) -> None:
         spa, conc = self.seconds_per_action, self.concurrency
@@ -194,7 +198,9 @@ class HostCosts:
         if self.concurrency is None:
             return driver
         replicas = sim.schedule.replicas
-        work = math.fsum((sp.end - sp.start) * replicas[sp.group] for sp in sim.timeline.spans)
+        work = self.devices_per_replica * math.fsum(
+            (sp.end - sp.start) * replicas[sp.group] for sp in sim.timeline.spans
+        )
         # the driver's thread takes its turn on the same cores as the devices' programs
         return max(driver, (work + driver) / self.concurrency)
 

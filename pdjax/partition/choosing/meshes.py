@@ -100,6 +100,11 @@ class MeshSearch:
         the least multiple of the sample's rows that its ``fsdp`` divides, so that each
         device computes its own rows; :func:`unit_profile` scales them to the profile's
         batch.
+      replicated: whether the replicated unit is searched too.
+      collectives: the links the collectives inside a stage run on, one level per
+        topology level (None: the topology's own). In-process CPU devices run them as
+        memory copies on shared cores, far from a transfer's link
+        (:func:`pdjax.calibrate.links.collective_level` measures them).
     """
 
     costs: Mapping[MeshAxes, Sequence[ShardedCost]]
@@ -107,6 +112,7 @@ class MeshSearch:
     fsdp: str | None = None
     rows: Mapping[MeshAxes, int] = dataclasses.field(default_factory=dict)
     replicated: bool = True
+    collectives: tuple[Level, ...] | None = None
 
     def units(self) -> list[MeshAxes]:
         """The searched units, the replicated one first (unless :attr:`replicated` is
@@ -203,29 +209,6 @@ def unit_meshes(
     return out
 
 
-def _annotated(layers: Any, sample: Any) -> bool:
-    """Whether any layer's parameters declare logical axis names (nnx metadata,
-    :func:`pdjax.split_model`'s, or linen boxes in the initial variables)."""
-    import jax
-    from flax import linen as nn
-
-    from pdjax.layers.sharding import layer_axes
-
-    if any(layer_axes(layer) for layer in layers.layers):
-        return True
-    x = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), sample)
-    key = jax.random.key(0)
-    for layer in layers.layers:
-        variables = jax.eval_shape(layer.init, key, x)
-        boxed = jax.tree.leaves(variables, is_leaf=lambda v: isinstance(v, nn.Partitioned))
-        if any(isinstance(v, nn.Partitioned) for v in boxed):
-            return True
-        x = jax.eval_shape(
-            lambda v, x, layer=layer: layer.apply(v, x, train=True, rng=key)[0], variables, x
-        )
-    return False
-
-
 def search_meshes(
     layers: Any,
     sample: Any,
@@ -234,6 +217,7 @@ def search_meshes(
     rules: Any = None,
     devices: Sequence[Any] | None = None,
     max_size: int | None = None,
+    collectives: Sequence[Level] | None = None,
 ) -> MeshSearch:
     """Every unit the topology allows (:func:`unit_meshes`), with every layer's costs on it
     compiled from ``sample`` (one microbatch: the profile's batch). Without annotations
@@ -247,48 +231,18 @@ def search_meshes(
       devices: the devices to compile for (default ``jax.devices()``): as many as the
         largest unit (on CPU, ``jax_num_cpu_devices``).
       max_size: the largest unit searched (default: every device).
+      collectives: :attr:`MeshSearch.collectives`.
 
     Raises:
       ProfileError: fewer devices here than the largest unit, before anything compiles.
     """
-    import jax
+    from pdjax.profile.sharded import profile_units, rules_for
 
-    from pdjax.layers.sharding import ShardingRules
-    from pdjax.profile.sharded import profile_sharded
-
-    annotated = _annotated(layers, sample)
-    if rules is None:
-        rules = ShardingRules() if annotated else ShardingRules(fsdp="auto")
-    here = list(jax.devices() if devices is None else devices)
+    rules, annotated = rules_for(layers, sample, rules)
     units = unit_meshes(topology, annotated=annotated, max_size=max_size)
-    batch = _rows_of(sample)
-    rows = {u: math.lcm(batch, dict(u).get("fsdp", 1)) for u in units}
-    by_unit: dict[MeshAxes, tuple[ShardedCost, ...]] = {}
-    for n in sorted(set(rows.values())):
-        mine = [u for u in units if rows[u] == n]
-        costs = profile_sharded(layers, _with_rows(sample, n), mine, rules=rules, devices=here)
-        by_unit.update({u: tuple(layer[k] for layer in costs) for k, u in enumerate(mine)})
-    ordered = {u: by_unit[u] for u in units}
-    return MeshSearch(ordered, annotated, rules.fsdp, {u: rows[u] for u in units})
-
-
-def _rows_of(sample: Any) -> int:
-    import jax
-
-    sizes = {int(a.shape[0]) for a in jax.tree.leaves(sample) if len(a.shape)}
-    if len(sizes) != 1:
-        raise PlanError(f"the sample's leaves disagree on their rows ({sorted(sizes)})")
-    return sizes.pop()
-
-
-def _with_rows(sample: Any, rows: int) -> Any:
-    """``sample``'s shapes with ``rows`` rows (abstract: nothing is allocated)."""
-    import jax
-
-    return jax.tree.map(
-        lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]) if len(a.shape) else a.shape, a.dtype),
-        sample,
-    )
+    costs, rows = profile_units(layers, sample, units, rules=rules, devices=devices)
+    links = None if collectives is None else tuple(collectives)
+    return MeshSearch(costs, annotated, rules.fsdp, rows, True, links)
 
 
 def _ratio(
@@ -309,6 +263,7 @@ def unit_profile(
     topology: Topology,
     unit: MeshAxes,
     rows: int | None = None,
+    collectives: Sequence[Level] | None = None,
 ) -> Profile:
     """The model's profile on one device of ``unit`` (the module docstring's table): its
     layers' seconds, parameter and activation bytes per device.
@@ -324,6 +279,10 @@ def unit_profile(
             f"the mesh costs have {len(costs)} layers and the profile {len(profile.layers)}: "
             "profile the same model"
         )
+    if collectives is not None:  # the collectives' own links, level by level
+        if [lvl.workers for lvl in collectives] != [lvl.workers for lvl in topology.levels]:
+            raise PlanError("the collectives' levels must have the topology's workers")
+        topology = dataclasses.replace(topology, levels=tuple(collectives))
     compiled = rows or profile.batch_size
     split = dict(unit).get("fsdp", 1)  # the rows of a microbatch are split this many ways
     ways = mesh_size(unit)
@@ -468,7 +427,9 @@ def sharded_costs(plan: Plan, profile: Profile, search: MeshSearch, **kwargs: An
         raise PlanError(
             f"no mesh costs for {describe_mesh(unit)}: search_meshes did not compile it"
         )
-    mine = unit_profile(profile, search.costs[unit], plan.topology, unit, search.rows.get(unit))
+    mine = unit_profile(
+        profile, search.costs[unit], plan.topology, unit, search.rows.get(unit), search.collectives
+    )
     return costs_from_plan(coarse, mine, **kwargs)
 
 
