@@ -470,12 +470,6 @@ def test_split_model_keeps_a_linen_model_annotations_on_sharded_stages():
         assert a.addressable_shards[0].data.size * 4 == a.size, a.sharding
 
 
-def test_llama_small_on_two_sharded_stages_equals_sequential_training():
-    small = get_model("llama", "small")
-    _, _, got, ref = _flush(small, _two_quads(len(small.layers)), "1f1b", SGD, M=2, mb=2)
-    _close(got, ref)
-
-
 def test_train_config_mesh_shapes_the_runner_and_refuses_what_it_cannot_shape():
     from pdjax.apps.train import TrainConfig
     from pdjax.apps.train.runner import make_runner
