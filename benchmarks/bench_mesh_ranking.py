@@ -19,6 +19,7 @@ simulated) ranks measured, with its time against the measured best.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -39,12 +41,17 @@ from pdjax.layers.sharding import ShardingRules  # noqa: E402
 from pdjax.models import get_model  # noqa: E402
 from pdjax.partition import Topology, auto_choice, plan_auto  # noqa: E402
 from pdjax.partition.choosing.meshes import (  # noqa: E402
+    coarsen,
     describe_unit,
     search_meshes,
+    sharded_costs,
     unit_of,
 )
 from pdjax.pipeline import Pipeline  # noqa: E402
+from pdjax.pipeline.executor.interpreter import live_bytes_per_device  # noqa: E402
 from pdjax.profile import profile  # noqa: E402
+from pdjax.schedules import generate  # noqa: E402
+from pdjax.simulator import simulate  # noqa: E402
 
 CONFIGS = {"llama": "small", "mlp": "paper"}
 
@@ -58,6 +65,47 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
         if a[i] != a[j] and b[i] != b[j]
     )
     return score / len(pairs) if pairs else 1.0
+
+
+def _memory(
+    spec: Any, plan: Any, search: Any, prof: Any, rules: Any, x: Any, y: Any, batch: int
+) -> tuple[list[int], list[float]]:
+    """Per stage, the live bytes one of its devices held at its peak over one step (what
+    lived there before the pipeline left out), and the simulator's ``runtime`` memory
+    model's prediction for that step from the plan's unit profile (``sharded_costs``)."""
+    pipe = Pipeline(spec.layers, plan, spec.loss, optax.adamw(1e-3), sharding=rules)
+    M = plan.schedule.microbatches
+    size = batch // M
+    mbs = [jax.tree.map(lambda a, k=k: a[k * size : (k + 1) * size], (x, y)) for k in range(M)]
+    state = pipe.init(jax.random.key(1), mbs[0][0])
+    # every array on a buffer of its own (an array placed where it already was shares
+    # its buffer, which the live-array list would count twice), then what lived on each
+    # device besides this state left out of the run's peaks
+    state = jax.tree.map(
+        lambda a: (
+            jnp.array(a, copy=True)
+            if isinstance(a, jax.Array) and not jax.dtypes.issubdtype(a.dtype, jax.dtypes.prng_key)
+            else a
+        ),
+        state,
+    )
+    others = live_bytes_per_device()
+    for device, used in live_bytes_per_device(jax.tree.leaves(state)).items():
+        others[device] -= used
+    _, metrics = pipe.run(state, mbs, timeline=True)
+    assert metrics.peak_bytes is not None
+    measured = [
+        peak - others.get(pipe.stages[g].devices[0], 0) for g, peak in enumerate(metrics.peak_bytes)
+    ]
+    coarse, _ = coarsen(plan)
+    costs = dataclasses.replace(sharded_costs(plan, prof, search), memory_model="runtime")
+    spec_ = plan.schedule
+    # no memory cap on CPU devices: the search chose no recomputation (checked)
+    assert not spec_.remat or all(p == "none" for p in spec_.remat), spec_.remat
+    sched = generate(spec_.kind, coarse.num_stages, M, steps=1, replicas=list(coarse.replicas))
+    predicted = list(simulate(sched, costs).peak_memory)
+    del state, metrics
+    return measured, predicted
 
 
 def run(model: str, batch: int, rounds: int, steps: int, collectives: str) -> dict[str, Any]:
@@ -89,6 +137,9 @@ def run(model: str, batch: int, rounds: int, steps: int, collectives: str) -> di
             print(f"  {describe_unit(unit)}: no plan ({e})")
             continue
         plans[describe_unit(unit_of(plan.stages[0]))] = plan
+    memory = {
+        name: _memory(spec, plan, search, prof, rules, x, y, batch) for name, plan in plans.items()
+    }
     runners: dict[str, Any] = {}
     states: dict[str, Any] = {}
     batches: dict[str, Any] = {}
@@ -124,6 +175,9 @@ def run(model: str, batch: int, rounds: int, steps: int, collectives: str) -> di
                 "simulated": a["time_per_sample"],
                 "measured": measured,
                 "ratio": measured / a["time_per_sample"],
+                "memory_measured": memory[name][0],
+                "memory_predicted": memory[name][1],
+                "memory_ratio": [m / p for m, p in zip(*memory[name], strict=True)],
             }
         )
     sim = [r["simulated"] for r in rows]
@@ -140,6 +194,9 @@ def run(model: str, batch: int, rounds: int, steps: int, collectives: str) -> di
         "pick": rows[pick]["unit"],
         "pick_vs_measured_best": meas[pick] / best,
         "within_15_percent": sum(1 for r in rows if abs(r["ratio"] - 1) <= 0.15),
+        "memory_within_10_percent": sum(
+            1 for r in rows if all(abs(q - 1) <= 0.10 for q in r["memory_ratio"])
+        ),
     }
 
 
@@ -147,19 +204,25 @@ def report(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         lines += [f"### {r['model']}, batch {r['batch']}, 8 CPU devices", ""]
-        lines += ["| unit | plan | schedule | simulated | measured | measured / simulated |"]
-        lines += ["|---|---|---|---|---|---|"]
+        lines += [
+            "| unit | plan | schedule | simulated | measured | measured / simulated "
+            "| peak bytes measured / predicted, per stage |"
+        ]
+        lines += ["|---|---|---|---|---|---|---|"]
         for row in r["rows"]:
+            mem = " / ".join(f"{q:.2f}" for q in row["memory_ratio"])
             lines.append(
                 f"| {row['unit']} | {row['plan']} | {row['schedule']} "
                 f"| {row['simulated'] * 1e6:.1f} us | {row['measured'] * 1e6:.1f} us "
-                f"| {row['ratio']:.2f} |"
+                f"| {row['ratio']:.2f} | {mem} |"
             )
         lines += [
             "",
             f"Kendall tau {r['kendall_tau']:.2f}; the planner's pick ({r['pick']}) measured "
             f"{r['pick_vs_measured_best']:.2f}x the measured best; "
-            f"{r['within_15_percent']} of {len(r['rows'])} plans within 15% of simulated. "
+            f"{r['within_15_percent']} of {len(r['rows'])} plans within 15% of simulated; "
+            f"memory within 10% on every stage of {r['memory_within_10_percent']} of "
+            f"{len(r['rows'])}. "
             f"Collectives priced ({r['collectives']}) at "
             f"{r['collective_level']['bandwidth']:.3g} B/s and "
             f"{r['collective_level']['latency'] * 1e6:.1f} us per message.",

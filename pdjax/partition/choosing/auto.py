@@ -336,7 +336,7 @@ def _plan_meshes(
     topology = base.topology
     found: list[tuple[float, Plan]] = []
     record: list[dict[str, Any]] = []
-    misses: list[str] = []
+    misses: list[str] = []  # the units whose closest plan is over the limit
     for unit in search.units():
         label = meshes_mod.describe_unit(unit)
         coarse = meshes_mod.coarse_topology(topology, mesh_size(unit))
@@ -376,7 +376,7 @@ def _plan_meshes(
                 continue
             per_stage = _over_by(c, space)
             record.append({"unit": label, "none": f"closest {c.label}: {per_stage}"})
-            misses.append(f"{label}: {c.label}, {per_stage}")
+            misses.append(label)
             continue
         plan = _chosen(space, tally, names)
         auto = plan.options["auto"]
@@ -385,16 +385,20 @@ def _plan_meshes(
                 "unit": label,
                 "time_per_sample": auto["time_per_sample"],
                 "peak_memory": auto["peak_memory"],
-                "label": next(c.label for c in tally.best.values() if c.spec == plan.schedule),
+                "label": min(
+                    tally.best.values(), key=lambda c: (c.time_per_sample, c.peak_memory)
+                ).label,  # the winner, as _chosen picks it
             }
         )
         found.append((auto["time_per_sample"], meshes_mod.expand(plan, topology, unit)))
     if not found:
         limit = base.limit
+        every = "; ".join(f"{r['unit']}: {r['none']}" for r in record)
+        if limit is None or not misses:  # nothing could be planned at all
+            raise PlanError(f"no mesh could be planned for this model and topology: {every}")
         raise PlanError(
-            f"no plan on any mesh fits {limit:.4g} bytes per device; the closest per mesh: "
-            + "; ".join(misses or [f"{r['unit']}: {r['none']}" for r in record])
-            + ": raise the limit, use more devices, or allow more memory policies"
+            f"no plan on any mesh fits {limit:.4g} bytes per device; per mesh: {every}: "
+            "raise the limit, use more devices, or allow more memory policies"
         )
     _, best = min(found, key=lambda tp: tp[0])
     options = dict(best.options)
