@@ -103,3 +103,36 @@ def test_runtime_memory_model_predicts_the_measured_peak(schedule):
         # the planner's model misses the gradient sum and the starting weights
         assert predicted[g] - old[g] >= 2 * params, (predicted, old)
         assert measured[g] > 1.3 * old[g], (measured, old)
+
+
+def test_a_replicated_attention_stage_keeps_its_stash_split_by_rows():
+    """One stage of Llama tiny on 8 devices, each microbatch split by rows: the residuals
+    the backward keeps are split by rows too (XLA left the attention's probabilities and
+    masks whole on every device: 1.39x the runtime memory model at this size), so the
+    measured peak per device is within 10% of the model's."""
+    import dataclasses
+
+    from pdjax.partition import Topology, costs_from_plan, evaluate_partition
+    from pdjax.profile import profile
+    from pdjax.schedules import generate
+    from pdjax.simulator import simulate
+
+    spec = get_model("llama", "tiny")
+    x, y = spec.sample_batch(32, jax.random.key(0))
+    n = len(spec.layers)
+    prof = profile(spec.layers, x, device_model="h100")  # times: not used
+    plan = evaluate_partition(
+        prof, Topology.from_devices(jax.devices()), [(0, n - 1, 8)], schedule="gpipe",
+        num_microbatches=1,
+    )  # fmt: skip
+    pipe = Pipeline(
+        spec.layers,
+        plan,
+        spec.loss,
+        optax.adam(1e-3),
+        schedule=ScheduleSpec("gpipe", microbatches=1),
+    )
+    (measured,) = measured_peaks(pipe, pipe.init(jax.random.key(1), x), [(x, y)])
+    costs = dataclasses.replace(costs_from_plan(plan, prof), memory_model="runtime")
+    (predicted,) = simulate(generate("gpipe", 1, 1, steps=1, replicas=[8]), costs).peak_memory
+    assert 0.85 * predicted <= measured <= 1.1 * predicted, (measured, predicted)

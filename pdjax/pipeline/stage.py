@@ -604,12 +604,37 @@ class Stage:
                 where[id(leaf)] = len(kept)
                 kept.append(leaf)
             sources.append(-1 - where[id(leaf)])
+        kept = self._rows_split(kept, x)
         packed = None
         # a sharded stage's would be resharded by the ravel; offloaded ones moved back
         if len(self.devices) == 1 and self.policy not in OFFLOADED:
             kept, packed = _pack(kept)
         self._layout[self._key(params, x, kept)] = _ResidualLayout(treedef, sources, packed)
         return kept
+
+    def _rows_split(self, kept: list[Any], x: PyTree) -> list[Any]:
+        """On a replicated stage whose devices split each microbatch by rows, the
+        residuals with a row per sample split by rows too. XLA otherwise leaves some whole on every
+        device (Llama's attention probabilities and masks, some of its block's
+        activations: at data 8 a stage then held 1.8x the stash the memory model
+        counts); a sharding changes where values live, not what they are."""
+        leaves = jax.tree.leaves(x)
+        ways = self.batch_ways
+        # a sharded stage's residuals keep XLA's layout: a constraint to the batch
+        # sharding would gather the ones it splits over tensor
+        sharded = self.layout is not None
+        if sharded or len(self.devices) == 1 or self.parts > 1 or ways == 1 or not leaves:
+            return kept
+        rows = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else 0
+        if not rows or rows % ways:
+            return kept
+        batch = self.batch_sharding
+        return [
+            jax.lax.with_sharding_constraint(a, batch)
+            if np.ndim(a) and np.shape(a)[0] == rows
+            else a
+            for a in kept
+        ]
 
     def rebuild(self, params: list[PyTree], x: PyTree, residuals: list[jax.Array]) -> _Pullbacks:
         params, x = self._view(params, x, self.parts)
