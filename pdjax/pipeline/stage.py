@@ -613,17 +613,17 @@ class Stage:
         return kept
 
     def _rows_split(self, kept: list[Any], x: PyTree) -> list[Any]:
-        """On a replicated stage whose devices split each microbatch by rows, the
-        residuals with a row per sample split by rows too. XLA otherwise leaves some whole on every
+        """On a stage whose every device holds its own rows of each microbatch (replicated,
+        or a mesh of ``data`` and ``fsdp`` only), the residuals with a row per sample
+        split by rows too. XLA otherwise leaves some whole on every
         device (Llama's attention probabilities and masks, some of its block's
         activations: at data 8 a stage then held 1.8x the stash the memory model
         counts); a sharding changes where values live, not what they are."""
         leaves = jax.tree.leaves(x)
         ways = self.batch_ways
-        # a sharded stage's residuals keep XLA's layout: a constraint to the batch
-        # sharding would gather the ones it splits over tensor
-        sharded = self.layout is not None
-        if sharded or len(self.devices) == 1 or self.parts > 1 or ways == 1 or not leaves:
+        # a stage with an axis that splits no rows (tensor) keeps XLA's layout: a
+        # constraint to the batch sharding would gather what it splits over that axis
+        if ways != len(self.devices) or self.parts > 1 or ways == 1 or not leaves:
             return kept
         rows = np.shape(leaves[0])[0] if np.ndim(leaves[0]) else 0
         if not rows or rows % ways:
