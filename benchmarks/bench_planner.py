@@ -111,11 +111,12 @@ def vgg(console: Console) -> None:
     console.print(table)
 
 
-def _unit_costs(profile: Profile, unit: tuple[tuple[str, int], ...]) -> tuple[ShardedCost, ...]:
-    """What XLA reports for a Megatron-style layer on ``unit`` (no compiling: the planner's
-    time is measured, not the costs'): work and weights split over every axis, weights
-    gathered over fsdp and their gradients reduce-scattered, activations all-reduced over
-    tensor."""
+def megatron_costs(profile: Profile, unit: tuple[tuple[str, int], ...]) -> tuple[ShardedCost, ...]:
+    """What XLA would report for a Megatron-style layer on ``unit``, without compiling
+    (the planner's time is measured here, not the costs'; ``tests/test_mesh_search.py``
+    prices with them too): the profile's FLOPs and weights split over every axis, the
+    weights gathered over fsdp and their gradients reduce-scattered, the activations
+    all-reduced over tensor."""
     f, t = dict(unit).get("fsdp", 1), dict(unit).get("tensor", 1)
     out = []
     for i, lp in enumerate(profile.layers):
@@ -128,18 +129,18 @@ def _unit_costs(profile: Profile, unit: tuple[tuple[str, int], ...]) -> tuple[Sh
             bwd.append(Collective("all-reduce", lp.input_bytes // f, ("tensor",)))
         out.append(
             ShardedCost(
-                i,
-                lp.name,
-                unit,
-                1.0 / (f * t),
-                2.0 / (f * t),
-                0.0,
-                0.0,
-                0,
-                lp.param_bytes // (f * t),
-                0,
-                tuple(fwd),
-                tuple(bwd),
+                index=i,
+                name=lp.name,
+                mesh=unit,
+                forward_flops=(lp.forward_flops or 0.0) / (f * t),
+                backward_flops=(lp.backward_flops or 0.0) / (f * t),
+                forward_bytes=0.0,
+                backward_bytes=0.0,
+                temp_bytes=0,
+                param_bytes=lp.param_bytes // (f * t),
+                replicated_param_bytes=0,
+                forward_collectives=tuple(fwd),
+                backward_collectives=tuple(bwd),
             )
         )
     return tuple(out)
@@ -160,7 +161,7 @@ def meshes(console: Console, sizes: list[int]) -> None:
             layers=tuple(dataclasses.replace(lp, forward_flops=1.0, backward_flops=2.0)
                          for lp in random_chain(n).layers),
         )  # fmt: skip
-        search = MeshSearch({u: _unit_costs(profile, u) for u in units}, annotated=True)
+        search = MeshSearch({u: megatron_costs(profile, u) for u in units}, annotated=True)
         t0 = time.perf_counter()
         plain = plan_pipedream(profile, topo)
         alone = time.perf_counter() - t0

@@ -1,5 +1,7 @@
-"""The runtime's live bytes per device, measured for the memory models' tests."""
+"""The runtime's live bytes per device, measured for the memory models' tests, and the
+annotated dense layer those tests build models of."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -35,3 +37,13 @@ def measured_peaks(pipe, state, microbatches):
     return [
         peak - others.get(pipe.stages[g].devices[0], 0) for g, peak in enumerate(metrics.peak_bytes)
     ]
+
+
+def megatron_dense(i: int, width: int) -> nn.Dense:
+    """Megatron's pairs: (embed, mlp) then (mlp, embed), the bias split as the output."""
+    names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
+    return nn.Dense(
+        width,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
+    )

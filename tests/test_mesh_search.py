@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from measured import measured_peaks
+from measured import measured_peaks, megatron_dense
 
+from benchmarks.bench_planner import megatron_costs
 from pdjax.errors import PlanError
 from pdjax.layers import sequential
 from pdjax.mesh import mesh_size
@@ -32,7 +33,6 @@ from pdjax.partition.pricing.sharded import collective_seconds
 from pdjax.pipeline import Pipeline
 from pdjax.plan import StagePlan
 from pdjax.profile import LayerProfile, Profile, profile
-from pdjax.profile.sharded import Collective, ShardedCost
 from pdjax.schedules import ScheduleSpec, generate
 from pdjax.simulator import simulate
 
@@ -87,50 +87,17 @@ def _chain(layers: int = 4, param: int = 8 << 20, act: int = 1 << 20) -> Profile
     )
 
 
-def _costs(prof: Profile, unit) -> tuple[ShardedCost, ...]:
-    """What XLA would report for a Megatron-style layer on ``unit``: work and weights split
-    over every axis, the weights gathered over fsdp and their gradients reduce-scattered,
-    the activations all-reduced over tensor."""
-    f, t = dict(unit).get("fsdp", 1), dict(unit).get("tensor", 1)
-    out = []
-    for i, lp in enumerate(prof.layers):
-        fwd, bwd = [], []
-        if f > 1:
-            fwd.append(Collective("all-gather", lp.param_bytes // t, ("fsdp",)))
-            bwd.append(Collective("reduce-scatter", lp.param_bytes // (f * t), ("fsdp",)))
-        if t > 1:
-            fwd.append(Collective("all-reduce", lp.output_bytes // f, ("tensor",)))
-            bwd.append(Collective("all-reduce", lp.input_bytes // f, ("tensor",)))
-        out.append(
-            ShardedCost(
-                index=i,
-                name=lp.name,
-                mesh=unit,
-                forward_flops=lp.forward_flops / (f * t),
-                backward_flops=lp.backward_flops / (f * t),
-                forward_bytes=0.0,
-                backward_bytes=0.0,
-                temp_bytes=0,
-                param_bytes=lp.param_bytes // (f * t),
-                replicated_param_bytes=0,
-                forward_collectives=tuple(fwd),
-                backward_collectives=tuple(bwd),
-            )
-        )
-    return tuple(out)
-
-
 def _search(prof: Profile, units) -> MeshSearch:
-    return MeshSearch({u: _costs(prof, u) for u in units}, annotated=True)
+    return MeshSearch({u: megatron_costs(prof, u) for u in units}, annotated=True)
 
 
 def test_a_unit_profile_is_one_devices_share_plus_the_collectives_priced_on_their_links():
     prof, topo = _chain(), Topology.from_levels([4, 2], [1e10, 1e9])
     for unit in (FSDP2, TENSOR2, QUAD, (("fsdp", 8),)):
         f, t = dict(unit).get("fsdp", 1), dict(unit).get("tensor", 1)
-        mine = unit_profile(prof, _costs(prof, unit), topo, unit)
+        mine = unit_profile(prof, megatron_costs(prof, unit), topo, unit)
         lp, up = prof.layers[0], mine.layers[0]
-        c = _costs(prof, unit)[0]
+        c = megatron_costs(prof, unit)[0]
         positions = list(range(f * t))
         comm_f = sum(collective_seconds(k, unit, positions, topo) for k in c.forward_collectives)
         comm_b = sum(collective_seconds(k, unit, positions, topo) for k in c.backward_collectives)
@@ -142,22 +109,22 @@ def test_a_unit_profile_is_one_devices_share_plus_the_collectives_priced_on_thei
             up.output_bytes == lp.output_bytes // f and up.residual_bytes == lp.residual_bytes // f
         )
     # fsdp 8 spans both nodes: its gathers run on the slow link
-    far = unit_profile(prof, _costs(prof, (("fsdp", 8),)), topo, (("fsdp", 8),)).layers[0]
-    near = unit_profile(prof, _costs(prof, (("fsdp", 4),)), topo, (("fsdp", 4),)).layers[0]
+    far = unit_profile(prof, megatron_costs(prof, (("fsdp", 8),)), topo, (("fsdp", 8),)).layers[0]
+    near = unit_profile(prof, megatron_costs(prof, (("fsdp", 4),)), topo, (("fsdp", 4),)).layers[0]
     assert far.forward_seconds > near.forward_seconds
     # costs compiled for more rows are scaled back to the profile's batch
     doubled = tuple(
         dataclasses.replace(
             c, forward_flops=2 * c.forward_flops, backward_flops=2 * c.backward_flops
         )
-        for c in _costs(prof, TENSOR2)
+        for c in megatron_costs(prof, TENSOR2)
     )
-    a = unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2)
+    a = unit_profile(prof, megatron_costs(prof, TENSOR2), topo, TENSOR2)
     b = unit_profile(prof, doubled, topo, TENSOR2, rows=16)
     assert b.layers[0].forward_seconds < a.layers[0].forward_seconds  # collectives halved too
     assert b.layers[0].forward_flops == a.layers[0].forward_flops
     with pytest.raises(PlanError, match="layers"):
-        unit_profile(prof, _costs(prof, TENSOR2)[:2], topo, TENSOR2)
+        unit_profile(prof, megatron_costs(prof, TENSOR2)[:2], topo, TENSOR2)
 
 
 def test_collectives_are_priced_on_their_own_links_where_given():
@@ -169,9 +136,9 @@ def test_collectives_are_priced_on_their_own_links_where_given():
 
     prof, topo = _chain(), Topology.flat(8, 1e10)
     slow = [Level(8, 1e9, "collective", 1e-5)]
-    plain = unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2)
-    priced = unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2, collectives=slow)
-    (k,) = _costs(prof, TENSOR2)[0].forward_collectives
+    plain = unit_profile(prof, megatron_costs(prof, TENSOR2), topo, TENSOR2)
+    priced = unit_profile(prof, megatron_costs(prof, TENSOR2), topo, TENSOR2, collectives=slow)
+    (k,) = megatron_costs(prof, TENSOR2)[0].forward_collectives
     extra = collective_seconds(k, TENSOR2, [0, 1], Topology((slow[0],))) - collective_seconds(
         k, TENSOR2, [0, 1], topo
     )
@@ -179,7 +146,9 @@ def test_collectives_are_priced_on_their_own_links_where_given():
         plain.layers[0].forward_seconds + extra
     )
     with pytest.raises(PlanError, match="workers"):
-        unit_profile(prof, _costs(prof, TENSOR2), topo, TENSOR2, collectives=[Level(4, 1e9)])
+        unit_profile(
+            prof, megatron_costs(prof, TENSOR2), topo, TENSOR2, collectives=[Level(4, 1e9)]
+        )
     level = collective_level(jax.devices()[:2], sizes=(4096, 1 << 16, 1 << 20), chain=4, repeats=3)
     assert level.workers == 2 and level.bandwidth > 0 and level.latency >= 0
 
@@ -269,15 +238,6 @@ def test_no_mesh_fits_names_each_units_closest_per_stage():
 # -- from XLA, against the runtime -------------------------------------------------------
 
 
-def _dense(i: int, width: int) -> nn.Dense:
-    names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
-    return nn.Dense(
-        width,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
-    )
-
-
 def test_an_unannotated_model_searches_data_and_fsdp_auto_and_the_plan_says_so():
     layers = sequential(nn.Dense(32), nn.relu, nn.Dense(32))
     x = jnp.zeros((8, 32))
@@ -302,7 +262,7 @@ def test_the_unit_profiles_memory_predicts_the_runtimes_peak_per_device(schedule
     costs compiled by XLA): the simulator's runtime memory from the unit's profile within
     10% of the live bytes the runtime holds on each stage's devices."""
     width, num_layers, M, mb = 64, 4, 4, 8
-    layers = sequential(*[_dense(i, width) for i in range(num_layers)])
+    layers = sequential(*[megatron_dense(i, width) for i in range(num_layers)])
     topo = Topology.from_devices(jax.devices())
     xs = np.random.default_rng(0).standard_normal((8, mb, width)).astype(np.float32)
     search = search_meshes(layers, jnp.asarray(xs[0]), topo, max_size=mesh_size(unit)).only(unit)

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from measured import measured_peaks
+from measured import measured_peaks, megatron_dense
 
 from pdjax.errors import PlanError
 from pdjax.layers import sequential
@@ -148,23 +147,13 @@ def test_meshes_are_checked():
 # -- against the runtime ---------------------------------------------------------------
 
 
-def _dense(i: int, width: int) -> nn.Dense:
-    """Megatron's pairs: (embed, mlp) then (mlp, embed), the bias split as the output."""
-    names = ("embed", "mlp") if i % 2 == 0 else ("mlp", "embed")
-    return nn.Dense(
-        width,
-        kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), names[1:]),
-    )
-
-
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "2bw", "pipedream"])
 def test_runtime_memory_model_predicts_a_sharded_stage(schedule):
     """Two stages of fsdp 2 x tensor 2 on 8 devices: the simulator's ``runtime`` memory
     model within 10% of the live bytes the runtime holds on each stage's devices (measured
     after each operation), and the planner's figure no lower than the simulator's."""
     width, num_layers, M, mb = 64, 4, 4, 8
-    layers = sequential(*[_dense(i, width) for i in range(num_layers)])
+    layers = sequential(*[megatron_dense(i, width) for i in range(num_layers)])
     plan = (StagePlan(0, 1, (0, 1, 2, 3), mesh=MESH), StagePlan(2, 3, (4, 5, 6, 7), mesh=MESH))
     pipe = Pipeline(
         layers,

@@ -326,18 +326,10 @@ def unit_profile(
                 peak_bytes=None,
                 forward_seconds=fwd,
                 backward_seconds=bwd,
-                input_grad_flops=None
-                if lp.input_grad_flops is None
-                else lp.input_grad_flops * b_ratio,
-                weight_grad_flops=None
-                if lp.weight_grad_flops is None
-                else lp.weight_grad_flops * b_ratio,
-                input_grad_seconds=None
-                if lp.input_grad_seconds is None
-                else lp.input_grad_seconds * grow,
-                weight_grad_seconds=None
-                if lp.weight_grad_seconds is None
-                else lp.weight_grad_seconds * grow,
+                input_grad_flops=_times(lp.input_grad_flops, b_ratio),
+                weight_grad_flops=_times(lp.weight_grad_flops, b_ratio),
+                input_grad_seconds=_times(lp.input_grad_seconds, grow),
+                weight_grad_seconds=_times(lp.weight_grad_seconds, grow),
                 policies=tuple(
                     dataclasses.replace(
                         p,
@@ -350,6 +342,10 @@ def unit_profile(
         )
     meta = {**profile.meta, "unit": describe_mesh(unit)}
     return dataclasses.replace(profile, layers=tuple(layers), meta=meta)
+
+
+def _times(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
 
 
 def unit_of(stage: StagePlan) -> MeshAxes:
