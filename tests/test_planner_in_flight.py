@@ -29,7 +29,8 @@ import pytest
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.train import TrainConfig, planning
-from pdjax.apps.train.loop import _epoch_batches
+from pdjax.apps.train.config import CALL_STEPS
+from pdjax.apps.train.loop import _calls
 from pdjax.errors import PipelineError, PlanError, ScheduleError
 from pdjax.partition import (
     Plan,
@@ -288,13 +289,28 @@ def test_plan_auto_holds_the_limit_for_the_callers_call_length():
         plan_auto(profile, Topology.flat(2, 1e9), samples_per_call=4, **kw)
 
 
-def test_epoch_microbatches_is_the_loops_call():
+def test_an_epoch_is_trained_in_calls_of_at_most_call_steps():
     ds = data_lib.digits(seed=0)
-    for schedule, M in (("pipedream", 4), ("1f1b", 4), ("1f1b", 3)):
-        cfg = TrainConfig(schedule=schedule, devices=4, microbatches=M, batch_size=48)
-        runner = types.SimpleNamespace(microbatches=M)
-        want = len(_epoch_batches(cfg, runner, ds, 0))
-        assert planning.epoch_microbatches(cfg, ds.num_train) == want
+    for schedule, M, call_steps, epoch_steps in (
+        ("pipedream", 4, None, None),
+        ("1f1b", 4, 3, None),
+        ("1f1b", 3, 2, 7),
+        ("pipedream", 2, 100, None),
+    ):
+        cfg = TrainConfig(
+            schedule=schedule, devices=4, microbatches=M, batch_size=48,
+            call_steps=call_steps, epoch_steps=epoch_steps,
+        )  # fmt: skip
+        n = planning.epoch_microbatches(cfg, ds.num_train)
+        calls = _calls(n, cfg.calls)
+        assert sum(calls) == n and max(calls) == planning.call_microbatches(cfg, ds.num_train)
+        assert all(c <= (call_steps or CALL_STEPS) * M for c in calls)
+        if epoch_steps is not None:
+            assert n == epoch_steps * M
+        elif schedule == "pipedream":  # updates per microbatch: the whole pass
+            assert n == ds.num_train // cfg.microbatch_size
+        else:  # whole steps only
+            assert n == ds.num_train // cfg.batch_size * M
 
 
 @pytest.fixture
@@ -310,7 +326,7 @@ def capped(monkeypatch):
     return box
 
 
-def test_train_planning_refuses_a_plan_that_does_not_fit_an_epoch(monkeypatch, capped):
+def test_train_planning_refuses_a_plan_that_does_not_fit_a_call(monkeypatch, capped):
     profile = _input_heavy(batch=12)
     monkeypatch.setattr(
         importlib.import_module("pdjax.profile"), "profile", lambda *a, **k: profile
@@ -319,8 +335,8 @@ def test_train_planning_refuses_a_plan_that_does_not_fit_an_epoch(monkeypatch, c
         schedule="pipedream", devices=2, microbatches=1, batch_size=12, plan="auto", straight=True
     )
     spec = types.SimpleNamespace(layers=None)
-    calls = planning.epoch_microbatches(cfg, 1437)  # the digits training split
-    assert calls == 1437 // 12
+    calls = planning.call_microbatches(cfg, 1437)  # the digits training split
+    assert calls == CALL_STEPS
     devices = jax.devices()[:2]
     short = plan_pipedream(
         profile, Topology.from_devices(devices), schedule="pipedream", num_microbatches=1,
@@ -333,7 +349,7 @@ def test_train_planning_refuses_a_plan_that_does_not_fit_an_epoch(monkeypatch, c
         planning.plan_of(cfg, spec, None, calls=calls)
 
 
-def test_resolve_auto_plans_for_the_epoch(monkeypatch):
+def test_resolve_auto_plans_for_the_longest_call(monkeypatch):
     seen = {}
 
     def fake_plan_auto(profile, topology, **kw):
@@ -348,7 +364,11 @@ def test_resolve_auto_plans_for_the_epoch(monkeypatch):
     spec = types.SimpleNamespace(layers=None)
     with pytest.raises(PlanError, match="stop here"):
         planning.resolve_auto(cfg, spec, ds)
-    assert seen["samples_per_call"] == ds.num_train
+    assert seen["samples_per_call"] == CALL_STEPS * 32  # call_steps steps of batch_size
+    cfg = TrainConfig(schedule="auto", devices=2, batch_size=32, epoch_steps=3, call_steps=5)
+    with pytest.raises(PlanError, match="stop here"):
+        planning.resolve_auto(cfg, spec, ds)
+    assert seen["samples_per_call"] == 3 * 32  # an epoch is shorter than a call
 
 
 def test_auto_choice_carries_the_in_flight_option(tmp_path):
@@ -380,8 +400,8 @@ def test_paper_shapes_refused_by_the_schedule_are_refused_by_the_planner():
             price(plan, _profile(3), "pipedream", in_flight="paper")
 
 
-def test_pdjax_train_plans_for_its_epoch_long_call(monkeypatch):
-    """The training loop asks for the plan of a call of the whole epoch (what it runs)."""
+def test_pdjax_train_plans_for_its_longest_call(monkeypatch):
+    """The training loop asks for the plan of its longest runtime call (what it runs)."""
     from pdjax.apps.train import loop, train
 
     seen = {}
@@ -401,4 +421,5 @@ def test_pdjax_train_plans_for_its_epoch_long_call(monkeypatch):
     with pytest.raises(Stop):
         train(cfg)
     ds = data_lib.digits(seed=cfg.seed)
-    assert seen["calls"] == planning.epoch_microbatches(seen["cfg"], ds.num_train) == 89
+    assert planning.epoch_microbatches(seen["cfg"], ds.num_train) == 89
+    assert seen["calls"] == planning.call_microbatches(seen["cfg"], ds.num_train) == 64

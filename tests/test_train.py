@@ -17,8 +17,10 @@ from user_model import mine_config as _mine
 
 from pdjax.apps import data
 from pdjax.apps.cli import main
+from pdjax.apps.data.stream import TrainStream
 from pdjax.apps.train import EpochRecord, TrainConfig, TrainingDiverged, build, train
 from pdjax.apps.train.outputs import read_metrics, sync_metrics
+from pdjax.apps.train.planning import epoch_microbatches
 from pdjax.errors import DataError, LayerError, PipelineError
 
 
@@ -54,15 +56,17 @@ def test_dp_and_a_flush_schedule_run_the_same_loop():
 
 def test_divergence_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
 
-    good = data.Dataset.train_batches
+    cfg = _cfg(epochs=3)
+    n = epoch_microbatches(cfg, data.digits(flatten=True).num_train)  # an epoch's microbatches
+    good = TrainStream.take
 
-    def poisoned(self, batch_size, *, seed, epoch, start=0):
-        for x, y in good(self, batch_size, seed=seed, epoch=epoch, start=start):
-            yield (x * np.nan if epoch == 1 else x), y
+    def poisoned(self, count):  # a call never spans two epochs
+        epoch = self.position // n
+        return [(x * np.nan if epoch == 1 else x, y) for x, y in good(self, count)]
 
-    monkeypatch.setattr(data.Dataset, "train_batches", poisoned)
+    monkeypatch.setattr(TrainStream, "take", poisoned)
     with pytest.raises(TrainingDiverged, match=r"epoch 2.*last good checkpoint"):
-        train(_cfg(epochs=3), checkpoint_dir=tmp_path)
+        train(cfg, checkpoint_dir=tmp_path)
     from pdjax.runners import Checkpointer
 
     assert Checkpointer(tmp_path).latest_step() == 1

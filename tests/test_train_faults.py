@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from user_model import mine_config as _cfg
 
-from pdjax.apps import data
 from pdjax.apps.cli import main
+from pdjax.apps.data.stream import TrainStream
 from pdjax.apps.train import (
     PLAN_FILE,
     TrainConfig,
@@ -27,6 +27,7 @@ from pdjax.apps.train import (
     read_metrics,
     train,
 )
+from pdjax.apps.train.planning import epoch_microbatches
 from pdjax.errors import CheckpointError, PipelineError
 from pdjax.partition import Plan, Topology, plan_pipedream
 from pdjax.profile import LayerProfile, Profile
@@ -88,14 +89,15 @@ def test_the_epoch_whose_weights_blow_up_is_not_saved(here, monkeypatch):
     """The last batch of epoch 2 is scaled so far that its update leaves the weights
     unusable, while every loss measured during the epoch (before each update) is finite:
     that epoch must not become the checkpoint a resume starts from."""
-    good = data.Dataset.train_batches
+    n = epoch_microbatches(_cfg(), build(_cfg())[1].num_train)  # an epoch's microbatches
+    good = TrainStream.take
 
-    def blown(self, batch_size, *, seed, epoch, start=0):
-        batches = list(good(self, batch_size, seed=seed, epoch=epoch, start=start))
-        for i, (x, y) in enumerate(batches):
-            yield (x * 1e30 if epoch == 1 and i == len(batches) - 1 else x), y
+    def blown(self, count):  # a call never spans two epochs
+        start = self.position
+        batches = good(self, count)
+        return [(x * 1e30 if start + i == 2 * n - 1 else x, y) for i, (x, y) in enumerate(batches)]
 
-    monkeypatch.setattr(data.Dataset, "train_batches", blown)
+    monkeypatch.setattr(TrainStream, "take", blown)
     ckpt = here / "ckpt"
 
     def sgd(**kw):  # plain SGD: the step grows with the gradient (Adam's would not)

@@ -116,11 +116,20 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
         "--dataset",
         action=PathOption,
         default="digits",
-        metavar="NAME|PATH.npz",
+        metavar="NAME|PATH.npz|tokens:PATH",
         help="digits (8x8 images, or 64 features for a model taking them), text "
         "(characters, for language models), text-bpe (byte-level BPE tokens of the same "
-        "documents, packed; needs the text extra), or an .npz file with arrays x_train, y_train, "
-        "x_test, y_test whose rows fit the model's sample batch",
+        "documents, packed; needs the text extra), an .npz file with arrays x_train, y_train, "
+        "x_test, y_test whose rows fit the model's sample batch, or tokens:PATH, a flat "
+        "binary token file (uint16/uint32, described by PATH.json; memory-mapped and "
+        "streamed) packed into windows of --seq-len",
+    )
+    p.add_argument(
+        "--validation",
+        default="",
+        metavar="FRACTION|PATH",
+        help="tokens:PATH only: the validation split, the fraction of the file's tokens at "
+        "its end (default 0.1) or a second token file",
     )
     p.add_argument(
         "--schedule",
@@ -181,6 +190,23 @@ def _add_step_options(p: argparse.ArgumentParser) -> None:
         action=positive_int(100_000, "each epoch trains on the whole dataset"),
         default=10,
         help="epochs at most",
+    )
+    p.add_argument(
+        "--epoch-steps",
+        action=positive_int(10**9, "an epoch is trained, evaluated and saved as a whole"),
+        default=None,
+        metavar="N",
+        help="steps in an epoch (default: a pass over the training split); the input "
+        "stream runs on across epochs, so --epochs x --epoch-steps bounds a run on data of "
+        "any size, and each epoch is evaluated and checkpointed",
+    )
+    p.add_argument(
+        "--call-steps",
+        action=positive_int(10**6, "a call's inputs are placed on the devices at once"),
+        default=None,
+        metavar="N",
+        help="the most steps one runtime call takes (default 16): each call's inputs are "
+        "read and placed as it starts, and the planner prices calls of this length",
     )
     p.add_argument("--batch-size", action=BATCH, default=64, help="samples per optimizer step")
     p.add_argument(
@@ -505,6 +531,9 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         replication=args.replication,
         mesh=args.mesh,
         fsdp_auto=args.fsdp_auto,
+        epoch_steps=args.epoch_steps,
+        call_steps=args.call_steps,
+        validation=args.validation,
     )
     variants = _variants(args)
     for variant in variants[1:]:  # --min-stages restricts the plans of those that run one

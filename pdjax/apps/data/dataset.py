@@ -33,7 +33,9 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Dataset:
-    """A train/test split held as read-only numpy arrays (and a read-only ``info``).
+    """A train/test split held as read-only numpy arrays, or read-only lazy views of a
+    file that index like them (a token file's: :mod:`pdjax.apps.data.tokens`), and a
+    read-only ``info``.
 
     Attributes:
       name: ``"digits"``, ``"digits-flat"``, ``"text"``, or an ``.npz`` file's name.
@@ -58,7 +60,9 @@ class Dataset:
     def __post_init__(self) -> None:
         object.__setattr__(self, "info", types.MappingProxyType(dict(self.info)))
         for field in ("train_x", "train_y", "test_x", "test_y"):
-            getattr(self, field).setflags(write=False)
+            array = getattr(self, field)
+            if isinstance(array, np.ndarray):  # else a read-only lazy view (a token file's)
+                array.setflags(write=False)
         if len(self.train_x) != len(self.train_y) or len(self.test_x) != len(self.test_y):
             raise DataError(
                 f"dataset {self.name!r}: inputs and targets differ in length "

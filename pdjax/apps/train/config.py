@@ -23,8 +23,13 @@ SCHEDULE_CHOICES = (*SCHEDULES, "dp", "auto")
 """``schedule``: every registered schedule, data parallelism, or ``auto`` (planned)."""
 TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 """``auto`` (``device_put`` up to 2 processes on CPU, collectives beyond) or a transport."""
-#: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file.
+#: The bundled datasets; any other ``dataset`` is a path to an ``.npz`` file, or
+#: :data:`TOKENS_PREFIX` and the path of a token file.
 DATASETS = ("digits", "text", "text-bpe")
+#: ``dataset="tokens:PATH"``: a flat binary token file (:mod:`pdjax.apps.data.tokens`).
+TOKENS_PREFIX = "tokens:"
+#: The most steps a runtime call takes by default (``call_steps``).
+CALL_STEPS = 16
 #: ``precision``: float32 throughout, or bfloat16 or float16 compute with float32
 #: parameters (float16 with dynamic loss scaling).
 PRECISIONS = ("float32", "bf16", "f16")
@@ -118,6 +123,19 @@ class TrainConfig:
         ``plan="auto"``.
       fsdp_auto: shard the parameters the model does not annotate over the mesh's
         ``fsdp`` axis, along their largest dimension it divides (ZeRO-3).
+      epoch_steps: steps (batches of ``batch_size`` samples) in an epoch, the unit that is
+        trained, evaluated, checkpointed and recorded; None: a pass over the training
+        split (its samples // ``batch_size`` steps). The input stream runs on across
+        epochs (:mod:`pdjax.apps.data.stream`): ``epochs * epoch_steps`` steps bound a
+        run on a data set of any size.
+      call_steps: the most steps one runtime call takes (``call_steps * microbatches``
+        microbatches, ``call_steps * batch_size`` samples): each call's inputs are read
+        and placed when it starts, so this bounds the input memory on the devices whatever
+        the data set's size, and the planner prices calls of this length; None:
+        :data:`CALL_STEPS`.
+      validation: a token file's validation split (``dataset="tokens:PATH"`` only): the
+        fraction of its tokens at its end (``"0.1"``, the default where empty) or the
+        path of a second token file.
 
     ``schedule="auto"`` profiles the model (measured) and lets
     :func:`~pdjax.partition.plan_auto` choose the schedule, the microbatches, the stages
@@ -156,6 +174,9 @@ class TrainConfig:
     precision: str = "float32"
     mesh: str = ""
     fsdp_auto: bool = False
+    epoch_steps: int | None = None
+    call_steps: int | None = None
+    validation: str = ""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -163,13 +184,17 @@ class TrainConfig:
                 f"unknown schedule {self.schedule!r}; choose one of {SCHEDULE_CHOICES}"
             )
         check_model_name(self.model)
-        if self.dataset not in DATASETS and not (
-            self.dataset.endswith(".npz") or Path(self.dataset).is_file()
+        if (
+            self.dataset not in DATASETS
+            and not self.dataset.startswith(TOKENS_PREFIX)
+            and not (self.dataset.endswith(".npz") or Path(self.dataset).is_file())
         ):
             raise PipelineError(
-                f"unknown dataset {self.dataset!r}; choose digits, text or text-bpe, or give "
-                "the path of an .npz file with x_train, y_train, x_test and y_test"
+                f"unknown dataset {self.dataset!r}; choose digits, text or text-bpe, give "
+                "the path of an .npz file with x_train, y_train, x_test and y_test, or "
+                "tokens:PATH for a token file"
             )
+        self._check_stream()
         if self.precision not in PRECISIONS:
             raise PipelineError(
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
@@ -212,6 +237,30 @@ class TrainConfig:
         if self.target_accuracy is not None and not 0 < self.target_accuracy <= 1:
             raise PipelineError(f"target_accuracy must be in (0, 1], got {self.target_accuracy}")
         self._check_min_stages()
+
+    def _check_stream(self) -> None:
+        """``epoch_steps``, ``call_steps`` and ``validation``."""
+        for name in ("epoch_steps", "call_steps"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise PipelineError(f"{name} must be an integer >= 1 or None, got {value!r}")
+        if not isinstance(self.validation, str):
+            raise PipelineError(
+                f"validation must be a string (a fraction or a path), got {self.validation!r}"
+            )
+        if self.validation and not self.dataset.startswith(TOKENS_PREFIX):
+            raise PipelineError(
+                f"{setting('validation')} splits a token file (tokens:PATH); the "
+                f"{self.dataset} dataset has its own test split: drop it"
+            )
+
+    @property
+    def calls(self) -> int:
+        """The most microbatches of one runtime call: :attr:`call_steps` (or
+        :data:`CALL_STEPS`) steps of ``microbatches``."""
+        return (self.call_steps or CALL_STEPS) * self.microbatches
 
     def _check_options(self) -> None:
         """The schedule's options as its spec checks them (those set to their defaults

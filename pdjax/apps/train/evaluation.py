@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 
 from pdjax.apps import data as data_lib
+from pdjax.apps.data import stream
 from pdjax.errors import PipelineError
 from pdjax.models import ModelSpec
 from pdjax.pipeline import Pipeline
@@ -58,23 +59,35 @@ def _local_copy(leaf: Any) -> Any:
     return leaf.addressable_data(0)
 
 
+#: Evaluation batches a pipeline reads, places and evaluates at a time
+#: (:func:`evaluate_runner`): the memory evaluation holds, whatever the test split's size.
+EVAL_CHUNK = 8
+
+
 def evaluate_runner(
     spec: ModelSpec, runner: Any, state: Any, ds: data_lib.Dataset, batch_size: int = 256
 ) -> tuple[float, float]:
     """Mean loss and accuracy of ``runner``'s ``state`` on the test split, in eval mode.
 
     A pipeline evaluates through its stages (:meth:`~pdjax.pipeline.Pipeline.evaluate`:
-    forward only, each stage on its devices, nothing gathered), in one process or across
-    several (collective there: every process calls it, and all get the same numbers);
-    data parallelism evaluates the gathered variables on one device (:func:`evaluate`)."""
+    forward only, each stage on its devices, nothing gathered), :data:`EVAL_CHUNK`
+    batches at a time (the split is streamed: read as it is evaluated), in one process or
+    across several (collective there: every process calls it, and all get the same
+    numbers); data parallelism evaluates the gathered variables on one device, batch by
+    batch (:func:`evaluate`)."""
     if not isinstance(runner, Pipeline):
         return evaluate(spec, runner.variables(state), ds, batch_size)
-    batches = [
-        (ds.test_x[lo : lo + batch_size], ds.test_y[lo : lo + batch_size])
-        for lo in range(0, ds.num_test, batch_size)
-    ]
-    got = runner.evaluate(state, batches, metrics=_accuracy_metric(spec))
-    return got["loss"], float(got.get("_accuracy", math.nan))
+    loss = accuracy = 0.0
+    samples = 0
+    metric = _accuracy_metric(spec)
+    # streamed: EVAL_CHUNK batches read, placed and evaluated at a time, whatever the split
+    for batches in stream.eval_chunks(ds.test_x, ds.test_y, batch_size, EVAL_CHUNK):
+        got = runner.evaluate(state, batches, metrics=metric)
+        n = int(got["samples"])
+        loss += got["loss"] * n
+        accuracy += float(got.get("_accuracy", math.nan)) * n
+        samples += n
+    return loss / samples, accuracy / samples
 
 
 def scalar_accuracy(spec: ModelSpec, value: Any) -> jax.Array:

@@ -1,6 +1,13 @@
 """The training loop (:func:`train`): a run set up from its settings and its checkpoints
 (:func:`_set_up`), then epochs trained, evaluated, checked for divergence and committed
-(checkpoint first, then the metrics line) until the last epoch or the target accuracy."""
+(checkpoint first, then the metrics line) until the last epoch or the target accuracy.
+
+The training data is streamed (:class:`~pdjax.apps.data.stream.TrainStream`): an epoch
+is ``N`` microbatches (:func:`~pdjax.apps.train.planning.epoch_microbatches`), taken from
+the stream in runtime calls of at most ``cfg.calls`` microbatches, each read and placed as
+its call starts, so host and device memory hold a bounded number of calls' inputs
+whatever the data set's size. A checkpoint keeps the stream's position (its ``input``
+metadata), and a resumed run continues at the next microbatch of the same order."""
 
 from __future__ import annotations
 
@@ -19,12 +26,12 @@ import numpy as np
 
 from pdjax._jsonio import check_file, check_folder, refuse_link
 from pdjax.apps import data as data_lib
+from pdjax.apps.data.stream import TrainStream, split_identity
 from pdjax.apps.train.config import (
     EpochRecord,
     TrainConfig,
     TrainResult,
     run_folder,
-    updates_per_microbatch,
 )
 from pdjax.apps.train.evaluation import evaluate_runner
 from pdjax.apps.train.model_data import build, check, checked
@@ -39,7 +46,12 @@ from pdjax.apps.train.outputs import (
     require_tensorboard,
     sync_metrics,
 )
-from pdjax.apps.train.planning import epoch_microbatches, plan_of, single_stage_note
+from pdjax.apps.train.planning import (
+    call_microbatches,
+    epoch_microbatches,
+    plan_of,
+    single_stage_note,
+)
 from pdjax.apps.train.resume import (
     checkpoint_identity,
     data_identity,
@@ -104,6 +116,7 @@ class _Run:
     history: list[EpochRecord]
     resumed: bool
     speed: _Speed
+    stream: TrainStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,9 +306,10 @@ def _set_up(
                 "epoch), which its metrics lines and new checkpoints carry from now on",
                 stacklevel=3,
             )
-    sample = ds.train_x[: cfg.microbatch_size]
-    if plan is None:  # planned for the run's calls: an epoch each, placed up front
-        plan = plan_of(cfg, spec, sample, calls=epoch_microbatches(cfg, ds.num_train))
+    stream = _stream(cfg, ds, outputs, step)  # a saved input state checked before any work
+    sample = np.asarray(ds.train_x[: cfg.microbatch_size])
+    if plan is None:  # planned for the run's calls, each placed as it starts
+        plan = plan_of(cfg, spec, sample, calls=call_microbatches(cfg, ds.num_train))
     note = single_stage_note(plan)
     runner, plan_text = make_runner(
         cfg, spec, sample, plan, total_updates=run_updates(cfg, ds.num_train)
@@ -335,7 +349,37 @@ def _set_up(
         history=history,
         resumed=step is not None,
         speed=_Speed.of(cfg, spec, ds),
+        stream=stream,
     )
+
+
+def _stream(cfg: TrainConfig, ds: data_lib.Dataset, outputs: _Outputs, step: int | None) -> Any:
+    """The run's training stream: from the start for a fresh run, else from the input
+    state saved with checkpoint ``step`` (refused there if it is of other data). A
+    checkpoint of a pdjax before streamed input holds none: its run continues after the
+    ``step * N`` microbatches its epochs took, in the stream's order (not the order that
+    pdjax drew, which it had no state of), and says so."""
+    identity = split_identity(ds)
+    saved = None
+    if step is not None:
+        saved = (outputs.ckpt.extra(step) or {}).get("input")
+    stream = TrainStream(
+        ds.train_x,
+        ds.train_y,
+        cfg.microbatch_size,
+        seed=cfg.seed,
+        identity=identity,
+        state=saved,
+    )
+    if step is not None and saved is None:
+        warnings.warn(
+            f"step {step} of {outputs.ckpt.directory} holds no input state (a pdjax before "
+            "streamed input saved it): the run goes on from the microbatch after its "
+            f"{step} epochs in this pdjax's order, not the order the run began in",
+            stacklevel=4,
+        )
+        stream.skip(step * epoch_microbatches(cfg, ds.num_train))
+    return stream
 
 
 def _write_plan(outputs: _Outputs, label: str, plan: Any, *, saved: bool) -> Path | None:
@@ -365,6 +409,14 @@ def _plan_among_outputs(cfg: TrainConfig, written: Path) -> TrainConfig:
 
 
 def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) -> TrainResult:
+    """Trains ``run`` (:func:`_train_epochs`); its input stream's threads stop on any exit."""
+    try:
+        return _train_epochs(run, outputs, hooks, warmup=warmup)
+    finally:
+        run.stream.close()
+
+
+def _train_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) -> TrainResult:
     """Trains ``run`` (compiled first with ``warmup``: :func:`_warm_up`) from the epoch it
     starts at to its last, or to the first epoch at its target accuracy, committing each
     (:func:`_commit`) before the next."""
@@ -400,6 +452,7 @@ def _run_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) ->
                 runner=run.runner,
                 state=state,
                 ds=run.ds,
+                stream=run.stream,
                 epoch=epoch,
                 elapsed=history[-1].elapsed if history else 0.0,
                 ckpt=outputs.ckpt,
@@ -431,6 +484,7 @@ def _commit(run: _Run, outputs: _Outputs, state: Any, board: TensorBoard | None)
                 "history": [dataclasses.asdict(r) for r in run.history],
                 "run_id": run.run_id,
                 "data": data_identity(run.ds),
+                "input": run.stream.state(),
             },
         )
     # after the commit, so no line names an epoch no checkpoint holds; a crash in
@@ -447,33 +501,37 @@ def _train_epoch(
     runner: Any,
     state: Any,
     ds: data_lib.Dataset,
+    stream: TrainStream,
     epoch: int,
     elapsed: float,
     ckpt: Any,
     on_progress: Callable[[int, int], None] | None,
     speed: _Speed,
 ) -> tuple[Any, EpochRecord]:
-    """Trains and evaluates epoch ``epoch`` (0-based).
+    """Trains and evaluates epoch ``epoch`` (0-based): its microbatches taken from
+    ``stream`` in calls of at most ``cfg.calls`` (:func:`_calls`).
 
     Raises:
       TrainingDiverged: for a non-finite loss, accuracy, weight or optimizer value.
     """
-    batches = _epoch_batches(cfg, runner, ds, epoch)
+    n = epoch_microbatches(cfg, ds.num_train)
     b = cfg.batch_size // runner.microbatches
-    if not batches:
+    if ds.num_train < cfg.batch_size:
         raise PipelineError(
             f"the {ds.name} training split has {ds.num_train} samples, too few for one "
             f"step of {cfg.batch_size}"
         )
     t0 = time.perf_counter()
-    callback = None
-    if on_progress is not None:
+    losses: list[jax.Array] = []
+    for count in _calls(n, cfg.calls):
+        callback = None
+        if on_progress is not None:
 
-        def callback(k: int, _loss: jax.Array, n: int = len(batches)) -> None:
-            on_progress(k + 1, n)
+            def callback(k: int, _loss: jax.Array, done: int = len(losses)) -> None:
+                on_progress(done + k + 1, n)
 
-    state, metrics = runner.run(state, batches, on_loss=callback)
-    losses = metrics.losses
+        state, metrics = runner.run(state, stream.take(count), on_loss=callback)
+        losses.extend(metrics.losses)
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     train_loss = float(np.mean([float(x) for x in losses]))
@@ -488,7 +546,7 @@ def _train_epoch(
         raise _diverged(cfg, epoch + 1, "the weights hold NaN or infinite values", ckpt)
     if not _finite(getattr(state, "opt_state", ())):
         raise _diverged(cfg, epoch + 1, "the optimizer state holds NaN or infinite values", ckpt)
-    samples = len(batches) * b
+    samples = n * b
     updates = state.updates[0]
     sps = samples / seconds
     tokens = speed.tokens_per_sample
@@ -570,17 +628,11 @@ def _diverged(cfg: TrainConfig, epoch: int, what: str, ckpt: Any) -> TrainingDiv
     )
 
 
-def _epoch_batches(
-    cfg: TrainConfig, runner: Runner[Any], ds: data_lib.Dataset, epoch: int
-) -> list[Any]:
-    """Epoch ``epoch``'s stream of microbatches for ``runner`` (``runner.microbatches``
-    to an update): whole updates of them, except for ``pipedream``, which updates per
-    microbatch."""
-    size = cfg.batch_size // runner.microbatches
-    batches = list(ds.train_batches(size, seed=cfg.seed, epoch=epoch))
-    if not updates_per_microbatch(cfg.schedule):
-        batches = batches[: len(batches) - len(batches) % runner.microbatches]
-    return batches
+def _calls(n: int, longest: int) -> list[int]:
+    """The lengths of the runtime calls of an epoch of ``n`` microbatches: as many of
+    ``longest`` as fit, then the rest."""
+    full, rest = divmod(n, longest)
+    return [longest] * full + ([rest] if rest else [])
 
 
 def _warm_up(
@@ -588,11 +640,19 @@ def _warm_up(
 ) -> None:
     """Compiles what an epoch runs, on a copy of the state: a pipeline's program is lowered
     and bound per number of microbatches in a call (and per progress callback), so the
-    warm-up runs the first epoch's call (every runner alike)."""
-    copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
-    batches = _epoch_batches(cfg, runner, ds, 0)
+    warm-up runs a call of each length an epoch has (every runner alike), on the split's
+    first samples (the input stream is not touched)."""
+    size = cfg.microbatch_size
+    lengths = sorted(set(_calls(epoch_microbatches(cfg, ds.num_train), cfg.calls)))
     on_loss = (lambda k, loss: None) if progress else None
-    jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
+    for count in lengths:
+        copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
+        rows = [(k * size) % (ds.num_train - size + 1) for k in range(count)]
+        batches = [
+            (np.asarray(ds.train_x[r : r + size]), np.asarray(ds.train_y[r : r + size]))
+            for r in rows
+        ]
+        jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
 
 
 def _mark_target(result: TrainResult) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from pdjax.apps import data as data_lib
 from pdjax.apps.data import bpe as text_data
-from pdjax.apps.train.config import TrainConfig
+from pdjax.apps.train.config import TOKENS_PREFIX, TrainConfig
 from pdjax.apps.train.evaluation import scalar_accuracy
 from pdjax.apps.train.optimizers import build_optimizer, run_updates
 from pdjax.apps.train.wording import setting
@@ -32,20 +32,27 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
 
     On ``text-bpe`` a bundled language model is built for the tokenizer: its vocabulary
     is ``cfg.vocab_size`` (default :data:`BPE_VOCAB`), its sample windows ``seq_len``
-    tokens and its context at least that."""
+    tokens and its context at least that; on a token file (``tokens:PATH``) alike, for
+    the file's vocabulary."""
     if is_model_ref(cfg.model):
         spec = load_model(cfg.model, offer={"config": cfg.config, "seq_len": cfg.seq_len})
     else:
         spec = get_model(cfg.model, cfg.config)
         if cfg.dataset == "text-bpe" and spec.task == "language_model":
             spec = get_model(cfg.model, cfg.config, **_bpe_overrides(cfg, spec))
+        elif cfg.dataset.startswith(TOKENS_PREFIX) and spec.task == "language_model":
+            from pdjax.apps.data.tokens import open_tokens
+
+            vocab = open_tokens(cfg.dataset[len(TOKENS_PREFIX) :]).vocab_size
+            spec = get_model(cfg.model, cfg.config, **_bpe_overrides(cfg, spec, vocab))
     return with_precision(spec, cfg.precision)
 
 
-def _bpe_overrides(cfg: TrainConfig, spec: ModelSpec) -> dict[str, Any]:
-    """A bundled language model's config fields for ``text-bpe``."""
+def _bpe_overrides(cfg: TrainConfig, spec: ModelSpec, vocab: int | None = None) -> dict[str, Any]:
+    """A bundled language model's config fields for ``text-bpe`` (or a token file of a
+    vocabulary of ``vocab``)."""
     fields = {f.name for f in dataclasses.fields(spec.model_config)}
-    out: dict[str, Any] = {"vocab_size": cfg.vocab_size or BPE_VOCAB}
+    out: dict[str, Any] = {"vocab_size": vocab or cfg.vocab_size or BPE_VOCAB}
     if "seq_len" in fields:
         out["seq_len"] = cfg.seq_len
     if "context" in fields:
@@ -157,9 +164,49 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
         ds = data_lib.text(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=spec.num_classes or None)
         if not custom:  # a bundled language model takes any window up to its context
             return spec, ds
+    elif cfg.dataset.startswith(TOKENS_PREFIX):
+        return spec, _token_data(cfg, spec, sample)
     else:
         ds = data_lib.load_npz(cfg.dataset)
     return spec, data_lib.fit_to_sample(ds, sample, num_classes=spec.num_classes)
+
+
+def _validation(cfg: TrainConfig) -> float | str:
+    """``cfg.validation`` as :func:`~pdjax.apps.data.tokens.token_dataset` takes it: a
+    fraction (default 0.1), or a second token file's path."""
+    text = cfg.validation.strip() or "0.1"
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _token_data(cfg: TrainConfig, spec: ModelSpec, sample: Any) -> data_lib.Dataset:
+    """The windows of ``cfg``'s token file (``tokens:PATH``) for a language model whose
+    vocabulary holds the file's, its windows ``seq_len`` tokens."""
+    from pdjax.apps.data.tokens import token_dataset
+
+    if spec.task not in ("language_model", "custom"):
+        raise PipelineError(
+            f"{cfg.model} is a {spec.task} model; a token file needs a language model (llama, gpt)"
+        )
+    path = cfg.dataset[len(TOKENS_PREFIX) :]
+    ds = token_dataset(path, cfg.seq_len, validation=_validation(cfg))
+    if ds.num_classes > spec.num_classes:
+        raise PipelineError(
+            f"{path} holds tokens of a vocabulary of {ds.num_classes} and {cfg.model} "
+            f"({cfg.config}) scores {spec.num_classes}: give a model whose vocabulary holds "
+            "the file's (a factory of your own, or a config with a larger vocab_size)"
+        )
+    if spec.task == "custom":
+        shape = _row_shape(sample[0], "inputs", cfg)
+        if shape != (cfg.seq_len,):
+            raise PipelineError(
+                f"{cfg.model}'s sample batch has inputs of rows {shape}; the token file gives "
+                f"windows of {setting('seq_len', cfg.seq_len)} tokens: match "
+                f"{setting('seq_len')} to the model"
+            )
+    return ds
 
 
 def check_devices(cfg: TrainConfig) -> None:
@@ -341,8 +388,11 @@ def _check_labels(spec: ModelSpec, ds: data_lib.Dataset, out: Any, y: Any) -> No
     if o.ndim < 2 or tuple(o.shape[:-1]) != tuple(np.shape(t)) or o.shape[-1] < 2:
         return
     width = int(o.shape[-1])
-    lo = min(int(a.min()) for a in labels if a.size)
-    hi = max(int(a.max()) for a in labels if a.size)
+    if not all(isinstance(a, np.ndarray) for a in labels):  # a token file's lazy views:
+        lo, hi = 0, ds.num_classes - 1  # its reader checks every token against its vocabulary
+    else:
+        lo = min(int(a.min()) for a in labels if a.size)
+        hi = max(int(a.max()) for a in labels if a.size)
     if 0 <= lo and hi < width:
         return
     shape = f"{jax.numpy.dtype(o.dtype).name}{list(o.shape)}"

@@ -477,8 +477,9 @@ def run_updates(cfg: TrainConfig, num_train: int) -> int:
     for a schedule that updates per microbatch (``pipedream``; a round-robin stage 0
     makes fewer, once per group). At least 1."""
     from pdjax.apps.train.config import updates_per_microbatch
+    from pdjax.apps.train.planning import epoch_microbatches
 
-    microbatches = num_train // cfg.microbatch_size
+    microbatches = epoch_microbatches(cfg, num_train)
     per_epoch = (
         microbatches if updates_per_microbatch(cfg.schedule) else microbatches // cfg.microbatches
     )

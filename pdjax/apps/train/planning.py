@@ -2,12 +2,12 @@
 measurement noise (:func:`auto_plan`); ``schedule="auto"`` lets the planner choose the
 schedule and microbatches too (:func:`resolve_auto`); else a plan file (:func:`plan_of`).
 
-A run calls its runner once per epoch with the whole epoch's microbatches
-(:func:`epoch_microbatches`), and a pipeline places every one of their inputs and targets
-on its first and last stages before the first action. The planner's ``pdjax`` memory
-model charges them for the call length it is given, so both planners are given this one
-(``microbatches_per_call``, ``samples_per_call``): planned for the default, shortest
-steady call, a plan that fits the memory limit may not fit the run."""
+A run calls its runner with at most ``cfg.calls`` microbatches at a time
+(:func:`call_microbatches`), read from the input stream as the call starts, and a
+pipeline places every one of their inputs and targets on its first and last stages before
+the call's first action. The planner's ``pdjax`` memory model charges them for the call
+length it is given, so both planners are given this one (``microbatches_per_call``,
+``samples_per_call``): the memory limit then holds for a data set of any size."""
 
 from __future__ import annotations
 
@@ -43,14 +43,24 @@ PLAN_TOLERANCE = 0.05
 
 
 def epoch_microbatches(cfg: TrainConfig, num_train: int) -> int:
-    """``N``, the microbatches of one runtime call in a run of ``cfg`` on a training split
-    of ``num_train`` samples: the whole epoch's (``loop._epoch_batches``: microbatches of
-    ``batch_size / microbatches`` samples, the remainder dropped, cut to whole updates of
-    ``microbatches`` unless the schedule updates every microbatch), at least 1."""
+    """``N``, the microbatches of one epoch in a run of ``cfg`` on a training split of
+    ``num_train`` samples: ``epoch_steps`` steps of ``microbatches`` where given, else a
+    pass over the split (microbatches of ``batch_size / microbatches`` samples, cut to
+    whole steps of ``microbatches`` unless the schedule updates every microbatch), at
+    least 1."""
+    if cfg.epoch_steps is not None:
+        return cfg.epoch_steps * cfg.microbatches
     n = num_train // cfg.microbatch_size
     if not updates_per_microbatch(cfg.schedule):
         n -= n % cfg.microbatches
     return max(n, 1)
+
+
+def call_microbatches(cfg: TrainConfig, num_train: int) -> int:
+    """The microbatches of the longest runtime call of a run of ``cfg``: ``cfg.calls``,
+    or an epoch's where that is shorter. Each call's inputs are placed on the devices when
+    it starts, so the planner's memory model charges this many (``calls``)."""
+    return min(cfg.calls, epoch_microbatches(cfg, num_train))
 
 
 def auto_plan(
@@ -317,6 +327,13 @@ def _splits_evenly(plan: Any) -> bool:
     return all(st.round_robin or plan.microbatch_size % st.replicas == 0 for st in plan.stages)
 
 
+def _call_samples(cfg: TrainConfig, num_train: int) -> int:
+    """The samples of the longest runtime call, whatever the microbatches: ``call_steps``
+    steps, or an epoch's where that is shorter (``schedule="auto"`` chooses ``M``)."""
+    steps = cfg.epoch_steps or max(1, num_train // cfg.batch_size)
+    return min(cfg.calls // cfg.microbatches, steps) * cfg.batch_size
+
+
 def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> TrainConfig:
     """``cfg`` with ``schedule="auto"`` resolved: the model profiled (measured, on a
     microbatch of ``batch_size / devices`` samples) and planned by
@@ -332,8 +349,9 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
     Candidates are ranked no faster than the driver and, on in-process CPU devices, their
     shared thread pool allow (:func:`pdjax.apps.bench.host_costs`, measured here first): the
     simulator alone would pick many small microbatches whose dispatch and shared cores it
-    does not see. Each candidate must fit the devices' memory for a call of the whole
-    training split (``samples_per_call``: an epoch per call, its inputs placed up front).
+    does not see. Each candidate must fit the devices' memory for the run's longest
+    runtime call (``samples_per_call``: ``call_steps`` steps, their inputs placed
+    when the call starts).
 
     Raises:
       PipelineError: a plan file given with ``schedule="auto"``, or a choice the runtime
@@ -363,7 +381,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
         host=host,
-        samples_per_call=max(ds.num_train, cfg.batch_size),
+        samples_per_call=_call_samples(cfg, ds.num_train),
         meshes=_mesh_search(cfg, spec, ds.train_x[:size], topology, devices),
     )
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")

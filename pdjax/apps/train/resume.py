@@ -348,4 +348,7 @@ _ADDED = (
     "min_stages",
     "vocab_size",
     "precision",
+    "epoch_steps",
+    "call_steps",
+    "validation",
 )
