@@ -129,7 +129,7 @@ def _generate_cli(argv, capsys):
     return capsys.readouterr().out
 
 
-def test_generate_command_continues_a_train_checkpoint(tmp_path, capsys):
+def test_generate_command_continues_a_train_checkpoint(tmp_path, capsys, caplog):
     """A checkpoint as ``pdjax train`` writes it (its settings and data identity beside the
     state of a 2-stage 1f1b pipeline on ``text``) is continued by ``pdjax generate`` (on
     one stage) as one-device greedy decoding of its weights continues it, through the
@@ -170,7 +170,12 @@ def test_generate_command_continues_a_train_checkpoint(tmp_path, capsys):
     text = prompt + decode(want[0, len(prompt) :]) + "\n"
     argv = ["--checkpoint", str(tmp_path / "ckpt"), "--prompt", prompt, "--max-new-tokens"]
     # restored from the run's 2 stages into 1 (moved layer by layer)
-    assert _generate_cli([*argv, "4", "--devices", "1"], capsys) == text
+    with caplog.at_level("WARNING", logger="pdjax"):
+        assert _generate_cli([*argv, "4", "--devices", "1"], capsys) == text
+    # by default the tokens within the context came through the key/value cache (the rest,
+    # past it, without: said once); without it (every token rerunning the window), the same
+    assert any("tokens before them use it" in r.getMessage() for r in caplog.records)
+    assert _generate_cli([*argv, "4", "--devices", "1", "--no-cache"], capsys) == text
     # refused before any work: no folder, a checkpoint without pdjax train's settings
     with pytest.raises(PipelineError, match="no such directory"):
         _generate_cli(["--checkpoint", str(tmp_path / "none"), "--prompt", "a"], capsys)

@@ -198,3 +198,84 @@ def test_bad_stream_settings_are_refused():
     x, y = _pairs(5)
     with pytest.raises(DataError, match="microbatches of 6 samples from a split of 5"):
         _stream(x, y, size=6)
+
+
+# -- a token file ------------------------------------------------------------------------------
+
+
+def _token_cfg(path, **kw):
+    base = dict(
+        model="llama",
+        config="tiny",
+        dataset=f"tokens:{path}",
+        schedule="1f1b",
+        devices=2,
+        plan="even",
+        epochs=3,
+        epoch_steps=3,
+        call_steps=2,
+        batch_size=8,
+        microbatches=2,
+        seq_len=16,
+    )
+    return TrainConfig(**{**base, **kw})
+
+
+def test_a_token_file_run_killed_mid_epoch_resumes_bit_identically(tmp_path, monkeypatch):
+    """Llama tiny on a small token file (windows of 16 tokens, 10% validation): killed in
+    epoch 3's second call, resumed from epoch 2's checkpoint, it ends with the losses and
+    weights of the run that was never interrupted."""
+    from pdjax.apps.data.tokens import write_random_tokens
+
+    path = tmp_path / "t.bin"
+    write_random_tokens(path, 4000, 64, seed=3)
+    cfg = _token_cfg(path)
+    whole = train(cfg, warmup=False)
+    good = TrainStream.take
+
+    def take(self, count):
+        if self.position >= 2 * 6 + 4:  # epochs are 6 microbatches: epoch 3's second call
+            raise _Killed
+        return good(self, count)
+
+    monkeypatch.setattr(TrainStream, "take", take)
+    with pytest.raises(_Killed):
+        train(cfg, checkpoint_dir=tmp_path / "ckpt", warmup=False)
+    assert Checkpointer(tmp_path / "ckpt").all_steps() == [1, 2]
+    extra = Checkpointer(tmp_path / "ckpt").extra(2)["input"]
+    assert extra["position"] == 12 and extra["identity"]["file"]["bytes"] == 8000
+    monkeypatch.setattr(TrainStream, "take", good)
+    resumed = train(cfg, checkpoint_dir=tmp_path / "ckpt", warmup=False)
+    assert resumed.resumed_epoch == 2
+    assert [r.train_loss for r in resumed.history] == [r.train_loss for r in whole.history]
+    assert [r.test_loss for r in resumed.history] == [r.test_loss for r in whole.history]
+    for a, b in zip(
+        jax.tree.leaves(whole.state.params), jax.tree.leaves(resumed.state.params), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+    # the same name, other tokens: the saved input state is refused before any work
+    path.unlink()
+    path.with_name("t.bin.json").unlink()
+    write_random_tokens(path, 4000, 64, seed=4)
+    with pytest.raises(DataError, match="input state saved with the run is of other data"):
+        train(_token_cfg(path, epochs=4), checkpoint_dir=tmp_path / "ckpt", warmup=False)
+
+
+def test_pdjax_train_on_a_token_file_from_the_command_line(tmp_path, capsys):
+    from pdjax.apps.cli import main
+    from pdjax.apps.data.tokens import write_random_tokens
+
+    path = tmp_path / "t.bin"
+    val = tmp_path / "v.bin"
+    write_random_tokens(path, 3000, 100, seed=1)
+    write_random_tokens(val, 500, 100, seed=2)
+    args = ["train", "--model", "llama", "--config", "tiny", "--dataset", f"tokens:{path}",
+            "--validation", str(val), "--schedule", "gpipe", "--devices", "2", "--plan", "even",
+            "--epochs", "1", "--epoch-steps", "2", "--batch-size", "8", "--microbatches", "2",
+            "--seq-len", "16", "--out", str(tmp_path / "out"), "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "perplexity" in out.lower() or "loss" in out.lower()
+    # a validation split of a dataset with its own: refused, before any work
+    assert main(["train", "--dataset", "digits", "--validation", "0.2", "--epochs", "1"]) != 0
+    assert "--validation splits a token file" in capsys.readouterr().err

@@ -182,3 +182,31 @@ def test_resume_refuses_another_tokenizer(tmp_path) -> None:
             on_start=seen.append,
         )
     assert not seen  # refused before the run started
+
+
+def test_buckets_train_each_batch_at_its_length_and_report_their_padding(monkeypatch):
+    from pdjax.pipeline import Pipeline
+
+    lengths = []
+    real = Pipeline.run
+
+    def run(self, state, microbatches, **kw):
+        lengths.extend(np.shape(x)[1] for x, _ in microbatches)
+        return real(self, state, microbatches, **kw)
+
+    monkeypatch.setattr(Pipeline, "run", run)
+    said = []
+    cfg = TrainConfig(
+        **{**LM, "buckets": "32,64,128", "loss_mean": "tokens", "epoch_steps": 3, "batch_size": 8}
+    )
+    result = train(cfg, on_start=said.append, warmup=False)
+    assert "buckets 32,64,128:" in said[0] and "of the training positions are padding" in said[0]
+    assert len(lengths) == 6 and set(lengths) <= {32, 64, 128}
+    assert lengths[0::2] == lengths[1::2]  # a step's microbatches share its bucket
+    assert math.isfinite(result.history[0].train_loss)
+    with pytest.raises(PipelineError, match="strictly ascending"):
+        TrainConfig(**{**LM, "buckets": "64,32"})
+    with pytest.raises(PipelineError, match="keeps the documents of text-bpe apart"):
+        TrainConfig(dataset="digits", buckets="8")
+    with pytest.raises(PipelineError, match="only buckets vary"):
+        TrainConfig(**{**LM, "loss_mean": "tokens"})

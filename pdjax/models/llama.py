@@ -31,6 +31,14 @@ rules (:mod:`pdjax.layers.sharding`) map ``embed`` to the ``fsdp`` mesh axis, ``
 metadata only: the variables are made with ``eager_sharding=False``, so building the model
 needs no mesh and draws the same values as without them.
 
+Cached generation (:meth:`pdjax.pipeline.Pipeline.generate`): every layer also takes a
+:class:`~pdjax._decoding.CacheStep` in eval mode, a path of its own that training and
+evaluation never reach (their inputs are arrays): the embedding embeds the step's tokens,
+each block's attention writes the step's keys and values into its cache (``(k, v)``,
+each ``(B, length, num_kv_heads, head_dim)``, allocated by the prefill) and attends over
+the cached positions up to each query's (:func:`cached_attention`), and the head returns
+the logits. The parameters are the same; no variable is added.
+
 >>> build_layers(LlamaConfig.tiny()).names
 ('embed', 'block0', 'block1', 'head')
 >>> LlamaConfig.paper().num_params()
@@ -50,6 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx import bridge
 
+from pdjax._decoding import CacheStep
 from pdjax.errors import LayerError
 from pdjax.layers import LayerSequence, sequential
 from pdjax.models._blocks import check_positive, check_rate
@@ -66,6 +75,7 @@ __all__ = [
     "LlamaHead",
     "LlamaMLP",
     "build_layers",
+    "cached_attention",
     "causal_attention",
     "make_spec",
     "rotary",
@@ -359,6 +369,27 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
 
 
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+    """Causal softmax attention over a key/value cache: ``q`` ``(B, T, H, D)`` at
+    ``positions`` ``(T,)``, ``k`` and ``v`` ``(B, L, K, D)`` (cache positions ``0 ..
+    L - 1``; ``K`` divides ``H``) -> ``(B, T, H, D)``. Query ``i`` attends over the keys
+    at positions ``<= positions[i]`` (those the cache holds), as :func:`causal_attention`
+    does over a sequence; the positions past them (not yet written) weigh exactly 0.
+
+    >>> q = k = v = jnp.ones((1, 3, 2, 4))
+    >>> bool(jnp.allclose(cached_attention(q, k, v, jnp.arange(3)), causal_attention(q, k, v)))
+    True
+    """
+    groups = q.shape[2] // k.shape[2]
+    k = jnp.repeat(k, groups, axis=2)
+    v = jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    seen = jnp.arange(k.shape[1])[None, :] <= positions[:, None]  # (T, L)
+    scores = jnp.where(seen[None, None], scores, jnp.finfo(scores.dtype).min)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
 class LlamaEmbedding(nnx.Module):
     """Token embedding and dropout: int32 ``(B, T) -> (B, T, d_model)``."""
 
@@ -367,10 +398,17 @@ class LlamaEmbedding(nnx.Module):
         self.embedding = _embedding_table(config, rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
-    def __call__(
-        self, tokens: jax.Array, *, train: bool = False, rngs: nnx.Rngs | None = None
-    ) -> jax.Array:
-        """Embeds ``tokens``; raises :class:`LayerError` if ``T > context``."""
+    def __call__(self, tokens: Any, *, train: bool = False, rngs: nnx.Rngs | None = None) -> Any:
+        """Embeds ``tokens``; raises :class:`LayerError` if ``T > context`` (a
+        :class:`~pdjax._decoding.CacheStep`: its tokens, and if its cache would hold more
+        than ``context`` positions)."""
+        if isinstance(tokens, CacheStep):
+            if tokens.length > self.context:
+                raise LayerError(
+                    f"a key/value cache of {tokens.length} positions exceeds the model's "
+                    f"context {self.context}"
+                )
+            return tokens.advance(self(tokens.x))
         t = tokens.shape[1]
         if t > self.context:
             raise LayerError(f"sequence length {t} exceeds the model's context {self.context}")
@@ -400,14 +438,41 @@ class LlamaAttention(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """Attends over the positions ``<=`` each query's."""
         b, t, _ = x.shape
-        positions = jnp.arange(t)
+        q, k, v = self._project(x, jnp.arange(t))
+        y = causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o(y)
+
+    def cached(
+        self, x: jax.Array, cache: tuple[jax.Array, jax.Array] | None, start: Any, length: int
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """:meth:`__call__` of ``x`` ``(B, T, d_model)``, positions ``start .. start + T -
+        1``, attending also over the positions before ``start`` held in ``cache`` (``(k,
+        v)``, each ``(B, length, num_kv_heads, head_dim)``; None: a fresh cache of
+        ``length`` positions). Returns the output and the cache with ``x``'s keys and
+        values written at its positions."""
+        b, t, _ = x.shape
+        positions = start + jnp.arange(t)
+        q, k, v = self._project(x, positions)
+        if cache is None:
+            shape = (b, length, self.num_kv_heads, self.head_dim)
+            cache = (jnp.zeros(shape, k.dtype), jnp.zeros(shape, v.dtype))
+        ck = jax.lax.dynamic_update_slice_in_dim(cache[0], k.astype(cache[0].dtype), start, 1)
+        cv = jax.lax.dynamic_update_slice_in_dim(cache[1], v.astype(cache[1].dtype), start, 1)
+        y = cached_attention(q, ck, cv, positions).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o(y), (ck, cv)
+
+    def _project(
+        self, x: jax.Array, positions: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries, keys and values of ``x``, the queries and keys turned to
+        ``positions``."""
+        b, t, _ = x.shape
         q = self.q(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         q = rotary(q, positions, self.rope_theta)
         k = rotary(k, positions, self.rope_theta)
-        y = causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
-        return self.o(y)
+        return q, k, v
 
 
 class LlamaMLP(nnx.Module):
@@ -436,11 +501,15 @@ class LlamaBlock(nnx.Module):
         self.mlp = LlamaMLP(config, rngs=rngs)
         self.dropout = nnx.Dropout(config.dropout)
 
-    def __call__(
-        self, x: jax.Array, *, train: bool = False, rngs: nnx.Rngs | None = None
-    ) -> jax.Array:
+    def __call__(self, x: Any, *, train: bool = False, rngs: nnx.Rngs | None = None) -> Any:
         """Dropout (train mode) draws from ``rngs``: first the attention branch's mask,
-        then the MLP's."""
+        then the MLP's. A :class:`~pdjax._decoding.CacheStep` (eval mode: no dropout)
+        attends through the block's key/value cache (:meth:`LlamaAttention.cached`)."""
+        if isinstance(x, CacheStep):
+            h = x.x
+            y, cache = self.attn.cached(self.attn_norm(h), x.cache, x.start, x.length)
+            h = h + y
+            return x.advance(h + self.mlp(self.mlp_norm(h)), cache)
         y = self.attn(self.attn_norm(x))
         x = x + self.dropout(y, deterministic=not train, rngs=rngs)
         y = self.mlp(self.mlp_norm(x))
@@ -465,8 +534,11 @@ class LlamaHead(nnx.Module):
         else:
             self.lm_head = _linear(config.d_model, config.vocab_size, 0.02, "lm_head", rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """Returns the logits."""
+    def __call__(self, x: Any) -> Any:
+        """Returns the logits (of a :class:`~pdjax._decoding.CacheStep`: the step with
+        them)."""
+        if isinstance(x, CacheStep):
+            return x.advance(self(x.x))
         x = self.norm(x)
         if self.tied:
             table: jax.Array = self.embedding.get_value()
@@ -498,7 +570,8 @@ class Llama(nnx.Module):
         x = self.embed(tokens, train=train, rngs=rngs)
         for i in range(self.config.num_layers):
             x = getattr(self, f"block{i}")(x, train=train, rngs=rngs)
-        return self.head(x)
+        logits: jax.Array = self.head(x)
+        return logits
 
 
 @functools.cache

@@ -7,8 +7,11 @@ every step) rebuild the model and its tokenizer: the characters of ``text``, or 
 tokenizer of ``text-bpe``, checked against the fingerprint the checkpoint holds. The
 weights are restored into a pipeline of ``--devices`` stages (the checkpoint's own plan
 or another: they move layer by layer) and the continuation is decoded greedily through
-its stages (:meth:`pdjax.pipeline.Pipeline.generate`: forward only, no key/value cache),
-the window sliding over the model's last ``context`` tokens once it is full.
+its stages (:meth:`pdjax.pipeline.Pipeline.generate`, forward only): with a key/value
+cache where the model supports it (the prompt through the stages once, then one position
+per token), else rerunning the window per token, as ``--no-cache`` always does. Past the
+model's ``context`` tokens the window slides over the last ``context``, which a cache
+cannot reproduce: such a call runs without it, and says so on stderr.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pdjax.errors import OptionError, PipelineError
 
 __all__ = ["register", "restore_for_generation", "run", "tokenizer_of", "utf8_text"]
 
-#: The most new tokens one call makes (each reruns the window through every stage).
+#: The most new tokens one call makes (uncached, each reruns the window through every stage).
 MAX_NEW_TOKENS = 100_000
 
 
@@ -59,6 +62,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=50,
         metavar="N",
         help="tokens to generate after the prompt",
+    )
+    p.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="rerun the whole window through every stage for every new token, without a "
+        "key/value cache (the same tokens, slower)",
     )
     p.add_argument(
         "--step",
@@ -126,7 +135,8 @@ def _run(args: argparse.Namespace) -> int:
     if prompt.size == 0:
         raise PipelineError("--prompt is empty: give at least one character to continue")
     context = getattr(spec.model_config, "context", None)
-    tokens = pipe.generate(state, prompt[None], args.max_new_tokens, context=context)
+    cache = False if args.no_cache else "auto"
+    tokens = pipe.generate(state, prompt[None], args.max_new_tokens, context=context, cache=cache)
     sys.stdout.write(args.prompt + decode(tokens[0, prompt.size :]) + "\n")
     return 0
 

@@ -83,6 +83,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="tokens per window (text, text-bpe); passed to a factory that takes seq_len",
     )
     p.add_argument(
+        "--buckets",
+        default="",
+        metavar="L1,L2,...",
+        help="text-bpe: whole documents in sequence-length buckets (e.g. 64,128,256), each "
+        "padded to the smallest bucket that holds it (longer ones cut at the largest), "
+        "every batch from one bucket; the padding each bucket wastes is reported",
+    )
+    p.add_argument(
+        "--loss-mean",
+        default="microbatch",
+        choices=("microbatch", "tokens"),
+        help="with --buckets: average the loss per microbatch, then over the step's "
+        "microbatches (default), or over the step's real tokens, each token counting the same",
+    )
+    p.add_argument(
         "--vocab-size",
         action=positive_int(2**20, "the tokenizer's table is trained and held in memory"),
         default=None,
@@ -534,6 +549,8 @@ def _configs(args: argparse.Namespace) -> list[Any]:
         epoch_steps=args.epoch_steps,
         call_steps=args.call_steps,
         validation=args.validation,
+        buckets=args.buckets,
+        loss_mean=args.loss_mean,
     )
     variants = _variants(args)
     for variant in variants[1:]:  # --min-stages restricts the plans of those that run one

@@ -133,6 +133,15 @@ class TrainConfig:
         and placed when it starts, so this bounds the input memory on the devices whatever
         the data set's size, and the planner prices calls of this length; None:
         :data:`CALL_STEPS`.
+      buckets: sequence-length buckets for ``text-bpe`` (``"64,128,256"``; empty: packed
+        windows of ``seq_len``): whole documents, each padded on the right to the smallest
+        bucket that holds it (longer ones cut at the largest), every batch from one bucket
+        (:mod:`pdjax.apps.data.bucket_stream`); an epoch is a pass of full batches.
+      loss_mean: ``"microbatch"`` (each microbatch's mean over its real targets, the
+        update averaging the microbatches: the default) or ``"tokens"`` (the mean over the
+        batch's real tokens, each counting the same whichever microbatch holds it:
+        :func:`pdjax.apps.train.token_loss.token_weighted`), with ``buckets`` only
+        (packed windows have no padding: the two are the same there).
       validation: a token file's validation split (``dataset="tokens:PATH"`` only): the
         fraction of its tokens at its end (``"0.1"``, the default where empty) or the
         path of a second token file.
@@ -177,6 +186,8 @@ class TrainConfig:
     epoch_steps: int | None = None
     call_steps: int | None = None
     validation: str = ""
+    buckets: str = ""
+    loss_mean: str = "microbatch"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULE_CHOICES:
@@ -250,6 +261,24 @@ class TrainConfig:
             raise PipelineError(
                 f"validation must be a string (a fraction or a path), got {self.validation!r}"
             )
+        if self.loss_mean not in ("microbatch", "tokens"):
+            raise PipelineError(
+                f"unknown loss_mean {self.loss_mean!r}; choose microbatch or tokens"
+            )
+        if self.buckets:
+            self.bucket_lengths  # noqa: B018 (read to be checked)
+            if self.dataset != "text-bpe":
+                raise PipelineError(
+                    f"{setting('buckets')} keeps the documents of text-bpe apart; the "
+                    f"{self.dataset} dataset comes as windows of one length: use "
+                    f"{setting('dataset', 'text-bpe')}, or drop {setting('buckets')}"
+                )
+        elif self.loss_mean == "tokens":
+            raise PipelineError(
+                f"{setting('loss_mean', 'tokens')} weighs each microbatch by its real "
+                "(unpadded) tokens, which only buckets vary: with packed windows it is the "
+                f"default mean; give {setting('buckets')} or drop {setting('loss_mean')}"
+            )
         if self.validation and not self.dataset.startswith(TOKENS_PREFIX):
             raise PipelineError(
                 f"{setting('validation')} splits a token file (tokens:PATH); the "
@@ -257,10 +286,33 @@ class TrainConfig:
             )
 
     @property
+    def bucket_lengths(self) -> tuple[int, ...]:
+        """:attr:`buckets` as lengths: positive integers, strictly ascending (empty: none)."""
+        if not self.buckets:
+            return ()
+        try:
+            lengths = tuple(int(part) for part in self.buckets.split(","))
+        except ValueError:
+            lengths = ()
+        if not lengths or any(n < 1 for n in lengths) or list(lengths) != sorted(set(lengths)):
+            raise PipelineError(
+                f"{setting('buckets', self.buckets, quote=True)}: bucket lengths are whole "
+                "numbers of positions, positive and strictly ascending, separated by commas "
+                "(64,128,256)"
+            )
+        return lengths
+
+    @property
+    def step_microbatches(self) -> int:
+        """The microbatches of one step as the runner takes them: ``microbatches``, or 1
+        for data parallelism (``dp``), whose microbatch is the whole batch."""
+        return 1 if self.schedule == "dp" else self.microbatches
+
+    @property
     def calls(self) -> int:
         """The most microbatches of one runtime call: :attr:`call_steps` (or
-        :data:`CALL_STEPS`) steps of ``microbatches``."""
-        return (self.call_steps or CALL_STEPS) * self.microbatches
+        :data:`CALL_STEPS`) steps of :attr:`step_microbatches`."""
+        return (self.call_steps or CALL_STEPS) * self.step_microbatches
 
     def _check_options(self) -> None:
         """The schedule's options as its spec checks them (those set to their defaults

@@ -49,6 +49,7 @@ from pdjax.apps.train.outputs import (
 from pdjax.apps.train.planning import (
     call_microbatches,
     epoch_microbatches,
+    pass_samples,
     plan_of,
     single_stage_note,
 )
@@ -309,10 +310,10 @@ def _set_up(
     stream = _stream(cfg, ds, outputs, step)  # a saved input state checked before any work
     sample = np.asarray(ds.train_x[: cfg.microbatch_size])
     if plan is None:  # planned for the run's calls, each placed as it starts
-        plan = plan_of(cfg, spec, sample, calls=call_microbatches(cfg, ds.num_train))
+        plan = plan_of(cfg, spec, sample, calls=call_microbatches(cfg, pass_samples(cfg, ds)))
     note = single_stage_note(plan)
     runner, plan_text = make_runner(
-        cfg, spec, sample, plan, total_updates=run_updates(cfg, ds.num_train)
+        cfg, spec, sample, plan, total_updates=run_updates(cfg, pass_samples(cfg, ds))
     )
     state = runner.init(jax.random.key(cfg.seed), sample)
     history: list[EpochRecord] = []
@@ -334,6 +335,9 @@ def _set_up(
             cfg = _plan_among_outputs(cfg, written)
     if outputs.metrics_path is not None and step is not None:
         sync_metrics(outputs.metrics_path, cfg.label, run_id, history)
+    padding = bucket_padding(cfg, ds)
+    if padding is not None:
+        plan_text = f"{plan_text}\n{padding}"
     if hooks.on_start is not None:
         hooks.on_start(plan_text if note is None else f"{plan_text}\nnote: {note}")
     return _Run(
@@ -353,24 +357,59 @@ def _set_up(
     )
 
 
+def bucket_padding(cfg: TrainConfig, ds: data_lib.Dataset) -> str | None:
+    """What a run with ``buckets`` says of its padding: the share of computed positions
+    that are padding per bucket and overall, against one length (the largest bucket's);
+    None without buckets."""
+    if not cfg.buckets:
+        return None
+    padding = ds.info["padding"]
+    each = ", ".join(
+        f"{b['length']}: {b['examples']} examples, {100 * b['padding_fraction']:.1f}%"
+        for b in padding["buckets"]
+    )
+    cut = ds.info.get("cut_documents", {}).get("train")
+    return (
+        f"buckets {cfg.buckets}: {100 * padding['bucketed']:.1f}% of the training positions "
+        f"are padding ({each}), against {100 * padding['one_length']:.1f}% at one length "
+        f"({cfg.bucket_lengths[-1]})"
+        + (f"; {cut} documents longer than {cfg.bucket_lengths[-1]} are cut" if cut else "")
+    )
+
+
+def make_stream(cfg: TrainConfig, ds: data_lib.Dataset, state: Any = None) -> Any:
+    """The training stream of a run of ``cfg`` on ``ds``: one-bucket batches with
+    ``buckets`` (:class:`~pdjax.apps.data.bucket_stream.BucketStream`, token-weighted
+    targets with ``loss_mean="tokens"``), else shuffled microbatches
+    (:class:`~pdjax.apps.data.stream.TrainStream`); from ``state`` (None: the start)."""
+    identity = split_identity(ds)
+    if cfg.buckets:
+        from pdjax.apps.data.bucket_stream import BucketStream
+
+        return BucketStream(
+            ds,
+            cfg.bucket_lengths,
+            cfg.batch_size,
+            cfg.step_microbatches,
+            seed=cfg.seed,
+            identity=identity,
+            state=state,
+            token_weights=cfg.loss_mean == "tokens",
+        )
+    size = cfg.batch_size // cfg.step_microbatches
+    return TrainStream(ds.train_x, ds.train_y, size, seed=cfg.seed, identity=identity, state=state)
+
+
 def _stream(cfg: TrainConfig, ds: data_lib.Dataset, outputs: _Outputs, step: int | None) -> Any:
     """The run's training stream: from the start for a fresh run, else from the input
     state saved with checkpoint ``step`` (refused there if it is of other data). A
     checkpoint of a pdjax before streamed input holds none: its run continues after the
     ``step * N`` microbatches its epochs took, in the stream's order (not the order that
     pdjax drew, which it had no state of), and says so."""
-    identity = split_identity(ds)
     saved = None
     if step is not None:
         saved = (outputs.ckpt.extra(step) or {}).get("input")
-    stream = TrainStream(
-        ds.train_x,
-        ds.train_y,
-        cfg.microbatch_size,
-        seed=cfg.seed,
-        identity=identity,
-        state=saved,
-    )
+    stream = make_stream(cfg, ds, saved)
     if step is not None and saved is None:
         warnings.warn(
             f"step {step} of {outputs.ckpt.directory} holds no input state (a pdjax before "
@@ -378,7 +417,7 @@ def _stream(cfg: TrainConfig, ds: data_lib.Dataset, outputs: _Outputs, step: int
             f"{step} epochs in this pdjax's order, not the order the run began in",
             stacklevel=4,
         )
-        stream.skip(step * epoch_microbatches(cfg, ds.num_train))
+        stream.skip(step * epoch_microbatches(cfg, pass_samples(cfg, ds)))
     return stream
 
 
@@ -433,7 +472,7 @@ def _train_epochs(run: _Run, outputs: _Outputs, hooks: _Hooks, *, warmup: bool) 
         state=run.state,
         resumed_epoch=start_epoch if run.resumed and history else None,
         run_id=run.run_id,
-        optimizer=describe_optimizer(cfg, run_updates(cfg, run.ds.num_train)),
+        optimizer=describe_optimizer(cfg, run_updates(cfg, pass_samples(cfg, run.ds))),
     )
     _mark_target(result)
     if result.target_epoch is not None:
@@ -514,9 +553,9 @@ def _train_epoch(
     Raises:
       TrainingDiverged: for a non-finite loss, accuracy, weight or optimizer value.
     """
-    n = epoch_microbatches(cfg, ds.num_train)
+    n = epoch_microbatches(cfg, pass_samples(cfg, ds))
     b = cfg.batch_size // runner.microbatches
-    if ds.num_train < cfg.batch_size:
+    if pass_samples(cfg, ds) < cfg.batch_size:
         raise PipelineError(
             f"the {ds.name} training split has {ds.num_train} samples, too few for one "
             f"step of {cfg.batch_size}"
@@ -640,19 +679,33 @@ def _warm_up(
 ) -> None:
     """Compiles what an epoch runs, on a copy of the state: a pipeline's program is lowered
     and bound per number of microbatches in a call (and per progress callback), so the
-    warm-up runs a call of each length an epoch has (every runner alike), on the split's
-    first samples (the input stream is not touched)."""
-    size = cfg.microbatch_size
-    lengths = sorted(set(_calls(epoch_microbatches(cfg, ds.num_train), cfg.calls)))
+    warm-up runs a call of each length an epoch has (every runner alike), of microbatches
+    from a fresh stream (the run's own is not touched); with ``buckets``, a call of one
+    step at every bucket length too (the first microbatch, cropped)."""
+    counts = sorted(set(_calls(epoch_microbatches(cfg, pass_samples(cfg, ds)), cfg.calls)))
     on_loss = (lambda k, loss: None) if progress else None
-    for count in lengths:
+    fresh = make_stream(cfg, ds)
+    try:
+        calls = [fresh.take(count) for count in counts]
+    finally:
+        fresh.close()
+    first = calls[0][0]
+    longest = np.shape(first[0])[1] if cfg.buckets else None
+    for length in cfg.bucket_lengths:
+        if longest is not None and length <= longest:
+            calls.append([_cropped(first, length)] * cfg.step_microbatches)
+    for batches in calls:
         copy = jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, state)
-        rows = [(k * size) % (ds.num_train - size + 1) for k in range(count)]
-        batches = [
-            (np.asarray(ds.train_x[r : r + size]), np.asarray(ds.train_y[r : r + size]))
-            for r in rows
-        ]
         jax.block_until_ready(runner.run(copy, batches, on_loss=on_loss)[0])
+
+
+def _cropped(microbatch: Any, length: int) -> Any:
+    """A text microbatch ``(inputs, targets)`` (targets possibly ``(targets, weight)``)
+    cut to its first ``length`` positions."""
+    x, y = microbatch
+    if isinstance(y, tuple):
+        return x[:, :length], (y[0][:, :length], y[1])
+    return x[:, :length], y[:, :length]
 
 
 def _mark_target(result: TrainResult) -> None:

@@ -53,10 +53,11 @@ def _bpe_overrides(cfg: TrainConfig, spec: ModelSpec, vocab: int | None = None) 
     vocabulary of ``vocab``)."""
     fields = {f.name for f in dataclasses.fields(spec.model_config)}
     out: dict[str, Any] = {"vocab_size": vocab or cfg.vocab_size or BPE_VOCAB}
+    longest = max(cfg.bucket_lengths, default=cfg.seq_len)  # buckets: the largest
     if "seq_len" in fields:
-        out["seq_len"] = cfg.seq_len
+        out["seq_len"] = longest
     if "context" in fields:
-        out["context"] = max(spec.model_config.context, cfg.seq_len)
+        out["context"] = max(spec.model_config.context, longest)
     return {k: v for k, v in out.items() if k in fields}
 
 
@@ -143,6 +144,11 @@ def build(cfg: TrainConfig, spec: ModelSpec | None = None) -> tuple[ModelSpec, d
                     f"num_classes (at least 258): match {setting('seq_len')} and the model's "
                     "vocabulary"
                 )
+        if cfg.buckets:
+            from pdjax.apps.data.bucket_stream import bucketed_text
+
+            ds, _ = bucketed_text(cfg.bucket_lengths, seed=cfg.seed, vocab_size=vocab)
+            return spec, ds
         ds = text_data.text_bpe(seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab)
         if not custom:
             return spec, ds
@@ -271,7 +277,9 @@ def _check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             f"{setting('target_accuracy')}"
         )
     check_model_on_data(spec, ds)
-    build_optimizer(cfg, run_updates(cfg, ds.num_train))  # a factory's failure, now
+    from pdjax.apps.train.planning import pass_samples
+
+    build_optimizer(cfg, run_updates(cfg, pass_samples(cfg, ds)))  # a factory's failure, now
     L = len(spec.layers)
     if cfg.min_stages > L:
         raise PipelineError(
@@ -393,6 +401,8 @@ def _check_labels(spec: ModelSpec, ds: data_lib.Dataset, out: Any, y: Any) -> No
     else:
         lo = min(int(a.min()) for a in labels if a.size)
         hi = max(int(a.max()) for a in labels if a.size)
+        if spec.task == "language_model":  # a negative target is padding, out of the loss
+            lo = max(lo, 0)
     if 0 <= lo and hi < width:
         return
     shape = f"{jax.numpy.dtype(o.dtype).name}{list(o.shape)}"

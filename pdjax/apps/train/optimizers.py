@@ -480,7 +480,6 @@ def run_updates(cfg: TrainConfig, num_train: int) -> int:
     from pdjax.apps.train.planning import epoch_microbatches
 
     microbatches = epoch_microbatches(cfg, num_train)
-    per_epoch = (
-        microbatches if updates_per_microbatch(cfg.schedule) else microbatches // cfg.microbatches
-    )
+    per_step = 1 if updates_per_microbatch(cfg.schedule) else cfg.step_microbatches
+    per_epoch = microbatches // per_step
     return max(1, per_epoch * cfg.epochs)

@@ -44,16 +44,29 @@ PLAN_TOLERANCE = 0.05
 
 def epoch_microbatches(cfg: TrainConfig, num_train: int) -> int:
     """``N``, the microbatches of one epoch in a run of ``cfg`` on a training split of
-    ``num_train`` samples: ``epoch_steps`` steps of ``microbatches`` where given, else a
-    pass over the split (microbatches of ``batch_size / microbatches`` samples, cut to
-    whole steps of ``microbatches`` unless the schedule updates every microbatch), at
-    least 1."""
+    ``num_train`` samples: ``epoch_steps`` steps of ``cfg.step_microbatches`` where
+    given, else a pass over the split (microbatches of ``batch_size /
+    step_microbatches`` samples, cut to whole steps unless the schedule updates every
+    microbatch), at least 1."""
+    m = cfg.step_microbatches
     if cfg.epoch_steps is not None:
-        return cfg.epoch_steps * cfg.microbatches
-    n = num_train // cfg.microbatch_size
+        return cfg.epoch_steps * m
+    n = num_train // (cfg.batch_size // m)
     if not updates_per_microbatch(cfg.schedule):
-        n -= n % cfg.microbatches
+        n -= n % m
     return max(n, 1)
+
+
+def pass_samples(cfg: TrainConfig, ds: data_lib.Dataset) -> int:
+    """The samples a pass over ``ds``'s training split trains on: all of them, or with
+    ``buckets`` those of the pass's full one-bucket batches (each bucket's remainder waits
+    for a later pass: :class:`~pdjax.apps.data.bucket_stream.BucketStream`)."""
+    if not cfg.buckets:
+        return ds.num_train
+    real = np.asarray(ds.info["lengths"]["train"])
+    which = np.searchsorted(np.asarray(cfg.bucket_lengths), real, side="left")
+    counts = np.bincount(which, minlength=len(cfg.bucket_lengths))
+    return int(sum(int(c) // cfg.batch_size for c in counts)) * cfg.batch_size
 
 
 def call_microbatches(cfg: TrainConfig, num_train: int) -> int:
@@ -331,7 +344,7 @@ def _call_samples(cfg: TrainConfig, num_train: int) -> int:
     """The samples of the longest runtime call, whatever the microbatches: ``call_steps``
     steps, or an epoch's where that is shorter (``schedule="auto"`` chooses ``M``)."""
     steps = cfg.epoch_steps or max(1, num_train // cfg.batch_size)
-    return min(cfg.calls // cfg.microbatches, steps) * cfg.batch_size
+    return min(cfg.calls // cfg.step_microbatches, steps) * cfg.batch_size
 
 
 def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> TrainConfig:
@@ -381,7 +394,7 @@ def resolve_auto(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> Tra
         straight=cfg.straight or cfg.plan == "even",
         allow_stale=cfg.allow_stale,
         host=host,
-        samples_per_call=_call_samples(cfg, ds.num_train),
+        samples_per_call=_call_samples(cfg, pass_samples(cfg, ds)),
         meshes=_mesh_search(cfg, spec, ds.train_x[:size], topology, devices),
     )
     handle, path = tempfile.mkstemp(prefix="pdjax-plan-auto-", suffix=".json")

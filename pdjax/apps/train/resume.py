@@ -351,4 +351,6 @@ _ADDED = (
     "epoch_steps",
     "call_steps",
     "validation",
+    "buckets",
+    "loss_mean",
 )

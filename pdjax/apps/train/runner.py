@@ -118,6 +118,10 @@ def make_runner(
     written against the protocol alone."""
     check_devices(cfg)
     devices = jax.devices()
+    if cfg.loss_mean == "tokens":  # the stream's targets are (targets, weight)
+        from pdjax.apps.train.token_loss import token_weighted
+
+        spec = dataclasses.replace(spec, loss_fn=token_weighted(spec.loss))
     if cfg.schedule == "dp":  # the one place that picks the runner
         mesh = cfg.meshes[0] if cfg.meshes else None
         dp = DataParallel(

@@ -8,7 +8,7 @@ cross processes to reach every one of them (the last stage's losses, a stage's w
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -20,10 +20,11 @@ from pdjax.distributed import allgather_json
 from pdjax.errors import PipelineError
 from pdjax.layers import LayerSequence, PyTree, Variables
 from pdjax.pipeline.executor.arguments import check_callback, check_stream
+from pdjax.pipeline.executor.cached_generation import CachedGeneration
 from pdjax.pipeline.executor.checks import Checker, check_pairs, shared_rows
 from pdjax.pipeline.executor.config import integer
 from pdjax.pipeline.executor.decisions import Decisions
-from pdjax.pipeline.executor.generation import greedy
+from pdjax.pipeline.executor.generation import generate
 from pdjax.pipeline.executor.stages import StageSet
 from pdjax.pipeline.executor.state import PipelineState
 from pdjax.pipeline.executor.trees import abstract, plain, shape_key
@@ -61,6 +62,10 @@ class Forward:
         self._links: dict[Any, Callable[[Any], Any]] = {}
         self._stackers: dict[int, Callable[[list[Any]], Any]] = {}
         self._finishers: dict[Callable[..., Any], Callable[..., Any]] = {}
+        # cached generation's stage programs, built on its first call; what generate
+        # said (once each) about calls that ran without the cache
+        self._generation: CachedGeneration | None = None
+        self.generation_notes: set[str] = set()
 
     def variables(self, state: PipelineState) -> list[Variables]:
         """The per-layer variables (params and state) of the newest weights.
@@ -260,9 +265,26 @@ class Forward:
         max_new_tokens: int,
         *,
         context: int | None = None,
+        cache: bool | Literal["auto"] = "auto",
+        microbatches: int = 1,
     ) -> np.ndarray:
-        """Greedy decoding through the stages (:func:`.generation.greedy`)."""
-        return greedy(self, state, prompt_tokens, max_new_tokens, context=context)
+        """Greedy decoding through the stages, with a key/value cache where it applies
+        (:func:`.generation.generate`)."""
+        return generate(
+            self,
+            state,
+            prompt_tokens,
+            max_new_tokens,
+            context=context,
+            cache=cache,
+            microbatches=microbatches,
+        )
+
+    def cached_generation(self) -> CachedGeneration:
+        """The stage programs of cached generation (built once, on first use)."""
+        if self._generation is None:
+            self._generation = CachedGeneration(self.stage_set)
+        return self._generation
 
     def _check_forward(self, state: Any, x: PyTree) -> None:
         """What :meth:`evaluate` and :meth:`predict` refuse before any device work."""

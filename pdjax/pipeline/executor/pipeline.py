@@ -646,14 +646,32 @@ class Pipeline:
         max_new_tokens: int,
         *,
         context: int | None = None,
+        cache: bool | Literal["auto"] = "auto",
+        microbatches: int = 1,
     ) -> Any:
         """Greedy decoding of a causal language model through the stages: the prompts
         (int token ids ``[B, T]``, one length) followed by ``max_new_tokens`` tokens, each
         the argmax of the last position's logits; int32 ``[B, T + max_new_tokens]`` on
-        the host. Eval mode, forward only, no key/value cache: each new token reruns the
-        window through every stage. ``context``: the most tokens fed (past it the window
-        slides over the last ``context``); None feeds them all, refused before any work
-        where the model cannot take that many. Across processes every process calls it
-        and gets the same tokens (:mod:`pdjax.pipeline.executor.generation`).
-        ``state`` is not consumed."""
-        return self.forward.generate(state, prompt_tokens, max_new_tokens, context=context)
+        the host. Eval mode, forward only. ``context``: the most tokens fed (past it the
+        window slides over the last ``context``); None feeds them all, refused before any
+        work where the model cannot take that many. Across processes every process calls
+        it and gets the same tokens (:mod:`pdjax.pipeline.executor.generation`).
+        ``state`` is not consumed.
+
+        ``cache``: ``"auto"`` runs the prompt through the stages once and then one
+        position per new token, each stage keeping its layers' key/value cache on its
+        devices (:mod:`pdjax.pipeline.executor.cached_generation`), where the model
+        supports it (the Llama family) and the tokens are those of the uncached path
+        (no sliding window, one process); elsewhere it reruns the window per token and
+        says so once on the ``pdjax`` logger. ``True`` refuses where the cache does not
+        apply; ``False`` always reruns the window. ``microbatches``: the cached path cuts
+        the prompts into that many row blocks, which go through the stages as a
+        wavefront (stage ``s`` on block ``k`` while stage ``s + 1`` is on ``k - 1``)."""
+        return self.forward.generate(
+            state,
+            prompt_tokens,
+            max_new_tokens,
+            context=context,
+            cache=cache,
+            microbatches=microbatches,
+        )
