@@ -279,3 +279,19 @@ def test_pdjax_train_on_a_token_file_from_the_command_line(tmp_path, capsys):
     # a validation split of a dataset with its own: refused, before any work
     assert main(["train", "--dataset", "digits", "--validation", "0.2", "--epochs", "1"]) != 0
     assert "--validation splits a token file" in capsys.readouterr().err
+
+
+def test_a_token_files_microbatch_is_read_once_per_window_and_equals_the_views(tmp_path):
+    from pdjax.apps.data.stream import _Read
+    from pdjax.apps.data.tokens import token_dataset, write_random_tokens
+
+    path = tmp_path / "t.bin"
+    write_random_tokens(path, 3000, 50, seed=5)
+    ds = token_dataset(path, 16)
+    idx = np.array([7, 0, 101, 7])
+    x, y = _Read(ds.train_x, ds.train_y)(idx)
+    np.testing.assert_array_equal(x, ds.train_x[idx])
+    np.testing.assert_array_equal(y, ds.train_y[idx])
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+    x, y = _Read(ds.train_x, ds.test_y)(np.array([1, 2]))  # not a shifted pair: read apart
+    np.testing.assert_array_equal(y, ds.test_y[np.array([1, 2])])

@@ -210,3 +210,9 @@ def test_buckets_train_each_batch_at_its_length_and_report_their_padding(monkeyp
         TrainConfig(dataset="digits", buckets="8")
     with pytest.raises(PipelineError, match="only buckets vary"):
         TrainConfig(**{**LM, "loss_mean": "tokens"})
+
+
+def test_a_bucket_too_small_for_a_batch_is_refused_before_any_work():
+    cfg = TrainConfig(**{**LM, "buckets": "32,64,128", "batch_size": 64, "epoch_steps": 1})
+    with pytest.raises(PipelineError, match=r"bucket 32 \(\d+ examples?\).* never be trained"):
+        train(cfg)

@@ -166,7 +166,10 @@ def test_a_checkpoint_from_before_run_ids_resumes_with_an_id_made_from_it(npz, t
     path.write_text(json.dumps(old) + "\n")
     ids = []
     for _ in range(2):
-        with pytest.warns(UserWarning, match=r"without run ids: the run is given the id"):
+        with (
+            pytest.warns(UserWarning, match=r"without run ids: the run is given the id"),
+            pytest.warns(UserWarning, match=r"holds no input state \(a pdjax before streamed"),
+        ):
             result = train(cfg, checkpoint_dir=tmp_path / "ckpt", metrics_path=path)
         ids.append(result.run_id)
     assert ids[0] == ids[1] and len(ids[0]) == 32

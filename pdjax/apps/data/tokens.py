@@ -824,6 +824,25 @@ class WindowView:
         offsets = self._starts.take(index)[:, None] + self._columns
         return self._file.read(offsets)
 
+    def read_with(self, targets: Any, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(self[index], targets[index])`` for a 1-D int array ``index`` of windows in
+        range; where ``targets`` are these windows shifted by one token (a dataset's
+        ``train_y`` of its ``train_x``), each window's ``seq_len + 1`` tokens are read
+        once, not twice (the training stream reads every microbatch so)."""
+        same = (
+            isinstance(targets, WindowView)
+            and targets._file is self._file
+            and targets._starts is self._starts
+            and targets._seq_len == self._seq_len
+            and targets._shift == self._shift + 1
+        )
+        index = np.asarray(index, dtype=np.int64)
+        if not same:
+            return self[index], targets[index]
+        columns = np.arange(self._shift, self._shift + self._seq_len + 1, dtype=np.int64)
+        tokens = self._file.read(self._starts.take(index)[:, None] + columns)
+        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         out = self[:]
         return out if dtype is None else out.astype(dtype)

@@ -262,6 +262,26 @@ def checked(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> bool:
     return any(c is cfg and s is spec and d is ds for c, s, d in _PASSED)
 
 
+def _check_buckets(cfg: TrainConfig, ds: data_lib.Dataset) -> None:
+    """Refuses buckets a step never comes from while they hold examples: a bucket of
+    fewer training examples than ``batch_size`` forms no batch (each batch is one
+    bucket's), so its examples would never be trained."""
+    lengths = cfg.bucket_lengths
+    real = np.asarray(ds.info["lengths"]["train"])
+    counts = np.bincount(np.searchsorted(np.asarray(lengths), real), minlength=len(lengths))
+    short = [(n, int(c)) for n, c in zip(lengths, counts, strict=True) if 0 < c < cfg.batch_size]
+    if short:
+        which = ", ".join(f"{n} ({c} example{'s' if c > 1 else ''})" for n, c in short)
+        raise PipelineError(
+            f"{setting('buckets', cfg.buckets, quote=True)} with "
+            f"{setting('batch_size', cfg.batch_size)}: bucket {which} holds fewer training "
+            "examples than a batch, and every batch comes from one bucket, so they would "
+            f"never be trained; drop {'those buckets' if len(short) > 1 else 'that bucket'} "
+            f"(their examples go to the next larger one), or use a smaller "
+            f"{setting('batch_size')}"
+        )
+
+
 def _check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
     if cfg.batch_size > ds.num_train:
         raise PipelineError(
@@ -269,6 +289,8 @@ def _check(cfg: TrainConfig, spec: ModelSpec, ds: data_lib.Dataset) -> None:
             f"{ds.num_train} "
             "training samples"
         )
+    if cfg.buckets:
+        _check_buckets(cfg, ds)
     check_devices(cfg)
     if cfg.target_accuracy is not None and not spec.has_accuracy:
         raise PipelineError(
