@@ -99,7 +99,8 @@ def main() -> None:
             "# Buckets in `pdjax train`: padding and real tokens per second",
             "",
             f"`python benchmarks/bench_train_buckets.py --buckets {args.buckets} --rounds "
-            f"{args.rounds} --epoch-steps {args.epoch_steps}` (Llama {args.config}, text-bpe "
+            f"{args.rounds} --epoch-steps {args.epoch_steps} --batch-size {args.batch_size} "
+            f"--microbatches {args.microbatches}` (Llama {args.config}, text-bpe "
             f"of {args.vocab} tokens, 1f1b on {args.devices} CPU devices, batch "
             f"{args.batch_size} in {args.microbatches} microbatches, {args.epochs} epochs of "
             f"{args.epoch_steps} steps, the first left out; medians of {args.rounds} "
