@@ -134,7 +134,7 @@ def test_cnn_learns_digits():
     spec = get_model("cnn")
     dp = DataParallel(spec.layers, spec.loss, optax.adam(1e-3), devices=jax.devices()[:2])
     state = dp.init(jax.random.key(0), ds.train_x[:32])
-    for epoch in range(6):
+    for epoch in range(3):  # 0.955 test accuracy after 3 epochs (0.967 after 6)
         for batch in ds.train_batches(32, seed=0, epoch=epoch):
             state, _ = dp.step(state, batch)
     correct = 0

@@ -247,16 +247,18 @@ def test_transformer_splits_at_its_blocks_with_the_embedding_tied():
         ),
     )
     assert layers.splitter.mode == {"config.deterministic": "eval"}
-    v = layers.init(jax.random.key(0), _ids(4))
+    # jitted: op by op, every operation of the model is a program of its own to compile
+    v = jax.jit(layers.init)(jax.random.key(0), _ids(4))
     tree = layers.model_variables(v)
-    # exactly the tree model.init builds, and the whole model computes what the layers do
-    want = LM.init(jax.random.key(1), _ids(4))
+    # exactly the tree model.init builds (its shapes: traced, not run), and the whole model
+    # computes what the layers do
+    want = jax.eval_shape(LM.init, jax.random.key(1), _ids(4))
     assert jax.tree.structure(tree) == jax.tree.structure(want)
-    assert jax.tree.map(jnp.shape, tree) == jax.tree.map(jnp.shape, want)
+    assert jax.tree.map(jnp.shape, tree) == jax.tree.map(lambda a: a.shape, want)
     x = _ids(3, seed=5)  # another batch size: the layers re-trace for it
-    y, _ = layers.apply(v, x)
+    y, _ = jax.jit(layers.apply)(v, x)
     eval_model = TransformerLM(dataclasses.replace(LM.config, deterministic=True))
-    np.testing.assert_array_equal(y, eval_model.apply(tree, x))
+    np.testing.assert_array_equal(y, jax.jit(eval_model.apply)(tree, x))
     # and back: the model's tree as per-layer variables
     again = layers.layer_variables(tree)
     jax.tree.map(np.testing.assert_array_equal, again, v)
@@ -275,7 +277,7 @@ def test_transformer_trains_as_the_users_own_loop(schedule):
     x = batches[0][0]
     eval_model = TransformerLM(dataclasses.replace(LM.config, deterministic=True))
     np.testing.assert_allclose(
-        pipe.predict(state, x), eval_model.apply(piped_vars, x), rtol=1e-5, atol=1e-6
+        pipe.predict(state, x), jax.jit(eval_model.apply)(piped_vars, x), rtol=1e-5, atol=1e-6
     )
 
 
@@ -283,18 +285,19 @@ def test_dropout_is_on_in_train_mode_and_needs_an_rng():
     model = TransformerLM(TransformerConfig(dropout_rate=0.5))
     x = _ids(2)
     layers = pdjax.split_model(model, x)
-    v = layers.init(jax.random.key(0), x)
-    eval1, _ = layers.apply(v, x)
-    eval2, _ = layers.apply(v, x)
+    v = jax.jit(layers.init)(jax.random.key(0), x)  # one program, not one per operation
+    apply = jax.jit(layers.apply, static_argnames="train")
+    eval1, _ = apply(v, x)
+    eval2, _ = apply(v, x)
     np.testing.assert_array_equal(eval1, eval2)
-    train, _ = layers.apply(v, x, train=True, rng=jax.random.key(3))
+    train, _ = apply(v, x, train=True, rng=jax.random.key(3))
     assert not np.allclose(train, eval1)
     with pytest.raises(LayerError, match=r"needs a PRNG in train mode.*mode=\{"):
         layers.apply(v, x, train=True)
     # the mode named by hand: the same field; mode={} leaves the model as it is (train mode
     # off here, deterministic=False: dropout always on, so an RNG is needed even in eval)
     same = pdjax.split_model(model, x, mode={"config.deterministic": "eval"})
-    np.testing.assert_array_equal(same.apply(v, x)[0], eval1)
+    np.testing.assert_array_equal(jax.jit(same.apply)(v, x)[0], eval1)
     as_is = pdjax.split_model(model, x, mode={})
     with pytest.raises(LayerError, match="needs a PRNG in eval mode"):
         as_is.apply(v, x)
@@ -303,14 +306,15 @@ def test_dropout_is_on_in_train_mode_and_needs_an_rng():
 def test_named_cuts_and_glue_across_them():
     layers = pdjax.split_model(LM, _ids(4), at=["encoderdecoderblock_1", "encoderdecoder_norm"])
     assert layers.names == ("00_Embed_0", "01_encoderdecoderblock_1", "02_encoderdecoder_norm")
-    v = layers.init(jax.random.key(0), _ids(4))
+    v = jax.jit(layers.init)(jax.random.key(0), _ids(4))  # one program, not one per operation
     # the mask built at the top is sent to the block's layer: the boundary holds it
-    mid, _ = layers[:1].apply(v[:1], _ids(4))
+    mid, _ = jax.jit(layers[:1].apply)(v[:1], _ids(4))
     shapes = sorted(a.shape for a in mid["live"])
     assert (4, 1, 8, 8) in shapes
-    y, _ = layers.apply(v, _ids(4))
+    y, _ = jax.jit(layers.apply)(v, _ids(4))
     eval_model = TransformerLM(dataclasses.replace(LM.config, deterministic=True))
-    np.testing.assert_array_equal(y, eval_model.apply(layers.model_variables(v), _ids(4)))
+    want = jax.jit(eval_model.apply)(layers.model_variables(v), _ids(4))
+    np.testing.assert_array_equal(y, want)
 
 
 # -- the ResNet: BatchNorm switched by a train argument ------------------------------------
@@ -333,9 +337,8 @@ def test_resnet_trains_as_the_users_own_loop_with_batch_stats():
     np.testing.assert_allclose(piped, own, rtol=1e-5)
     _assert_close(piped_vars, own_vars)  # batch statistics included
     x = batches[0][0]
-    np.testing.assert_allclose(
-        pipe.predict(state, x), net.apply(piped_vars, x, train=False), rtol=1e-5, atol=1e-5
-    )
+    want = jax.jit(partial(net.apply, train=False))(piped_vars, x)
+    np.testing.assert_allclose(pipe.predict(state, x), want, rtol=1e-5, atol=1e-5)
 
 
 # -- refusals ------------------------------------------------------------------------------

@@ -204,10 +204,12 @@ def test_a_model_of_several_inputs_splits_and_trains_as_the_users_own_loop():
     layers = pdjax.split_model(model, tokens, positions, sample_kwargs={"attn_mask": mask})
     assert layers.names == ("00_embedder", "01_layer_0", "02_layer_1")
     x = (tokens, positions, {"attn_mask": mask})  # the layers' one input
-    v = layers.init(jax.random.key(0), x)
+    # jitted here and below: op by op, every operation is a program of its own to compile
+    v = jax.jit(layers.init)(jax.random.key(0), x)
     tree = layers.model_variables(v)
-    y, _ = layers.apply(v, x)
-    np.testing.assert_allclose(y, model.apply(tree, tokens, positions, attn_mask=mask), rtol=1e-5)
+    y, _ = jax.jit(layers.apply)(v, x)
+    whole = jax.jit(lambda t, a, b, m: model.apply(t, a, b, attn_mask=m))
+    np.testing.assert_allclose(y, whole(tree, tokens, positions, mask), rtol=1e-5)
     # all positional, in a pipeline: the batch's x is the tuple of the inputs
     layers = pdjax.split_model(model, tokens, positions, mask)
     target = np.roll(tokens, -1, axis=1)
@@ -226,11 +228,15 @@ def test_a_model_of_several_inputs_splits_and_trains_as_the_users_own_loop():
     state = pipe.init(jax.random.key(0), (tokens[:2], positions[:2], mask[:2]))
     params = layers.model_variables(pipe.variables(state))["params"]
     state, metrics = pipe.step(state, ((tokens, positions, mask), target))
-    value, grads = jax.value_and_grad(
-        lambda p: loss(model.apply({"params": p}, tokens, positions, mask), target)
+    value, grads = jax.jit(
+        jax.value_and_grad(
+            lambda p: loss(model.apply({"params": p}, tokens, positions, mask), target)
+        )
     )(params)
     np.testing.assert_allclose(float(metrics.loss), float(value), rtol=1e-5)
-    want = optax.apply_updates(params, optimizer.update(grads, optimizer.init(params))[0])
+    want = jax.jit(lambda p, g: optax.apply_updates(p, optimizer.update(g, optimizer.init(p))[0]))(
+        params, grads
+    )
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
         layers.model_variables(pipe.variables(state))["params"],
@@ -272,13 +278,20 @@ def test_batchnorm_with_an_axis_name_normalises_each_call_by_its_own_batch():
     x, y = _data(8)
     layers = pdjax.split_model(ImageNetStyle(), x)
     assert layers.names == ("00_NormBlock_0", "01_NormBlock_1", "02_NormBlock_2")
-    v = layers.init(jax.random.key(0), x)
+    v = jax.jit(layers.init)(jax.random.key(0), x)  # one program, not one per operation
     tree = layers.model_variables(v)
-    h, new = x, []
-    for k, layer in enumerate(layers.layers):
-        h, s = layer.apply(v[k], h, train=True)
-        new.append({**v[k], **s})
-    want, stats = ImageNetStyle(axis_name=None).apply(tree, x, mutable=["batch_stats"])
+
+    @jax.jit
+    def each_layer(v, h):
+        new = []
+        for k, layer in enumerate(layers.layers):
+            h, s = layer.apply(v[k], h, train=True)
+            new.append({**v[k], **s})
+        return h, new
+
+    h, new = each_layer(v, x)
+    plain = ImageNetStyle(axis_name=None)
+    want, stats = jax.jit(lambda t, x: plain.apply(t, x, mutable=["batch_stats"]))(tree, x)
     np.testing.assert_allclose(h, want, rtol=1e-5, atol=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),

@@ -67,12 +67,13 @@ def test_the_model_splits_at_its_blocks_with_the_embedding_tied():
             ("00_embed/embed/embedding", "03_blocks_2/embed/embedding"),
         ),
     )
-    v = layers.init(jax.random.key(0), x)
+    # jitted: op by op, every operation is a program of its own to compile
+    v = jax.jit(layers.init)(jax.random.key(0), x)
     assert not any(
         "rngs" in "/".join(map(str, p)) for p, _ in jax.tree_util.tree_flatten_with_path(v)[0]
     )
-    y, _ = layers.apply(v, x[:3])  # another batch size: the layers re-trace for it
-    np.testing.assert_allclose(y, model(x[:3]), rtol=1e-6, atol=1e-6)
+    y, _ = jax.jit(layers.apply)(v, x[:3])  # another batch size: the layers re-trace for it
+    np.testing.assert_allclose(y, nnx.jit(Model.__call__)(model, x[:3]), rtol=1e-6, atol=1e-6)
     again = layers.layer_variables(nnx.state(model))
     jax.tree.map(np.testing.assert_array_equal, again, v)
     named = pdjax.split_model(model, x, at=["blocks/0", "2"])
@@ -130,13 +131,14 @@ def test_dropout_draws_from_the_layer_rng_and_the_streams_are_not_trained():
     model = Model(0.5, rngs=nnx.Rngs(0))
     x = _batches(1, 4)[0][0]
     layers = pdjax.split_model(model, x)
-    v = layers.init(jax.random.key(0), x)
-    eval1, _ = layers.apply(v, x)
+    v = jax.jit(layers.init)(jax.random.key(0), x)  # one program, not one per operation
+    apply = jax.jit(layers.apply, static_argnames="train")
+    eval1, _ = apply(v, x)
     model.eval()
-    np.testing.assert_allclose(eval1, model(x), rtol=1e-6, atol=1e-6)
-    a = layers.apply(v, x, train=True, rng=jax.random.key(3))[0]
-    b = layers.apply(v, x, train=True, rng=jax.random.key(3))[0]
-    c = layers.apply(v, x, train=True, rng=jax.random.key(4))[0]
+    np.testing.assert_allclose(eval1, nnx.jit(Model.__call__)(model, x), rtol=1e-6, atol=1e-6)
+    a = apply(v, x, train=True, rng=jax.random.key(3))[0]
+    b = apply(v, x, train=True, rng=jax.random.key(3))[0]
+    c = apply(v, x, train=True, rng=jax.random.key(4))[0]
     np.testing.assert_array_equal(a, b)
     assert not np.allclose(a, eval1) and not np.allclose(a, c)
     assert set(v[0]) == {"params"}
@@ -173,13 +175,20 @@ def test_batch_stats_come_back_in_train_mode_as_the_models_own():
     layers = pdjax.split_model(model, x)
     assert layers.names == ("00_blocks_0", "01_blocks_1", "02_blocks_2")
     assert layers.splitter.mode == {"train": "train"}
-    v = layers.init(jax.random.key(0), x)
-    h, new = x, []
-    for k, layer in enumerate(layers.layers):
-        h, state = layer.apply(v[k], h, train=True)
-        new.append({**v[k], **state})
+    v = jax.jit(layers.init)(jax.random.key(0), x)  # one program, not one per operation
+
+    @jax.jit
+    def each_layer(v, h):
+        new = []
+        for k, layer in enumerate(layers.layers):
+            h, state = layer.apply(v[k], h, train=True)
+            new.append({**v[k], **state})
+        return h, new
+
+    h, new = each_layer(v, x)
     model.train()
-    np.testing.assert_allclose(h, model(x), rtol=1e-6, atol=1e-6)
+    # nnx.jit writes the batch statistics the call updates back into the model
+    np.testing.assert_allclose(h, nnx.jit(NormModel.__call__)(model, x), rtol=1e-6, atol=1e-6)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6),
         nnx.to_pure_dict(layers.model_variables(new)),
