@@ -12,6 +12,12 @@ depends on, and :func:`load_npz` reads your own:
 * :func:`load_npz`: an ``.npz`` file (``numpy.savez``) holding ``x_train``, ``y_train``,
   ``x_test`` and ``y_test``; :func:`fit_to_sample` checks it against a model's sample
   batch (``pdjax train --dataset path.npz``).
+* :func:`pdjax.apps.data.tokens.token_dataset`: a flat binary token file of any size
+  (``pdjax train --dataset tokens:PATH``), read window by window as training goes.
+
+Training reads every data set as a stream (:mod:`pdjax.apps.data.stream`: grain's
+shuffled microbatches, with a position a checkpoint keeps); ``--buckets`` reads the BPE
+corpus as whole documents in length buckets (:mod:`pdjax.apps.data.bucket_stream`).
 
 Every array is numpy, so batches cost no device work until a runner places them. The
 :class:`Dataset` container and its deterministic, resumable batching are in

@@ -748,10 +748,10 @@ class WindowView:
     holding the windows in memory.
 
     ``view[i]`` gives window ``i`` ``(seq_len,)``; ``view[a:b]`` and ``view[idx]`` (a 1-D
-    integer array) give ``(k, seq_len)``: fresh int32 arrays read from the memory map, each
-    read checked (:meth:`TokenFile.read`). ``np.asarray(view)`` reads every window (fine
-    for small files). A dataset's targets are the view of its inputs shifted by one
-    token: ``train_y[i][:-1] == train_x[i][1:]``.
+    integer array) give ``(k, seq_len)``: fresh int32 arrays read from the file
+    (``pread``, window by window), each read checked (:meth:`TokenFile.read`).
+    ``np.asarray(view)`` reads every window (fine for small files). A dataset's targets
+    are the view of its inputs shifted by one token: ``train_y[i][:-1] == train_x[i][1:]``.
     """
 
     def __init__(self, file: TokenFile, starts: _Starts, seq_len: int, shift: int) -> None:
