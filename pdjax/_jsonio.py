@@ -13,7 +13,7 @@ import math
 import os
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,14 +40,18 @@ MAX_INT = 2**63 - 1
 
 def write_atomic(
     path: str | Path,
-    data: str | bytes,
+    data: str | bytes | Iterable[bytes | memoryview],
     *,
     what: str = "file",
     error: type[PdjaxError] = PdjaxError,
+    before_replace: Callable[[], None] | None = None,
 ) -> None:
-    """Writes ``data`` (text as UTF-8, or bytes) to ``path`` through a private temporary
-    file, fsync and a rename, so a crash never leaves a half-written file where a good one
-    was.
+    """Writes ``data`` (text as UTF-8, bytes, or an iterable of byte chunks written one
+    after the other, never all in memory) to ``path`` through a private temporary file,
+    fsync and a rename, so a crash never leaves a half-written file where a good one was.
+    An exception raised by the iterable (a chunk found bad) aborts the write as any other
+    failure does. ``before_replace`` runs once everything is written and synced, just
+    before the rename (a token file removes its stale side file there).
 
     The temporary file is made by :func:`tempfile.mkstemp` in the target's directory (a
     rename is only atomic within one file system): a fixed name such as ``<path>.tmp`` could
@@ -80,15 +84,24 @@ def write_atomic(
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
     except OSError as e:
         raise error(f"cannot write {what} {path}: {e.strerror or e}") from e
-    raw = data.encode("utf-8") if isinstance(data, str) else data
+    chunks: Iterable[bytes | memoryview]
+    if isinstance(data, str):
+        chunks = (data.encode("utf-8"),)
+    elif isinstance(data, bytes):
+        chunks = (data,)
+    else:
+        chunks = data
     try:
         # mkstemp makes the file 0600; give it the mode a plain open() would have.
         os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             fd = -1  # the file object owns it now
-            f.write(raw)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException as e:
         if fd >= 0:

@@ -50,7 +50,6 @@ import mmap
 import numbers
 import os
 import stat
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, cast
@@ -284,37 +283,22 @@ def write_token_chunks(
     side = side_file(path)
     _refuse_existing(path, overwrite)
     _refuse_existing(side, overwrite)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix="." + path.name + ".", suffix=".tmp")
-    except OSError as e:
-        raise DataError(f"cannot write token file {path}: {e.strerror or e}") from e
     count = 0
-    try:
-        mask = os.umask(0o022)
-        os.umask(mask)
-        os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes 0600; give what open() would
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            for i, chunk in enumerate(chunks):
-                raw = _checked_chunk(chunk, header, i, count)
-                f.write(memoryview(raw))
-                count += len(raw)
-            if count == 0:
-                raise DataError(f"no tokens to write to {path}; give at least one token")
-            f.flush()
-            os.fsync(f.fileno())
+
+    def raw_chunks() -> Iterator[memoryview]:
+        nonlocal count
+        for i, chunk in enumerate(chunks):
+            raw = _checked_chunk(chunk, header, i, count)
+            count += len(raw)
+            yield memoryview(raw)
+        if count == 0:
+            raise DataError(f"no tokens to write to {path}; give at least one token")
+
+    def drop_side() -> None:  # no side file may describe tokens it was not written for
         with contextlib.suppress(FileNotFoundError):
             os.unlink(side)
-        os.replace(tmp, path)
-    except BaseException as e:
-        if fd >= 0:
-            os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, OSError):
-            raise DataError(f"cannot write token file {path}: {e.strerror or e}") from e
-        raise
+
+    write_atomic(path, raw_chunks(), what="token file", error=DataError, before_replace=drop_side)
     write_atomic(side, json.dumps(header) + "\n", what="token side file", error=DataError)
     return count
 
