@@ -44,6 +44,7 @@ from pdjax.apps.data.bpe import (
     text_bpe_buckets,
 )
 from pdjax.apps.data.dataset import Dataset, generator
+from pdjax.apps.data.stream import saved_position
 from pdjax.errors import DataError
 
 __all__ = ["BUCKETS_NAME", "BucketInfo", "BucketStream", "bucketed_text", "token_weights"]
@@ -343,20 +344,9 @@ class BucketStream:
             "microbatches": self.microbatches,
             "lengths": list(self.lengths),
         }
-        theirs = {k: state.get(k) for k in mine}
-        if isinstance(theirs["lengths"], tuple):
-            theirs["lengths"] = list(theirs["lengths"])
-        if theirs != mine:
-            which = [k for k in mine if theirs[k] != mine[k]]
-            raise DataError(
-                f"the input state saved with the run is of other data ({', '.join(which)}: "
-                f"saved {[theirs[k] for k in which]}, here {[mine[k] for k in which]}): "
-                "resume on the data the run was started with, or start a new run"
-            )
-        position = state.get("position")
-        if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise DataError(f"an input state without a valid position: {dict(state)!r}")
-        self.position = position
+        if isinstance(state.get("lengths"), tuple):  # a state made here, not read from JSON
+            state = {**state, "lengths": list(state["lengths"])}
+        self.position = saved_position(state, mine)
 
     def _plan_of(self, pass_: int) -> list[tuple[int, np.ndarray]]:
         """Pass ``pass_``'s batches in order, each ``(bucket, example indices)``: the

@@ -30,7 +30,7 @@ import numpy as np
 from pdjax.apps.data.dataset import Dataset
 from pdjax.errors import DataError
 
-__all__ = ["TrainStream", "eval_chunks", "split_identity", "stream_seed"]
+__all__ = ["TrainStream", "eval_chunks", "saved_position", "split_identity", "stream_seed"]
 
 #: Microbatches grain reads ahead of the one being taken (per stream).
 PREFETCH = 16
@@ -62,6 +62,28 @@ def split_identity(ds: Dataset) -> dict[str, Any]:
             digest.update(a.tobytes())
         identity["sha256"] = digest.hexdigest()[:32]
     return identity
+
+
+def saved_position(state: Mapping[str, Any], mine: Mapping[str, Any]) -> int:
+    """The position of a stream's saved ``state``, once every field of ``mine`` (what the
+    stream here is: its data's identity, seed, sizes) is found equal in it.
+
+    Raises:
+      DataError: a state of other data (naming the fields that differ, saved and here),
+        or without a valid position.
+    """
+    theirs = {k: state.get(k) for k in mine}
+    which = [k for k in mine if theirs[k] != mine[k]]
+    if which:
+        raise DataError(
+            f"the input state saved with the run is of other data ({', '.join(which)}: "
+            f"saved {[theirs[k] for k in which]}, here {[mine[k] for k in which]}): "
+            "resume on the data the run was started with, or start a new run"
+        )
+    position = state.get("position")
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise DataError(f"an input state without a valid position: {dict(state)!r}")
+    return position
 
 
 class _Read:
@@ -139,18 +161,10 @@ class TrainStream:
 
     def _restore(self, state: Mapping[str, Any]) -> None:
         mine = {"identity": self.identity, "seed": self.seed, "size": self.microbatch_size}
-        theirs = {k: state.get(k) for k in mine}
-        if theirs != mine:
-            which = [k for k in mine if theirs[k] != mine[k]]
-            raise DataError(
-                f"the input state saved with the run is of other data ({', '.join(which)}: "
-                f"saved {[theirs[k] for k in which]}, here {[mine[k] for k in which]}): "
-                "resume on the data the run was started with, or start a new run"
-            )
-        position = state.get("position")
+        position = saved_position(state, mine)
         grain_state = state.get("grain")
-        if not isinstance(position, int) or position < 0 or not isinstance(grain_state, dict):
-            raise DataError(f"an input state without a valid position: {dict(state)!r}")
+        if not isinstance(grain_state, dict):
+            raise DataError(f"an input state without grain's iterator state: {dict(state)!r}")
         self._iter.set_state(dict(grain_state))
         self.position = position
 
