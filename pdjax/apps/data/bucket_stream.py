@@ -47,7 +47,14 @@ from pdjax.apps.data.dataset import Dataset, generator
 from pdjax.apps.data.stream import saved_position
 from pdjax.errors import DataError
 
-__all__ = ["BUCKETS_NAME", "BucketInfo", "BucketStream", "bucketed_text", "token_weights"]
+__all__ = [
+    "BUCKETS_NAME",
+    "BucketInfo",
+    "BucketStream",
+    "bucket_counts",
+    "bucketed_text",
+    "token_weights",
+]
 
 #: The name of :func:`bucketed_text`'s dataset (not the packed ``"text-bpe"``: a
 #: checkpoint of one must not resume on the other).
@@ -201,6 +208,15 @@ def bucketed_text(
         info=info,
     )
     return ds, info
+
+
+def bucket_counts(ds: Dataset, lengths: Sequence[int]) -> list[int]:
+    """Training examples per bucket of ``lengths`` in a :func:`bucketed_text` dataset,
+    from each example's real positions (``info["lengths"]["train"]``): an example goes to
+    the smallest bucket that holds it."""
+    real = np.asarray(ds.info["lengths"]["train"])
+    which = np.searchsorted(np.asarray(lengths), real, side="left")
+    return [int(c) for c in np.bincount(which, minlength=len(lengths))]
 
 
 def token_weights(targets: Sequence[np.ndarray]) -> list[np.ndarray]:

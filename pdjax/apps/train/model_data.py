@@ -266,10 +266,11 @@ def _check_buckets(cfg: TrainConfig, ds: data_lib.Dataset) -> None:
     """Refuses buckets a step never comes from while they hold examples: a bucket of
     fewer training examples than ``batch_size`` forms no batch (each batch is one
     bucket's), so its examples would never be trained."""
+    from pdjax.apps.data.bucket_stream import bucket_counts
+
     lengths = cfg.bucket_lengths
-    real = np.asarray(ds.info["lengths"]["train"])
-    counts = np.bincount(np.searchsorted(np.asarray(lengths), real), minlength=len(lengths))
-    short = [(n, int(c)) for n, c in zip(lengths, counts, strict=True) if 0 < c < cfg.batch_size]
+    counts = bucket_counts(ds, lengths)
+    short = [(n, c) for n, c in zip(lengths, counts, strict=True) if 0 < c < cfg.batch_size]
     if short:
         which = ", ".join(f"{n} ({c} example{'s' if c > 1 else ''})" for n, c in short)
         raise PipelineError(

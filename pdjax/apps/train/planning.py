@@ -63,10 +63,10 @@ def pass_samples(cfg: TrainConfig, ds: data_lib.Dataset) -> int:
     for a later pass: :class:`~pdjax.apps.data.bucket_stream.BucketStream`)."""
     if not cfg.buckets:
         return ds.num_train
-    real = np.asarray(ds.info["lengths"]["train"])
-    which = np.searchsorted(np.asarray(cfg.bucket_lengths), real, side="left")
-    counts = np.bincount(which, minlength=len(cfg.bucket_lengths))
-    return int(sum(int(c) // cfg.batch_size for c in counts)) * cfg.batch_size
+    from pdjax.apps.data.bucket_stream import bucket_counts
+
+    counts = bucket_counts(ds, cfg.bucket_lengths)
+    return sum(c // cfg.batch_size for c in counts) * cfg.batch_size
 
 
 def call_microbatches(cfg: TrainConfig, num_train: int) -> int:
