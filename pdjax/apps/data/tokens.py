@@ -68,6 +68,7 @@ __all__ = [
     "TokenFile",
     "WindowView",
     "check_identity",
+    "declared_vocab_size",
     "open_tokens",
     "side_file",
     "token_dataset",
@@ -399,6 +400,14 @@ def _whole_tokens(path: Path, size: int, dtype: str) -> int:
     if count == 0:
         raise DataError(f"token file {path} is empty; write at least one token")
     return count
+
+
+def declared_vocab_size(path: str | Path) -> int:
+    """The vocabulary a token file's side file declares (read and checked; none of the
+    tokens is read: :func:`open_tokens` checks them against it). A missing or irregular
+    token file is refused first, as :func:`open_tokens` refuses it."""
+    _regular_size(Path(path))
+    return int(_read_header(Path(path))["vocab_size"])
 
 
 def _read_header(path: Path) -> dict[str, Any]:

@@ -41,9 +41,9 @@ def model_spec(cfg: TrainConfig) -> ModelSpec:
         if cfg.dataset == "text-bpe" and spec.task == "language_model":
             spec = get_model(cfg.model, cfg.config, **_bpe_overrides(cfg, spec))
         elif cfg.dataset.startswith(TOKENS_PREFIX) and spec.task == "language_model":
-            from pdjax.apps.data.tokens import open_tokens
+            from pdjax.apps.data.tokens import declared_vocab_size
 
-            vocab = open_tokens(cfg.dataset[len(TOKENS_PREFIX) :]).vocab_size
+            vocab = declared_vocab_size(cfg.dataset[len(TOKENS_PREFIX) :])
             spec = get_model(cfg.model, cfg.config, **_bpe_overrides(cfg, spec, vocab))
     return with_precision(spec, cfg.precision)
 
